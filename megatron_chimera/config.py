@@ -1,0 +1,133 @@
+"""Frozen configuration dataclasses passed explicitly to library code.
+
+``arguments.py`` builds these from Megatron-style command-line flags; library modules receive
+them as arguments and never read a global args object. Field names follow Megatron's flags
+(``--hidden-size`` -> ``hidden_size``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+class ConfigError(ValueError):
+    """An inconsistent or invalid setting; the message names the offending flag."""
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_parallel: int = 1) -> int:
+    """Megatron's padded vocabulary: round up to a multiple of divisible_by x tensor-parallel size."""
+    multiple = make_vocab_size_divisible_by * tensor_parallel
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Transformer shape, regularisation, initialisation, precision and recomputation settings."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # default 4 * hidden_size
+    seq_length: int = 32
+    max_position_embeddings: int | None = None  # default seq_length
+    vocab_size: int = 128  # tokenizer vocabulary (unpadded)
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    untie_embeddings_and_output_weights: bool = False
+    attention_softmax_in_fp32: bool = False
+    apply_query_key_layer_scaling: bool = False
+    # precision of the model parameters and activations: "fp32", "fp16" or "bf16"
+    params_dtype: str = "fp32"
+    # recomputation (Megatron flags): granularity None|"selective"|"full", method "uniform"|"block"
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    # BERT-only
+    num_tokentypes: int = 0
+    bert_binary_head: bool = True
+    # None: use NVIDIA Apex kernels when importable; False: force torch-native kernels
+    use_apex: bool | None = None
+
+    @property
+    def ffn_size(self) -> int:
+        """Hidden size of the MLP (``--ffn-hidden-size``, default 4h)."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        """Number of learned position embeddings."""
+        return self.max_position_embeddings or self.seq_length
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary rounded up to ``make_vocab_size_divisible_by``."""
+        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """torch dtype of ``params_dtype``."""
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
+            self.params_dtype
+        ]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel layout and schedule: world = data_parallel_size x pipeline_model_parallel_size."""
+
+    pipeline_model_parallel_size: int = 1
+    data_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | chimera | chimera-zb | zb-h1
+    chimera_pipes: int = 2
+    chimera_concat: str | None = None  # None: the generator's default for N > D
+    chimera_split_backward: bool = False
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
+    distributed_timeout_minutes: float = 10.0
+
+    @property
+    def world_size(self) -> int:
+        """Total ranks: W x D (x tensor-parallel, which is 1)."""
+        return (
+            self.data_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.tensor_model_parallel_size
+        )
+
+    @property
+    def num_pipes(self) -> int:
+        """Pipes of the schedule (2f for Chimera, else 1)."""
+        return self.chimera_pipes if self.pipeline_schedule.startswith("chimera") else 1
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer, learning-rate schedule, clipping and mixed-precision loss scaling."""
+
+    optimizer: str = "adam"  # adam (AdamW semantics, as Megatron) | sgd
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"  # constant | linear | cosine
+    lr_decay_samples: int | None = None
+    lr_warmup_samples: int = 0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float | None = None  # constant scale when set, dynamic otherwise (fp16)
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    use_apex: bool | None = None

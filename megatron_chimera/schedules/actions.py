@@ -1,0 +1,148 @@
+"""Schedules as plain data.
+
+A pipeline schedule is nothing but (1) the placement of stage replicas on pipeline ranks and
+(2) one ordered list of :class:`Action` per pipeline rank. Generators produce it, the validator
+checks it, the simulator costs it, the plotter draws it and the executor runs it; nothing else in
+the framework knows which schedule is in use.
+
+Conventions
+-----------
+* ``pipe`` is the pipe index, ``0 .. num_pipes-1``. GPipe/1F1B/interleaved have one pipe; Chimera
+  with ``2f`` pipes numbers its down pipes ``0 .. f-1`` and its up pipes ``f .. 2f-1``.
+* ``stage`` is the model stage, ``0 .. num_stages-1`` (``num_stages = D`` except for the
+  interleaved schedule, where it is ``D * v``: stage ``s`` is virtual chunk ``s // D``).
+* ``microbatch`` is the *global* micro-batch index of the iteration, ``0 .. num_microbatches-1``
+  (per data-parallel replica). Each micro-batch belongs to exactly one pipe
+  (:meth:`Schedule.pipe_of_microbatch`); pipe ``p`` owns the contiguous block
+  ``[p * N/P, (p+1) * N/P)``.
+* ``kind`` is ``F`` (forward), ``B`` (backward; input-gradient only when the schedule splits the
+  backward) or ``W`` (weight-gradient only; present only when ``split_backward`` is true).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORWARD = "F"
+BACKWARD = "B"
+WEIGHT = "W"
+KINDS = (FORWARD, BACKWARD, WEIGHT)
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One unit of work on one rank: F/B/W of one micro-batch through one stage replica of one pipe."""
+
+    kind: str
+    pipe: int
+    stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Action kind must be one of {KINDS}, got {self.kind!r}")
+
+    def short(self) -> str:
+        """Compact label such as ``F0.3.12`` (kind, pipe, stage, micro-batch)."""
+        return f"{self.kind}{self.pipe}.{self.stage}.{self.microbatch}"
+
+
+@dataclass
+class Schedule:
+    """Per-rank action lists plus the placement of (pipe, stage) replicas on pipeline ranks.
+
+    ``placement[pipe][stage]`` is the pipeline rank (``0 .. num_ranks-1``) that holds that replica.
+    ``actions[rank]`` is the ordered list that rank executes in one iteration.
+    """
+
+    name: str
+    num_ranks: int
+    num_stages: int
+    num_pipes: int
+    num_microbatches: int
+    placement: list[list[int]]
+    actions: list[list[Action]]
+    split_backward: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def microbatches_per_pipe(self) -> int:
+        """Number of micro-batches each pipe processes (N / P)."""
+        return self.num_microbatches // self.num_pipes
+
+    def pipe_of_microbatch(self, microbatch: int) -> int:
+        """The pipe that owns global micro-batch ``microbatch``."""
+        return microbatch // self.microbatches_per_pipe
+
+    def microbatches_of_pipe(self, pipe: int) -> range:
+        """Global micro-batch indices owned by ``pipe``."""
+        per = self.microbatches_per_pipe
+        return range(pipe * per, (pipe + 1) * per)
+
+    def rank_of(self, pipe: int, stage: int) -> int:
+        """Pipeline rank holding stage ``stage`` of pipe ``pipe``."""
+        return self.placement[pipe][stage]
+
+    def replicas_of_rank(self, rank: int) -> list[tuple[int, int]]:
+        """The (pipe, stage) replicas held by ``rank``, sorted by pipe then stage."""
+        return [
+            (pipe, stage)
+            for pipe in range(self.num_pipes)
+            for stage in range(self.num_stages)
+            if self.placement[pipe][stage] == rank
+        ]
+
+    def stages_of_rank(self, rank: int) -> list[int]:
+        """Distinct model stages whose weights ``rank`` holds (one module per stage)."""
+        return sorted({stage for _, stage in self.replicas_of_rank(rank)})
+
+    def weight_copies(self) -> list[int]:
+        """Stage replicas (copies of a stage's weights) per rank."""
+        return [len(self.stages_of_rank(r)) for r in range(self.num_ranks)]
+
+    def prev_rank(self, pipe: int, stage: int) -> int | None:
+        """Rank holding the previous stage of ``pipe`` (None at the first stage)."""
+        return None if stage == 0 else self.placement[pipe][stage - 1]
+
+    def next_rank(self, pipe: int, stage: int) -> int | None:
+        """Rank holding the next stage of ``pipe`` (None at the last stage)."""
+        return None if stage == self.num_stages - 1 else self.placement[pipe][stage + 1]
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form; actions become ``[kind, pipe, stage, microbatch]`` lists."""
+        data = asdict(self)
+        data["actions"] = [
+            [[a.kind, a.pipe, a.stage, a.microbatch] for a in rank_actions]
+            for rank_actions in self.actions
+        ]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Schedule:
+        """Inverse of :meth:`to_dict`."""
+        fields = dict(data)
+        fields["actions"] = [[Action(*a) for a in rank_actions] for rank_actions in data["actions"]]
+        fields["placement"] = [list(p) for p in data["placement"]]
+        return cls(**fields)
+
+    def to_json(self) -> str:
+        """JSON text of :meth:`to_dict`."""
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        """Inverse of :meth:`to_json`."""
+        return cls.from_dict(json.loads(text))
+
+    def describe(self) -> str:
+        """One-line summary: name, sizes and variant."""
+        extra = " ".join(f"{k}={v}" for k, v in sorted(self.meta.items()))
+        return (
+            f"{self.name} D={self.num_ranks} stages={self.num_stages} pipes={self.num_pipes} "
+            f"N={self.num_microbatches}{' split-backward' if self.split_backward else ''}"
+            f"{(' ' + extra) if extra else ''}"
+        )

@@ -1,0 +1,20 @@
+"""Install megatron_chimera: Megatron-style pretraining of GPT-2 and BERT with Chimera pipelines."""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_chimera",
+    version="0.1.0",
+    description="Megatron-style GPT-2/BERT pretraining with Chimera bidirectional pipeline parallelism",
+    packages=find_packages(include=["megatron_chimera", "megatron_chimera.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch",  # install torch==2.13.0 first (see README); an unpinned torch pulls CUDA packages
+        "numpy",
+        "sentencepiece",
+        "tokenizers",
+        "tensorboard",
+        "matplotlib",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest", "pytest-timeout", "ruff"]},
+)

@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 setup(
     name="megatron_chimera",
     version="0.1.0",
-    description="Megatron-style GPT-2/BERT pretraining with Chimera bidirectional pipeline parallelism",
+    description="Megatron-style GPT-2/BERT pretraining with Chimera bidirectional pipelines",
     packages=find_packages(include=["megatron_chimera", "megatron_chimera.*"]),
     python_requires=">=3.10",
     install_requires=[

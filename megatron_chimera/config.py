@@ -17,8 +17,10 @@ class ConfigError(ValueError):
     """An inconsistent or invalid setting; the message names the offending flag."""
 
 
-def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_parallel: int = 1) -> int:
-    """Megatron's padded vocabulary: round up to a multiple of divisible_by x tensor-parallel size."""
+def pad_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int, tensor_parallel: int = 1
+) -> int:
+    """Megatron's padded vocabulary: round up to a multiple of divisible_by x tensor-parallel."""
     multiple = make_vocab_size_divisible_by * tensor_parallel
     return int(math.ceil(vocab_size / multiple) * multiple)
 

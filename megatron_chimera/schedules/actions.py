@@ -33,7 +33,7 @@ KINDS = (FORWARD, BACKWARD, WEIGHT)
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of work on one rank: F/B/W of one micro-batch through one stage replica of one pipe."""
+    """One unit of work on one rank: F/B/W of one micro-batch through one stage replica."""
 
     kind: str
     pipe: int

@@ -1,4 +1,4 @@
-"""1F1B (PipeDream-Flush / DAPPLE): warm-up forwards, steady one-forward-one-backward, cool-down."""
+"""1F1B (PipeDream-Flush / DAPPLE): warm-up forwards, steady one-forward-one-backward."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from .actions import BACKWARD, FORWARD, Action, Schedule
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
-    """Rank r runs min(D-r-1, N) warm-up forwards, then alternates F and B, then drains its backwards.
+    """Rank r runs min(D-r-1, N) warm-up forwards, then alternates F and B, then drains.
 
     At most D-r micro-batches are in flight on rank r, so activation memory is bounded by D x M_a.
     """

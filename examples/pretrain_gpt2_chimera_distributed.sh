@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Multi-node Chimera pretraining of the paper's GPT-2 (64 layers, hidden 1280, 20 heads, seq 632).
+# Run once per node with NODE_RANK set; DRY_RUN=1 prints the command instead of running it.
+#   NNODES=64 NODE_RANK=0 GPUS_PER_NODE=8 MASTER_ADDR=node001 bash examples/pretrain_gpt2_chimera_distributed.sh
+set -euo pipefail
+
+# ---- paths -------------------------------------------------------------------------------------
+DATA_PATH=${DATA_PATH:-data/corpus_text_document}          # prefix of the .bin/.idx pair
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-data/tokenizer.model}    # SentencePiece model
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/gpt2_64l_chimera}
+TENSORBOARD_DIR=${TENSORBOARD_DIR:-runs/gpt2_64l_chimera}
+
+# ---- cluster -----------------------------------------------------------------------------------
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+
+# ---- parallelism (the paper's best GPT-2 setting on 512 GPUs: W=16, D=32, B=1) -------------------
+PP=${PP:-32}
+CHIMERA_PIPES=${CHIMERA_PIPES:-2}
+MICRO_BATCH=${MICRO_BATCH:-1}
+GLOBAL_BATCH=${GLOBAL_BATCH:-512}
+
+cd "$(dirname "$0")/.."
+# resume when a checkpoint exists (a missing --load directory is an error, not a fresh start)
+LOAD_ARGS=()
+if [ -f "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" ]; then LOAD_ARGS=(--load "$CHECKPOINT_PATH"); fi
+CMD=(torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
+  --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+  pretrain_gpt2.py
+  --num-layers 64 --hidden-size 1280 --num-attention-heads 20
+  --seq-length 632 --max-position-embeddings 632
+  --pipeline-model-parallel-size "$PP" --chimera-pipes "$CHIMERA_PIPES"
+  --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
+  --train-iters 50000 --lr 1.5e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-fraction 0.01
+  --weight-decay 0.01 --clip-grad 1.0 --bf16
+  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+  --data-path "$DATA_PATH" --split 969,30,1
+  --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL"
+  --save "$CHECKPOINT_PATH" "${LOAD_ARGS[@]}" --save-interval 1000
+  --log-interval 10 --eval-interval 1000 --eval-iters 10
+  --tensorboard-dir "$TENSORBOARD_DIR" --log-throughput)
+
+if [ "${DRY_RUN:-0}" = "1" ]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
+exec "${CMD[@]}"

@@ -1,0 +1,360 @@
+"""Event-driven greedy list scheduling of split-backward (F, B, W) pipelines.
+
+Given a placement of (pipe, stage) replicas on ranks, the micro-batches of every pipe, per-kind
+costs and a per-rank cap on in-flight activations, :func:`list_schedule` simulates the iteration:
+whenever a rank is free it starts one of its *ready* actions (dependencies finished), chosen by a
+:class:`Priority`. The per-rank order it emits is the order of start times, so executing it in
+order reproduces the simulated timeline (no deadlock under blocking receives, by construction).
+
+Dependencies are those of ``validate.dependency``: F of stage s after F of s-1, B of the last
+stage after its own F, B of s after B of s+1, W after its own B. In addition every (pipe, stage)
+runs its forwards in micro-batch order, so point-to-point channels stay FIFO.
+An activation is in flight from the start of its F to the end of its W.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .actions import BACKWARD, FORWARD, WEIGHT, Action
+
+GUARDS = ("none", "safe", "reserve", "quota")
+
+
+@dataclass(frozen=True)
+class Priority:
+    """Choice rules of the list scheduler at a free rank (a point of the generators' search).
+
+    ``backward``: order of ready B's, ``"stage"`` (lowest stage first: closest to finishing its
+    micro-batch) or ``"microbatch"`` (oldest first). ``forward``: order of ready F's,
+    ``"balance"`` (pipe with the fewest forwards started on this rank first) or ``"stage"``
+    (highest stage first: nearest to producing a B). ``soft_cap``: from this many live
+    activations on, a ready W goes before a ready F (``None``: only the cap forces W).
+    ``eager_weight``: W before F whenever a W is ready. ``guard`` decides when an F may start
+    under the cap: ``"none"`` (room on this rank; may deadlock), ``"safe"`` (banker's check:
+    the started micro-batches can still all finish within the caps; never deadlocks) or
+    ``"reserve"`` (a micro-batch enters only with room reserved on its whole path) or
+    ``"quota"`` (each rank's cap split over its replicas in proportion to D - stage +
+    ``quota_bias``; the shares sum to the cap plus ``quota_overbook``, and overbooked shares
+    also pass the banker's check).
+    """
+
+    backward: str = "stage"
+    forward: str = "balance"
+    soft_cap: int | None = None
+    eager_weight: bool = False
+    guard: str = "none"
+    quota_bias: float = 0.0
+    quota_overbook: int = 0
+
+
+@dataclass
+class ListResult:
+    """Per-rank action order, the simulated start times and the makespan of one list schedule."""
+
+    actions: list[list[Action]]
+    start: dict[Action, float]
+    makespan: float
+    peak_inflight: list[int]
+
+
+class CapDeadlock(RuntimeError):
+    """The in-flight cap left every rank waiting: no action can start any more."""
+
+
+class _ListScheduler:
+    """State of one greedy list-scheduling run (see :func:`list_schedule`)."""
+
+    def __init__(
+        self,
+        placement: Sequence[Sequence[int]],
+        pipe_microbatches: Sequence[Sequence[int]],
+        costs: tuple[float, float, float],
+        caps: Sequence[int],
+        priority: Priority,
+    ) -> None:
+        if priority.guard not in GUARDS:
+            raise ValueError(f"unknown guard {priority.guard!r}; choose from {GUARDS}")
+        self.placement = [list(p) for p in placement]
+        self.pipe_microbatches = [list(m) for m in pipe_microbatches]
+        self.num_pipes = len(self.placement)
+        self.num_stages = len(self.placement[0])
+        self.caps = list(caps)
+        self.num_ranks = len(self.caps)
+        self.cost = {FORWARD: costs[0], BACKWARD: costs[1], WEIGHT: costs[2]}
+        self.priority = priority
+        self.ready = [{FORWARD: [], BACKWARD: [], WEIGHT: []} for _ in range(self.num_ranks)]
+        stages = [(p, s) for p in range(self.num_pipes) for s in range(self.num_stages)]
+        self.next_index = dict.fromkeys(stages, 0)  # next micro-batch (index in pipe) to release
+        self.arrived = dict.fromkeys(stages, 0)  # micro-batches whose input reached (pipe, stage)
+        self.waiting = dict.fromkeys(stages, False)  # an F of (pipe, stage) is ready, not started
+        self.forwards_started = [[0] * self.num_pipes for _ in range(self.num_ranks)]
+        self.live = [0] * self.num_ranks
+        self.peak = [0] * self.num_ranks
+        # banker's check: per pipe, started micro-batches (oldest first) -> held slots per rank
+        self.active: list[dict[int, Counter]] = [{} for _ in range(self.num_pipes)]
+        self.stages_started: dict[tuple[int, int], int] = {}
+        self.weights_done: dict[tuple[int, int], int] = {}
+        self.suffix_needs = [
+            [Counter(ranks[s:]) for s in range(self.num_stages + 1)] for ranks in self.placement
+        ]
+        self.reserved = [0] * self.num_ranks
+        self.path_counts = [Counter(ranks) for ranks in self.placement]
+        self.quota = self._quotas() if priority.guard == "quota" else {}
+        self.replica_live: Counter = Counter()
+        for pipe in range(self.num_pipes):
+            self.arrived[(pipe, 0)] = len(self.pipe_microbatches[pipe])
+            self._release_forward(pipe, 0)
+
+    # ---------------------------------------------------------------- dependencies
+    def _release_forward(self, pipe: int, stage: int) -> None:
+        """Make the next F of (pipe, stage) ready: one at a time, in micro-batch order (FIFO)."""
+        idx = self.next_index[(pipe, stage)]
+        if self.waiting[(pipe, stage)] or idx >= self.arrived[(pipe, stage)]:
+            return
+        if idx < len(self.pipe_microbatches[pipe]):
+            self.next_index[(pipe, stage)] = idx + 1
+            self.waiting[(pipe, stage)] = True
+            mb = self.pipe_microbatches[pipe][idx]
+            rank = self.placement[pipe][stage]
+            self.ready[rank][FORWARD].append(Action(FORWARD, pipe, stage, mb))
+
+    def _finish(self, a: Action) -> None:
+        rank = self.placement[a.pipe][a.stage]
+        if a.kind == FORWARD:
+            if a.stage < self.num_stages - 1:
+                self.arrived[(a.pipe, a.stage + 1)] += 1
+                self._release_forward(a.pipe, a.stage + 1)
+            else:
+                self.ready[rank][BACKWARD].append(Action(BACKWARD, a.pipe, a.stage, a.microbatch))
+        elif a.kind == BACKWARD:
+            self.ready[rank][WEIGHT].append(Action(WEIGHT, a.pipe, a.stage, a.microbatch))
+            if a.stage > 0:
+                prev = self.placement[a.pipe][a.stage - 1]
+                self.ready[prev][BACKWARD].append(
+                    Action(BACKWARD, a.pipe, a.stage - 1, a.microbatch)
+                )
+        else:
+            self.live[rank] -= 1
+            self.replica_live[(a.pipe, a.stage)] -= 1
+            self.reserved[rank] -= 1
+            key = (a.pipe, a.microbatch)
+            self.active[a.pipe][a.microbatch][rank] -= 1
+            self.weights_done[key] += 1
+            if self.weights_done[key] == self.num_stages:
+                del self.active[a.pipe][a.microbatch]
+
+    def _start(self, rank: int, a: Action) -> None:
+        self.ready[rank][a.kind].remove(a)
+        if a.kind != FORWARD:
+            return
+        self.waiting[(a.pipe, a.stage)] = False
+        self._release_forward(a.pipe, a.stage)  # the next micro-batch of this (pipe, stage)
+        key = (a.pipe, a.microbatch)
+        if a.stage == 0:
+            self.active[a.pipe][a.microbatch] = Counter()
+            self.weights_done[key] = 0
+            if self.priority.guard == "reserve":
+                for r, n in self.path_counts[a.pipe].items():
+                    self.reserved[r] += n
+        if self.priority.guard != "reserve":
+            self.reserved[rank] += 1
+        self.active[a.pipe][a.microbatch][rank] += 1
+        self.stages_started[key] = a.stage + 1
+        self.live[rank] += 1
+        self.replica_live[(a.pipe, a.stage)] += 1
+        self.peak[rank] = max(self.peak[rank], self.live[rank])
+        self.forwards_started[rank][a.pipe] += 1
+
+    # ---------------------------------------------------------------- cap guards
+    def _quotas(self) -> dict[tuple[int, int], int]:
+        """Split each rank's cap over its replicas, about in proportion to D - stage + bias.
+
+        A replica at stage s needs about D - s live activations to keep 1F1B's pace; a fixed
+        share per replica makes the pipes independent, hence deadlock free (every share >= 1).
+        """
+        quota = {}
+        for rank in range(self.num_ranks):
+            replicas = [
+                (p, s)
+                for p in range(self.num_pipes)
+                for s in range(self.num_stages)
+                if self.placement[p][s] == rank
+            ]
+            total = self.caps[rank] + self.priority.quota_overbook
+            if self.caps[rank] < len(replicas):
+                raise CapDeadlock(f"cap {self.caps[rank]} < {len(replicas)} replicas on {rank}")
+            weights = [self.num_stages - s + self.priority.quota_bias for _, s in replicas]
+            share = [max(1, int(total * w / sum(weights))) for w in weights]
+            while sum(share) < total:  # hand out the rest by largest deficit
+                i = max(range(len(share)), key=lambda j: weights[j] / share[j])
+                share[i] += 1
+            while sum(share) > total:
+                i = max(range(len(share)), key=lambda j: share[j])
+                share[i] -= 1
+            quota.update(zip(replicas, share))
+        return quota
+
+    def _is_safe_after(self, rank: int, a: Action) -> bool:
+        """Banker's check: after starting ``a`` can every started micro-batch still finish?"""
+        free = Counter({r: self.caps[r] - self.live[r] for r in range(self.num_ranks)})
+        free[rank] -= 1
+        queues = []  # per pipe, (needs, held) of its started micro-batches, oldest first
+        for pipe in range(self.num_pipes):
+            queue = []
+            for mb, held in self.active[pipe].items():
+                started = self.stages_started[(pipe, mb)]
+                if pipe == a.pipe and mb == a.microbatch:
+                    started, held = a.stage + 1, held + Counter({rank: 1})
+                queue.append((self.suffix_needs[pipe][started], held))
+            if pipe == a.pipe and a.stage == 0:
+                queue.append((self.suffix_needs[pipe][1], Counter({rank: 1})))
+            queues.append(queue)
+        heads = [0] * self.num_pipes
+        progress = True
+        while progress:
+            progress = False
+            for pipe, queue in enumerate(queues):
+                while heads[pipe] < len(queue):
+                    needs, held = queue[heads[pipe]]
+                    if any(free[r] < n for r, n in needs.items()):
+                        break
+                    free.update(held)
+                    heads[pipe] += 1
+                    progress = True
+        return all(h == len(q) for h, q in zip(heads, queues))
+
+    def _may_start_forward(self, rank: int, a: Action) -> bool:
+        guard = self.priority.guard
+        if guard == "reserve":
+            if a.stage > 0:
+                return True
+            need = self.path_counts[a.pipe]
+            return all(self.reserved[r] + n <= self.caps[r] for r, n in need.items())
+        if self.live[rank] >= self.caps[rank]:
+            return False
+        if guard == "quota":
+            if self.replica_live[(a.pipe, a.stage)] >= self.quota[(a.pipe, a.stage)]:
+                return False
+            return self.priority.quota_overbook == 0 or self._is_safe_after(rank, a)
+        return guard == "none" or self._is_safe_after(rank, a)
+
+    # ---------------------------------------------------------------- choice
+    def choose(self, rank: int) -> Action | None:
+        """The action a free rank starts now, or None to stay idle."""
+        cand = self.ready[rank]
+        prio = self.priority
+        if cand[BACKWARD]:
+            if prio.backward == "stage":
+                return min(cand[BACKWARD], key=lambda a: (a.stage, a.microbatch))
+            return min(cand[BACKWARD], key=lambda a: (a.microbatch, a.stage))
+        prefer_weight = bool(cand[WEIGHT]) and (
+            prio.eager_weight or (prio.soft_cap is not None and self.live[rank] >= prio.soft_cap)
+        )
+        if cand[FORWARD] and not prefer_weight:
+            if prio.forward == "balance":
+                started = self.forwards_started[rank]
+                key = lambda a: (started[a.pipe], -a.stage, a.microbatch)
+            else:
+                key = lambda a: (-a.stage, a.microbatch)
+            for a in sorted(cand[FORWARD], key=key):
+                if self._may_start_forward(rank, a):
+                    return a
+        if cand[WEIGHT]:
+            return min(cand[WEIGHT], key=lambda a: (a.microbatch, a.stage))
+        return None
+
+    def run(self) -> ListResult:
+        """Simulate until every action has run; raise :class:`CapDeadlock` if stuck."""
+        total = 3 * self.num_stages * sum(len(m) for m in self.pipe_microbatches)
+        free_at = [0.0] * self.num_ranks
+        start: dict[Action, float] = {}
+        order: list[list[Action]] = [[] for _ in range(self.num_ranks)]
+        events: list[tuple[float, int, Action]] = []  # (finish time, tie-break, action)
+        t = 0.0
+        while len(start) < total:
+            while events and events[0][0] <= t:
+                self._finish(heapq.heappop(events)[2])
+            for rank in range(self.num_ranks):
+                if free_at[rank] > t:
+                    continue
+                a = self.choose(rank)
+                if a is None:
+                    continue
+                self._start(rank, a)
+                start[a] = t
+                order[rank].append(a)
+                free_at[rank] = t + self.cost[a.kind]
+                heapq.heappush(events, (free_at[rank], len(start), a))
+            if len(start) == total:
+                break
+            if not events:
+                raise CapDeadlock(
+                    f"no action can start at t={t}: in flight {self.live}, caps {self.caps}"
+                )
+            t = events[0][0]
+        # a guard may have kept a rank idle beside a ready F; executed in order, that F starts
+        # as soon as it can, so cost the emitted order the way the executor will run it
+        start = replay(order, self.placement, self.cost)
+        makespan = max(t + self.cost[a.kind] for a, t in start.items())
+        return ListResult(order, start, makespan, self.peak)
+
+
+def _input_of(a: Action, num_stages: int) -> tuple[str, int, int, int] | None:
+    """Key of the action whose output ``a`` consumes (as ``validate.dependency``)."""
+    if a.kind == FORWARD:
+        return None if a.stage == 0 else (FORWARD, a.pipe, a.stage - 1, a.microbatch)
+    if a.kind == BACKWARD and a.stage == num_stages - 1:
+        return (FORWARD, a.pipe, a.stage, a.microbatch)
+    if a.kind == BACKWARD:
+        return (BACKWARD, a.pipe, a.stage + 1, a.microbatch)
+    return (BACKWARD, a.pipe, a.stage, a.microbatch)
+
+
+def replay(
+    order: Sequence[Sequence[Action]],
+    placement: Sequence[Sequence[int]],
+    cost: dict[str, float],
+) -> dict[Action, float]:
+    """Start times when every rank runs its list in order, each action as soon as possible."""
+    num_stages = len(placement[0])
+    lists = [[(a, _input_of(a, num_stages)) for a in actions] for actions in order]
+    end: dict[tuple[str, int, int, int], float] = {}
+    start: dict[Action, float] = {}
+    heads = [0] * len(order)
+    free_at = [0.0] * len(order)
+    progress = True
+    while progress:
+        progress = False
+        for rank, actions in enumerate(lists):
+            while heads[rank] < len(actions):
+                a, dep = actions[heads[rank]]
+                if dep is not None and dep not in end:
+                    break
+                start[a] = max(free_at[rank], end[dep] if dep is not None else 0.0)
+                free_at[rank] = start[a] + cost[a.kind]
+                end[(a.kind, a.pipe, a.stage, a.microbatch)] = free_at[rank]
+                heads[rank] += 1
+                progress = True
+    if any(h < len(actions) for h, actions in zip(heads, lists)):
+        raise CapDeadlock("the emitted order deadlocks when executed in order")
+    return start
+
+
+def list_schedule(
+    placement: Sequence[Sequence[int]],
+    pipe_microbatches: Sequence[Sequence[int]],
+    costs: tuple[float, float, float],
+    caps: Sequence[int],
+    priority: Priority,
+) -> ListResult:
+    """Greedy non-delay list schedule of all F/B/W actions; raises :class:`CapDeadlock`.
+
+    ``placement[pipe][stage] -> rank``; ``pipe_microbatches[pipe]`` lists the pipe's global
+    micro-batch ids in injection order; ``costs`` are the (F, B, W) times; ``caps[rank]`` bounds
+    the activations alive on a rank at once.
+    """
+    return _ListScheduler(placement, pipe_microbatches, costs, caps, priority).run()

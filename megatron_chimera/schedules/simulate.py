@@ -1,0 +1,252 @@
+"""In-order discrete-event simulation of a schedule under an alpha-beta cost model.
+
+Each rank executes its action list in order. An action starts when its rank is free and its input
+has arrived: the action it depends on (:func:`validate.dependency`) has finished, plus one
+point-to-point message time when that action ran on another rank. Sends never block.
+
+After a rank's last backward (last W when the backward is split) of a stage, the rank may start
+that stage's gradient all-reduce over all replicas of the stage (the stage's replicas in the
+schedule times ``data_parallel_size``). All ranks issue their all-reduces in one global order,
+descending stage id, one at a time on a communication channel that overlaps compute; an
+all-reduce starts when every replica has reached it and costs Rabenseifner's
+``2 log2(r) alpha + 2 (r-1)/r bytes beta``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from .validate import ScheduleError, dependency
+
+PerStage = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Times (any unit, e.g. seconds) of compute and communication for :func:`simulate`.
+
+    ``backward_cost`` is the whole backward of one micro-batch through one stage. When a schedule
+    splits the backward, its B (input gradient) costs ``backward_cost - weight_cost`` and its W
+    costs ``weight_cost``; ``weight_cost = 0`` means no split. Per-stage values are scalars or
+    lists with one entry per stage.
+    """
+
+    forward_cost: PerStage = 1.0
+    backward_cost: PerStage = 2.0
+    weight_cost: PerStage = 0.0
+    p2p_alpha: float = 0.0  # latency of one activation / gradient message
+    p2p_beta: float = 0.0  # seconds per byte
+    activation_bytes: float = 0.0  # bytes of one activation (or its gradient) message
+    allreduce_alpha: float = 0.0
+    allreduce_beta: float = 0.0  # seconds per byte
+    grad_bytes: PerStage = 0.0  # gradient bytes of one stage
+    data_parallel_size: int = 1
+
+    def per_stage(self, name: str, num_stages: int) -> list[float]:
+        """The field ``name`` as a list of ``num_stages`` floats (scalars broadcast)."""
+        value = getattr(self, name)
+        if isinstance(value, int | float):
+            return [float(value)] * num_stages
+        values = [float(v) for v in value]
+        if len(values) != num_stages:
+            raise ValueError(f"CostModel.{name} has {len(values)} entries for {num_stages} stages")
+        return values
+
+    def p2p_time(self) -> float:
+        """Time of one point-to-point message between two ranks."""
+        return self.p2p_alpha + self.activation_bytes * self.p2p_beta
+
+    def allreduce_time(self, replicas: int, nbytes: float) -> float:
+        """Rabenseifner all-reduce of ``nbytes`` over ``replicas`` ranks (0 for one replica)."""
+        if replicas <= 1:
+            return 0.0
+        return (
+            2 * math.log2(replicas) * self.allreduce_alpha
+            + 2 * (replicas - 1) / replicas * nbytes * self.allreduce_beta
+        )
+
+
+@dataclass(frozen=True)
+class Event:
+    """One simulated compute action."""
+
+    rank: int
+    kind: str
+    pipe: int
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class AllReduceEvent:
+    """One simulated stage gradient all-reduce over the ranks holding that stage."""
+
+    stage: int
+    ranks: tuple[int, ...]
+    replicas: int
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    """Timeline and summary figures of one simulated iteration."""
+
+    schedule: str
+    events: list[Event]
+    allreduces: list[AllReduceEvent]
+    makespan: float
+    compute_span: float
+    busy: list[float]
+    bubble_ratio: float
+    peak_inflight: list[int]
+    weight_copies: list[int]
+    grad_sync_end: dict[int, float] = field(default_factory=dict)
+
+    def events_of_rank(self, rank: int) -> list[Event]:
+        """Events of ``rank`` in execution order."""
+        return [e for e in self.events if e.rank == rank]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (the ``--json`` format of tools/plot_schedule.py)."""
+        return {
+            "schedule": self.schedule,
+            "makespan": self.makespan,
+            "compute_span": self.compute_span,
+            "bubble_ratio": self.bubble_ratio,
+            "busy": {str(r): b for r, b in enumerate(self.busy)},
+            "peak_inflight": {str(r): p for r, p in enumerate(self.peak_inflight)},
+            "weight_copies": {str(r): c for r, c in enumerate(self.weight_copies)},
+            "grad_sync_end": {str(s): t for s, t in sorted(self.grad_sync_end.items())},
+            "events": [asdict(e) for e in self.events],
+            "allreduces": [asdict(a) | {"ranks": list(a.ranks)} for a in self.allreduces],
+        }
+
+
+def peak_inflight(schedule: Schedule) -> list[int]:
+    """Per rank, the most (pipe, stage, micro-batch) activations alive at once, in units of M_a.
+
+    An activation lives from the start of its F until the end of its B (of its W when the
+    backward is split); with in-order execution this follows from each rank's list alone.
+    """
+    release = WEIGHT if schedule.split_backward else BACKWARD
+    peaks = []
+    for rank_actions in schedule.actions:
+        live = peak = 0
+        for a in rank_actions:
+            if a.kind == FORWARD:
+                live += 1
+                peak = max(peak, live)
+            elif a.kind == release:
+                live -= 1
+        peaks.append(peak)
+    return peaks
+
+
+def _durations(schedule: Schedule, costs: CostModel) -> dict[str, list[float]]:
+    n = schedule.num_stages
+    fwd = costs.per_stage("forward_cost", n)
+    bwd = costs.per_stage("backward_cost", n)
+    wgt = costs.per_stage("weight_cost", n)
+    if not schedule.split_backward:
+        return {FORWARD: fwd, BACKWARD: bwd, WEIGHT: [0.0] * n}
+    for stage, (b, w) in enumerate(zip(bwd, wgt)):
+        if not 0 <= w <= b:
+            raise ValueError(
+                f"--weight-cost must lie in [0, backward cost]; stage {stage} has "
+                f"weight {w} and backward {b}"
+            )
+    return {FORWARD: fwd, BACKWARD: [b - w for b, w in zip(bwd, wgt)], WEIGHT: wgt}
+
+
+def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
+    durations = _durations(schedule, costs)
+    p2p = costs.p2p_time()
+    finished: dict[Action, tuple[int, float]] = {}
+    heads = [0] * schedule.num_ranks
+    free = [0.0] * schedule.num_ranks
+    events: list[Event] = []
+    remaining = sum(len(r) for r in schedule.actions)
+    progress = True
+    while remaining and progress:
+        progress = False
+        for rank, rank_actions in enumerate(schedule.actions):
+            while heads[rank] < len(rank_actions):
+                a = rank_actions[heads[rank]]
+                dep = dependency(schedule, a)
+                ready = 0.0
+                if dep is not None:
+                    if dep not in finished:
+                        break
+                    dep_rank, dep_end = finished[dep]
+                    ready = dep_end + (p2p if dep_rank != rank else 0.0)
+                start = max(free[rank], ready)
+                end = start + durations[a.kind][a.stage]
+                free[rank] = end
+                finished[a] = (rank, end)
+                events.append(Event(rank, a.kind, a.pipe, a.stage, a.microbatch, start, end))
+                heads[rank] += 1
+                remaining -= 1
+                progress = True
+    if remaining:
+        raise ScheduleError("simulation stalled: the schedule deadlocks (validate() says where)")
+    events.sort(key=lambda e: (e.rank, e.start, e.end))
+    return events
+
+
+def _allreduces(
+    schedule: Schedule, costs: CostModel, events: list[Event]
+) -> list[AllReduceEvent]:
+    """Eager stage all-reduces in descending stage order, one at a time per rank."""
+    release = WEIGHT if schedule.split_backward else BACKWARD
+    last_grad: dict[tuple[int, int], float] = {}
+    for e in events:
+        if e.kind == release:
+            key = (e.rank, e.stage)
+            last_grad[key] = max(last_grad.get(key, 0.0), e.end)
+    grad_bytes = costs.per_stage("grad_bytes", schedule.num_stages)
+    channel_free = [0.0] * schedule.num_ranks
+    result = []
+    for stage in reversed(range(schedule.num_stages)):
+        holders = sorted({schedule.rank_of(p, stage) for p in range(schedule.num_pipes)})
+        replicas = schedule.num_pipes * costs.data_parallel_size
+        start = max(max(last_grad[(r, stage)], channel_free[r]) for r in holders)
+        end = start + costs.allreduce_time(replicas, grad_bytes[stage])
+        for r in holders:
+            channel_free[r] = end
+        result.append(AllReduceEvent(stage, tuple(holders), replicas, start, end))
+    return result
+
+
+def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
+    """Simulate one iteration of ``schedule`` under ``costs`` (default: F=1, B=2, no comm)."""
+    costs = costs or CostModel()
+    if costs.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {costs.data_parallel_size}")
+    events = _compute_timeline(schedule, costs)
+    allreduces = _allreduces(schedule, costs, events)
+    compute_span = max((e.end for e in events), default=0.0)
+    makespan = max([compute_span] + [a.end for a in allreduces])
+    busy = [0.0] * schedule.num_ranks
+    for e in events:
+        busy[e.rank] += e.end - e.start
+    idle = sum(compute_span - b for b in busy)
+    bubble = idle / (schedule.num_ranks * compute_span) if compute_span > 0 else 0.0
+    return SimResult(
+        schedule=schedule.describe(),
+        events=events,
+        allreduces=allreduces,
+        makespan=makespan,
+        compute_span=compute_span,
+        busy=busy,
+        bubble_ratio=bubble,
+        peak_inflight=peak_inflight(schedule),
+        weight_copies=schedule.weight_copies(),
+        grad_sync_end={a.stage: a.end for a in allreduces},
+    )

@@ -1,0 +1,174 @@
+"""Check a schedule before anything runs it.
+
+``validate(schedule)`` proves three things and raises :class:`ScheduleError` naming the rank, list
+index and action at fault otherwise:
+
+1. *Well formed*: placement covers every (pipe, stage) with a valid rank; every action has a known
+   kind, a valid pipe/stage, runs on the rank holding that replica, and its micro-batch belongs
+   to its pipe. W actions appear only in split-backward schedules.
+2. *Complete*: every micro-batch of every pipe has exactly one F and one B at every stage (and one
+   W when the backward is split, after its B in the same rank's list).
+3. *Deadlock free*: executing the per-rank lists in order, each rank blocking on the receive its
+   next action needs while sends are buffered (the executor posts non-blocking sends and blocks
+   only on the receive of its next action), every action eventually runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from .actions import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule that is malformed, incomplete or would deadlock."""
+
+
+def dependency(schedule: Schedule, action: Action) -> Action | None:
+    """The action whose output ``action`` consumes (None for the forward of the first stage).
+
+    F of stage s>0 needs F of s-1; B of the last stage needs its own F; B of s<S-1 needs B of s+1;
+    W needs its own B. All of the same pipe and micro-batch.
+    """
+    last = schedule.num_stages - 1
+    pipe, stage, mb = action.pipe, action.stage, action.microbatch
+    if action.kind == FORWARD:
+        return None if stage == 0 else Action(FORWARD, pipe, stage - 1, mb)
+    if action.kind == BACKWARD:
+        if stage == last:
+            return Action(FORWARD, pipe, stage, mb)
+        return Action(BACKWARD, pipe, stage + 1, mb)
+    return Action(BACKWARD, pipe, stage, mb)
+
+
+def _where(rank: int, index: int, action: Action) -> str:
+    return f"rank {rank}, index {index}, action {action.short()} ({action})"
+
+
+def _check_shape(schedule: Schedule) -> None:
+    s = schedule
+    if s.num_ranks < 1 or s.num_stages < 1 or s.num_pipes < 1 or s.num_microbatches < 1:
+        raise ScheduleError(f"sizes must be positive: {s.describe()}")
+    if len(s.actions) != s.num_ranks:
+        raise ScheduleError(f"{len(s.actions)} action lists for {s.num_ranks} ranks")
+    if s.num_microbatches % s.num_pipes:
+        raise ScheduleError(
+            f"{s.num_microbatches} micro-batches cannot be split evenly over {s.num_pipes} pipes"
+        )
+    if len(s.placement) != s.num_pipes:
+        raise ScheduleError(f"placement has {len(s.placement)} pipes, expected {s.num_pipes}")
+    for pipe, ranks in enumerate(s.placement):
+        if len(ranks) != s.num_stages:
+            raise ScheduleError(
+                f"placement of pipe {pipe} has {len(ranks)} stages, expected {s.num_stages}"
+            )
+        for stage, rank in enumerate(ranks):
+            if not 0 <= rank < s.num_ranks:
+                raise ScheduleError(f"placement: pipe {pipe} stage {stage} on invalid rank {rank}")
+
+
+def _check_actions(schedule: Schedule) -> None:
+    s = schedule
+    for rank, rank_actions in enumerate(s.actions):
+        for index, a in enumerate(rank_actions):
+            where = _where(rank, index, a)
+            if a.kind not in KINDS:
+                raise ScheduleError(f"unknown kind at {where}")
+            if a.kind == WEIGHT and not s.split_backward:
+                raise ScheduleError(f"W action in a schedule without split backward at {where}")
+            if not 0 <= a.pipe < s.num_pipes:
+                raise ScheduleError(f"pipe out of range 0..{s.num_pipes - 1} at {where}")
+            if not 0 <= a.stage < s.num_stages:
+                raise ScheduleError(f"stage out of range 0..{s.num_stages - 1} at {where}")
+            if not 0 <= a.microbatch < s.num_microbatches:
+                raise ScheduleError(
+                    f"micro-batch out of range 0..{s.num_microbatches - 1} at {where}"
+                )
+            if s.pipe_of_microbatch(a.microbatch) != a.pipe:
+                owner = s.pipe_of_microbatch(a.microbatch)
+                raise ScheduleError(
+                    f"micro-batch {a.microbatch} belongs to pipe {owner}, not {a.pipe}, at {where}"
+                )
+            holder = s.rank_of(a.pipe, a.stage)
+            if holder != rank:
+                raise ScheduleError(
+                    f"wrong rank: pipe {a.pipe} stage {a.stage} is held by rank {holder}, "
+                    f"but scheduled at {where}"
+                )
+
+
+def _check_complete(schedule: Schedule) -> None:
+    s = schedule
+    kinds = (FORWARD, BACKWARD, WEIGHT) if s.split_backward else (FORWARD, BACKWARD)
+    seen: Counter[Action] = Counter()
+    first_at: dict[Action, tuple[int, int]] = {}
+    for rank, rank_actions in enumerate(s.actions):
+        for index, a in enumerate(rank_actions):
+            seen[a] += 1
+            if seen[a] == 2:
+                r0, i0 = first_at[a]
+                raise ScheduleError(
+                    f"duplicated action {a.short()} ({a}): at rank {r0} index {i0} "
+                    f"and at rank {rank} index {index}"
+                )
+            first_at[a] = (rank, index)
+    for pipe in range(s.num_pipes):
+        for mb in s.microbatches_of_pipe(pipe):
+            for stage in range(s.num_stages):
+                for kind in kinds:
+                    a = Action(kind, pipe, stage, mb)
+                    if a not in seen:
+                        raise ScheduleError(
+                            f"missing action {a.short()} ({a}); it belongs on rank "
+                            f"{s.rank_of(pipe, stage)}"
+                        )
+    if s.split_backward:
+        for rank, rank_actions in enumerate(s.actions):
+            for index, a in enumerate(rank_actions):
+                if a.kind == WEIGHT:
+                    b = Action(BACKWARD, a.pipe, a.stage, a.microbatch)
+                    if first_at[b] > (rank, index):
+                        raise ScheduleError(f"W before its B in the same rank's list at "
+                                            f"{_where(rank, index, a)}")
+
+
+def _check_deadlock(schedule: Schedule) -> None:
+    """Execute the lists in order with blocking receives and buffered sends."""
+    s = schedule
+    done: set[Action] = set()
+    heads = [0] * s.num_ranks
+    remaining = sum(len(r) for r in s.actions)
+    progress = True
+    while remaining and progress:
+        progress = False
+        for rank, rank_actions in enumerate(s.actions):
+            while heads[rank] < len(rank_actions):
+                a = rank_actions[heads[rank]]
+                dep = dependency(s, a)
+                if dep is not None and dep not in done:
+                    break
+                done.add(a)
+                heads[rank] += 1
+                remaining -= 1
+                progress = True
+    if remaining:
+        located = {a: (r, i) for r, acts in enumerate(s.actions) for i, a in enumerate(acts)}
+        blocked = []
+        for rank, rank_actions in enumerate(s.actions):
+            if heads[rank] < len(rank_actions):
+                a = rank_actions[heads[rank]]
+                dep = dependency(s, a)
+                dep_rank, dep_index = located[dep]
+                blocked.append(
+                    f"{_where(rank, heads[rank], a)} waits for {dep.short()} "
+                    f"(rank {dep_rank}, index {dep_index})"
+                )
+        raise ScheduleError("deadlock with blocking receives: " + "; ".join(blocked))
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` is well formed, complete, deadlock free."""
+    _check_shape(schedule)
+    _check_actions(schedule)
+    _check_complete(schedule)
+    _check_deadlock(schedule)

@@ -1,0 +1,118 @@
+"""Simulator: hand-computed timelines, communication costs, all-reduce order, memory, bubbles."""
+
+import math
+
+import pytest
+
+from megatron_chimera.schedules import Action, Schedule, build_schedule
+from megatron_chimera.schedules.simulate import CostModel, peak_inflight, simulate
+
+
+def test_gpipe_single_microbatch_with_p2p_latency():
+    # F chain D*F + (D-1)*c, then the B chain D*B + (D-1)*c
+    D, c = 4, 0.25
+    costs = CostModel(forward_cost=1.0, backward_cost=2.0, p2p_alpha=0.05,
+                      p2p_beta=0.01, activation_bytes=20.0)
+    assert costs.p2p_time() == pytest.approx(c)
+    result = simulate(build_schedule("gpipe", D, 1), costs)
+    assert result.makespan == pytest.approx(D * 3.0 + 2 * (D - 1) * c)
+    first = result.events_of_rank(1)[0]
+    assert (first.kind, first.start, first.end) == ("F", pytest.approx(1.25), pytest.approx(2.25))
+
+
+def test_per_stage_costs_and_busy_time():
+    costs = CostModel(forward_cost=[1.0, 2.0, 3.0], backward_cost=[2.0, 4.0, 6.0])
+    result = simulate(build_schedule("1f1b", 3, 5), costs)
+    assert result.busy == pytest.approx([15.0, 30.0, 45.0])
+    # the slowest stage is never idle once started, so the makespan is its work plus its
+    # wait for the first forward (1 + 2) and the drain of the first stages (4 + 2)
+    assert result.makespan == pytest.approx(3 + 45 + 6)
+    with pytest.raises(ValueError, match="forward_cost has 2 entries for 3 stages"):
+        simulate(build_schedule("1f1b", 3, 5), CostModel(forward_cost=[1.0, 1.0]))
+
+
+@pytest.mark.parametrize("D,N", [(4, 4), (4, 12), (8, 8)])
+def test_bubble_ratio_of_1f1b_matches_paper(D, N):
+    result = simulate(build_schedule("1f1b", D, N), CostModel(1.0, 1.0))
+    assert result.bubble_ratio == pytest.approx((D - 1) / (N + D - 1))
+    assert result.compute_span == result.makespan
+
+
+def test_allreduce_eager_descending_and_rabenseifner():
+    # gpipe D=2, N=1, F=B=1: F0 [0,1] F1 [1,2] B1 [2,3] B0 [3,4]; dp=2 -> r=2 replicas,
+    # all-reduce = 2 log2(2) alpha + 2 (1/2) bytes beta = 2*1 + 100*0.01 = 3
+    costs = CostModel(1.0, 1.0, allreduce_alpha=1.0, allreduce_beta=0.01,
+                      grad_bytes=100.0, data_parallel_size=2)
+    assert costs.allreduce_time(2, 100.0) == pytest.approx(3.0)
+    assert costs.allreduce_time(8, 100.0) == pytest.approx(2 * 3 * 1.0 + 2 * 7 / 8 * 1.0)
+    result = simulate(build_schedule("gpipe", 2, 1), costs)
+    assert result.grad_sync_end == {1: pytest.approx(6.0), 0: pytest.approx(7.0)}
+    assert result.makespan == pytest.approx(7.0)
+    assert result.compute_span == pytest.approx(4.0)
+    assert [a.stage for a in result.allreduces] == [1, 0]
+
+
+def test_allreduce_waits_for_all_replicas_and_serialises_per_rank():
+    sched = build_schedule("chimera", 4, 4)
+    costs = CostModel(1.0, 2.0, allreduce_alpha=1.0, data_parallel_size=1)
+    result = simulate(sched, costs)
+    last_backward = {}
+    for e in result.events:
+        if e.kind == "B":
+            key = (e.rank, e.stage)
+            last_backward[key] = max(last_backward.get(key, 0.0), e.end)
+    channel_free = {}
+    assert [a.stage for a in result.allreduces] == [3, 2, 1, 0]
+    for ar in result.allreduces:
+        assert ar.replicas == 2 and len(ar.ranks) == 2
+        expected_start = max(
+            max(last_backward[(r, ar.stage)], channel_free.get(r, 0.0)) for r in ar.ranks
+        )
+        assert ar.start == pytest.approx(expected_start)
+        assert ar.end - ar.start == pytest.approx(2 * math.log2(2) * 1.0)
+        for r in ar.ranks:
+            channel_free[r] = ar.end
+    # stage 3 and stage 0 share ranks 0 and 3: stage 0's sync queues behind stage 3's
+    assert result.grad_sync_end[0] >= result.grad_sync_end[3] + 2.0 - 1e-9
+    assert result.makespan == pytest.approx(max(a.end for a in result.allreduces))
+
+
+def _split_single_rank(order):
+    return Schedule(
+        name="hand", num_ranks=1, num_stages=1, num_pipes=1, num_microbatches=2,
+        placement=[[0]], actions=[[Action(*a) for a in order]], split_backward=True,
+    )
+
+
+def test_split_backward_costs_and_memory_released_at_w():
+    sched = _split_single_rank(
+        [("F", 0, 0, 0), ("B", 0, 0, 0), ("F", 0, 0, 1), ("W", 0, 0, 0), ("B", 0, 0, 1),
+         ("W", 0, 0, 1)]
+    )
+    result = simulate(sched, CostModel(forward_cost=1.0, backward_cost=3.0, weight_cost=1.0))
+    assert [(e.kind, e.end - e.start) for e in result.events] == [
+        ("F", 1.0), ("B", 2.0), ("F", 1.0), ("W", 1.0), ("B", 2.0), ("W", 1.0)
+    ]
+    assert result.makespan == pytest.approx(8.0)
+    assert peak_inflight(sched) == [2]  # micro-batch 0 lives until its W, after F of 1
+    with pytest.raises(ValueError, match="--weight-cost"):
+        simulate(sched, CostModel(forward_cost=1.0, backward_cost=1.0, weight_cost=2.0))
+
+
+def test_weight_cost_ignored_for_unsplit_schedules():
+    sched = build_schedule("1f1b", 4, 8)
+    a = simulate(sched, CostModel(1.0, 2.0, weight_cost=1.0))
+    b = simulate(sched, CostModel(1.0, 2.0))
+    assert a.makespan == b.makespan == 3 * (8 + 4 - 1)
+
+
+def test_result_views_and_json():
+    result = simulate(build_schedule("chimera", 4, 8), CostModel(1.0, 2.0))
+    data = result.to_dict()
+    assert data["makespan"] == result.makespan
+    assert len(data["events"]) == 4 * 8 * 2
+    assert data["weight_copies"] == {"0": 2, "1": 2, "2": 2, "3": 2}
+    assert set(data["events"][0]) == {"rank", "kind", "pipe", "stage", "microbatch", "start", "end"}
+    for rank in range(4):
+        events = result.events_of_rank(rank)
+        assert all(x.end <= y.start + 1e-9 for x, y in zip(events, events[1:]))

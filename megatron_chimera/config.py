@@ -55,6 +55,10 @@ class ModelConfig:
     bert_binary_head: bool = True
     # None: use NVIDIA Apex kernels when importable; False: force torch-native kernels
     use_apex: bool | None = None
+    # fused attention (scaled_dot_product_attention) and GeLU kernels; False: unfused reference ops
+    # (Megatron's --no-masked-softmax-fusion / --no-bias-gelu-fusion)
+    masked_softmax_fusion: bool = True
+    bias_gelu_fusion: bool = True
 
     @property
     def ffn_size(self) -> int:
@@ -119,6 +123,7 @@ class OptimizerConfig:
     lr_decay_style: str = "linear"  # constant | linear | cosine
     lr_decay_samples: int | None = None
     lr_warmup_samples: int = 0
+    lr_warmup_fraction: float | None = None  # of the decay samples; overrides lr_warmup_samples
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -133,3 +138,89 @@ class OptimizerConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     use_apex: bool | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Datasets and tokenizer (``--data-path``, ``--split``, ``--tokenizer-type``, ...)."""
+
+    data_path: tuple[str, ...] | None = None  # Megatron's [weight] prefix list, as given
+    split: str = "969, 30, 1"
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None  # NullTokenizer / --mock-data vocabulary
+    mock_data: bool = False
+    num_workers: int = 2
+    data_cache_path: str | None = None
+    # BERT masking (Megatron's defaults)
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Batch sizes, iteration counts, evaluation cadence, seed; ``num_microbatches`` derived."""
+
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    num_microbatches: int = 1  # N = global batch / (micro batch x data-parallel size)
+    train_iters: int | None = None
+    train_samples: int | None = None
+    eval_interval: int = 1000
+    eval_iters: int = 100
+    exit_interval: int | None = None
+    seed: int = 1234
+    partition_method: str = "uniform"
+
+    @property
+    def total_train_iters(self) -> int:
+        """Iterations to run: ``--train-iters`` or ``--train-samples`` / global batch."""
+        if self.train_iters is not None:
+            return self.train_iters
+        return (self.train_samples or 0) // self.global_batch_size
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoint directories and what to save / load."""
+
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """stdout and TensorBoard logging cadence and content."""
+
+    log_interval: int = 100
+    tensorboard_dir: str | None = None
+    log_throughput: bool = False
+    log_timers_to_tensorboard: bool = False
+    log_memory_to_tensorboard: bool = False
+    tensorboard_log_interval: int = 1
+    log_bubble_ratio: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs, built by ``arguments.parse_args`` and validated."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    training: TrainingConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    extra: tuple[tuple[str, object], ...] = ()  # flags added by an extra_args_provider
+
+    def extra_arg(self, name: str, default: object = None) -> object:
+        """Value of a flag registered by the entry script's ``extra_args_provider``."""
+        return dict(self.extra).get(name, default)

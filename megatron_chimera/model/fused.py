@@ -1,0 +1,215 @@
+"""Fused kernels: NVIDIA Apex when its CUDA extensions are importable, torch-native otherwise.
+
+Which kernel runs, per op (``fused`` = ``--masked-softmax-fusion`` / ``--bias-gelu-fusion`` on,
+the default; ``unfused`` = the reference composition of element-wise ops, for comparison):
+
+* layer norm: Apex ``fused_layer_norm_affine``, else ``F.layer_norm`` (one native kernel).
+* attention core: ``F.scaled_dot_product_attention`` on both backends (flash / memory-efficient
+  kernels on CUDA; Apex has no better one). Unfused: matmul, masked softmax, dropout, matmul.
+* bias + GeLU (tanh approximation): the bias is added by :class:`~.linear.Linear` (which must own
+  it for the split backward), then ``F.gelu(approximate="tanh")``, one native kernel forward and
+  backward. Unfused: the tanh formula in separate element-wise ops.
+* bias + dropout + add: native ``residual + dropout(x + bias)`` on both backends.
+* Adam step: Apex ``FusedAdam(adam_w_mode=True)``, else ``torch.optim.AdamW`` with
+  ``fused=True`` on CUDA and ``foreach=True`` on the CPU.
+* grad norm and fp16/bf16 -> fp32 grad copies: Apex ``amp_C.multi_tensor_l2norm`` /
+  ``multi_tensor_scale``, else ``torch._foreach_norm`` / ``torch._foreach_copy_``.
+
+NVIDIA Apex is detected by its modules (``apex.normalization``, ``apex.optimizers``,
+``apex.multi_tensor_apply``, ``amp_C``) on a CUDA machine; the PyPI package called ``apex`` is an
+unrelated project. The choice is made and logged once per process and ``use_apex`` setting
+(``--no-apex`` forces the native path).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_chimera.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+APEX_MODULES = ("apex.normalization", "apex.optimizers", "apex.multi_tensor_apply", "amp_C")
+# Megatron's additive mask value: finite, so fully masked rows stay NaN-free in fp16/bf16.
+MASK_VALUE = -10000.0
+
+
+@dataclass(frozen=True)
+class FusedBackend:
+    """The kernel family used for layer norm, the Adam step and multi-tensor ops."""
+
+    apex: bool
+
+    @property
+    def name(self) -> str:
+        """``"apex"`` or ``"native"``."""
+        return "apex" if self.apex else "native"
+
+
+def apex_importable() -> bool:
+    """True when NVIDIA Apex's CUDA extensions import and a CUDA device exists."""
+    if not torch.cuda.is_available():
+        return False
+    for name in APEX_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            return False
+    return True
+
+
+@functools.cache
+def get_fused_backend(use_apex: bool | None = None) -> FusedBackend:
+    """Choose the kernel family once per setting: ``None`` auto-detects, ``False`` forces native.
+
+    ``True`` demands Apex and raises :class:`ConfigError` when it is missing.
+    """
+    available = apex_importable()
+    if use_apex and not available:
+        raise ConfigError(
+            "--use-apex: NVIDIA Apex with CUDA extensions (apex.normalization, apex.optimizers, "
+            "amp_C) is not importable on a CUDA machine; drop the flag to use torch-native kernels"
+        )
+    backend = FusedBackend(apex=available and use_apex is not False)
+    reason = "forced by --no-apex" if use_apex is False else (
+        "NVIDIA Apex found" if available else "NVIDIA Apex not importable")
+    logger.info("fused kernels: %s (%s)", backend.name, reason)
+    return backend
+
+
+# --------------------------------------------------------------------------- layer norm
+class LayerNorm(nn.Module):
+    """Layer norm over the last dimension with Megatron's parameter names (``weight``, ``bias``)."""
+
+    def __init__(self, hidden_size: int, eps: float, backend: FusedBackend,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.normalized_shape = (hidden_size,)
+        self.eps = eps
+        self.backend = backend
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` with the Apex kernel or ``F.layer_norm``."""
+        if self.backend.apex:
+            fln = importlib.import_module("apex.normalization.fused_layer_norm")
+            return fln.fused_layer_norm_affine(
+                x, self.weight, self.bias, self.normalized_shape, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+# --------------------------------------------------------------------------- element-wise
+def gelu(x: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """GeLU with the tanh approximation (Megatron's ``bias_gelu``; the bias comes from ``Linear``).
+
+    ``fused`` runs the one native kernel; otherwise the tanh formula in separate element-wise ops.
+    """
+    if fused:
+        return F.gelu(x, approximate="tanh")
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                     prob: float, training: bool) -> torch.Tensor:
+    """``residual + dropout(x + bias)``, Megatron's residual connection after attention and MLP."""
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=prob, training=training)
+
+
+# --------------------------------------------------------------------------- attention core
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              mask: torch.Tensor | None, causal: bool, dropout_p: float, training: bool,
+              fused: bool = True, softmax_in_fp32: bool = False,
+              layer_scale: float = 1.0) -> torch.Tensor:
+    """Scaled, masked softmax attention on ``[b, heads, s, head_dim]`` tensors.
+
+    ``mask`` is boolean, True where attention is *forbidden*, broadcastable to
+    ``[b, heads, sq, sk]``; ``causal`` adds the upper-triangular mask. ``softmax_in_fp32`` and
+    ``layer_scale`` (Megatron's query-key layer scaling: divide the scores by it, multiply back
+    in the fp32 softmax; mathematically a no-op that guards the fp16 range) concern the unfused
+    path; the fused kernels accumulate the softmax in fp32 anyway.
+    """
+    p = dropout_p if training else 0.0
+    if fused:
+        allowed = None if mask is None else ~mask
+        if allowed is not None and causal:
+            sq, sk = query.shape[-2], key.shape[-2]
+            allowed = allowed & _causal_allowed(sq, sk, query.device)
+            causal = False
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=allowed, dropout_p=p, is_causal=causal)
+
+    b, heads, sq, hd = query.shape
+    sk = key.shape[-2]
+    norm = math.sqrt(hd) * layer_scale
+    scores = torch.matmul(query, key.transpose(-1, -2)) / norm
+    if softmax_in_fp32 or layer_scale != 1.0:
+        scores = scores.float() * layer_scale
+    forbidden = mask
+    if causal:
+        tri = ~_causal_allowed(sq, sk, query.device)
+        forbidden = tri if forbidden is None else (forbidden | tri)
+    if forbidden is not None:
+        scores = scores.masked_fill(forbidden, MASK_VALUE)
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    probs = F.dropout(probs, p=p, training=training)
+    return torch.matmul(probs, value)
+
+
+def _causal_allowed(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """Lower-triangular boolean ``[sq, sk]``: query i may attend to keys ``<= i``."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+
+
+# --------------------------------------------------------------------------- multi-tensor ops
+def multi_tensor_l2norm(tensors: list[torch.Tensor], backend: FusedBackend) -> torch.Tensor:
+    """fp32 L2 norm over all ``tensors`` together (a 0-dim tensor on their device)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32)
+    if backend.apex:
+        amp_c = importlib.import_module("amp_C")
+        applier = importlib.import_module("apex.multi_tensor_apply").multi_tensor_applier
+        flag = torch.zeros(1, dtype=torch.int, device=tensors[0].device)
+        norm, _ = applier(amp_c.multi_tensor_l2norm, flag, [tensors], False)
+        return norm.reshape(()).float()
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def multi_tensor_scale_(sources: list[torch.Tensor], targets: list[torch.Tensor], scale: float,
+                        backend: FusedBackend) -> None:
+    """``targets[i] = sources[i] * scale`` in place (dtype conversion included)."""
+    if not sources:
+        return
+    if backend.apex:
+        amp_c = importlib.import_module("amp_C")
+        applier = importlib.import_module("apex.multi_tensor_apply").multi_tensor_applier
+        flag = torch.zeros(1, dtype=torch.int, device=sources[0].device)
+        applier(amp_c.multi_tensor_scale, flag, [sources, targets], scale)
+        return
+    torch._foreach_copy_(targets, sources)
+    if scale != 1.0:
+        torch._foreach_mul_(targets, scale)
+
+
+def build_adam(param_groups: list[dict], lr: float, betas: tuple[float, float], eps: float,
+               weight_decay: float, backend: FusedBackend) -> torch.optim.Optimizer:
+    """AdamW (decoupled weight decay, as Megatron's Adam): Apex FusedAdam or torch's own."""
+    if backend.apex:
+        fused_adam = importlib.import_module("apex.optimizers").FusedAdam
+        return fused_adam(param_groups, lr=lr, betas=betas, eps=eps,
+                          weight_decay=weight_decay, adam_w_mode=True)
+    on_cuda = any(p.is_cuda for g in param_groups for p in g["params"])
+    kind = {"fused": True} if on_cuda else {"foreach": True}
+    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=eps,
+                             weight_decay=weight_decay, **kind)

@@ -1,0 +1,185 @@
+"""Embeddings, pooler and the language model (embedding + encoder slice) shared by GPT-2 and BERT.
+
+Module names follow Megatron (``language_model.embedding.word_embeddings``, ``.encoder``,
+``.pooler``, ``.output_layer``) so parameter names match Megatron checkpoints with TP = 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import skip_init
+
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.fused import FusedBackend
+from megatron_chimera.model.linear import Linear
+from megatron_chimera.model.transformer import ParallelTransformer
+from megatron_chimera.model.utils import (
+    OUTPUT_LAYER_KEY,
+    POOLER_KEY,
+    POSITION_EMBEDDINGS_KEY,
+    TOKENTYPE_EMBEDDINGS_KEY,
+    WORD_EMBEDDINGS_KEY,
+    init_linear_,
+    init_normal_,
+    make_generator,
+)
+
+
+def word_embeddings(config: ModelConfig, seed: int) -> nn.Embedding:
+    """The padded-vocabulary word embedding, initialised from its fixed key (so every copy of
+    the tied embedding, on any stage, starts bit-identical)."""
+    embedding = skip_init(nn.Embedding, config.padded_vocab_size, config.hidden_size,
+                          dtype=config.torch_dtype)
+    init_normal_(embedding.weight, config.init_method_std,
+                 make_generator(seed, WORD_EMBEDDINGS_KEY))
+    return embedding
+
+
+class Embedding(nn.Module):
+    """Word + learned position (+ token type) embeddings and dropout; output ``[s, b, h]``."""
+
+    def __init__(self, config: ModelConfig, num_tokentypes: int, seed: int) -> None:
+        super().__init__()
+        std, dtype = config.init_method_std, config.torch_dtype
+        self.word_embeddings = word_embeddings(config, seed)
+        self.position_embeddings = skip_init(nn.Embedding, config.max_positions,
+                                             config.hidden_size, dtype=dtype)
+        init_normal_(self.position_embeddings.weight, std,
+                     make_generator(seed, POSITION_EMBEDDINGS_KEY))
+        self.tokentype_embeddings = None
+        if num_tokentypes > 0:
+            self.tokentype_embeddings = skip_init(nn.Embedding, num_tokentypes,
+                                                  config.hidden_size, dtype=dtype)
+            init_normal_(self.tokentype_embeddings.weight, std,
+                         make_generator(seed, TOKENTYPE_EMBEDDINGS_KEY))
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``[b, s]`` token ids -> ``[s, b, h]`` embeddings."""
+        if input_ids.shape[1] > self.position_embeddings.num_embeddings:
+            raise ValueError(
+                f"sequence length {input_ids.shape[1]} exceeds --max-position-embeddings "
+                f"{self.position_embeddings.num_embeddings}")
+        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        if self.tokentype_embeddings is not None:
+            if tokentype_ids is None:
+                raise ValueError("this model has token-type embeddings: pass tokentype_ids")
+            embeddings = embeddings + self.tokentype_embeddings(tokentype_ids)
+        elif tokentype_ids is not None:
+            raise ValueError("tokentype_ids given but the model has no token-type embeddings")
+        return self.embedding_dropout(embeddings.transpose(0, 1).contiguous())
+
+
+class Pooler(nn.Module):
+    """BERT pooler: ``tanh(dense(hidden[0]))``, the first token's hidden state."""
+
+    def __init__(self, config: ModelConfig, seed: int) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.dense = skip_init(Linear, h, h, dtype=config.torch_dtype)
+        init_linear_(self.dense, config.init_method_std, make_generator(seed, POOLER_KEY))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h] -> [b, h]``."""
+        return torch.tanh(self.dense(hidden[0]))
+
+
+class TransformerLanguageModel(nn.Module):
+    """Embedding (first stage), the encoder layers of ``layer_range``, pooler and untied output
+    layer (last stage). Non-first stages take their input from :meth:`set_input_tensor`."""
+
+    def __init__(self, config: ModelConfig, backend: FusedBackend, *, pre_process: bool,
+                 post_process: bool, layer_range: tuple[int, int], causal: bool,
+                 num_tokentypes: int, add_pooler: bool, add_output_layer: bool,
+                 seed: int) -> None:
+        super().__init__()
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.input_tensor: torch.Tensor | None = None
+        self.embedding = Embedding(config, num_tokentypes, seed) if pre_process else None
+        self.encoder = ParallelTransformer(config, layer_range, post_process, causal, backend, seed)
+        self.pooler = Pooler(config, seed) if post_process and add_pooler else None
+        self.output_layer = None
+        if post_process and add_output_layer:
+            self.output_layer = skip_init(Linear, config.hidden_size, config.padded_vocab_size,
+                                          bias=False, dtype=config.torch_dtype)
+            init_linear_(self.output_layer, config.init_method_std,
+                         make_generator(seed, OUTPUT_LAYER_KEY))
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Input ``[s, b, h]`` of a non-first stage (received from the previous stage)."""
+        self.input_tensor = tensor
+
+    def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
+                mask: torch.Tensor | None,
+                tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[s, b, h]`` after this stage's layers (and the final layer norm)."""
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids, tokentype_ids)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("non-first stage: call set_input_tensor() before forward()")
+            hidden = self.input_tensor
+        return self.encoder(hidden, mask)
+
+
+class MegatronModule(nn.Module):
+    """Base of the full models: the tied word-embedding bookkeeping of a pipeline stage."""
+
+    pre_process: bool
+    post_process: bool
+    tied: bool
+    language_model: TransformerLanguageModel
+
+    def _init_output_embedding_copy(self, config: ModelConfig, seed: int) -> None:
+        """On a last stage that is not first, hold a copy of the tied word embedding (Megatron's
+        ``word_embeddings``) for the output layer; equal to the first stage's at init."""
+        self.word_embeddings = None
+        if self.tied and self.post_process and not self.pre_process:
+            self.word_embeddings = word_embeddings(config, seed)
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Input ``[s, b, h]`` of a non-first stage."""
+        self.language_model.set_input_tensor(tensor)
+
+    def shared_embedding_or_output_weight(self) -> nn.Parameter | None:
+        """The tied word-embedding parameter this slice holds, or None (untied / middle stage)."""
+        if not self.tied:
+            return None
+        if self.pre_process:
+            return self.language_model.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.word_embeddings.weight
+        return None
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h]`` -> logits ``[b, s, V]`` over the padded vocabulary."""
+        if self.tied:
+            logits = F.linear(hidden, self.shared_embedding_or_output_weight())
+        else:
+            logits = self.language_model.output_layer(hidden)
+        return logits.transpose(0, 1).contiguous()
+
+
+def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """fp32 cross-entropy ``[b, s]`` of logits ``[b, s, V]`` (padded vocabulary included)."""
+    b, s, v = logits.shape
+    if labels.shape != (b, s):
+        raise ValueError(f"labels shape {tuple(labels.shape)} != logits' [b, s] {(b, s)}")
+    return F.cross_entropy(logits.float().view(b * s, v), labels.reshape(b * s),
+                           reduction="none").view(b, s)
+
+
+def resolve_layer_range(config: ModelConfig,
+                        layer_range: tuple[int, int] | None) -> tuple[int, int]:
+    """``None`` -> all layers; otherwise checked against ``--num-layers``."""
+    if layer_range is None:
+        return (0, config.num_layers)
+    start, end = layer_range
+    if not 0 <= start <= end <= config.num_layers:
+        raise ConfigError(
+            f"layer range {layer_range} outside the model's --num-layers {config.num_layers}")
+    return (int(start), int(end))

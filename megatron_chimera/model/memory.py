@@ -1,0 +1,212 @@
+"""Per-stage and per-rank memory estimates: weights, gradients, optimizer state, activations.
+
+Bytes per parameter (Megatron's mixed precision, as :mod:`megatron_chimera.optimizer` does it):
+
+=========  ======  =====  ============================  ======================================
+precision  params  grads  optimizer state               transient in ``step()``
+=========  ======  =====  ============================  ======================================
+fp32       4       4      Adam m, v: 8 (SGD momentum 4)  -
+fp16/bf16  2       2      fp32 main params 4 + Adam 8   fp32 main grads 4 (freed by zero_grad)
+=========  ======  =====  ============================  ======================================
+
+Gradients are accumulated in the model's dtype (2 bytes for fp16/bf16; no fp32 accumulation).
+
+Activations saved for backward per transformer layer and micro-batch follow Korthikanti et al.
+("Reducing Activation Recomputation in Large Transformer Models", 2022): ``s*b*h*(34 + 5*a*s/h)``
+bytes for 16-bit with dropout, generalised here to ``B`` bytes per element and 1-byte dropout
+masks: ``sbh*(16*B + 2) + a*s*s*b*(2*B + 1)`` (fp32: ``sbh*(66 + 9*a*s/h)``). Without attention
+dropout the ``a*s*s*b`` term is ``B`` (the softmax output only); without hidden dropout the two
+``sbh`` masks vanish. With fused attention (``scaled_dot_product_attention``: flash or
+memory-efficient kernels) no ``s x s`` tensor is stored; the kernel keeps its output
+(``sbh*B``) and an fp32 log-sum-exp (``4*a*s*b``). Selective recomputation drops the attention
+core's own tensors (``34*s*b*h`` for 16-bit, as the paper). Full recomputation stores only each
+checkpointed chunk's input (``s*b*h*B``, i.e. ``2*s*b*h`` for 16-bit) and rebuilds one chunk's
+activations at a time during backward (``recompute_working_bytes``, once per rank).
+The first stage adds the embedding dropout mask and token/position indices; the last stage the
+final layer norm, the head's saved inputs and the fp32 log-probabilities of the loss (``4*s*b*V``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.partition import (
+    embedding_parameters,
+    head_parameters,
+    layer_parameters,
+)
+from megatron_chimera.schedules.actions import Schedule
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def mask_bytes(params_dtype: str, device_type: str = "cuda") -> int:
+    """Bytes per dropout-mask element: 1 on CUDA (bool mask), the activation dtype's width on
+    the CPU (torch's CPU dropout saves a mask in the input dtype)."""
+    return 1 if device_type == "cuda" else DTYPE_BYTES[params_dtype]
+
+
+def bytes_per_parameter(params_dtype: str, optimizer: str = "adam",
+                        sgd_momentum: float = 0.9) -> dict[str, int]:
+    """Bytes per parameter: ``param``, ``grad``, ``optimizer`` (main copy + moments) and
+    ``main_grad`` (fp32 main gradient during ``step()``, 16-bit only)."""
+    if params_dtype not in DTYPE_BYTES:
+        raise ConfigError(f"params dtype must be one of {tuple(DTYPE_BYTES)}, got {params_dtype!r}")
+    if optimizer not in ("adam", "sgd"):
+        raise ConfigError(f"--optimizer must be 'adam' or 'sgd', got {optimizer!r}")
+    width = DTYPE_BYTES[params_dtype]
+    moments = 8 if optimizer == "adam" else (4 if sgd_momentum else 0)
+    half = width == 2
+    return {"param": width, "grad": width, "optimizer": moments + (4 if half else 0),
+            "main_grad": 4 if half else 0}
+
+
+def layer_activation_bytes(config: ModelConfig, micro_batch_size: int,
+                           recompute: str | None = None, device_type: str = "cuda") -> int:
+    """Bytes one transformer layer saves for backward for one micro-batch (see module doc).
+
+    ``recompute``: None, ``"selective"`` or ``"full"`` (then: the layer's input only).
+    """
+    s, b, h, a = config.seq_length, micro_batch_size, config.hidden_size, config.num_attention_heads
+    width, mask = DTYPE_BYTES[config.params_dtype], mask_bytes(config.params_dtype, device_type)
+    sbh = s * b * h
+    if recompute == "full":
+        return sbh * width
+    hidden_masks = 2 * sbh * mask if config.hidden_dropout > 0 else 0
+    total = 16 * sbh * width + hidden_masks
+    if recompute == "selective":
+        return total
+    if recompute is not None:
+        raise ConfigError(
+            f"--recompute-granularity must be 'selective' or 'full', got {recompute!r}")
+    if config.masked_softmax_fusion:  # fused kernel: output and log-sum-exp, no s x s tensors
+        return total + sbh * width + 4 * a * s * b
+    scores = a * s * s * b
+    if config.attention_dropout > 0:
+        return total + scores * (2 * width + mask)
+    return total + scores * width
+
+
+def embedding_activation_bytes(config: ModelConfig, micro_batch_size: int,
+                               device_type: str = "cuda") -> int:
+    """First stage: embedding dropout mask and the int64 token and position indices."""
+    s, b, h = config.seq_length, micro_batch_size, config.hidden_size
+    masks = s * b * h * mask_bytes(config.params_dtype, device_type)
+    return (masks if config.hidden_dropout > 0 else 0) + 2 * s * b * 8
+
+
+def head_activation_bytes(config: ModelConfig, model_type: str, micro_batch_size: int) -> int:
+    """Last stage: final layer norm input, the head's saved inputs, fp32 log-probabilities."""
+    s, b, h = config.seq_length, micro_batch_size, config.hidden_size
+    width = DTYPE_BYTES[config.params_dtype]
+    saved_hidden = 2 if model_type == "gpt" else 5  # BERT: + lm_head dense, gelu, layernorm
+    return saved_hidden * s * b * h * width + 4 * s * b * config.padded_vocab_size
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Memory of one stage replica: weights-related bytes and activation bytes per micro-batch."""
+
+    stage: int
+    num_layers: int
+    parameters: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    main_grad_bytes: int
+    activation_bytes: int
+    activation_bytes_recompute: int
+    recompute_working_bytes: int
+
+    @property
+    def weight_bytes(self) -> int:
+        """Parameters + gradients + optimizer state (held for the whole run)."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def estimate_stage_memory(config: ModelConfig, model_type: str,
+                          partition: Sequence[tuple[int, int]], micro_batch_size: int,
+                          optimizer: str = "adam", sgd_momentum: float = 0.9,
+                          device_type: str = "cuda") -> list[StageMemory]:
+    """:class:`StageMemory` of every stage of ``partition``. ``activation_bytes_recompute`` uses
+    the config's recompute method (``uniform`` by default, one layer per chunk); ``device_type``
+    only changes the dropout-mask width (see :func:`mask_bytes`)."""
+    per_param = bytes_per_parameter(config.params_dtype, optimizer, sgd_momentum)
+    full = layer_activation_bytes(config, micro_batch_size, device_type=device_type)
+    layer_input = layer_activation_bytes(config, micro_batch_size, "full")
+    chunk = config.recompute_num_layers or 1
+    result = []
+    for stage, (start, end) in enumerate(partition):
+        n = end - start
+        params = n * layer_parameters(config)
+        extra = 0
+        if stage == 0:
+            params += embedding_parameters(config, model_type)
+            extra += embedding_activation_bytes(config, micro_batch_size, device_type)
+        if stage == len(partition) - 1:
+            params += head_parameters(config, model_type, len(partition))
+            extra += head_activation_bytes(config, model_type, micro_batch_size)
+        if config.recompute_method == "block":
+            stored = min(chunk, n) * layer_input + max(n - chunk, 0) * full
+            working = full if n else 0
+        else:
+            stored = math.ceil(n / chunk) * layer_input
+            working = min(chunk, n) * full
+        result.append(StageMemory(
+            stage=stage, num_layers=n, parameters=params,
+            param_bytes=params * per_param["param"], grad_bytes=params * per_param["grad"],
+            optimizer_bytes=params * per_param["optimizer"],
+            main_grad_bytes=params * per_param["main_grad"],
+            activation_bytes=n * full + extra,
+            activation_bytes_recompute=stored + extra,
+            recompute_working_bytes=working))
+    return result
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Estimated peak bytes of one pipeline rank under a schedule."""
+
+    rank: int
+    stages: tuple[int, ...]
+    weight_bytes: int
+    activation_bytes: int
+    transient_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights + the larger of in-flight activations and the optimizer step's main grads."""
+        return self.weight_bytes + max(self.activation_bytes, self.transient_bytes)
+
+
+def rank_memory(schedule: Schedule, rank: int, stage_memory: Sequence[StageMemory],
+                peak_in_flight: int | Mapping[int, int], recompute: bool = False) -> RankMemory:
+    """Per-rank estimate: one weight copy per stage the rank holds
+    (``schedule.stages_of_rank``), plus activations of the peak number of in-flight micro-batches.
+
+    ``peak_in_flight`` is the count from the schedule simulator: an int (then each micro-batch is
+    charged the largest per-micro-batch footprint among the rank's stages) or ``{stage: count}``.
+    """
+    stages = schedule.stages_of_rank(rank)
+    if len(stage_memory) != schedule.num_stages:
+        raise ValueError(f"{len(stage_memory)} stage estimates for a schedule of "
+                         f"{schedule.num_stages} stages")
+    per_mb = {s: (stage_memory[s].activation_bytes_recompute if recompute
+                  else stage_memory[s].activation_bytes) for s in stages}
+    if isinstance(peak_in_flight, Mapping):
+        unknown = set(peak_in_flight) - set(stages)
+        if unknown:
+            raise ValueError(f"rank {rank} holds stages {stages}, not {sorted(unknown)}")
+        activations = sum(per_mb[s] * count for s, count in peak_in_flight.items())
+    else:
+        activations = max(per_mb.values(), default=0) * int(peak_in_flight)
+    if recompute:
+        activations += max((stage_memory[s].recompute_working_bytes for s in stages), default=0)
+    return RankMemory(
+        rank=rank, stages=tuple(stages),
+        weight_bytes=sum(stage_memory[s].weight_bytes for s in stages),
+        activation_bytes=activations,
+        transient_bytes=sum(stage_memory[s].main_grad_bytes for s in stages))

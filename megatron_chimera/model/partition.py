@@ -1,0 +1,157 @@
+"""Assign transformer layers to pipeline stages, and count parameters analytically.
+
+``partition_layers`` splits ``num_layers`` into ``num_stages`` contiguous ``(start, end)`` ranges:
+``uniform`` (equal layer counts), ``parameters`` (balanced parameter count) or ``time`` (balanced
+measured time), the last two counting the embedding on the first stage and the LM head on the
+last. The parameter counts here are exact for :mod:`megatron_chimera.model` (tested against the
+real classes) and express the paper's configurations (:data:`PAPER_CONFIGS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.bert import bert_num_tokentypes
+
+MODEL_TYPES = ("gpt", "bert")
+PARTITION_METHODS = ("uniform", "parameters", "time")
+
+# The paper's models (Li & Hoefler, SC'21): BERT-48 and the 64-layer GPT-2 (~1.39 B untied).
+PAPER_CONFIGS: dict[str, ModelConfig] = {
+    "bert-48": ModelConfig(num_layers=48, hidden_size=1024, num_attention_heads=16,
+                           seq_length=128, max_position_embeddings=512, vocab_size=30522,
+                           num_tokentypes=2),
+    "gpt2-64": ModelConfig(num_layers=64, hidden_size=1280, num_attention_heads=20,
+                           seq_length=632, vocab_size=50257,
+                           untie_embeddings_and_output_weights=True),
+}
+
+
+# --------------------------------------------------------------------------- parameter counts
+def layer_parameters(config: ModelConfig) -> int:
+    """Parameters of one transformer layer: QKV, dense, two MLP linears (with biases), two LNs."""
+    h, f = config.hidden_size, config.ffn_size
+    return (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h) + 4 * h
+
+
+def embedding_parameters(config: ModelConfig, model_type: str) -> int:
+    """Word (padded vocabulary), position and (BERT) token-type embeddings."""
+    h = config.hidden_size
+    count = (config.padded_vocab_size + config.max_positions) * h
+    if model_type == "bert":
+        count += bert_num_tokentypes(config) * h
+    return count
+
+
+def head_parameters(config: ModelConfig, model_type: str, num_stages: int = 1) -> int:
+    """Parameters of the last stage beyond its layers: final layer norm, output layer or tied
+    embedding copy (only when the last stage is not the first), BERT's pooler and heads."""
+    _check_model_type(model_type)
+    h, v = config.hidden_size, config.padded_vocab_size
+    count = 2 * h  # final layer norm
+    tied = model_type == "bert" or not config.untie_embeddings_and_output_weights
+    if not tied:
+        count += v * h
+    elif num_stages > 1:
+        count += v * h  # the last stage's copy of the tied word embedding
+    if model_type == "bert":
+        count += (h * h + h) + 2 * h + v  # lm_head: dense, layernorm, bias
+        if config.bert_binary_head:
+            count += (h * h + h) + (2 * h + 2)  # pooler, binary head
+    return count
+
+
+def count_parameters(config: ModelConfig, model_type: str = "gpt") -> int:
+    """Parameters of the whole (single-stage) model; the tied embedding counted once."""
+    return (embedding_parameters(config, model_type) + config.num_layers * layer_parameters(config)
+            + head_parameters(config, model_type, num_stages=1))
+
+
+def stage_parameters(config: ModelConfig, model_type: str,
+                     partition: Sequence[tuple[int, int]]) -> list[int]:
+    """Parameters held by each stage slice of ``partition`` (the tied copy on the last stage)."""
+    per_layer = layer_parameters(config)
+    counts = [(end - start) * per_layer for start, end in partition]
+    counts[0] += embedding_parameters(config, model_type)
+    counts[-1] += head_parameters(config, model_type, num_stages=len(partition))
+    return counts
+
+
+# --------------------------------------------------------------------------- partitioning
+def partition_layers(num_layers: int, num_stages: int, method: str = "uniform", *,
+                     config: ModelConfig | None = None, model_type: str = "gpt",
+                     layer_times: Sequence[float] | None = None, embedding_time: float = 0.0,
+                     head_time: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous ``(start, end)`` layer ranges, one per stage, each at least one layer.
+
+    ``parameters`` needs ``config`` (and ``model_type``); ``time`` needs ``layer_times`` (one per
+    layer, e.g. measured forward+backward seconds) and the embedding / head times.
+    """
+    if method not in PARTITION_METHODS:
+        raise ConfigError(f"partition method must be one of {PARTITION_METHODS}, got {method!r}")
+    if num_stages < 1 or num_layers < num_stages:
+        raise ConfigError(f"--num-layers {num_layers} must be >= the number of pipeline stages "
+                          f"{num_stages} (>= 1)")
+    if method == "uniform":
+        base, extra = divmod(num_layers, num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
+        return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+    if method == "parameters":
+        if config is None:
+            raise ValueError("partition method 'parameters' needs the model config")
+        if config.num_layers != num_layers:
+            raise ValueError(f"num_layers {num_layers} != config.num_layers {config.num_layers}")
+        costs = [float(layer_parameters(config))] * num_layers
+        first = float(embedding_parameters(config, model_type))
+        last = float(head_parameters(config, model_type, num_stages))
+    else:
+        if layer_times is None or len(layer_times) != num_layers:
+            raise ValueError("partition method 'time' needs one measured time per layer")
+        costs = [float(t) for t in layer_times]
+        first, last = float(embedding_time), float(head_time)
+    return balanced_partition(costs, num_stages, first_extra=first, last_extra=last)
+
+
+def balanced_partition(costs: Sequence[float], num_stages: int, first_extra: float = 0.0,
+                       last_extra: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous split minimising the largest stage cost (dynamic programme, exact); the first
+    stage also pays ``first_extra`` and the last ``last_extra``. Ties go to the earliest cut."""
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def stage_cost(stage: int, start: int, end: int) -> float:
+        cost = prefix[end] - prefix[start]
+        if stage == 0:
+            cost += first_extra
+        if stage == num_stages - 1:
+            cost += last_extra
+        return cost
+
+    inf = float("inf")
+    # best[k][i]: minimal max cost placing layers [0, i) on stages 0..k-1; cut[k][i] its last cut
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], stage_cost(k - 1, j, i))
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    bounds, i = [n], n
+    for k in range(num_stages, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    bounds.reverse()
+    return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def _check_model_type(model_type: str) -> None:
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")

@@ -1,0 +1,194 @@
+"""Pre-LayerNorm transformer layers with Megatron's module names, and the stack one stage holds.
+
+Activations are ``[seq, batch, hidden]``. ``layer_number`` is 1-based and *global* (Megatron's
+convention), so a stage slice's ``layers.{i}`` (local index) knows which model layer it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import skip_init
+from torch.utils.checkpoint import checkpoint
+
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.fused import (
+    FusedBackend,
+    LayerNorm,
+    attention,
+    bias_dropout_add,
+    gelu,
+)
+from megatron_chimera.model.linear import Linear
+from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
+
+RECOMPUTE_GRANULARITIES = (None, "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+def validate_recompute(config: ModelConfig) -> None:
+    """Reject inconsistent ``--recompute-*`` flags with a message naming the flag."""
+    if config.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+        raise ConfigError(
+            f"--recompute-granularity must be 'selective' or 'full', got "
+            f"{config.recompute_granularity!r}")
+    if config.recompute_granularity == "full":
+        if config.recompute_method not in RECOMPUTE_METHODS:
+            raise ConfigError(
+                f"--recompute-method must be 'uniform' or 'block' with "
+                f"--recompute-granularity full, got {config.recompute_method!r}")
+        if not config.recompute_num_layers or config.recompute_num_layers < 1:
+            raise ConfigError(
+                "--recompute-num-layers must be >= 1 with --recompute-granularity full")
+    elif config.recompute_method is not None:
+        raise ConfigError("--recompute-method requires --recompute-granularity full")
+
+
+class CoreAttention(nn.Module):
+    """Scaled (masked) softmax attention of ``[b, heads, s, head_dim]`` queries, keys, values."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+        self.dropout_p = config.attention_dropout
+        self.fused = config.masked_softmax_fusion
+        self.softmax_in_fp32 = config.attention_softmax_in_fp32
+        self.layer_scale = float(layer_number) if config.apply_query_key_layer_scaling else 1.0
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """Context ``[b, heads, s, head_dim]``; ``mask`` is True where attention is forbidden."""
+        return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
+                         fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
+                         layer_scale=self.layer_scale)
+
+
+class ParallelAttention(nn.Module):
+    """Self-attention: ``query_key_value`` projection, core attention, output ``dense``."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, causal: bool) -> None:
+        super().__init__()
+        h = config.hidden_size
+        if h % config.num_attention_heads:
+            raise ConfigError(
+                f"--hidden-size {h} must be divisible by --num-attention-heads "
+                f"{config.num_attention_heads}")
+        self.num_heads = config.num_attention_heads
+        self.head_dim = h // self.num_heads
+        self.query_key_value = skip_init(Linear, h, 3 * h, dtype=config.torch_dtype)
+        self.core_attention = CoreAttention(config, layer_number, causal)
+        self.dense = skip_init(Linear, h, h, dtype=config.torch_dtype)
+        self.recompute_core = config.recompute_granularity == "selective"
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``; QKV laid out per head as ``[q | k | v]`` (Megatron)."""
+        s, b, _ = hidden.shape
+        qkv = self.query_key_value(hidden).view(s, b, self.num_heads, 3 * self.head_dim)
+        query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(self.head_dim, dim=-1))
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            context = checkpoint(self.core_attention, query, key, value, mask,
+                                 use_reentrant=False)
+        else:
+            context = self.core_attention(query, key, value, mask)
+        context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return self.dense(context)
+
+
+class ParallelMLP(nn.Module):
+    """``dense_h_to_4h`` -> GeLU (tanh) -> ``dense_4h_to_h``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, f, dtype = config.hidden_size, config.ffn_size, config.torch_dtype
+        self.dense_h_to_4h = skip_init(Linear, h, f, dtype=dtype)
+        self.dense_4h_to_h = skip_init(Linear, f, h, dtype=dtype)
+        self.fused_gelu = config.bias_gelu_fusion
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``."""
+        return self.dense_4h_to_h(gelu(self.dense_h_to_4h(hidden), fused=self.fused_gelu))
+
+
+class ParallelTransformerLayer(nn.Module):
+    """One pre-LN transformer layer; ``layer_number`` is its 1-based global number."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, causal: bool,
+                 backend: FusedBackend, seed: int) -> None:
+        super().__init__()
+        self.layer_number = layer_number
+        self.hidden_dropout = config.hidden_dropout
+        eps, dtype = config.layernorm_epsilon, config.torch_dtype
+        self.input_layernorm = LayerNorm(config.hidden_size, eps, backend, dtype)
+        self.self_attention = ParallelAttention(config, layer_number, causal)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps, backend, dtype)
+        self.mlp = ParallelMLP(config)
+        self._init_weights(config, seed)
+
+    def _init_weights(self, config: ModelConfig, seed: int) -> None:
+        generator = make_generator(seed, layer_key(self.layer_number - 1))
+        std = config.init_method_std
+        out_std = scaled_init_std(std, config.num_layers)
+        init_linear_(self.self_attention.query_key_value, std, generator)
+        init_linear_(self.self_attention.dense, out_std, generator)
+        init_linear_(self.mlp.dense_h_to_4h, std, generator)
+        init_linear_(self.mlp.dense_4h_to_h, out_std, generator)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``: attention and MLP blocks, each with a residual."""
+        attention_out = self.self_attention(self.input_layernorm(hidden), mask)
+        hidden = bias_dropout_add(attention_out, None, hidden, self.hidden_dropout,
+                                  self.training)
+        mlp_out = self.mlp(self.post_attention_layernorm(hidden))
+        return bias_dropout_add(mlp_out, None, hidden, self.hidden_dropout, self.training)
+
+
+class ParallelTransformer(nn.Module):
+    """The layers ``layer_range = (start, end)`` of the model, plus ``final_layernorm`` on the last
+    stage; full activation recomputation (uniform / block) as Megatron."""
+
+    def __init__(self, config: ModelConfig, layer_range: tuple[int, int], post_process: bool,
+                 causal: bool, backend: FusedBackend, seed: int) -> None:
+        super().__init__()
+        validate_recompute(config)
+        start, end = layer_range
+        if not 0 <= start <= end <= config.num_layers:
+            raise ConfigError(
+                f"layer range {layer_range} outside the model's --num-layers {config.num_layers}")
+        self.layer_range = (start, end)
+        self.recompute_granularity = config.recompute_granularity
+        self.recompute_method = config.recompute_method
+        self.recompute_num_layers = config.recompute_num_layers
+        self.layers = nn.ModuleList(
+            ParallelTransformerLayer(config, start + i + 1, causal, backend, seed)
+            for i in range(end - start))
+        self.final_layernorm = (
+            LayerNorm(config.hidden_size, config.layernorm_epsilon, backend, config.torch_dtype)
+            if post_process else None)
+
+    def _run(self, first: int, last: int):
+        def run_layers(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+            for layer in self.layers[first:last]:
+                hidden = layer(hidden, mask)
+            return hidden
+        return run_layers
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Run this stage's layers on ``[s, b, h]``."""
+        n = len(self.layers)
+        full = (self.recompute_granularity == "full" and self.training
+                and torch.is_grad_enabled())
+        if not full:
+            hidden = self._run(0, n)(hidden, mask)
+        elif self.recompute_method == "uniform":
+            for first in range(0, n, self.recompute_num_layers):
+                last = min(first + self.recompute_num_layers, n)
+                hidden = checkpoint(self._run(first, last), hidden, mask, use_reentrant=False)
+        else:  # block: the first recompute_num_layers layers of this stage, one at a time
+            for i in range(n):
+                if i < self.recompute_num_layers:
+                    hidden = checkpoint(self._run(i, i + 1), hidden, mask, use_reentrant=False)
+                else:
+                    hidden = self.layers[i](hidden, mask)
+        if self.final_layernorm is not None:
+            hidden = self.final_layernorm(hidden)
+        return hidden

@@ -1,0 +1,108 @@
+"""``get_megatron_optimizer``: parameter groups, inner optimizer, grad scaler and wrapper."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_chimera.config import ConfigError, OptimizerConfig
+from megatron_chimera.model.fused import build_adam, get_fused_backend
+from megatron_chimera.optimizer.grad_scaler import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    MegatronGradScaler,
+)
+from megatron_chimera.optimizer.optimizer import (
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    MegatronOptimizer,
+    NormFilter,
+)
+
+
+def get_param_groups(model_chunks: list[nn.Module],
+                     weight_decay: float) -> list[dict]:
+    """Two groups: with weight decay, and without for biases and norm weights (1-D parameters).
+
+    Order is deterministic (chunk order, then ``named_parameters`` order) so optimizer state dicts
+    line up across runs.
+    """
+    decay, no_decay, seen = [], [], set()
+    for chunk in model_chunks:
+        for _, param in chunk.named_parameters():
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            (no_decay if param.ndim == 1 else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _grad_scaler(config: OptimizerConfig) -> MegatronGradScaler | None:
+    if not config.fp16:
+        return None
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    return DynamicGradScaler(initial_scale=config.initial_loss_scale,
+                             min_scale=config.min_loss_scale, growth_factor=2.0,
+                             backoff_factor=0.5, growth_interval=config.loss_scale_window,
+                             hysteresis=config.hysteresis)
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[nn.Module],
+                           grad_norm_group=None, found_inf_group=None,
+                           norm_param_filter: NormFilter | None = None,
+                           log_num_zeros_in_grad: bool = False) -> MegatronOptimizer:
+    """The optimizer over all parameters of this rank's ``model_chunks`` (its stage replicas).
+
+    ``grad_norm_group`` / ``found_inf_group``: process groups over which the norm's sum of squares
+    (SUM) and the overflow flag (MAX) are reduced (None: local). ``norm_param_filter(param)``
+    selects the parameters that count in the global norm (default: all).
+    """
+    if config.fp16 and config.bf16:
+        raise ConfigError("--fp16 and --bf16 are mutually exclusive")
+    if config.optimizer not in ("adam", "sgd"):
+        raise ConfigError(f"--optimizer must be 'adam' or 'sgd', got {config.optimizer!r}")
+    if config.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be >= 0, got {config.clip_grad}")
+    backend = get_fused_backend(config.use_apex)
+    groups = get_param_groups(model_chunks, config.weight_decay)
+    model_params = [p for g in groups for p in g["params"]]
+    if not model_params:
+        raise ValueError("get_megatron_optimizer: the model chunks have no trainable parameters")
+
+    half = torch.float16 if config.fp16 else torch.bfloat16 if config.bf16 else None
+    if half is None:
+        wrong = {p.dtype for p in model_params} - {torch.float32}
+        if wrong:
+            raise ConfigError(f"model has {wrong} parameters: pass --fp16 or --bf16")
+        main_groups, main_params = groups, model_params
+    else:
+        main_groups, main_params = [], []
+        for group in groups:
+            mains = [_main_param(p, half) for p in group["params"]]
+            main_groups.append({**group, "params": mains})
+            main_params.extend(mains)
+
+    lr = config.lr
+    if config.optimizer == "adam":
+        inner = build_adam(main_groups, lr=lr, betas=(config.adam_beta1, config.adam_beta2),
+                           eps=config.adam_eps, weight_decay=config.weight_decay,
+                           backend=backend)
+    else:
+        inner = torch.optim.SGD(main_groups, lr=lr, momentum=config.sgd_momentum,
+                                weight_decay=config.weight_decay, foreach=True)
+    cls = FP32Optimizer if half is None else Float16OptimizerWithFloat16Params
+    return cls(inner, model_params, main_params, config.clip_grad, _grad_scaler(config),
+               backend, grad_norm_group=grad_norm_group, found_inf_group=found_inf_group,
+               norm_param_filter=norm_param_filter, log_num_zeros_in_grad=log_num_zeros_in_grad)
+
+
+def _main_param(param: nn.Parameter, half: torch.dtype) -> nn.Parameter:
+    """fp32 main copy of a 16-bit model parameter (fp32 parameters are their own main copy)."""
+    if param.dtype == torch.float32:
+        return param
+    if param.dtype != half:
+        raise ConfigError(f"model parameter dtype {param.dtype} does not match "
+                          f"{'--fp16' if half == torch.float16 else '--bf16'}")
+    return nn.Parameter(param.detach().clone().float())

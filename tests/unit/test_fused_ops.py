@@ -1,0 +1,187 @@
+"""Fused-kernel dispatch (Apex vs torch-native) and numeric agreement of fused and unfused ops."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_chimera.config import ConfigError
+from megatron_chimera.model import fused
+from megatron_chimera.model.fused import FusedBackend, LayerNorm, get_fused_backend
+
+
+@pytest.fixture(autouse=True)
+def fresh_backend_cache():
+    get_fused_backend.cache_clear()
+    yield
+    get_fused_backend.cache_clear()
+
+
+@pytest.fixture
+def stand_in_apex(monkeypatch):
+    """Inject a stand-in for NVIDIA Apex (its module names, recording calls) and pretend CUDA."""
+    calls: list[str] = []
+
+    def fused_layer_norm_affine(x, weight, bias, normalized_shape, eps):
+        calls.append("layer_norm")
+        return F.layer_norm(x, normalized_shape, weight, bias, eps)
+
+    class FusedAdam(torch.optim.AdamW):
+        def __init__(self, params, lr, betas, eps, weight_decay, adam_w_mode):
+            assert adam_w_mode is True
+            calls.append("adam")
+            super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def multi_tensor_applier(op, noop_flag, tensor_lists, *args):
+        return op(4096, noop_flag, tensor_lists, *args)
+
+    def multi_tensor_l2norm(chunk, flag, lists, per_tensor):
+        calls.append("l2norm")
+        norm = torch.linalg.vector_norm(torch.cat([t.float().flatten() for t in lists[0]]))
+        return norm.reshape(1), None
+
+    def multi_tensor_scale(chunk, flag, lists, scale):
+        calls.append("scale")
+        for src, dst in zip(*lists):
+            dst.copy_(src * scale)
+
+    modules = {
+        "apex": types.ModuleType("apex"),
+        "apex.normalization": types.ModuleType("apex.normalization"),
+        "apex.normalization.fused_layer_norm": types.ModuleType("fused_layer_norm"),
+        "apex.optimizers": types.ModuleType("apex.optimizers"),
+        "apex.multi_tensor_apply": types.ModuleType("apex.multi_tensor_apply"),
+        "amp_C": types.ModuleType("amp_C"),
+    }
+    modules["apex.normalization.fused_layer_norm"].fused_layer_norm_affine = fused_layer_norm_affine
+    modules["apex.optimizers"].FusedAdam = FusedAdam
+    modules["apex.multi_tensor_apply"].multi_tensor_applier = multi_tensor_applier
+    modules["amp_C"].multi_tensor_l2norm = multi_tensor_l2norm
+    modules["amp_C"].multi_tensor_scale = multi_tensor_scale
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    return calls
+
+
+def test_native_path_without_apex(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "amp_C", None)  # importing it raises ImportError
+    with caplog.at_level(logging.INFO, logger="megatron_chimera.model.fused"):
+        backend = get_fused_backend(None)
+        assert get_fused_backend(None) is backend
+    assert backend == FusedBackend(apex=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "fused kernels: native (NVIDIA Apex not importable)"]
+
+
+def test_use_apex_true_without_apex_is_an_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "amp_C", None)
+    with pytest.raises(ConfigError, match="--use-apex"):
+        get_fused_backend(True)
+
+
+def test_apex_path_with_stand_in(stand_in_apex, caplog):
+    with caplog.at_level(logging.INFO, logger="megatron_chimera.model.fused"):
+        backend = get_fused_backend(None)
+    assert backend.apex and "NVIDIA Apex found" in caplog.text
+    norm = LayerNorm(8, 1e-5, backend)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(norm(x), F.layer_norm(x, (8,), eps=1e-5))
+    param = torch.nn.Parameter(torch.ones(4))
+    adam = fused.build_adam([{"params": [param]}], 1e-3, (0.9, 0.999), 1e-8, 0.0, backend)
+    assert type(adam).__name__ == "FusedAdam"
+    tensors = [torch.full((3,), 2.0), torch.full((1,), 2.0)]
+    assert fused.multi_tensor_l2norm(tensors, backend).item() == pytest.approx(4.0)
+    targets = [torch.zeros(3), torch.zeros(1)]
+    fused.multi_tensor_scale_(tensors, targets, 0.5, backend)
+    assert all(torch.all(t == 1.0) for t in targets)
+    assert stand_in_apex == ["layer_norm", "adam", "l2norm", "scale"]
+
+
+def test_no_apex_flag_overrides_detection(stand_in_apex):
+    backend = get_fused_backend(False)
+    assert not backend.apex
+    LayerNorm(8, 1e-5, backend)(torch.randn(2, 8))
+    assert stand_in_apex == []
+
+
+def test_native_multi_tensor_ops_and_adam():
+    backend = FusedBackend(apex=False)
+    tensors = [torch.tensor([3.0, 0.0]), torch.tensor([4.0])]
+    assert fused.multi_tensor_l2norm(tensors, backend).item() == pytest.approx(5.0)
+    targets = [torch.zeros(2, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)]
+    fused.multi_tensor_scale_(tensors, targets, 2.0, backend)
+    assert targets[1].item() == 8.0 and targets[1].dtype == torch.bfloat16
+    adam = fused.build_adam([{"params": [torch.nn.Parameter(torch.ones(2))]}], 1e-3,
+                            (0.9, 0.999), 1e-8, 0.1, backend)
+    assert isinstance(adam, torch.optim.AdamW) and adam.defaults["foreach"]
+
+
+# ----------------------------------------------------------------------------- numerics
+def naive_attention(q, k, v, forbidden):
+    """Textbook softmax(QK^T / sqrt(d)) V with -inf masking."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(forbidden, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fused_path", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_matches_textbook(fused_path, causal):
+    g = torch.Generator().manual_seed(0)
+    b, heads, s, d = 2, 3, 7, 8
+    q, k, v = (torch.randn(b, heads, s, d, generator=g, dtype=torch.float64) for _ in range(3))
+    padding = torch.zeros(b, 1, 1, s, dtype=torch.bool)
+    padding[1, ..., 5:] = True  # the second sample's last two keys are padding
+    forbidden = padding | (torch.ones(s, s).triu(1).bool() if causal else False)
+    out = fused.attention(q, k, v, padding, causal, 0.0, training=False, fused=fused_path)
+    torch.testing.assert_close(out, naive_attention(q, k, v, forbidden), rtol=1e-10, atol=1e-10)
+
+
+def test_query_key_layer_scaling_is_a_numerical_no_op():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(3))
+    plain = fused.attention(q, k, v, None, True, 0.0, False, fused=False)
+    scaled = fused.attention(q, k, v, None, True, 0.0, False, fused=False,
+                             softmax_in_fp32=True, layer_scale=7.0)
+    torch.testing.assert_close(plain, scaled, rtol=1e-6, atol=1e-6)
+
+
+def test_gelu_fused_and_unfused_agree_with_erf_gelu():
+    x = torch.linspace(-6, 6, 1001, dtype=torch.float64, requires_grad=True)
+    fused_out = fused.gelu(x, fused=True)
+    unfused_out = fused.gelu(x, fused=False)
+    torch.testing.assert_close(fused_out, unfused_out, rtol=1e-12, atol=1e-12)
+    # the tanh approximation stays within 1e-3 of the exact (erf) GeLU
+    assert (fused_out - F.gelu(x)).abs().max().item() < 1e-3
+    (g_fused,) = torch.autograd.grad(fused_out.sum(), x)
+    (g_unfused,) = torch.autograd.grad(unfused_out.sum(), x)
+    torch.testing.assert_close(g_fused, g_unfused, rtol=1e-10, atol=1e-10)
+
+
+def test_bias_dropout_add():
+    x, bias, residual = torch.randn(4, 6), torch.randn(6), torch.randn(4, 6)
+    torch.testing.assert_close(fused.bias_dropout_add(x, bias, residual, 0.5, training=False),
+                               residual + x + bias)
+    torch.manual_seed(0)
+    out = fused.bias_dropout_add(x, None, residual, 0.5, training=True)
+    kept = (out - residual) != 0
+    torch.testing.assert_close((out - residual)[kept], (2 * x)[kept])
+    assert 0 < kept.float().mean().item() < 1
+
+
+def test_layer_norm_matches_formula():
+    norm = LayerNorm(16, 1e-5, FusedBackend(apex=False))
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-1, 1)
+    x = torch.randn(5, 16)
+    mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
+    expected = (x - mean) / torch.sqrt(var + 1e-5) * norm.weight + norm.bias
+    torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)

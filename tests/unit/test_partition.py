@@ -1,0 +1,230 @@
+"""Layer partitioning, analytic parameter counts and memory estimates vs the real modules."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.bert import BertModel, build_bert_stage
+from megatron_chimera.model.gpt2 import GPTModel, build_gpt_stage
+from megatron_chimera.model.memory import (
+    bytes_per_parameter,
+    estimate_stage_memory,
+    layer_activation_bytes,
+    rank_memory,
+)
+from megatron_chimera.model.partition import (
+    PAPER_CONFIGS,
+    balanced_partition,
+    count_parameters,
+    partition_layers,
+    stage_parameters,
+)
+from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.gpipe import gpipe
+
+
+def small(**overrides) -> ModelConfig:
+    fields = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                  vocab_size=200, make_vocab_size_divisible_by=128, hidden_dropout=0.1,
+                  attention_dropout=0.1)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# ----------------------------------------------------------------------------- parameter counts
+def test_paper_gpt2_64_layers_is_1_39_billion_untied():
+    config = PAPER_CONFIGS["gpt2-64"]
+    h, v = 1280, 50304  # 50257 padded to a multiple of 128
+    expected = 64 * (12 * h * h + 13 * h) + 2 * v * h + 632 * h + 2 * h
+    assert count_parameters(config, "gpt") == expected
+    assert 1.385e9 < expected < 1.395e9
+
+
+def test_paper_bert_48():
+    config = PAPER_CONFIGS["bert-48"]
+    h, v = 1024, 30592  # 30522 padded to a multiple of 128
+    layers = 48 * (12 * h * h + 13 * h)
+    embeddings = v * h + 512 * h + 2 * h
+    heads = 2 * h + (h * h + h) + 2 * h + v + (h * h + h) + (2 * h + 2)
+    assert count_parameters(config, "bert") == layers + embeddings + heads
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads,
+            config.seq_length) == (48, 1024, 16, 128)
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("gpt", {}), ("gpt", {"untie_embeddings_and_output_weights": True}),
+    ("gpt", {"ffn_hidden_size": 96}), ("bert", {}), ("bert", {"bert_binary_head": False}),
+])
+def test_counts_match_real_models(model_type, overrides):
+    config = small(**overrides)
+    build_whole = GPTModel if model_type == "gpt" else BertModel
+    assert count_parameters(config, model_type) == numel(build_whole(config))
+    partition = [(0, 1), (1, 3), (3, 4)]
+    build = build_gpt_stage if model_type == "gpt" else build_bert_stage
+    real = [numel(build(config, partition, s)) for s in range(3)]
+    assert stage_parameters(config, model_type, partition) == real
+
+
+# ----------------------------------------------------------------------------- partitioning
+def test_uniform_partition():
+    assert partition_layers(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert partition_layers(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    with pytest.raises(ConfigError, match="--num-layers"):
+        partition_layers(3, 4)
+    with pytest.raises(ConfigError, match="method"):
+        partition_layers(8, 4, "random")
+
+
+def brute_force_best(costs, stages, first, last):
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        loads = [sum(costs[bounds[i]:bounds[i + 1]]) for i in range(stages)]
+        loads[0] += first
+        loads[-1] += last
+        best = max(loads) if best is None else min(best, max(loads))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balanced_partition_is_optimal(seed):
+    g = torch.Generator().manual_seed(seed)
+    costs = (torch.rand(9, generator=g) * 10).tolist()
+    first, last = float(torch.rand(1, generator=g) * 15), float(torch.rand(1, generator=g) * 15)
+    parts = balanced_partition(costs, 4, first, last)
+    assert parts[0][0] == 0 and parts[-1][1] == 9
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(parts, parts[1:]))
+    loads = [sum(costs[s:e]) for s, e in parts]
+    loads[0] += first
+    loads[-1] += last
+    assert max(loads) == pytest.approx(brute_force_best(costs, 4, first, last))
+
+
+def test_parameter_and_time_balancing_account_for_embedding_and_head():
+    config = PAPER_CONFIGS["gpt2-64"]
+    parts = partition_layers(64, 8, "parameters", config=config)
+    sizes = [e - s for s, e in parts]
+    assert sum(sizes) == 64 and sizes[0] < sizes[3] and sizes[-1] < sizes[3]
+    counts = stage_parameters(config, "gpt", parts)
+    uniform = stage_parameters(config, "gpt", partition_layers(64, 8))
+    assert max(counts) < max(uniform)
+    timed = partition_layers(6, 3, "time", layer_times=[1, 1, 1, 1, 1, 1], embedding_time=2.0,
+                             head_time=0.0)
+    assert timed == [(0, 1), (1, 3), (3, 6)]
+    with pytest.raises(ValueError, match="one measured time per layer"):
+        partition_layers(6, 3, "time", layer_times=[1.0])
+
+
+# ----------------------------------------------------------------------------- memory
+def test_bytes_per_parameter_table():
+    assert bytes_per_parameter("fp32") == {"param": 4, "grad": 4, "optimizer": 8, "main_grad": 0}
+    assert bytes_per_parameter("bf16") == {"param": 2, "grad": 2, "optimizer": 12, "main_grad": 4}
+    assert bytes_per_parameter("fp16", "sgd")["optimizer"] == 8
+    assert bytes_per_parameter("fp32", "sgd", sgd_momentum=0.0)["optimizer"] == 0
+
+
+def test_korthikanti_formula_for_16_bit():
+    config = small(params_dtype="bf16", masked_softmax_fusion=False)
+    s, b, h, a = 32, 2, 64, 4
+    assert layer_activation_bytes(config, b) == s * b * h * (34 + 5 * a * s / h)
+    assert layer_activation_bytes(config, b, "selective") == 34 * s * b * h
+    assert layer_activation_bytes(config, b, "full") == 2 * s * b * h
+    fp32 = small(masked_softmax_fusion=False)
+    assert layer_activation_bytes(fp32, b) == s * b * h * (66 + 9 * a * s / h)
+
+
+def run_stage(module, model_type: str, first: bool):
+    """One forward of a two-stage slice on a fixed micro-batch of 2 x 32 tokens."""
+    tokens = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))
+    if model_type == "gpt":
+        if first:
+            return module(tokens, torch.arange(32).expand(2, 32))
+        return module(None, None, labels=tokens)
+    padding, types = torch.ones(2, 32), torch.zeros(2, 32, dtype=torch.long)
+    return module(tokens, padding, types) if first else module(None, padding, None, tokens)
+
+
+def measured_activation_bytes(model, run) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves for backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("model_type", ["gpt", "bert"])
+@pytest.mark.parametrize("overrides", [
+    dict(masked_softmax_fusion=False), dict(masked_softmax_fusion=False, params_dtype="bf16"),
+    dict(masked_softmax_fusion=False, attention_dropout=0.0),
+    # fused attention: the CPU flash kernel is used without attention dropout
+    dict(masked_softmax_fusion=True, attention_dropout=0.0, params_dtype="bf16"),
+])
+def test_estimates_match_measured_bytes(model_type, overrides):
+    config = small(**overrides)
+    partition = [(0, 2), (2, 4)]
+    estimates = estimate_stage_memory(config, model_type, partition, micro_batch_size=2,
+                                      device_type="cpu")
+    build = build_gpt_stage if model_type == "gpt" else build_bert_stage
+    width = config.torch_dtype.itemsize
+    for stage in (0, 1):
+        module = build(config, partition, stage)
+        estimate = estimates[stage]
+        assert estimate.param_bytes == sum(p.numel() * width for p in module.parameters())
+        module.set_input_tensor(torch.randn(32, 2, 64, dtype=config.torch_dtype))
+        run = functools.partial(run_stage, module, model_type, stage == 0)
+        measured = measured_activation_bytes(module, run)
+        assert abs(estimate.activation_bytes / measured - 1) < 0.10, (stage, measured)
+
+
+def test_recompute_estimates():
+    config = small(num_layers=8, params_dtype="bf16", recompute_granularity="full",
+                   recompute_method="uniform", recompute_num_layers=2)
+    (stage,) = estimate_stage_memory(config, "gpt", [(0, 8)], 2)
+    full, layer_input = layer_activation_bytes(config, 2), layer_activation_bytes(config, 2, "full")
+    head_and_embedding = stage.activation_bytes - 8 * full
+    assert stage.activation_bytes_recompute == 4 * layer_input + head_and_embedding
+    assert stage.recompute_working_bytes == 2 * full
+    block = small(num_layers=8, recompute_granularity="full", recompute_method="block",
+                  recompute_num_layers=3)
+    (stage,) = estimate_stage_memory(block, "gpt", [(0, 8)], 2)
+    full, layer_input = layer_activation_bytes(block, 2), layer_activation_bytes(block, 2, "full")
+    assert stage.activation_bytes_recompute == \
+        3 * layer_input + 5 * full + stage.activation_bytes - 8 * full
+
+
+def test_rank_memory_for_schedules():
+    config = small(num_layers=4)
+    partition = partition_layers(4, 2)
+    stages = estimate_stage_memory(config, "gpt", partition, micro_batch_size=2)
+    one_pipe = gpipe(2, 4)
+    r0 = rank_memory(one_pipe, 0, stages, peak_in_flight=4)
+    assert r0.stages == (0,)
+    assert r0.weight_bytes == stages[0].weight_bytes
+    assert r0.activation_bytes == 4 * stages[0].activation_bytes
+    assert r0.total_bytes == r0.weight_bytes + r0.activation_bytes
+    # Chimera-style placement: rank 0 holds stage 0 (down pipe) and stage 1 (up pipe)
+    chimera_like = Schedule(name="bidirectional", num_ranks=2, num_stages=2, num_pipes=2,
+                            num_microbatches=2, placement=[[0, 1], [1, 0]], actions=[[], []])
+    r0 = rank_memory(chimera_like, 0, stages, peak_in_flight={0: 2, 1: 1})
+    assert r0.stages == (0, 1)
+    assert r0.weight_bytes == stages[0].weight_bytes + stages[1].weight_bytes
+    assert r0.activation_bytes == 2 * stages[0].activation_bytes + stages[1].activation_bytes
+    with pytest.raises(ValueError, match="holds stages"):
+        rank_memory(one_pipe, 0, stages, peak_in_flight={1: 1})

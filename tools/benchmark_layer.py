@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Benchmark one training step of a GPT-2-style pipeline stage: TFLOP/s and MFU, fused vs unfused.
+
+A step is forward + backward + optimizer (fp32 main params + Adam) of a middle stage of
+``--num-layers`` transformer layers. Model FLOPs per layer and micro-batch follow Megatron
+(Narayanan et al., 2021): ``72*b*s*h^2 * (1 + s/(6h))`` for forward + backward with a 4h MLP
+(recomputation is not counted, as in MFU). MFU is relative to the dense matmul peak measured in
+the same run (``--peak-size`` square matmuls in the benchmark dtype).
+
+On a GPU it runs bf16 at the issue's shapes (hidden 1280 / 20 heads / seq 632 and hidden 2048 /
+16 heads / seq 2048); on the CPU it runs tiny fp32 shapes, only to show that it works::
+
+    python tools/benchmark_layer.py                  # auto: GPU shapes on CUDA, tiny on CPU
+    python tools/benchmark_layer.py --output out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megatron_chimera.config import ModelConfig, OptimizerConfig
+from megatron_chimera.model.gpt2 import GPTModel
+from megatron_chimera.optimizer import get_megatron_optimizer
+
+# (name, hidden, heads, seq, micro-batch)
+GPU_SHAPES = [("gpt2-1.3b", 1280, 20, 632, 8), ("h2048-s2048", 2048, 16, 2048, 2)]
+CPU_SHAPES = [("tiny", 64, 4, 32, 2)]
+
+
+@dataclass
+class Result:
+    """One benchmark row."""
+
+    shape: str
+    path: str
+    step_ms: float
+    tflops: float
+    mfu: float
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels (CUDA) before reading the clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, iters: int) -> float:
+    """Best measured throughput of ``size``-cubed matmuls (TFLOP/s)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e12
+
+
+def model_flops_per_step(layers: int, hidden: int, seq: int, batch: int) -> float:
+    """Megatron's forward+backward FLOPs of ``layers`` transformer layers (no recompute)."""
+    return 72.0 * layers * batch * seq * hidden**2 * (1.0 + seq / (6.0 * hidden))
+
+
+def time_training_step(config: ModelConfig, batch: int, device: torch.device, steps: int,
+                       warmup: int) -> float:
+    """Median seconds of forward + backward + optimizer step of a middle stage."""
+    model = GPTModel(config, pre_process=False, post_process=False).to(device)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(lr=1e-4, bf16=config.params_dtype == "bf16", clip_grad=1.0), [model])
+    shape = (config.seq_length, batch, config.hidden_size)
+    hidden = torch.randn(shape, device=device, dtype=config.torch_dtype, requires_grad=True)
+    grad = torch.randn(shape, device=device, dtype=config.torch_dtype)
+    times = []
+    for i in range(warmup + steps):
+        synchronize(device)
+        start = time.perf_counter()
+        model.set_input_tensor(hidden)
+        model(None, None).backward(grad)
+        optimizer.step()
+        optimizer.zero_grad()
+        synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def run(args: argparse.Namespace) -> tuple[float, list[Result]]:
+    """Measure the peak, then every shape on the fused and unfused paths."""
+    device = torch.device(args.device if args.device != "auto"
+                          else ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = device.type == "cuda"
+    dtype = "bf16" if on_gpu else "fp32"
+    shapes = GPU_SHAPES if on_gpu else CPU_SHAPES
+    peak = matmul_peak_tflops(device, torch.bfloat16 if on_gpu else torch.float32,
+                              args.peak_size or (8192 if on_gpu else 256), iters=10)
+    results = []
+    for name, hidden, heads, seq, batch in shapes:
+        for fused in (True, False):
+            config = ModelConfig(num_layers=args.num_layers, hidden_size=hidden,
+                                 num_attention_heads=heads, seq_length=seq, params_dtype=dtype,
+                                 masked_softmax_fusion=fused, bias_gelu_fusion=fused,
+                                 use_apex=False if args.no_apex else None)
+            seconds = time_training_step(config, batch, device, args.steps, args.warmup)
+            tflops = model_flops_per_step(args.num_layers, hidden, seq, batch) / seconds / 1e12
+            results.append(Result(name, "fused" if fused else "unfused", seconds * 1e3, tflops,
+                                  tflops / peak))
+            if on_gpu:
+                torch.cuda.empty_cache()
+    return peak, results
+
+
+def main() -> None:
+    """Parse flags, run, print a Markdown table (and write JSON with ``--output``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    parser.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak")
+    parser.add_argument("--no-apex", action="store_true", help="force torch-native kernels")
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    peak, results = run(args)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"device: {device}; measured matmul peak {peak:.1f} TFLOP/s")
+    print("| shape | path | step ms | TFLOP/s | MFU |\n|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r.shape} | {r.path} | {r.step_ms:.2f} | {r.tflops:.2f} | {100 * r.mfu:.1f}% |")
+    if args.output:
+        payload = {"device": device, "peak_tflops": peak, "results": [vars(r) for r in results]}
+        directory = os.path.dirname(os.path.abspath(args.output))
+        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as handle:
+            json.dump(payload, handle, indent=2)
+        os.replace(handle.name, args.output)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Helpers shared by the GPT, BERT and blended datasets: data paths, splits and the index cache."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from megatron_chimera.config import ConfigError
+from megatron_chimera.data.indexed_dataset import atomic_temp_path
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_data_paths(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
+    """``--data-path p`` or ``w1 p1 w2 p2 ...`` -> (prefixes, normalised weights or None)."""
+    items = list(data_path)
+    if not items:
+        raise ConfigError("--data-path is empty")
+    if len(items) == 1:
+        return items, None
+    if len(items) % 2:
+        raise ConfigError(
+            "--data-path takes one prefix or weight-prefix pairs (w1 p1 w2 p2 ...), "
+            f"got {len(items)} items"
+        )
+    weights, prefixes = [], []
+    for weight, prefix in zip(items[0::2], items[1::2]):
+        try:
+            value = float(weight)
+        except ValueError:
+            raise ConfigError(
+                f"--data-path: weight {weight!r} (before {prefix}) is not a number"
+            ) from None
+        if value < 0 or not math.isfinite(value):
+            raise ConfigError(f"--data-path: weight {weight} must be a finite number >= 0")
+        weights.append(value)
+        prefixes.append(prefix)
+    total = sum(weights)
+    if total <= 0:
+        raise ConfigError("--data-path: the weights sum to 0")
+    return prefixes, [w / total for w in weights]
+
+
+def blended_num_samples(
+    weights: Sequence[float], train_valid_test_num_samples: Sequence[int]
+) -> list[list[int]]:
+    """Samples to build from each blended dataset: ``ceil(n * w * 1.005)`` (Megatron's margin)."""
+    return [
+        [int(math.ceil(n * w * 1.005)) for n in train_valid_test_num_samples] for w in weights
+    ]
+
+
+def get_train_valid_test_split(splits_string: str, size: int) -> list[int]:
+    """Megatron's ``--split 969,30,1``: boundaries ``[0, a, b, size]`` of the three ranges."""
+    sep = "," if "," in splits_string else "/"
+    try:
+        splits = [float(s) for s in splits_string.split(sep) if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--split {splits_string!r}: expected numbers such as 969,30,1") from None
+    if any(s < 0 for s in splits) or len(splits) > 3:
+        raise ConfigError(f"--split {splits_string!r}: at most three non-negative numbers")
+    while len(splits) < 3:
+        splits.append(0.0)
+    total = sum(splits)
+    if total <= 0:
+        raise ConfigError(f"--split {splits_string!r}: the parts sum to 0")
+    index = [0]
+    for split in splits:
+        index.append(index[-1] + int(round(split / total * float(size))))
+    diff = index[-1] - size
+    for i in range(1, len(index)):
+        index[i] -= diff
+    return index
+
+
+def cache_prefix(
+    data_prefix: str, cache_dir: str | None, kind: str, description: dict[str, object]
+) -> str:
+    """File prefix of a dataset's cached indices: ``cache_dir`` (or next to the data) + a hash.
+
+    The hash covers every parameter that changes the indices, so stale caches are never reused.
+    """
+    text = repr(sorted(description.items()))
+    digest = hashlib.md5(text.encode("utf-8")).hexdigest()
+    directory = cache_dir
+    if directory is None:
+        directory = os.path.dirname(os.path.abspath(data_prefix))
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, f"{os.path.basename(data_prefix)}_{kind}_{digest}")
+
+
+def save_npy_atomic(path: str, array: np.ndarray) -> None:
+    """``np.save`` to a temporary file renamed onto ``path`` (safe with concurrent builders)."""
+    tmp = atomic_temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_npy(path: str, what: str) -> np.ndarray:
+    """Memory-map a cached index; a missing file says which builder should have made it."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path}: cached {what} not found; build the dataset caches first "
+            "(build_cache=True on one rank, then a barrier)"
+        )
+    return np.load(path, allow_pickle=False, mmap_mode="r")

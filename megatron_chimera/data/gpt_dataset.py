@@ -1,0 +1,310 @@
+"""Megatron's GPT dataset: fixed-length samples cut across shuffled documents, with cached indices.
+
+Three indices, built once per (data, split, num_samples, seq_length, seed) and cached as ``.npy``:
+
+* ``doc_idx``: the split's documents repeated for as many epochs as ``num_samples`` needs, shuffled
+  per epoch block; when the last epoch is needed for less than 80% of its samples it is shuffled
+  separately ("separate last epoch"), so its partial use does not bias the earlier epochs;
+* ``sample_idx[i] = (position in doc_idx, token offset)`` where sample ``i`` starts; a sample is
+  ``seq_length + 1`` tokens and consecutive samples share one token (a label is the next input);
+* ``shuffle_idx``: a permutation of the samples (the separated last epoch is shuffled on its own).
+
+"Documents" are the sequences of the indexed dataset (for a sentence-split dataset, sentences).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from megatron_chimera.config import ConfigError
+from megatron_chimera.data.dataset_utils import (
+    SPLIT_NAMES,
+    blended_num_samples,
+    cache_prefix,
+    get_train_valid_test_split,
+    load_npy,
+    parse_data_paths,
+    save_npy_atomic,
+)
+from megatron_chimera.data.indexed_dataset import MMapIndexedDataset
+
+LAST_EPOCH_FRACTION = 0.80
+
+
+def num_epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Smallest number of epochs whose tokens give ``num_samples`` samples of ``seq_length``."""
+    if tokens_per_epoch < 2:
+        raise ValueError("the dataset split has fewer than 2 tokens; cannot build GPT samples")
+    num_epochs = 1
+    while (num_epochs * tokens_per_epoch - 1) // seq_length < num_samples:
+        num_epochs += 1
+    return num_epochs
+
+
+def build_doc_idx(
+    documents: np.ndarray, num_epochs: int, np_rng: np.random.RandomState, separate_last_epoch: bool
+) -> np.ndarray:
+    """Documents repeated ``num_epochs`` times, shuffled (the last epoch apart when separated)."""
+    if not separate_last_epoch or num_epochs == 1:
+        doc_idx = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+        np_rng.shuffle(doc_idx)
+        return doc_idx
+    first = build_doc_idx(documents, num_epochs - 1, np_rng, False)
+    last = build_doc_idx(documents, 1, np_rng, False)
+    return np.concatenate((first, last))
+
+
+def build_sample_idx(
+    sizes: np.ndarray, doc_idx: np.ndarray, seq_length: int, num_epochs: int, tokens_per_epoch: int
+) -> np.ndarray:
+    """``[num_samples + 1, 2]`` start (doc_idx position, offset) of every sample, plus the end.
+
+    Sample ``i`` covers global tokens ``[i * seq_length, (i + 1) * seq_length]`` of the documents
+    concatenated in ``doc_idx`` order; each start is located in the document that contains it.
+    """
+    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    lengths = np.asarray(sizes, dtype=np.int64)[doc_idx]
+    starts = np.cumsum(lengths) - lengths
+    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    where = np.searchsorted(starts, positions, side="right") - 1
+    dtype = np.int32 if len(doc_idx) < np.iinfo(np.int32).max else np.int64
+    sample_idx = np.empty((num_samples + 1, 2), dtype=dtype)
+    sample_idx[:, 0] = where
+    sample_idx[:, 1] = positions - starts[where]
+    sample_idx[0] = (0, 0)
+    return sample_idx
+
+
+def build_shuffle_idx(
+    num_samples: int, total_size: int, np_rng: np.random.RandomState
+) -> np.ndarray:
+    """Permutation of ``range(total_size)`` whose first ``num_samples`` are shuffled apart."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    np_rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    np_rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_gpt_indices(
+    sizes: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(doc_idx, sample_idx, shuffle_idx) of Megatron's GPT dataset, deterministic in ``seed``."""
+    tokens_per_epoch = int(np.sum(np.asarray(sizes, dtype=np.int64)[documents]))
+    num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
+    separate_last_epoch = False
+    if num_epochs > 1:
+        from_earlier = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length
+        last_epoch_samples = num_samples - from_earlier
+        per_epoch = (tokens_per_epoch - 1) // seq_length
+        assert 0 <= last_epoch_samples <= per_epoch + 1
+        separate_last_epoch = last_epoch_samples < int(LAST_EPOCH_FRACTION * per_epoch)
+    np_rng = np.random.RandomState(seed=seed)
+    doc_idx = build_doc_idx(documents, num_epochs, np_rng, separate_last_epoch)
+    sample_idx = build_sample_idx(sizes, doc_idx, seq_length, num_epochs, tokens_per_epoch)
+    total = sample_idx.shape[0] - 1
+    shuffled = from_earlier if separate_last_epoch else total
+    shuffle_idx = build_shuffle_idx(shuffled, total, np_rng)
+    return doc_idx, sample_idx, shuffle_idx
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples ``{"text": int64[seq_length + 1]}`` from a range of documents of an indexed dataset.
+
+    With ``build_cache=True`` the indices are built (if not cached yet) and saved atomically; with
+    ``False`` they are only memory-mapped, so call it with True on one rank, barrier, then on all.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        data_prefix: str,
+        indexed_dataset: MMapIndexedDataset,
+        documents: np.ndarray,
+        num_samples: int,
+        seq_length: int,
+        seed: int,
+        cache_dir: str | None = None,
+        build_cache: bool = True,
+    ) -> None:
+        if seq_length < 1:
+            raise ConfigError("--seq-length must be positive")
+        documents = np.asarray(documents)
+        if len(documents) == 0 or documents.min() < 0 or documents.max() >= len(indexed_dataset):
+            raise ValueError(f"{name}: document range out of bounds for {data_prefix}")
+        self.name = name
+        self.indexed_dataset = indexed_dataset
+        self.seq_length = seq_length
+        prefix = cache_prefix(data_prefix, cache_dir, f"{name}_gpt", {
+            "class": "GPTDataset", "path": os.path.abspath(data_prefix),
+            "sequences": len(indexed_dataset), "first": int(documents[0]),
+            "last": int(documents[-1]), "count": len(documents), "num_samples": num_samples,
+            "seq_length": seq_length, "seed": seed, "format": 1,
+        })
+        paths = {k: f"{prefix}_{k}.npy" for k in ("doc_idx", "sample_idx", "shuffle_idx")}
+        if build_cache and not all(os.path.isfile(p) for p in paths.values()):
+            indices = build_gpt_indices(indexed_dataset.sequence_lengths, documents, num_samples,
+                                        seq_length, seed)
+            for path, array in zip(paths.values(), indices):
+                save_npy_atomic(path, array)
+        self.doc_idx = load_npy(paths["doc_idx"], "GPT doc index")
+        self.sample_idx = load_npy(paths["sample_idx"], "GPT sample index")
+        self.shuffle_idx = load_npy(paths["shuffle_idx"], "GPT shuffle index")
+        self.cache_paths = paths
+
+    def __len__(self) -> int:
+        return self.shuffle_idx.shape[0]
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        i = int(self.shuffle_idx[idx])
+        (doc_f, offset_f), (doc_l, offset_l) = self.sample_idx[i], self.sample_idx[i + 1]
+        get = self.indexed_dataset.get
+        if doc_f == doc_l:
+            parts = [get(int(self.doc_idx[doc_f]), int(offset_f), int(offset_l - offset_f + 1))]
+        else:
+            parts = [get(int(self.doc_idx[doc_f]), int(offset_f))]
+            parts += [get(int(self.doc_idx[d])) for d in range(doc_f + 1, doc_l)]
+            parts.append(get(int(self.doc_idx[doc_l]), 0, int(offset_l) + 1))
+        return {"text": np.concatenate(parts).astype(np.int64)}
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """Deterministic synthetic GPT samples (``--mock-data``): learnable counting runs split by eod.
+
+    Sample ``i`` of split ``name`` depends only on ``(seed, name, i)``: a run ``a, a+1, ...``
+    (mod vocab) with an eod token at a random position.
+    """
+
+    def __init__(self, name: str, num_samples: int, seq_length: int, vocab_size: int, eod: int,
+                 seed: int) -> None:
+        if vocab_size < 2:
+            raise ConfigError("mock data needs a vocabulary of at least 2 ids")
+        self.split_id = SPLIT_NAMES.index(name) if name in SPLIT_NAMES else len(SPLIT_NAMES)
+        self.num_samples, self.seq_length = num_samples, seq_length
+        self.vocab_size, self.eod, self.seed = vocab_size, eod, seed
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(idx)
+        rng = np.random.default_rng([self.seed, self.split_id, idx])
+        start = int(rng.integers(self.vocab_size))
+        text = (start + np.arange(self.seq_length + 1, dtype=np.int64)) % self.vocab_size
+        text[int(rng.integers(self.seq_length + 1))] = self.eod
+        return {"text": text}
+
+
+def _build_split_datasets(
+    data_prefix: str, splits_string: str, num_samples: Sequence[int], seq_length: int, seed: int,
+    cache_dir: str | None, build_cache: bool,
+) -> list[GPTDataset | None]:
+    indexed = MMapIndexedDataset(data_prefix)
+    bounds = get_train_valid_test_split(splits_string, len(indexed))
+    out: list[GPTDataset | None] = []
+    for i, name in enumerate(SPLIT_NAMES):
+        if bounds[i + 1] <= bounds[i] or num_samples[i] <= 0:
+            out.append(None)
+            continue
+        documents = np.arange(bounds[i], bounds[i + 1], dtype=np.int32)
+        out.append(GPTDataset(name, data_prefix, indexed, documents, num_samples[i], seq_length,
+                              seed, cache_dir, build_cache))
+    return out
+
+
+def build_train_valid_test_datasets(
+    data_prefix: Sequence[str],
+    splits_string: str,
+    train_valid_test_num_samples: Sequence[int],
+    seq_length: int,
+    seed: int,
+    cache_dir: str | None = None,
+    build_cache: bool = True,
+) -> tuple[torch.utils.data.Dataset | None, ...]:
+    """(train, valid, test) GPT datasets from ``--data-path`` (one prefix or weighted prefixes).
+
+    A split with no documents or no requested samples is ``None``.
+    """
+    from megatron_chimera.data.blended_dataset import BlendedDataset
+
+    prefixes, weights = parse_data_paths(data_prefix)
+    if weights is None:
+        return tuple(_build_split_datasets(prefixes[0], splits_string, train_valid_test_num_samples,
+                                           seq_length, seed, cache_dir, build_cache))
+    per_prefix = blended_num_samples(weights, train_valid_test_num_samples)
+    built = [
+        _build_split_datasets(p, splits_string, n, seq_length, seed, cache_dir, build_cache)
+        for p, n in zip(prefixes, per_prefix)
+    ]
+    result: list[torch.utils.data.Dataset | None] = []
+    for i, name in enumerate(SPLIT_NAMES):
+        parts = [(d[i], w) for d, w in zip(built, weights) if d[i] is not None]
+        if not parts or train_valid_test_num_samples[i] <= 0:
+            result.append(None)
+            continue
+        result.append(BlendedDataset(
+            [d for d, _ in parts], [w for _, w in parts], train_valid_test_num_samples[i],
+            name=name, cache_dir=cache_dir or os.path.dirname(os.path.abspath(prefixes[0])),
+            build_cache=build_cache,
+        ))
+    return tuple(result)
+
+
+class GPTBatch(NamedTuple):
+    """A GPT micro-batch in Megatron's order; every tensor is ``[b, s]`` except the mask."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    attention_mask: torch.Tensor  # bool [b or 1, 1, s, s]; True = masked out (Megatron's)
+    position_ids: torch.Tensor
+
+
+def get_ltor_masks_and_position_ids(
+    data: torch.Tensor, eod_token: int, reset_position_ids: bool, reset_attention_mask: bool,
+    eod_mask_loss: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's left-to-right masks: (attention_mask, loss_mask, position_ids)."""
+    batch, seq = data.shape
+    att_batch = batch if reset_attention_mask else 1
+    attention_mask = torch.tril(torch.ones((att_batch, seq, seq), device=data.device))
+    attention_mask = attention_mask.view(att_batch, 1, seq, seq)
+    loss_mask = torch.ones(data.shape, dtype=torch.float, device=data.device)
+    if eod_mask_loss:
+        loss_mask[data == eod_token] = 0.0
+    position_ids = torch.arange(seq, dtype=torch.long, device=data.device)
+    position_ids = position_ids.unsqueeze(0).expand_as(data).clone()
+    if reset_position_ids or reset_attention_mask:
+        for b in range(batch):
+            eod_positions = torch.nonzero(data[b] == eod_token).flatten().tolist()
+            prev = 0
+            for i in eod_positions:
+                if reset_attention_mask:
+                    attention_mask[b, 0, i + 1 :, : i + 1] = 0
+                if reset_position_ids:
+                    position_ids[b, i + 1 :] -= i + 1 - prev
+                    prev = i + 1
+    return attention_mask < 0.5, loss_mask, position_ids
+
+
+def get_batch(
+    micro_batch: dict[str, torch.Tensor], eod_token: int, reset_position_ids: bool = False,
+    reset_attention_mask: bool = False, eod_mask_loss: bool = False,
+) -> GPTBatch:
+    """Megatron's GPT ``get_batch``: tokens = text[:, :-1], labels = text[:, 1:], masks."""
+    text = micro_batch["text"].long()
+    tokens = text[:, :-1].contiguous()
+    labels = text[:, 1:].contiguous()
+    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        tokens, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss
+    )
+    return GPTBatch(tokens, labels, loss_mask, attention_mask, position_ids)

@@ -1,0 +1,133 @@
+"""Megatron's pretraining sampler, collate function and data iterator, resumable at any sample.
+
+The samples of an iteration are ``num_microbatches x micro_batch_size x data_parallel_size``
+consecutive sample ids starting at ``consumed_samples``. Step ``j`` of the sampler takes the next
+``micro_batch_size x data_parallel_size`` ids and gives replica ``r`` the slice
+``[r * micro_batch_size, (r + 1) * micro_batch_size)``. So replica ``r`` reads its micro-batches in
+global micro-batch order, every rank of a pipeline (same ``r``) reads the same ones, and resuming
+with the saved ``consumed_samples`` continues with exactly the next sample. With Chimera the
+executor hands pipe ``p`` the block ``[p * N / P, (p + 1) * N / P)`` of these ``N`` micro-batches
+(``next_microbatches`` returns them in that global order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from megatron_chimera.config import ConfigError
+
+
+class MegatronPretrainingSampler:
+    """Yields this replica's micro-batches of sample indices, from ``consumed_samples`` on."""
+
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ) -> None:
+        if total_samples <= 0:
+            raise ConfigError(f"no samples to train on (total_samples={total_samples})")
+        if consumed_samples < 0 or consumed_samples >= total_samples:
+            raise ConfigError(
+                f"consumed_samples {consumed_samples} is outside the dataset of {total_samples}"
+            )
+        if micro_batch_size <= 0:
+            raise ConfigError("--micro-batch-size must be positive")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ConfigError(
+                f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})"
+            )
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.step = micro_batch_size * data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.total_samples - self.consumed_samples, self.step)
+        return full + (1 if rest > self.data_parallel_rank * self.micro_batch_size
+                       and not self.drop_last else 0)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        first = self.data_parallel_rank * self.micro_batch_size
+        start = self.consumed_samples
+        while start + self.step <= self.total_samples:
+            yield list(range(start + first, start + first + self.micro_batch_size))
+            start += self.step
+        if not self.drop_last:
+            rest = list(range(start + first, min(start + first + self.micro_batch_size,
+                                                  self.total_samples)))
+            if rest:
+                yield rest
+
+
+def collate_samples(samples: Sequence[dict[str, object]]) -> dict[str, torch.Tensor]:
+    """Stack a list of sample dicts (numpy arrays or ints) into a dict of torch tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for key in samples[0]:
+        values = [s[key] for s in samples]
+        if isinstance(values[0], np.ndarray):
+            out[key] = torch.from_numpy(np.stack(values))
+        else:
+            out[key] = torch.tensor(values)
+    return out
+
+
+def build_pretraining_data_loader(
+    dataset: torch.utils.data.Dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    num_workers: int = 2,
+) -> torch.utils.data.DataLoader:
+    """Megatron's ``build_pretraining_data_loader`` with the single (sequential) sampler."""
+    sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
+                                         data_parallel_rank, data_parallel_size)
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_samples,
+        pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+    )
+
+
+def build_data_iterator(
+    dataset: torch.utils.data.Dataset | None,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    num_workers: int = 2,
+) -> Iterator[dict[str, torch.Tensor]] | None:
+    """An iterator over this replica's micro-batches (``None`` for a missing split)."""
+    if dataset is None:
+        return None
+    return iter(build_pretraining_data_loader(dataset, consumed_samples, micro_batch_size,
+                                              data_parallel_rank, data_parallel_size, num_workers))
+
+
+def next_microbatches(
+    data_iterator: Iterator[dict[str, torch.Tensor]] | None,
+    num_microbatches: int,
+    needed: Iterable[int] | None = None,
+) -> list[dict[str, torch.Tensor] | None]:
+    """The ``N`` micro-batches of one iteration, in global micro-batch order.
+
+    Always advances the iterator by ``N`` so every rank stays in step; entries whose id is not in
+    ``needed`` (a rank with no first or last stage of that micro-batch's pipe) are ``None``.
+    """
+    if data_iterator is None:
+        return [None] * num_microbatches
+    keep = set(range(num_microbatches)) if needed is None else set(needed)
+    batches: list[dict[str, torch.Tensor] | None] = []
+    for m in range(num_microbatches):
+        batch = next(data_iterator)
+        batches.append(batch if m in keep else None)
+    return batches

@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""Tokenize a jsonl corpus into Megatron's ``.bin``/``.idx`` datasets (Megatron's tool and flags).
+
+One output dataset per json key: ``{output_prefix}_{key}_{document|sentence}.bin/.idx``.
+Memory does not grow with the input: lines are read lazily, at most ``4 x workers`` chunks are in
+flight, tokens go straight to the ``.bin`` and the index is kept in numpy arrays. The output
+does not depend on ``--workers`` (chunks are written in input order).
+
+Example::
+
+    python tools/preprocess_data.py --input data/shakespeare.jsonl \\
+        --output-prefix data/shakespeare \\
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model data/spm.model \\
+        --append-eod --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_chimera.data.indexed_dataset import (  # noqa: E402
+    IndexedDatasetBuilder,
+    data_file_path,
+    index_file_path,
+    optimal_dtype,
+)
+from megatron_chimera.data.sentence_splitter import split_sentences  # noqa: E402
+from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+CHUNK_LINES = 64  # lines per task sent to a worker
+
+# One encoded document per key: (concatenated tokens, sequence lengths).
+EncodedDoc = dict[str, tuple[np.ndarray, list[int]]]
+
+
+class Encoder:
+    """Turns jsonl lines into token arrays (one instance per worker process)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.json_keys = args.json_keys
+        self.split = args.split_sentences
+        self.keep_newlines = args.keep_newlines
+        self.append_eod = args.append_eod
+        self.tokenizer = build_tokenizer(
+            args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+            vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
+        )
+
+    def encode(self, line: str, where: str) -> EncodedDoc:
+        """Tokenize the keys of one json line."""
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e})") from None
+        out: EncodedDoc = {}
+        for key in self.json_keys:
+            if key not in record:
+                raise ValueError(f"{where}: json key {key!r} (from --json-keys) is missing")
+            text = record[key]
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: json key {key!r} is not a string")
+            pieces = split_sentences(text, self.keep_newlines) if self.split else [text]
+            try:
+                sequences = [ids for ids in map(self.tokenizer.tokenize, pieces) if len(ids) > 0]
+            except ValueError as e:
+                raise ValueError(f"{where}: json key {key!r} cannot be tokenized ({e})") from None
+            if sequences and self.append_eod:
+                sequences[-1] = list(sequences[-1]) + [self.tokenizer.eod]
+            lengths = [len(s) for s in sequences]
+            tokens = np.fromiter((t for s in sequences for t in s), dtype=np.int64,
+                                 count=sum(lengths))
+            out[key] = (tokens, lengths)
+        return out
+
+    def encode_chunk(self, chunk: tuple[str, int, list[str]]) -> tuple[list[EncodedDoc], int]:
+        """Encode a chunk of lines; returns the documents and the number of input bytes."""
+        path, first_line, lines = chunk
+        docs = [self.encode(line, f"{path}:{first_line + i}") for i, line in enumerate(lines)]
+        return docs, sum(len(line.encode("utf-8")) for line in lines)
+
+
+class _Worker:
+    """The ``Encoder`` of a pool worker process (Megatron's initializer pattern)."""
+
+    encoder: Encoder | None = None
+
+    @classmethod
+    def initializer(cls, args: argparse.Namespace) -> None:
+        cls.encoder = Encoder(args)
+
+    @classmethod
+    def encode_chunk(cls, chunk: tuple[str, int, list[str]]) -> tuple[list[EncodedDoc], int]:
+        assert cls.encoder is not None
+        return cls.encoder.encode_chunk(chunk)
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Megatron's ``tools/preprocess_data.py`` flags."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    group = parser.add_argument_group("input data")
+    group.add_argument("--input", type=str, required=True,
+                       help="jsonl file (or a glob of them) with one json object per line")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="keys to extract from each json object")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="split documents into sentences (rule-based, offline)")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="keep newlines between sentences when splitting")
+    group.add_argument("--lang", type=str, default="english",
+                       help="language of the sentence splitter (only english)")
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES)
+    group.add_argument("--tokenizer-model", type=str, default=None, help="SentencePiece model")
+    group.add_argument("--vocab-file", type=str, default=None)
+    group.add_argument("--merge-file", type=str, default=None, help="BPE merges (GPT-2)")
+    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary")
+    group.add_argument("--append-eod", action="store_true",
+                       help="append an end-of-document token to every document")
+    group = parser.add_argument_group("output data")
+    group.add_argument("--output-prefix", type=str, required=True)
+    group.add_argument("--dataset-impl", type=str, default="mmap", choices=["mmap"],
+                       help="only Megatron's mmap format is written")
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--workers", type=int, required=True, help="encoder processes")
+    group.add_argument("--partitions", type=int, default=1,
+                       help="split the input into this many partition files, encode each, merge")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="with --partitions, partition contiguous line ranges (not round robin)")
+    group.add_argument("--log-interval", type=int, default=1000,
+                       help="documents between progress lines")
+    args = parser.parse_args(argv)
+    if args.lang != "english":
+        parser.error("--lang: only 'english' is supported by the offline sentence splitter")
+    if args.keep_newlines and not args.split_sentences:
+        parser.error("--keep-newlines requires --split-sentences")
+    for flag in ("workers", "partitions", "log_interval"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    args.inputs = sorted(glob.glob(args.input))
+    if not args.inputs:
+        parser.error(f"--input {args.input}: no such file")
+    return args
+
+
+def _chunks(paths: list[str]) -> Iterator[tuple[str, int, list[str]]]:
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            lines: list[str] = []
+            first = 1
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                if not lines:
+                    first = number
+                lines.append(line)
+                if len(lines) == CHUNK_LINES:
+                    yield path, first, lines
+                    lines = []
+            if lines:
+                yield path, first, lines
+
+
+def _output_prefix(output_prefix: str, key: str, level: str) -> str:
+    return f"{output_prefix}_{key}_{level}"
+
+
+def encode_files(args: argparse.Namespace, paths: list[str], output_prefix: str) -> None:
+    """Encode ``paths`` into one dataset per json key under ``output_prefix``."""
+    level = "sentence" if args.split_sentences else "document"
+    encoder = Encoder(args)
+    dtype = optimal_dtype(encoder.tokenizer.vocab_size)
+    builders = {
+        key: IndexedDatasetBuilder(data_file_path(_output_prefix(output_prefix, key, level)), dtype)
+        for key in args.json_keys
+    }
+    start = time.time()
+    count, total_bytes = 0, 0
+
+    def write(result: tuple[list[EncodedDoc], int]) -> None:
+        nonlocal count, total_bytes
+        docs, nbytes = result
+        for doc in docs:
+            for key, (tokens, lengths) in doc.items():
+                builders[key].add_document(tokens, lengths)
+            count += 1
+            if count % args.log_interval == 0:
+                elapsed = max(time.time() - start, 1e-9)
+                print(f"Processed {count} documents "
+                      f"({count / elapsed:.2f} docs/s, "
+                      f"{(total_bytes + nbytes) / elapsed / 1024 / 1024:.2f} MB/s).",
+                      file=sys.stderr, flush=True)
+        total_bytes += nbytes
+
+    try:
+        if args.workers == 1:
+            for chunk in _chunks(paths):
+                write(encoder.encode_chunk(chunk))
+        else:
+            # fork where it is safe (Linux): workers inherit the imports instead of redoing them
+            method = "fork" if sys.platform.startswith("linux") else "spawn"
+            # (a worker that dies, e.g. killed for memory, raises BrokenProcessPool: no hang)
+            pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context(method),
+                                       initializer=_Worker.initializer, initargs=(args,))
+            try:
+                pending: deque = deque()
+                for chunk in _chunks(paths):
+                    pending.append(pool.submit(_Worker.encode_chunk, chunk))
+                    if len(pending) >= 4 * args.workers:
+                        write(pending.popleft().result())
+                while pending:
+                    write(pending.popleft().result())
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+        for key, builder in builders.items():
+            builder.finalize(index_file_path(_output_prefix(output_prefix, key, level)))
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    elapsed = max(time.time() - start, 1e-9)
+    print(f"Done: {count} documents in {elapsed:.2f} s ({count / elapsed:.2f} docs/s, "
+          f"{total_bytes / elapsed / 1024 / 1024:.2f} MB/s).", file=sys.stderr, flush=True)
+
+
+def _partition_input(args: argparse.Namespace, directory: str) -> list[str]:
+    """Write the input lines into ``--partitions`` files (round robin, or contiguous ranges)."""
+    paths = [os.path.join(directory, f"partition_{i}.jsonl") for i in range(args.partitions)]
+    files = [open(p, "w", encoding="utf-8") for p in paths]  # noqa: SIM115
+    try:
+        total = 0
+        if args.keep_sequential_samples:
+            for path in args.inputs:
+                with open(path, encoding="utf-8") as f:
+                    total += sum(1 for line in f if line.strip())
+        index, seen = 0, 0
+        for path in args.inputs:
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    if not line.strip():
+                        continue
+                    if args.keep_sequential_samples:
+                        index = min(seen * args.partitions // max(total, 1), args.partitions - 1)
+                    files[index].write(line if line.endswith("\n") else line + "\n")
+                    seen += 1
+                    if not args.keep_sequential_samples:
+                        index = (index + 1) % args.partitions
+    finally:
+        for f in files:
+            f.close()
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the tool."""
+    args = get_args(argv)
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    if args.partitions == 1:
+        encode_files(args, args.inputs, args.output_prefix)
+        return
+    level = "sentence" if args.split_sentences else "document"
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=".partitions.") as tmp:
+        parts = _partition_input(args, tmp)
+        for i, part in enumerate(parts):
+            encode_files(args, [part], os.path.join(tmp, f"part{i}"))
+        dtype = optimal_dtype(Encoder(args).tokenizer.vocab_size)
+        for key in args.json_keys:
+            prefix = _output_prefix(args.output_prefix, key, level)
+            builder = IndexedDatasetBuilder(data_file_path(prefix), dtype)
+            for i in range(len(parts)):
+                builder.add_index(_output_prefix(os.path.join(tmp, f"part{i}"), key, level))
+            builder.finalize(index_file_path(prefix))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Train a SentencePiece model (BPE or unigram) from jsonl or plain-text files.
+
+Example::
+
+    python tools/train_tokenizer.py --input data/shakespeare.jsonl --model-prefix data/spm \\
+        --vocab-size 8000 --model-type bpe
+
+writes ``data/spm.model`` and ``data/spm.vocab``, for ``--tokenizer-type SentencePieceTokenizer
+--tokenizer-model data/spm.model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+from collections.abc import Iterator
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_chimera.data.indexed_dataset import atomic_temp_path  # noqa: E402
+
+
+def get_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags."""
+    parser = argparse.ArgumentParser(description="Train a SentencePiece tokenizer.")
+    parser.add_argument("--input", nargs="+", required=True, help="jsonl or text files")
+    parser.add_argument("--input-format", choices=["auto", "jsonl", "text"], default="auto",
+                        help="auto: jsonl for *.jsonl/*.json, text otherwise")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys of jsonl records")
+    parser.add_argument("--model-prefix", required=True, help="writes PREFIX.model, PREFIX.vocab")
+    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--model-type", choices=["bpe", "unigram"], default="bpe")
+    parser.add_argument("--character-coverage", type=float, default=1.0)
+    parser.add_argument("--input-sentence-size", type=int, default=0,
+                        help="sample this many lines for training (0: use all)")
+    parser.add_argument("--max-sentence-length", type=int, default=16384,
+                        help="longer lines are skipped (bytes)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the line sampling")
+    args = parser.parse_args(argv)
+    for path in args.input:
+        if not os.path.isfile(path):
+            parser.error(f"--input {path}: no such file")
+    if args.vocab_size < 8:
+        parser.error("--vocab-size must be at least 8")
+    return args
+
+
+def iter_lines(paths: list[str], input_format: str, json_keys: list[str]) -> Iterator[str]:
+    """Non-empty text lines of the inputs (jsonl values are split at newlines)."""
+    for path in paths:
+        is_json = input_format == "jsonl" or (
+            input_format == "auto" and path.endswith((".jsonl", ".json"))
+        )
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                if not is_json:
+                    yield line.rstrip("\n")
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SystemExit(f"{path}:{number}: not valid JSON ({e})") from None
+                for key in json_keys:
+                    if key not in record:
+                        raise SystemExit(f"{path}:{number}: json key {key!r} is missing")
+                    yield from (s for s in str(record[key]).split("\n") if s.strip())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train and write the model atomically."""
+    import sentencepiece
+
+    args = get_args(argv)
+    sentencepiece.SetRandomGeneratorSeed(args.seed)
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter_lines(args.input, args.input_format, args.json_keys),
+        model_writer=model,
+        vocab_size=args.vocab_size,
+        model_type=args.model_type,
+        character_coverage=args.character_coverage,
+        input_sentence_size=args.input_sentence_size,
+        shuffle_input_sentence=args.input_sentence_size > 0,
+        max_sentence_length=args.max_sentence_length,
+        num_threads=1,
+        minloglevel=2,
+    )
+    out_dir = os.path.dirname(os.path.abspath(args.model_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    model_path = args.model_prefix + ".model"
+    tmp = atomic_temp_path(model_path)
+    with open(tmp, "wb") as f:
+        f.write(model.getvalue())
+    os.replace(tmp, model_path)
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab_path = args.model_prefix + ".vocab"
+    tmp = atomic_temp_path(vocab_path)
+    with open(tmp, "w", encoding="utf-8") as f:
+        for i in range(sp.get_piece_size()):
+            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n")
+    os.replace(tmp, vocab_path)
+    print(f"wrote {model_path} ({sp.get_piece_size()} pieces, {args.model_type})")
+
+
+if __name__ == "__main__":
+    main()

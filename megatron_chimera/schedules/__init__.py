@@ -37,6 +37,9 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: 
         raise ValueError(
             f"--pipeline-schedule: unknown schedule {name!r}; choose from {SCHEDULE_NAMES}"
         ) from None
+    if name == "chimera" and options.get("split_backward"):
+        # --chimera-split-backward means the Chimera-ZB order, whose W actions fill the bubbles
+        generator = chimera_zb
     return generator(num_ranks, num_microbatches, **options)
 
 

@@ -98,8 +98,9 @@ class _ListScheduler:
         self.active: list[dict[int, Counter]] = [{} for _ in range(self.num_pipes)]
         self.stages_started: dict[tuple[int, int], int] = {}
         self.weights_done: dict[tuple[int, int], int] = {}
-        self.suffix_needs = [
-            [Counter(ranks[s:]) for s in range(self.num_stages + 1)] for ranks in self.placement
+        self.suffix_needs = [  # (rank, slots) still needed by a micro-batch started up to stage s
+            [tuple(Counter(ranks[s:]).items()) for s in range(self.num_stages + 1)]
+            for ranks in self.placement
         ]
         self.reserved = [0] * self.num_ranks
         self.path_counts = [Counter(ranks) for ranks in self.placement]
@@ -200,7 +201,7 @@ class _ListScheduler:
 
     def _is_safe_after(self, rank: int, a: Action) -> bool:
         """Banker's check: after starting ``a`` can every started micro-batch still finish?"""
-        free = Counter({r: self.caps[r] - self.live[r] for r in range(self.num_ranks)})
+        free = [cap - live for cap, live in zip(self.caps, self.live)]
         free[rank] -= 1
         queues = []  # per pipe, (needs, held) of its started micro-batches, oldest first
         for pipe in range(self.num_pipes):
@@ -211,7 +212,7 @@ class _ListScheduler:
                     started, held = a.stage + 1, held + Counter({rank: 1})
                 queue.append((self.suffix_needs[pipe][started], held))
             if pipe == a.pipe and a.stage == 0:
-                queue.append((self.suffix_needs[pipe][1], Counter({rank: 1})))
+                queue.append((self.suffix_needs[pipe][1], {rank: 1}))
             queues.append(queue)
         heads = [0] * self.num_pipes
         progress = True
@@ -220,9 +221,10 @@ class _ListScheduler:
             for pipe, queue in enumerate(queues):
                 while heads[pipe] < len(queue):
                     needs, held = queue[heads[pipe]]
-                    if any(free[r] < n for r, n in needs.items()):
+                    if any(free[r] < n for r, n in needs):
                         break
-                    free.update(held)
+                    for r, n in held.items():
+                        free[r] += n
                     heads[pipe] += 1
                     progress = True
         return all(h == len(q) for h, q in zip(heads, queues))

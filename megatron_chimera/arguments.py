@@ -1,0 +1,365 @@
+"""Megatron's command-line flags parsed into frozen configuration dataclasses.
+
+``parse_args(argv, world_size)`` returns a validated :class:`~megatron_chimera.config.TrainConfig`.
+Validation runs on every rank before any process group exists: an inconsistent setting raises
+:class:`~megatron_chimera.config.ConfigError` whose one-line message names the flag, so all ranks
+fail the same way without blocking. Entry scripts turn it into ``error: <message>`` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+
+from .config import (
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    TrainConfig,
+    TrainingConfig,
+)
+from .config_checks import build_schedule_for, schedule_options, validate
+from .data.tokenizers import TOKENIZER_TYPES
+
+__all__ = ["build_parser", "parse_args", "validate", "build_schedule_for", "schedule_options"]
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "chimera-zb", "zb-h1")
+PARTITION_METHODS = ("uniform", "parameters")
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("network size")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
+    g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head")
+    g.add_argument("--no-masked-softmax-fusion", action="store_false",
+                   dest="masked_softmax_fusion")
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
+    g.add_argument("--no-apex", action="store_true",
+                   help="use torch-native kernels even when NVIDIA Apex is importable")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
+                   help="default: chimera when --chimera-pipes is given, else 1f1b")
+    g.add_argument("--chimera-pipes", type=int, default=None, help="2f pipes (2, 4, ...)")
+    g.add_argument("--chimera-concat", default=None,
+                   help="how N > D is built from basic units (schedule generator's choices)")
+    g.add_argument("--chimera-split-backward", action="store_true")
+    g.add_argument("--partition-method", choices=PARTITION_METHODS, default="uniform")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--seed", type=int, default=1234)
+    g = parser.add_argument_group("optimizer")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"),
+                   default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g = parser.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data and tokenizer")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--mask-prob", type=float, default=0.15)
+    g.add_argument("--short-seq-prob", type=float, default=0.1)
+
+
+def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+
+
+def build_parser(
+    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+) -> argparse.ArgumentParser:
+    """The full Megatron-style parser; ``extra_args_provider`` may add script-specific flags."""
+    parser = _ArgumentParser(description="megatron_chimera arguments", allow_abbrev=False)
+    _add_model_args(parser)
+    _add_parallel_args(parser)
+    _add_training_args(parser)
+    _add_data_args(parser)
+    _add_checkpoint_and_logging_args(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser) or parser
+    return parser
+
+
+def _field_names(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _require(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) is None:
+            raise ConfigError(f"--{name.replace('_', '-')} is required")
+
+
+def _known_flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {action.dest for action in parser._actions}  # noqa: SLF001 (argparse has no API)
+
+
+def parse_args(
+    argv: Sequence[str] | None = None,
+    world_size: int | None = None,
+    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+    defaults: dict[str, object] | None = None,
+) -> TrainConfig:
+    """Parse Megatron flags into a validated TrainConfig; raises ConfigError naming the flag.
+
+    ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun). ``defaults``
+    overrides flag defaults (as Megatron's ``args_defaults``), e.g. a tokenizer for BERT.
+    """
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    base_parser = build_parser()
+    parser = build_parser(extra_args_provider)
+    if defaults:
+        parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    extra_names = sorted(_known_flags(parser) - _known_flags(base_parser))
+    extra = tuple((name, getattr(args, name)) for name in extra_names)
+    config = _build_config(args, world_size, extra)
+    validate(config, world_size)
+    return config
+
+
+def _build_config(
+    args: argparse.Namespace, world_size: int, extra: tuple[tuple[str, object], ...]
+) -> TrainConfig:
+    """Namespace -> TrainConfig, checking the flags that must be present and derivations."""
+    _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+             "micro_batch_size", "lr")
+    _check_positive(args)
+    if args.fp16 and args.bf16:
+        raise ConfigError("--fp16 and --bf16 are mutually exclusive")
+    if args.tensor_model_parallel_size != 1:
+        raise ConfigError(
+            f"--tensor-model-parallel-size must be 1 (tensor parallelism is not supported), "
+            f"got {args.tensor_model_parallel_size}"
+        )
+    pipeline_size = args.pipeline_model_parallel_size
+    if world_size % pipeline_size:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pipeline_size} does not divide the world size "
+            f"{world_size} (world = data-parallel x pipeline-parallel)"
+        )
+    data_parallel = world_size // pipeline_size
+    global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
+    if global_batch % (args.micro_batch_size * data_parallel):
+        raise ConfigError(
+            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {data_parallel}"
+        )
+    num_microbatches = global_batch // (args.micro_batch_size * data_parallel)
+    schedule = _schedule_name(args)
+    return TrainConfig(
+        model=_model_config(args),
+        parallel=_pick(ParallelConfig, args, data_parallel_size=data_parallel,
+                       pipeline_schedule=schedule, chimera_pipes=args.chimera_pipes or 2),
+        optimizer=_optimizer_config(args, global_batch),
+        data=_pick(DataConfig, args, data_path=tuple(args.data_path) if args.data_path else None),
+        training=_training_config(args, global_batch, num_microbatches),
+        checkpoint=_pick(CheckpointConfig, args),
+        logging=_pick(LoggingConfig, args),
+        extra=extra,
+    )
+
+
+def _pick(cls: type, args: argparse.Namespace, **overrides: object):
+    """Build dataclass ``cls`` from the namespace entries named like its fields."""
+    values = {name: getattr(args, name) for name in _field_names(cls) if hasattr(args, name)}
+    values.update(overrides)
+    return cls(**values)
+
+
+def _check_positive(args: argparse.Namespace) -> None:
+    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                "micro_batch_size", "global_batch_size", "train_iters", "train_samples",
+                "pipeline_model_parallel_size", "tensor_model_parallel_size", "ffn_hidden_size",
+                "max_position_embeddings", "make_vocab_size_divisible_by", "log_interval",
+                "eval_interval", "save_interval", "exit_interval", "vocab_size",
+                "num_layers_per_virtual_pipeline_stage", "chimera_pipes",
+                "recompute_num_layers", "loss_scale_window", "hysteresis",
+                "tensorboard_log_interval", "lr_decay_iters", "lr_decay_samples")
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    non_negative = ("eval_iters", "num_workers", "lr", "min_lr", "weight_decay", "clip_grad",
+                    "lr_warmup_iters", "lr_warmup_samples", "distributed_timeout_minutes")
+    for name in non_negative:
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if args.distributed_timeout_minutes == 0:
+        raise ConfigError("--distributed-timeout-minutes must be positive")
+    for name in ("hidden_dropout", "attention_dropout", "mask_prob", "short_seq_prob"):
+        value = getattr(args, name)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+
+
+def _schedule_name(args: argparse.Namespace) -> str:
+    if args.pipeline_schedule is None:
+        return "chimera" if args.chimera_pipes is not None else "1f1b"
+    if args.pipeline_schedule.startswith("chimera"):
+        return args.pipeline_schedule
+    for flag, value in (("--chimera-pipes", args.chimera_pipes),
+                        ("--chimera-concat", args.chimera_concat),
+                        ("--chimera-split-backward", args.chimera_split_backward or None)):
+        if value is not None:
+            raise ConfigError(
+                f"{flag} requires --pipeline-schedule chimera or chimera-zb, "
+                f"got {args.pipeline_schedule}"
+            )
+    return args.pipeline_schedule
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    params_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    use_apex = False if args.no_apex else None
+    # The vocabulary is known only once the tokenizer is built (pretrain replaces it).
+    return _pick(ModelConfig, args, params_dtype=params_dtype, use_apex=use_apex,
+                 vocab_size=args.vocab_size or ModelConfig.vocab_size)
+
+
+def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerConfig:
+    """Iteration-based LR flags become samples (as Megatron does)."""
+    if args.lr_warmup_fraction is not None and (
+        args.lr_warmup_iters is not None or args.lr_warmup_samples is not None
+    ):
+        raise ConfigError(
+            "--lr-warmup-fraction cannot be combined with --lr-warmup-iters / --lr-warmup-samples"
+        )
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction <= 1.0:
+        raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+    if args.train_iters is not None and args.train_samples is not None:
+        raise ConfigError("--train-iters and --train-samples are mutually exclusive")
+    if args.train_iters is None and args.train_samples is None:
+        raise ConfigError("--train-iters or --train-samples is required")
+    iteration_based = args.train_iters is not None
+    sample_flags = (("--lr-decay-samples", args.lr_decay_samples),
+                    ("--lr-warmup-samples", args.lr_warmup_samples))
+    iter_flags = (("--lr-decay-iters", args.lr_decay_iters),
+                  ("--lr-warmup-iters", args.lr_warmup_iters))
+    for flag, value in sample_flags if iteration_based else iter_flags:
+        if value is not None:
+            other = "--train-iters" if iteration_based else "--train-samples"
+            raise ConfigError(f"{flag} cannot be combined with {other}")
+    if iteration_based:
+        train_samples = args.train_iters * global_batch
+        decay = (args.lr_decay_iters or args.train_iters) * global_batch
+        warmup = (args.lr_warmup_iters or 0) * global_batch
+    else:
+        train_samples = args.train_samples
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_samples or 0
+    if args.lr_warmup_fraction is not None:
+        warmup = int(args.lr_warmup_fraction * decay)
+    if args.min_lr > args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if warmup > decay:
+        raise ConfigError(
+            f"--lr-warmup-iters/--lr-warmup-samples ({warmup} samples) exceed the decay "
+            f"period ({decay} samples)"
+        )
+    if args.loss_scale is not None and args.loss_scale <= 0:
+        raise ConfigError(f"--loss-scale must be positive, got {args.loss_scale}")
+    if args.initial_loss_scale <= 0 or args.min_loss_scale <= 0:
+        raise ConfigError("--initial-loss-scale and --min-loss-scale must be positive")
+    del train_samples
+    return _pick(OptimizerConfig, args, lr_decay_samples=decay, lr_warmup_samples=warmup,
+                 use_apex=False if args.no_apex else None)
+
+
+def _training_config(
+    args: argparse.Namespace, global_batch: int, num_microbatches: int
+) -> TrainingConfig:
+    return _pick(TrainingConfig, args, global_batch_size=global_batch,
+                 num_microbatches=num_microbatches)
+

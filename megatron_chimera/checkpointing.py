@@ -1,0 +1,438 @@
+"""Layout-independent, atomic checkpoints in Megatron's directory layout.
+
+::
+
+    <save>/latest_checkpointed_iteration.txt      the last complete iteration (written last)
+    <save>/iter_0000100/common.pt                 iteration, args, consumed samples, LR scheduler,
+                                                  grad scaler, the stage manifest (rank 0)
+    <save>/iter_0000100/layers_000-002.pt         one file per model stage: weights and optimizer
+                                                  state keyed by *global* parameter names
+    <save>/iter_0000100/rng/rank_00003.pt         per-rank RNG states
+
+A stage file holds the parameters of global layers ``[start, end)`` (``layers.{i}`` renamed to the
+global layer index) plus the embedding (first stage) or the final layer norm and head (last
+stage). Loading assembles each of this rank's stage modules from every saved stage file that
+overlaps it, so a checkpoint written with one (D, schedule, pipes, W) loads into any other.
+Files are written to a staging directory (temp file, fsync, rename) and the staging directory is
+renamed into place after a barrier; only then is the tracker updated, so a crash at any point
+leaves the previous checkpoint loadable and the tracker pointing at it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+COMMON_FILENAME = "common.pt"
+CHECKPOINT_VERSION = 1
+_LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+class CheckpointError(RuntimeError):
+    """A missing, corrupt, truncated or incompatible checkpoint; the message names the file."""
+
+
+@dataclass(frozen=True)
+class StageSlice:
+    """One model stage whose weights this rank holds (one module per stage, shared by pipes)."""
+
+    stage: int
+    layer_range: tuple[int, int]
+    module: nn.Module
+    writer: bool = True  # this rank writes the stage's file (the lowest rank holding it)
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` restored besides the module and optimizer tensors."""
+
+    iteration: int
+    consumed_train_samples: int
+    consumed_valid_samples: int
+    path: str
+
+
+# ---------------------------------------------------------------------------- names and files
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """``<root>/iter_0000100``: Megatron's directory name of one iteration."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def stage_filename(layer_range: tuple[int, int]) -> str:
+    """File name of the stage holding global layers ``[start, end)``."""
+    return f"layers_{layer_range[0]:03d}-{layer_range[1]:03d}.pt"
+
+
+def global_name(local_name: str, layer_start: int) -> str:
+    """``...layers.{i}...`` of a stage slice -> ``...layers.{start + i}...`` (global layer)."""
+    return _LAYER_KEY.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_start}.",
+                          local_name, count=1)
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration in ``latest_checkpointed_iteration.txt``, or None when there is none."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, write: Callable[[Any], None]) -> None:
+    """Write ``path`` via ``write(file)`` into a temp file, fsync it and rename it into place."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """``torch.save`` made atomic (temp file, fsync, rename)."""
+    atomic_write(path, lambda handle: torch.save(obj, handle))
+
+
+def safe_torch_load(path: str) -> Any:
+    """``torch.load(weights_only=True)`` on CPU; a failure is a CheckpointError naming ``path``."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for corrupt files
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupt or truncated ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+# ---------------------------------------------------------------------------- state conversion
+def stage_named_parameters(stage: StageSlice) -> dict[str, nn.Parameter]:
+    """The stage module's parameters under their global names."""
+    start = stage.layer_range[0]
+    return {global_name(n, start): p for n, p in stage.module.named_parameters()}
+
+
+def _shared_embedding_name(stage: StageSlice) -> str | None:
+    shared_fn = getattr(stage.module, "shared_embedding_or_output_weight", None)
+    shared = shared_fn() if shared_fn is not None else None
+    if shared is None:
+        return None
+    for name, param in stage_named_parameters(stage).items():
+        if param is shared:
+            return name
+    return None
+
+
+def _optimizer_param_state(optimizer: Any, params: dict[str, nn.Parameter]) -> dict[str, Any]:
+    """Per-parameter optimizer state keyed by global name: the inner optimizer's state of the
+    main parameter, plus the fp32 main parameter itself when it is a separate copy."""
+    main_of = {id(p): m for p, m in zip(optimizer.model_params, optimizer.main_params)}
+    state: dict[str, Any] = {}
+    for name, param in params.items():
+        main = main_of.get(id(param))
+        if main is None:
+            continue
+        entry = {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                 for k, v in optimizer.optimizer.state.get(main, {}).items()}
+        if main is not param:
+            entry["main_param"] = main.detach().clone()
+        state[name] = entry
+    return state
+
+
+def _load_optimizer_param_state(optimizer: Any, params: dict[str, nn.Parameter],
+                                saved: dict[str, Any], source: str) -> None:
+    main_of = {id(p): m for p, m in zip(optimizer.model_params, optimizer.main_params)}
+    for name, param in params.items():
+        main = main_of.get(id(param))
+        if main is None:
+            continue
+        if name not in saved:
+            raise CheckpointError(f"{source}: no optimizer state for parameter {name}")
+        entry = dict(saved[name])
+        main_value = entry.pop("main_param", None)
+        with torch.no_grad():
+            if main is not param:
+                main.copy_(main_value if main_value is not None else param.float())
+        optimizer.optimizer.state[main] = {
+            k: (v.to(main.device, copy=True) if torch.is_tensor(v) and v.dim() > 0
+                else v.clone() if torch.is_tensor(v) else v)
+            for k, v in entry.items()
+        }
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Python, numpy, torch CPU (and CUDA) RNG states as weights-only-loadable objects."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`get_rng_state`."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---------------------------------------------------------------------------- save
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    stages: Iterable[StageSlice],
+    partition: list[tuple[int, int]],
+    optimizer: Any | None,
+    opt_param_scheduler: Any | None,
+    *,
+    rank: int,
+    world_size: int,
+    consumed_train_samples: int,
+    consumed_valid_samples: int = 0,
+    args: dict[str, Any] | None = None,
+    save_optim: bool = True,
+    barrier: Callable[[], None] | None = None,
+) -> str:
+    """Collectively write iteration ``iteration`` under ``root``; every rank must call it.
+
+    ``partition`` lists the global layer range of every stage (the manifest); each stage's file is
+    written by its ``writer`` rank, RNG states by every rank, ``common.pt`` by rank 0.
+    """
+    barrier = barrier or (lambda: None)
+    final = checkpoint_dir(root, iteration)
+    staging = final + ".staging"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(os.path.join(staging, "rng"))
+    barrier()
+    for stage in stages:
+        if not stage.writer:
+            continue
+        params = stage_named_parameters(stage)
+        start = stage.layer_range[0]
+        payload = {
+            "stage": stage.stage,
+            "layer_range": list(stage.layer_range),
+            "model": {global_name(n, start): t.detach().cpu()
+                      for n, t in stage.module.state_dict().items()},
+            "shared_embedding": _shared_embedding_name(stage),
+            "optimizer": (_optimizer_param_state(optimizer, params)
+                          if save_optim and optimizer is not None else None),
+        }
+        atomic_torch_save(payload, os.path.join(staging, stage_filename(stage.layer_range)))
+    atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
+    if rank == 0:
+        common = {
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "iteration": iteration,
+            "world_size": world_size,
+            "args": args or {},
+            "consumed_train_samples": consumed_train_samples,
+            "consumed_valid_samples": consumed_valid_samples,
+            "stages": [{"layer_range": list(r), "file": stage_filename(r)} for r in partition],
+            "opt_param_scheduler": (opt_param_scheduler.state_dict()
+                                    if opt_param_scheduler is not None else None),
+            "optimizer": _optimizer_common_state(optimizer) if save_optim else None,
+        }
+        atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME))
+    barrier()
+    if rank == 0:
+        _publish(root, staging, final, iteration)
+    barrier()
+    return final
+
+
+def _optimizer_common_state(optimizer: Any | None) -> dict[str, Any] | None:
+    if optimizer is None:
+        return None
+    scaler = getattr(optimizer, "grad_scaler", None)
+    return {"grad_scaler": scaler.state_dict() if scaler is not None else None,
+            "skipped_steps": int(getattr(optimizer, "skipped_steps", 0))}
+
+
+def _publish(root: str, staging: str, final: str, iteration: int) -> None:
+    """Rename the complete staging directory into place, then point the tracker at it."""
+    _fsync_dir(staging)
+    previous = final + ".old"
+    if os.path.isdir(final):
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(final, previous)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    atomic_write(os.path.join(root, TRACKER_FILENAME),
+                 lambda handle: handle.write(f"{iteration}\n".encode()))
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- load
+def _resolve_dir(root: str, iteration: int) -> str:
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        return path + ".old"  # crashed while replacing a re-saved iteration
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"{os.path.join(root, TRACKER_FILENAME)} points at iteration {iteration}, but {path} "
+            "does not exist"
+        )
+    return path
+
+
+def _overlapping_files(common: dict[str, Any], stage: StageSlice, num_stages: int) -> list[str]:
+    start, end = stage.layer_range
+    saved = common["stages"]
+    files = []
+    for index, entry in enumerate(saved):
+        lo, hi = entry["layer_range"]
+        overlaps = lo < end and start < hi
+        first_needed = index == 0 and stage.stage == 0
+        last_needed = index == len(saved) - 1 and stage.stage == num_stages - 1
+        if overlaps or first_needed or last_needed:
+            files.append(entry["file"])
+    if stage.stage == num_stages - 1 and saved[0]["file"] not in files:
+        files.append(saved[0]["file"])  # the tied embedding may live only in the first file
+    return files
+
+
+def load_checkpoint(
+    root: str,
+    stages: list[StageSlice],
+    num_stages: int,
+    optimizer: Any | None,
+    opt_param_scheduler: Any | None,
+    *,
+    rank: int,
+    world_size: int,
+    load_optim: bool = True,
+    load_rng: bool = True,
+    finetune: bool = False,
+) -> LoadedCheckpoint | None:
+    """Restore this rank's stage modules (and optimizer, scheduler, RNG) from ``root``.
+
+    Returns None when ``root`` has no tracker file. ``finetune`` loads weights only and restarts
+    at iteration 0 with no consumed samples (Megatron's ``--finetune``).
+    """
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    path = _resolve_dir(root, iteration)
+    common = safe_torch_load(os.path.join(path, COMMON_FILENAME))
+    if common.get("checkpoint_version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path}/{COMMON_FILENAME}: unsupported checkpoint version")
+    cache: dict[str, dict[str, Any]] = {}
+
+    def read(name: str) -> dict[str, Any]:
+        if name not in cache:
+            cache[name] = safe_torch_load(os.path.join(path, name))
+        return cache[name]
+
+    load_optim = load_optim and not finetune and optimizer is not None
+    for stage in stages:
+        files = _overlapping_files(common, stage, num_stages)
+        model: dict[str, torch.Tensor] = {}
+        optim: dict[str, Any] = {}
+        shared: tuple[torch.Tensor, Any] | None = None
+        for name in files:
+            payload = read(name)
+            model.update(payload["model"])
+            if payload.get("optimizer"):
+                optim.update(payload["optimizer"])
+            key = payload.get("shared_embedding")
+            if key is not None and shared is None:
+                shared = (payload["model"][key], (payload.get("optimizer") or {}).get(key))
+        _alias_shared_embedding(stage, model, optim, shared)
+        _load_stage_module(stage, model, path)
+        if load_optim:
+            if not optim:
+                raise CheckpointError(
+                    f"{path}: saved without optimizer state (--no-save-optim); "
+                    "use --no-load-optim or --finetune"
+                )
+            _load_optimizer_param_state(optimizer, stage_named_parameters(stage), optim, path)
+    if load_optim:
+        state = common.get("optimizer") or {}
+        scaler = getattr(optimizer, "grad_scaler", None)
+        if scaler is not None and state.get("grad_scaler") is not None:
+            scaler.load_state_dict(state["grad_scaler"])
+        optimizer.skipped_steps = int(state.get("skipped_steps", 0))
+    if finetune:
+        return LoadedCheckpoint(0, 0, 0, path)
+    if opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
+        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    if load_rng:
+        _load_rng(path, rank, world_size, common)
+    return LoadedCheckpoint(int(common["iteration"]), int(common["consumed_train_samples"]),
+                            int(common["consumed_valid_samples"]), path)
+
+
+def _alias_shared_embedding(stage: StageSlice, model: dict[str, torch.Tensor],
+                            optim: dict[str, Any], shared: tuple[torch.Tensor, Any] | None) -> None:
+    """Fill this stage's tied-embedding key from whichever saved stage held the embedding."""
+    name = _shared_embedding_name(stage)
+    if name is None or name in model or shared is None:
+        return
+    model[name] = shared[0]
+    if shared[1] is not None:
+        optim[name] = shared[1]
+
+
+def _load_stage_module(stage: StageSlice, model: dict[str, torch.Tensor], path: str) -> None:
+    start = stage.layer_range[0]
+    local = {}
+    for name in stage.module.state_dict():
+        key = global_name(name, start)
+        if key not in model:
+            raise CheckpointError(
+                f"{path}: no saved tensor {key} for stage {stage.stage} "
+                f"(layers {stage.layer_range}); was it written for another model?"
+            )
+        local[name] = model[key]
+    try:
+        stage.module.load_state_dict(local, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: stage {stage.stage} does not match: {exc}") from None
+
+
+def _load_rng(path: str, rank: int, world_size: int, common: dict[str, Any]) -> None:
+    if common.get("world_size") != world_size:
+        if rank == 0:
+            print(f"note: {path} was saved with world size {common.get('world_size')}; "
+                  f"RNG states are not restored for world size {world_size}", flush=True)
+        return
+    set_rng_state(safe_torch_load(os.path.join(path, "rng", f"rank_{rank:05d}.pt")))

@@ -1,0 +1,298 @@
+"""Timers, throughput, bubble ratio, Megatron's stdout log line and TensorBoard scalars.
+
+Besides Megatron's figures (loss, learning rate, loss scale, grad norm, TFLOP/s per GPU) every
+logged iteration reports the *measured* bubble ratio ``1 - sum(busy) / (ranks x iteration time)``
+from each rank's compute-busy time, next to the simulator's prediction for the same schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ModelConfig, TrainConfig
+
+
+# ---------------------------------------------------------------------------------- timers
+class _Timer:
+    """Accumulating wall-clock timer (synchronises CUDA so device work is counted)."""
+
+    def __init__(self) -> None:
+        self._elapsed = 0.0
+        self._start: float | None = None
+
+    def start(self) -> None:
+        """Start (must be stopped)."""
+        if self._start is not None:
+            raise RuntimeError("timer already started")
+        _synchronize()
+        self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        """Stop and accumulate."""
+        if self._start is None:
+            raise RuntimeError("timer is not started")
+        _synchronize()
+        self._elapsed += time.perf_counter() - self._start
+        self._start = None
+
+    def elapsed(self, reset: bool = True) -> float:
+        """Accumulated seconds (of stopped intervals); reset to zero by default."""
+        value = self._elapsed
+        if reset:
+            self._elapsed = 0.0
+        return value
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+class Timers:
+    """Named timers as Megatron's ``timers('forward-backward').start()``."""
+
+    def __init__(self) -> None:
+        self._timers: dict[str, _Timer] = {}
+
+    def __call__(self, name: str) -> _Timer:
+        """The timer called ``name`` (created on first use)."""
+        return self._timers.setdefault(name, _Timer())
+
+    def elapsed_all(self, reset: bool = True) -> dict[str, float]:
+        """Seconds of every timer."""
+        return {name: t.elapsed(reset) for name, t in self._timers.items()}
+
+
+# ---------------------------------------------------------------------------------- formulas
+def num_floating_point_operations(model: ModelConfig, batch_size: int, bert: bool = False) -> float:
+    """FLOPs of one training iteration on ``batch_size`` sequences (forward + backward).
+
+    GPT (Megatron): ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))``; BERT adds its LM-head transform
+    (``+ 1/(12 L)``). Full activation recomputation runs the forward twice (96 instead of 72).
+    """
+    s, layers, h = model.seq_length, model.num_layers, model.hidden_size
+    vocab = model.padded_vocab_size
+    factor = 96 if model.recompute_granularity == "full" else 72
+    terms = 1 + s / (6 * h) + vocab / (12 * layers * h) + (1 / (12 * layers) if bert else 0.0)
+    return factor * batch_size * s * layers * h * h * terms
+
+
+def measured_bubble_ratio(busy_seconds: Sequence[float], iteration_seconds: float) -> float:
+    """``1 - sum(busy) / (ranks x iteration time)``: the idle share of the iteration."""
+    if iteration_seconds <= 0 or not busy_seconds:
+        return 0.0
+    return 1.0 - sum(busy_seconds) / (len(busy_seconds) * iteration_seconds)
+
+
+def predicted_bubble_ratio(
+    schedule, forward_cost: float | Sequence[float] = 1.0,
+    backward_cost: float | Sequence[float] = 2.0,
+) -> float:
+    """The simulator's bubble ratio of ``schedule`` (no communication; F=1, B=2 by default;
+    a split backward spends half of B on the input gradient and half on W)."""
+    from .schedules.simulate import CostModel, simulate
+
+    weight_cost = 0.0
+    if schedule.split_backward:
+        weight_cost = ([b / 2 for b in backward_cost] if isinstance(backward_cost, Sequence)
+                       else backward_cost / 2)
+    costs = CostModel(forward_cost=forward_cost, backward_cost=backward_cost,
+                      weight_cost=weight_cost)
+    return simulate(schedule, costs).bubble_ratio
+
+
+def memory_stats() -> dict[str, float]:
+    """Allocator figures on CUDA, or this process's peak resident set size on CPU (bytes)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"mem-reserved-bytes": float(torch.cuda.memory_reserved()),
+                "mem-allocated-bytes": float(torch.cuda.memory_allocated()),
+                "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated())}
+    import resource
+
+    return {"mem-max-rss-bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+
+
+def _bubble(stats: IterationStats) -> float:
+    return measured_bubble_ratio(stats.busy_seconds,
+                                 stats.pipeline_seconds or stats.iteration_seconds)
+
+
+# ---------------------------------------------------------------------------------- monitor
+@dataclass
+class IterationStats:
+    """The reduced figures of one training iteration (known on the logging rank)."""
+
+    iteration: int
+    consumed_samples: int
+    losses: dict[str, float]
+    learning_rate: float
+    loss_scale: float
+    grad_norm: float | None
+    skipped: bool
+    iteration_seconds: float
+    pipeline_seconds: float | None = None  # schedule execution only (the bubble's denominator)
+    busy_seconds: list[float] = field(default_factory=list)
+    timers: dict[str, float] = field(default_factory=dict)
+
+
+class TrainingMonitor:
+    """Writes Megatron's stdout line every ``--log-interval`` and TensorBoard scalars.
+
+    Only the logging rank creates one with ``enabled=True``; elsewhere every method is a no-op.
+    """
+
+    def __init__(self, config: TrainConfig, flops_per_iteration: float, world_size: int,
+                 predicted_bubble: float | None, enabled: bool, writer=None) -> None:
+        self.config = config
+        self.flops_per_iteration = flops_per_iteration
+        self.world_size = world_size
+        self.predicted_bubble = predicted_bubble
+        self.enabled = enabled
+        self.writer = writer
+        self.skipped_total = 0
+        self.nan_total = 0
+        self._window: list[IterationStats] = []
+        self._skipped_in_window = 0
+        self._nan_in_window = 0
+
+    @classmethod
+    def create(cls, config: TrainConfig, flops_per_iteration: float, world_size: int,
+               predicted_bubble: float | None, enabled: bool) -> TrainingMonitor:
+        """Build the monitor and, with ``--tensorboard-dir`` on the logging rank, its writer."""
+        writer = None
+        if enabled and config.logging.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(log_dir=config.logging.tensorboard_dir, max_queue=1000)
+        return cls(config, flops_per_iteration, world_size, predicted_bubble, enabled, writer)
+
+    # ---------------------------------------------------------------- training iterations
+    def _scalar(self, name: str, value: float, iteration: int, samples: int) -> None:
+        self.writer.add_scalar(name, value, iteration)
+        self.writer.add_scalar(f"{name} vs samples", value, samples)
+
+    def record(self, stats: IterationStats) -> str | None:
+        """Account one iteration; returns (and prints) the log line on log iterations."""
+        if not self.enabled:
+            return None
+        nan = any(math.isnan(v) or math.isinf(v) for v in stats.losses.values())
+        if stats.skipped:
+            self.skipped_total += 1
+            self._skipped_in_window += 1
+        if nan:
+            self.nan_total += 1
+            self._nan_in_window += 1
+        if not stats.skipped and not nan:
+            self._window.append(stats)
+        tb_interval = self.config.logging.tensorboard_log_interval
+        if self.writer is not None and stats.iteration % tb_interval == 0:
+            self._write_tensorboard(stats)
+        if stats.iteration % self.config.logging.log_interval:
+            return None
+        line = self._log_line(stats)
+        print(line, flush=True)
+        self._window, self._skipped_in_window, self._nan_in_window = [], 0, 0
+        return line
+
+    def _rates(self, seconds: float) -> tuple[float, float, float]:
+        """TFLOP/s per GPU, samples/s and tokens/s for one iteration of ``seconds``."""
+        if seconds <= 0:
+            return 0.0, 0.0, 0.0
+        batch = self.config.training.global_batch_size
+        tflops = self.flops_per_iteration / (seconds * self.world_size * 1e12)
+        return tflops, batch / seconds, batch * self.config.model.seq_length / seconds
+
+    def _write_tensorboard(self, stats: IterationStats) -> None:
+        it, samples = stats.iteration, stats.consumed_samples
+        w = self.writer
+        tflops, samples_per_s, tokens_per_s = self._rates(stats.iteration_seconds)
+        self._scalar("learning-rate", stats.learning_rate, it, samples)
+        self._scalar("batch-size", self.config.training.global_batch_size, it, samples)
+        for name, value in stats.losses.items():
+            self._scalar(name, value, it, samples)
+        self._scalar("loss-scale", stats.loss_scale, it, samples)
+        if stats.grad_norm is not None:
+            self._scalar("grad-norm", stats.grad_norm, it, samples)
+        self._scalar("skipped-iterations", self.skipped_total, it, samples)
+        self._scalar("iteration-time", stats.iteration_seconds, it, samples)
+        if self.config.logging.log_throughput:  # Megatron writes it with --log-throughput
+            self._scalar("throughput", tflops, it, samples)
+        self._scalar("samples-per-second", samples_per_s, it, samples)
+        self._scalar("tokens-per-second", tokens_per_s, it, samples)
+        if stats.busy_seconds:
+            self._scalar("bubble-ratio", _bubble(stats), it, samples)
+        if self.predicted_bubble is not None:
+            self._scalar("bubble-ratio-predicted", self.predicted_bubble, it, samples)
+        if self.config.logging.log_timers_to_tensorboard:
+            for name, seconds in stats.timers.items():
+                w.add_scalar(f"{name}-time", seconds, it)
+        if self.config.logging.log_memory_to_tensorboard:
+            for name, value in memory_stats().items():
+                w.add_scalar(name, value, it)
+
+    def _log_line(self, stats: IterationStats) -> str:
+        window = self._window
+        seconds = (sum(s.iteration_seconds for s in window) / len(window) if window
+                   else stats.iteration_seconds)
+        tflops, samples_per_s, tokens_per_s = self._rates(seconds)
+        train_iters = self.config.training.total_train_iters
+        parts = [
+            f" iteration {stats.iteration:8d}/{train_iters:8d}",
+            f" consumed samples: {stats.consumed_samples:12d}",
+            f" elapsed time per iteration (ms): {seconds * 1000:.1f}",
+            f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f}",
+            f" learning rate: {stats.learning_rate:.6E}",
+            f" global batch size: {self.config.training.global_batch_size:5d}",
+        ]
+        for name in stats.losses:
+            values = [s.losses[name] for s in window]
+            if values:
+                parts.append(f" {name}: {sum(values) / len(values):.6E}")
+        parts.append(f" loss scale: {stats.loss_scale:.1f}")
+        norms = [s.grad_norm for s in window if s.grad_norm is not None]
+        if norms:
+            parts.append(f" grad norm: {sum(norms) / len(norms):.3f}")
+        parts += [
+            f" number of skipped iterations: {self._skipped_in_window:3d}",
+            f" number of nan iterations: {self._nan_in_window:3d}",
+            f" samples per second: {samples_per_s:.1f}",
+            f" tokens per second: {tokens_per_s:.1f}",
+        ]
+        bubbles = [_bubble(s) for s in window if s.busy_seconds]
+        if bubbles:
+            parts.append(f" bubble ratio measured: {sum(bubbles) / len(bubbles):.3f}")
+        if self.predicted_bubble is not None:
+            parts.append(f" bubble ratio predicted: {self.predicted_bubble:.3f}")
+        return "".join(f"{part} |" for part in parts)
+
+    # ---------------------------------------------------------------- evaluation
+    def log_evaluation(self, prefix: str, iteration: int, consumed_samples: int,
+                       losses: dict[str, float]) -> str | None:
+        """Megatron's ``validation loss at iteration N | lm loss value: | lm loss PPL: |``."""
+        if not self.enabled:
+            return None
+        parts = [f" {prefix} loss at iteration {iteration}"]
+        suffix = "validation" if prefix.startswith("validation") else "test"
+        for name, value in losses.items():
+            ppl = math.exp(min(20.0, value))
+            parts.append(f" {name} value: {value:.6E}")
+            parts.append(f" {name} PPL: {ppl:.6E}")
+            if self.writer is not None:
+                self._scalar(f"{name} {suffix}", value, iteration, consumed_samples)
+                self._scalar(f"{name} {suffix} ppl", ppl, iteration, consumed_samples)
+        line = "".join(f"{part} |" for part in parts)
+        rule = "-" * len(line)
+        print(f"{rule}\n{line}\n{rule}", flush=True)
+        return line
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None

@@ -1,0 +1,359 @@
+"""``pretrain()``: Megatron's training driver for any pipeline schedule.
+
+Initialise torch.distributed and the process groups of the schedule's placement, partition the
+layers into stages, build this rank's stage modules with ``model_provider``, the optimizer over
+all of them, the data iterators and the executors; then loop: run the schedule, step the
+optimizer, step the LR schedule, log, evaluate, checkpoint, exit. Nothing here knows which
+schedule is in use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import parallel_state
+from .arguments import build_schedule_for
+from .checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from .config import ConfigError, TrainConfig
+from .data.samplers import build_data_iterator, next_microbatches
+from .initialize import default_backend, initialize_megatron
+from .model.partition import partition_layers
+from .monitor import (
+    IterationStats,
+    Timers,
+    TrainingMonitor,
+    num_floating_point_operations,
+    predicted_bubble_ratio,
+)
+from .optimizer import OptimizerParamScheduler, get_megatron_optimizer
+from .schedules.executor import PipelineExecutor
+from .schedules.grad_sync import GradientSynchronizer, shared_embedding_weight
+
+ModelProvider = Callable[..., nn.Module]
+DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
+
+
+@dataclass
+class TrainState:
+    """Progress counters of a run (restored from checkpoints)."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    last_saved_iteration: int | None = None
+
+
+@dataclass
+class _Run:
+    """Everything ``pretrain`` builds for the loop."""
+
+    config: TrainConfig
+    schedule: Any
+    partition: list[tuple[int, int]]
+    stages: list[StageSlice]
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+    executor: PipelineExecutor
+    eval_executor: PipelineExecutor
+    monitor: TrainingMonitor
+    timers: Timers
+    needed_microbatches: list[int] | None
+    rank: int
+    world_size: int
+
+
+# ------------------------------------------------------------------------------ setup
+def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
+    """The run's tokenizer (NullTokenizer over ``--vocab-size`` for bare ``--mock-data``) and the
+    config with the model's vocabulary set to the tokenizer's."""
+    from .data.tokenizers import build_tokenizer
+
+    data = config.data
+    tokenizer = build_tokenizer(
+        data.tokenizer_type or "NullTokenizer", tokenizer_model=data.tokenizer_model,
+        vocab_file=data.vocab_file, merge_file=data.merge_file, vocab_size=data.vocab_size,
+        make_vocab_size_divisible_by=config.model.make_vocab_size_divisible_by)
+    model = dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size)
+    return tokenizer, dataclasses.replace(config, model=model)
+
+
+def initialize(config: TrainConfig, schedule) -> torch.device:
+    """torch.distributed, the schedule's process groups and seeds (``initialize_megatron``).
+
+    A plain ``python pretrain_*.py`` (no torchrun environment, world size 1) gets an in-memory
+    store, so single-process runs need no port. Returns this rank's device.
+    """
+    parallel = config.parallel
+    backend = parallel.distributed_backend or default_backend()
+    if not dist.is_initialized() and "RANK" not in os.environ and parallel.world_size == 1:
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1,
+            timeout=timedelta(minutes=parallel.distributed_timeout_minutes))
+    initialize_megatron(parallel, schedule, config.training.seed)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _norm_filter(stage_modules: dict[int, nn.Module]) -> Callable[[nn.Parameter], bool]:
+    """Count each stage once in the global grad norm: on its owner, tied copy with stage 0."""
+    counted: set[int] = set()
+    for stage, module in stage_modules.items():
+        if not parallel_state.is_stage_owner(stage):
+            continue
+        shared = shared_embedding_weight(module)
+        for param in module.parameters():
+            if param is shared and stage != 0:
+                continue
+            counted.add(id(param))
+    return lambda param: id(param) in counted
+
+
+def _needed_microbatches(schedule, pipeline_rank: int, all_stages: bool) -> list[int] | None:
+    """Micro-batches whose first or last stage this rank holds (None: every one)."""
+    if all_stages:
+        return None
+    last = schedule.num_stages - 1
+    pipes = {pipe for pipe, stage in schedule.replicas_of_rank(pipeline_rank)
+             if stage in (0, last)}
+    return [m for p in sorted(pipes) for m in schedule.microbatches_of_pipe(p)]
+
+
+def _train_valid_test_num_samples(config: TrainConfig) -> list[int]:
+    """Megatron's sample counts: train, and ``eval_iters`` per evaluation for valid and test."""
+    training = config.training
+    iters = training.total_train_iters
+    evals = (iters // training.eval_interval + 1) * training.eval_iters
+    return [iters * training.global_batch_size, evals * training.global_batch_size,
+            training.eval_iters * training.global_batch_size]
+
+
+def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider: ModelProvider,
+           forward_step_func: Callable, config: TrainConfig, model_type: str,
+           state: TrainState) -> tuple[_Run, tuple[Any, Any, Any]]:
+    schedule = build_schedule_for(config)
+    parallel = config.parallel
+    device = initialize(config, schedule)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
+    partition = partition_layers(config.model.num_layers, schedule.num_stages,
+                                 config.training.partition_method, config=config.model,
+                                 model_type=model_type)
+    last = schedule.num_stages - 1
+    modules: dict[int, nn.Module] = {}
+    for stage in schedule.stages_of_rank(pipeline_rank):
+        module = model_provider(pre_process=stage == 0, post_process=stage == last,
+                                layer_range=partition[stage], stage=stage)
+        modules[stage] = module.to(device)
+    stages = [StageSlice(s, partition[s], m,
+                         writer=rank == min(parallel_state.get_stage_replica_ranks(s)))
+              for s, m in sorted(modules.items())]
+    replica_group = parallel_state.get_model_replica_group()
+    optimizer = get_megatron_optimizer(
+        config.optimizer, [modules[s] for s in sorted(modules)], grad_norm_group=replica_group,
+        found_inf_group=replica_group, norm_param_filter=_norm_filter(modules))
+    train_samples = config.training.total_train_iters * config.training.global_batch_size
+    scheduler = OptimizerParamScheduler.from_config(optimizer, config.optimizer, train_samples)
+
+    ckpt = config.checkpoint
+    if ckpt.load is not None:
+        loaded = load_checkpoint(
+            ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
+            world_size=world_size, load_optim=not ckpt.no_load_optim,
+            load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune)
+        if loaded is not None:
+            state.iteration = loaded.iteration
+            state.consumed_train_samples = loaded.consumed_train_samples
+            state.consumed_valid_samples = loaded.consumed_valid_samples
+            if rank == 0:
+                print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration}",
+                      flush=True)
+        elif rank == 0:
+            print(f" no checkpoint in {ckpt.load} (no tracker file): training from scratch",
+                  flush=True)
+    datasets = train_valid_test_datasets_provider(_train_valid_test_num_samples(config))
+
+    model, training = config.model, config.training
+    common = dict(
+        schedule=schedule, pipeline_rank=pipeline_rank, stage_modules=modules,
+        forward_step_func=forward_step_func,
+        tensor_shape=(model.seq_length, training.micro_batch_size, model.hidden_size),
+        dtype=model.torch_dtype,
+        loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
+        device=device, to_global_rank=parallel_state.pipeline_rank_to_global_rank)
+    executor = PipelineExecutor(**common, grad_sync=GradientSynchronizer.from_parallel_state(
+        modules), scale_loss=optimizer.scale_loss)
+    eval_executor = PipelineExecutor(**common)
+    logging_rank = world_size - 1  # where the executor gathers losses and busy times
+    flops = num_floating_point_operations(model, training.global_batch_size,
+                                          bert=model_type == "bert")
+    predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
+    monitor = TrainingMonitor.create(config, flops, world_size, predicted,
+                                     enabled=rank == logging_rank)
+    needed = _needed_microbatches(schedule, pipeline_rank, all_stages=model_type == "bert")
+    run = _Run(config, schedule, partition, stages, optimizer, scheduler, executor,
+               eval_executor, monitor, Timers(), needed, rank, world_size)
+    return run, datasets
+
+
+# ------------------------------------------------------------------------------ loop pieces
+def _average_losses(losses: list[dict[str, float]]) -> dict[str, float]:
+    if not losses:
+        return {}
+    return {name: sum(d[name] for d in losses) / len(losses) for name in losses[0]}
+
+
+def train_step(run: _Run, data_iterator) -> tuple[Any, bool, float | None, float]:
+    """One iteration: schedule, gradient sync, optimizer and LR step.
+
+    Returns (executor result, skipped, grad norm, pipeline seconds).
+    """
+    batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
+                                run.needed_microbatches)
+    run.optimizer.zero_grad()
+    run.timers("forward-backward").start()
+    result = run.executor.run(batches)
+    run.timers("forward-backward").stop()
+    run.timers("optimizer").start()
+    update_successful, grad_norm, _ = run.optimizer.step()
+    run.timers("optimizer").stop()
+    if update_successful:
+        run.scheduler.step(run.config.training.global_batch_size)
+    return result, not update_successful, grad_norm, result.iteration_seconds
+
+
+def evaluate(run: _Run, data_iterator, num_iters: int) -> dict[str, float]:
+    """Average of the forward-only losses over ``num_iters`` iterations (on the logging rank)."""
+    losses: list[dict[str, float]] = []
+    for module in (s.module for s in run.stages):
+        module.eval()
+    with torch.no_grad():
+        for _ in range(num_iters):
+            batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
+                                        run.needed_microbatches)
+            losses += run.eval_executor.run(batches, forward_only=True).losses
+    for module in (s.module for s in run.stages):
+        module.train()
+    return _average_losses(losses)
+
+
+def _evaluate_and_log(run: _Run, prefix: str, data_iterator, state: TrainState) -> None:
+    if data_iterator is None or run.config.training.eval_iters == 0:
+        return
+    losses = evaluate(run, data_iterator, run.config.training.eval_iters)
+    if prefix.startswith("validation"):
+        state.consumed_valid_samples += (run.config.training.eval_iters
+                                         * run.config.training.global_batch_size)
+    run.monitor.log_evaluation(prefix, state.iteration, state.consumed_train_samples, losses)
+
+
+def save(run: _Run, state: TrainState) -> None:
+    """Collective checkpoint of the current iteration under ``--save``."""
+    ckpt = run.config.checkpoint
+    if ckpt.save is None or state.last_saved_iteration == state.iteration:
+        return
+    run.timers("save-checkpoint").start()
+    path = save_checkpoint(
+        ckpt.save, state.iteration, run.stages, run.partition, run.optimizer, run.scheduler,
+        rank=run.rank, world_size=run.world_size,
+        consumed_train_samples=state.consumed_train_samples,
+        consumed_valid_samples=state.consumed_valid_samples,
+        args=dataclasses.asdict(run.config), save_optim=not ckpt.no_save_optim,
+        barrier=dist.barrier)
+    run.timers("save-checkpoint").stop()
+    state.last_saved_iteration = state.iteration
+    if run.rank == 0:
+        print(f" saved checkpoint {path} at iteration {state.iteration}", flush=True)
+
+
+def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
+    """The training loop: steps, logging, evaluation, checkpoint cadence, exit interval."""
+    training, ckpt = run.config.training, run.config.checkpoint
+    total = training.total_train_iters
+    while state.iteration < total:
+        run.timers("iteration").start()
+        result, skipped, grad_norm, pipeline_seconds = train_step(run, train_iterator)
+        run.timers("iteration").stop()
+        state.iteration += 1
+        state.consumed_train_samples += training.global_batch_size
+        timers = run.timers.elapsed_all()
+        run.monitor.record(IterationStats(
+            iteration=state.iteration, consumed_samples=state.consumed_train_samples,
+            losses=_average_losses(result.losses), learning_rate=run.scheduler.get_lr(),
+            loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
+            iteration_seconds=timers.get("iteration", pipeline_seconds),
+            pipeline_seconds=pipeline_seconds, busy_seconds=result.busy_seconds_per_rank,
+            timers=timers))
+        if training.eval_interval and state.iteration % training.eval_interval == 0:
+            _evaluate_and_log(run, "validation", valid_iterator, state)
+        if ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
+            save(run, state)
+        if training.exit_interval and state.iteration % training.exit_interval == 0:
+            save(run, state)
+            if run.rank == 0:
+                print(f" exiting program at iteration {state.iteration}", flush=True)
+            return
+
+
+# ------------------------------------------------------------------------------ entry
+def pretrain(
+    train_valid_test_datasets_provider: DatasetsProvider,
+    model_provider: ModelProvider,
+    forward_step_func: Callable,
+    config: TrainConfig,
+    model_type: str = "gpt",
+) -> TrainState:
+    """Megatron's ``pretrain``: set up, train, final validation and test evaluation, save.
+
+    ``model_provider(pre_process, post_process, layer_range, stage)`` builds one stage;
+    ``train_valid_test_datasets_provider([train, valid, test] sample counts)`` returns datasets;
+    ``forward_step_func(batch, model) -> (output, loss_func)`` as the executor contract says.
+    """
+    state = TrainState()
+    run, (train_ds, valid_ds, test_ds) = _setup(
+        train_valid_test_datasets_provider, model_provider, forward_step_func, config,
+        model_type, state)
+    training = config.training
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    workers = config.data.num_workers
+
+    def iterator(dataset, consumed):
+        return build_data_iterator(dataset, consumed, training.micro_batch_size, dp_rank,
+                                   dp_size, workers)
+
+    # On an exception the process exits without further collectives; torchrun stops the others.
+    train_iterator = iterator(train_ds, state.consumed_train_samples)
+    valid_iterator = iterator(valid_ds, state.consumed_valid_samples)
+    train(run, state, train_iterator, valid_iterator)
+    if state.iteration >= training.total_train_iters:
+        if training.eval_iters and training.total_train_iters % training.eval_interval:
+            _evaluate_and_log(run, "validation end of training", valid_iterator, state)
+        save(run, state)
+        _evaluate_and_log(run, "test end of training", iterator(test_ds, 0), state)
+    run.monitor.close()
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return state
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Run an entry script's ``main``: a ConfigError prints ``error: <message>``, exit code 2."""
+    try:
+        main()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

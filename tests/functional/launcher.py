@@ -1,0 +1,100 @@
+"""Run the entry scripts (plain or under torchrun) and read their TensorBoard scalars back."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# A tiny GPT/BERT: 8 layers, hidden 64, seq 32, vocab ~512, dropout off so layouts agree.
+TINY = (
+    "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 8 --lr 1e-3 "
+    "--mock-data --vocab-size 500 --hidden-dropout 0 --attention-dropout 0 --num-workers 0 "
+    "--eval-iters 0 --log-interval 5 --distributed-timeout-minutes 1"
+).split()
+
+
+@dataclass
+class RunResult:
+    """Exit code and output of one launch."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def launch(script: str, args: list[str], nproc: int = 1, timeout: float = 180,
+           env: dict[str, str] | None = None) -> RunResult:
+    """``python script args`` (nproc 1) or ``torchrun --standalone --nproc-per-node nproc``."""
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(ROOT / script), *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if not env or key not in env:
+            full_env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    return RunResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def train(script: str, args: list[str], nproc: int, tensorboard_dir: Path,
+          timeout: float = 180) -> RunResult:
+    """A training run that must succeed; writes TensorBoard events to ``tensorboard_dir``."""
+    result = launch(script, [*TINY, *args, "--tensorboard-dir", str(tensorboard_dir)], nproc,
+                    timeout)
+    assert result.returncode == 0, f"{script} {args} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:
+    """``{step: value}`` of one scalar tag (the last value written for each step)."""
+    events = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    if tag not in events.Tags()["scalars"]:
+        raise KeyError(f"no scalar {tag!r} in {tensorboard_dir}: {events.Tags()['scalars']}")
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_ranks(script: str, args: list[str], world_size: int,
+                 timeout: float = 120) -> list[RunResult]:
+    """Start ``world_size`` ranks by hand (torchrun's env, no supervisor that kills siblings),
+    so each rank's own exit status and stderr can be checked."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout)
+            results.append(RunResult(proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results

@@ -1,0 +1,104 @@
+"""End-to-end: fp16 overflow handling across ranks, and bad settings failing fast everywhere."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from .launcher import TINY, launch, launch_ranks, scalars, train
+
+pytestmark = [pytest.mark.functional, pytest.mark.slow]
+
+
+@pytest.mark.timeout(240)
+def test_fp16_overflow_skips_and_backs_off(tmp_path):
+    initial, hysteresis = 2.0**20, 2
+    result = train("pretrain_gpt2.py", [
+        "--train-iters", "8", "--fp16", "--initial-loss-scale", str(initial),
+        "--hysteresis", str(hysteresis), "--log-interval", "1",
+        "--pipeline-model-parallel-size", "2", "--chimera-pipes", "2"], 2, tmp_path)
+    skipped_total = scalars(tmp_path, "skipped-iterations")
+    scale = scalars(tmp_path, "loss-scale")
+    lr = scalars(tmp_path, "learning-rate")
+    skipped = [it for it in sorted(skipped_total)
+               if skipped_total[it] > skipped_total.get(it - 1, 0)]
+    # A scale of 2^20 overflows fp16 gradients of this model: the first steps are skipped ...
+    assert skipped and skipped[0] == 1 and len(skipped) < 8, skipped
+    # ... the scale backs off by 2 on every overflow once `hysteresis` overflows happened ...
+    expected, overflows = initial, 0
+    for it in sorted(scale):
+        if it in skipped:
+            overflows += 1
+            if overflows >= hysteresis:
+                expected /= 2
+        assert scale[it] == expected, (it, scale[it], expected)
+    # ... the LR schedule does not advance on skipped steps, and training resumes afterwards.
+    for it in skipped:
+        assert lr[it] == pytest.approx(lr.get(it - 1, 1e-3), rel=1e-6)  # float32 events
+    assert lr[8] < 1e-3
+    assert "number of skipped iterations:   1" in result.stdout
+    losses = scalars(tmp_path, "lm loss")
+    assert all(v == v and v < 10 for v in losses.values())
+
+
+# (extra flags, world size, text the single error line must contain)
+BAD_SETTINGS = [
+    (["--pipeline-model-parallel-size", "3", "--pipeline-schedule", "chimera"], 3,
+     "--pipeline-model-parallel-size"),
+    (["--pipeline-model-parallel-size", "4", "--chimera-pipes", "3"], 4, "--chimera-pipes"),
+    (["--micro-batch-size", "2", "--global-batch-size", "15"], 1, "--global-batch-size"),
+    (["--pipeline-model-parallel-size", "4", "--chimera-pipes", "2",
+      "--global-batch-size", "6"], 4, "--num-microbatches"),
+    (["--pipeline-model-parallel-size", "4"], 6, "--pipeline-model-parallel-size"),
+    (["--tensor-model-parallel-size", "2"], 2, "--tensor-model-parallel-size"),
+    (["--fp16", "--bf16"], 1, "--fp16"),
+    (["--seq-length", "64"], 1, "--max-position-embeddings"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], 1, "--lr-warmup-fraction"),
+    (["--train-samples", "100"], 1, "--train-samples"),
+    (["--load", "/nonexistent/checkpoints"], 1, "--load"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/vocab.json",
+      "--merge-file", "/nonexistent/merges.txt"], 1, "--vocab-file"),
+    (["--hidden-size", "66"], 1, "--num-attention-heads"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+      "--chimera-pipes", "2"], 2, "--chimera-pipes"),
+]
+
+
+def _run_as_rank(flags: list[str], world_size: int, rank: int):
+    env = {"WORLD_SIZE": str(world_size), "RANK": str(rank), "LOCAL_RANK": str(rank),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}  # unreachable: must never connect
+    return launch("pretrain_gpt2.py", [*TINY, "--train-iters", "2", *flags], 1, timeout=60,
+                  env=env)
+
+
+@pytest.mark.timeout(240)
+def test_bad_settings_fail_with_one_line_naming_the_flag():
+    # Validation runs before any process group, so each rank can be checked as a lone process
+    # that believes it is rank r of the world (it would fail to connect if it got that far).
+    jobs = [(flags, world, world - 1, needle) for flags, world, needle in BAD_SETTINGS]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda job: _run_as_rank(job[0], job[1], job[2]), jobs))
+    for (flags, _, _, needle), result in zip(jobs, results):
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+        assert result.returncode == 2, (flags, result.returncode, result.stderr)
+        assert len(lines) == 1 and lines[0].startswith("error: "), (flags, result.stderr)
+        assert needle in lines[0], (flags, lines[0])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("flags,needle", [
+    (["--pipeline-model-parallel-size", "4", "--chimera-pipes", "2",
+      "--global-batch-size", "6"], "--num-microbatches"),
+    (["--load", "/nonexistent/checkpoints"], "--load"),
+])
+def test_bad_setting_exits_on_every_rank_without_hanging(flags, needle):
+    start = time.monotonic()
+    results = launch_ranks("pretrain_gpt2.py", [*TINY, "--train-iters", "2", *flags], 4,
+                           timeout=120)
+    for rank, result in enumerate(results):
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+        assert result.returncode == 2, (rank, result.stderr)
+        assert len(lines) == 1 and needle in lines[0], (rank, result.stderr)
+    assert time.monotonic() - start < 120

@@ -1,0 +1,123 @@
+"""arguments.parse_args: Megatron flags -> frozen configs, derived sizes, one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_chimera.arguments import parse_args
+from megatron_chimera.config import ConfigError
+
+BASE = (
+    "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 16 --lr 1e-3 --train-iters 20 "
+    "--mock-data --vocab-size 500"
+).split()
+
+
+def parse(extra: str = "", world_size: int = 1, base=BASE):
+    return parse_args(list(base) + extra.split(), world_size=world_size)
+
+
+def test_derives_data_parallel_and_microbatches():
+    config = parse("--pipeline-model-parallel-size 4 --chimera-pipes 2", world_size=8)
+    assert config.parallel.data_parallel_size == 2
+    assert config.parallel.pipeline_schedule == "chimera"
+    assert config.training.num_microbatches == 16 // (2 * 2)
+    assert config.optimizer.lr_decay_samples == 20 * 16
+
+
+def test_default_schedule_is_1f1b_and_frozen():
+    config = parse("--pipeline-model-parallel-size 2", world_size=2)
+    assert config.parallel.pipeline_schedule == "1f1b"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.training.seed = 3  # type: ignore[misc]
+
+
+def test_megatron_flag_meanings():
+    config = parse(
+        "--fp16 --loss-scale-window 10 --hysteresis 3 --no-apex --lr-warmup-fraction 0.1 "
+        "--untie-embeddings-and-output-weights --ffn-hidden-size 100 --clip-grad 0.5 "
+        "--save /tmp/x --save-interval 5 --log-interval 2 --no-load-rng"
+    )
+    assert config.model.params_dtype == "fp16" and config.optimizer.fp16
+    assert config.model.use_apex is False and config.optimizer.use_apex is False
+    assert config.optimizer.lr_warmup_samples == int(0.1 * 20 * 16)
+    assert config.model.untie_embeddings_and_output_weights
+    assert config.model.ffn_size == 100
+    assert config.checkpoint.save_interval == 5 and config.checkpoint.no_load_rng
+    assert config.optimizer.hysteresis == 3 and config.logging.log_interval == 2
+
+
+def test_lr_warmup_iters_become_samples():
+    config = parse("--lr-warmup-iters 4 --lr-decay-iters 10")
+    assert config.optimizer.lr_warmup_samples == 4 * 16
+    assert config.optimizer.lr_decay_samples == 10 * 16
+
+
+def test_extra_args_provider():
+    def provider(parser):
+        parser.add_argument("--my-flag", type=int, default=7)
+        return parser
+
+    config = parse_args(BASE + ["--my-flag", "3"], world_size=1, extra_args_provider=provider)
+    assert config.extra_arg("my_flag") == 3
+
+
+# (extra flags, world size, the flag the one-line message must name)
+BAD_SETTINGS = [
+    ("--pipeline-model-parallel-size 3 --pipeline-schedule chimera", 3,
+     "--pipeline-model-parallel-size"),
+    ("--pipeline-model-parallel-size 4 --chimera-pipes 3", 4, "--chimera-pipes"),
+    ("--pipeline-model-parallel-size 4 --chimera-pipes 8", 4, "--chimera-pipes"),
+    ("--global-batch-size 15", 1, "--global-batch-size"),
+    ("--pipeline-model-parallel-size 4 --chimera-pipes 2 --global-batch-size 12", 4,
+     "--num-microbatches"),
+    ("--pipeline-model-parallel-size 4", 6, "--pipeline-model-parallel-size"),
+    ("--tensor-model-parallel-size 2", 1, "--tensor-model-parallel-size"),
+    ("--fp16 --bf16", 1, "--fp16"),
+    ("--seq-length 64 --max-position-embeddings 32", 1, "--max-position-embeddings"),
+    ("--hidden-size 66", 1, "--num-attention-heads"),
+    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 2", 1, "--lr-warmup-fraction"),
+    ("--train-samples 100", 1, "--train-samples"),
+    ("--load /nonexistent/ckpt", 1, "--load"),
+    ("--finetune", 1, "--finetune"),
+    ("--min-lr 1.0", 1, "--min-lr"),
+    ("--chimera-concat direct --pipeline-schedule 1f1b", 1, "--chimera-concat"),
+    ("--pipeline-model-parallel-size 4 --pipeline-schedule interleaved", 4,
+     "--num-layers-per-virtual-pipeline-stage"),
+    ("--recompute-method uniform", 1, "--recompute-method"),
+    ("--hidden-dropout 1.5", 1, "--hidden-dropout"),
+    ("--tokenizer-type GPT2BPETokenizer --vocab-file /nonexistent.json "
+     "--merge-file /nonexistent.txt", 1, "--vocab-file"),
+    ("--micro-batch-size 0", 1, "--micro-batch-size"),
+    ("--pipeline-model-parallel-size 8 --pipeline-schedule gpipe --num-layers 4 "
+     "--global-batch-size 16", 8, "--num-layers"),
+    ("--save-interval 5", 1, "--save-interval"),
+    ("--no-such-flag 1", 1, "--no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("extra,world_size,flag", BAD_SETTINGS)
+def test_bad_settings_name_the_flag(extra, world_size, flag):
+    with pytest.raises(ConfigError) as info:
+        parse(extra, world_size=world_size)
+    message = str(info.value)
+    assert flag in message and "\n" not in message
+
+
+def test_missing_data_path_without_mock_data():
+    base = [a for a in BASE if a != "--mock-data"]
+    with pytest.raises(ConfigError, match="--data-path"):
+        parse_args(base, world_size=1)
+
+
+def test_data_path_prefix_must_exist(tmp_path):
+    base = [a for a in BASE if a != "--mock-data"]
+    argv = base + ["--data-path", str(tmp_path / "corpus"), "--tokenizer-type", "NullTokenizer"]
+    with pytest.raises(ConfigError, match="--data-path: .*corpus.bin"):
+        parse_args(argv, world_size=1)
+    (tmp_path / "corpus.bin").write_bytes(b"")
+    (tmp_path / "corpus.idx").write_bytes(b"")
+    assert parse_args(argv, world_size=1).data.data_path == (str(tmp_path / "corpus"),)

@@ -1,0 +1,88 @@
+"""monitor: FLOP formula, bubble ratios, Megatron's log line and TensorBoard scalar names."""
+
+from __future__ import annotations
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megatron_chimera.arguments import parse_args
+from megatron_chimera.config import ModelConfig
+from megatron_chimera.monitor import (
+    IterationStats,
+    Timers,
+    TrainingMonitor,
+    measured_bubble_ratio,
+    num_floating_point_operations,
+    predicted_bubble_ratio,
+)
+from megatron_chimera.schedules import build_schedule
+
+
+def test_gpt_flops_match_megatron_formula():
+    # GPT-2 1.3B-like: 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) computed term by term
+    model = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_length=1024,
+                        vocab_size=50257)
+    b, s, layers, h, v = 8, 1024, 24, 2048, 50304  # vocab padded to a multiple of 128
+    per_layer = 24 * s * h * h + 4 * s * s * h  # forward matmul FLOPs of one layer, one sequence
+    logits = 2 * s * h * v
+    expected = 3 * b * (layers * per_layer + logits)  # forward + backward (2x)
+    assert num_floating_point_operations(model, b) == pytest.approx(expected, rel=1e-12)
+
+
+def test_bubble_ratios():
+    assert measured_bubble_ratio([1.0, 1.0, 0.5, 0.5], 1.0) == pytest.approx(0.25)
+    # 1F1B with F = B = 1: (D-1)/(N+D-1)
+    one_f_one_b = build_schedule("1f1b", 4, 8)
+    ratio = predicted_bubble_ratio(one_f_one_b, 1.0, 1.0)
+    assert ratio == pytest.approx(3 / 11)
+    chimera = build_schedule("chimera", 4, 4, pipes=2)
+    assert predicted_bubble_ratio(chimera, 1.0, 1.0) == pytest.approx(2 / (8 + 2))
+
+
+def test_timers_accumulate():
+    timers = Timers()
+    timers("x").start()
+    timers("x").stop()
+    timers("x").start()
+    timers("x").stop()
+    assert timers.elapsed_all()["x"] >= 0.0
+    with pytest.raises(RuntimeError):
+        timers("x").stop()
+
+
+def test_log_line_and_tensorboard(tmp_path, capsys):
+    config = parse_args(
+        ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+         "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 4 --mock-data "
+         "--vocab-size 500 --log-interval 2 --log-throughput "
+         f"--tensorboard-dir {tmp_path}").split(),
+        world_size=1)
+    monitor = TrainingMonitor.create(config, flops_per_iteration=1e12, world_size=1,
+                                     predicted_bubble=0.25, enabled=True)
+    losses = [5.0, 4.0, 3.0, 2.0]
+    for it, loss in enumerate(losses, start=1):
+        monitor.record(IterationStats(
+            iteration=it, consumed_samples=8 * it, losses={"lm loss": loss}, learning_rate=1e-3,
+            loss_scale=1.0, grad_norm=0.5, skipped=(it == 3), iteration_seconds=0.5,
+            busy_seconds=[0.4, 0.3]))
+    monitor.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "iteration" in ln]
+    assert len(lines) == 2
+    for field in ("consumed samples:", "elapsed time per iteration (ms): 500.0",
+                  "throughput per GPU (TFLOP/s/GPU): 2.000", "learning rate: 1.000000E-03",
+                  "global batch size:     8", "loss scale: 1.0", "grad norm: 0.500",
+                  "number of nan iterations:   0", "bubble ratio measured: 0.300",
+                  "bubble ratio predicted: 0.250", "tokens per second: 512.0"):
+        assert field in lines[0], field
+    assert "lm loss: 4.500000E+00" in lines[0]
+    # iteration 3 was skipped: the second window averages iteration 4 only
+    assert "lm loss: 2.000000E+00" in lines[1]
+    assert "number of skipped iterations:   1" in lines[1]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for name in ("lm loss", "learning-rate", "loss-scale", "grad-norm", "throughput",
+                 "iteration-time", "bubble-ratio", "bubble-ratio-predicted"):
+        assert name in tags and f"{name} vs samples" in tags, name
+    assert [e.value for e in events.Scalars("lm loss")] == losses
+    assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24, 32]

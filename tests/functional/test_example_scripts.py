@@ -1,4 +1,4 @@
-"""Every example launch script is valid bash and its dry run prints the torchrun command it would run."""
+"""Each example launch script is valid bash; its dry run prints the torchrun command it runs."""
 
 import os
 import subprocess
@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted((REPO / "examples").glob("*.sh")) + sorted((REPO / "examples" / "slurm").glob("*.sbatch"))
+SCRIPTS = sorted((REPO / "examples").glob("*.sh")) + sorted(
+    (REPO / "examples" / "slurm").glob("*.sbatch")
+)
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

@@ -1,0 +1,91 @@
+"""Start torch.distributed from torchrun's environment, create the model-parallel groups, seed.
+
+Backend: ``nccl`` on CUDA and ``gloo`` on CPU unless ``--distributed-backend`` says otherwise; every
+collective has the finite ``--distributed-timeout-minutes`` timeout (default 10).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import parallel_state
+from .config import ConfigError, ParallelConfig
+from .schedules.actions import Schedule
+
+BACKENDS = ("gloo", "nccl")
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is available, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize_distributed(config: ParallelConfig) -> None:
+    """``init_process_group`` via ``env://`` (torchrun) with the configured backend and timeout."""
+    backend = config.distributed_backend or default_backend()
+    if backend not in BACKENDS:
+        raise ConfigError(f"--distributed-backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("--distributed-backend nccl needs CUDA; use gloo on CPU")
+    if config.distributed_timeout_minutes <= 0:
+        raise ConfigError(
+            f"--distributed-timeout-minutes must be > 0, got {config.distributed_timeout_minutes}"
+        )
+    if dist.is_initialized():
+        return
+    required = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in required if k not in os.environ]
+    if missing:
+        raise ConfigError(f"environment lacks {missing}: launch with torchrun")
+    world = int(os.environ["WORLD_SIZE"])
+    if world != config.world_size:
+        raise ConfigError(
+            f"world size {world} != --data-parallel-size {config.data_parallel_size} x "
+            f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size} x "
+            f"--tensor-model-parallel-size {config.tensor_model_parallel_size}"
+        )
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        backend=backend, init_method="env://",
+        timeout=timedelta(minutes=config.distributed_timeout_minutes),
+    )
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed python, numpy and torch for this rank.
+
+    Weights do not depend on this seed's per-rank offset (they are drawn from generators keyed by
+    layer, see CONTRACTS.md); the offset by pipeline rank only decorrelates dropout (Megatron).
+    """
+    if seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {seed}")
+    offset = 100 * parallel_state.get_pipeline_model_parallel_rank() \
+        if parallel_state.model_parallel_is_initialized() else 0
+    random.seed(seed + offset)
+    np.random.seed((seed + offset) % 2**32)
+    torch.manual_seed(seed + offset)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed + offset)
+
+
+def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -> None:
+    """Distributed start-up, model-parallel groups for ``schedule``'s placement, and seeding."""
+    initialize_distributed(config)
+    if schedule.num_ranks != config.pipeline_model_parallel_size:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size} != the "
+            f"schedule's {schedule.num_ranks} ranks"
+        )
+    parallel_state.initialize_model_parallel(
+        config.pipeline_model_parallel_size, schedule.placement, schedule.num_stages,
+        config.tensor_model_parallel_size,
+        timeout=timedelta(minutes=config.distributed_timeout_minutes),
+    )
+    set_random_seed(seed)

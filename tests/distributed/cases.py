@@ -1,0 +1,358 @@
+"""Per-rank bodies of the distributed runtime tests (run inside :func:`harness.spawn_world`).
+
+One spawned world runs many configurations in sequence: for each case the rank creates the
+model-parallel groups, trains the toy model for three steps with the executor, checks losses and
+weights against a single-process run, checks replica identity, runs one forward-only iteration
+and destroys the groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_chimera import parallel_state
+from megatron_chimera.config import ConfigError
+from megatron_chimera.schedules import SCHEDULE_GENERATORS, build_schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from megatron_chimera.schedules.executor import PipelineExecutor
+from megatron_chimera.schedules.grad_sync import (
+    GradientSynchronizer,
+    assert_replicas_identical,
+    broadcast_stage_params,
+)
+from megatron_chimera.schedules.validate import validate
+
+from .toy_model import (
+    HIDDEN,
+    MICRO_BATCH,
+    SEQ,
+    build_stage,
+    forward_step,
+    make_batch,
+    reference_training,
+)
+
+STEPS = 3
+RTOL = 1e-5  # fp32: the runs differ only in summation order (~1e-7 relative per operation)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: schedule name and options, D, N, and how to run it."""
+
+    schedule: str
+    pipeline_size: int
+    num_microbatches: int
+    options: tuple[tuple[str, Any], ...] = ()
+    recompute: bool = False
+    optimizer: str = "sgd"
+    split_delay: int | None = None  # add W actions to a non-split schedule, `delay` actions later
+    direction_groups: bool = False  # one p2p group per direction (the NCCL layout)
+    loss_scale: float | None = None  # fp16-style static loss scale through the scale_loss hook
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def name(self) -> str:
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        split = f" +W(delay {self.split_delay})" if self.split_delay is not None else ""
+        rec = " recompute" if self.recompute else ""
+        groups = " p2p-direction-groups" if self.direction_groups else ""
+        scale = f" loss-scale {self.loss_scale:g}" if self.loss_scale else ""
+        return (f"{self.schedule}[{opts}] D={self.pipeline_size} N={self.num_microbatches}"
+                f"{split}{rec}{groups}{scale} {self.optimizer}")
+
+    def available(self) -> bool:
+        """Whether the schedule generator (and its options) exist in this tree."""
+        if self.schedule not in SCHEDULE_GENERATORS:
+            return False
+        try:
+            self.build()
+        except ValueError:
+            return False
+        return True
+
+    def build(self) -> Schedule:
+        """The schedule of this case (with W actions added when ``split_delay`` is set)."""
+        schedule = build_schedule(self.schedule, self.pipeline_size, self.num_microbatches,
+                                  **dict(self.options))
+        if self.split_delay is not None:
+            schedule = with_weight_actions(schedule, self.split_delay)
+        return schedule
+
+
+def with_weight_actions(schedule: Schedule, delay: int) -> Schedule:
+    """Split every B: its W runs ``delay`` actions later on the same rank (or at the end)."""
+    if schedule.split_backward:
+        raise ValueError("schedule already has W actions")
+    actions = []
+    for rank_actions in schedule.actions:
+        out: list[Action] = []
+        pending: deque[tuple[int, Action]] = deque()
+        for i, action in enumerate(rank_actions):
+            out.append(action)
+            if action.kind == BACKWARD:
+                pending.append((i + delay, Action(WEIGHT, action.pipe, action.stage,
+                                                  action.microbatch)))
+            while pending and pending[0][0] <= i:
+                out.append(pending.popleft()[1])
+        out.extend(w for _, w in pending)
+        actions.append(out)
+    return Schedule(schedule.name + "-split", schedule.num_ranks, schedule.num_stages,
+                    schedule.num_pipes, schedule.num_microbatches, schedule.placement, actions,
+                    split_backward=True, meta=dict(schedule.meta))
+
+
+class SGD:
+    """SGD with momentum (torch.optim.SGD's update), written out so that worker processes do not
+    import torch._dynamo (seconds per process on a loaded machine)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.05, momentum: float = 0.9):
+        self.params, self.lr, self.momentum = params, lr, momentum
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                continue
+            buf = self.buffers.get(id(p))
+            if buf is None:
+                buf = self.buffers[id(p)] = p.grad.clone()
+            else:
+                buf.mul_(self.momentum).add_(p.grad)
+            p.add_(buf, alpha=-self.lr)
+
+
+class Adam(SGD):
+    """Adam (torch.optim.Adam's update without weight decay)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.01, betas=(0.9, 0.999),
+                 eps: float = 1e-8):
+        super().__init__(params, lr)
+        self.betas, self.eps, self.t = betas, eps, 0
+        self.moments: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        for p in self.params:
+            if p.grad is None:
+                continue
+            m, v = self.moments.setdefault(id(p), (torch.zeros_like(p), torch.zeros_like(p)))
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            denom = (v / (1 - b2**self.t)).sqrt_().add_(self.eps)
+            p.addcdiv_(m, denom, value=-self.lr / (1 - b1**self.t))
+
+
+def make_optimizer(kind: str):
+    """Factory of an elementwise optimizer applied identically in both runs."""
+    if kind == "sgd":
+        return SGD
+    if kind == "adam":
+        return Adam
+    raise ValueError(kind)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _check_close(values: list[float], reference: list[float], what: str) -> None:
+    assert len(values) == len(reference), f"{what}: {len(values)} values, expected {len(reference)}"
+    for i, (v, r) in enumerate(zip(values, reference)):
+        if abs(v - r) > RTOL * max(abs(r), 1e-12):
+            raise AssertionError(f"{what}[{i}]: {v!r} != reference {r!r}")
+
+
+def run_case(rank: int, world_size: int, case: Case) -> None:
+    """Train 3 steps with the executor and compare everything with the single-process run."""
+    schedule = case.build()
+    validate(schedule)
+    d = case.pipeline_size
+    w = world_size // d
+    n = case.num_microbatches
+    parallel_state.initialize_model_parallel(
+        d, schedule.placement, schedule.num_stages, timeout=datetime.timedelta(seconds=60),
+        p2p_direction_groups=case.direction_groups,
+    )
+    try:
+        prank = parallel_state.get_pipeline_model_parallel_rank()
+        dp = parallel_state.get_data_parallel_rank()
+        stages = {s: build_stage(s, schedule.num_stages) for s in schedule.stages_of_rank(prank)}
+        if case.direction_groups:
+            pipe, stage = parallel_state.replicas_of_this_rank()[0]
+            peer = parallel_state.get_pipeline_next_rank(pipe, stage)
+            if peer is None:
+                peer = parallel_state.get_pipeline_prev_rank(pipe, stage)
+            if parallel_state.get_p2p_group(rank, peer) is None:
+                raise AssertionError(f"no p2p group for {rank} -> {peer}")
+        params = [p for s in sorted(stages) for p in stages[s].parameters()]
+        optimizer = make_optimizer(case.optimizer)(params)
+        executor = PipelineExecutor(
+            schedule, prank, stages, forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
+            loss_scale_divisor=n * w, grad_sync=GradientSynchronizer.from_parallel_state(stages),
+            recompute=case.recompute,
+            scale_loss=(lambda loss: loss * case.loss_scale) if case.loss_scale else None,
+        )
+        ref_losses, ref_model, ref_eval = reference_training(
+            STEPS, n, w, make_optimizer(case.optimizer)
+        )
+        logging = rank == world_size - 1
+        for step in range(STEPS):
+            optimizer.zero_grad(set_to_none=True)
+            result = executor.run([make_batch(step, dp, m) for m in range(n)])
+            if result.executed != schedule.actions[prank]:
+                raise AssertionError(f"pipeline rank {prank}: executed order differs from schedule")
+            if case.loss_scale:  # unscale (a power of two: exact)
+                for p in params:
+                    p.grad.div_(case.loss_scale)
+            optimizer.step()
+            if logging:
+                _check_close([x["lm loss"] for x in result.losses], ref_losses[step],
+                             f"step {step} losses")
+                busy = result.busy_seconds_per_rank
+                if len(busy) != world_size or min(busy) <= 0:
+                    raise AssertionError(f"busy seconds per rank: {busy}")
+        assert_replicas_identical(stages)
+        _check_weights(stages, ref_model)
+        result = executor.run([make_batch(STEPS, dp, m) for m in range(n)], forward_only=True)
+        forwards = [a for a in schedule.actions[prank] if a.kind == FORWARD]
+        if result.executed != forwards:
+            raise AssertionError(f"pipeline rank {prank}: forward-only order differs")
+        if logging:
+            _check_close([x["lm loss"] for x in result.losses], ref_eval, "forward-only losses")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _check_weights(stages: dict[int, torch.nn.Module], ref_model: torch.nn.Module) -> None:
+    for s, module in stages.items():
+        for layer_id, layer in zip(module.layer_ids, module.layers):
+            ref = ref_model.layers[layer_id]
+            for name in ("weight", "bias"):
+                err = _rel_err(getattr(layer, name).detach(), getattr(ref, name).detach())
+                if err > RTOL:
+                    raise AssertionError(f"stage {s} layer {layer_id} {name}: rel. error {err:.2e}")
+        if module.word_embeddings is not None:
+            err = _rel_err(module.word_embeddings.detach(), ref_model.word_embeddings.detach())
+            if err > RTOL:
+                raise AssertionError(f"stage {s} tied embedding copy: rel. error {err:.2e}")
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> None:
+    """Run every case in sequence in this world; name the failing case."""
+    for case in cases:
+        try:
+            run_case(rank, world_size, case)
+        except Exception as exc:
+            raise AssertionError(f"case {case.name}: {exc}") from exc
+
+
+def run_failing_rank(rank: int, world_size: int, failing_rank: int) -> None:
+    """1F1B iteration in which ``failing_rank`` raises in its third forward."""
+    schedule = build_schedule("1f1b", world_size, 8)
+    parallel_state.initialize_model_parallel(
+        world_size, schedule.placement, schedule.num_stages,
+        timeout=datetime.timedelta(seconds=30),
+    )
+    prank = parallel_state.get_pipeline_model_parallel_rank()
+    stages = {s: build_stage(s, schedule.num_stages) for s in schedule.stages_of_rank(prank)}
+    calls = {"n": 0}
+
+    def flaky_forward_step(batch, model):
+        calls["n"] += 1
+        if rank == failing_rank and calls["n"] == 3:
+            raise RuntimeError("injected failure")
+        return forward_step(batch, model)
+
+    executor = PipelineExecutor(
+        schedule, prank, stages, flaky_forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
+        loss_scale_divisor=8, grad_sync=GradientSynchronizer.from_parallel_state(stages),
+    )
+    executor.run([make_batch(0, 0, m) for m in range(8)])
+
+
+def run_replica_utilities(rank: int, world_size: int) -> None:
+    """broadcast_stage_params repairs diverged replicas; assert_replicas_identical detects them;
+    bad layouts raise ConfigError."""
+    schedule = build_schedule("chimera", 2, 2)
+    timeout = datetime.timedelta(seconds=30)
+    for bad in ({"pipeline_model_parallel_size": 3}, {"tensor_model_parallel_size": 2}):
+        kwargs = {"pipeline_model_parallel_size": 2, **bad}
+        try:
+            parallel_state.initialize_model_parallel(
+                placement=schedule.placement, num_stages=schedule.num_stages, timeout=timeout,
+                **kwargs,
+            )
+        except ConfigError:
+            continue
+        raise AssertionError(f"initialize_model_parallel accepted {kwargs}")
+    parallel_state.initialize_model_parallel(2, schedule.placement, schedule.num_stages,
+                                             timeout=timeout)
+    try:
+        prank = parallel_state.get_pipeline_model_parallel_rank()
+        stages = {s: build_stage(s, 2) for s in schedule.stages_of_rank(prank)}
+        assert_replicas_identical(stages)
+        if rank != 0:  # diverge every replica but those on rank 0
+            with torch.no_grad():
+                for module in stages.values():
+                    for p in module.parameters():
+                        p.add_(float(rank))
+        try:
+            assert_replicas_identical(stages)
+        except AssertionError:
+            pass
+        else:
+            raise AssertionError("assert_replicas_identical missed diverged replicas")
+        broadcast_stage_params(stages)
+        assert_replicas_identical(stages)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _train_with_dropout(rank: int, schedule: Schedule, recompute: bool) -> list[torch.Tensor]:
+    """Two steps of the toy model with dropout; returns this rank's final parameters."""
+    prank = parallel_state.get_pipeline_model_parallel_rank()
+    stages = {s: build_stage(s, schedule.num_stages, dropout=0.3)
+              for s in schedule.stages_of_rank(prank)}
+    params = [p for s in sorted(stages) for p in stages[s].parameters()]
+    optimizer = SGD(params)
+    executor = PipelineExecutor(
+        schedule, prank, stages, forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
+        loss_scale_divisor=schedule.num_microbatches,
+        grad_sync=GradientSynchronizer.from_parallel_state(stages), recompute=recompute,
+    )
+    torch.manual_seed(1234 + rank)
+    for step in range(2):
+        optimizer.zero_grad()
+        executor.run([make_batch(step, 0, m) for m in range(schedule.num_microbatches)])
+        optimizer.step()
+    return [p.detach().clone() for p in params]
+
+
+def run_recompute_replays_dropout(rank: int, world_size: int) -> None:
+    """Recomputation replays the forward's dropout masks: weights equal the stored-activation
+    run bitwise (a recompute that drew new masks would back-propagate through other ones)."""
+    schedule = build_schedule("chimera", world_size, 2 * world_size)
+    parallel_state.initialize_model_parallel(
+        world_size, schedule.placement, schedule.num_stages, timeout=datetime.timedelta(seconds=30)
+    )
+    try:
+        stored = _train_with_dropout(rank, schedule, recompute=False)
+        recomputed = _train_with_dropout(rank, schedule, recompute=True)
+    finally:
+        parallel_state.destroy_model_parallel()
+    for i, (a, b) in enumerate(zip(stored, recomputed)):
+        if not torch.equal(a, b):
+            raise AssertionError(f"parameter {i}: recomputation changed the result")

@@ -1,0 +1,37 @@
+"""initialize.py rejects bad settings with one clear error naming the flag (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_chimera.config import ConfigError, ParallelConfig
+from megatron_chimera.initialize import initialize_distributed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ConfigError, match="--distributed-backend"):
+        initialize_distributed(ParallelConfig(distributed_backend="mpi"))
+
+
+def test_non_positive_timeout_is_rejected():
+    with pytest.raises(ConfigError, match="--distributed-timeout-minutes"):
+        initialize_distributed(ParallelConfig(distributed_backend="gloo",
+                                              distributed_timeout_minutes=0))
+
+
+def test_world_size_must_match_the_layout(monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "6", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(key, value)
+    config = ParallelConfig(pipeline_model_parallel_size=4, data_parallel_size=2,
+                            distributed_backend="gloo")
+    with pytest.raises(ConfigError, match="world size 6 != --data-parallel-size 2"):
+        initialize_distributed(config)
+
+
+def test_missing_torchrun_environment_is_rejected(monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ConfigError, match="torchrun"):
+        initialize_distributed(ParallelConfig(distributed_backend="gloo"))

@@ -1,0 +1,132 @@
+"""Distributed runtime: exact equivalence with a single-process run, schedule order, no hang.
+
+Each test spawns one gloo world and runs many configurations in it (groups are created and
+destroyed per configuration), so the whole set stays within a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megatron_chimera.schedules import SCHEDULE_GENERATORS
+
+from .cases import (
+    Case,
+    run_cases,
+    run_failing_rank,
+    run_recompute_replays_dropout,
+    run_replica_utilities,
+)
+from .harness import spawn_world
+
+pytestmark = pytest.mark.distributed
+
+DIRECT = (("concat", "direct"),)
+DOUBLING = (("concat", "forward-doubling"),)
+
+
+def chimera_cases(d: int) -> list[Case]:
+    """Chimera with 2 pipes: basic unit, direct, forward doubling (with recompute), default."""
+    return [
+        Case("chimera", d, d),
+        Case("chimera", d, 2 * d, DIRECT),
+        Case("chimera", d, 2 * d, DOUBLING, recompute=True),
+        Case("chimera", d, 2 * d),
+    ]
+
+
+def common_cases(d: int) -> list[Case]:
+    """GPipe, 1F1B, interleaved (v=2), Chimera, and split-backward schedules at pipeline size d."""
+    return [
+        Case("gpipe", d, d + 1),
+        Case("1f1b", d, 2 * d + 1),
+        Case("1f1b", d, d, recompute=True),
+        Case("interleaved", d, 2 * d, (("virtual_pipeline_size", 2),)),
+        *chimera_cases(d),
+        Case("1f1b", d, 2 * d, split_delay=2),
+        Case("chimera", d, 2 * d, DIRECT, split_delay=3),
+        Case("zb-h1", d, 2 * d),
+        Case("chimera-zb", d, 2 * d),
+    ]
+
+
+WORLD_8 = [
+    *common_cases(8),
+    Case("chimera", 8, 8, (("pipes", 4),)),
+    Case("chimera", 8, 16, (("pipes", 4),)),
+    Case("chimera-zb", 8, 16, (("pipes", 4),)),
+    Case("chimera", 8, 16, DIRECT, optimizer="adam"),
+    Case("chimera", 8, 16, (("pipes", 4),), direction_groups=True),
+    # D=4 x W=2 and D=2 x W=4 in the same world
+    Case("1f1b", 4, 8),
+    *chimera_cases(4),
+    Case("chimera-zb", 4, 8, direction_groups=True),
+    Case("interleaved", 4, 8, (("virtual_pipeline_size", 2),), direction_groups=True),
+    Case("chimera", 2, 4, DIRECT),
+    Case("1f1b", 2, 4, split_delay=1),
+]
+WORLD_4 = [*common_cases(4), Case("chimera", 2, 4, DIRECT), Case("gpipe", 2, 3),
+           Case("chimera-zb", 2, 4), Case("chimera", 4, 8, loss_scale=2.0**12)]
+WORLD_2 = [*common_cases(2)]
+
+
+def _available(cases: list[Case]) -> list[Case]:
+    return [c for c in cases if c.available()]
+
+
+@pytest.mark.timeout(240)
+def test_exact_world_of_8():
+    """D=8 (W=1), D=4 x W=2, D=2 x W=4: losses, weights, replica identity, order, eval."""
+    spawn_world(run_cases, 8, _available(WORLD_8), timeout_s=220)
+
+
+@pytest.mark.timeout(120)
+def test_exact_world_of_4():
+    """D=4 (W=1) and D=2 x W=2."""
+    spawn_world(run_cases, 4, _available(WORLD_4), timeout_s=100)
+
+
+@pytest.mark.timeout(60)
+def test_exact_world_of_2():
+    """D=2 (W=1)."""
+    spawn_world(run_cases, 2, _available(WORLD_2), timeout_s=50)
+
+
+def test_required_schedules_are_registered():
+    """The exactness tests above cover every schedule and concatenation the runtime must run."""
+    missing = [c.name for c in WORLD_8 + WORLD_4 + WORLD_2 if not c.available()]
+    assert not missing, f"schedules not available (their exactness is untested): {missing}"
+    assert {"gpipe", "1f1b", "interleaved", "chimera", "chimera-zb", "zb-h1"} <= set(
+        SCHEDULE_GENERATORS
+    )
+
+
+@pytest.mark.timeout(90)
+def test_failing_rank_stops_every_rank():
+    """A rank raising mid-iteration makes every other rank exit non-zero, naming that rank."""
+    start = time.monotonic()
+    outcomes = spawn_world(run_failing_rank, 4, 2, timeout_s=75, pg_timeout_s=30,
+                           kill_on_failure=False)
+    elapsed = time.monotonic() - start
+    hung = [o.rank for o in outcomes if o.exitcode is None]
+    assert not hung, f"ranks {hung} hung ({elapsed:.0f} s)"
+    for o in outcomes:
+        assert o.exitcode != 0, f"rank {o.rank} exited 0 although rank 2 failed"
+        assert "rank 2 (pipeline rank 2) failed in F0.2.2" in o.error, (
+            f"rank {o.rank} does not name rank 2:\n{o.error}"
+        )
+    assert "injected failure" in outcomes[2].error
+
+
+@pytest.mark.timeout(60)
+def test_replica_utilities_and_layout_errors():
+    """Broadcast makes replicas identical, the checker catches divergence, bad layouts fail."""
+    spawn_world(run_replica_utilities, 4, timeout_s=50)
+
+
+@pytest.mark.timeout(60)
+def test_recompute_replays_dropout():
+    """Activation recomputation restores the RNG: same masks, bitwise the same weights."""
+    spawn_world(run_recompute_replays_dropout, 4, timeout_s=50)

@@ -1,0 +1,307 @@
+"""Benchmark every pipeline schedule with emulated compute and compare with the simulator.
+
+Run under torchrun, one process per pipeline rank (W = world / D data-parallel replicas)::
+
+    torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 8 --num-microbatches 8 32 \
+        --forward-ms 20 --backward-ms 40 --weight-ms 20 --json bench.json
+
+Stages sleep instead of computing (``schedules/emulated.py``), so 8 ranks on 2 cores behave like 8
+devices. Per schedule and N the table shows the measured iteration time (median of ``--iters``
+after ``--warmup``; per iteration the slowest rank), the simulator's makespan for the same costs
+with the p2p latency measured by ping-pong in this run, their ratio, and throughput relative to
+1F1B at the same N (same samples per iteration). ``--backward-ms`` is the whole backward; with a
+split backward B takes ``backward - weight`` and W takes ``--weight-ms``. A schedule with k stages
+per rank (interleaved, V-shaped) gets 1/k of these times per stage. Rows ``torch-*`` run
+torch.distributed.pipelining's schedules on the same emulated stages (no simulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_chimera import parallel_state
+from megatron_chimera.config import ConfigError, ParallelConfig
+from megatron_chimera.initialize import initialize_distributed
+from megatron_chimera.schedules import build_schedule
+from megatron_chimera.schedules.emulated import (
+    EmulatedCosts,
+    EmulatedStage,
+    EmulatedTorchStage,
+    SleepingWeightGradStore,
+    emulated_forward_step,
+)
+from megatron_chimera.schedules.executor import PipelineExecutor
+from megatron_chimera.schedules.grad_sync import GradientSynchronizer
+from megatron_chimera.schedules.simulate import CostModel, simulate
+from megatron_chimera.schedules.validate import validate
+
+DEFAULT_SCHEDULES = (
+    "gpipe,1f1b,interleaved:virtual_pipeline_size=2,chimera,chimera:concat=direct,"
+    "chimera:concat=forward-doubling,chimera:pipes=4,zb-h1,chimera-zb,chimera-zb:pipes=4,"
+    "torch-1f1b,torch-interleaved,torch-zbv,torch-dualpipev"
+)
+TORCH_SCHEDULES = ("torch-1f1b", "torch-interleaved", "torch-zbv", "torch-dualpipev")
+SEQ, MICRO_BATCH, HIDDEN = 8, 2, 4
+
+
+@dataclass
+class Row:
+    """One measured configuration."""
+
+    schedule: str
+    options: dict[str, Any]
+    pipeline_size: int
+    num_microbatches: int
+    measured_s: float
+    simulated_s: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name:key=value:key=value`` -> (name, options); integer values become ints."""
+    name, *pairs = spec.split(":")
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"--schedules: option {pair!r} of {spec!r} is not key=value")
+        key, value = pair.split("=", 1)
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, options
+
+
+def measure_p2p_latency(rounds: int = 200) -> float:
+    """One-way latency of an activation message between ranks 0 and 1 (ping-pong), everywhere."""
+    buf = torch.zeros(SEQ, MICRO_BATCH, HIDDEN)
+    rank = dist.get_rank()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    latency = torch.tensor([(time.perf_counter() - start) / (2 * rounds)])
+    dist.broadcast(latency, 0)
+    return float(latency)
+
+
+def _max_over_ranks(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed(run, warmup: int, iters: int) -> float:
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        elapsed = _max_over_ranks(time.perf_counter() - start)
+        if i >= warmup:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: EmulatedCosts,
+               args: argparse.Namespace, latency: float) -> Row:
+    """Measure our executor on schedule ``name`` and simulate the same costs."""
+    if name == "chimera-zb":
+        options = {"costs": (costs.forward_s, costs.input_grad_s, costs.weight_s), **options}
+    schedule = build_schedule(name, d, n, **options)
+    validate(schedule)
+    w = dist.get_world_size() // d
+    stage_costs = costs.scaled(d / schedule.num_stages)
+    if not schedule.split_backward:
+        stage_costs = EmulatedCosts(stage_costs.forward_s, stage_costs.backward_s, 0.0)
+    parallel_state.initialize_model_parallel(d, schedule.placement, schedule.num_stages,
+                                             timeout=timedelta(minutes=5))
+    try:
+        prank = parallel_state.get_pipeline_model_parallel_rank()
+        stages = {s: EmulatedStage(stage_costs, s == 0, s == schedule.num_stages - 1, HIDDEN, s)
+                  for s in schedule.stages_of_rank(prank)}
+        executor = PipelineExecutor(
+            schedule, prank, stages, emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
+            torch.float32, loss_scale_divisor=n * w,
+            grad_sync=GradientSynchronizer.from_parallel_state(stages),
+            weight_grad_store_factory=SleepingWeightGradStore, gather_losses=False,
+        )
+        batch = torch.randn(SEQ, MICRO_BATCH, HIDDEN)
+
+        def step() -> None:
+            for module in stages.values():
+                module.zero_grad(set_to_none=True)
+            executor.run([batch] * n)
+
+        measured = _timed(step, args.warmup, args.iters)
+    finally:
+        parallel_state.destroy_model_parallel()
+    model = CostModel(
+        forward_cost=stage_costs.forward_s, backward_cost=stage_costs.backward_s,
+        weight_cost=stage_costs.weight_s, p2p_alpha=latency, allreduce_alpha=latency,
+        data_parallel_size=w,
+    )
+    sim = simulate(schedule, model)
+    compute_only = simulate(schedule, CostModel(
+        forward_cost=stage_costs.forward_s, backward_cost=stage_costs.backward_s,
+        weight_cost=stage_costs.weight_s, data_parallel_size=w,
+    ))
+    shown = {k: v for k, v in options.items() if k != "costs"}
+    return Row(name, shown, d, n, measured, sim.makespan,
+               {"pipes": schedule.num_pipes, "concat": schedule.meta.get("concat"),
+                "simulated_compute_s": compute_only.makespan})
+
+
+def bench_torch(name: str, d: int, n: int, costs: EmulatedCosts, args: argparse.Namespace) -> Row:
+    """Measure one torch.distributed.pipelining schedule on the same emulated stages."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    rank = dist.get_rank()
+    if name == "torch-1f1b":
+        stage_ids, num_stages, cls = [rank], d, ts.Schedule1F1B
+    elif name == "torch-interleaved":
+        stage_ids, num_stages, cls = [rank, rank + d], 2 * d, ts.ScheduleInterleaved1F1B
+    elif name in ("torch-zbv", "torch-dualpipev"):
+        stage_ids, num_stages = [rank, 2 * d - 1 - rank], 2 * d
+        cls = ts.ScheduleZBVZeroBubble if name == "torch-zbv" else ts.ScheduleDualPipeV
+    else:
+        raise ConfigError(f"--schedules: unknown torch schedule {name!r}; choose {TORCH_SCHEDULES}")
+    stage_costs = costs.scaled(d / num_stages)
+    if name in ("torch-1f1b", "torch-interleaved"):
+        stage_costs = EmulatedCosts(stage_costs.forward_s, stage_costs.backward_s, 0.0)
+    example = torch.randn(MICRO_BATCH, SEQ, HIDDEN)
+    stages = [
+        PipelineStage(EmulatedTorchStage(stage_costs, sid == 0, HIDDEN), sid, num_stages,
+                      torch.device("cpu"), input_args=(example.clone().requires_grad_(sid > 0),),
+                      output_args=(example.clone().requires_grad_(),))
+        for sid in stage_ids
+    ]
+    loss_fn = lambda out, target: (out - target).pow(2).mean()
+    schedule = cls(stages[0] if cls is ts.Schedule1F1B else stages, n, loss_fn=loss_fn)
+    x = torch.randn(MICRO_BATCH * n, SEQ, HIDDEN)
+
+    def step() -> None:
+        for stage in stages:
+            stage.submod.zero_grad(set_to_none=True)
+        kwargs: dict[str, Any] = {}
+        if num_stages - 1 in stage_ids:
+            kwargs = {"target": torch.zeros_like(x), "losses": []}
+        if 0 in stage_ids:
+            schedule.step(x, **kwargs)
+        else:
+            schedule.step(**kwargs)
+
+    measured = _timed(step, args.warmup, args.iters)
+    return Row(name, {}, d, n, measured, None, {"pipes": 1, "concat": None})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line flags (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("-D", "--pipeline-model-parallel-size", type=int, default=None,
+                   help="pipeline ranks D (default: the world size)")
+    p.add_argument("--num-microbatches", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--forward-ms", type=float, default=20.0)
+    p.add_argument("--backward-ms", type=float, default=40.0, help="whole backward (B + W)")
+    p.add_argument("--weight-ms", type=float, default=20.0,
+                   help="weight-gradient part of the backward (W) for split schedules")
+    p.add_argument("--iters", type=int, default=5, help="measured iterations (median), >= 5")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--schedules", default=DEFAULT_SCHEDULES,
+                   help="comma-separated name[:key=value...] (torch-* for pipelining's)")
+    p.add_argument("--json", default=None, help="write the rows to this JSON file")
+    args = p.parse_args(argv)
+    if args.iters < 5:
+        p.error(f"--iters must be >= 5, got {args.iters}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def format_table(rows: list[Row], latency: float) -> str:
+    """Markdown table of the rows, with ratio and throughput relative to 1F1B."""
+    base = {r.num_microbatches: r.measured_s for r in rows if r.schedule == "1f1b"}
+    lines = [f"p2p latency (ping-pong, one way): {latency * 1e6:.0f} us", "",
+             "| schedule | options | D | N | measured s | simulated s | simulated/measured "
+             "| throughput vs 1F1B |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        opts = " ".join(f"{k}={v}" for k, v in r.options.items())
+        sim = f"{r.simulated_s:.3f}" if r.simulated_s is not None else "-"
+        ratio = f"{r.simulated_s / r.measured_s:.3f}" if r.simulated_s is not None else "-"
+        rel = base.get(r.num_microbatches)
+        thr = f"{rel / r.measured_s:.3f}" if rel else "-"
+        lines.append(f"| {r.schedule} | {opts} | {r.pipeline_size} | {r.num_microbatches} | "
+                     f"{r.measured_s:.3f} | {sim} | {ratio} | {thr} |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, rows: list[Row]) -> None:
+    """Write ``[{"schedule", "pipes", "concat", "D", "N", "measured_s", "simulated_s"}]`` (plus
+    the options and ``simulated_compute_s``, the makespan without communication) atomically."""
+    data = [{"schedule": r.schedule, "pipes": r.extra.get("pipes"), "concat": r.extra.get("concat"),
+             "D": r.pipeline_size, "N": r.num_microbatches, "measured_s": r.measured_s,
+             "simulated_s": r.simulated_s, "options": r.options,
+             "simulated_compute_s": r.extra.get("simulated_compute_s")} for r in rows]
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; rank 0 prints the table (and writes --json)."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    d = args.pipeline_model_parallel_size or world
+    if d < 1 or world % d:
+        raise ConfigError(f"--pipeline-model-parallel-size {d} must divide the world size {world}")
+    initialize_distributed(ParallelConfig(
+        pipeline_model_parallel_size=d, data_parallel_size=world // d, distributed_backend="gloo"
+    ))
+    costs = EmulatedCosts(args.forward_ms / 1e3, args.backward_ms / 1e3, args.weight_ms / 1e3)
+    latency = measure_p2p_latency()
+    rows: list[Row] = []
+    rank = dist.get_rank()
+    for spec in [s for s in args.schedules.split(",") if s]:
+        name, options = parse_spec(spec)
+        for n in args.num_microbatches:
+            try:
+                if name.startswith("torch-"):
+                    if world != d:
+                        raise ConfigError("torch-* rows need world size == D (no data parallelism)")
+                    row = bench_torch(name, d, n, costs, args)
+                else:
+                    row = bench_ours(name, options, d, n, costs, args, latency)
+            except (ValueError, ConfigError) as exc:  # schedule not defined for this (D, N)
+                if rank == 0:
+                    print(f"skipped {spec} N={n}: {exc}", file=sys.stderr, flush=True)
+                continue
+            rows.append(row)
+            if rank == 0:
+                print(f"{spec} N={n}: measured {row.measured_s:.3f} s", file=sys.stderr, flush=True)
+    if rank == 0:
+        print(format_table(rows, latency))
+        if args.json:
+            write_json(args.json, rows)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""Autotuner: enumerate schedules, D, W, B, N and recomputation; keep what fits; rank by throughput.
+
+For ``P`` GPUs and a mini-batch ``B̂`` it tries every even ``D`` dividing ``P`` (at most one stage
+per layer), ``W = P / D``, every micro-batch size ``B`` with ``N = B̂ / (W B)`` integral, every
+registered schedule variant the sizes allow (GPipe, 1F1B, interleaved with ``v`` dividing the
+layers, Chimera and Chimera-ZB with 2 and 4 pipes and every concatenation, ZB-H1), layers
+partitioned uniformly or balanced by parameters (``--partition-method``; the balanced split moves
+layers off the stages holding the embedding and the LM head), with and without full
+recomputation. The memory model drops layouts over the device memory before anything is
+simulated; a recomputing layout is simulated only when the same layout without recomputation does
+not fit (recomputation only adds work, so otherwise it is dominated). The rest are simulated by
+:class:`~megatron_chimera.tuning.perf_model.PerformanceModel` and ranked by samples/s.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import importlib
+import inspect
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from megatron_chimera.config import ConfigError
+from megatron_chimera.schedules import SCHEDULE_GENERATORS
+from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingLayout
+
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "chimera-zb", "zb-h1")
+DEFAULT_CHIMERA_PIPES = (2, 4)
+DEFAULT_VIRTUAL_SIZES = (2, 4)
+JSON_KEYS = ("schedule", "pipes", "D", "W", "B", "N", "recompute", "iteration_s",
+             "samples_per_s", "peak_memory_bytes")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the tuner may choose from."""
+
+    num_gpus: int
+    global_batch_size: int
+    num_layers: int
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
+    micro_batch_sizes: tuple[int, ...] | None = None  # None: powers of two that divide B̂ / W
+    recompute: tuple[bool, ...] = (False, True)
+    chimera_pipes: tuple[int, ...] = DEFAULT_CHIMERA_PIPES
+    virtual_sizes: tuple[int, ...] = DEFAULT_VIRTUAL_SIZES
+    partition_methods: tuple[str, ...] = ("uniform", "parameters")
+    # chimera-zb's list-scheduling generator can take minutes beyond this D (e.g. D=32, N=64)
+    chimera_zb_max_d: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 2:
+            raise ConfigError(f"--num-gpus must be >= 2 for pipeline parallelism, got "
+                              f"{self.num_gpus}")
+        if self.global_batch_size < 1:
+            raise ConfigError(f"--global-batch-size must be positive, got "
+                              f"{self.global_batch_size}")
+        unknown = set(self.partition_methods) - {"uniform", "parameters"}
+        if unknown or not self.partition_methods:
+            raise ConfigError(f"--partition-methods: choose from uniform, parameters; got "
+                              f"{self.partition_methods}")
+        if self.micro_batch_sizes is not None and min(self.micro_batch_sizes, default=0) < 1:
+            raise ConfigError(f"--micro-batch-sizes must be positive, got "
+                              f"{self.micro_batch_sizes}")
+
+    def pipeline_sizes(self) -> list[int]:
+        """Even D dividing the GPU count, at most one stage per layer."""
+        return [d for d in range(2, self.num_gpus + 1, 2)
+                if self.num_gpus % d == 0 and d <= self.num_layers]
+
+    def micro_batches_for(self, W: int) -> list[int]:
+        """Micro-batch sizes B with B̂ / (W B) a positive integer."""
+        if self.global_batch_size % W:
+            return []
+        per_replica = self.global_batch_size // W
+        if self.micro_batch_sizes is not None:
+            return [b for b in self.micro_batch_sizes if per_replica % b == 0]
+        sizes, b = [], 1
+        while b <= per_replica:
+            if per_replica % b == 0:
+                sizes.append(b)
+            b *= 2
+        return sizes
+
+
+def _concat_names(schedule: str) -> tuple[str | None, ...]:
+    """Concatenations a Chimera-like generator accepts (from the chimera module's table)."""
+    generator = SCHEDULE_GENERATORS[schedule]
+    if "concat" not in inspect.signature(generator).parameters:
+        return (None,)
+    chimera_module = importlib.import_module(generator.__module__)
+    return tuple(getattr(chimera_module, "CONCAT_NAMES", ())) or (None,)
+
+
+def _variants(space: SearchSpace, schedule: str, D: int, N: int) -> Iterator[dict]:
+    """Schedule-specific options (pipes, concat, virtual size) valid in principle for D, N."""
+    if schedule == "chimera-zb" and D > space.chimera_zb_max_d:
+        return
+    if schedule.startswith("chimera"):
+        for pipes in space.chimera_pipes:
+            if pipes > D or pipes % 2 or (D // 2) % (pipes // 2):
+                continue
+            concats = (None,) if N == D else _concat_names(schedule)
+            for concat in concats:
+                yield {"pipes": pipes, "concat": concat}
+    elif schedule == "interleaved":
+        for v in space.virtual_sizes:
+            if space.num_layers % (D * v) == 0:
+                yield {"virtual": v}
+    else:
+        yield {}
+
+
+def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
+    """Every layout of the search space whose schedule is registered (sizes not yet checked)."""
+    schedules = [s for s in space.schedules if s in SCHEDULE_GENERATORS]
+    for D in space.pipeline_sizes():
+        W = space.num_gpus // D
+        for B in space.micro_batches_for(W):
+            N = space.global_batch_size // (W * B)
+            for schedule in schedules:
+                for options in _variants(space, schedule, D, N):
+                    for partition in space.partition_methods:
+                        for recompute in space.recompute:
+                            yield TrainingLayout(schedule, D, W, B, N, recompute,
+                                                 partition=partition, **options)
+
+
+@dataclass
+class TuneResult:
+    """Outcome of a search: ranked fitting predictions, rejected layouts and bookkeeping."""
+
+    ranked: list[Prediction]
+    over_memory: list[tuple[TrainingLayout, int]]  # layout, its peak bytes
+    invalid: list[tuple[TrainingLayout, str]]  # layout, the generator's reason
+    dominated: int = 0  # recomputing layouts skipped because the plain one fits
+    pruned: int = 0  # layouts never built: their work bound exceeds the keep-th best time
+    duplicates: int = 0  # balanced partitions equal to the uniform one
+    memory_limit_bytes: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Prediction:
+        """The highest-throughput layout that fits."""
+        if not self.ranked:
+            raise ConfigError("no layout fits in memory: raise --gpu-memory-gb, add GPUs or "
+                              "lower --global-batch-size / --micro-batch-sizes")
+        return self.ranked[0]
+
+
+def autotune(model: PerformanceModel, space: SearchSpace, memory_limit_bytes: int,
+             keep: int | None = None) -> TuneResult:
+    """Search ``space`` with ``model``; layouts whose peak rank memory exceeds the limit drop out.
+
+    With ``keep`` set, branch and bound: layouts are visited by increasing work lower bound
+    (:meth:`PerformanceModel.work_lower_bound`) and the search stops once that bound exceeds the
+    ``keep``-th best iteration time found, so the first ``keep`` ranked layouts are exactly those
+    of the exhaustive search (``keep=None``) while far fewer schedules are built and simulated.
+    """
+    start = time.perf_counter()
+    result = TuneResult([], [], [], memory_limit_bytes=memory_limit_bytes)
+    layouts = list(enumerate_layouts(space))
+    bounds = {layout: model.work_lower_bound(layout) for layout in layouts}
+    if keep is not None:
+        layouts.sort(key=lambda layout: bounds[layout])
+    fits: dict[TrainingLayout, bool] = {}
+    times: list[float] = []  # sorted iteration times of the fitting layouts found so far
+    for index, layout in enumerate(layouts):
+        if keep is not None and len(times) >= keep and bounds[layout] > times[keep - 1]:
+            result.pruned = len(layouts) - index
+            break
+        plain = dataclasses.replace(layout, recompute=False)
+        if layout.recompute and fits.get(plain, False):
+            result.dominated += 1
+            continue
+        try:
+            if layout.partition != "uniform":
+                uniform = dataclasses.replace(layout, partition="uniform")
+                if model.partition(layout) == model.partition(uniform):
+                    result.duplicates += 1  # the balanced split is the uniform one
+                    continue
+            memory = model.memory(layout)
+        except (ValueError, ConfigError) as exc:
+            result.invalid.append((layout, str(exc).splitlines()[0]))
+            continue
+        peak = max(m.total_bytes for m in memory)
+        fits[layout] = peak <= memory_limit_bytes
+        if not fits[layout]:
+            result.over_memory.append((layout, peak))
+            continue
+        prediction = model.predict(layout, with_memory=False)
+        prediction.memory = memory
+        result.ranked.append(prediction)
+        bisect.insort(times, prediction.iteration_s)
+    result.ranked.sort(key=lambda p: (-p.samples_per_s, p.peak_memory_bytes))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def to_records(predictions: Sequence[Prediction]) -> list[dict]:
+    """The ``--json`` records: exactly :data:`JSON_KEYS` per layout, in ranked order."""
+    return [
+        {
+            "schedule": p.layout.label,
+            "pipes": p.layout.pipes,
+            "D": p.layout.D,
+            "W": p.layout.W,
+            "B": p.layout.B,
+            "N": p.layout.N,
+            "recompute": p.layout.recompute,
+            "iteration_s": p.iteration_s,
+            "samples_per_s": p.samples_per_s,
+            "peak_memory_bytes": p.peak_memory_bytes,
+        }
+        for p in predictions
+    ]
+
+
+def format_table(predictions: Sequence[Prediction], memory_limit_bytes: int,
+                 over_memory: Sequence[tuple[TrainingLayout, int]] = ()) -> str:
+    """Text table: configuration, iteration time, samples/s, bubble ratio, peak memory, fits."""
+    header = (f"{'#':>3}  {'schedule':<32}{'pipes':>5}{'D':>5}{'W':>5}{'B':>5}{'N':>6}"
+              f"{'recomp':>7}{'iter [s]':>11}{'samples/s':>11}{'bubble':>8}"
+              f"{'peak mem [GiB]':>16}{'fits':>6}")
+    lines = [header, "-" * len(header)]
+
+    def row(index: str, layout: TrainingLayout, cells: str, peak: int) -> str:
+        fits = "yes" if peak <= memory_limit_bytes else "no"
+        return (f"{index:>3}  {layout.label:<32}{layout.pipes:>5}{layout.D:>5}{layout.W:>5}"
+                f"{layout.B:>5}{layout.N:>6}{('yes' if layout.recompute else 'no'):>7}"
+                f"{cells}{peak / 2**30:>16.2f}{fits:>6}")
+
+    for i, p in enumerate(predictions, 1):
+        cells = f"{p.iteration_s:>11.4f}{p.samples_per_s:>11.1f}{p.bubble_ratio:>8.3f}"
+        lines.append(row(str(i), p.layout, cells, p.peak_memory_bytes))
+    for layout, peak in over_memory:
+        lines.append(row("-", layout, f"{'-':>11}{'-':>11}{'-':>8}", peak))
+    return "\n".join(lines)

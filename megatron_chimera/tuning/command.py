@@ -1,0 +1,81 @@
+"""The ready-to-run ``torchrun ... pretrain_gpt2.py|pretrain_bert.py`` command of a layout."""
+
+from __future__ import annotations
+
+import shlex
+
+from megatron_chimera.tuning.costs import ModelSpec
+from megatron_chimera.tuning.perf_model import TrainingLayout
+
+ENTRY_POINTS = {"gpt2": "pretrain_gpt2.py", "bert": "pretrain_bert.py"}
+DATA_FLAGS = {
+    "gpt2": ["--data-path", "$DATA_PATH", "--tokenizer-type", "GPT2BPETokenizer",
+             "--vocab-file", "$VOCAB_FILE", "--merge-file", "$MERGE_FILE"],
+    "bert": ["--data-path", "$DATA_PATH", "--tokenizer-type", "BertWordPieceLowerCase",
+             "--vocab-file", "$VOCAB_FILE"],
+}
+
+
+def _launcher(num_gpus: int, gpus_per_node: int) -> list[str]:
+    if num_gpus <= gpus_per_node:
+        return ["torchrun", "--nproc-per-node", str(num_gpus)]
+    nodes = -(-num_gpus // gpus_per_node)
+    return ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(gpus_per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
+
+
+def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
+    """Megatron flags of the model and of ``layout`` (sizes, schedule, batch, precision)."""
+    cfg = spec.config
+    flags = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
+             "--num-attention-heads", str(cfg.num_attention_heads),
+             "--seq-length", str(cfg.seq_length)]
+    if cfg.max_position_embeddings is not None:
+        flags += ["--max-position-embeddings", str(cfg.max_position_embeddings)]
+    if cfg.ffn_hidden_size is not None:
+        flags += ["--ffn-hidden-size", str(cfg.ffn_hidden_size)]
+    if cfg.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    if spec.model == "bert" and not cfg.bert_binary_head:
+        flags.append("--bert-no-binary-head")
+    if not cfg.masked_softmax_fusion:
+        flags.append("--no-masked-softmax-fusion")
+    flags += ["--pipeline-model-parallel-size", str(layout.D),
+              "--pipeline-schedule", layout.schedule]
+    if layout.schedule.startswith("chimera"):
+        flags += ["--chimera-pipes", str(layout.pipes)]
+        if layout.concat is not None:
+            flags += ["--chimera-concat", layout.concat]
+    if layout.schedule == "interleaved":
+        per_chunk = cfg.num_layers // (layout.D * layout.virtual)
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]
+    if layout.partition != "uniform":
+        flags += ["--partition-method", layout.partition]
+    flags += ["--micro-batch-size", str(layout.B),
+              "--global-batch-size", str(layout.global_batch_size)]
+    if layout.recompute:
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+    if cfg.params_dtype == "fp16":
+        flags.append("--fp16")
+    elif cfg.params_dtype == "bf16":
+        flags.append("--bf16")
+    return flags
+
+
+def torchrun_command(spec: ModelSpec, layout: TrainingLayout, gpus_per_node: int) -> str:
+    """The shell command that trains ``layout`` (data paths left as environment variables)."""
+    num_gpus = layout.D * layout.W
+    words = _launcher(num_gpus, gpus_per_node) + [ENTRY_POINTS[spec.model]]
+    words += pretrain_flags(spec, layout) + DATA_FLAGS[spec.model]
+    words += ["--train-iters", "$TRAIN_ITERS", "--lr", "$LR"]
+    quoted = [w if w.startswith("$") else shlex.quote(w) for w in words]
+    lines, current = [], quoted[0]
+    for word in quoted[1:]:
+        if word.startswith("--") and len(current) > 60:
+            lines.append(current)
+            current = "    " + word
+        else:
+            current += " " + word
+    lines.append(current)
+    return " \\\n".join(lines)

@@ -1,0 +1,289 @@
+"""Performance model: predicted iteration time of a training layout, by running the simulator.
+
+The paper's Eq. (1) writes the iteration time of Chimera's basic unit as
+``T = (F_t + Comm_p2p) C_f + (B_t + Comm_p2p) C_b + max_i Comm_unoverlapped(i)``. Rather than a
+closed form per schedule, this model builds the schedule (data), derives a
+:class:`~megatron_chimera.schedules.simulate.CostModel` for it -- per-stage forward / backward /
+weight-gradient times, one point-to-point alpha-beta message time, the stage-replica all-reduce
+over ``2f W`` replicas with Rabenseifner's alpha-beta cost -- and lets the one simulator cost it,
+eager gradient synchronisation included. With zero communication and uniform stages this is
+exactly Eq. (1) (:func:`chimera_eq1_time`; checked by the tests).
+
+Stage times come from :class:`AnalyticCompute` (FLOPs / achieved FLOP/s of a hardware profile) or
+from measured timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from megatron_chimera.config import ConfigError
+from megatron_chimera.schedules import build_schedule
+from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
+from megatron_chimera.tuning.costs import (
+    ModelSpec,
+    StageSlice,
+    activation_message_bytes,
+    partition_stages,
+    stage_forward_flops,
+    stage_parameters,
+)
+from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
+from megatron_chimera.tuning.memory import RankMemory, rank_memory
+
+
+@dataclass(frozen=True)
+class TrainingLayout:
+    """One point of the search: schedule and its variant, D, W, B, N and recomputation."""
+
+    schedule: str  # --pipeline-schedule
+    D: int  # pipeline stages (ranks per pipeline)
+    W: int  # data-parallel width
+    B: int  # micro-batch size
+    N: int  # micro-batches per pipeline per iteration
+    recompute: bool = False
+    pipes: int = 1  # --chimera-pipes (2f) for Chimera, 1 otherwise
+    concat: str | None = None  # --chimera-concat (None: the generator's default)
+    virtual: int = 1  # virtual pipeline size v of the interleaved schedule
+    partition: str = "uniform"  # --partition-method: uniform | parameters
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples per iteration: B x N x W."""
+        return self.B * self.N * self.W
+
+    @property
+    def num_stages(self) -> int:
+        """Model stages: D, or D x v for the interleaved schedule."""
+        return self.D * self.virtual
+
+    def schedule_options(self) -> dict:
+        """Keyword options of ``build_schedule`` for this layout."""
+        if self.schedule.startswith("chimera"):
+            options: dict = {"pipes": self.pipes}
+            if self.concat is not None:
+                options["concat"] = self.concat
+            return options
+        if self.schedule == "interleaved":
+            return {"virtual_pipeline_size": self.virtual}
+        return {}
+
+    @property
+    def label(self) -> str:
+        """Schedule label ``name[/variant][@partition]``: ``chimera/direct``, ``interleaved/v2``,
+        ``1f1b@parameters`` (layers balanced by parameters instead of uniform)."""
+        name = self.schedule
+        if self.schedule.startswith("chimera") and self.concat:
+            name = f"{self.schedule}/{self.concat}"
+        elif self.schedule == "interleaved":
+            name = f"interleaved/v{self.virtual}"
+        return name if self.partition == "uniform" else f"{name}@{self.partition}"
+
+    def describe(self) -> str:
+        """Compact one-line description for tables."""
+        pipes = f" pipes={self.pipes}" if self.pipes > 1 else ""
+        return (f"{self.label}{pipes} D={self.D} W={self.W} B={self.B} N={self.N}"
+                f"{' recompute' if self.recompute else ''}")
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds of one micro-batch through one stage: forward, whole backward, its weight part."""
+
+    forward: float
+    backward: float
+    weight: float
+
+
+class ComputeCosts(Protocol):
+    """Source of per-stage compute times (analytic or measured)."""
+
+    def stage_times(self, piece: StageSlice, micro_batch: int, recompute: bool) -> StageTimes:
+        """Times of one micro-batch through the stage ``piece``."""
+        ...
+
+
+@dataclass(frozen=True)
+class AnalyticCompute:
+    """Stage times from FLOPs: backward = 2 x forward, recomputation adds a forward."""
+
+    spec: ModelSpec
+    hardware: HardwareProfile
+
+    def stage_times(self, piece: StageSlice, micro_batch: int, recompute: bool) -> StageTimes:
+        """FLOPs of the stage divided by the profile's achieved FLOP/s."""
+        tokens = micro_batch * self.spec.config.seq_length
+        rate = self.hardware.achieved_flops(self.spec.config.params_dtype, tokens)
+        weights, other = stage_forward_flops(self.spec, piece, micro_batch)
+        forward = (weights + other) / rate
+        backward = 2 * forward + (forward if recompute else 0.0)
+        return StageTimes(forward, backward, weights / rate)
+
+
+def global_rank(w: int, d: int, data_parallel_size: int) -> int:
+    """Global rank of pipeline rank ``d`` in data-parallel replica ``w``: Megatron's layout
+    ``d x W + w`` (:mod:`megatron_chimera.parallel_state`), so ranks fill nodes replica-first."""
+    return d * data_parallel_size + w
+
+
+def mean_link_alpha_beta(links: Sequence[LinkProfile]) -> tuple[float, float]:
+    """Mean alpha and beta over a list of links (a path's per-hop average)."""
+    if not links:
+        return 0.0, 0.0
+    return (sum(lk.alpha_s for lk in links) / len(links),
+            sum(lk.beta_s_per_byte for lk in links) / len(links))
+
+
+def chimera_eq1_time(forward: float, backward: float, N: int, D: int, p2p: float = 0.0,
+                     unoverlapped_allreduce: float = 0.0) -> float:
+    """The paper's Eq. (1) for Chimera's basic unit with ``backward >= forward``:
+    ``(F_t + p2p) C_f + (B_t + p2p) C_b + allreduce`` with ``C_f = N``, ``C_b = N + D - 2``."""
+    if backward < forward:
+        raise ValueError("Eq. (1)'s critical path C_b = N + D - 2 assumes backward >= forward")
+    return (forward + p2p) * N + (backward + p2p) * (N + D - 2) + unoverlapped_allreduce
+
+
+@dataclass
+class Prediction:
+    """Predicted iteration of one layout."""
+
+    layout: TrainingLayout
+    iteration_s: float
+    bubble_ratio: float
+    memory: list[RankMemory]
+    sim: SimResult | None = field(default=None, repr=False)
+
+    @property
+    def samples_per_s(self) -> float:
+        """Throughput: global batch / iteration time."""
+        return self.layout.global_batch_size / self.iteration_s
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """The largest per-rank peak."""
+        return max(m.total_bytes for m in self.memory)
+
+
+class PerformanceModel:
+    """Predicts iteration time and memory of layouts for one model on one hardware profile.
+
+    Schedules and simulations are cached: a schedule by its generator arguments, a simulation by
+    (schedule, cost model) -- the makespan scales with the costs only when every cost scales by
+    one factor, which differing stage costs and alpha terms break, so the cost model is the key.
+    """
+
+    def __init__(self, spec: ModelSpec, hardware: HardwareProfile,
+                 compute: ComputeCosts | None = None, p2p_link: LinkProfile | None = None,
+                 device_type: str = "cuda") -> None:
+        self.spec = spec
+        self.hardware = hardware
+        self.compute = compute or AnalyticCompute(spec, hardware)
+        self.device_type = device_type  # "cpu" for the emulated / CPU validation runs
+        self.p2p_link = p2p_link  # overrides the profile's links (e.g. a measured ping-pong)
+        self._schedules: dict[tuple, Schedule] = {}
+        self._sims: dict[tuple, SimResult] = {}
+
+    # ------------------------------------------------------------------ building blocks
+    def schedule(self, layout: TrainingLayout) -> Schedule:
+        """The layout's schedule (cached by its generator arguments)."""
+        options = layout.schedule_options()
+        key = (layout.schedule, layout.D, layout.N, tuple(sorted(options.items())))
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(layout.schedule, layout.D, layout.N, **options)
+        return self._schedules[key]
+
+    def partition(self, layout: TrainingLayout) -> list[StageSlice]:
+        """Layers of every model stage, by ``layout.partition`` (as the runtime partitions)."""
+        return partition_stages(self.spec, layout.num_stages, layout.partition)
+
+    def memory(self, layout: TrainingLayout) -> list[RankMemory]:
+        """Peak memory of every pipeline rank."""
+        return rank_memory(self.spec, self.schedule(layout), self.partition(layout), layout.B,
+                           layout.recompute, self.device_type)
+
+    def _p2p(self, layout: TrainingLayout, schedule: Schedule) -> tuple[float, float]:
+        if self.p2p_link is not None:
+            return self.p2p_link.alpha_s, self.p2p_link.beta_s_per_byte
+        hops = []
+        for pipe in range(schedule.num_pipes):
+            for stage in range(schedule.num_stages - 1):
+                a = global_rank(0, schedule.rank_of(pipe, stage), layout.W)
+                b = global_rank(0, schedule.rank_of(pipe, stage + 1), layout.W)
+                hops.append(self.hardware.link_for((a, b)))
+        return mean_link_alpha_beta(hops)
+
+    def _allreduce_link(self, layout: TrainingLayout, schedule: Schedule) -> LinkProfile:
+        if self.p2p_link is not None:
+            return self.p2p_link
+        groups = [
+            [global_rank(w, schedule.rank_of(pipe, stage), layout.W)
+             for w in range(layout.W) for pipe in range(schedule.num_pipes)]
+            for stage in range(schedule.num_stages)
+        ]
+        spans = any(self.hardware.link_for(g) is self.hardware.inter_node for g in groups)
+        return self.hardware.inter_node if spans else self.hardware.intra_node
+
+    def cost_model(self, layout: TrainingLayout) -> CostModel:
+        """The simulator's cost model for ``layout`` (seconds and bytes)."""
+        schedule = self.schedule(layout)
+        pieces = self.partition(layout)
+        times = [self.compute.stage_times(p, layout.B, layout.recompute) for p in pieces]
+        split = schedule.split_backward
+        p2p_alpha, p2p_beta = self._p2p(layout, schedule)
+        link = self._allreduce_link(layout, schedule)
+        grad_bytes = tuple(float(n * self.spec.dtype_bytes)
+                           for n in stage_parameters(self.spec, pieces))
+        return CostModel(
+            forward_cost=tuple(t.forward for t in times),
+            backward_cost=tuple(t.backward for t in times),
+            weight_cost=tuple(t.weight for t in times) if split else 0.0,
+            p2p_alpha=p2p_alpha,
+            p2p_beta=p2p_beta,
+            activation_bytes=float(activation_message_bytes(self.spec, layout.B)),
+            allreduce_alpha=link.alpha_s,
+            allreduce_beta=link.beta_s_per_byte,
+            grad_bytes=grad_bytes,
+            data_parallel_size=layout.W,
+        )
+
+    def simulate(self, layout: TrainingLayout) -> SimResult:
+        """Simulated iteration of ``layout`` (cached by schedule and cost model)."""
+        schedule = self.schedule(layout)
+        costs = self.cost_model(layout)
+        key = (id(schedule), costs)
+        if key not in self._sims:
+            self._sims[key] = simulate(schedule, costs)
+        return self._sims[key]
+
+    def work_lower_bound(self, layout: TrainingLayout) -> float:
+        """A bound below the iteration time, without building the schedule: every micro-batch
+        passes every stage forward and backward, spread at best evenly over the D ranks."""
+        pieces = self.partition(layout)
+        work = sum(t.forward + t.backward for t in
+                   (self.compute.stage_times(p, layout.B, layout.recompute) for p in pieces))
+        return layout.N * work / layout.D
+
+    # ------------------------------------------------------------------ the prediction
+    def predict(self, layout: TrainingLayout, with_memory: bool = True) -> Prediction:
+        """Iteration time (the simulated makespan), bubble ratio and per-rank peak memory."""
+        if layout.D < 1 or layout.W < 1 or layout.B < 1 or layout.N < 1:
+            raise ConfigError(f"layout sizes must be positive: {layout.describe()}")
+        sim = self.simulate(layout)
+        memory = self.memory(layout) if with_memory else []
+        return Prediction(layout, sim.makespan + self.optimizer_step_s(layout), sim.bubble_ratio,
+                          memory, sim)
+
+    def optimizer_step_s(self, layout: TrainingLayout) -> float:
+        """Seconds of the optimizer step after the last all-reduce (slowest rank), when the
+        compute source models it (measured profiles do; the analytic model counts it as 0: a
+        memory-bound Adam step is milliseconds on a GPU)."""
+        step = getattr(self.compute, "optimizer_step_s", None)
+        if step is None:
+            return 0.0
+        schedule = self.schedule(layout)
+        params = stage_parameters(self.spec, self.partition(layout))
+        return max(step(sum(params[s] for s in schedule.stages_of_rank(r)))
+                   for r in range(schedule.num_ranks))

@@ -1,0 +1,182 @@
+"""Autotuner: memory filter, the best of a hand-checked space, branch and bound, the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.tuning.autotune import JSON_KEYS, SearchSpace, autotune, enumerate_layouts
+from megatron_chimera.tuning.costs import ModelSpec, StageSlice
+from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile
+from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingLayout
+
+ROOT = Path(__file__).resolve().parents[2]
+FREE = LinkProfile(alpha_s=0.0, bandwidth_gbps=math.inf)
+ZERO_COMM = HardwareProfile("zero-comm", 10.0, 20.0, 0.5, 16.0, 8, FREE, FREE)
+
+
+class PerLayerCompute:
+    """Forward = B x layers of the stage seconds; backward twice that (+1 forward recomputed)."""
+
+    def stage_times(self, piece: StageSlice, micro_batch: int, recompute: bool) -> StageTimes:
+        forward = float(micro_batch * piece.num_layers)
+        return StageTimes(forward, 2 * forward + (forward if recompute else 0.0), 0.0)
+
+
+def gpt(num_layers: int = 8) -> ModelSpec:
+    return ModelSpec(ModelConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
+                                 seq_length=32, vocab_size=500), "gpt2")
+
+
+def hand_space() -> SearchSpace:
+    return SearchSpace(num_gpus=4, global_batch_size=8, num_layers=8,
+                       schedules=("gpipe", "1f1b", "chimera"), micro_batch_sizes=(2,),
+                       recompute=(False,), chimera_pipes=(2,), partition_methods=("uniform",))
+
+
+# Hand-checked iteration times (forward F = B x layers per stage, backward 2F, no communication):
+# D=2 (W=2, N=2, F=8):  GPipe / 1F1B (N+D-1) 3F = 72;  Chimera basic unit (5D-4) F = 48
+# D=4 (W=1, N=4, F=4):  GPipe / 1F1B (N+D-1) 3F = 84;  Chimera basic unit (5D-4) F = 64
+HAND_TIMES = {("gpipe", 2): 72.0, ("1f1b", 2): 72.0, ("chimera", 2): 48.0,
+              ("gpipe", 4): 84.0, ("1f1b", 4): 84.0, ("chimera", 4): 64.0}
+
+
+def test_enumeration_of_the_hand_space():
+    layouts = list(enumerate_layouts(hand_space()))
+    assert {(layout.schedule, layout.D, layout.W, layout.B, layout.N) for layout in layouts} == {
+        (s, D, 4 // D, 2, 8 // (4 // D * 2)) for s, D in HAND_TIMES}
+
+
+def test_picks_the_best_of_a_hand_checked_space():
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    result = autotune(model, hand_space(), memory_limit_bytes=10**12)
+    times = {(p.layout.schedule, p.layout.D): p.iteration_s for p in result.ranked}
+    assert times == pytest.approx(HAND_TIMES)
+    assert (result.best.layout.schedule, result.best.layout.D) == ("chimera", 2)
+    assert result.best.samples_per_s == pytest.approx(8 / 48.0)
+    assert [p.samples_per_s for p in result.ranked] == sorted(
+        (p.samples_per_s for p in result.ranked), reverse=True)
+
+
+def test_drops_layouts_over_the_memory_limit():
+    """Chimera at D=2 holds the whole model twice per rank: below its peak it must drop out and
+    the best fitting layout (Chimera at D=4) win."""
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    chimera2 = TrainingLayout("chimera", 2, 2, 2, 2, pipes=2)
+    limit = max(m.total_bytes for m in model.memory(chimera2)) - 1
+    others = [layout for layout in enumerate_layouts(hand_space()) if layout != chimera2]
+    assert all(max(m.total_bytes for m in model.memory(o)) <= limit for o in others)
+    result = autotune(model, hand_space(), memory_limit_bytes=limit)
+    assert [layout for layout, _ in result.over_memory] == [chimera2]
+    assert all(p.peak_memory_bytes <= limit for p in result.ranked)
+    assert (result.best.layout.schedule, result.best.layout.D) == ("chimera", 4)
+    assert result.best.iteration_s == pytest.approx(64.0)
+    with pytest.raises(ConfigError, match="no layout fits"):
+        _ = autotune(model, hand_space(), memory_limit_bytes=1).best
+
+
+def test_recomputation_is_tried_only_when_the_plain_layout_does_not_fit():
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    space = SearchSpace(num_gpus=4, global_batch_size=32, num_layers=8, schedules=("gpipe",),
+                        micro_batch_sizes=(4,), recompute=(False, True),
+                        partition_methods=("uniform",))
+    plain = TrainingLayout("gpipe", 2, 2, 4, 4)
+    peak_plain = max(m.total_bytes for m in model.memory(plain))
+    loose = autotune(model, space, memory_limit_bytes=10**12)
+    assert not any(p.layout.recompute for p in loose.ranked) and loose.dominated == 2
+    tight = autotune(model, space, memory_limit_bytes=peak_plain - 1)
+    recomputing = [p.layout for p in tight.ranked if p.layout.recompute]
+    assert TrainingLayout("gpipe", 2, 2, 4, 4, recompute=True) in recomputing
+
+
+def test_branch_and_bound_keeps_the_exhaustive_top_rows():
+    spec = ModelSpec(ModelConfig(num_layers=16, hidden_size=256, num_attention_heads=8,
+                                 seq_length=128, vocab_size=1000), "bert")
+    space = SearchSpace(num_gpus=8, global_batch_size=64, num_layers=16,
+                        schedules=("gpipe", "1f1b", "interleaved", "chimera", "zb-h1"))
+    limit = 2 * 2**30
+    full = autotune(PerformanceModel(spec, PRESETS["a100"]), space, limit)
+    fast = autotune(PerformanceModel(spec, PRESETS["a100"]), space, limit, keep=5)
+    assert fast.pruned > 0
+    assert [p.iteration_s for p in fast.ranked[:5]] == [p.iteration_s for p in full.ranked[:5]]
+    exhaustive = {p.layout: p.iteration_s for p in full.ranked}
+    assert all(exhaustive[p.layout] == p.iteration_s for p in fast.ranked)
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("autotune_cli", ROOT / "tools" / "autotune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_cli_done_when_command_prints_table_and_command(capsys):
+    rc = _cli().main(["--model", "bert", "--num-layers", "48", "--hidden-size", "1024",
+                      "--num-attention-heads", "16", "--seq-length", "128", "--num-gpus", "32",
+                      "--global-batch-size", "512", "--hardware", "p100", "--top", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "samples/s" in out and "peak mem [GiB]" in out
+    assert "torchrun --nnodes 32 --nproc-per-node 1" in out and "pretrain_bert.py" in out
+    assert "--pipeline-model-parallel-size" in out and "--global-batch-size 512" in out
+
+
+def test_cli_json_records(tmp_path, capsys):
+    path = tmp_path / "ranked.json"
+    rc = _cli().main(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "32", "--vocab-size", "500", "--num-gpus", "4",
+                      "--global-batch-size", "16", "--hardware", "h100", "--bf16",
+                      "--exhaustive", "--json", str(path)])
+    assert rc == 0
+    records = json.loads(path.read_text())
+    assert records and all(tuple(r) == JSON_KEYS for r in records)
+    rates = [r["samples_per_s"] for r in records]
+    assert rates == sorted(rates, reverse=True)
+    assert all(r["D"] * r["W"] == 4 and r["B"] * r["N"] * r["W"] == 16 for r in records)
+    assert "--bf16" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_input(capsys):
+    cli = _cli()
+    base = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--num-gpus", "4", "--global-batch-size", "16"]
+    assert cli.main(base + ["--hardware", "v100"]) == 2
+    assert "--hardware" in capsys.readouterr().err
+    assert cli.main(base[:5] + ["6"] + base[6:]) == 2  # 64 hidden not divisible by 6 heads
+    assert "--num-attention-heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", [
+    TrainingLayout("chimera", 4, 2, 2, 8, True, pipes=2, concat="direct", partition="parameters"),
+    TrainingLayout("interleaved", 4, 2, 1, 8, virtual=2),
+    TrainingLayout("chimera-zb", 4, 2, 1, 8, pipes=4),
+    TrainingLayout("1f1b", 4, 1, 4, 2),
+])
+def test_generated_flags_parse_into_the_same_layout(layout):
+    """The command's flags go through the framework's own parser to the chosen layout."""
+    from megatron_chimera.arguments import parse_args
+    from megatron_chimera.tuning.command import pretrain_flags
+
+    spec = ModelSpec(ModelConfig(num_layers=16, hidden_size=64, num_attention_heads=4,
+                                 seq_length=32, vocab_size=500), "gpt2")
+    argv = pretrain_flags(spec, layout) + ["--mock-data", "--train-iters", "10", "--lr", "1e-4",
+                                           "--vocab-size", "500"]
+    config = parse_args(argv, world_size=layout.D * layout.W)
+    parallel = config.parallel
+    assert (parallel.pipeline_model_parallel_size, parallel.data_parallel_size) == (layout.D,
+                                                                                    layout.W)
+    assert parallel.pipeline_schedule == layout.schedule
+    assert config.training.micro_batch_size == layout.B
+    assert config.training.num_microbatches == layout.N
+    assert config.training.partition_method == layout.partition
+    assert (config.model.recompute_granularity == "full") == layout.recompute
+    if layout.schedule.startswith("chimera"):
+        assert parallel.chimera_pipes == layout.pipes and parallel.chimera_concat == layout.concat
+    if layout.schedule == "interleaved":
+        assert 16 // (layout.D * parallel.num_layers_per_virtual_pipeline_stage) == layout.virtual

@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""Choose W, D, B, N, the pipeline schedule and recomputation before spending GPU hours.
+
+Example (the paper's BERT-48 on 32 P100s, mini-batch 512)::
+
+    python tools/autotune.py --model bert --num-layers 48 --hidden-size 1024 \\
+        --num-attention-heads 16 --seq-length 128 --num-gpus 32 --global-batch-size 512 \\
+        --hardware p100
+
+Prints the ranked table (configuration, predicted iteration time, samples/s, bubble ratio, peak
+memory per rank, fits) and the ``torchrun`` command of the best layout; ``--json PATH`` writes the
+ranked list. ``--profile`` replaces the analytic stage times by timings of the real model classes
+on this machine; ``--measure-p2p`` replaces the network profile by a measured ping-pong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_chimera.config import ConfigError, ModelConfig  # noqa: E402
+from megatron_chimera.tuning.autotune import (  # noqa: E402
+    DEFAULT_SCHEDULES,
+    SearchSpace,
+    autotune,
+    format_table,
+    to_records,
+)
+from megatron_chimera.tuning.command import torchrun_command  # noqa: E402
+from megatron_chimera.tuning.costs import ModelSpec  # noqa: E402
+from megatron_chimera.tuning.hardware import GB, load_hardware  # noqa: E402
+from megatron_chimera.tuning.perf_model import PerformanceModel  # noqa: E402
+
+DEFAULT_VOCAB = {"gpt2": 50257, "bert": 30522}
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        message = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI: model flags as pretrain_gpt2.py / pretrain_bert.py plus the search space."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    g = p.add_argument_group("model (as pretrain_gpt2.py / pretrain_bert.py)")
+    g.add_argument("--model", choices=("gpt2", "bert"), default="gpt2")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="tokenizer vocabulary (default: 50257 for gpt2, 30522 for bert)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head")
+    g.add_argument("--no-masked-softmax-fusion", action="store_false",
+                   dest="masked_softmax_fusion",
+                   help="unfused attention: the [s, s] scores are kept for the backward "
+                   "(as the paper's 2021 implementation)")
+    precision = g.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true")
+    precision.add_argument("--bf16", action="store_true")
+    g = p.add_argument_group("machine")
+    g.add_argument("--num-gpus", type=int, required=True)
+    g.add_argument("--hardware", default="p100",
+                   help="preset (p100, a100, h100) or a JSON profile file")
+    g.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="device memory in GB (default: the hardware profile's)")
+    g.add_argument("--memory-headroom", type=float, default=0.9,
+                   help="usable fraction of the memory (allocator, CUDA context, buffers)")
+    g.add_argument("--profile", action="store_true",
+                   help="time the stages with the real model classes on this machine")
+    g.add_argument("--profile-device", default=None, help="device for --profile (default: "
+                   "cuda if available, else cpu)")
+    g.add_argument("--measure-p2p", action="store_true",
+                   help="measure point-to-point alpha/beta by a local gloo ping-pong")
+    g = p.add_argument_group("search")
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--micro-batch-sizes", type=_int_list, default=None,
+                   help="comma-separated B to try (default: powers of two dividing B̂/W)")
+    g.add_argument("--schedules", type=_name_list, default=DEFAULT_SCHEDULES,
+                   help=f"comma-separated schedules (default: {','.join(DEFAULT_SCHEDULES)})")
+    g.add_argument("--chimera-pipes", type=_int_list, default=(2, 4))
+    g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
+    g.add_argument("--partition-methods", type=_name_list, default=("uniform", "parameters"),
+                   help="comma-separated --partition-method values to try")
+    g.add_argument("--top", type=int, default=10, help="rows of the table")
+    g.add_argument("--exhaustive", action="store_true",
+                   help="simulate every layout (default: branch and bound, exact for the top rows "
+                   "but the --json list holds only the layouts it had to simulate)")
+    g.add_argument("--show-over-memory", type=int, default=3,
+                   help="also list this many of the smallest layouts that do not fit")
+    g.add_argument("--json", default=None, help="write the ranked list to this path")
+    return p
+
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    """ModelSpec from the model flags."""
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_gpus",
+                 "global_batch_size", "make_vocab_size_divisible_by"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive")
+    if args.hidden_size % args.num_attention_heads:
+        raise ConfigError(f"--hidden-size {args.hidden_size} is not divisible by "
+                          f"--num-attention-heads {args.num_attention_heads}")
+    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
+        raise ConfigError("--seq-length exceeds --max-position-embeddings")
+    if args.model == "bert" and args.untie_embeddings_and_output_weights:
+        raise ConfigError("--untie-embeddings-and-output-weights is not supported for BERT")
+    config = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        vocab_size=args.vocab_size or DEFAULT_VOCAB[args.model],
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        bert_binary_head=args.bert_binary_head,
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        params_dtype="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+    )
+    return ModelSpec(config, args.model)
+
+
+def write_json(path: str, records: list[dict]) -> None:
+    """Write ``records`` atomically (temp file + rename)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(records, f, indent=1)
+    os.replace(tmp, target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the search and print the table and the command of the best layout."""
+    args = build_parser().parse_args(argv)
+    try:
+        spec = model_spec(args)
+        hardware = load_hardware(args.hardware)
+        if not 0 < args.memory_headroom <= 1:
+            raise ConfigError("--memory-headroom must be in (0, 1]")
+        memory_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else hardware.memory_gb
+        if memory_gb <= 0:
+            raise ConfigError("--gpu-memory-gb must be positive")
+        if args.top < 1:
+            raise ConfigError("--top must be positive")
+        compute, p2p_link = None, None
+        if args.profile:
+            from megatron_chimera.tuning.profile import MeasuredCompute
+
+            compute = MeasuredCompute(spec, device=args.profile_device)
+        if args.measure_p2p:
+            from megatron_chimera.tuning.profile import measure_p2p_link
+
+            p2p_link = measure_p2p_link()
+            print(f"measured p2p: alpha {p2p_link.alpha_s * 1e6:.1f} us, "
+                  f"{p2p_link.bandwidth_gbps:.2f} GB/s")
+        model = PerformanceModel(spec, hardware, compute=compute, p2p_link=p2p_link)
+        recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
+        space = SearchSpace(args.num_gpus, args.global_batch_size, args.num_layers,
+                            schedules=args.schedules, micro_batch_sizes=args.micro_batch_sizes,
+                            recompute=recompute, chimera_pipes=args.chimera_pipes,
+                            partition_methods=args.partition_methods)
+        limit = int(memory_gb * GB * args.memory_headroom)
+        result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)
+        over = sorted(result.over_memory, key=lambda lp: lp[1])[: args.show_over_memory]
+        print(f"{spec.model}: {args.num_layers} layers, hidden {args.hidden_size}, "
+              f"{args.num_attention_heads} heads, seq {args.seq_length}, "
+              f"{spec.config.params_dtype}; {args.num_gpus} x {hardware.name} "
+              f"({memory_gb:g} GB, limit {limit / 2**30:.2f} GiB); global batch "
+              f"{args.global_batch_size}")
+        print(f"searched in {result.seconds:.1f} s: {len(result.ranked)} fit, "
+              f"{len(result.over_memory)} over memory, {len(result.invalid)} invalid sizes, "
+              f"{result.dominated} recomputing layouts dominated, {result.pruned} pruned by "
+              f"the work bound\n")
+        print(format_table(result.ranked[: args.top], limit, over))
+        best = result.best
+        print(f"\nbest: {best.layout.describe()}: {best.iteration_s:.4f} s/iteration, "
+              f"{best.samples_per_s:.1f} samples/s\n")
+        print(torchrun_command(spec, best.layout, hardware.gpus_per_node))
+        if args.json:
+            write_json(args.json, to_records(result.ranked))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

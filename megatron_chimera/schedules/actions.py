@@ -29,6 +29,8 @@ FORWARD = "F"
 BACKWARD = "B"
 WEIGHT = "W"
 KINDS = (FORWARD, BACKWARD, WEIGHT)
+# generator metadata short enough for titles and log lines (the rest stays in ``meta``)
+DESCRIBED_META = ("concat", "virtual_pipeline_size", "max_inflight")
 
 
 @dataclass(frozen=True, order=True)
@@ -140,7 +142,9 @@ class Schedule:
 
     def describe(self) -> str:
         """One-line summary: name, sizes and variant."""
-        extra = " ".join(f"{k}={v}" for k, v in sorted(self.meta.items()))
+        extra = " ".join(
+            f"{k}={self.meta[k]}" for k in DESCRIBED_META if k in self.meta
+        )
         return (
             f"{self.name} D={self.num_ranks} stages={self.num_stages} pipes={self.num_pipes} "
             f"N={self.num_microbatches}{' split-backward' if self.split_backward else ''}"

@@ -183,7 +183,13 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
         elif rank == 0:
             print(f" no checkpoint in {ckpt.load} (no tracker file): training from scratch",
                   flush=True)
-    datasets = train_valid_test_datasets_provider(_train_valid_test_num_samples(config))
+    # Megatron's pattern: rank 0 builds the dataset index caches (atomically, once); after the
+    # barrier every other rank finds them on disk and only memory-maps them.
+    num_samples = _train_valid_test_num_samples(config)
+    datasets = train_valid_test_datasets_provider(num_samples) if rank == 0 else None
+    dist.barrier()
+    if rank != 0:
+        datasets = train_valid_test_datasets_provider(num_samples)
 
     model, training = config.model, config.training
     common = dict(

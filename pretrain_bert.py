@@ -15,7 +15,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_chimera.arguments import parse_args
 from megatron_chimera.config import ModelConfig, TrainConfig
 from megatron_chimera.data.bert_dataset import (
     MockBertDataset,
@@ -23,7 +22,7 @@ from megatron_chimera.data.bert_dataset import (
     get_bert_batch,
 )
 from megatron_chimera.model.bert import BertModel
-from megatron_chimera.training import build_tokenizer_for, pretrain, run_main
+from megatron_chimera.training import pretrain_from_flags, run_main
 
 # Special ids of bare --mock-data (a NullTokenizer has no [CLS]/[SEP]/[MASK]/[PAD]).
 MOCK_PAD, MOCK_CLS, MOCK_SEP, MOCK_MASK = 0, 1, 2, 3
@@ -91,13 +90,8 @@ def forward_step(batch, model: BertModel):
 
 def main(argv: list[str] | None = None) -> None:
     """Parse and validate flags (every rank, before any process group), then pretrain."""
-    config = parse_args(argv)
-    tokenizer, config = build_tokenizer_for(config)
-    pretrain(
-        functools.partial(train_valid_test_datasets_provider, config, tokenizer),
-        functools.partial(model_provider, config.model, config.training.seed),
-        forward_step,
-        config,
+    pretrain_from_flags(
+        argv, train_valid_test_datasets_provider, model_provider, lambda _: forward_step,
         model_type="bert",
     )
 

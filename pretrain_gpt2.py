@@ -14,7 +14,6 @@ import functools
 
 import torch
 
-from megatron_chimera.arguments import parse_args
 from megatron_chimera.config import ModelConfig, TrainConfig
 from megatron_chimera.data.gpt_dataset import (
     MockGPTDataset,
@@ -22,7 +21,7 @@ from megatron_chimera.data.gpt_dataset import (
     get_batch,
 )
 from megatron_chimera.model.gpt2 import GPTModel
-from megatron_chimera.training import build_tokenizer_for, pretrain, run_main
+from megatron_chimera.training import pretrain_from_flags, run_main
 
 
 def model_provider(config: ModelConfig, seed: int, pre_process: bool = True,
@@ -68,13 +67,9 @@ def forward_step(batch, model: GPTModel, eod_token: int):
 
 def main(argv: list[str] | None = None) -> None:
     """Parse and validate flags (every rank, before any process group), then pretrain."""
-    config = parse_args(argv)
-    tokenizer, config = build_tokenizer_for(config)
-    pretrain(
-        functools.partial(train_valid_test_datasets_provider, config, tokenizer),
-        functools.partial(model_provider, config.model, config.training.seed),
-        functools.partial(forward_step, eod_token=tokenizer.eod),
-        config,
+    pretrain_from_flags(
+        argv, train_valid_test_datasets_provider, model_provider,
+        lambda tokenizer: functools.partial(forward_step, eod_token=tokenizer.eod),
         model_type="gpt",
     )
 

@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
 from chimera_playground import (  # noqa: E402
     DTYPES,
-    MODEL_NAMES,
     PARTITION_CHOICES,
     SIZE_FLAGS,
     Settings,
+    add_model_arguments,
     make_model,
     section_partition,
 )
@@ -47,12 +47,7 @@ CHECK_HIDDEN, CHECK_HEADS, CHECK_SEQ, CHECK_VOCAB = 64, 4, 32, 500
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Model, stage count, micro-batch size, partition method, precision."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--model", choices=MODEL_NAMES, default="gpt2-64")
-    p.add_argument("--model-type", choices=("gpt", "bert"), default=None,
-                   help="with --model custom (default gpt)")
-    for flag in SIZE_FLAGS:
-        p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
-                       help="with --model custom")
+    add_model_arguments(p, default="gpt2-64")
     p.add_argument("--pipeline-model-parallel-size", "-D", type=int, default=8,
                    help="pipeline stages (even for Chimera, default 8)")
     p.add_argument("--num-microbatches", "-N", type=int, default=None,

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from chimera_playground import DTYPES, MODEL_NAMES, SIZE_FLAGS, make_model  # noqa: E402
+from chimera_playground import DTYPES, SIZE_FLAGS, add_model_arguments, make_model  # noqa: E402
 
 from megatron_chimera.config import ConfigError  # noqa: E402
 from megatron_chimera.tuning.costs import ModelSpec  # noqa: E402
@@ -65,12 +65,7 @@ VARIANTS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Model, machine, layout and the optional emulated measurement."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--model", choices=MODEL_NAMES, default="gpt2-64")
-    p.add_argument("--model-type", choices=("gpt", "bert"), default=None,
-                   help="with --model custom (default gpt)")
-    for flag in SIZE_FLAGS:
-        p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
-                       help="with --model custom")
+    add_model_arguments(p, default="gpt2-64")
     p.add_argument("--params-dtype", choices=DTYPES, default="fp32")
     p.add_argument("--hardware", default="p100", help="p100, a100, h100 or a JSON profile")
     p.add_argument("--num-gpus", type=int, default=None, help="GPUs (default D: W = 1)")

@@ -10,6 +10,7 @@ schedule is in use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import parallel_state
-from .arguments import build_schedule_for
+from .arguments import build_schedule_for, parse_args
 from .checkpointing import StageSlice, load_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .data.samplers import build_data_iterator, next_microbatches
@@ -354,6 +355,30 @@ def pretrain(
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return state
+
+
+def pretrain_from_flags(
+    argv: list[str] | None,
+    train_valid_test_datasets_provider: Callable[..., tuple],
+    model_provider: Callable[..., nn.Module],
+    forward_step_for: Callable[[Any], Callable],
+    model_type: str,
+) -> None:
+    """The ``main`` of an entry script: parse and validate the flags (every rank, before any
+    process group), build the tokenizer, then :func:`pretrain` with the providers bound to them.
+
+    The datasets provider gets ``(config, tokenizer, num_samples)``, the model provider
+    ``(config.model, seed, ...)``; ``forward_step_for(tokenizer)`` gives the forward step.
+    """
+    config = parse_args(argv)
+    tokenizer, config = build_tokenizer_for(config)
+    pretrain(
+        functools.partial(train_valid_test_datasets_provider, config, tokenizer),
+        functools.partial(model_provider, config.model, config.training.seed),
+        forward_step_for(tokenizer),
+        config,
+        model_type=model_type,
+    )
 
 
 def run_main(main: Callable[[], None]) -> None:

@@ -66,6 +66,16 @@ SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", 
 T = TypeVar("T")
 
 
+def add_model_arguments(parser: argparse._ActionsContainer, default: str) -> None:
+    """--model (a preset or ``custom``), --model-type and the sizes of a custom model."""
+    parser.add_argument("--model", choices=MODEL_NAMES, default=default)
+    parser.add_argument("--model-type", choices=("gpt", "bert"), default=None,
+                        help="with --model custom (default gpt)")
+    for flag in SIZE_FLAGS:
+        parser.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
+                            help="with --model custom")
+
+
 def make_model(name: str, model_type: str | None = None, params_dtype: str = "fp32",
                **sizes: int | None) -> tuple[str, ModelConfig]:
     """``(model type 'gpt'|'bert', ModelConfig)`` of a preset, or of ``custom`` sizes."""
@@ -421,12 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight-gradient part of the backward (0 = no split)")
     g.add_argument("--png", default=None, help="write the schedule's Gantt chart here")
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=MODEL_NAMES, default="gpt2-small")
-    g.add_argument("--model-type", choices=("gpt", "bert"), default=None,
-                   help="with --model custom (default gpt)")
-    for flag in SIZE_FLAGS:
-        g.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None,
-                       help="with --model custom")
+    add_model_arguments(g, default="gpt2-small")
     g.add_argument("--params-dtype", choices=DTYPES, default="fp32")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--partition-method", choices=PARTITION_CHOICES, default="uniform")

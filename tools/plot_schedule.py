@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from megatron_chimera.schedules import (  # noqa: E402
     build_schedule,
 )
 from megatron_chimera.schedules.chimera import CONCAT_NAMES  # noqa: E402
+from megatron_chimera.schedules.plot import write_atomically  # noqa: E402
 from megatron_chimera.schedules.simulate import CostModel  # noqa: E402
 
 # flag name -> generator keyword
@@ -117,19 +116,7 @@ def make_schedule(name: str, args: argparse.Namespace, strict: bool) -> Schedule
 
 def write_json(path: str, data: Any) -> None:
     """Write ``data`` as JSON atomically (temp file in the same directory + rename)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".json-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=1)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual mode
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomically(path, lambda handle: json.dump(data, handle, indent=1), mode="w")
 
 
 def main(argv: list[str] | None = None) -> int:

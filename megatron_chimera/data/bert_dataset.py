@@ -242,7 +242,7 @@ def build_train_valid_test_datasets(
     binary_head: bool = True, cache_dir: str | None = None, build_cache: bool = True,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """(train, valid, test) BERT datasets; the split is over documents, as Megatron's."""
-    from megatron_chimera.data.blended_dataset import BlendedDataset
+    from megatron_chimera.data.blended_dataset import blend_split_datasets
 
     prefixes, weights = parse_data_paths(data_prefix)
     counts = ([train_valid_test_num_samples] if weights is None
@@ -262,21 +262,8 @@ def build_train_valid_test_datasets(
                 short_seq_prob, binary_head, cache_dir, build_cache,
             ))
         built.append(splits)
-    if weights is None:
-        return tuple(built[0])
-    result: list[torch.utils.data.Dataset | None] = []
-    for i, name in enumerate(SPLIT_NAMES):
-        parts = [(d[i], w) for d, w in zip(built, weights) if d[i] is not None]
-        if not parts or train_valid_test_num_samples[i] <= 0:
-            result.append(None)
-            continue
-        result.append(BlendedDataset(
-            [d for d, _ in parts], [w for _, w in parts], train_valid_test_num_samples[i],
-            name=f"bert_{name}",
-            cache_dir=cache_dir or os.path.dirname(os.path.abspath(prefixes[0])),
-            build_cache=build_cache,
-        ))
-    return tuple(result)
+    return blend_split_datasets(built, weights, train_valid_test_num_samples, prefixes[0],
+                                cache_dir, build_cache, name_prefix="bert_")
 
 
 def get_bert_batch(

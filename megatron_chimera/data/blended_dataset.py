@@ -13,7 +13,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from megatron_chimera.data.dataset_utils import cache_prefix, load_npy, save_npy_atomic
+from megatron_chimera.data.dataset_utils import (
+    SPLIT_NAMES,
+    cache_prefix,
+    load_npy,
+    save_npy_atomic,
+)
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,3 +86,35 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         dataset = self.datasets[int(self.dataset_index[idx])]
         return dataset[int(self.dataset_sample_index[idx])]
+
+
+def blend_split_datasets(
+    built: Sequence[Sequence[torch.utils.data.Dataset | None]],
+    weights: Sequence[float] | None,
+    train_valid_test_num_samples: Sequence[int],
+    data_prefix: str,
+    cache_dir: str | None,
+    build_cache: bool,
+    name_prefix: str = "",
+) -> tuple[torch.utils.data.Dataset | None, ...]:
+    """(train, valid, test) from each ``--data-path`` prefix's splits: the one prefix's own, or
+    per split a :class:`BlendedDataset` of the prefixes' splits by ``weights``.
+
+    A split no prefix has, or with no requested samples, is ``None``. The blending indices are
+    cached in ``cache_dir`` (default: beside the first prefix ``data_prefix``).
+    """
+    if weights is None:
+        return tuple(built[0])
+    result: list[torch.utils.data.Dataset | None] = []
+    for i, name in enumerate(SPLIT_NAMES):
+        parts = [(d[i], w) for d, w in zip(built, weights) if d[i] is not None]
+        if not parts or train_valid_test_num_samples[i] <= 0:
+            result.append(None)
+            continue
+        result.append(BlendedDataset(
+            [d for d, _ in parts], [w for _, w in parts], train_valid_test_num_samples[i],
+            name=f"{name_prefix}{name}",
+            cache_dir=cache_dir or os.path.dirname(os.path.abspath(data_prefix)),
+            build_cache=build_cache,
+        ))
+    return tuple(result)

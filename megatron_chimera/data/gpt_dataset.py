@@ -234,29 +234,17 @@ def build_train_valid_test_datasets(
 
     A split with no documents or no requested samples is ``None``.
     """
-    from megatron_chimera.data.blended_dataset import BlendedDataset
+    from megatron_chimera.data.blended_dataset import blend_split_datasets
 
     prefixes, weights = parse_data_paths(data_prefix)
-    if weights is None:
-        return tuple(_build_split_datasets(prefixes[0], splits_string, train_valid_test_num_samples,
-                                           seq_length, seed, cache_dir, build_cache))
-    per_prefix = blended_num_samples(weights, train_valid_test_num_samples)
+    counts = ([train_valid_test_num_samples] if weights is None
+              else blended_num_samples(weights, train_valid_test_num_samples))
     built = [
         _build_split_datasets(p, splits_string, n, seq_length, seed, cache_dir, build_cache)
-        for p, n in zip(prefixes, per_prefix)
+        for p, n in zip(prefixes, counts)
     ]
-    result: list[torch.utils.data.Dataset | None] = []
-    for i, name in enumerate(SPLIT_NAMES):
-        parts = [(d[i], w) for d, w in zip(built, weights) if d[i] is not None]
-        if not parts or train_valid_test_num_samples[i] <= 0:
-            result.append(None)
-            continue
-        result.append(BlendedDataset(
-            [d for d, _ in parts], [w for _, w in parts], train_valid_test_num_samples[i],
-            name=name, cache_dir=cache_dir or os.path.dirname(os.path.abspath(prefixes[0])),
-            build_cache=build_cache,
-        ))
-    return tuple(result)
+    return blend_split_datasets(built, weights, train_valid_test_num_samples, prefixes[0],
+                                cache_dir, build_cache)
 
 
 class GPTBatch(NamedTuple):

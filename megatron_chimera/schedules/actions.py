@@ -22,6 +22,7 @@ Conventions
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -150,3 +151,30 @@ class Schedule:
             f"N={self.num_microbatches}{' split-backward' if self.split_backward else ''}"
             f"{(' ' + extra) if extra else ''}"
         )
+
+
+def single_pipe(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    rank_order: Callable[[int], list[Action]],
+    split_backward: bool = False,
+) -> Schedule:
+    """A one-pipe schedule (stage r on rank r) from each rank's order; checks D, N >= 1 first.
+
+    Shared by the single-pipe generators (GPipe, 1F1B, ZB-H1), which differ only in the order.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {num_ranks}")
+    if num_microbatches < 1:
+        raise ValueError(f"--num-microbatches must be >= 1, got {num_microbatches}")
+    return Schedule(
+        name=name,
+        num_ranks=num_ranks,
+        num_stages=num_ranks,
+        num_pipes=1,
+        num_microbatches=num_microbatches,
+        placement=[list(range(num_ranks))],
+        actions=[rank_order(rank) for rank in range(num_ranks)],
+        split_backward=split_backward,
+    )

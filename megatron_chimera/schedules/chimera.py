@@ -71,18 +71,26 @@ def chimera_placement(num_ranks: int, num_pipes: int) -> list[list[int]]:
     return down + up
 
 
-def check_chimera_sizes(
-    num_ranks: int, num_microbatches: int, num_pipes: int = 2, concat: str | None = None
-) -> str:
-    """Raise ValueError naming the flag for sizes Chimera cannot run; return the concat to use."""
+def check_chimera_ranks_and_pipes(num_ranks: int, num_pipes: int, schedule: str) -> None:
+    """Raise ValueError naming the flag unless D is even and the pipes are 2f with f | D/2.
+
+    The rules every Chimera placement shares (``schedule`` names the schedule in the message).
+    """
     if num_ranks < 2 or num_ranks % 2:
         raise ValueError(
-            f"--pipeline-model-parallel-size must be even and >= 2 for Chimera, got {num_ranks}"
+            f"--pipeline-model-parallel-size must be even and >= 2 for {schedule}, got {num_ranks}"
         )
     if num_pipes < 2 or num_pipes % 2 or (num_ranks // 2) % (num_pipes // 2):
         raise ValueError(
             f"--chimera-pipes must be 2f with f dividing D/2 = {num_ranks // 2}, got {num_pipes}"
         )
+
+
+def check_chimera_sizes(
+    num_ranks: int, num_microbatches: int, num_pipes: int = 2, concat: str | None = None
+) -> str:
+    """Raise ValueError naming the flag for sizes Chimera cannot run; return the concat to use."""
+    check_chimera_ranks_and_pipes(num_ranks, num_pipes, "Chimera")
     concat = concat or DEFAULT_CONCAT
     if concat not in CONCAT_NAMES:
         raise ValueError(f"--chimera-concat: unknown value {concat!r}; choose from {CONCAT_NAMES}")

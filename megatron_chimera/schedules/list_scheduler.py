@@ -96,12 +96,9 @@ class _ListScheduler:
         self.peak = [0] * self.num_ranks
         # banker's check: per pipe, started micro-batches (oldest first) -> held slots per rank
         self.active: list[dict[int, Counter]] = [{} for _ in range(self.num_pipes)]
-        self.stages_started: dict[tuple[int, int], int] = {}
+        # per pipe, micro-batch -> stages whose forward has started
+        self.stages_started: list[dict[int, int]] = [{} for _ in range(self.num_pipes)]
         self.weights_done: dict[tuple[int, int], int] = {}
-        self.suffix_needs = [  # (rank, slots) still needed by a micro-batch started up to stage s
-            [tuple(Counter(ranks[s:]).items()) for s in range(self.num_stages + 1)]
-            for ranks in self.placement
-        ]
         self.reserved = [0] * self.num_ranks
         self.path_counts = [Counter(ranks) for ranks in self.placement]
         self.quota = self._quotas() if priority.guard == "quota" else {}
@@ -164,7 +161,7 @@ class _ListScheduler:
         if self.priority.guard != "reserve":
             self.reserved[rank] += 1
         self.active[a.pipe][a.microbatch][rank] += 1
-        self.stages_started[key] = a.stage + 1
+        self.stages_started[a.pipe][a.microbatch] = a.stage + 1
         self.live[rank] += 1
         self.replica_live[(a.pipe, a.stage)] += 1
         self.peak[rank] = max(self.peak[rank], self.live[rank])
@@ -200,34 +197,59 @@ class _ListScheduler:
         return quota
 
     def _is_safe_after(self, rank: int, a: Action) -> bool:
-        """Banker's check: after starting ``a`` can every started micro-batch still finish?"""
+        """Banker's check: after starting ``a`` can every started micro-batch still finish?
+
+        Per pipe, its started micro-batches retire oldest first; one whose forwards have reached
+        stage ``started`` can retire once the free slots cover ``ranks[started:]``. Free slots
+        only grow while micro-batches retire, so each pipe scans its path down from the last
+        stage once, counting the slots its micro-batches still need, as far as they have to.
+        """
         free = [cap - live for cap, live in zip(self.caps, self.live)]
         free[rank] -= 1
-        queues = []  # per pipe, (needs, held) of its started micro-batches, oldest first
-        for pipe in range(self.num_pipes):
-            queue = []
-            for mb, held in self.active[pipe].items():
-                started = self.stages_started[(pipe, mb)]
-                if pipe == a.pipe and mb == a.microbatch:
-                    started, held = a.stage + 1, held + Counter({rank: 1})
-                queue.append((self.suffix_needs[pipe][started], held))
-            if pipe == a.pipe and a.stage == 0:
-                queue.append((self.suffix_needs[pipe][1], {rank: 1}))
-            queues.append(queue)
+        # per pipe, its started micro-batches oldest first: stages started, slots held
+        starts = [list(map(started.__getitem__, active))
+                  for started, active in zip(self.stages_started, self.active)]
+        helds = [list(self.active[p].values()) for p in range(self.num_pipes)]
+        if a.stage == 0:  # ``a``'s micro-batch also holds the slot ``a`` takes on ``rank``
+            starts[a.pipe].append(1)
+            helds[a.pipe].append({})
+            own_index = len(starts[a.pipe]) - 1
+        else:
+            own_index = list(self.active[a.pipe]).index(a.microbatch)
+            starts[a.pipe][own_index] = a.stage + 1
         heads = [0] * self.num_pipes
+        returned = [0] * self.num_pipes  # retired micro-batches whose slots are in ``free``
+        scan = [self.num_stages - 1] * self.num_pipes  # highest stage not yet covered
+        covered = [[0] * self.num_ranks for _ in range(self.num_pipes)]  # slots per rank
         progress = True
         while progress:
             progress = False
-            for pipe, queue in enumerate(queues):
-                while heads[pipe] < len(queue):
-                    needs, held = queue[heads[pipe]]
-                    if any(free[r] < n for r, n in needs):
+            for pipe, queue in enumerate(starts):
+                ranks, need, k, h = self.placement[pipe], covered[pipe], scan[pipe], heads[pipe]
+                if h == len(queue):
+                    continue
+                target = min(queue[h:])  # cover the path down to the least advanced
+                while True:
+                    while k >= target and need[ranks[k]] < free[ranks[k]]:
+                        need[ranks[k]] += 1
+                        k -= 1
+                    if k < target:  # every one left can retire
+                        progress, h = True, len(queue)
                         break
-                    for r, n in held.items():
-                        free[r] += n
-                    heads[pipe] += 1
-                    progress = True
-        return all(h == len(q) for h, q in zip(heads, queues))
+                    while queue[h] > k:  # retire oldest first up to the first blocked one
+                        progress, h = True, h + 1
+                    heads[pipe] = h
+                    if heads == returned:
+                        break
+                    for q, held_slots in enumerate(helds):  # return the retired slots
+                        for held in held_slots[returned[q]:heads[q]]:
+                            for r, n in held.items():
+                                free[r] += n
+                    if returned[a.pipe] <= own_index < heads[a.pipe]:
+                        free[rank] += 1
+                    returned = heads.copy()
+                heads[pipe], scan[pipe] = h, k
+        return all(h == len(q) for h, q in zip(heads, starts))
 
     def _may_start_forward(self, rank: int, a: Action) -> bool:
         guard = self.priority.guard
@@ -273,11 +295,11 @@ class _ListScheduler:
         """Simulate until every action has run; raise :class:`CapDeadlock` if stuck."""
         total = 3 * self.num_stages * sum(len(m) for m in self.pipe_microbatches)
         free_at = [0.0] * self.num_ranks
-        start: dict[Action, float] = {}
+        started = 0
         order: list[list[Action]] = [[] for _ in range(self.num_ranks)]
         events: list[tuple[float, int, Action]] = []  # (finish time, tie-break, action)
         t = 0.0
-        while len(start) < total:
+        while started < total:
             while events and events[0][0] <= t:
                 self._finish(heapq.heappop(events)[2])
             for rank in range(self.num_ranks):
@@ -287,11 +309,11 @@ class _ListScheduler:
                 if a is None:
                     continue
                 self._start(rank, a)
-                start[a] = t
+                started += 1
                 order[rank].append(a)
                 free_at[rank] = t + self.cost[a.kind]
-                heapq.heappush(events, (free_at[rank], len(start), a))
-            if len(start) == total:
+                heapq.heappush(events, (free_at[rank], started, a))
+            if started == total:
                 break
             if not events:
                 raise CapDeadlock(

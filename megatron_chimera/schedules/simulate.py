@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from .validate import ScheduleError, dependency
+from .validate import ScheduleError, run_in_order
 
 PerStage = float | Sequence[float]
 
@@ -129,11 +130,13 @@ class SimResult:
         }
 
 
-def peak_inflight(schedule: Schedule) -> list[int]:
+def peak_inflight(schedule: Schedule, stage_bytes: Sequence[int] | None = None) -> list[int]:
     """Per rank, the most (pipe, stage, micro-batch) activations alive at once, in units of M_a.
 
     An activation lives from the start of its F until the end of its B (of its W when the
     backward is split); with in-order execution this follows from each rank's list alone.
+    With ``stage_bytes`` each activation counts its stage's bytes instead of one (the memory
+    model's activation peak).
     """
     release = WEIGHT if schedule.split_backward else BACKWARD
     peaks = []
@@ -141,10 +144,10 @@ def peak_inflight(schedule: Schedule) -> list[int]:
         live = peak = 0
         for a in rank_actions:
             if a.kind == FORWARD:
-                live += 1
+                live += 1 if stage_bytes is None else stage_bytes[a.stage]
                 peak = max(peak, live)
             elif a.kind == release:
-                live -= 1
+                live -= 1 if stage_bytes is None else stage_bytes[a.stage]
         peaks.append(peak)
     return peaks
 
@@ -169,34 +172,24 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
     durations = _durations(schedule, costs)
     p2p = costs.p2p_time()
     finished: dict[Action, tuple[int, float]] = {}
-    heads = [0] * schedule.num_ranks
     free = [0.0] * schedule.num_ranks
     events: list[Event] = []
-    remaining = sum(len(r) for r in schedule.actions)
-    progress = True
-    while remaining and progress:
-        progress = False
-        for rank, rank_actions in enumerate(schedule.actions):
-            while heads[rank] < len(rank_actions):
-                a = rank_actions[heads[rank]]
-                dep = dependency(schedule, a)
-                ready = 0.0
-                if dep is not None:
-                    if dep not in finished:
-                        break
-                    dep_rank, dep_end = finished[dep]
-                    ready = dep_end + (p2p if dep_rank != rank else 0.0)
-                start = max(free[rank], ready)
-                end = start + durations[a.kind][a.stage]
-                free[rank] = end
-                finished[a] = (rank, end)
-                events.append(Event(rank, a.kind, a.pipe, a.stage, a.microbatch, start, end))
-                heads[rank] += 1
-                remaining -= 1
-                progress = True
-    if remaining:
+
+    def run(rank: int, a: Action, dep: Action | None) -> None:
+        ready = 0.0
+        if dep is not None:
+            dep_rank, dep_end = finished[dep]
+            ready = dep_end + (p2p if dep_rank != rank else 0.0)
+        start = max(free[rank], ready)
+        end = start + durations[a.kind][a.stage]
+        free[rank] = end
+        finished[a] = (rank, end)
+        events.append(Event(rank, a.kind, a.pipe, a.stage, a.microbatch, start, end))
+
+    heads = run_in_order(schedule, run)
+    if any(h < len(actions) for h, actions in zip(heads, schedule.actions)):
         raise ScheduleError("simulation stalled: the schedule deadlocks (validate() says where)")
-    events.sort(key=lambda e: (e.rank, e.start, e.end))
+    events.sort(key=attrgetter("rank", "start", "end"))
     return events
 
 

@@ -16,6 +16,7 @@ index and action at fault otherwise:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from .actions import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule
 
@@ -132,26 +133,41 @@ def _check_complete(schedule: Schedule) -> None:
                                             f"{_where(rank, index, a)}")
 
 
-def _check_deadlock(schedule: Schedule) -> None:
-    """Execute the lists in order with blocking receives and buffered sends."""
-    s = schedule
+def run_in_order(
+    schedule: Schedule, on_run: Callable[[int, Action, Action | None], None] | None = None
+) -> list[int]:
+    """Execute the per-rank lists in order, each rank blocking on the input of its next action.
+
+    Calls ``on_run(rank, action, dependency)`` as each action runs (after its dependency) and
+    returns, per rank, how many of its actions ran (all of them unless the lists deadlock).
+    Each action's dependency is computed once, up front.
+    """
+    lists = [[(a, dependency(schedule, a)) for a in actions] for actions in schedule.actions]
     done: set[Action] = set()
-    heads = [0] * s.num_ranks
-    remaining = sum(len(r) for r in s.actions)
+    heads = [0] * schedule.num_ranks
+    remaining = sum(len(r) for r in lists)
     progress = True
     while remaining and progress:
         progress = False
-        for rank, rank_actions in enumerate(s.actions):
+        for rank, rank_actions in enumerate(lists):
             while heads[rank] < len(rank_actions):
-                a = rank_actions[heads[rank]]
-                dep = dependency(s, a)
+                a, dep = rank_actions[heads[rank]]
                 if dep is not None and dep not in done:
                     break
+                if on_run is not None:
+                    on_run(rank, a, dep)
                 done.add(a)
                 heads[rank] += 1
                 remaining -= 1
                 progress = True
-    if remaining:
+    return heads
+
+
+def _check_deadlock(schedule: Schedule) -> None:
+    """Execute the lists in order with blocking receives and buffered sends."""
+    s = schedule
+    heads = run_in_order(s)
+    if any(h < len(acts) for h, acts in zip(heads, s.actions)):
         located = {a: (r, i) for r, acts in enumerate(s.actions) for i, a in enumerate(acts)}
         blocked = []
         for rank, rank_actions in enumerate(s.actions):

@@ -15,23 +15,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
-from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from .chimera import chimera_placement
+from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, single_pipe
+from .chimera import check_chimera_ranks_and_pipes, chimera_placement
 from .list_scheduler import CapDeadlock, ListResult, Priority, list_schedule
 
 DEFAULT_COSTS = (1.0, 1.0, 1.0)
 
 
 def _check_chimera_zb_sizes(num_ranks: int, num_microbatches: int, pipes: int) -> None:
-    if num_ranks < 2 or num_ranks % 2:
-        raise ValueError(
-            f"--pipeline-model-parallel-size must be even and >= 2 for chimera-zb, got {num_ranks}"
-        )
-    if pipes < 2 or pipes % 2 or (num_ranks // 2) % (pipes // 2):
-        raise ValueError(
-            f"--chimera-pipes must be 2f with f dividing D/2 = {num_ranks // 2}, got {pipes}"
-        )
+    check_chimera_ranks_and_pipes(num_ranks, pipes, "chimera-zb")
     if num_microbatches < pipes or num_microbatches % pipes:
         raise ValueError(
             f"--num-microbatches must be a positive multiple of --chimera-pipes = {pipes} for "
@@ -111,6 +105,7 @@ class _Search:
         self.caps = [cap] * len({r for ranks in placement for r in ranks})
         self.lower_bound = lower_bound
         self.best: tuple[ListResult, Priority] | None = None
+        self.makespans: dict[Priority, float] = {}  # variants already run
 
     @property
     def done(self) -> bool:
@@ -120,6 +115,13 @@ class _Search:
         """Makespan of ``priority`` (inf if it deadlocks); remembers the best."""
         if self.done:
             return float("inf")
+        # an eager W ignores the soft cap, so those variants schedule alike: run one of them
+        key = replace(priority, soft_cap=None) if priority.eager_weight else priority
+        if key not in self.makespans:
+            self.makespans[key] = self._run(priority)
+        return self.makespans[key]
+
+    def _run(self, priority: Priority) -> float:
         try:
             result = list_schedule(*self.args, self.caps, priority)
         except CapDeadlock:
@@ -212,12 +214,8 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
     Rank i warms up with D-1-i forwards like 1F1B, then runs (F, B) pairs, adding a W after each
     pair once i B's are pending, then drains (B, W) and the remaining W's.
     """
-    if num_ranks < 1:
-        raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {num_ranks}")
-    if num_microbatches < 1:
-        raise ValueError(f"--num-microbatches must be >= 1, got {num_microbatches}")
-    actions = []
-    for rank in range(num_ranks):
+
+    def rank_order(rank: int) -> list[Action]:
         warmup = min(num_ranks - 1 - rank, num_microbatches)
         order = [Action(FORWARD, 0, rank, m) for m in range(warmup)]
         backwards = weights = 0
@@ -230,15 +228,6 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
         for m in range(backwards, num_microbatches):
             order += [Action(BACKWARD, 0, rank, m), Action(WEIGHT, 0, rank, weights)]
             weights += 1
-        order += [Action(WEIGHT, 0, rank, m) for m in range(weights, num_microbatches)]
-        actions.append(order)
-    return Schedule(
-        name="zb-h1",
-        num_ranks=num_ranks,
-        num_stages=num_ranks,
-        num_pipes=1,
-        num_microbatches=num_microbatches,
-        placement=[list(range(num_ranks))],
-        actions=actions,
-        split_backward=True,
-    )
+        return order + [Action(WEIGHT, 0, rank, m) for m in range(weights, num_microbatches)]
+
+    return single_pipe("zb-h1", num_ranks, num_microbatches, rank_order, split_backward=True)

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_chimera.model.memory import StageMemory, estimate_stage_memory
-from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Schedule
+from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.simulate import peak_inflight
 from megatron_chimera.tuning.costs import ModelSpec, StageSlice
 
 
@@ -46,18 +47,7 @@ class RankMemory:
 
 def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> list[int]:
     """Per rank, the most activation bytes alive at once when running its list in order."""
-    release = WEIGHT if schedule.split_backward else BACKWARD
-    peaks = []
-    for rank_actions in schedule.actions:
-        live = peak = 0
-        for a in rank_actions:
-            if a.kind == FORWARD:
-                live += stage_bytes[a.stage]
-                peak = max(peak, live)
-            elif a.kind == release:
-                live -= stage_bytes[a.stage]
-        peaks.append(peak)
-    return peaks
+    return peak_inflight(schedule, stage_bytes)
 
 
 def stage_memory(spec: ModelSpec, partition: Sequence[StageSlice], micro_batch: int,

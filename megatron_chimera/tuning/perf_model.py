@@ -170,9 +170,10 @@ class Prediction:
 class PerformanceModel:
     """Predicts iteration time and memory of layouts for one model on one hardware profile.
 
-    Schedules and simulations are cached: a schedule by its generator arguments, a simulation by
-    (schedule, cost model) -- the makespan scales with the costs only when every cost scales by
-    one factor, which differing stage costs and alpha terms break, so the cost model is the key.
+    Schedules, partitions and simulations are cached: a schedule by its generator arguments, a
+    partition by (stages, method), a simulation by (schedule, cost model) -- the makespan scales
+    with the costs only when every cost scales by one factor, which differing stage costs and
+    alpha terms break, so the cost model is the key.
     """
 
     def __init__(self, spec: ModelSpec, hardware: HardwareProfile,
@@ -185,6 +186,7 @@ class PerformanceModel:
         self.p2p_link = p2p_link  # overrides the profile's links (e.g. a measured ping-pong)
         self._schedules: dict[tuple, Schedule] = {}
         self._sims: dict[tuple, SimResult] = {}
+        self._partitions: dict[tuple[int, str], list[StageSlice]] = {}
 
     # ------------------------------------------------------------------ building blocks
     def schedule(self, layout: TrainingLayout) -> Schedule:
@@ -196,8 +198,14 @@ class PerformanceModel:
         return self._schedules[key]
 
     def partition(self, layout: TrainingLayout) -> list[StageSlice]:
-        """Layers of every model stage, by ``layout.partition`` (as the runtime partitions)."""
-        return partition_stages(self.spec, layout.num_stages, layout.partition)
+        """Layers of every model stage, by ``layout.partition`` (as the runtime partitions).
+
+        Cached by (stages, method): the balanced split is a dynamic programme over the layers.
+        """
+        key = (layout.num_stages, layout.partition)
+        if key not in self._partitions:
+            self._partitions[key] = partition_stages(self.spec, *key)
+        return list(self._partitions[key])
 
     def memory(self, layout: TrainingLayout) -> list[RankMemory]:
         """Peak memory of every pipeline rank."""

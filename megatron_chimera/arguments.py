@@ -77,7 +77,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chimera-pipes", type=int, default=None, help="2f pipes (2, 4, ...)")
     g.add_argument("--chimera-concat", default=None,
                    help="how N > D is built from basic units (schedule generator's choices)")
-    g.add_argument("--chimera-split-backward", action="store_true")
+    g.add_argument("--chimera-split-backward", action="store_true",
+                   help="Chimera-ZB: split backward into B and W, W fills the bubbles")
+    g.add_argument("--chimera-max-inflight", type=int, default=None,
+                   help="Chimera-ZB: cap on live activations per rank (default D)")
     g.add_argument("--partition-method", choices=PARTITION_METHODS, default="uniform")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -261,6 +264,7 @@ def _check_positive(args: argparse.Namespace) -> None:
     positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                 "micro_batch_size", "global_batch_size", "train_iters", "train_samples",
                 "pipeline_model_parallel_size", "tensor_model_parallel_size", "ffn_hidden_size",
+                "chimera_max_inflight",
                 "max_position_embeddings", "make_vocab_size_divisible_by", "log_interval",
                 "eval_interval", "save_interval", "exit_interval", "vocab_size",
                 "num_layers_per_virtual_pipeline_stage", "chimera_pipes",
@@ -291,7 +295,8 @@ def _schedule_name(args: argparse.Namespace) -> str:
         return args.pipeline_schedule
     for flag, value in (("--chimera-pipes", args.chimera_pipes),
                         ("--chimera-concat", args.chimera_concat),
-                        ("--chimera-split-backward", args.chimera_split_backward or None)):
+                        ("--chimera-split-backward", args.chimera_split_backward or None),
+                        ("--chimera-max-inflight", args.chimera_max_inflight)):
         if value is not None:
             raise ConfigError(
                 f"{flag} requires --pipeline-schedule chimera or chimera-zb, "

@@ -94,6 +94,7 @@ class ParallelConfig:
     chimera_pipes: int = 2
     chimera_concat: str | None = None  # None: the generator's default for N > D
     chimera_split_backward: bool = False
+    chimera_max_inflight: int | None = None  # Chimera-ZB: live activations per rank (default D)
     num_layers_per_virtual_pipeline_stage: int | None = None
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     distributed_timeout_minutes: float = 10.0

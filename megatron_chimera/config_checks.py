@@ -28,8 +28,16 @@ def schedule_options(parallel: ParallelConfig, num_layers: int) -> dict[str, obj
         options["pipes"] = parallel.chimera_pipes
         if parallel.chimera_concat is not None:
             options["concat"] = parallel.chimera_concat
-        if parallel.chimera_split_backward or name == "chimera-zb":
+        split = parallel.chimera_split_backward or name == "chimera-zb"
+        if split:
             options["split_backward"] = True
+        if parallel.chimera_max_inflight is not None:
+            if not split:
+                raise ConfigError(
+                    "--chimera-max-inflight applies to the split-backward schedule: "
+                    "add --chimera-split-backward or use --pipeline-schedule chimera-zb"
+                )
+            options["max_inflight"] = parallel.chimera_max_inflight
     if name == "interleaved":
         per_chunk = parallel.num_layers_per_virtual_pipeline_stage
         options["virtual_pipeline_size"] = num_layers // (

@@ -121,3 +121,25 @@ def test_data_path_prefix_must_exist(tmp_path):
     (tmp_path / "corpus.bin").write_bytes(b"")
     (tmp_path / "corpus.idx").write_bytes(b"")
     assert parse_args(argv, world_size=1).data.data_path == (str(tmp_path / "corpus"),)
+
+
+def test_chimera_max_inflight_reaches_the_split_backward_schedule():
+    from megatron_chimera.config_checks import build_schedule_for
+    from megatron_chimera.schedules.simulate import simulate
+
+    config = parse("--pipeline-model-parallel-size 4 --chimera-pipes 2 --chimera-split-backward "
+                   "--chimera-max-inflight 3", world_size=4)
+    assert config.parallel.chimera_max_inflight == 3
+    schedule = build_schedule_for(config)
+    assert schedule.name == "chimera-zb" and schedule.split_backward
+    assert max(simulate(schedule).peak_inflight) <= 3
+
+
+@pytest.mark.parametrize("extra", [
+    "--pipeline-model-parallel-size 4 --chimera-pipes 2 --chimera-max-inflight 3",
+    "--pipeline-model-parallel-size 4 --pipeline-schedule 1f1b --chimera-max-inflight 3",
+    "--pipeline-model-parallel-size 4 --pipeline-schedule chimera-zb --chimera-max-inflight 0",
+])
+def test_chimera_max_inflight_needs_the_split_backward_schedule(extra):
+    with pytest.raises(ConfigError, match="--chimera-max-inflight"):
+        parse(extra, world_size=4)

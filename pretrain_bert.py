@@ -22,6 +22,7 @@ from megatron_chimera.data.bert_dataset import (
     get_bert_batch,
 )
 from megatron_chimera.model.bert import BertModel
+from megatron_chimera.model.family import BERT
 from megatron_chimera.training import pretrain_from_flags, run_main
 
 # Special ids of bare --mock-data (a NullTokenizer has no [CLS]/[SEP]/[MASK]/[PAD]).
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse and validate flags (every rank, before any process group), then pretrain."""
     pretrain_from_flags(
         argv, train_valid_test_datasets_provider, model_provider, lambda _: forward_step,
-        model_type="bert",
+        family=BERT,
     )
 
 

@@ -20,6 +20,7 @@ from megatron_chimera.data.gpt_dataset import (
     build_train_valid_test_datasets,
     get_batch,
 )
+from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.training import pretrain_from_flags, run_main
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     pretrain_from_flags(
         argv, train_valid_test_datasets_provider, model_provider,
         lambda tokenizer: functools.partial(forward_step, eod_token=tokenizer.eod),
-        model_type="gpt",
+        family=GPT2,
     )
 
 

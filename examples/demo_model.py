@@ -18,28 +18,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-from chimera_playground import (  # noqa: E402
-    DTYPES,
-    PARTITION_CHOICES,
-    SIZE_FLAGS,
-    Settings,
-    add_model_arguments,
-    make_model,
-    section_partition,
-)
-
-from megatron_chimera.config import ConfigError, ModelConfig  # noqa: E402
-from megatron_chimera.model.bert import build_bert_stage  # noqa: E402
-from megatron_chimera.model.gpt2 import build_gpt_stage  # noqa: E402
-from megatron_chimera.model.memory import estimate_stage_memory  # noqa: E402
-from megatron_chimera.model.partition import partition_layers  # noqa: E402
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.bert import build_bert_stage
+from megatron_chimera.model.family import ModelFamily
+from megatron_chimera.model.gpt2 import build_gpt_stage
+from megatron_chimera.model.memory import estimate_stage_memory
+from megatron_chimera.model.partition import partition_layers
+from megatron_chimera.model.presets import DTYPES, SIZE_FLAGS, add_model_arguments, make_model
+from megatron_chimera.tuning.playground import PARTITION_CHOICES, Settings, section_partition
 
 CHECK_HIDDEN, CHECK_HEADS, CHECK_SEQ, CHECK_VOCAB = 64, 4, 32, 500
 
@@ -60,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def small_version(kind: str, config: ModelConfig, num_stages: int) -> ModelConfig:
+def small_version(config: ModelConfig, num_stages: int) -> ModelConfig:
     """The same architecture (type, tying, precision) at hidden 64 with two layers per stage."""
     return dataclasses.replace(
         config, num_layers=2 * num_stages, hidden_size=CHECK_HIDDEN,
@@ -85,15 +74,15 @@ def describe_slice(module: torch.nn.Module, start: int, end: int) -> str:
     return ", ".join(parts)
 
 
-def check_real_slices(kind: str, config: ModelConfig, num_stages: int, method: str,
+def check_real_slices(family: ModelFamily, config: ModelConfig, num_stages: int, method: str,
                       micro_batch_size: int) -> bool:
     """Build each stage slice of the small model; compare parameters and bytes with the estimate."""
-    small = small_version(kind, config, num_stages)
+    small = small_version(config, num_stages)
     partition = partition_layers(small.num_layers, num_stages, method, config=small,
-                                 model_type=kind)
-    estimate = estimate_stage_memory(small, kind, partition, micro_batch_size)
-    build = build_gpt_stage if kind == "gpt" else build_bert_stage
-    print(f"\nreal stage slices of a small {kind} ({small.num_layers} layers, hidden "
+                                 family=family)
+    estimate = estimate_stage_memory(small, family, partition, micro_batch_size)
+    build = build_bert_stage if family.sentence_heads else build_gpt_stage
+    print(f"\nreal stage slices of a small {family.title} ({small.num_layers} layers, hidden "
           f"{small.hidden_size}, vocab {small.padded_vocab_size}, {small.params_dtype}):")
     ok = True
     for stage, (start, end) in enumerate(partition):
@@ -109,13 +98,13 @@ def check_real_slices(kind: str, config: ModelConfig, num_stages: int, method: s
     return ok
 
 
-def print_partition(kind: str, config: ModelConfig, args: argparse.Namespace) -> None:
+def print_partition(family: ModelFamily, config: ModelConfig, args: argparse.Namespace) -> None:
     """The stage table once, then the per-rank memory under Chimera and under 1F1B."""
     D = args.pipeline_model_parallel_size
     texts, notes = [], []
     for schedule in ("chimera", "1f1b"):
         settings = Settings(schedule=schedule, D=D, N=args.num_microbatches or D,
-                            model=args.model, model_type=kind, config=config,
+                            model=args.model, family=family, config=config,
                             micro_batch_size=args.micro_batch_size,
                             partition_method=args.partition_method)
         try:
@@ -138,15 +127,15 @@ def main(argv: list[str] | None = None) -> int:
         if D < 1 or args.micro_batch_size < 1:
             raise ConfigError("--pipeline-model-parallel-size and --micro-batch-size must be "
                               "positive")
-        kind, config = make_model(args.model, args.model_type, args.params_dtype,
+        family, config = make_model(args.model, args.model_type, args.params_dtype,
                                   **{f: getattr(args, f) for f in SIZE_FLAGS})
-        print_partition(kind, config, args)
+        print_partition(family, config, args)
     except (ValueError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.no_real_check:
         return 0
-    if not check_real_slices(kind, config, D, args.partition_method, args.micro_batch_size):
+    if not check_real_slices(family, config, D, args.partition_method, args.micro_batch_size):
         print("the analytic estimate does not match the real model", file=sys.stderr)
         return 1
     print("the analytic parameter counts and weight bytes match the real stage slices")

@@ -28,26 +28,23 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from chimera_playground import DTYPES, SIZE_FLAGS, add_model_arguments, make_model  # noqa: E402
-
-from megatron_chimera.config import ConfigError  # noqa: E402
-from megatron_chimera.tuning.costs import ModelSpec  # noqa: E402
-from megatron_chimera.tuning.hardware import GB, GIB, load_hardware  # noqa: E402
-from megatron_chimera.tuning.perf_model import (  # noqa: E402
+from megatron_chimera.config import ConfigError
+from megatron_chimera.model.presets import DTYPES, SIZE_FLAGS, add_model_arguments, make_model
+from megatron_chimera.tuning.costs import ModelSpec
+from megatron_chimera.tuning.hardware import GB, GIB, load_hardware
+from megatron_chimera.tuning.perf_model import (
     PerformanceModel,
     Prediction,
     TrainingLayout,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
+
 # (label, TrainingLayout options, tools/benchmark_schedules.py --schedules spec)
 VARIANTS = (
     ("gpipe", {"schedule": "gpipe"}, "gpipe"),
     ("1f1b", {"schedule": "1f1b"}, "1f1b"),
-    ("interleaved v=2", {"schedule": "interleaved", "virtual": 2},
+    ("interleaved v=2", {"schedule": "interleaved", "virtual_pipeline_size": 2},
      "interleaved:virtual_pipeline_size=2"),
     ("zb-h1", {"schedule": "zb-h1"}, "zb-h1"),
     ("chimera/direct", {"schedule": "chimera", "pipes": 2, "concat": "direct"},
@@ -88,7 +85,9 @@ def predict_all(model: PerformanceModel, D: int, W: int, B: int, N: int, recompu
     """(label, benchmark spec, prediction or the reason it does not apply) per variant."""
     rows = []
     for label, options, spec in VARIANTS:
-        layout = TrainingLayout(D=D, W=W, B=B, N=N, recompute=recompute, **options)
+        schedule_options = {k: v for k, v in options.items() if k != "schedule"}
+        layout = TrainingLayout.of(options["schedule"], D, W, B, N, recompute,
+                                   **schedule_options)
         try:
             rows.append((label, spec, model.predict(layout)))
         except (ValueError, ConfigError) as exc:
@@ -180,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                               "must be positive")
         if args.emulated_forward_ms <= 0 or args.iters < 5:
             raise ConfigError("--emulated-forward-ms must be positive and --iters >= 5")
-        kind, config = make_model(args.model, args.model_type, args.params_dtype,
-                                  **{f: getattr(args, f) for f in SIZE_FLAGS})
-        spec = ModelSpec(config, "gpt2" if kind == "gpt" else "bert")
+        family, config = make_model(args.model, args.model_type, args.params_dtype,
+                                    **{f: getattr(args, f) for f in SIZE_FLAGS})
+        spec = ModelSpec(config, family)
         hardware = load_hardware(args.hardware)
         model = PerformanceModel(spec, hardware)
         W = gpus // D

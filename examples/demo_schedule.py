@@ -18,13 +18,11 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megatron_chimera.schedules import Schedule, build_schedule  # noqa: E402
-from megatron_chimera.schedules.chimera import CONCAT_FORWARD_DOUBLING, CONCAT_NAMES  # noqa: E402
-from megatron_chimera.schedules.plot import plot_schedule, text_chart  # noqa: E402
-from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate  # noqa: E402
-from megatron_chimera.schedules.validate import validate  # noqa: E402
+from megatron_chimera.schedules import Schedule, build_schedule
+from megatron_chimera.schedules.chimera import CONCAT_FORWARD_DOUBLING, CONCAT_NAMES
+from megatron_chimera.schedules.plot import plot_schedule, text_chart
+from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
+from megatron_chimera.schedules.validate import validate
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,9 +1,12 @@
 """Megatron's command-line flags parsed into frozen configuration dataclasses.
 
-``parse_args(argv, world_size)`` returns a validated :class:`~megatron_chimera.config.TrainConfig`.
+``parse_args(argv, world_size)`` returns a validated :class:`~megatron_chimera.config.TrainConfig`;
+``parse_args_and_schedule`` also returns the run's schedule, built once during validation.
 Validation runs on every rank before any process group exists: an inconsistent setting raises
 :class:`~megatron_chimera.config.ConfigError` whose one-line message names the flag, so all ranks
 fail the same way without blocking. Entry scripts turn it into ``error: <message>`` and exit 2.
+The schedule flags (``--pipeline-schedule`` and each schedule's options) come from the schedule
+registry (:mod:`megatron_chimera.schedules.registry`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
-from .config import (
+from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -24,12 +27,14 @@ from .config import (
     TrainConfig,
     TrainingConfig,
 )
-from .config_checks import build_schedule_for, schedule_options, validate
-from .data.tokenizers import TOKENIZER_TYPES
+from megatron_chimera.config_checks import build_schedule_for, validate
+from megatron_chimera.data.tokenizers import TOKENIZER_TYPES
+from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
 
-__all__ = ["build_parser", "parse_args", "validate", "build_schedule_for", "schedule_options"]
+__all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
+           "build_schedule_for"]
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "chimera-zb", "zb-h1")
 PARTITION_METHODS = ("uniform", "parameters")
 
 
@@ -71,16 +76,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default=None,
-                   help="default: chimera when --chimera-pipes is given, else 1f1b")
-    g.add_argument("--chimera-pipes", type=int, default=None, help="2f pipes (2, 4, ...)")
-    g.add_argument("--chimera-concat", default=None,
-                   help="how N > D is built from basic units (schedule generator's choices)")
-    g.add_argument("--chimera-split-backward", action="store_true",
-                   help="Chimera-ZB: split backward into B and W, W fills the bubbles")
-    g.add_argument("--chimera-max-inflight", type=int, default=None,
-                   help="Chimera-ZB: cap on live activations per rank (default D)")
+    add_schedule_arguments(g)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved: layers per model chunk (alternative to "
+                        "--num-virtual-stages-per-pipeline-rank)")
     g.add_argument("--partition-method", choices=PARTITION_METHODS, default="uniform")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -197,6 +196,16 @@ def parse_args(
     ``world_size`` defaults to torchrun's ``WORLD_SIZE`` (1 without torchrun). ``defaults``
     overrides flag defaults (as Megatron's ``args_defaults``), e.g. a tokenizer for BERT.
     """
+    return parse_args_and_schedule(argv, world_size, extra_args_provider, defaults)[0]
+
+
+def parse_args_and_schedule(
+    argv: Sequence[str] | None = None,
+    world_size: int | None = None,
+    extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None = None,
+    defaults: dict[str, object] | None = None,
+) -> tuple[TrainConfig, Schedule]:
+    """:func:`parse_args` and the run's validated schedule (built once, here)."""
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     base_parser = build_parser()
@@ -207,8 +216,7 @@ def parse_args(
     extra_names = sorted(_known_flags(parser) - _known_flags(base_parser))
     extra = tuple((name, getattr(args, name)) for name in extra_names)
     config = _build_config(args, world_size, extra)
-    validate(config, world_size)
-    return config
+    return config, validate(config, world_size)
 
 
 def _build_config(
@@ -239,11 +247,11 @@ def _build_config(
             f"{args.micro_batch_size} x data-parallel size {data_parallel}"
         )
     num_microbatches = global_batch // (args.micro_batch_size * data_parallel)
-    schedule = _schedule_name(args)
+    schedule, options = _schedule(args, pipeline_size)
     return TrainConfig(
         model=_model_config(args),
         parallel=_pick(ParallelConfig, args, data_parallel_size=data_parallel,
-                       pipeline_schedule=schedule, chimera_pipes=args.chimera_pipes or 2),
+                       pipeline_schedule=schedule, schedule_options=options),
         optimizer=_optimizer_config(args, global_batch),
         data=_pick(DataConfig, args, data_path=tuple(args.data_path) if args.data_path else None),
         training=_training_config(args, global_batch, num_microbatches),
@@ -268,6 +276,7 @@ def _check_positive(args: argparse.Namespace) -> None:
                 "max_position_embeddings", "make_vocab_size_divisible_by", "log_interval",
                 "eval_interval", "save_interval", "exit_interval", "vocab_size",
                 "num_layers_per_virtual_pipeline_stage", "chimera_pipes",
+                "num_virtual_stages_per_pipeline_rank",
                 "recompute_num_layers", "loss_scale_window", "hysteresis",
                 "tensorboard_log_interval", "lr_decay_iters", "lr_decay_samples")
     for name in positive:
@@ -288,21 +297,32 @@ def _check_positive(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
 
 
-def _schedule_name(args: argparse.Namespace) -> str:
-    if args.pipeline_schedule is None:
-        return "chimera" if args.chimera_pipes is not None else "1f1b"
-    if args.pipeline_schedule.startswith("chimera"):
-        return args.pipeline_schedule
-    for flag, value in (("--chimera-pipes", args.chimera_pipes),
-                        ("--chimera-concat", args.chimera_concat),
-                        ("--chimera-split-backward", args.chimera_split_backward or None),
-                        ("--chimera-max-inflight", args.chimera_max_inflight)):
-        if value is not None:
+def _schedule(args: argparse.Namespace, pipeline_size: int) -> tuple[str, object]:
+    """The schedule name and its typed options from the registry's flags; Megatron's
+    ``--num-layers-per-virtual-pipeline-stage`` becomes the virtual stages per rank."""
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk is not None:
+        if args.pipeline_schedule != "interleaved":
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage requires "
+                              "--pipeline-schedule interleaved")
+        if args.num_virtual_stages_per_pipeline_rank is not None:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage and "
+                              "--num-virtual-stages-per-pipeline-rank are mutually exclusive")
+        if args.num_layers % (per_chunk * pipeline_size):
             raise ConfigError(
-                f"{flag} requires --pipeline-schedule chimera or chimera-zb, "
-                f"got {args.pipeline_schedule}"
-            )
-    return args.pipeline_schedule
+                f"--num-layers-per-virtual-pipeline-stage {per_chunk} x "
+                f"--pipeline-model-parallel-size {pipeline_size} does not divide "
+                f"--num-layers {args.num_layers}")
+        args.num_virtual_stages_per_pipeline_rank = args.num_layers // (per_chunk * pipeline_size)
+    try:
+        spec, options = spec_and_options_from(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if spec.name == "interleaved" and args.num_virtual_stages_per_pipeline_rank is None:
+        raise ConfigError("--pipeline-schedule interleaved requires "
+                          "--num-layers-per-virtual-pipeline-stage or "
+                          "--num-virtual-stages-per-pipeline-rank")
+    return spec.name, options
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
@@ -337,11 +357,9 @@ def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerC
             other = "--train-iters" if iteration_based else "--train-samples"
             raise ConfigError(f"{flag} cannot be combined with {other}")
     if iteration_based:
-        train_samples = args.train_iters * global_batch
         decay = (args.lr_decay_iters or args.train_iters) * global_batch
         warmup = (args.lr_warmup_iters or 0) * global_batch
     else:
-        train_samples = args.train_samples
         decay = args.lr_decay_samples or args.train_samples
         warmup = args.lr_warmup_samples or 0
     if args.lr_warmup_fraction is not None:
@@ -357,7 +375,6 @@ def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerC
         raise ConfigError(f"--loss-scale must be positive, got {args.loss_scale}")
     if args.initial_loss_scale <= 0 or args.min_loss_scale <= 0:
         raise ConfigError("--initial-loss-scale and --min-loss-scale must be positive")
-    del train_samples
     return _pick(OptimizerConfig, args, lr_decay_samples=decay, lr_warmup_samples=warmup,
                  use_apex=False if args.no_apex else None)
 

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from megatron_chimera.atomic import atomic_write, fsync_dir
+
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.pt"
 CHECKPOINT_VERSION = 1
@@ -88,29 +90,6 @@ def read_tracker(root: str) -> int | None:
     if not text.isdigit():
         raise CheckpointError(f"{path}: expected an iteration number, found {text!r}")
     return int(text)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, write: Callable[[Any], None]) -> None:
-    """Write ``path`` via ``write(file)`` into a temp file, fsync it and rename it into place."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
@@ -289,13 +268,13 @@ def _optimizer_common_state(optimizer: Any | None) -> dict[str, Any] | None:
 
 def _publish(root: str, staging: str, final: str, iteration: int) -> None:
     """Rename the complete staging directory into place, then point the tracker at it."""
-    _fsync_dir(staging)
+    fsync_dir(staging)
     previous = final + ".old"
     if os.path.isdir(final):
         shutil.rmtree(previous, ignore_errors=True)
         os.replace(final, previous)
     os.replace(staging, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     atomic_write(os.path.join(root, TRACKER_FILENAME),
                  lambda handle: handle.write(f"{iteration}\n".encode()))
     shutil.rmtree(previous, ignore_errors=True)

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --params-dtype
 
 
 class ConfigError(ValueError):
@@ -76,6 +79,11 @@ class ModelConfig:
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
 
     @property
+    def dtype_bytes(self) -> int:
+        """Bytes of one parameter / activation element in the model's precision."""
+        return DTYPE_BYTES[self.params_dtype]
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         """torch dtype of ``params_dtype``."""
         return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
@@ -85,17 +93,17 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout and schedule: world = data_parallel_size x pipeline_model_parallel_size."""
+    """Parallel layout and schedule: world = data_parallel_size x pipeline_model_parallel_size.
+
+    ``schedule_options`` is the typed options dataclass of ``pipeline_schedule`` from the
+    schedule registry (``megatron_chimera.schedules.registry``), built from the flags.
+    """
 
     pipeline_model_parallel_size: int = 1
     data_parallel_size: int = 1
     tensor_model_parallel_size: int = 1
-    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | chimera | chimera-zb | zb-h1
-    chimera_pipes: int = 2
-    chimera_concat: str | None = None  # None: the generator's default for N > D
-    chimera_split_backward: bool = False
-    chimera_max_inflight: int | None = None  # Chimera-ZB: live activations per rank (default D)
-    num_layers_per_virtual_pipeline_stage: int | None = None
+    pipeline_schedule: str = "1f1b"  # a name of the schedule registry
+    schedule_options: Any = None  # None: the schedule's defaults
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     distributed_timeout_minutes: float = 10.0
 
@@ -107,11 +115,6 @@ class ParallelConfig:
             * self.pipeline_model_parallel_size
             * self.tensor_model_parallel_size
         )
-
-    @property
-    def num_pipes(self) -> int:
-        """Pipes of the schedule (2f for Chimera, else 1)."""
-        return self.chimera_pipes if self.pipeline_schedule.startswith("chimera") else 1
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import parallel_state
-from .config import ConfigError, ParallelConfig
-from .schedules.actions import Schedule
+from megatron_chimera import parallel_state
+from megatron_chimera.config import ConfigError, ParallelConfig
+from megatron_chimera.schedules.actions import Schedule
 
 BACKENDS = ("gloo", "nccl")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import ModelConfig, TrainConfig
+from megatron_chimera.config import TrainConfig
 
 
 # ---------------------------------------------------------------------------------- timers
@@ -69,19 +69,6 @@ class Timers:
 
 
 # ---------------------------------------------------------------------------------- formulas
-def num_floating_point_operations(model: ModelConfig, batch_size: int, bert: bool = False) -> float:
-    """FLOPs of one training iteration on ``batch_size`` sequences (forward + backward).
-
-    GPT (Megatron): ``72 B s L h^2 (1 + s/(6h) + V/(12 L h))``; BERT adds its LM-head transform
-    (``+ 1/(12 L)``). Full activation recomputation runs the forward twice (96 instead of 72).
-    """
-    s, layers, h = model.seq_length, model.num_layers, model.hidden_size
-    vocab = model.padded_vocab_size
-    factor = 96 if model.recompute_granularity == "full" else 72
-    terms = 1 + s / (6 * h) + vocab / (12 * layers * h) + (1 / (12 * layers) if bert else 0.0)
-    return factor * batch_size * s * layers * h * h * terms
-
-
 def measured_bubble_ratio(busy_seconds: Sequence[float], iteration_seconds: float) -> float:
     """``1 - sum(busy) / (ranks x iteration time)``: the idle share of the iteration."""
     if iteration_seconds <= 0 or not busy_seconds:
@@ -95,7 +82,7 @@ def predicted_bubble_ratio(
 ) -> float:
     """The simulator's bubble ratio of ``schedule`` (no communication; F=1, B=2 by default;
     a split backward spends half of B on the input gradient and half on W)."""
-    from .schedules.simulate import CostModel, simulate
+    from megatron_chimera.schedules.simulate import CostModel, simulate
 
     weight_cost = 0.0
     if schedule.split_backward:

@@ -34,7 +34,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .config import ConfigError
+from megatron_chimera.config import ConfigError
+from megatron_chimera.layout import global_rank, pipeline_and_data_parallel_rank
 
 
 @dataclass
@@ -88,11 +89,6 @@ def _validate_placement(placement: list[list[int]], num_stages: int, pipeline_si
             )
 
 
-def global_rank(pipeline_rank: int, data_parallel_rank: int, data_parallel_size: int) -> int:
-    """Megatron's layout: ``pipeline_rank * W + data_parallel_rank``."""
-    return pipeline_rank * data_parallel_size + data_parallel_rank
-
-
 def initialize_model_parallel(
     pipeline_model_parallel_size: int,
     placement: list[list[int]],
@@ -129,7 +125,7 @@ def initialize_model_parallel(
     w = world // d
     _validate_placement(placement, num_stages, d)
     rank = dist.get_rank()
-    pipeline_rank, data_parallel_rank = divmod(rank, w)
+    pipeline_rank, data_parallel_rank = pipeline_and_data_parallel_rank(rank, w)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     created: list[dist.ProcessGroup] = []
 
@@ -208,6 +204,8 @@ def model_parallel_is_initialized() -> bool:
 
 
 # ---------------------------------------------------------------- Megatron getters
+# Megatron-core's public parallel_state API (same names and meanings), for user code and tools
+# written against Megatron; the framework itself reads the Chimera getters below.
 def get_pipeline_model_parallel_world_size() -> int:
     """D: number of pipeline ranks."""
     return _state().pipeline_size
@@ -223,9 +221,6 @@ def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
     return _state().pipeline_group
 
 
-def get_pipeline_model_parallel_ranks() -> list[int]:
-    """Global ranks of this rank's pipeline group, by pipeline rank."""
-    return list(_state().pipeline_ranks)
 
 
 def get_data_parallel_world_size() -> int:
@@ -269,14 +264,8 @@ def get_pipeline_model_parallel_last_rank() -> int:
 
 
 # ---------------------------------------------------------------- Chimera getters
-def get_num_stages() -> int:
-    """Number of model stages (D, or D x v for the interleaved schedule)."""
-    return _state().num_stages
 
 
-def get_placement() -> list[list[int]]:
-    """``placement[pipe][stage] -> pipeline rank`` as given to ``initialize_model_parallel``."""
-    return [list(p) for p in _state().placement]
 
 
 def replicas_of_this_rank() -> list[tuple[int, int]]:
@@ -290,9 +279,6 @@ def replicas_of_this_rank() -> list[tuple[int, int]]:
     ]
 
 
-def stages_of_this_rank() -> list[int]:
-    """Distinct model stages whose weights this rank holds (one module per stage)."""
-    return sorted({stage for _, stage in replicas_of_this_rank()})
 
 
 def get_stage_replica_group(stage: int) -> dist.ProcessGroup:

@@ -22,23 +22,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import parallel_state
-from .arguments import build_schedule_for, parse_args
-from .checkpointing import StageSlice, load_checkpoint, save_checkpoint
-from .config import ConfigError, TrainConfig
-from .data.samplers import build_data_iterator, next_microbatches
-from .initialize import default_backend, initialize_megatron
-from .model.partition import partition_layers
-from .monitor import (
-    IterationStats,
-    Timers,
-    TrainingMonitor,
-    num_floating_point_operations,
-    predicted_bubble_ratio,
-)
-from .optimizer import OptimizerParamScheduler, get_megatron_optimizer
-from .schedules.executor import PipelineExecutor
-from .schedules.grad_sync import GradientSynchronizer, shared_embedding_weight
+from megatron_chimera import parallel_state
+from megatron_chimera.arguments import build_schedule_for, parse_args_and_schedule
+from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from megatron_chimera.config import ConfigError, TrainConfig
+from megatron_chimera.data.samplers import build_data_iterator, next_microbatches
+from megatron_chimera.initialize import default_backend, initialize_megatron
+from megatron_chimera.model.family import GPT2, ModelFamily
+from megatron_chimera.model.flops import training_flops
+from megatron_chimera.model.partition import partition_layers
+from megatron_chimera.monitor import IterationStats, Timers, TrainingMonitor, predicted_bubble_ratio
+from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_optimizer
+from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_embedding_weight
+from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.schedules.actions import Schedule
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -59,7 +57,7 @@ class _Run:
     """Everything ``pretrain`` builds for the loop."""
 
     config: TrainConfig
-    schedule: Any
+    schedule: Schedule
     partition: list[tuple[int, int]]
     stages: list[StageSlice]
     optimizer: Any
@@ -77,7 +75,7 @@ class _Run:
 def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
     """The run's tokenizer (NullTokenizer over ``--vocab-size`` for bare ``--mock-data``) and the
     config with the model's vocabulary set to the tokenizer's."""
-    from .data.tokenizers import build_tokenizer
+    from megatron_chimera.data.tokenizers import build_tokenizer
 
     data = config.data
     tokenizer = build_tokenizer(
@@ -142,16 +140,15 @@ def _train_valid_test_num_samples(config: TrainConfig) -> list[int]:
 
 
 def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider: ModelProvider,
-           forward_step_func: Callable, config: TrainConfig, model_type: str,
-           state: TrainState) -> tuple[_Run, tuple[Any, Any, Any]]:
-    schedule = build_schedule_for(config)
+           forward_step_func: Callable, config: TrainConfig, family: ModelFamily,
+           schedule: Schedule, state: TrainState) -> tuple[_Run, tuple[Any, Any, Any]]:
     parallel = config.parallel
     device = initialize(config, schedule)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
     partition = partition_layers(config.model.num_layers, schedule.num_stages,
                                  config.training.partition_method, config=config.model,
-                                 model_type=model_type)
+                                 family=family)
     last = schedule.num_stages - 1
     modules: dict[int, nn.Module] = {}
     for stage in schedule.stages_of_rank(pipeline_rank):
@@ -194,22 +191,22 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
 
     model, training = config.model, config.training
     common = dict(
-        schedule=schedule, pipeline_rank=pipeline_rank, stage_modules=modules,
+        schedule=schedule, topology=PipelineTopology.from_parallel_state(), stage_modules=modules,
         forward_step_func=forward_step_func,
         tensor_shape=(model.seq_length, training.micro_batch_size, model.hidden_size),
         dtype=model.torch_dtype,
         loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
-        device=device, to_global_rank=parallel_state.pipeline_rank_to_global_rank)
+        device=device)
     executor = PipelineExecutor(**common, grad_sync=GradientSynchronizer.from_parallel_state(
         modules), scale_loss=optimizer.scale_loss)
     eval_executor = PipelineExecutor(**common)
     logging_rank = world_size - 1  # where the executor gathers losses and busy times
-    flops = num_floating_point_operations(model, training.global_batch_size,
-                                          bert=model_type == "bert")
+    flops = training_flops(model, family, training.global_batch_size)
     predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
     monitor = TrainingMonitor.create(config, flops, world_size, predicted,
                                      enabled=rank == logging_rank)
-    needed = _needed_microbatches(schedule, pipeline_rank, all_stages=model_type == "bert")
+    needed = _needed_microbatches(schedule, pipeline_rank,
+                                  all_stages=family.every_stage_reads_batch)
     run = _Run(config, schedule, partition, stages, optimizer, scheduler, executor,
                eval_executor, monitor, Timers(), needed, rank, world_size)
     return run, datasets
@@ -320,18 +317,23 @@ def pretrain(
     model_provider: ModelProvider,
     forward_step_func: Callable,
     config: TrainConfig,
-    model_type: str = "gpt",
+    family: ModelFamily = GPT2,
+    schedule: Schedule | None = None,
 ) -> TrainState:
     """Megatron's ``pretrain``: set up, train, final validation and test evaluation, save.
 
     ``model_provider(pre_process, post_process, layer_range, stage)`` builds one stage;
     ``train_valid_test_datasets_provider([train, valid, test] sample counts)`` returns datasets;
-    ``forward_step_func(batch, model) -> (output, loss_func)`` as the executor contract says.
+    ``forward_step_func(batch, model) -> (output, loss_func)`` as the executor contract says;
+    ``family`` is the model family (GPT-2 or BERT); ``schedule`` the validated schedule of the
+    run (built from ``config`` when not given).
     """
     state = TrainState()
+    if schedule is None:
+        schedule = build_schedule_for(config)
     run, (train_ds, valid_ds, test_ds) = _setup(
         train_valid_test_datasets_provider, model_provider, forward_step_func, config,
-        model_type, state)
+        family, schedule, state)
     training = config.training
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -362,7 +364,7 @@ def pretrain_from_flags(
     train_valid_test_datasets_provider: Callable[..., tuple],
     model_provider: Callable[..., nn.Module],
     forward_step_for: Callable[[Any], Callable],
-    model_type: str,
+    family: ModelFamily,
 ) -> None:
     """The ``main`` of an entry script: parse and validate the flags (every rank, before any
     process group), build the tokenizer, then :func:`pretrain` with the providers bound to them.
@@ -370,14 +372,15 @@ def pretrain_from_flags(
     The datasets provider gets ``(config, tokenizer, num_samples)``, the model provider
     ``(config.model, seed, ...)``; ``forward_step_for(tokenizer)`` gives the forward step.
     """
-    config = parse_args(argv)
+    config, schedule = parse_args_and_schedule(argv)
     tokenizer, config = build_tokenizer_for(config)
     pretrain(
         functools.partial(train_valid_test_datasets_provider, config, tokenizer),
         functools.partial(model_provider, config.model, config.training.seed),
         forward_step_for(tokenizer),
         config,
-        model_type=model_type,
+        family=family,
+        schedule=schedule,
     )
 
 

@@ -17,25 +17,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from megatron_chimera.config import ConfigError, ModelConfig  # noqa: E402
-from megatron_chimera.tuning.autotune import (  # noqa: E402
+from megatron_chimera.atomic import atomic_write
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.tuning.autotune import (
     DEFAULT_SCHEDULES,
     SearchSpace,
     autotune,
     format_table,
     to_records,
 )
-from megatron_chimera.tuning.command import torchrun_command  # noqa: E402
-from megatron_chimera.tuning.costs import ModelSpec  # noqa: E402
-from megatron_chimera.tuning.hardware import GB, load_hardware  # noqa: E402
-from megatron_chimera.tuning.perf_model import PerformanceModel  # noqa: E402
+from megatron_chimera.tuning.command import torchrun_command
+from megatron_chimera.tuning.costs import ModelSpec
+from megatron_chimera.tuning.hardware import GB, load_hardware
+from megatron_chimera.tuning.perf_model import PerformanceModel
 
 DEFAULT_VOCAB = {"gpt2": 50257, "bert": 30522}
 
@@ -140,10 +137,7 @@ def write_json(path: str, records: list[dict]) -> None:
     """Write ``records`` atomically (temp file + rename)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(records, f, indent=1)
-    os.replace(tmp, target)
+    atomic_write(str(target), lambda f: json.dump(records, f, indent=1), mode="w")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
         space = SearchSpace(args.num_gpus, args.global_batch_size, args.num_layers,
                             schedules=args.schedules, micro_batch_sizes=args.micro_batch_sizes,
-                            recompute=recompute, chimera_pipes=args.chimera_pipes,
+                            recompute=recompute,
+                            option_values=(("pipes", args.chimera_pipes),),
                             partition_methods=args.partition_methods)
         limit = int(memory_gb * GB * args.memory_headroom)
         result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)
         over = sorted(result.over_memory, key=lambda lp: lp[1])[: args.show_over_memory]
-        print(f"{spec.model}: {args.num_layers} layers, hidden {args.hidden_size}, "
+        print(f"{spec.family.title}: {args.num_layers} layers, hidden {args.hidden_size}, "
               f"{args.num_attention_heads} heads, seq {args.seq_length}, "
               f"{spec.config.params_dtype}; {args.num_gpus} x {hardware.name} "
               f"({memory_gb:g} GB, limit {limit / 2**30:.2f} GiB); global batch "

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
+from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ModelConfig, OptimizerConfig
+from megatron_chimera.model.flops import layer_forward_flops
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.optimizer import get_megatron_optimizer
 
@@ -67,9 +67,10 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, iter
     return 2 * size**3 / best / 1e12
 
 
-def model_flops_per_step(layers: int, hidden: int, seq: int, batch: int) -> float:
-    """Megatron's forward+backward FLOPs of ``layers`` transformer layers (no recompute)."""
-    return 72.0 * layers * batch * seq * hidden**2 * (1.0 + seq / (6.0 * hidden))
+def model_flops_per_step(config: ModelConfig, batch: int) -> float:
+    """Forward + backward FLOPs of the stage's transformer layers (no head, no recompute)."""
+    weights, attention = layer_forward_flops(config, batch)
+    return 3.0 * config.num_layers * (weights + attention)
 
 
 def time_training_step(config: ModelConfig, batch: int, device: torch.device, steps: int,
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> tuple[float, list[Result]]:
                                  masked_softmax_fusion=fused, bias_gelu_fusion=fused,
                                  use_apex=False if args.no_apex else None)
             seconds = time_training_step(config, batch, device, args.steps, args.warmup)
-            tflops = model_flops_per_step(args.num_layers, hidden, seq, batch) / seconds / 1e12
+            tflops = model_flops_per_step(config, batch) / seconds / 1e12
             results.append(Result(name, "fused" if fused else "unfused", seconds * 1e3, tflops,
                                   tflops / peak))
             if on_gpu:
@@ -139,10 +140,7 @@ def main() -> None:
         print(f"| {r.shape} | {r.path} | {r.step_ms:.2f} | {r.tflops:.2f} | {100 * r.mfu:.1f}% |")
     if args.output:
         payload = {"device": device, "peak_tflops": peak, "results": [vars(r) for r in results]}
-        directory = os.path.dirname(os.path.abspath(args.output))
-        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False) as handle:
-            json.dump(payload, handle, indent=2)
-        os.replace(handle.name, args.output)
+        atomic_write(args.output, lambda handle: json.dump(payload, handle, indent=2), mode="w")
 
 
 if __name__ == "__main__":

@@ -5,14 +5,15 @@ Run under torchrun, one process per pipeline rank (W = world / D data-parallel r
     torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 8 --num-microbatches 8 32 \
         --forward-ms 20 --backward-ms 40 --weight-ms 20 --json bench.json
 
-Stages sleep instead of computing (``schedules/emulated.py``), so 8 ranks on 2 cores behave like 8
-devices. Per schedule and N the table shows the measured iteration time (median of ``--iters``
-after ``--warmup``; per iteration the slowest rank), the simulator's makespan for the same costs
-with the p2p latency measured by ping-pong in this run, their ratio, and throughput relative to
-1F1B at the same N (same samples per iteration). ``--backward-ms`` is the whole backward; with a
-split backward B takes ``backward - weight`` and W takes ``--weight-ms``. A schedule with k stages
-per rank (interleaved, V-shaped) gets 1/k of these times per stage. Rows ``torch-*`` run
-torch.distributed.pipelining's schedules on the same emulated stages (no simulation).
+Stages sleep instead of computing (``megatron_chimera/pipeline/emulated.py``), so 8 ranks on 2
+cores behave like 8 devices. Per schedule and N the table shows the measured iteration time (median
+of ``--iters`` after ``--warmup``; per iteration the slowest rank), the simulator's makespan for
+the same costs with the p2p latency measured by ping-pong in this run, their ratio, and throughput
+relative to 1F1B at the same N (same samples per iteration). ``--backward-ms`` is the whole
+backward; with a split backward B takes ``backward - weight`` and W takes ``--weight-ms``. A
+schedule with k stages per rank (interleaved, V-shaped) gets 1/k of these times per stage. Rows
+``torch-*`` run torch.distributed.pipelining's schedules on the same emulated stages (no
+simulation).
 """
 
 from __future__ import annotations
@@ -31,18 +32,20 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera import parallel_state
+from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError, ParallelConfig
 from megatron_chimera.initialize import initialize_distributed
-from megatron_chimera.schedules import build_schedule
-from megatron_chimera.schedules.emulated import (
+from megatron_chimera.pipeline.emulated import (
     EmulatedCosts,
     EmulatedStage,
     EmulatedTorchStage,
     SleepingWeightGradStore,
     emulated_forward_step,
 )
-from megatron_chimera.schedules.executor import PipelineExecutor
-from megatron_chimera.schedules.grad_sync import GradientSynchronizer
+from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
+from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.simulate import CostModel, simulate
 from megatron_chimera.schedules.validate import validate
 
@@ -134,7 +137,8 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
         stages = {s: EmulatedStage(stage_costs, s == 0, s == schedule.num_stages - 1, HIDDEN, s)
                   for s in schedule.stages_of_rank(prank)}
         executor = PipelineExecutor(
-            schedule, prank, stages, emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
+            schedule, PipelineTopology.from_parallel_state(), stages,
+            emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
             torch.float32, loss_scale_divisor=n * w,
             grad_sync=GradientSynchronizer.from_parallel_state(stages),
             weight_grad_store_factory=SleepingWeightGradStore, gather_losses=False,
@@ -256,10 +260,7 @@ def write_json(path: str, rows: list[Row]) -> None:
              "D": r.pipeline_size, "N": r.num_microbatches, "measured_s": r.measured_s,
              "simulated_s": r.simulated_s, "options": r.options,
              "simulated_compute_s": r.extra.get("simulated_compute_s")} for r in rows]
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: json.dump(data, f, indent=1), mode="w")
 
 
 def main(argv: list[str] | None = None) -> int:

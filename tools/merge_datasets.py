@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_chimera.data.indexed_dataset import (  # noqa: E402
+from megatron_chimera.data.indexed_dataset import (
     IndexedDatasetBuilder,
     MMapIndexedDataset,
     data_file_path,

@@ -30,16 +30,14 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_chimera.data.indexed_dataset import (  # noqa: E402
+from megatron_chimera.data.indexed_dataset import (
     IndexedDatasetBuilder,
     data_file_path,
     index_file_path,
     optimal_dtype,
 )
-from megatron_chimera.data.sentence_splitter import split_sentences  # noqa: E402
-from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_chimera.data.sentence_splitter import split_sentences
+from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 CHUNK_LINES = 64  # lines per task sent to a worker
 

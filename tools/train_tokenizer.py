@@ -16,12 +16,9 @@ import argparse
 import io
 import json
 import os
-import sys
 from collections.abc import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_chimera.data.indexed_dataset import atomic_temp_path  # noqa: E402
+from megatron_chimera.atomic import atomic_write
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,17 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = os.path.dirname(os.path.abspath(args.model_prefix))
     os.makedirs(out_dir, exist_ok=True)
     model_path = args.model_prefix + ".model"
-    tmp = atomic_temp_path(model_path)
-    with open(tmp, "wb") as f:
-        f.write(model.getvalue())
-    os.replace(tmp, model_path)
+    atomic_write(model_path, lambda f: f.write(model.getvalue()))
     sp = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
     vocab_path = args.model_prefix + ".vocab"
-    tmp = atomic_temp_path(vocab_path)
-    with open(tmp, "w", encoding="utf-8") as f:
-        for i in range(sp.get_piece_size()):
-            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n")
-    os.replace(tmp, vocab_path)
+    atomic_write(vocab_path, lambda f: f.write("".join(
+        f"{sp.id_to_piece(i)}\t{sp.get_score(i)}\n" for i in range(sp.get_piece_size()))),
+        mode="w")
     print(f"wrote {model_path} ({sp.get_piece_size()} pieces, {args.model_type})")
 
 

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError
-from megatron_chimera.data.indexed_dataset import atomic_temp_path
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -54,8 +54,8 @@ def blended_num_samples(
     ]
 
 
-def get_train_valid_test_split(splits_string: str, size: int) -> list[int]:
-    """Megatron's ``--split 969,30,1``: boundaries ``[0, a, b, size]`` of the three ranges."""
+def parse_split(splits_string: str) -> list[float]:
+    """Megatron's ``--split 969,30,1`` (or ``969/30/1``) -> three non-negative weights."""
     sep = "," if "," in splits_string else "/"
     try:
         splits = [float(s) for s in splits_string.split(sep) if s.strip()]
@@ -65,9 +65,15 @@ def get_train_valid_test_split(splits_string: str, size: int) -> list[int]:
         raise ConfigError(f"--split {splits_string!r}: at most three non-negative numbers")
     while len(splits) < 3:
         splits.append(0.0)
-    total = sum(splits)
-    if total <= 0:
+    if sum(splits) <= 0:
         raise ConfigError(f"--split {splits_string!r}: the parts sum to 0")
+    return splits
+
+
+def get_train_valid_test_split(splits_string: str, size: int) -> list[int]:
+    """Megatron's ``--split 969,30,1``: boundaries ``[0, a, b, size]`` of the three ranges."""
+    splits = parse_split(splits_string)
+    total = sum(splits)
     index = [0]
     for split in splits:
         index.append(index[-1] + int(round(split / total * float(size))))
@@ -95,15 +101,7 @@ def cache_prefix(
 
 def save_npy_atomic(path: str, array: np.ndarray) -> None:
     """``np.save`` to a temporary file renamed onto ``path`` (safe with concurrent builders)."""
-    tmp = atomic_temp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: np.save(f, array, allow_pickle=False))
 
 
 def load_npy(path: str, what: str) -> np.ndarray:

@@ -17,11 +17,12 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import uuid
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 
 import numpy as np
+
+from megatron_chimera.atomic import replace_atomically, temp_path_beside
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
@@ -69,11 +70,6 @@ def index_file_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
-def atomic_temp_path(path: str) -> str:
-    """A unique temporary name next to ``path``, to be renamed onto it with ``os.replace``."""
-    return f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-
-
 def write_index(
     idx_path: str,
     dtype: np.dtype | type,
@@ -87,7 +83,7 @@ def write_index(
     pointers = np.zeros(len(lengths), dtype=np.int64)
     if len(lengths) > 1:
         np.cumsum(lengths[:-1].astype(np.int64) * itemsize, out=pointers[1:])
-    tmp = atomic_temp_path(idx_path)
+    tmp = temp_path_beside(idx_path)
     try:
         with open(tmp, "wb") as f:
             f.write(_INDEX_HEADER)
@@ -98,7 +94,7 @@ def write_index(
             f.write(lengths.astype("<i4").tobytes(order="C"))
             f.write(pointers.astype("<i8").tobytes(order="C"))
             f.write(docs.astype("<i8").tobytes(order="C"))
-        os.replace(tmp, idx_path)
+        replace_atomically(tmp, idx_path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -144,7 +140,7 @@ class IndexedDatasetBuilder:
         dtype_code(dtype)  # reject dtypes the format cannot hold
         self.dtype = np.dtype(dtype)
         self.bin_path = bin_path
-        self._tmp_bin = atomic_temp_path(bin_path)
+        self._tmp_bin = temp_path_beside(bin_path)
         self._data_file = open(self._tmp_bin, "wb")  # closed by finalize or abort
         self._sequence_lengths = _GrowableArray(np.int32)
         self._document_indices = _GrowableArray(np.int64, [0])
@@ -186,7 +182,7 @@ class IndexedDatasetBuilder:
     def finalize(self, idx_path: str) -> None:
         """Write the ``.idx`` and move the ``.bin`` into place (both atomically)."""
         self._data_file.close()
-        os.replace(self._tmp_bin, self.bin_path)
+        replace_atomically(self._tmp_bin, self.bin_path)
         write_index(idx_path, self.dtype, self._sequence_lengths.view(),
                     self._document_indices.view())
 

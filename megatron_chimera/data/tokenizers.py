@@ -327,6 +327,33 @@ def build_tokenizer(
     return tokenizer
 
 
+# --tokenizer-type -> the file flags it needs
+REQUIRED_FILES: dict[str, tuple[str, ...]] = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",),
+    "SentencePieceTokenizer": ("tokenizer_model",),
+    "GPTSentencePieceTokenizer": ("tokenizer_model",),
+    "NullTokenizer": (),
+}
+
+
+def check_tokenizer_args(tokenizer_type: str, tokenizer_model: str | None = None,
+                         vocab_file: str | None = None, merge_file: str | None = None,
+                         vocab_size: int | None = None) -> None:
+    """ConfigError naming the flag unless the tokenizer type is known, its files exist and a
+    NullTokenizer has a vocabulary size (the one check, run by validation and by the builder)."""
+    if tokenizer_type not in REQUIRED_FILES:
+        raise ConfigError(f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
+                          + ", ".join(TOKENIZER_TYPES))
+    paths = {"tokenizer_model": tokenizer_model, "vocab_file": vocab_file,
+             "merge_file": merge_file}
+    for name in REQUIRED_FILES[tokenizer_type]:
+        _require_file(paths[name], "--" + name.replace("_", "-"), tokenizer_type)
+    if tokenizer_type == "NullTokenizer" and (vocab_size is None or vocab_size <= 0):
+        raise ConfigError("--vocab-size (a positive integer) is required for NullTokenizer")
+
+
 def _build(
     tokenizer_type: str,
     tokenizer_model: str | None,
@@ -334,30 +361,17 @@ def _build(
     merge_file: str | None,
     vocab_size: int | None,
 ) -> MegatronTokenizer:
+    check_tokenizer_args(tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(
-            _require_file(vocab_file, "--vocab-file", tokenizer_type),
-            _require_file(merge_file, "--merge-file", tokenizer_type),
-        )
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        return BertWordPieceTokenizer(
-            _require_file(vocab_file, "--vocab-file", tokenizer_type),
-            lower_case=tokenizer_type == "BertWordPieceLowerCase",
-        )
+        return BertWordPieceTokenizer(vocab_file,
+                                      lower_case=tokenizer_type == "BertWordPieceLowerCase")
     if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(_require_file(tokenizer_model, "--tokenizer-model",
-                                                    tokenizer_type))
+        return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "GPTSentencePieceTokenizer":
-        return GPTSentencePieceTokenizer(_require_file(tokenizer_model, "--tokenizer-model",
-                                                       tokenizer_type))
-    if tokenizer_type == "NullTokenizer":
-        if vocab_size is None or vocab_size <= 0:
-            raise ConfigError("--vocab-size (a positive integer) is required for NullTokenizer")
-        return NullTokenizer(vocab_size)
-    raise ConfigError(
-        f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
-        + ", ".join(TOKENIZER_TYPES)
-    )
+        return GPTSentencePieceTokenizer(tokenizer_model)
+    return NullTokenizer(vocab_size)
 
 
 def padded_vocab_size(

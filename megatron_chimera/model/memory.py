@@ -1,4 +1,7 @@
-"""Per-stage and per-rank memory estimates: weights, gradients, optimizer state, activations.
+"""Per-stage memory estimates: weights, gradients, optimizer state, activations per micro-batch.
+
+What a rank holds under a schedule (several stages, in-flight micro-batches) is added by
+:mod:`megatron_chimera.tuning.memory`, the one per-rank model.
 
 Bytes per parameter (Megatron's mixed precision, as :mod:`megatron_chimera.optimizer` does it):
 
@@ -29,18 +32,16 @@ final layer norm, the head's saved inputs and the fp32 log-probabilities of the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.config import DTYPE_BYTES, ConfigError, ModelConfig
+from megatron_chimera.model.family import ModelFamily
 from megatron_chimera.model.partition import (
     embedding_parameters,
     head_parameters,
     layer_parameters,
 )
-from megatron_chimera.schedules.actions import Schedule
-
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def mask_bytes(params_dtype: str, device_type: str = "cuda") -> int:
@@ -98,11 +99,12 @@ def embedding_activation_bytes(config: ModelConfig, micro_batch_size: int,
     return (masks if config.hidden_dropout > 0 else 0) + 2 * s * b * 8
 
 
-def head_activation_bytes(config: ModelConfig, model_type: str, micro_batch_size: int) -> int:
+def head_activation_bytes(config: ModelConfig, family: ModelFamily,
+                          micro_batch_size: int) -> int:
     """Last stage: final layer norm input, the head's saved inputs, fp32 log-probabilities."""
     s, b, h = config.seq_length, micro_batch_size, config.hidden_size
     width = DTYPE_BYTES[config.params_dtype]
-    saved_hidden = 2 if model_type == "gpt" else 5  # BERT: + lm_head dense, gelu, layernorm
+    saved_hidden = 5 if family.lm_head_transform else 2  # BERT: + lm_head dense, gelu, norm
     return saved_hidden * s * b * h * width + 4 * s * b * config.padded_vocab_size
 
 
@@ -127,7 +129,7 @@ class StageMemory:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def estimate_stage_memory(config: ModelConfig, model_type: str,
+def estimate_stage_memory(config: ModelConfig, family: ModelFamily,
                           partition: Sequence[tuple[int, int]], micro_batch_size: int,
                           optimizer: str = "adam", sgd_momentum: float = 0.9,
                           device_type: str = "cuda") -> list[StageMemory]:
@@ -144,11 +146,11 @@ def estimate_stage_memory(config: ModelConfig, model_type: str,
         params = n * layer_parameters(config)
         extra = 0
         if stage == 0:
-            params += embedding_parameters(config, model_type)
+            params += embedding_parameters(config, family)
             extra += embedding_activation_bytes(config, micro_batch_size, device_type)
         if stage == len(partition) - 1:
-            params += head_parameters(config, model_type, len(partition))
-            extra += head_activation_bytes(config, model_type, micro_batch_size)
+            params += head_parameters(config, family, len(partition))
+            extra += head_activation_bytes(config, family, micro_batch_size)
         if config.recompute_method == "block":
             stored = min(chunk, n) * layer_input + max(n - chunk, 0) * full
             working = full if n else 0
@@ -164,49 +166,3 @@ def estimate_stage_memory(config: ModelConfig, model_type: str,
             activation_bytes_recompute=stored + extra,
             recompute_working_bytes=working))
     return result
-
-
-@dataclass(frozen=True)
-class RankMemory:
-    """Estimated peak bytes of one pipeline rank under a schedule."""
-
-    rank: int
-    stages: tuple[int, ...]
-    weight_bytes: int
-    activation_bytes: int
-    transient_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        """Weights + the larger of in-flight activations and the optimizer step's main grads."""
-        return self.weight_bytes + max(self.activation_bytes, self.transient_bytes)
-
-
-def rank_memory(schedule: Schedule, rank: int, stage_memory: Sequence[StageMemory],
-                peak_in_flight: int | Mapping[int, int], recompute: bool = False) -> RankMemory:
-    """Per-rank estimate: one weight copy per stage the rank holds
-    (``schedule.stages_of_rank``), plus activations of the peak number of in-flight micro-batches.
-
-    ``peak_in_flight`` is the count from the schedule simulator: an int (then each micro-batch is
-    charged the largest per-micro-batch footprint among the rank's stages) or ``{stage: count}``.
-    """
-    stages = schedule.stages_of_rank(rank)
-    if len(stage_memory) != schedule.num_stages:
-        raise ValueError(f"{len(stage_memory)} stage estimates for a schedule of "
-                         f"{schedule.num_stages} stages")
-    per_mb = {s: (stage_memory[s].activation_bytes_recompute if recompute
-                  else stage_memory[s].activation_bytes) for s in stages}
-    if isinstance(peak_in_flight, Mapping):
-        unknown = set(peak_in_flight) - set(stages)
-        if unknown:
-            raise ValueError(f"rank {rank} holds stages {stages}, not {sorted(unknown)}")
-        activations = sum(per_mb[s] * count for s, count in peak_in_flight.items())
-    else:
-        activations = max(per_mb.values(), default=0) * int(peak_in_flight)
-    if recompute:
-        activations += max((stage_memory[s].recompute_working_bytes for s in stages), default=0)
-    return RankMemory(
-        rank=rank, stages=tuple(stages),
-        weight_bytes=sum(stage_memory[s].weight_bytes for s in stages),
-        activation_bytes=activations,
-        transient_bytes=sum(stage_memory[s].main_grad_bytes for s in stages))

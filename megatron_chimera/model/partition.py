@@ -4,7 +4,7 @@
 ``uniform`` (equal layer counts), ``parameters`` (balanced parameter count) or ``time`` (balanced
 measured time), the last two counting the embedding on the first stage and the LM head on the
 last. The parameter counts here are exact for :mod:`megatron_chimera.model` (tested against the
-real classes) and express the paper's configurations (:data:`PAPER_CONFIGS`).
+real classes).
 """
 
 from __future__ import annotations
@@ -13,20 +13,9 @@ from collections.abc import Sequence
 
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.bert import bert_num_tokentypes
+from megatron_chimera.model.family import GPT2, ModelFamily
 
-MODEL_TYPES = ("gpt", "bert")
 PARTITION_METHODS = ("uniform", "parameters", "time")
-
-# The paper's models (Li & Hoefler, SC'21): BERT-48 and the 64-layer GPT-2 (~1.39 B untied).
-PAPER_CONFIGS: dict[str, ModelConfig] = {
-    "bert-48": ModelConfig(num_layers=48, hidden_size=1024, num_attention_heads=16,
-                           seq_length=128, max_position_embeddings=512, vocab_size=30522,
-                           num_tokentypes=2),
-    "gpt2-64": ModelConfig(num_layers=64, hidden_size=1280, num_attention_heads=20,
-                           seq_length=632, vocab_size=50257,
-                           untie_embeddings_and_output_weights=True),
-}
-
 
 # --------------------------------------------------------------------------- parameter counts
 def layer_parameters(config: ModelConfig) -> int:
@@ -35,58 +24,57 @@ def layer_parameters(config: ModelConfig) -> int:
     return (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h) + 4 * h
 
 
-def embedding_parameters(config: ModelConfig, model_type: str) -> int:
+def embedding_parameters(config: ModelConfig, family: ModelFamily) -> int:
     """Word (padded vocabulary), position and (BERT) token-type embeddings."""
     h = config.hidden_size
     count = (config.padded_vocab_size + config.max_positions) * h
-    if model_type == "bert":
+    if family.sentence_heads:
         count += bert_num_tokentypes(config) * h
     return count
 
 
-def head_parameters(config: ModelConfig, model_type: str, num_stages: int = 1) -> int:
+def head_parameters(config: ModelConfig, family: ModelFamily, num_stages: int = 1) -> int:
     """Parameters of the last stage beyond its layers: final layer norm, output layer or tied
     embedding copy (only when the last stage is not the first), BERT's pooler and heads."""
-    _check_model_type(model_type)
     h, v = config.hidden_size, config.padded_vocab_size
     count = 2 * h  # final layer norm
-    tied = model_type == "bert" or not config.untie_embeddings_and_output_weights
+    tied = family.always_tied or not config.untie_embeddings_and_output_weights
     if not tied:
         count += v * h
     elif num_stages > 1:
         count += v * h  # the last stage's copy of the tied word embedding
-    if model_type == "bert":
+    if family.lm_head_transform:
         count += (h * h + h) + 2 * h + v  # lm_head: dense, layernorm, bias
-        if config.bert_binary_head:
-            count += (h * h + h) + (2 * h + 2)  # pooler, binary head
+    if family.sentence_heads and config.bert_binary_head:
+        count += (h * h + h) + (2 * h + 2)  # pooler, binary head
     return count
 
 
-def count_parameters(config: ModelConfig, model_type: str = "gpt") -> int:
+def count_parameters(config: ModelConfig, family: ModelFamily = GPT2) -> int:
     """Parameters of the whole (single-stage) model; the tied embedding counted once."""
-    return (embedding_parameters(config, model_type) + config.num_layers * layer_parameters(config)
-            + head_parameters(config, model_type, num_stages=1))
+    return (embedding_parameters(config, family) + config.num_layers * layer_parameters(config)
+            + head_parameters(config, family, num_stages=1))
 
 
-def stage_parameters(config: ModelConfig, model_type: str,
+def stage_parameters(config: ModelConfig, family: ModelFamily,
                      partition: Sequence[tuple[int, int]]) -> list[int]:
     """Parameters held by each stage slice of ``partition`` (the tied copy on the last stage)."""
     per_layer = layer_parameters(config)
     counts = [(end - start) * per_layer for start, end in partition]
-    counts[0] += embedding_parameters(config, model_type)
-    counts[-1] += head_parameters(config, model_type, num_stages=len(partition))
+    counts[0] += embedding_parameters(config, family)
+    counts[-1] += head_parameters(config, family, num_stages=len(partition))
     return counts
 
 
 # --------------------------------------------------------------------------- partitioning
 def partition_layers(num_layers: int, num_stages: int, method: str = "uniform", *,
-                     config: ModelConfig | None = None, model_type: str = "gpt",
+                     config: ModelConfig | None = None, family: ModelFamily = GPT2,
                      layer_times: Sequence[float] | None = None, embedding_time: float = 0.0,
                      head_time: float = 0.0) -> list[tuple[int, int]]:
     """Contiguous ``(start, end)`` layer ranges, one per stage, each at least one layer.
 
-    ``parameters`` needs ``config`` (and ``model_type``); ``time`` needs ``layer_times`` (one per
-    layer, e.g. measured forward+backward seconds) and the embedding / head times.
+    ``parameters`` needs ``config`` (and the model ``family``); ``time`` needs ``layer_times``
+    (one per layer, e.g. measured forward+backward seconds) and the embedding / head times.
     """
     if method not in PARTITION_METHODS:
         raise ConfigError(f"partition method must be one of {PARTITION_METHODS}, got {method!r}")
@@ -104,8 +92,8 @@ def partition_layers(num_layers: int, num_stages: int, method: str = "uniform", 
         if config.num_layers != num_layers:
             raise ValueError(f"num_layers {num_layers} != config.num_layers {config.num_layers}")
         costs = [float(layer_parameters(config))] * num_layers
-        first = float(embedding_parameters(config, model_type))
-        last = float(head_parameters(config, model_type, num_stages))
+        first = float(embedding_parameters(config, family))
+        last = float(head_parameters(config, family, num_stages))
     else:
         if layer_times is None or len(layer_times) != num_layers:
             raise ValueError("partition method 'time' needs one measured time per layer")
@@ -150,8 +138,3 @@ def balanced_partition(costs: Sequence[float], num_stages: int, first_extra: flo
         bounds.append(i)
     bounds.reverse()
     return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]
-
-
-def _check_model_type(model_type: str) -> None:
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {MODEL_TYPES}, got {model_type!r}")

@@ -6,12 +6,13 @@ import torch
 from torch import nn
 
 from megatron_chimera.config import ConfigError, OptimizerConfig
-from megatron_chimera.model.fused import build_adam, get_fused_backend
+from megatron_chimera.model.fused import get_fused_backend
 from megatron_chimera.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
     MegatronGradScaler,
 )
+from megatron_chimera.optimizer.kernels import build_adam
 from megatron_chimera.optimizer.optimizer import (
     Float16OptimizerWithFloat16Params,
     FP32Optimizer,

@@ -12,7 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_chimera.model.fused import FusedBackend, multi_tensor_l2norm
+from megatron_chimera.model.fused import FusedBackend
+from megatron_chimera.optimizer.kernels import multi_tensor_l2norm
 
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group) -> torch.Tensor:

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_chimera.model.fused import FusedBackend, multi_tensor_scale_
+from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.optimizer.clip_grads import clip_grads_, count_zeros, get_grad_norm
 from megatron_chimera.optimizer.grad_scaler import MegatronGradScaler
+from megatron_chimera.optimizer.kernels import multi_tensor_scale_
 
 NormFilter = Callable[[nn.Parameter], bool]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -34,22 +34,70 @@ KINDS = (FORWARD, BACKWARD, WEIGHT)
 DESCRIBED_META = ("concat", "virtual_pipeline_size", "max_inflight")
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One unit of work on one rank: F/B/W of one micro-batch through one stage replica."""
-
+class _ActionFields(NamedTuple):
     kind: str
     pipe: int
     stage: int
     microbatch: int
 
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"Action kind must be one of {KINDS}, got {self.kind!r}")
+
+class Action(_ActionFields):
+    """One unit of work on one rank: F/B/W of one micro-batch through one stage replica.
+
+    A tuple (hashing and comparison run in C: generators and walks handle millions of them).
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, kind: str, pipe: int, stage: int, microbatch: int) -> Action:
+        if kind not in KINDS:
+            raise ValueError(f"Action kind must be one of {KINDS}, got {kind!r}")
+        return super().__new__(cls, kind, pipe, stage, microbatch)
 
     def short(self) -> str:
         """Compact label such as ``F0.3.12`` (kind, pipe, stage, micro-batch)."""
         return f"{self.kind}{self.pipe}.{self.stage}.{self.microbatch}"
+
+
+def input_of(action: Action, num_stages: int) -> Action | None:
+    """The action whose output ``action`` consumes: *the* dependency rule of every schedule.
+
+    F of stage s>0 needs F of s-1; B of the last stage needs its own F; B of s<S-1 needs B of s+1;
+    W needs its own B. All of the same pipe and micro-batch. None for F of stage 0.
+    """
+    kind, pipe, stage, mb = action
+    if kind == FORWARD:
+        return None if stage == 0 else Action(FORWARD, pipe, stage - 1, mb)
+    if kind == BACKWARD:
+        if stage == num_stages - 1:
+            return Action(FORWARD, pipe, stage, mb)
+        return Action(BACKWARD, pipe, stage + 1, mb)
+    return Action(BACKWARD, pipe, stage, mb)
+
+
+def output_to(action: Action, num_stages: int) -> Action | None:
+    """The action of *another stage* that consumes ``action``'s output (the inverse of
+    :func:`input_of` across stages): F of s feeds F of s+1, B of s feeds B of s-1; None at the
+    pipe ends and for W (whose output, a weight gradient, stays on its stage)."""
+    kind, pipe, stage, mb = action
+    if kind == FORWARD and stage < num_stages - 1:
+        return Action(FORWARD, pipe, stage + 1, mb)
+    if kind == BACKWARD and stage > 0:
+        return Action(BACKWARD, pipe, stage - 1, mb)
+    return None
+
+
+def consumers(action: Action, num_stages: int, split_backward: bool) -> list[Action]:
+    """Every action whose input (:func:`input_of`) is ``action``'s output."""
+    kind, pipe, stage, mb = action
+    if kind == FORWARD:
+        nxt = output_to(action, num_stages)
+        return [nxt if nxt is not None else Action(BACKWARD, pipe, stage, mb)]
+    if kind == BACKWARD:
+        out = [Action(WEIGHT, pipe, stage, mb)] if split_backward else []
+        prev = output_to(action, num_stages)
+        return out + ([prev] if prev is not None else [])
+    return []
 
 
 @dataclass

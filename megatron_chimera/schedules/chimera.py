@@ -12,7 +12,7 @@ Basic unit (N = D) -- the slot formula
 Count one slot per forward and one per backward. In *every* pipe the rank holding stage ``s``
 runs the pipe's local micro-batch ``i`` (``0 <= i < D/(2f)``) forward at slot ``s + 2i`` and
 backward at slot ``2D - 1 - s + 2i``; a rank's order is its operations sorted by slot. For
-``f = 1`` this is CHIMERA.md's formula. For ``f > 1`` the same formula holds unchanged (our
+``f = 1`` this is docs/CHIMERA.md's formula. For ``f > 1`` the same formula holds unchanged (our
 generalisation): on one rank the stages of two down (or two up) pipes differ by a non-zero
 multiple of ``D/f`` while each pipe's forwards (and backwards) span only ``D/f - 1`` slots; down
 and up forwards have opposite slot parity; a down forward meets an up backward (or vice versa)
@@ -31,7 +31,7 @@ N > D: ``k = N/D`` units, unit ``u`` holding local micro-batches ``[u*D/(2f), (u
   with backward = 2 x forward the unit junctions leave bubbles: makespan ``3N + (k+1)(D-2)``.
 * ``forward-doubling`` (paper §3.5, reference code's published order; two pipes only, N a
   multiple of 2D): each step of 2D micro-batches runs, on the rank with ``a, b, X, Y`` as in
-  CHIMERA.md, ``a x (F_X F_X)`` (first step) or ``a x (B_X F_X F_X)``, then
+  docs/CHIMERA.md, ``a x (F_X F_X)`` (first step) or ``a x (B_X F_X F_X)``, then
   ``b x (F_Y F_Y F_X F_X)``, ``a x (F_Y F_Y B_Y)``, ``(b + D/2) x (B_X B_Y)``, and finally the
   ``a x B_X`` tail. Up to 2D activations in flight; makespan ``3N + 1.5(D-2)`` at B = 2F.
 * ``slot-merge`` (ours, the default for N > D): unit ``u`` is the basic unit shifted by only
@@ -51,7 +51,7 @@ and slot-merge already removes the junction bubbles it targets, within D x M_a m
 
 from __future__ import annotations
 
-from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 
 CONCAT_DIRECT = "direct"
 CONCAT_FORWARD_DOUBLING = "forward-doubling"
@@ -168,14 +168,12 @@ def chimera(
     num_microbatches: int,
     pipes: int = 2,
     concat: str | None = None,
-    split_backward: bool = False,
 ) -> Schedule:
     """Chimera with ``pipes`` = 2f pipes over D ranks and N micro-batches per iteration.
 
     ``concat`` (``--chimera-concat``) chooses how N > D is built from N/D basic units:
     ``direct``, ``forward-doubling`` or ``slot-merge`` (default); see the module docstring.
-    ``split_backward`` (``--chimera-split-backward``) runs each backward as B then W right
-    after it, in the same order (chimera-zb is the schedule that moves W's into the bubbles).
+    (The split-backward variant is the separate ``chimera-zb`` schedule.)
     """
     concat = check_chimera_sizes(num_ranks, num_microbatches, pipes, concat)
     if concat == CONCAT_FORWARD_DOUBLING:
@@ -183,12 +181,6 @@ def chimera(
     else:
         shift = _UNIT_SHIFT[concat] * num_ranks
         actions = _slot_orders(num_ranks, num_microbatches, pipes, shift)
-    if split_backward:
-        actions = [
-            [x for a in order for x in ([a, Action(WEIGHT, a.pipe, a.stage, a.microbatch)]
-                                        if a.kind == BACKWARD else [a])]
-            for order in actions
-        ]
     return Schedule(
         name="chimera",
         num_ranks=num_ranks,
@@ -197,6 +189,5 @@ def chimera(
         num_microbatches=num_microbatches,
         placement=chimera_placement(num_ranks, pipes),
         actions=actions,
-        split_backward=split_backward,
         meta={"concat": concat if num_microbatches > num_ranks else "none"},
     )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .actions import BACKWARD, FORWARD, Action, Schedule, single_pipe
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule, single_pipe
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:

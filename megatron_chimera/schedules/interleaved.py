@@ -10,7 +10,7 @@ backwards; exactly Megatron's ``forward_backward_pipelining_with_interleaving`` 
 
 from __future__ import annotations
 
-from .actions import BACKWARD, FORWARD, Action, Schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 
 
 def _chunk_action(
@@ -35,8 +35,8 @@ def interleaved(
         raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {num_ranks}")
     if v is None or v < 2:
         raise ValueError(
-            f"--virtual-pipeline-size (or --num-layers-per-virtual-pipeline-stage) must give at "
-            f"least 2 model chunks per rank for the interleaved schedule, got {v}"
+            f"--num-virtual-stages-per-pipeline-rank (or --num-layers-per-virtual-pipeline-stage) "
+            f"must give at least 2 model chunks per rank for the interleaved schedule, got {v}"
         )
     if num_microbatches < num_ranks or num_microbatches % num_ranks:
         raise ValueError(

@@ -6,9 +6,9 @@ whenever a rank is free it starts one of its *ready* actions (dependencies finis
 :class:`Priority`. The per-rank order it emits is the order of start times, so executing it in
 order reproduces the simulated timeline (no deadlock under blocking receives, by construction).
 
-Dependencies are those of ``validate.dependency``: F of stage s after F of s-1, B of the last
-stage after its own F, B of s after B of s+1, W after its own B. In addition every (pipe, stage)
-runs its forwards in micro-batch order, so point-to-point channels stay FIFO.
+Dependencies are the schedules' one rule (:func:`~.actions.input_of`, walked forwards with
+:func:`~.actions.consumers`). In addition every (pipe, stage) runs its forwards in micro-batch
+order, so point-to-point channels stay FIFO.
 An activation is in flight from the start of its F to the end of its W.
 """
 
@@ -19,7 +19,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .actions import BACKWARD, FORWARD, WEIGHT, Action
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, consumers
+from megatron_chimera.schedules.walk import run_in_order, stalled
 
 GUARDS = ("none", "safe", "reserve", "quota")
 
@@ -121,29 +122,23 @@ class _ListScheduler:
             self.ready[rank][FORWARD].append(Action(FORWARD, pipe, stage, mb))
 
     def _finish(self, a: Action) -> None:
-        rank = self.placement[a.pipe][a.stage]
-        if a.kind == FORWARD:
-            if a.stage < self.num_stages - 1:
-                self.arrived[(a.pipe, a.stage + 1)] += 1
-                self._release_forward(a.pipe, a.stage + 1)
+        for nxt in consumers(a, self.num_stages, split_backward=True):
+            if nxt.kind == FORWARD:  # forwards enter their stage one at a time, in order
+                self.arrived[(nxt.pipe, nxt.stage)] += 1
+                self._release_forward(nxt.pipe, nxt.stage)
             else:
-                self.ready[rank][BACKWARD].append(Action(BACKWARD, a.pipe, a.stage, a.microbatch))
-        elif a.kind == BACKWARD:
-            self.ready[rank][WEIGHT].append(Action(WEIGHT, a.pipe, a.stage, a.microbatch))
-            if a.stage > 0:
-                prev = self.placement[a.pipe][a.stage - 1]
-                self.ready[prev][BACKWARD].append(
-                    Action(BACKWARD, a.pipe, a.stage - 1, a.microbatch)
-                )
-        else:
-            self.live[rank] -= 1
-            self.replica_live[(a.pipe, a.stage)] -= 1
-            self.reserved[rank] -= 1
-            key = (a.pipe, a.microbatch)
-            self.active[a.pipe][a.microbatch][rank] -= 1
-            self.weights_done[key] += 1
-            if self.weights_done[key] == self.num_stages:
-                del self.active[a.pipe][a.microbatch]
+                self.ready[self.placement[nxt.pipe][nxt.stage]][nxt.kind].append(nxt)
+        if a.kind != WEIGHT:
+            return
+        rank = self.placement[a.pipe][a.stage]
+        self.live[rank] -= 1
+        self.replica_live[(a.pipe, a.stage)] -= 1
+        self.reserved[rank] -= 1
+        key = (a.pipe, a.microbatch)
+        self.active[a.pipe][a.microbatch][rank] -= 1
+        self.weights_done[key] += 1
+        if self.weights_done[key] == self.num_stages:
+            del self.active[a.pipe][a.microbatch]
 
     def _start(self, rank: int, a: Action) -> None:
         self.ready[rank][a.kind].remove(a)
@@ -327,43 +322,22 @@ class _ListScheduler:
         return ListResult(order, start, makespan, self.peak)
 
 
-def _input_of(a: Action, num_stages: int) -> tuple[str, int, int, int] | None:
-    """Key of the action whose output ``a`` consumes (as ``validate.dependency``)."""
-    if a.kind == FORWARD:
-        return None if a.stage == 0 else (FORWARD, a.pipe, a.stage - 1, a.microbatch)
-    if a.kind == BACKWARD and a.stage == num_stages - 1:
-        return (FORWARD, a.pipe, a.stage, a.microbatch)
-    if a.kind == BACKWARD:
-        return (BACKWARD, a.pipe, a.stage + 1, a.microbatch)
-    return (BACKWARD, a.pipe, a.stage, a.microbatch)
-
-
 def replay(
     order: Sequence[Sequence[Action]],
     placement: Sequence[Sequence[int]],
     cost: dict[str, float],
 ) -> dict[Action, float]:
     """Start times when every rank runs its list in order, each action as soon as possible."""
-    num_stages = len(placement[0])
-    lists = [[(a, _input_of(a, num_stages)) for a in actions] for actions in order]
-    end: dict[tuple[str, int, int, int], float] = {}
+    end: dict[Action, float] = {}
     start: dict[Action, float] = {}
-    heads = [0] * len(order)
     free_at = [0.0] * len(order)
-    progress = True
-    while progress:
-        progress = False
-        for rank, actions in enumerate(lists):
-            while heads[rank] < len(actions):
-                a, dep = actions[heads[rank]]
-                if dep is not None and dep not in end:
-                    break
-                start[a] = max(free_at[rank], end[dep] if dep is not None else 0.0)
-                free_at[rank] = start[a] + cost[a.kind]
-                end[(a.kind, a.pipe, a.stage, a.microbatch)] = free_at[rank]
-                heads[rank] += 1
-                progress = True
-    if any(h < len(actions) for h, actions in zip(heads, lists)):
+
+    def run(rank: int, a: Action, dep: Action | None) -> None:
+        start[a] = max(free_at[rank], end[dep] if dep is not None else 0.0)
+        free_at[rank] = end[a] = start[a] + cost[a.kind]
+
+    heads = run_in_order(order, len(placement[0]), run)
+    if stalled(order, heads):
         raise CapDeadlock("the emitted order deadlocks when executed in order")
     return start
 

@@ -8,13 +8,9 @@ thin grey bars under each rank.
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Callable
-from typing import IO
-
-from .actions import BACKWARD, FORWARD, WEIGHT, Schedule
-from .simulate import SimResult
+from megatron_chimera.atomic import atomic_write
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Schedule
+from megatron_chimera.schedules.simulate import SimResult
 
 _TEXT_FILL = {FORWARD: "-", BACKWARD: "=", WEIGHT: "~"}
 
@@ -132,26 +128,6 @@ def plot_schedule(schedule: Schedule, result: SimResult, path: str, dpi: int = 1
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     try:
-        write_atomically(path, lambda handle: fig.savefig(handle, format="png", dpi=dpi))
+        atomic_write(path, lambda handle: fig.savefig(handle, format="png", dpi=dpi))
     finally:
         plt.close(fig)
-
-
-def write_atomically(path: str, write: Callable[[IO], None], mode: str = "wb") -> None:
-    """Write ``path`` via ``write(file)`` into a temp file beside it, then rename it into place.
-
-    The file gets the usual mode (0666 less the umask), not mkstemp's 0600.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=directory)
-    try:
-        with os.fdopen(fd, mode) as handle:
-            write(handle)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

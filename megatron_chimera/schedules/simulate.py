@@ -1,7 +1,7 @@
 """In-order discrete-event simulation of a schedule under an alpha-beta cost model.
 
 Each rank executes its action list in order. An action starts when its rank is free and its input
-has arrived: the action it depends on (:func:`validate.dependency`) has finished, plus one
+has arrived: the action it depends on (:func:`~.actions.input_of`) has finished, plus one
 point-to-point message time when that action ran on another rank. Sends never block.
 
 After a rank's last backward (last W when the backward is split) of a stage, the rank may start
@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from .validate import ScheduleError, run_in_order
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from megatron_chimera.schedules.validate import ScheduleError
+from megatron_chimera.schedules.walk import run_in_order, stalled
 
 PerStage = float | Sequence[float]
 
@@ -186,8 +187,8 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
         finished[a] = (rank, end)
         events.append(Event(rank, a.kind, a.pipe, a.stage, a.microbatch, start, end))
 
-    heads = run_in_order(schedule, run)
-    if any(h < len(actions) for h, actions in zip(heads, schedule.actions)):
+    heads = run_in_order(schedule.actions, schedule.num_stages, run)
+    if stalled(schedule.actions, heads):
         raise ScheduleError("simulation stalled: the schedule deadlocks (validate() says where)")
     events.sort(key=attrgetter("rank", "start", "end"))
     return events

@@ -16,9 +16,9 @@ index and action at fault otherwise:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
-from .actions import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, input_of
+from megatron_chimera.schedules.walk import run_in_order, stalled
 
 
 class ScheduleError(ValueError):
@@ -26,20 +26,8 @@ class ScheduleError(ValueError):
 
 
 def dependency(schedule: Schedule, action: Action) -> Action | None:
-    """The action whose output ``action`` consumes (None for the forward of the first stage).
-
-    F of stage s>0 needs F of s-1; B of the last stage needs its own F; B of s<S-1 needs B of s+1;
-    W needs its own B. All of the same pipe and micro-batch.
-    """
-    last = schedule.num_stages - 1
-    pipe, stage, mb = action.pipe, action.stage, action.microbatch
-    if action.kind == FORWARD:
-        return None if stage == 0 else Action(FORWARD, pipe, stage - 1, mb)
-    if action.kind == BACKWARD:
-        if stage == last:
-            return Action(FORWARD, pipe, stage, mb)
-        return Action(BACKWARD, pipe, stage + 1, mb)
-    return Action(BACKWARD, pipe, stage, mb)
+    """The action whose output ``action`` consumes (:func:`~.actions.input_of`)."""
+    return input_of(action, schedule.num_stages)
 
 
 def _where(rank: int, index: int, action: Action) -> str:
@@ -73,8 +61,6 @@ def _check_actions(schedule: Schedule) -> None:
     for rank, rank_actions in enumerate(s.actions):
         for index, a in enumerate(rank_actions):
             where = _where(rank, index, a)
-            if a.kind not in KINDS:
-                raise ScheduleError(f"unknown kind at {where}")
             if a.kind == WEIGHT and not s.split_backward:
                 raise ScheduleError(f"W action in a schedule without split backward at {where}")
             if not 0 <= a.pipe < s.num_pipes:
@@ -133,41 +119,11 @@ def _check_complete(schedule: Schedule) -> None:
                                             f"{_where(rank, index, a)}")
 
 
-def run_in_order(
-    schedule: Schedule, on_run: Callable[[int, Action, Action | None], None] | None = None
-) -> list[int]:
-    """Execute the per-rank lists in order, each rank blocking on the input of its next action.
-
-    Calls ``on_run(rank, action, dependency)`` as each action runs (after its dependency) and
-    returns, per rank, how many of its actions ran (all of them unless the lists deadlock).
-    Each action's dependency is computed once, up front.
-    """
-    lists = [[(a, dependency(schedule, a)) for a in actions] for actions in schedule.actions]
-    done: set[Action] = set()
-    heads = [0] * schedule.num_ranks
-    remaining = sum(len(r) for r in lists)
-    progress = True
-    while remaining and progress:
-        progress = False
-        for rank, rank_actions in enumerate(lists):
-            while heads[rank] < len(rank_actions):
-                a, dep = rank_actions[heads[rank]]
-                if dep is not None and dep not in done:
-                    break
-                if on_run is not None:
-                    on_run(rank, a, dep)
-                done.add(a)
-                heads[rank] += 1
-                remaining -= 1
-                progress = True
-    return heads
-
-
 def _check_deadlock(schedule: Schedule) -> None:
     """Execute the lists in order with blocking receives and buffered sends."""
     s = schedule
-    heads = run_in_order(s)
-    if any(h < len(acts) for h, acts in zip(heads, s.actions)):
+    heads = run_in_order(s.actions, s.num_stages)
+    if stalled(s.actions, heads):
         located = {a: (r, i) for r, acts in enumerate(s.actions) for i, a in enumerate(acts)}
         blocked = []
         for rank, rank_actions in enumerate(s.actions):

@@ -17,9 +17,21 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import replace
 
-from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, single_pipe
-from .chimera import check_chimera_ranks_and_pipes, chimera_placement
-from .list_scheduler import CapDeadlock, ListResult, Priority, list_schedule
+from megatron_chimera.schedules.actions import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Action,
+    Schedule,
+    single_pipe,
+)
+from megatron_chimera.schedules.chimera import check_chimera_ranks_and_pipes, chimera_placement
+from megatron_chimera.schedules.list_scheduler import (
+    CapDeadlock,
+    ListResult,
+    Priority,
+    list_schedule,
+)
 
 DEFAULT_COSTS = (1.0, 1.0, 1.0)
 
@@ -160,21 +172,12 @@ def chimera_zb(
     pipes: int = 2,
     max_inflight: int | None = None,
     costs: Sequence[float] = DEFAULT_COSTS,
-    split_backward: bool = True,
-    concat: str | None = None,
 ) -> Schedule:
     """Chimera with split backward: 2f bidirectional pipes whose W actions fill the bubbles.
 
     At most ``max_inflight`` (default D) activations per rank are alive at once (F to W).
-    ``costs`` are the relative F, B, W times the order is optimised for. ``split_backward``
-    must stay True and ``concat`` None (accepted so Chimera's options can be passed through).
+    ``costs`` are the relative F, B, W times the order is optimised for.
     """
-    if not split_backward:
-        raise ValueError("chimera-zb always splits the backward; use --pipeline-schedule chimera")
-    if concat is not None:
-        raise ValueError(
-            f"--chimera-concat {concat} does not apply to chimera-zb (its order is list-scheduled)"
-        )
     _check_chimera_zb_sizes(num_ranks, num_microbatches, pipes)
     cap = num_ranks if max_inflight is None else max_inflight
     if cap < 1:

@@ -16,19 +16,16 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import importlib
-import inspect
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from megatron_chimera.config import ConfigError
-from megatron_chimera.schedules import SCHEDULE_GENERATORS
+from megatron_chimera.schedules.registry import SCHEDULE_NAMES, ScheduleSpec, get_spec
 from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingLayout
 
-DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "chimera-zb", "zb-h1")
-DEFAULT_CHIMERA_PIPES = (2, 4)
-DEFAULT_VIRTUAL_SIZES = (2, 4)
+DEFAULT_SCHEDULES = SCHEDULE_NAMES
 JSON_KEYS = ("schedule", "pipes", "D", "W", "B", "N", "recompute", "iteration_s",
              "samples_per_s", "peak_memory_bytes")
 
@@ -43,11 +40,10 @@ class SearchSpace:
     schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     micro_batch_sizes: tuple[int, ...] | None = None  # None: powers of two that divide B̂ / W
     recompute: tuple[bool, ...] = (False, True)
-    chimera_pipes: tuple[int, ...] = DEFAULT_CHIMERA_PIPES
-    virtual_sizes: tuple[int, ...] = DEFAULT_VIRTUAL_SIZES
+    # schedule option -> values to try, overriding the registry's search values
+    # (e.g. {"pipes": (2, 4, 8), "virtual_pipeline_size": (2,)})
+    option_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     partition_methods: tuple[str, ...] = ("uniform", "parameters")
-    # chimera-zb's list-scheduling generator can take minutes beyond this D (e.g. D=32, N=64)
-    chimera_zb_max_d: int = 16
 
     def __post_init__(self) -> None:
         if self.num_gpus < 2:
@@ -63,6 +59,8 @@ class SearchSpace:
         if self.micro_batch_sizes is not None and min(self.micro_batch_sizes, default=0) < 1:
             raise ConfigError(f"--micro-batch-sizes must be positive, got "
                               f"{self.micro_batch_sizes}")
+        for name in self.schedules:
+            get_spec(name)  # ValueError naming the choices for an unknown schedule
 
     def pipeline_sizes(self) -> list[int]:
         """Even D dividing the GPU count, at most one stage per layer."""
@@ -84,47 +82,27 @@ class SearchSpace:
         return sizes
 
 
-def _concat_names(schedule: str) -> tuple[str | None, ...]:
-    """Concatenations a Chimera-like generator accepts (from the chimera module's table)."""
-    generator = SCHEDULE_GENERATORS[schedule]
-    if "concat" not in inspect.signature(generator).parameters:
-        return (None,)
-    chimera_module = importlib.import_module(generator.__module__)
-    return tuple(getattr(chimera_module, "CONCAT_NAMES", ())) or (None,)
-
-
-def _variants(space: SearchSpace, schedule: str, D: int, N: int) -> Iterator[dict]:
-    """Schedule-specific options (pipes, concat, virtual size) valid in principle for D, N."""
-    if schedule == "chimera-zb" and D > space.chimera_zb_max_d:
-        return
-    if schedule.startswith("chimera"):
-        for pipes in space.chimera_pipes:
-            if pipes > D or pipes % 2 or (D // 2) % (pipes // 2):
-                continue
-            concats = (None,) if N == D else _concat_names(schedule)
-            for concat in concats:
-                yield {"pipes": pipes, "concat": concat}
-    elif schedule == "interleaved":
-        for v in space.virtual_sizes:
-            if space.num_layers % (D * v) == 0:
-                yield {"virtual": v}
-    else:
-        yield {}
+def _variants(space: SearchSpace, spec: ScheduleSpec, D: int, N: int) -> Iterator[Any]:
+    """The schedule's option sets (the registry's search values) that fit the model's layers."""
+    for options in spec.variants(D, N, dict(space.option_values)):
+        virtual = getattr(options, "virtual_pipeline_size", 1)
+        if space.num_layers % (D * virtual) == 0:
+            yield options
 
 
 def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
-    """Every layout of the search space whose schedule is registered (sizes not yet checked)."""
-    schedules = [s for s in space.schedules if s in SCHEDULE_GENERATORS]
+    """Every layout of the search space (sizes not yet checked against the generators)."""
+    specs = [get_spec(name) for name in space.schedules]
     for D in space.pipeline_sizes():
         W = space.num_gpus // D
         for B in space.micro_batches_for(W):
             N = space.global_batch_size // (W * B)
-            for schedule in schedules:
-                for options in _variants(space, schedule, D, N):
+            for spec in specs:
+                for options in _variants(space, spec, D, N):
                     for partition in space.partition_methods:
                         for recompute in space.recompute:
-                            yield TrainingLayout(schedule, D, W, B, N, recompute,
-                                                 partition=partition, **options)
+                            yield TrainingLayout(spec.name, D, W, B, N, recompute, options,
+                                                 partition)
 
 
 @dataclass

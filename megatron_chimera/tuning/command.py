@@ -7,7 +7,6 @@ import shlex
 from megatron_chimera.tuning.costs import ModelSpec
 from megatron_chimera.tuning.perf_model import TrainingLayout
 
-ENTRY_POINTS = {"gpt2": "pretrain_gpt2.py", "bert": "pretrain_bert.py"}
 DATA_FLAGS = {
     "gpt2": ["--data-path", "$DATA_PATH", "--tokenizer-type", "GPT2BPETokenizer",
              "--vocab-file", "$VOCAB_FILE", "--merge-file", "$MERGE_FILE"],
@@ -36,19 +35,12 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
         flags += ["--ffn-hidden-size", str(cfg.ffn_hidden_size)]
     if cfg.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
-    if spec.model == "bert" and not cfg.bert_binary_head:
+    if spec.family.sentence_heads and not cfg.bert_binary_head:
         flags.append("--bert-no-binary-head")
     if not cfg.masked_softmax_fusion:
         flags.append("--no-masked-softmax-fusion")
-    flags += ["--pipeline-model-parallel-size", str(layout.D),
-              "--pipeline-schedule", layout.schedule]
-    if layout.schedule.startswith("chimera"):
-        flags += ["--chimera-pipes", str(layout.pipes)]
-        if layout.concat is not None:
-            flags += ["--chimera-concat", layout.concat]
-    if layout.schedule == "interleaved":
-        per_chunk = cfg.num_layers // (layout.D * layout.virtual)
-        flags += ["--num-layers-per-virtual-pipeline-stage", str(per_chunk)]
+    flags += ["--pipeline-model-parallel-size", str(layout.D)]
+    flags += layout.spec.to_flags(layout.options)
     if layout.partition != "uniform":
         flags += ["--partition-method", layout.partition]
     flags += ["--micro-batch-size", str(layout.B),
@@ -66,8 +58,8 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
 def torchrun_command(spec: ModelSpec, layout: TrainingLayout, gpus_per_node: int) -> str:
     """The shell command that trains ``layout`` (data paths left as environment variables)."""
     num_gpus = layout.D * layout.W
-    words = _launcher(num_gpus, gpus_per_node) + [ENTRY_POINTS[spec.model]]
-    words += pretrain_flags(spec, layout) + DATA_FLAGS[spec.model]
+    words = _launcher(num_gpus, gpus_per_node) + [spec.family.entry_point]
+    words += pretrain_flags(spec, layout) + DATA_FLAGS[spec.family.name]
     words += ["--train-iters", "$TRAIN_ITERS", "--lr", "$LR"]
     quoted = [w if w.startswith("$") else shlex.quote(w) for w in words]
     lines, current = [], quoted[0]

@@ -50,10 +50,6 @@ class LinkProfile:
         """Seconds per byte (the beta of the alpha-beta model)."""
         return 1.0 / (self.bandwidth_gbps * GB)
 
-    def transfer_s(self, num_bytes: float) -> float:
-        """Time of one point-to-point message of ``num_bytes`` bytes."""
-        return self.alpha_s + num_bytes * self.beta_s_per_byte
-
 
 @dataclass(frozen=True)
 class HardwareProfile:

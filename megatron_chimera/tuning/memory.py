@@ -10,7 +10,7 @@ schedule:
   one micro-batch, the backward (the W when the backward is split) releases them -- the
   schedule's peak in-flight micro-batches weighted by the bytes of the stages they sit on;
 * the flat bucket each stage's gradient all-reduce copies its gradients into
-  (``schedules/grad_sync.py``); with eager sync it can coexist with the activations of the
+  (``pipeline/grad_sync.py``); with eager sync it can coexist with the activations of the
   rank's other stages, so it is counted on top of the weights.
 
 Total = weights + buckets + max(activations (+ recompute working set), optimizer-step transient).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from megatron_chimera.model.memory import StageMemory, estimate_stage_memory
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.simulate import peak_inflight
-from megatron_chimera.tuning.costs import ModelSpec, StageSlice
+from megatron_chimera.tuning.costs import ModelSpec, StagePiece
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,15 @@ def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> lis
     return peak_inflight(schedule, stage_bytes)
 
 
-def stage_memory(spec: ModelSpec, partition: Sequence[StageSlice], micro_batch: int,
+def stage_memory(spec: ModelSpec, partition: Sequence[StagePiece], micro_batch: int,
                  device_type: str = "cuda") -> list[StageMemory]:
     """Per-stage estimates of :mod:`megatron_chimera.model.memory` for this partition."""
-    return estimate_stage_memory(spec.config, spec.partition_model_type,
+    return estimate_stage_memory(spec.config, spec.family,
                                  [p.layer_range for p in partition], micro_batch,
                                  device_type=device_type)
 
 
-def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StageSlice],
+def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePiece],
                 micro_batch: int, recompute: bool, device_type: str = "cuda") -> list[RankMemory]:
     """Peak memory of every pipeline rank of ``schedule`` (one entry per rank)."""
     if len(partition) != schedule.num_stages:

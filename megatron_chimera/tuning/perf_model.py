@@ -17,15 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from megatron_chimera.config import ConfigError
-from megatron_chimera.schedules import build_schedule
+from megatron_chimera.layout import global_rank
 from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
 from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
 from megatron_chimera.tuning.costs import (
     ModelSpec,
-    StageSlice,
+    StagePiece,
     activation_message_bytes,
     partition_stages,
     stage_forward_flops,
@@ -37,7 +38,8 @@ from megatron_chimera.tuning.memory import RankMemory, rank_memory
 
 @dataclass(frozen=True)
 class TrainingLayout:
-    """One point of the search: schedule and its variant, D, W, B, N and recomputation."""
+    """One point of the search: schedule and its typed options (the registry's), D, W, B, N,
+    recomputation and the partition method."""
 
     schedule: str  # --pipeline-schedule
     D: int  # pipeline stages (ranks per pipeline)
@@ -45,10 +47,34 @@ class TrainingLayout:
     B: int  # micro-batch size
     N: int  # micro-batches per pipeline per iteration
     recompute: bool = False
-    pipes: int = 1  # --chimera-pipes (2f) for Chimera, 1 otherwise
-    concat: str | None = None  # --chimera-concat (None: the generator's default)
-    virtual: int = 1  # virtual pipeline size v of the interleaved schedule
+    options: Any = None  # the schedule's options dataclass (None: its defaults)
     partition: str = "uniform"  # --partition-method: uniform | parameters
+
+    def __post_init__(self) -> None:
+        if self.options is None:
+            object.__setattr__(self, "options", self.spec.options_type())
+
+    @classmethod
+    def of(cls, schedule: str, D: int, W: int, B: int, N: int, recompute: bool = False,
+           partition: str = "uniform", **options: Any) -> TrainingLayout:
+        """A layout with the schedule's options given as keywords (``pipes=4, concat=...``)."""
+        return cls(schedule, D, W, B, N, recompute, get_spec(schedule).options_type(**options),
+                   partition)
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The registry's spec of the schedule."""
+        return get_spec(self.schedule)
+
+    @property
+    def pipes(self) -> int:
+        """Pipes of the schedule (2f for Chimera, else 1)."""
+        return getattr(self.options, "pipes", 1)
+
+    @property
+    def virtual(self) -> int:
+        """Model chunks per rank (interleaved), else 1."""
+        return getattr(self.options, "virtual_pipeline_size", 1)
 
     @property
     def global_batch_size(self) -> int:
@@ -60,26 +86,15 @@ class TrainingLayout:
         """Model stages: D, or D x v for the interleaved schedule."""
         return self.D * self.virtual
 
-    def schedule_options(self) -> dict:
-        """Keyword options of ``build_schedule`` for this layout."""
-        if self.schedule.startswith("chimera"):
-            options: dict = {"pipes": self.pipes}
-            if self.concat is not None:
-                options["concat"] = self.concat
-            return options
-        if self.schedule == "interleaved":
-            return {"virtual_pipeline_size": self.virtual}
-        return {}
+    def build_schedule(self) -> Schedule:
+        """The layout's schedule (ValueError if it cannot run at these sizes)."""
+        return self.spec.build(self.D, self.N, self.options)
 
     @property
     def label(self) -> str:
         """Schedule label ``name[/variant][@partition]``: ``chimera/direct``, ``interleaved/v2``,
         ``1f1b@parameters`` (layers balanced by parameters instead of uniform)."""
-        name = self.schedule
-        if self.schedule.startswith("chimera") and self.concat:
-            name = f"{self.schedule}/{self.concat}"
-        elif self.schedule == "interleaved":
-            name = f"interleaved/v{self.virtual}"
+        name = self.spec.label(self.options)
         return name if self.partition == "uniform" else f"{name}@{self.partition}"
 
     def describe(self) -> str:
@@ -101,7 +116,7 @@ class StageTimes:
 class ComputeCosts(Protocol):
     """Source of per-stage compute times (analytic or measured)."""
 
-    def stage_times(self, piece: StageSlice, micro_batch: int, recompute: bool) -> StageTimes:
+    def stage_times(self, piece: StagePiece, micro_batch: int, recompute: bool) -> StageTimes:
         """Times of one micro-batch through the stage ``piece``."""
         ...
 
@@ -113,7 +128,7 @@ class AnalyticCompute:
     spec: ModelSpec
     hardware: HardwareProfile
 
-    def stage_times(self, piece: StageSlice, micro_batch: int, recompute: bool) -> StageTimes:
+    def stage_times(self, piece: StagePiece, micro_batch: int, recompute: bool) -> StageTimes:
         """FLOPs of the stage divided by the profile's achieved FLOP/s."""
         tokens = micro_batch * self.spec.config.seq_length
         rate = self.hardware.achieved_flops(self.spec.config.params_dtype, tokens)
@@ -121,12 +136,6 @@ class AnalyticCompute:
         forward = (weights + other) / rate
         backward = 2 * forward + (forward if recompute else 0.0)
         return StageTimes(forward, backward, weights / rate)
-
-
-def global_rank(w: int, d: int, data_parallel_size: int) -> int:
-    """Global rank of pipeline rank ``d`` in data-parallel replica ``w``: Megatron's layout
-    ``d x W + w`` (:mod:`megatron_chimera.parallel_state`), so ranks fill nodes replica-first."""
-    return d * data_parallel_size + w
 
 
 def mean_link_alpha_beta(links: Sequence[LinkProfile]) -> tuple[float, float]:
@@ -186,18 +195,17 @@ class PerformanceModel:
         self.p2p_link = p2p_link  # overrides the profile's links (e.g. a measured ping-pong)
         self._schedules: dict[tuple, Schedule] = {}
         self._sims: dict[tuple, SimResult] = {}
-        self._partitions: dict[tuple[int, str], list[StageSlice]] = {}
+        self._partitions: dict[tuple[int, str], list[StagePiece]] = {}
 
     # ------------------------------------------------------------------ building blocks
     def schedule(self, layout: TrainingLayout) -> Schedule:
         """The layout's schedule (cached by its generator arguments)."""
-        options = layout.schedule_options()
-        key = (layout.schedule, layout.D, layout.N, tuple(sorted(options.items())))
+        key = (layout.schedule, layout.D, layout.N, layout.options)
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(layout.schedule, layout.D, layout.N, **options)
+            self._schedules[key] = layout.build_schedule()
         return self._schedules[key]
 
-    def partition(self, layout: TrainingLayout) -> list[StageSlice]:
+    def partition(self, layout: TrainingLayout) -> list[StagePiece]:
         """Layers of every model stage, by ``layout.partition`` (as the runtime partitions).
 
         Cached by (stages, method): the balanced split is a dynamic programme over the layers.
@@ -218,8 +226,8 @@ class PerformanceModel:
         hops = []
         for pipe in range(schedule.num_pipes):
             for stage in range(schedule.num_stages - 1):
-                a = global_rank(0, schedule.rank_of(pipe, stage), layout.W)
-                b = global_rank(0, schedule.rank_of(pipe, stage + 1), layout.W)
+                a = global_rank(schedule.rank_of(pipe, stage), 0, layout.W)
+                b = global_rank(schedule.rank_of(pipe, stage + 1), 0, layout.W)
                 hops.append(self.hardware.link_for((a, b)))
         return mean_link_alpha_beta(hops)
 
@@ -227,7 +235,7 @@ class PerformanceModel:
         if self.p2p_link is not None:
             return self.p2p_link
         groups = [
-            [global_rank(w, schedule.rank_of(pipe, stage), layout.W)
+            [global_rank(schedule.rank_of(pipe, stage), w, layout.W)
              for w in range(layout.W) for pipe in range(schedule.num_pipes)]
             for stage in range(schedule.num_stages)
         ]

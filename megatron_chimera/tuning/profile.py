@@ -19,7 +19,8 @@ from datetime import timedelta
 
 import torch
 
-from megatron_chimera.tuning.costs import ModelSpec, StageSlice, stage_forward_flops
+from megatron_chimera.model.family import GPT2
+from megatron_chimera.tuning.costs import ModelSpec, StagePiece, stage_forward_flops
 from megatron_chimera.tuning.hardware import LinkProfile
 from megatron_chimera.tuning.perf_model import StageTimes
 
@@ -71,7 +72,7 @@ class MeasuredCompute:
         hidden = torch.randn(s, micro_batch, h, generator=generator).to(device, cfg.torch_dtype)
 
         def build() -> tuple[torch.nn.Module, Step]:
-            if self.spec.model == "gpt2":
+            if self.spec.family is GPT2:
                 from megatron_chimera.model.gpt2 import GPTModel
 
                 model = GPTModel(cfg, pre_process=pre, post_process=post, layer_range=layers)
@@ -87,7 +88,7 @@ class MeasuredCompute:
                 if not pre:
                     model.set_input_tensor(hidden.detach().requires_grad_())
                 ids = tokens if pre else None
-                if self.spec.model == "gpt2":
+                if self.spec.family is GPT2:
                     out = model(ids, positions if pre else None,
                                 labels=tokens if post else None)
                 else:
@@ -144,7 +145,7 @@ class MeasuredCompute:
         return num_params * self._adam_s_per_param
 
     # ------------------------------------------------------------------ ComputeCosts
-    def stage_times(self, piece: StageSlice, micro_batch: int, recompute: bool) -> StageTimes:
+    def stage_times(self, piece: StagePiece, micro_batch: int, recompute: bool) -> StageTimes:
         """Measured times of the stage ``piece``; recomputation adds its forward to the backward,
         the weight-gradient share of the backward is its share of the FLOPs."""
         layer, first, last = self._measure(micro_batch)

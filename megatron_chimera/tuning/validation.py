@@ -2,23 +2,18 @@
 
 The benchmark's stages sleep known times, so the performance model is given exactly those costs
 (:class:`EmulatedCompute`) and a point-to-point link measured here by ping-pong; its predictions
-are compared with the measured medians::
-
-    python -m megatron_chimera.tuning.validation bench.json --forward-ms 20 --backward-ms 40 \\
-        --weight-ms 20 --measure-p2p
+are compared with the measured medians (``tools/validate_perf_model.py``).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import json
 import statistics
-import sys
 from dataclasses import dataclass
 
 from megatron_chimera.config import ModelConfig
-from megatron_chimera.tuning.costs import ModelSpec, StageSlice
+from megatron_chimera.schedules.chimera import CONCAT_NAMES
+from megatron_chimera.schedules.registry import get_spec
+from megatron_chimera.tuning.costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
 from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingLayout
 
@@ -34,7 +29,7 @@ class EmulatedCompute:
     backward_s: float
     weight_s: float
 
-    def stage_times(self, piece: StageSlice, micro_batch: int, recompute: bool) -> StageTimes:
+    def stage_times(self, piece: StagePiece, micro_batch: int, recompute: bool) -> StageTimes:
         """Times scaled by the stage's share of a rank's layers."""
         share = piece.num_layers / LAYERS_PER_RANK
         return StageTimes(self.forward_s * share, self.backward_s * share, self.weight_s * share)
@@ -51,12 +46,13 @@ def emulated_model(D: int, compute: EmulatedCompute, link: LinkProfile) -> Perfo
 
 def layout_of_row(row: dict) -> TrainingLayout:
     """The layout a benchmark row ran (W = 1, B = 1)."""
-    options = row.get("options") or {}
-    concat = row.get("concat") if row["schedule"] == "chimera" else None
-    if concat not in importlib.import_module("megatron_chimera.schedules.chimera").CONCAT_NAMES:
-        concat = None  # the basic unit (N = D) has no concatenation
-    return TrainingLayout(row["schedule"], row["D"], 1, 1, row["N"], pipes=row.get("pipes") or 1,
-                          concat=concat, virtual=options.get("virtual_pipeline_size", 1))
+    fields = {f.name for f in get_spec(row["schedule"]).option_fields()}
+    options = {k: v for k, v in (row.get("options") or {}).items() if k in fields}
+    if "pipes" in fields and row.get("pipes"):
+        options.setdefault("pipes", row["pipes"])
+    if "concat" in fields and row.get("concat") in CONCAT_NAMES:  # the basic unit has none
+        options.setdefault("concat", row["concat"])
+    return TrainingLayout.of(row["schedule"], row["D"], 1, 1, row["N"], **options)
 
 
 def compare(rows: list[dict], compute: EmulatedCompute, link: LinkProfile) -> list[dict]:
@@ -85,31 +81,3 @@ def format_comparison(records: list[dict], link: LinkProfile) -> str:
         lines.append(f"\n{len(errors)} configurations: mean relative error "
                      f"{100 * statistics.mean(errors):.1f}%, max {100 * max(errors):.1f}%")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Compare a benchmark JSON with the model's predictions."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("bench_json")
-    p.add_argument("--forward-ms", type=float, required=True)
-    p.add_argument("--backward-ms", type=float, required=True)
-    p.add_argument("--weight-ms", type=float, default=0.0)
-    link_group = p.add_mutually_exclusive_group(required=True)
-    link_group.add_argument("--measure-p2p", action="store_true")
-    link_group.add_argument("--p2p-alpha-us", type=float)
-    args = p.parse_args(argv)
-    if args.measure_p2p:
-        from megatron_chimera.tuning.profile import measure_p2p_link
-
-        link = measure_p2p_link()
-    else:
-        link = LinkProfile(args.p2p_alpha_us * 1e-6, float("inf"))
-    with open(args.bench_json) as f:
-        rows = json.load(f)
-    compute = EmulatedCompute(args.forward_ms / 1e3, args.backward_ms / 1e3, args.weight_ms / 1e3)
-    print(format_comparison(compare(rows, compute, link), link))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,6 @@ and destroys the groups.
 from __future__ import annotations
 
 import datetime
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,16 +16,18 @@ import torch
 
 from megatron_chimera import parallel_state
 from megatron_chimera.config import ConfigError
-from megatron_chimera.schedules import SCHEDULE_GENERATORS, build_schedule
-from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from megatron_chimera.schedules.executor import PipelineExecutor
-from megatron_chimera.schedules.grad_sync import (
+from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.pipeline.grad_sync import (
     GradientSynchronizer,
     assert_replicas_identical,
     broadcast_stage_params,
 )
+from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.schedules import SCHEDULES, build_schedule
+from megatron_chimera.schedules.actions import FORWARD, Schedule
 from megatron_chimera.schedules.validate import validate
 
+from ..schedule_helpers import with_weight_actions
 from .toy_model import (
     HIDDEN,
     MICRO_BATCH,
@@ -68,7 +69,7 @@ class Case:
 
     def available(self) -> bool:
         """Whether the schedule generator (and its options) exist in this tree."""
-        if self.schedule not in SCHEDULE_GENERATORS:
+        if self.schedule not in SCHEDULES:
             return False
         try:
             self.build()
@@ -83,28 +84,6 @@ class Case:
         if self.split_delay is not None:
             schedule = with_weight_actions(schedule, self.split_delay)
         return schedule
-
-
-def with_weight_actions(schedule: Schedule, delay: int) -> Schedule:
-    """Split every B: its W runs ``delay`` actions later on the same rank (or at the end)."""
-    if schedule.split_backward:
-        raise ValueError("schedule already has W actions")
-    actions = []
-    for rank_actions in schedule.actions:
-        out: list[Action] = []
-        pending: deque[tuple[int, Action]] = deque()
-        for i, action in enumerate(rank_actions):
-            out.append(action)
-            if action.kind == BACKWARD:
-                pending.append((i + delay, Action(WEIGHT, action.pipe, action.stage,
-                                                  action.microbatch)))
-            while pending and pending[0][0] <= i:
-                out.append(pending.popleft()[1])
-        out.extend(w for _, w in pending)
-        actions.append(out)
-    return Schedule(schedule.name + "-split", schedule.num_ranks, schedule.num_stages,
-                    schedule.num_pipes, schedule.num_microbatches, schedule.placement, actions,
-                    split_backward=True, meta=dict(schedule.meta))
 
 
 class SGD:
@@ -200,7 +179,8 @@ def run_case(rank: int, world_size: int, case: Case) -> None:
         params = [p for s in sorted(stages) for p in stages[s].parameters()]
         optimizer = make_optimizer(case.optimizer)(params)
         executor = PipelineExecutor(
-            schedule, prank, stages, forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
+            schedule, PipelineTopology.from_parallel_state(), stages,
+            forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
             loss_scale_divisor=n * w, grad_sync=GradientSynchronizer.from_parallel_state(stages),
             recompute=case.recompute,
             scale_loss=(lambda loss: loss * case.loss_scale) if case.loss_scale else None,
@@ -277,15 +257,43 @@ def run_failing_rank(rank: int, world_size: int, failing_rank: int) -> None:
         return forward_step(batch, model)
 
     executor = PipelineExecutor(
-        schedule, prank, stages, flaky_forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
+        schedule, PipelineTopology.from_parallel_state(), stages,
+        flaky_forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
         loss_scale_divisor=8, grad_sync=GradientSynchronizer.from_parallel_state(stages),
     )
     executor.run([make_batch(0, 0, m) for m in range(8)])
 
 
+def _check_megatron_getters(rank: int) -> None:
+    """Megatron's public parallel_state getters at W=2, D=2 (global rank = pipeline x 2 + dp)."""
+    import torch.distributed as dist
+
+    ps = parallel_state
+    prank, dp = divmod(rank, 2)
+    checks = {
+        "pipeline world size": (ps.get_pipeline_model_parallel_world_size(), 2),
+        "pipeline rank": (ps.get_pipeline_model_parallel_rank(), prank),
+        "pipeline group": (dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
+                           [dp, 2 + dp]),
+        "data-parallel world size": (ps.get_data_parallel_world_size(), 2),
+        "data-parallel rank": (ps.get_data_parallel_rank(), dp),
+        "data-parallel group": (dist.get_process_group_ranks(ps.get_data_parallel_group()),
+                                [2 * prank, 2 * prank + 1]),
+        "tensor world size and rank": ((ps.get_tensor_model_parallel_world_size(),
+                                        ps.get_tensor_model_parallel_rank()), (1, 0)),
+        "first/last stage": ((ps.is_pipeline_first_stage(0), ps.is_pipeline_first_stage(1),
+                              ps.is_pipeline_last_stage(1), ps.is_pipeline_last_stage(0)),
+                             (True, False, True, False)),
+        "last rank": (ps.get_pipeline_model_parallel_last_rank(), 2 + dp),
+    }
+    wrong = {k: v for k, v in checks.items() if v[0] != v[1]}
+    if wrong:
+        raise AssertionError(f"rank {rank}: getters (got, expected): {wrong}")
+
+
 def run_replica_utilities(rank: int, world_size: int) -> None:
     """broadcast_stage_params repairs diverged replicas; assert_replicas_identical detects them;
-    bad layouts raise ConfigError."""
+    bad layouts raise ConfigError; Megatron's getters describe the layout."""
     schedule = build_schedule("chimera", 2, 2)
     timeout = datetime.timedelta(seconds=30)
     for bad in ({"pipeline_model_parallel_size": 3}, {"tensor_model_parallel_size": 2}):
@@ -301,6 +309,7 @@ def run_replica_utilities(rank: int, world_size: int) -> None:
     parallel_state.initialize_model_parallel(2, schedule.placement, schedule.num_stages,
                                              timeout=timeout)
     try:
+        _check_megatron_getters(rank)
         prank = parallel_state.get_pipeline_model_parallel_rank()
         stages = {s: build_stage(s, 2) for s in schedule.stages_of_rank(prank)}
         assert_replicas_identical(stages)
@@ -329,7 +338,8 @@ def _train_with_dropout(rank: int, schedule: Schedule, recompute: bool) -> list[
     params = [p for s in sorted(stages) for p in stages[s].parameters()]
     optimizer = SGD(params)
     executor = PipelineExecutor(
-        schedule, prank, stages, forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
+        schedule, PipelineTopology.from_parallel_state(), stages,
+        forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
         loss_scale_divisor=schedule.num_microbatches,
         grad_sync=GradientSynchronizer.from_parallel_state(stages), recompute=recompute,
     )

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ["torch", "torch.distributed", "megatron_chimera.schedules.executor"]
+PRELOAD = ["torch", "torch.distributed", "megatron_chimera.pipeline.executor"]
 
 
 @dataclass

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_chimera.model.linear import defer_weight_grad
-from megatron_chimera.schedules import emulated
-from megatron_chimera.schedules.emulated import (
+from megatron_chimera.pipeline import emulated
+from megatron_chimera.pipeline.emulated import (
     EmulatedCosts,
     EmulatedStage,
     EmulatedTorchStage,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_chimera.p2p_communication import (
+from megatron_chimera.pipeline.p2p import (
     needed_message,
     produced_message,
     sends_in_order,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from megatron_chimera.schedules import SCHEDULE_GENERATORS
+from megatron_chimera.schedules import SCHEDULES
 
 from .cases import (
     Case,
@@ -99,7 +99,7 @@ def test_required_schedules_are_registered():
     missing = [c.name for c in WORLD_8 + WORLD_4 + WORLD_2 if not c.available()]
     assert not missing, f"schedules not available (their exactness is untested): {missing}"
     assert {"gpipe", "1f1b", "interleaved", "chimera", "chimera-zb", "zb-h1"} <= set(
-        SCHEDULE_GENERATORS
+        SCHEDULES
     )
 
 

@@ -43,7 +43,7 @@ def test_demo_schedule_writes_pngs_and_matches_the_paper(capsys, tmp_path):
     for name in ("chimera", "1f1b"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
     makespans = dict(re.findall(r"^(chimera|1f1b): makespan (\d+)", out, re.M))
-    # backward = 2 forward: 1F1B 3(N+D-1); Chimera slot-merge 3N+2D-4 (CHIMERA.md / chimera.py)
+    # backward = 2 forward: 1F1B 3(N+D-1); Chimera slot-merge 3N+2D-4 (docs/CHIMERA.md / chimera.py)
     assert int(makespans["1f1b"]) == 3 * (N + D - 1)
     assert int(makespans["chimera"]) == 3 * N + 2 * D - 4
     table2 = re.findall(r"simulated bubble ratio ([0-9.]+), paper Table 2 ([0-9.]+)", out)
@@ -102,7 +102,8 @@ def test_demo_performance_predictions_equal_the_simulator(capsys):
     config = demo.make_model("gpt2-small")[1]
     model = PerformanceModel(ModelSpec(config, "gpt2"), load_hardware("a100"))
     for label, options, _ in demo.VARIANTS:
-        layout = TrainingLayout(D=4, W=2, B=1, N=8, **options)
+        schedule_options = {k: v for k, v in options.items() if k != "schedule"}
+        layout = TrainingLayout.of(options["schedule"], 4, 2, 1, 8, **schedule_options)
         makespan = simulate(model.schedule(layout), model.cost_model(layout)).makespan
         assert float(printed[label]) == pytest.approx(makespan, abs=5e-5), label
     assert "global batch 16" in out

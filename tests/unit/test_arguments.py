@@ -129,7 +129,7 @@ def test_chimera_max_inflight_reaches_the_split_backward_schedule():
 
     config = parse("--pipeline-model-parallel-size 4 --chimera-pipes 2 --chimera-split-backward "
                    "--chimera-max-inflight 3", world_size=4)
-    assert config.parallel.chimera_max_inflight == 3
+    assert config.parallel.schedule_options.max_inflight == 3
     schedule = build_schedule_for(config)
     assert schedule.name == "chimera-zb" and schedule.split_backward
     assert max(simulate(schedule).peak_inflight) <= 3

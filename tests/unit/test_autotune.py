@@ -11,7 +11,7 @@ import pytest
 
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.tuning.autotune import JSON_KEYS, SearchSpace, autotune, enumerate_layouts
-from megatron_chimera.tuning.costs import ModelSpec, StageSlice
+from megatron_chimera.tuning.costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile
 from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingLayout
 
@@ -23,7 +23,7 @@ ZERO_COMM = HardwareProfile("zero-comm", 10.0, 20.0, 0.5, 16.0, 8, FREE, FREE)
 class PerLayerCompute:
     """Forward = B x layers of the stage seconds; backward twice that (+1 forward recomputed)."""
 
-    def stage_times(self, piece: StageSlice, micro_batch: int, recompute: bool) -> StageTimes:
+    def stage_times(self, piece: StagePiece, micro_batch: int, recompute: bool) -> StageTimes:
         forward = float(micro_batch * piece.num_layers)
         return StageTimes(forward, 2 * forward + (forward if recompute else 0.0), 0.0)
 
@@ -36,7 +36,8 @@ def gpt(num_layers: int = 8) -> ModelSpec:
 def hand_space() -> SearchSpace:
     return SearchSpace(num_gpus=4, global_batch_size=8, num_layers=8,
                        schedules=("gpipe", "1f1b", "chimera"), micro_batch_sizes=(2,),
-                       recompute=(False,), chimera_pipes=(2,), partition_methods=("uniform",))
+                       recompute=(False,), option_values=(("pipes", (2,)),),
+                       partition_methods=("uniform",))
 
 
 # Hand-checked iteration times (forward F = B x layers per stage, backward 2F, no communication):
@@ -67,7 +68,7 @@ def test_drops_layouts_over_the_memory_limit():
     """Chimera at D=2 holds the whole model twice per rank: below its peak it must drop out and
     the best fitting layout (Chimera at D=4) win."""
     model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
-    chimera2 = TrainingLayout("chimera", 2, 2, 2, 2, pipes=2)
+    chimera2 = TrainingLayout.of("chimera", 2, 2, 2, 2, pipes=2)
     limit = max(m.total_bytes for m in model.memory(chimera2)) - 1
     others = [layout for layout in enumerate_layouts(hand_space()) if layout != chimera2]
     assert all(max(m.total_bytes for m in model.memory(o)) <= limit for o in others)
@@ -153,9 +154,10 @@ def test_cli_rejects_bad_input(capsys):
 
 
 @pytest.mark.parametrize("layout", [
-    TrainingLayout("chimera", 4, 2, 2, 8, True, pipes=2, concat="direct", partition="parameters"),
-    TrainingLayout("interleaved", 4, 2, 1, 8, virtual=2),
-    TrainingLayout("chimera-zb", 4, 2, 1, 8, pipes=4),
+    TrainingLayout.of("chimera", 4, 2, 2, 8, True, partition="parameters", pipes=2,
+                      concat="direct"),
+    TrainingLayout.of("interleaved", 4, 2, 1, 8, virtual_pipeline_size=2),
+    TrainingLayout.of("chimera-zb", 4, 2, 1, 8, pipes=4),
     TrainingLayout("1f1b", 4, 1, 4, 2),
 ])
 def test_generated_flags_parse_into_the_same_layout(layout):
@@ -176,7 +178,4 @@ def test_generated_flags_parse_into_the_same_layout(layout):
     assert config.training.num_microbatches == layout.N
     assert config.training.partition_method == layout.partition
     assert (config.model.recompute_granularity == "full") == layout.recompute
-    if layout.schedule.startswith("chimera"):
-        assert parallel.chimera_pipes == layout.pipes and parallel.chimera_concat == layout.concat
-    if layout.schedule == "interleaved":
-        assert 16 // (layout.D * parallel.num_layers_per_virtual_pipeline_stage) == layout.virtual
+    assert parallel.schedule_options == layout.options

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron_chimera.config import ConfigError
 from megatron_chimera.model import fused
 from megatron_chimera.model.fused import FusedBackend, LayerNorm, get_fused_backend
+from megatron_chimera.optimizer import kernels
 
 
 @pytest.fixture(autouse=True)
@@ -94,12 +95,12 @@ def test_apex_path_with_stand_in(stand_in_apex, caplog):
     x = torch.randn(3, 8)
     torch.testing.assert_close(norm(x), F.layer_norm(x, (8,), eps=1e-5))
     param = torch.nn.Parameter(torch.ones(4))
-    adam = fused.build_adam([{"params": [param]}], 1e-3, (0.9, 0.999), 1e-8, 0.0, backend)
+    adam = kernels.build_adam([{"params": [param]}], 1e-3, (0.9, 0.999), 1e-8, 0.0, backend)
     assert type(adam).__name__ == "FusedAdam"
     tensors = [torch.full((3,), 2.0), torch.full((1,), 2.0)]
-    assert fused.multi_tensor_l2norm(tensors, backend).item() == pytest.approx(4.0)
+    assert kernels.multi_tensor_l2norm(tensors, backend).item() == pytest.approx(4.0)
     targets = [torch.zeros(3), torch.zeros(1)]
-    fused.multi_tensor_scale_(tensors, targets, 0.5, backend)
+    kernels.multi_tensor_scale_(tensors, targets, 0.5, backend)
     assert all(torch.all(t == 1.0) for t in targets)
     assert stand_in_apex == ["layer_norm", "adam", "l2norm", "scale"]
 
@@ -114,11 +115,11 @@ def test_no_apex_flag_overrides_detection(stand_in_apex):
 def test_native_multi_tensor_ops_and_adam():
     backend = FusedBackend(apex=False)
     tensors = [torch.tensor([3.0, 0.0]), torch.tensor([4.0])]
-    assert fused.multi_tensor_l2norm(tensors, backend).item() == pytest.approx(5.0)
+    assert kernels.multi_tensor_l2norm(tensors, backend).item() == pytest.approx(5.0)
     targets = [torch.zeros(2, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.bfloat16)]
-    fused.multi_tensor_scale_(tensors, targets, 2.0, backend)
+    kernels.multi_tensor_scale_(tensors, targets, 2.0, backend)
     assert targets[1].item() == 8.0 and targets[1].dtype == torch.bfloat16
-    adam = fused.build_adam([{"params": [torch.nn.Parameter(torch.ones(2))]}], 1e-3,
+    adam = kernels.build_adam([{"params": [torch.nn.Parameter(torch.ones(2))]}], 1e-3,
                             (0.9, 0.999), 1e-8, 0.1, backend)
     assert isinstance(adam, torch.optim.AdamW) and adam.defaults["foreach"]
 

@@ -7,12 +7,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron_chimera.arguments import parse_args
 from megatron_chimera.config import ModelConfig
+from megatron_chimera.model.family import BERT, GPT2
+from megatron_chimera.model.flops import training_flops
 from megatron_chimera.monitor import (
     IterationStats,
     Timers,
     TrainingMonitor,
     measured_bubble_ratio,
-    num_floating_point_operations,
     predicted_bubble_ratio,
 )
 from megatron_chimera.schedules import build_schedule
@@ -26,7 +27,16 @@ def test_gpt_flops_match_megatron_formula():
     per_layer = 24 * s * h * h + 4 * s * s * h  # forward matmul FLOPs of one layer, one sequence
     logits = 2 * s * h * v
     expected = 3 * b * (layers * per_layer + logits)  # forward + backward (2x)
-    assert num_floating_point_operations(model, b) == pytest.approx(expected, rel=1e-12)
+    assert training_flops(model, GPT2, b) == pytest.approx(expected, rel=1e-12)
+    megatron = 72 * b * s * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    assert training_flops(model, GPT2, b) == pytest.approx(megatron, rel=1e-12)
+    # BERT adds its LM-head transform (Megatron's + 1/(12 L)); recomputation a fourth pass
+    bert = megatron * (1 + 1 / (12 * layers) / (1 + s / (6 * h) + v / (12 * layers * h)))
+    assert training_flops(model, BERT, b) == pytest.approx(bert, rel=1e-12)
+    recompute = ModelConfig(num_layers=24, hidden_size=2048, num_attention_heads=16,
+                            seq_length=1024, vocab_size=50257, recompute_granularity="full",
+                            recompute_method="uniform", recompute_num_layers=1)
+    assert training_flops(recompute, GPT2, b) == pytest.approx(megatron * 96 / 72, rel=1e-12)
 
 
 def test_bubble_ratios():

@@ -10,22 +10,24 @@ import torch
 
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.bert import BertModel, build_bert_stage
+from megatron_chimera.model.family import BERT, GPT2
 from megatron_chimera.model.gpt2 import GPTModel, build_gpt_stage
 from megatron_chimera.model.memory import (
     bytes_per_parameter,
     estimate_stage_memory,
     layer_activation_bytes,
-    rank_memory,
 )
 from megatron_chimera.model.partition import (
-    PAPER_CONFIGS,
     balanced_partition,
     count_parameters,
     partition_layers,
     stage_parameters,
 )
+from megatron_chimera.model.presets import PAPER_CONFIGS
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.gpipe import gpipe
+from megatron_chimera.tuning.costs import ModelSpec, pieces_of
+from megatron_chimera.tuning.memory import rank_memory
 
 
 def small(**overrides) -> ModelConfig:
@@ -45,7 +47,7 @@ def test_paper_gpt2_64_layers_is_1_39_billion_untied():
     config = PAPER_CONFIGS["gpt2-64"]
     h, v = 1280, 50304  # 50257 padded to a multiple of 128
     expected = 64 * (12 * h * h + 13 * h) + 2 * v * h + 632 * h + 2 * h
-    assert count_parameters(config, "gpt") == expected
+    assert count_parameters(config, GPT2) == expected
     assert 1.385e9 < expected < 1.395e9
 
 
@@ -55,23 +57,23 @@ def test_paper_bert_48():
     layers = 48 * (12 * h * h + 13 * h)
     embeddings = v * h + 512 * h + 2 * h
     heads = 2 * h + (h * h + h) + 2 * h + v + (h * h + h) + (2 * h + 2)
-    assert count_parameters(config, "bert") == layers + embeddings + heads
+    assert count_parameters(config, BERT) == layers + embeddings + heads
     assert (config.num_layers, config.hidden_size, config.num_attention_heads,
             config.seq_length) == (48, 1024, 16, 128)
 
 
-@pytest.mark.parametrize("model_type,overrides", [
-    ("gpt", {}), ("gpt", {"untie_embeddings_and_output_weights": True}),
-    ("gpt", {"ffn_hidden_size": 96}), ("bert", {}), ("bert", {"bert_binary_head": False}),
+@pytest.mark.parametrize("family,overrides", [
+    (GPT2, {}), (GPT2, {"untie_embeddings_and_output_weights": True}),
+    (GPT2, {"ffn_hidden_size": 96}), (BERT, {}), (BERT, {"bert_binary_head": False}),
 ])
-def test_counts_match_real_models(model_type, overrides):
+def test_counts_match_real_models(family, overrides):
     config = small(**overrides)
-    build_whole = GPTModel if model_type == "gpt" else BertModel
-    assert count_parameters(config, model_type) == numel(build_whole(config))
+    build_whole = GPTModel if family is GPT2 else BertModel
+    assert count_parameters(config, family) == numel(build_whole(config))
     partition = [(0, 1), (1, 3), (3, 4)]
-    build = build_gpt_stage if model_type == "gpt" else build_bert_stage
+    build = build_gpt_stage if family is GPT2 else build_bert_stage
     real = [numel(build(config, partition, s)) for s in range(3)]
-    assert stage_parameters(config, model_type, partition) == real
+    assert stage_parameters(config, family, partition) == real
 
 
 # ----------------------------------------------------------------------------- partitioning
@@ -114,8 +116,8 @@ def test_parameter_and_time_balancing_account_for_embedding_and_head():
     parts = partition_layers(64, 8, "parameters", config=config)
     sizes = [e - s for s, e in parts]
     assert sum(sizes) == 64 and sizes[0] < sizes[3] and sizes[-1] < sizes[3]
-    counts = stage_parameters(config, "gpt", parts)
-    uniform = stage_parameters(config, "gpt", partition_layers(64, 8))
+    counts = stage_parameters(config, GPT2, parts)
+    uniform = stage_parameters(config, GPT2, partition_layers(64, 8))
     assert max(counts) < max(uniform)
     timed = partition_layers(6, 3, "time", layer_times=[1, 1, 1, 1, 1, 1], embedding_time=2.0,
                              head_time=0.0)
@@ -142,10 +144,10 @@ def test_korthikanti_formula_for_16_bit():
     assert layer_activation_bytes(fp32, b) == s * b * h * (66 + 9 * a * s / h)
 
 
-def run_stage(module, model_type: str, first: bool):
+def run_stage(module, family, first: bool):
     """One forward of a two-stage slice on a fixed micro-batch of 2 x 32 tokens."""
     tokens = torch.randint(0, 200, (2, 32), generator=torch.Generator().manual_seed(0))
-    if model_type == "gpt":
+    if family is GPT2:
         if first:
             return module(tokens, torch.arange(32).expand(2, 32))
         return module(None, None, labels=tokens)
@@ -169,26 +171,26 @@ def measured_activation_bytes(model, run) -> int:
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("model_type", ["gpt", "bert"])
+@pytest.mark.parametrize("family", [GPT2, BERT], ids=["gpt2", "bert"])
 @pytest.mark.parametrize("overrides", [
     dict(masked_softmax_fusion=False), dict(masked_softmax_fusion=False, params_dtype="bf16"),
     dict(masked_softmax_fusion=False, attention_dropout=0.0),
     # fused attention: the CPU flash kernel is used without attention dropout
     dict(masked_softmax_fusion=True, attention_dropout=0.0, params_dtype="bf16"),
 ])
-def test_estimates_match_measured_bytes(model_type, overrides):
+def test_estimates_match_measured_bytes(family, overrides):
     config = small(**overrides)
     partition = [(0, 2), (2, 4)]
-    estimates = estimate_stage_memory(config, model_type, partition, micro_batch_size=2,
+    estimates = estimate_stage_memory(config, family, partition, micro_batch_size=2,
                                       device_type="cpu")
-    build = build_gpt_stage if model_type == "gpt" else build_bert_stage
+    build = build_gpt_stage if family is GPT2 else build_bert_stage
     width = config.torch_dtype.itemsize
     for stage in (0, 1):
         module = build(config, partition, stage)
         estimate = estimates[stage]
         assert estimate.param_bytes == sum(p.numel() * width for p in module.parameters())
         module.set_input_tensor(torch.randn(32, 2, 64, dtype=config.torch_dtype))
-        run = functools.partial(run_stage, module, model_type, stage == 0)
+        run = functools.partial(run_stage, module, family, stage == 0)
         measured = measured_activation_bytes(module, run)
         assert abs(estimate.activation_bytes / measured - 1) < 0.10, (stage, measured)
 
@@ -196,35 +198,42 @@ def test_estimates_match_measured_bytes(model_type, overrides):
 def test_recompute_estimates():
     config = small(num_layers=8, params_dtype="bf16", recompute_granularity="full",
                    recompute_method="uniform", recompute_num_layers=2)
-    (stage,) = estimate_stage_memory(config, "gpt", [(0, 8)], 2)
+    (stage,) = estimate_stage_memory(config, GPT2, [(0, 8)], 2)
     full, layer_input = layer_activation_bytes(config, 2), layer_activation_bytes(config, 2, "full")
     head_and_embedding = stage.activation_bytes - 8 * full
     assert stage.activation_bytes_recompute == 4 * layer_input + head_and_embedding
     assert stage.recompute_working_bytes == 2 * full
     block = small(num_layers=8, recompute_granularity="full", recompute_method="block",
                   recompute_num_layers=3)
-    (stage,) = estimate_stage_memory(block, "gpt", [(0, 8)], 2)
+    (stage,) = estimate_stage_memory(block, GPT2, [(0, 8)], 2)
     full, layer_input = layer_activation_bytes(block, 2), layer_activation_bytes(block, 2, "full")
     assert stage.activation_bytes_recompute == \
         3 * layer_input + 5 * full + stage.activation_bytes - 8 * full
 
 
 def test_rank_memory_for_schedules():
+    """The one per-rank model (tuning.memory): a weight copy per stage held, activations of the
+    in-flight micro-batches of each stage, walked from the schedule."""
     config = small(num_layers=4)
     partition = partition_layers(4, 2)
-    stages = estimate_stage_memory(config, "gpt", partition, micro_batch_size=2)
-    one_pipe = gpipe(2, 4)
-    r0 = rank_memory(one_pipe, 0, stages, peak_in_flight=4)
+    stages = estimate_stage_memory(config, GPT2, partition, micro_batch_size=2)
+    spec = ModelSpec(config, GPT2)
+    r0 = rank_memory(spec, gpipe(2, 4), pieces_of(partition), 2, recompute=False)[0]
     assert r0.stages == (0,)
     assert r0.weight_bytes == stages[0].weight_bytes
-    assert r0.activation_bytes == 4 * stages[0].activation_bytes
-    assert r0.total_bytes == r0.weight_bytes + r0.activation_bytes
-    # Chimera-style placement: rank 0 holds stage 0 (down pipe) and stage 1 (up pipe)
+    assert r0.activation_bytes == 4 * stages[0].activation_bytes  # GPipe holds all N = 4
+    assert r0.total_bytes == r0.weight_bytes + r0.bucket_bytes + r0.activation_bytes
+    # Chimera-style placement: rank 0 holds stage 0 (down pipe) and stage 1 (up pipe); its list
+    # keeps two stage-0 and one stage-1 activations alive at once
+    F, B = "F", "B"
+    from megatron_chimera.schedules.actions import Action
+
+    actions = [[Action(F, 0, 0, 0), Action(F, 0, 0, 1), Action(F, 1, 1, 2), Action(B, 1, 1, 2),
+                Action(B, 0, 0, 0), Action(B, 0, 0, 1), Action(F, 1, 1, 3), Action(B, 1, 1, 3)],
+               []]
     chimera_like = Schedule(name="bidirectional", num_ranks=2, num_stages=2, num_pipes=2,
-                            num_microbatches=2, placement=[[0, 1], [1, 0]], actions=[[], []])
-    r0 = rank_memory(chimera_like, 0, stages, peak_in_flight={0: 2, 1: 1})
+                            num_microbatches=4, placement=[[0, 1], [1, 0]], actions=actions)
+    r0 = rank_memory(spec, chimera_like, pieces_of(partition), 2, recompute=False)[0]
     assert r0.stages == (0, 1)
     assert r0.weight_bytes == stages[0].weight_bytes + stages[1].weight_bytes
     assert r0.activation_bytes == 2 * stages[0].activation_bytes + stages[1].activation_bytes
-    with pytest.raises(ValueError, match="holds stages"):
-        rank_memory(one_pipe, 0, stages, peak_in_flight={1: 1})

@@ -10,7 +10,7 @@ from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.simulate import CostModel, simulate
-from megatron_chimera.tuning.costs import ModelSpec, StageSlice, stage_forward_flops
+from megatron_chimera.tuning.costs import ModelSpec, StagePiece, stage_forward_flops
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile, load_hardware
 from megatron_chimera.tuning.perf_model import (
     PerformanceModel,
@@ -38,7 +38,7 @@ class UniformCompute:
     def __init__(self, forward: float, backward: float) -> None:
         self.forward, self.backward = forward, backward
 
-    def stage_times(self, piece: StageSlice, micro_batch: int, recompute: bool) -> StageTimes:
+    def stage_times(self, piece: StagePiece, micro_batch: int, recompute: bool) -> StageTimes:
         return StageTimes(self.forward, self.backward, 0.0)
 
 
@@ -46,8 +46,8 @@ def test_layer_flops_match_the_paper_formula():
     spec = gpt(num_layers=3, hidden=128, heads=8, seq=64, vocab=1000)
     b, s, h = 4, 64, 128
     v = spec.config.padded_vocab_size
-    middle = StageSlice((0, 3), pre_process=False, post_process=False)
-    last = StageSlice((0, 3), pre_process=False, post_process=True)
+    middle = StagePiece((0, 3), pre_process=False, post_process=False)
+    last = StagePiece((0, 3), pre_process=False, post_process=True)
     assert sum(stage_forward_flops(spec, middle, b)) == 3 * (24 * b * s * h**2 + 4 * b * s**2 * h)
     head = sum(stage_forward_flops(spec, last, b)) - sum(stage_forward_flops(spec, middle, b))
     assert head == 2 * b * s * h * v
@@ -61,8 +61,7 @@ def test_zero_communication_model_equals_simulator_on_flop_costs(name, options, 
     """The prediction is the simulator's makespan under per-stage FLOP times computed by hand."""
     spec = gpt()
     D, B = 4, 2
-    layout = TrainingLayout(name, D, 1, B, N, pipes=options.get("pipes", 1),
-                            concat=options.get("concat"))
+    layout = TrainingLayout.of(name, D, 1, B, N, **options)
     prediction = PerformanceModel(spec, ZERO_COMM).predict(layout)
     s, h, v = 32, 64, spec.config.padded_vocab_size
     rate = 10e12 * 0.5
@@ -81,7 +80,7 @@ def test_basic_unit_reduces_to_eq1(D, forward, backward):
     """Basic unit (N = D), zero communication, B_t >= F_t: T = F_t N + B_t (N + D - 2)."""
     model = PerformanceModel(gpt(num_layers=16), ZERO_COMM,
                              compute=UniformCompute(forward, backward))
-    prediction = model.predict(TrainingLayout("chimera", D, 1, 1, D, pipes=2))
+    prediction = model.predict(TrainingLayout.of("chimera", D, 1, 1, D, pipes=2))
     assert prediction.iteration_s == pytest.approx(
         forward * D + backward * (2 * D - 2), rel=1e-12)
     assert prediction.iteration_s == pytest.approx(chimera_eq1_time(forward, backward, D, D))
@@ -93,7 +92,7 @@ def test_basic_unit_with_forward_heavier_than_backward(D):
     forward, backward = 2.0, 1.0
     model = PerformanceModel(gpt(num_layers=16), ZERO_COMM,
                              compute=UniformCompute(forward, backward))
-    time = model.predict(TrainingLayout("chimera", D, 1, 1, D, pipes=2)).iteration_s
+    time = model.predict(TrainingLayout.of("chimera", D, 1, 1, D, pipes=2)).iteration_s
     assert time == pytest.approx(forward * (2 * D - 2) + backward * D)
     with pytest.raises(ValueError, match="backward >= forward"):
         chimera_eq1_time(forward, backward, D, D)
@@ -108,7 +107,7 @@ def test_rabenseifner_allreduce_on_hand_computed_case():
     link = LinkProfile(alpha, bandwidth)
     hw = HardwareProfile("ar", 10.0, 20.0, 0.5, 16.0, 1, link, link)
     model = PerformanceModel(spec, hw, compute=UniformCompute(0.0, 0.0))
-    layout = TrainingLayout("chimera", 2, 2, 1, 2, pipes=2)  # r = 2 pipes x W=2 = 4
+    layout = TrainingLayout.of("chimera", 2, 2, 1, 2, pipes=2)  # r = 2 pipes x W=2 = 4
     h, v, seq = 64, spec.config.padded_vocab_size, 32
     per_layer = 12 * h * h + 13 * h
     stage0 = 4 * per_layer + v * h + seq * h
@@ -145,7 +144,7 @@ def test_two_level_network_picks_intra_or_inter_node_links():
     wide = model.cost_model(TrainingLayout("1f1b", 2, 8, 1, 2))
     assert wide.p2p_alpha == inter.alpha_s and wide.allreduce_alpha == intra.alpha_s
     # Chimera D=2, W=8: stage 0 is held by pipeline ranks 0 (down) and 1 (up): 16 ranks, 2 nodes
-    chimera = model.cost_model(TrainingLayout("chimera", 2, 8, 1, 2, pipes=2))
+    chimera = model.cost_model(TrainingLayout.of("chimera", 2, 8, 1, 2, pipes=2))
     assert chimera.allreduce_alpha == inter.alpha_s
 
 
@@ -198,11 +197,11 @@ def test_measured_compute_times_the_real_classes():
 
     spec = gpt(num_layers=4, hidden=32, heads=4, seq=16, vocab=300)
     compute = MeasuredCompute(spec, device="cpu", warmup=0, iters=1)
-    middle = compute.stage_times(StageSlice((1, 3), False, False), 2, False)
-    recompute = compute.stage_times(StageSlice((1, 3), False, False), 2, True)
+    middle = compute.stage_times(StagePiece((1, 3), False, False), 2, False)
+    recompute = compute.stage_times(StagePiece((1, 3), False, False), 2, True)
     assert middle.forward > 0 and middle.backward > 0 and 0 < middle.weight < middle.backward
     assert recompute.backward == pytest.approx(middle.backward + middle.forward)
-    one = compute.stage_times(StageSlice((1, 2), False, False), 2, False)
+    one = compute.stage_times(StagePiece((1, 2), False, False), 2, False)
     assert middle.forward == pytest.approx(2 * one.forward)  # layers scale linearly
 
 

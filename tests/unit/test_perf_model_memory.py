@@ -56,7 +56,7 @@ def test_weight_memory_matches_real_parameter_bytes(model, dtype, name, options)
         assert mem.transient_bytes == (param_bytes * 2 if width == 2 else 0)
 
 
-# Peak in-flight micro-batches per rank at D=4, known in closed form (CHIMERA.md, Table 2):
+# Peak in-flight micro-batches per rank at D=4, known in closed form (docs/CHIMERA.md, Table 2):
 # GPipe holds all N; 1F1B holds D - r; the Chimera basic unit D/2 + 1 + min(w, D-1-w); ZB-H1
 # keeps 1F1B's first-rank peak D on every rank; slot-merge and Chimera-ZB are capped at D.
 @pytest.mark.parametrize("name,options,N,expected", [

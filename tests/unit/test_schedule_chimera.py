@@ -1,7 +1,7 @@
 """Chimera generator: slot formula, reference orders, makespans, memory and size errors.
 
-Expected orders are rebuilt here straight from CHIMERA.md's formulas (not from the generator's
-helpers); expected makespans are CHIMERA.md's closed forms, measured with the simulator.
+Expected orders are rebuilt here straight from docs/CHIMERA.md's formulas (not from the generator's
+helpers); expected makespans are docs/CHIMERA.md's closed forms, measured with the simulator.
 """
 
 import pytest
@@ -10,6 +10,8 @@ from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.chimera import CONCAT_NAMES, DEFAULT_CONCAT, chimera
 from megatron_chimera.schedules.simulate import CostModel, simulate
 from megatron_chimera.schedules.validate import validate
+
+from ..schedule_helpers import with_weight_actions
 
 F_EQ_B = CostModel(forward_cost=1.0, backward_cost=1.0)
 B_2F = CostModel(forward_cost=1.0, backward_cost=2.0)
@@ -59,7 +61,7 @@ def test_d4_worker_orders_from_chimera_md():
 
 
 def _phase_orders(D, N):
-    """The reference code's phase form of direct concatenation (CHIMERA.md)."""
+    """The reference code's phase form of direct concatenation (docs/CHIMERA.md)."""
     h, per = D // 2, N // 2
     out = []
     for s in range(D):
@@ -212,7 +214,7 @@ def test_concat_names_and_json_round_trip():
 
 def test_split_backward_puts_each_w_right_after_its_b():
     plain = chimera(4, 8)
-    split = chimera(4, 8, split_backward=True)
+    split = with_weight_actions(plain, delay=0)
     validate(split)
     assert split.split_backward
     for p_order, s_order in zip(plain.actions, split.actions):

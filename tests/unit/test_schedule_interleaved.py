@@ -51,8 +51,7 @@ def test_bubble_shrinks_by_v(D, N, v):
     [
         (4, 6, 2, "--num-microbatches"),
         (4, 2, 2, "--num-microbatches"),
-        (4, 8, 1, "--virtual-pipeline-size"),
-        (4, 8, None, "--num-layers-per-virtual-pipeline-stage"),
+        (4, 8, 1, "--num-virtual-stages-per-pipeline-rank"),
     ],
 )
 def test_invalid_sizes_name_the_flag(D, N, v, flag):

@@ -1,11 +1,12 @@
 """Split-backward schedules: Chimera-ZB (list-scheduled bidirectional pipes) and ZB-H1."""
 
+import argparse
 from collections import Counter
 from functools import cache
 
 import pytest
 
-from megatron_chimera.schedules import Schedule, build_schedule
+from megatron_chimera.schedules import Schedule, build_schedule, get_spec
 from megatron_chimera.schedules.chimera import chimera_placement
 from megatron_chimera.schedules.list_scheduler import Priority, list_schedule
 from megatron_chimera.schedules.simulate import CostModel, simulate
@@ -115,12 +116,11 @@ def test_chimera_zb_with_less_memory_still_beats_1f1b_and_chimera():
     assert result.makespan < simulate(paper, UNSPLIT).makespan
 
 
-def test_chimera_zb_passes_chimera_options_through():
-    assert chimera_zb(4, 8, split_backward=True).split_backward
-    with pytest.raises(ValueError, match="--pipeline-schedule chimera"):
-        chimera_zb(4, 8, split_backward=False)
-    with pytest.raises(ValueError, match="--chimera-concat"):
-        chimera_zb(4, 8, concat="direct")
+def test_chimera_zb_always_splits_and_rejects_chimeras_concat():
+    assert chimera_zb(4, 8).split_backward
+    spec = get_spec("chimera-zb")
+    with pytest.raises(ValueError, match="--chimera-concat does not apply"):
+        spec.options_from(argparse.Namespace(chimera_concat="direct", chimera_pipes=2))
 
 
 def test_chimera_zb_tight_cap_is_deadlock_free():

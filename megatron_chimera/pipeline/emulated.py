@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..model.linear import Linear, WeightGradStore
+from megatron_chimera.model.linear import Linear, WeightGradStore
 
 
 @dataclass(frozen=True)

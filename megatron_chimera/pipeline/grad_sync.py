@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import parallel_state
+from megatron_chimera import parallel_state
 
 SharedWeightGetter = Callable[[nn.Module], "nn.Parameter | None"]
 

@@ -14,7 +14,11 @@ are gathered (with each rank's compute-busy seconds) on the logging rank, the la
 (Megatron's convention).
 
 Failures: an exception on any rank is recorded in the c10d store before it propagates; a rank
-whose communication then fails raises :class:`PipelineFailure` naming the rank that failed first.
+whose communication then fails raises :class:`~.failures.PipelineFailure` naming the rank that
+failed first (:mod:`.failures`).
+
+Where the rank sits (pipeline rank, data-parallel rank, peers) comes from an injected
+:class:`~.topology.PipelineTopology`.
 """
 
 from __future__ import annotations
@@ -23,26 +27,31 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from .. import parallel_state
-from ..model.linear import WeightGradStore, defer_weight_grad
-from ..p2p_communication import P2PCommunicator, iteration_actions
-from .actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from .grad_sync import GradientSynchronizer
+from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
+from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
+from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
+from megatron_chimera.pipeline.p2p import P2PCommunicator, iteration_actions
+from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
-_FAILURE_KEY = "megatron_chimera/first_failure"
-_FAILURE_COUNT = "megatron_chimera/failure_count"
+__all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "ForwardStepFunc"]
 
 
-class PipelineFailure(RuntimeError):
-    """A rank failed during a pipeline iteration; the message names the rank that failed first."""
+class SavedForward(NamedTuple):
+    """What a forward leaves for its backward: the stage input (with ``requires_grad``), and
+    either the output (stored activations) or the RNG state to replay it (recomputation)."""
+
+    input_tensor: torch.Tensor | None
+    output: torch.Tensor | None
+    rng_state: tuple | None
 
 
 @dataclass
@@ -105,54 +114,22 @@ def _as_float_dict(stats: dict[str, Any]) -> dict[str, float]:
             for k, v in stats.items()}
 
 
-def _default_store() -> dist.Store | None:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store (e.g. not initialised): nothing to report to
-        return None
-
-
-def record_failure(message: str) -> None:
-    """Record ``message`` as the job's first failure unless another rank was first."""
-    store = _default_store()
-    if store is None:
-        return
-    with contextlib.suppress(Exception):
-        if store.add(_FAILURE_COUNT, 1) == 1:
-            store.set(_FAILURE_KEY, message)
-
-
-def first_failure(wait_seconds: float = 2.0) -> str | None:
-    """The first failure recorded by any rank (waits briefly for it to appear), or None."""
-    store = _default_store()
-    if store is None:
-        return None
-    deadline = time.monotonic() + wait_seconds
-    with contextlib.suppress(Exception):
-        while True:
-            if store.check([_FAILURE_KEY]):
-                return store.get(_FAILURE_KEY).decode()
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.05)
-    return None
-
-
 class PipelineExecutor:
     """Executes ``schedule.actions[pipeline_rank]`` for one iteration with real stage modules.
 
-    ``stage_modules`` maps every stage this rank holds to its module (one module per stage, shared
-    by the pipes that visit it); ``tensor_shape``/``dtype`` describe every p2p message
-    (``[seq, micro_batch, hidden]``); ``loss_scale_divisor`` is ``N x W``; ``grad_sync`` is None
-    for evaluation-only use; ``scale_loss`` is the fp16 grad scaler's hook; ``recompute`` keeps
-    only stage inputs and re-runs the forward at B; ``weight_grad_store_factory`` makes the store
+    ``topology`` says where this rank sits; ``stage_modules`` maps every stage this rank holds to
+    its module (one module per stage, shared by the pipes that visit it); ``tensor_shape`` and
+    ``dtype`` describe every p2p message (``[seq, micro_batch, hidden]``);
+    ``loss_scale_divisor`` is ``N x W``; ``grad_sync`` is None for evaluation-only use;
+    ``scale_loss`` is the fp16 grad scaler's hook; ``recompute`` keeps only stage inputs and
+    re-runs the forward at B; ``weight_grad_store_factory`` makes the store
     of each split backward (W); ``gather_losses`` collects losses on the last global rank.
     """
 
     def __init__(
         self,
         schedule: Schedule,
-        pipeline_rank: int,
+        topology: PipelineTopology,
         stage_modules: dict[int, nn.Module],
         forward_step_func: ForwardStepFunc,
         tensor_shape: Sequence[int],
@@ -162,16 +139,17 @@ class PipelineExecutor:
         device: torch.device | str = "cpu",
         recompute: bool = False,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        to_global_rank: Callable[[int], int] | None = None,
         recv_lookahead: int = 2,
         deallocate_outputs: bool = True,
         weight_grad_store_factory: Callable[[], WeightGradStore] = WeightGradStore,
         gather_losses: bool = True,
     ) -> None:
+        pipeline_rank = topology.pipeline_rank
         missing = set(schedule.stages_of_rank(pipeline_rank)) - set(stage_modules)
         if missing:
             raise ValueError(f"pipeline rank {pipeline_rank} lacks stage modules {sorted(missing)}")
         self.schedule = schedule
+        self.topology = topology
         self.pipeline_rank = pipeline_rank
         self.stage_modules = stage_modules
         self.forward_step_func = forward_step_func
@@ -182,10 +160,6 @@ class PipelineExecutor:
         self.device = torch.device(device)
         self.recompute = recompute
         self.scale_loss = scale_loss
-        if to_global_rank is None:
-            to_global_rank = (parallel_state.pipeline_rank_to_global_rank
-                              if parallel_state.model_parallel_is_initialized() else (lambda r: r))
-        self.to_global_rank = to_global_rank
         self.recv_lookahead = max(1, recv_lookahead)
         self.deallocate_outputs = deallocate_outputs and not recompute
         self.weight_grad_store_factory = weight_grad_store_factory
@@ -209,11 +183,9 @@ class PipelineExecutor:
                 f"expected {self.schedule.num_microbatches} micro-batches, got {len(microbatches)}"
             )
         start = time.perf_counter()
-        group_for = (parallel_state.get_p2p_group
-                     if parallel_state.model_parallel_is_initialized() else (lambda s, d: None))
         comm = P2PCommunicator(
             self.schedule, self.pipeline_rank, self.tensor_shape, self.dtype, self.device,
-            self.to_global_rank, forward_only, group_for,
+            self.topology, forward_only,
         )
         run = _Iteration(self, comm, microbatches, forward_only)
         try:
@@ -237,20 +209,13 @@ class PipelineExecutor:
     def _failure(self, exc: BaseException, action: Action | None) -> PipelineFailure:
         rank = dist.get_rank() if dist.is_initialized() else self.pipeline_rank
         where = f" in {action.short()}" if action is not None else ""
-        mine = f"rank {rank} (pipeline rank {self.pipeline_rank}) failed{where}: " \
-            f"{type(exc).__name__}: {exc}"
-        record_failure(mine)
-        first = first_failure()
-        if first is None or first == mine:
-            return PipelineFailure(mine)
-        return PipelineFailure(f"{first}; then {mine}")
+        return pipeline_failure(f"rank {rank} (pipeline rank {self.pipeline_rank}) failed{where}: "
+                                f"{type(exc).__name__}: {exc}")
 
     def _gather(self, result: IterationResult) -> None:
         """Collect per-micro-batch losses and busy seconds of every rank on the last global rank."""
         world, me = dist.get_world_size(), dist.get_rank()
-        dp_rank = (parallel_state.get_data_parallel_rank()
-                   if parallel_state.model_parallel_is_initialized() else 0)
-        payload = (dp_rank, result.local_losses, result.busy_seconds)
+        payload = (self.topology.data_parallel_rank, result.local_losses, result.busy_seconds)
         logging_rank = world - 1
         gathered: list[Any] | None = [None] * world if me == logging_rank else None
         dist.gather_object(payload, gathered, dst=logging_rank)
@@ -275,7 +240,7 @@ class _Iteration:
         self.forward_only = forward_only
         self.actions = iteration_actions(executor.schedule, executor.pipeline_rank, forward_only)
         self.last_stage = executor.schedule.num_stages - 1
-        self.saved: dict[tuple[int, int, int], tuple] = {}
+        self.saved: dict[tuple[int, int, int], SavedForward] = {}
         self.stores: dict[tuple[int, int, int], WeightGradStore] = {}
         self.to_deallocate: list[tuple[dist.Work, torch.Tensor]] = []
         self.losses: dict[int, dict[str, Any]] = {}
@@ -345,9 +310,9 @@ class _Iteration:
             return
         key = (action.pipe, action.stage, action.microbatch)
         if ex.recompute:
-            self.saved[key] = (input_tensor, None, rng_state)
+            self.saved[key] = SavedForward(input_tensor, None, rng_state)
         else:
-            self.saved[key] = (input_tensor, output, None)
+            self.saved[key] = SavedForward(input_tensor, output, None)
             if ex.deallocate_outputs and work is not None:
                 self.to_deallocate.append((work, output))
 

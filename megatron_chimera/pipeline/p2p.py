@@ -23,13 +23,13 @@ backward ``B(p, s, m)`` sends the gradient from stage ``s`` to stage ``s-1``. So
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .schedules.actions import BACKWARD, FORWARD, Action, Schedule
+from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.schedules.actions import FORWARD, Action, Schedule, input_of, output_to
 
 ACTIVATION = 0
 GRADIENT = 1
@@ -53,24 +53,28 @@ class Message:
         )
 
 
+def _message(producer: Action, schedule: Schedule) -> Message:
+    """The transfer of ``producer``'s output to the next stage (F) or the previous stage (B)."""
+    p, s, m = producer.pipe, producer.stage, producer.microbatch
+    if producer.kind == FORWARD:
+        return Message(ACTIVATION, p, m, s, schedule.rank_of(p, s), schedule.rank_of(p, s + 1))
+    return Message(GRADIENT, p, m, s - 1, schedule.rank_of(p, s), schedule.rank_of(p, s - 1))
+
+
 def produced_message(schedule: Schedule, action: Action) -> Message | None:
     """The message ``action`` sends when it finishes (None at the pipe ends and for W)."""
-    p, s, m = action.pipe, action.stage, action.microbatch
-    if action.kind == FORWARD and s < schedule.num_stages - 1:
-        return Message(ACTIVATION, p, m, s, schedule.rank_of(p, s), schedule.rank_of(p, s + 1))
-    if action.kind == BACKWARD and s > 0:
-        return Message(GRADIENT, p, m, s - 1, schedule.rank_of(p, s), schedule.rank_of(p, s - 1))
-    return None
+    if output_to(action, schedule.num_stages) is None:
+        return None
+    return _message(action, schedule)
 
 
 def needed_message(schedule: Schedule, action: Action) -> Message | None:
-    """The message ``action`` must receive before it runs (None at the pipe ends and for W)."""
-    p, s, m = action.pipe, action.stage, action.microbatch
-    if action.kind == FORWARD and s > 0:
-        return Message(ACTIVATION, p, m, s - 1, schedule.rank_of(p, s - 1), schedule.rank_of(p, s))
-    if action.kind == BACKWARD and s < schedule.num_stages - 1:
-        return Message(GRADIENT, p, m, s, schedule.rank_of(p, s + 1), schedule.rank_of(p, s))
-    return None
+    """The message ``action`` must receive before it runs (None when its input is produced on
+    its own stage: F of stage 0, B of the last stage, W)."""
+    producer = input_of(action, schedule.num_stages)
+    if producer is None or producer.stage == action.stage:
+        return None
+    return _message(producer, schedule)
 
 
 def iteration_actions(schedule: Schedule, rank: int, forward_only: bool = False) -> list[Action]:
@@ -96,17 +100,20 @@ class P2PCommunicator:
         tensor_shape: tuple[int, ...],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
-        to_global_rank: Callable[[int], int] = lambda r: r,
+        topology: PipelineTopology | None = None,
         forward_only: bool = False,
-        group_for: Callable[[int, int], dist.ProcessGroup | None] = lambda src, dst: None,
     ) -> None:
+        topology = topology or PipelineTopology.standalone(pipeline_rank)
+        if topology.pipeline_rank != pipeline_rank:
+            raise ValueError(f"topology is of pipeline rank {topology.pipeline_rank}, "
+                             f"not {pipeline_rank}")
         self.schedule = schedule
         self.rank = pipeline_rank
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.to_global_rank = to_global_rank
-        self.group_for = group_for
+        self.to_global_rank = topology.to_global_rank
+        self.group_for = topology.p2p_group
         self._pending_recv: dict[int, deque[Message]] = {}
         for peer in range(schedule.num_ranks):
             if peer == pipeline_rank:

@@ -1,0 +1,304 @@
+"""One registry of pipeline schedules: name, generator, typed options, flags and search variants.
+
+Every schedule is one :class:`ScheduleSpec`. Its options are a frozen dataclass whose fields
+declare their command-line flag (``option(...)``), so the same table drives
+
+* ``--pipeline-schedule`` and the option flags of ``pretrain_*.py`` and of the tools
+  (:func:`add_schedule_arguments`),
+* reading options from parsed flags or from a configuration (:meth:`ScheduleSpec.options_from`),
+* writing them back as flags, e.g. for the autotuner's ``torchrun`` command
+  (:meth:`ScheduleSpec.to_flags`),
+* the variants the autotuner enumerates (:meth:`ScheduleSpec.variants`),
+* building the schedule (:meth:`ScheduleSpec.build`).
+
+Adding a schedule or an option touches this module (and the generator) only. Errors are
+``ValueError`` naming the flag; the driver turns them into its ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import Field, dataclass, field, fields, replace
+from typing import Any
+
+from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.chimera import CONCAT_NAMES, chimera
+from megatron_chimera.schedules.gpipe import gpipe
+from megatron_chimera.schedules.interleaved import interleaved
+from megatron_chimera.schedules.one_f_one_b import one_f_one_b
+from megatron_chimera.schedules.zero_bubble import chimera_zb, zb_h1
+
+
+def option(default: Any, flag: str, help: str, *, parse: Callable[[str], Any] | None = None,
+           choices: Sequence[Any] | None = None, search: Sequence[Any] = ()) -> Any:
+    """A schedule option: a dataclass field that knows its flag, parser, choices and the values
+    the autotuner tries (``search``; empty: only the default)."""
+    return field(default=default, metadata={"flag": flag, "help": help, "parse": parse,
+                                            "choices": choices, "search": tuple(search)})
+
+
+def flag_dest(flag: str) -> str:
+    """argparse's attribute name of ``flag`` (``--chimera-pipes`` -> ``chimera_pipes``)."""
+    return flag[2:].replace("-", "_")
+
+
+def parse_costs(text: str) -> tuple[float, float, float]:
+    """``"F,B,W"`` -> three positive floats (``--chimera-zb-costs``)."""
+    try:
+        costs = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--chimera-zb-costs must be F,B,W numbers, got {text!r}") from None
+    if len(costs) != 3 or min(costs) <= 0:
+        raise ValueError(f"--chimera-zb-costs must be three positive numbers F,B,W, got {text!r}")
+    return costs  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """Options of a schedule that has none (GPipe, 1F1B, ZB-H1)."""
+
+
+@dataclass(frozen=True)
+class ChimeraOptions:
+    """Chimera: how many pipes, and how N > D micro-batches are concatenated."""
+
+    pipes: int = option(2, "--chimera-pipes", "Chimera: 2f pipes, f dividing D/2 (default 2)",
+                        parse=int, search=(2, 4))
+    concat: str | None = option(
+        None, "--chimera-concat", "Chimera: how N > D is built from basic units "
+        "(default slot-merge)", choices=CONCAT_NAMES, search=CONCAT_NAMES)
+
+
+@dataclass(frozen=True)
+class ChimeraZBOptions:
+    """Chimera-ZB: pipes, the cap on live activations and the F,B,W costs the order is built for."""
+
+    pipes: int = option(2, "--chimera-pipes", "Chimera: 2f pipes, f dividing D/2 (default 2)",
+                        parse=int, search=(2, 4))
+    max_inflight: int | None = option(
+        None, "--chimera-max-inflight", "Chimera-ZB: cap on live activations per rank "
+        "(default D)", parse=int)
+    costs: tuple[float, float, float] | None = option(
+        None, "--chimera-zb-costs", "Chimera-ZB: relative F,B,W times the order is optimised "
+        "for (default 1,1,1)", parse=parse_costs)
+
+
+@dataclass(frozen=True)
+class InterleavedOptions:
+    """Interleaved 1F1B: model chunks (virtual stages) per pipeline rank."""
+
+    virtual_pipeline_size: int = option(
+        2, "--num-virtual-stages-per-pipeline-rank", "interleaved: model chunks per pipeline "
+        "rank (default 2)", parse=int, search=(2, 4))
+
+
+def _all_options(options: Any) -> dict[str, Any]:
+    return {f.name: getattr(options, f.name) for f in fields(options)}
+
+
+def _as_given(options: Any, num_ranks: int, num_microbatches: int) -> Any:
+    return options
+
+
+def _same_for_n_equal_d(options: Any, num_ranks: int, num_microbatches: int) -> Any:
+    """Chimera's concatenation only matters for N > D: one variant (no concat) when N = D."""
+    if num_microbatches == num_ranks:
+        return replace(options, concat=None)
+    return options
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule of the registry (see the module docstring)."""
+
+    name: str
+    generator: Callable[..., Schedule]
+    options_type: type = NoOptions
+    summary: str = ""
+    # canonical form of a search variant at (D, N), or None when it duplicates another
+    canonical: Callable[[Any, int, int], Any] = _as_given
+    max_search_ranks: int | None = None  # the autotuner skips larger D (slow generator)
+
+    def option_fields(self) -> tuple[Field, ...]:
+        """The options dataclass's fields (each with its flag metadata)."""
+        return fields(self.options_type)
+
+    def build(self, num_ranks: int, num_microbatches: int, options: Any = None) -> Schedule:
+        """The schedule for D ranks and N micro-batches (ValueError naming the flag if it cannot
+        run at these sizes)."""
+        options = self.options_type() if options is None else options
+        if not isinstance(options, self.options_type):
+            raise TypeError(f"{self.name} takes {self.options_type.__name__}, got {options!r}")
+        kwargs = {k: v for k, v in _all_options(options).items() if v is not None}
+        return self.generator(num_ranks, num_microbatches, **kwargs)
+
+    def options_from(self, source: Any, strict: bool = True) -> Any:
+        """Options read from ``source``'s flag attributes (an argparse namespace or any object
+        with them; missing or None: the default). ``strict`` rejects registry flags that were
+        given but do not apply to this schedule."""
+        mine = {f.metadata["flag"] for f in self.option_fields()}
+        if strict:
+            for flag in all_option_flags():
+                if flag not in mine and getattr(source, flag_dest(flag), None) is not None:
+                    raise ValueError(f"{flag} does not apply to --pipeline-schedule {self.name}"
+                                     f"{_where_it_applies(flag)}")
+        values = {}
+        for f in self.option_fields():
+            value = getattr(source, flag_dest(f.metadata["flag"]), None)
+            if value is not None:
+                values[f.name] = value
+        return self.options_type(**values)
+
+    def to_flags(self, options: Any = None) -> list[str]:
+        """``--pipeline-schedule NAME`` and every option that is set (defaults spelt out, so
+        the command does not depend on them)."""
+        options = self.options_type() if options is None else options
+        flags = ["--pipeline-schedule", self.name]
+        for f in self.option_fields():
+            value = getattr(options, f.name)
+            if value is not None:
+                text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+                flags += [f.metadata["flag"], text]
+        return flags
+
+    def variants(self, num_ranks: int, num_microbatches: int,
+                 search: Mapping[str, Sequence[Any]] | None = None) -> Iterator[Any]:
+        """Option sets the autotuner tries at (D, N): every combination of each field's search
+        values (or ``search[field name]``), deduplicated by :attr:`canonical`. Sizes are not
+        checked here: building an invalid variant raises ValueError."""
+        if self.max_search_ranks is not None and num_ranks > self.max_search_ranks:
+            return
+        search = search or {}
+        names = [f.name for f in self.option_fields()]
+        choices = [tuple(search.get(f.name, ())) or f.metadata["search"] or (f.default,)
+                   for f in self.option_fields()]
+        seen = set()
+        for values in itertools.product(*choices):
+            options = self.canonical(self.options_type(**dict(zip(names, values))),
+                                     num_ranks, num_microbatches)
+            if options is not None and options not in seen:
+                seen.add(options)
+                yield options
+
+    def label(self, options: Any = None) -> str:
+        """``name`` plus the options that differ from their defaults (``chimera/direct``)."""
+        options = self.options_type() if options is None else options
+        parts = [self.name]
+        for f in self.option_fields():
+            value = getattr(options, f.name)
+            if f.name != "pipes" and value is not None and value != f.default:
+                parts.append(f"v{value}" if f.name == "virtual_pipeline_size" else str(value))
+        return "/".join(parts)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    spec.name: spec for spec in (
+        ScheduleSpec("gpipe", gpipe, summary="all forwards, then all backwards"),
+        ScheduleSpec("1f1b", one_f_one_b, summary="1F1B (PipeDream-Flush / DAPPLE)"),
+        ScheduleSpec("interleaved", interleaved, InterleavedOptions,
+                     summary="Megatron's interleaved 1F1B (virtual pipeline)"),
+        ScheduleSpec("chimera", chimera, ChimeraOptions,
+                     summary="Chimera: 2f bidirectional pipes", canonical=_same_for_n_equal_d),
+        ScheduleSpec("chimera-zb", chimera_zb, ChimeraZBOptions,
+                     summary="Chimera with split backward, W fills the bubbles",
+                     max_search_ranks=16),
+        ScheduleSpec("zb-h1", zb_h1, summary="ZB-H1: 1F1B with delayed weight gradients"),
+    )
+}
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def get_spec(name: str) -> ScheduleSpec:
+    """The spec of ``--pipeline-schedule name`` (ValueError naming the choices otherwise)."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(
+            f"--pipeline-schedule: unknown schedule {name!r}; choose from {SCHEDULE_NAMES}"
+        ) from None
+
+
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
+    """Build schedule ``name`` with options given as keywords (the option field names)."""
+    spec = get_spec(name)
+    known = {f.name for f in spec.option_fields()}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"--pipeline-schedule {name} has no option {sorted(unknown)}; "
+                         f"its options are {sorted(known)}")
+    return spec.build(num_ranks, num_microbatches, spec.options_type(**options))
+
+
+def all_option_flags() -> list[str]:
+    """Every option flag of every schedule, once each, in registry order."""
+    flags: list[str] = []
+    for spec in SCHEDULES.values():
+        for f in spec.option_fields():
+            if f.metadata["flag"] not in flags:
+                flags.append(f.metadata["flag"])
+    return flags
+
+
+def _where_it_applies(flag: str) -> str:
+    names = [s.name for s in SCHEDULES.values()
+             if flag in {f.metadata["flag"] for f in s.option_fields()}]
+    return f" (it applies to {', '.join(names)})" if names else ""
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser | Any,
+                           default_schedule: str | None = None) -> None:
+    """``--pipeline-schedule``, ``--chimera-split-backward`` and every option flag (default None,
+    so that a flag given for the wrong schedule can be told from an absent one)."""
+    parser.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=default_schedule,
+                        help="the pipeline schedule (default: chimera when --chimera-pipes is "
+                             "given, else 1f1b)" if default_schedule is None else
+                             f"the pipeline schedule (default {default_schedule})")
+    parser.add_argument("--chimera-split-backward", action="store_true",
+                        help="Chimera-ZB: split the backward into B and W, W fills the bubbles "
+                             "(same as --pipeline-schedule chimera-zb)")
+    seen = set()
+    for spec in SCHEDULES.values():
+        for f in spec.option_fields():
+            flag = f.metadata["flag"]
+            if flag in seen:
+                continue
+            seen.add(flag)
+            parser.add_argument(flag, type=f.metadata["parse"] or str,
+                                choices=f.metadata["choices"], default=None,
+                                help=f.metadata["help"])
+
+
+def schedule_name_from(source: Any) -> str:
+    """The schedule the flags select: ``--pipeline-schedule`` (default chimera when
+    ``--chimera-pipes`` is given, else 1f1b); ``--chimera-split-backward`` turns chimera into
+    chimera-zb."""
+    name = getattr(source, "pipeline_schedule", None)
+    if name is None:
+        name = "chimera" if getattr(source, "chimera_pipes", None) is not None else "1f1b"
+    if getattr(source, "chimera_split_backward", False):
+        if name not in ("chimera", "chimera-zb"):
+            raise ValueError(f"--chimera-split-backward requires --pipeline-schedule chimera or "
+                             f"chimera-zb, got {name}")
+        name = "chimera-zb"
+    return name
+
+
+def spec_and_options_from(source: Any, strict: bool = True) -> tuple[ScheduleSpec, Any]:
+    """The spec and options that parsed flags (see :func:`add_schedule_arguments`) select."""
+    spec = get_spec(schedule_name_from(source))
+    return spec, spec.options_from(source, strict=strict)
+
+
+def options_dict(options: Any) -> dict[str, Any]:
+    """Every option field's value, by field name."""
+    return _all_options(options)
+
+
+__all__ = [
+    "ScheduleSpec", "SCHEDULES", "SCHEDULE_NAMES", "NoOptions", "ChimeraOptions",
+    "ChimeraZBOptions", "InterleavedOptions", "get_spec", "build_schedule", "all_option_flags",
+    "add_schedule_arguments", "schedule_name_from", "spec_and_options_from", "options_dict",
+    "flag_dest", "option",
+]

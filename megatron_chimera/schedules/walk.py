@@ -1,0 +1,49 @@
+"""The one in-order walk over per-rank action lists.
+
+Each rank executes its list in order and blocks on the input of its next action (the dependency
+rule :func:`~.actions.input_of`); outputs are buffered, so a finished action never waits for its
+consumer. The validator (deadlock check), the simulator (timeline) and the Chimera-ZB list
+scheduler (replay of an emitted order) all walk a schedule this way, through :func:`run_in_order`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from megatron_chimera.schedules.actions import Action, input_of
+
+OnRun = Callable[[int, Action, "Action | None"], None]
+
+
+def run_in_order(
+    lists: Sequence[Sequence[Action]], num_stages: int, on_run: OnRun | None = None
+) -> list[int]:
+    """Execute ``lists[rank]`` in order, each rank blocking on the input of its next action.
+
+    Calls ``on_run(rank, action, input)`` as each action runs (after its input) and returns, per
+    rank, how many of its actions ran (all of them unless the lists deadlock).
+    """
+    steps = [[(a, input_of(a, num_stages)) for a in actions] for actions in lists]
+    done: set[Action] = set()
+    heads = [0] * len(steps)
+    progress = True
+    while progress:
+        progress = False
+        for rank, rank_steps in enumerate(steps):
+            head = heads[rank]
+            while head < len(rank_steps):
+                a, dep = rank_steps[head]
+                if dep is not None and dep not in done:
+                    break
+                if on_run is not None:
+                    on_run(rank, a, dep)
+                done.add(a)
+                head += 1
+                progress = True
+            heads[rank] = head
+    return heads
+
+
+def stalled(lists: Sequence[Sequence[Action]], heads: Sequence[int]) -> bool:
+    """Whether a walk that returned ``heads`` left some rank with actions it could not run."""
+    return any(h < len(actions) for h, actions in zip(heads, lists))

@@ -1,0 +1,136 @@
+"""The layering of docs/ARCHITECTURE.md: no import goes up, and the schedule IR stays torch-free."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_chimera"
+
+# Each module belongs to one layer; a layer may import itself and the layers listed for it.
+DRIVER_MODULES = ("training", "arguments", "config_checks", "monitor", "checkpointing",
+                  "initialize")
+BASE_MODULES = ("__init__", "config", "atomic", "layout")
+ALLOWED: dict[str, set[str]] = {
+    "base": set(),
+    "schedules": {"base"},
+    "parallel_state": {"base"},
+    "model": {"base", "parallel_state"},
+    "data": {"base"},
+    "optimizer": {"base", "model", "parallel_state"},
+    "tuning": {"base", "schedules", "model"},
+    "pipeline": {"base", "schedules", "parallel_state", "model"},
+    "driver": {"base", "schedules", "parallel_state", "model", "data", "optimizer", "tuning",
+               "pipeline"},
+}
+
+
+def layer_of(module: str) -> str:
+    """The layer of a dotted module name inside the package."""
+    parts = module.split(".")
+    assert parts[0] == "megatron_chimera", module
+    top = parts[1] if len(parts) > 1 else "__init__"
+    if top in BASE_MODULES:
+        return "base"
+    if top in DRIVER_MODULES:
+        return "driver"
+    if top in ALLOWED:
+        return top
+    raise AssertionError(f"{module}: no layer assigned (add it to tests/unit/test_architecture.py "
+                         f"and docs/ARCHITECTURE.md)")
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    relative = path.relative_to(package.parent).with_suffix("")
+    parts = list(relative.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def internal_imports(path: Path, package_root: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, imported module) for every import of the package in ``path``, at any depth
+    (function-level imports included), relative imports resolved."""
+    module = module_name(path, package_root)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names
+                      if a.name.split(".")[0] == "megatron_chimera"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "megatron_chimera":
+                continue
+            if node.module is None or target == "megatron_chimera":
+                # ``from . import x`` / ``from megatron_chimera import x``: x is a submodule
+                found += [(node.lineno, f"{target}.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, target))
+    return found
+
+
+def all_edges(package: Path = PACKAGE) -> list[tuple[str, int, str]]:
+    return [(module_name(path, package), line, target)
+            for path in sorted(package.rglob("*.py"))
+            for line, target in internal_imports(path, package)]
+
+
+def test_every_module_has_a_layer():
+    for path in PACKAGE.rglob("*.py"):
+        layer_of(module_name(path))
+
+
+def test_no_import_goes_up():
+    upward = []
+    for source, line, target in all_edges():
+        src, dst = layer_of(source), layer_of(target)
+        if src != dst and dst not in ALLOWED[src]:
+            upward.append(f"{source}:{line} ({src}) imports {target} ({dst})")
+    assert not upward, "imports against docs/ARCHITECTURE.md:\n" + "\n".join(upward)
+
+
+def test_the_walker_sees_relative_and_function_level_imports(tmp_path):
+    """The check can fail: upward imports planted in a copy of the layout are found."""
+    package = tmp_path / "megatron_chimera"
+    (package / "schedules").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "schedules" / "__init__.py").write_text("from .probe import f\n")
+    (package / "schedules" / "probe.py").write_text(
+        "import json\n\n\ndef f():\n    from ..pipeline import executor\n"
+        "    import megatron_chimera.training\n    return executor, json\n")
+    edges = [(s, t) for s, _, t in all_edges(package)]
+    assert edges == [("megatron_chimera.schedules", "megatron_chimera.schedules.probe"),
+                     ("megatron_chimera.schedules.probe", "megatron_chimera.pipeline"),
+                     ("megatron_chimera.schedules.probe", "megatron_chimera.training")]
+    assert [layer_of(t) for _, t in edges[1:]] == ["pipeline", "driver"]
+    assert not {"pipeline", "driver"} & ALLOWED["schedules"]
+
+
+@pytest.mark.timeout(120)
+def test_schedule_ir_is_torch_free():
+    """Building Chimera-ZB at D=16, N=64 (registry, generators, list scheduler, validator,
+    simulator) never imports torch."""
+    code = (
+        "import sys\n"
+        "from megatron_chimera.schedules import build_schedule\n"
+        "from megatron_chimera.schedules.simulate import simulate\n"
+        "from megatron_chimera.schedules.validate import validate\n"
+        "s = build_schedule('chimera-zb', 16, 64)\n"
+        "validate(s)\n"
+        "assert simulate(s).makespan > 0\n"
+        "import megatron_chimera.schedules.cli, megatron_chimera.schedules.compare\n"
+        "import megatron_chimera.schedules.registry\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not bad, bad[:5]\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

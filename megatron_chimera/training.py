@@ -27,6 +27,7 @@ from .arguments import build_schedule_for, parse_args
 from .checkpointing import StageSlice, load_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .data.samplers import build_data_iterator, next_microbatches
+from .flag_catalog import family_flag_errors
 from .initialize import default_backend, initialize_megatron
 from .model.partition import partition_layers
 from .monitor import (
@@ -209,7 +210,9 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
     monitor = TrainingMonitor.create(config, flops, world_size, predicted,
                                      enabled=rank == logging_rank)
-    needed = _needed_microbatches(schedule, pipeline_rank, all_stages=model_type == "bert")
+    # BERT's padding mask and GPT's document mask (--reset-attention-mask) reach every stage
+    needed = _needed_microbatches(schedule, pipeline_rank, all_stages=model_type == "bert"
+                                  or config.data.reset_attention_mask)
     run = _Run(config, schedule, partition, stages, optimizer, scheduler, executor,
                eval_executor, monitor, Timers(), needed, rank, world_size)
     return run, datasets
@@ -371,6 +374,8 @@ def pretrain_from_flags(
     ``(config.model, seed, ...)``; ``forward_step_for(tokenizer)`` gives the forward step.
     """
     config = parse_args(argv)
+    for message in family_flag_errors(config, model_type):
+        raise ConfigError(message)
     tokenizer, config = build_tokenizer_for(config)
     pretrain(
         functools.partial(train_valid_test_datasets_provider, config, tokenizer),

@@ -14,6 +14,7 @@ from .config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    LoggingConfig,
     ModelConfig,
     ParallelConfig,
     TrainConfig,
@@ -80,6 +81,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
     _validate_pipeline(config)
     _validate_data(config.data)
     _validate_checkpoint(config.checkpoint)
+    _validate_logging(config.logging)
     if parallel.distributed_backend == "nccl":
         import torch
 
@@ -198,3 +200,12 @@ def _validate_checkpoint(checkpoint: CheckpointConfig) -> None:
         raise ConfigError("--finetune requires --load")
     if checkpoint.save_interval is not None and checkpoint.save is None:
         raise ConfigError("--save-interval requires --save")
+
+
+def _validate_logging(logging: LoggingConfig) -> None:
+    """Flags that only write TensorBoard scalars need a place to write them."""
+    if logging.tensorboard_dir is None:
+        for flag, on in (("--log-timers-to-tensorboard", logging.log_timers_to_tensorboard),
+                         ("--log-memory-to-tensorboard", logging.log_memory_to_tensorboard)):
+            if on:
+                raise ConfigError(f"{flag} requires --tensorboard-dir")

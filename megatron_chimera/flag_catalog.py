@@ -148,14 +148,18 @@ FAMILY: dict[str, str] = {
     "masking_max_ngram": "bert", "bert_binary_head": "bert",
 }
 
-# Parsed flags that are not a configuration field of the same name, and where they go.
+# Parsed flags that are not a configuration field of the same name: where arguments.py puts them.
 CONSUMED_WHILE_PARSING: dict[str, str] = {
-    "no_apex": "model.use_apex and optimizer.use_apex = False",
-    "lr_decay_iters": "optimizer.lr_decay_samples = iterations x global batch",
-    "lr_warmup_iters": "optimizer.lr_warmup_samples = iterations x global batch",
-    "data_impl": "only mmap exists (validated while parsing)",
-    "log_validation_ppl_to_tensorboard": "always written (accepted for Megatron scripts)",
-    "log_batch_size_to_tensorboard": "always written (accepted for Megatron scripts)",
+    "no_apex": "`model.use_apex`, `optimizer.use_apex` = False",
+    "lr_decay_iters": "`optimizer.lr_decay_samples` = iterations x global batch",
+    "lr_warmup_iters": "`optimizer.lr_warmup_samples` = iterations x global batch",
+}
+
+# Megatron flags accepted because what they ask for always holds here (nothing to configure).
+ALWAYS_ON: dict[str, str] = {
+    "data_impl": "always mmap (Megatron's MMIDIDX files; `infer` finds the same)",
+    "log_validation_ppl_to_tensorboard": "always written",
+    "log_batch_size_to_tensorboard": "always written",
 }
 
 _TP = "needs tensor parallelism, which is not implemented (--tensor-model-parallel-size 1)"

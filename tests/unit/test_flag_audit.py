@@ -136,3 +136,20 @@ def test_entry_scripts_reject_with_one_line(script, flags, message, capsys):
         run_main(lambda: module.main([*BASE, *flags]))
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [message]
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--use-flash-attn --no-masked-softmax-fusion", "--use-flash-attn and --no-masked-softmax"),
+    ("--document-attention loop", "--document-attention loop requires --reset-attention-mask"),
+    ("--reset-attention-mask --document-attention varlen",
+     "--document-attention varlen has no attention dropout"),
+    ("--reset-attention-mask --document-attention varlen --attention-dropout 0",
+     "--document-attention varlen needs --fp16 or --bf16"),
+    ("--log-timers-to-tensorboard", "--log-timers-to-tensorboard requires --tensorboard-dir"),
+])
+def test_contradictory_attention_and_logging_flags(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args([*BASE, *flags.split()], world_size=1)
+    # and the same flags in a consistent setting parse
+    if "--reset-attention-mask" in flags:
+        parse_args([*BASE, *flags.split(), "--attention-dropout", "0", "--bf16"], world_size=1)

@@ -21,6 +21,7 @@ from megatron_chimera.data.bert_dataset import (
     build_train_valid_test_datasets,
     get_bert_batch,
 )
+from megatron_chimera.data.masking import word_start_table
 from megatron_chimera.model.bert import BertModel
 from megatron_chimera.model.family import BERT
 from megatron_chimera.training import pretrain_from_flags, run_main
@@ -51,17 +52,20 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
     data, seq_length, seed = config.data, config.model.seq_length, config.training.seed
     cls_id, sep_id, mask_id, pad_id = special_ids(tokenizer)
     binary_head = config.model.bert_binary_head
+    # whole-word masking for WordPiece / SentencePiece vocabularies unless --no-whole-word-masking
+    words = word_start_table(tokenizer) if data.whole_word_masking else None
+    masking = dict(masked_lm_prob=data.mask_prob, word_starts=words,
+                   max_ngram=data.masking_max_ngram)
     if data.mock_data:
         return tuple(
             MockBertDataset(name, n, seq_length, tokenizer.vocab_size, cls_id, sep_id, mask_id,
-                            pad_id, seed, binary_head=binary_head, masked_lm_prob=data.mask_prob)
+                            pad_id, seed, binary_head=binary_head, **masking)
             if n > 0 else None
             for name, n in zip(("train", "valid", "test"), num_samples))
     return build_train_valid_test_datasets(
         data.data_path, data.split, num_samples, seq_length, seed, tokenizer.vocab_size, cls_id,
-        sep_id, mask_id, pad_id, masked_lm_prob=data.mask_prob,
-        short_seq_prob=data.short_seq_prob, binary_head=binary_head,
-        cache_dir=data.data_cache_path)
+        sep_id, mask_id, pad_id, short_seq_prob=data.short_seq_prob, binary_head=binary_head,
+        cache_dir=data.data_cache_path, **masking)
 
 
 def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tensor):

@@ -20,6 +20,8 @@ from megatron_chimera.data.gpt_dataset import (
     build_train_valid_test_datasets,
     get_batch,
 )
+from megatron_chimera.data.gpt_sample_fields import GPTSampleDataset, LtorOptions
+from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.training import pretrain_from_flags, run_main
@@ -33,16 +35,29 @@ def model_provider(config: ModelConfig, seed: int, pre_process: bool = True,
                     layer_range=layer_range, seed=seed)
 
 
+def ltor_options(config: TrainConfig, tokenizer) -> LtorOptions:
+    """--reset-position-ids / --reset-attention-mask / --eod-mask-loss and the tokenizer's eod."""
+    data = config.data
+    return LtorOptions(tokenizer.eod, reset_position_ids=data.reset_position_ids,
+                       reset_attention_mask=data.reset_attention_mask,
+                       eod_mask_loss=data.eod_mask_loss)
+
+
 def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
                                        num_samples: list[int]) -> tuple:
-    """(train, valid, test) datasets: Megatron's GPT datasets, or synthetic with --mock-data."""
+    """(train, valid, test) datasets: Megatron's GPT datasets, or synthetic with --mock-data;
+    the data workers add each sample's loss mask, position ids and document ids."""
     data, seq_length, seed = config.data, config.model.seq_length, config.training.seed
     if data.mock_data:
-        return tuple(MockGPTDataset(name, n, seq_length, tokenizer.vocab_size, tokenizer.eod,
-                                    seed) if n > 0 else None
-                     for name, n in zip(("train", "valid", "test"), num_samples))
-    return build_train_valid_test_datasets(data.data_path, data.split, num_samples, seq_length,
-                                           seed, cache_dir=data.data_cache_path)
+        datasets = tuple(MockGPTDataset(name, n, seq_length, tokenizer.vocab_size, tokenizer.eod,
+                                        seed) if n > 0 else None
+                         for name, n in zip(("train", "valid", "test"), num_samples))
+    else:
+        datasets = build_train_valid_test_datasets(data.data_path, data.split, num_samples,
+                                                   seq_length, seed,
+                                                   cache_dir=data.data_cache_path)
+    options = ltor_options(config, tokenizer)
+    return tuple(None if d is None else GPTSampleDataset(d, options) for d in datasets)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -53,24 +68,26 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
-def forward_step(batch, model: GPTModel, eod_token: int):
-    """Megatron's GPT forward step; ``batch`` is None on a stage that needs no data."""
+def forward_step(batch, model: GPTModel):
+    """Megatron's GPT forward step; ``batch`` is None on a stage that needs no data (with
+    --reset-attention-mask every stage gets the batch: each needs the document mask)."""
     if batch is None:
         return model(None, None), None
     device = next(model.parameters()).device
-    tokens, labels, loss_mask, _, position_ids = (t.to(device) for t in get_batch(batch,
-                                                                                  eod_token))
-    output = model(tokens if model.pre_process else None,
-                   position_ids if model.pre_process else None,
-                   labels=labels if model.post_process else None)
-    return output, functools.partial(loss_func, loss_mask)
+    tokens, labels, loss_mask, document_ids, position_ids = get_batch(batch)
+    mask = None if document_ids is None else DocumentMask(document_ids, device)
+    output = model(tokens.to(device) if model.pre_process else None,
+                   position_ids.to(device) if model.pre_process else None,
+                   attention_mask=mask,
+                   labels=labels.to(device) if model.post_process else None)
+    return output, functools.partial(loss_func, loss_mask.to(device))
 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse and validate flags (every rank, before any process group), then pretrain."""
     pretrain_from_flags(
         argv, train_valid_test_datasets_provider, model_provider,
-        lambda tokenizer: functools.partial(forward_step, eod_token=tokenizer.eod),
+        lambda tokenizer: forward_step,
         family=GPT2,
     )
 

@@ -29,6 +29,8 @@ from megatron_chimera.config import (
 )
 from megatron_chimera.config_checks import build_schedule_for, validate
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES
+from megatron_chimera.flag_catalog import apply_help, refused_flag_message
+from megatron_chimera.model.document_attention import IMPLEMENTATIONS as DOCUMENT_ATTENTIONS
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
 
@@ -42,7 +44,7 @@ class _ArgumentParser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage and exiting."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(message)
+        raise ConfigError(refused_flag_message(message) or message)
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +67,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-masked-softmax-fusion", action="store_false",
                    dest="masked_softmax_fusion")
     g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
+    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion")
+    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--document-attention", choices=DOCUMENT_ATTENTIONS, default="auto")
     g.add_argument("--no-apex", action="store_true",
                    help="use torch-native kernels even when NVIDIA Apex is importable")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
@@ -127,6 +132,7 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", default="969, 30, 1")
     g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-impl", choices=("mmap", "infer"), default="mmap")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None)
@@ -136,6 +142,11 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--mask-prob", type=float, default=0.15)
     g.add_argument("--short-seq-prob", type=float, default=0.1)
+    g.add_argument("--no-whole-word-masking", action="store_false", dest="whole_word_masking")
+    g.add_argument("--masking-max-ngram", type=int, default=3)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
 
 
 def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +165,8 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
 
 
 def build_parser(
@@ -168,6 +181,7 @@ def build_parser(
     _add_checkpoint_and_logging_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
+    apply_help(parser)
     return parser
 
 
@@ -278,7 +292,8 @@ def _check_positive(args: argparse.Namespace) -> None:
                 "num_layers_per_virtual_pipeline_stage", "chimera_pipes",
                 "num_virtual_stages_per_pipeline_rank",
                 "recompute_num_layers", "loss_scale_window", "hysteresis",
-                "tensorboard_log_interval", "lr_decay_iters", "lr_decay_samples")
+                "tensorboard_log_interval", "lr_decay_iters", "lr_decay_samples",
+                "masking_max_ngram")
     for name in positive:
         value = getattr(args, name)
         if value is not None and value <= 0:

@@ -62,6 +62,12 @@ class ModelConfig:
     # (Megatron's --no-masked-softmax-fusion / --no-bias-gelu-fusion)
     masked_softmax_fusion: bool = True
     bias_gelu_fusion: bool = True
+    # --no-bias-dropout-fusion: bias-dropout-add is always the unfused torch composition here
+    bias_dropout_fusion: bool = True
+    # --use-flash-attn: on CUDA, SDPA restricted to its flash / memory-efficient kernels
+    use_flash_attn: bool = False
+    # per-document attention kernel with --reset-attention-mask (model/document_attention.py)
+    document_attention: str = "auto"
 
     @property
     def ffn_size(self) -> int:
@@ -158,9 +164,15 @@ class DataConfig:
     mock_data: bool = False
     num_workers: int = 2
     data_cache_path: str | None = None
-    # BERT masking (Megatron's defaults)
+    # BERT masking (Megatron's defaults): whole words (WordPiece / SentencePiece), n-grams <= 3
     mask_prob: float = 0.15
     short_seq_prob: float = 0.1
+    whole_word_masking: bool = True
+    masking_max_ngram: int = 3
+    # GPT samples packed from several documents (Megatron's flags; computed in the data workers)
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    LoggingConfig,
     ModelConfig,
     TrainConfig,
 )
@@ -57,6 +58,8 @@ def validate(config: TrainConfig, world_size: int) -> Schedule:
     schedule = build_schedule_for(config)
     _validate_data(config.data)
     _validate_checkpoint(config.checkpoint)
+    _validate_logging(config.logging)
+    _validate_attention(config.model, config.data)
     if parallel.distributed_backend == "nccl":
         import torch
 
@@ -115,3 +118,29 @@ def _validate_checkpoint(checkpoint: CheckpointConfig) -> None:
         raise ConfigError("--finetune requires --load")
     if checkpoint.save_interval is not None and checkpoint.save is None:
         raise ConfigError("--save-interval requires --save")
+
+
+def _validate_logging(logging: LoggingConfig) -> None:
+    """Flags that only write TensorBoard scalars need a place to write them."""
+    if logging.tensorboard_dir is None:
+        for flag, on in (("--log-timers-to-tensorboard", logging.log_timers_to_tensorboard),
+                         ("--log-memory-to-tensorboard", logging.log_memory_to_tensorboard)):
+            if on:
+                raise ConfigError(f"{flag} requires --tensorboard-dir")
+
+
+def _validate_attention(model: ModelConfig, data: DataConfig) -> None:
+    """Attention flags that contradict each other or have nothing to act on."""
+    if model.use_flash_attn and not model.masked_softmax_fusion:
+        raise ConfigError("--use-flash-attn and --no-masked-softmax-fusion exclude each other "
+                          "(the unfused softmax is not a flash kernel)")
+    impl = model.document_attention
+    if impl == "auto":
+        return
+    if not data.reset_attention_mask:
+        raise ConfigError(f"--document-attention {impl} requires --reset-attention-mask")
+    if impl in ("varlen", "flex") and model.attention_dropout > 0:
+        raise ConfigError(f"--document-attention {impl} has no attention dropout: add "
+                          "--attention-dropout 0, or use --document-attention loop")
+    if impl == "varlen" and model.params_dtype == "fp32":
+        raise ConfigError("--document-attention varlen needs --fp16 or --bf16 (FlashAttention)")

@@ -1,8 +1,11 @@
 """Timers, throughput, bubble ratio, Megatron's stdout log line and TensorBoard scalars.
 
-Besides Megatron's figures (loss, learning rate, loss scale, grad norm, TFLOP/s per GPU) every
-logged iteration reports the *measured* bubble ratio ``1 - sum(busy) / (ranks x iteration time)``
-from each rank's compute-busy time, next to the simulator's prediction for the same schedule.
+Besides Megatron's figures (loss, learning rate, loss scale, grad norm; TFLOP/s per GPU with
+``--log-throughput``) every logged iteration reports the *measured* bubble ratio
+``1 - sum(busy) / (ranks x iteration time)`` from each rank's compute-busy time, next to the
+simulator's prediction for the same schedule. ``--log-timers-to-tensorboard`` writes Megatron's
+timer names (:data:`TENSORBOARD_TIMERS`, as ``<name>-time``); ``--log-memory-to-tensorboard``
+writes every rank's memory (:func:`gather_memory_stats`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,15 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_chimera.config import TrainConfig
+
+# Megatron's timer names written with --log-timers-to-tensorboard (as "<name>-time"), in its
+# order; "interval-time" (the whole iteration) is the "iteration-time" scalar.
+TENSORBOARD_TIMERS = (
+    "forward-backward", "batch-generator", "optimizer-copy-to-main-grad",
+    "optimizer-unscale-and-check-inf", "optimizer-clip-main-grad", "optimizer-count-zeros",
+    "optimizer-inner-step", "optimizer-copy-main-to-model-params", "optimizer",
+    "save-checkpoint",
+)
 
 
 # ---------------------------------------------------------------------------------- timers
@@ -94,14 +106,40 @@ def predicted_bubble_ratio(
 
 
 def memory_stats() -> dict[str, float]:
-    """Allocator figures on CUDA, or this process's peak resident set size on CPU (bytes)."""
+    """This process's memory in bytes: the CUDA allocator's figures (Megatron's names), or on
+    the CPU the current and peak resident set size."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return {"mem-reserved-bytes": float(torch.cuda.memory_reserved()),
                 "mem-allocated-bytes": float(torch.cuda.memory_allocated()),
                 "mem-max-allocated-bytes": float(torch.cuda.max_memory_allocated())}
     import resource
 
-    return {"mem-max-rss-bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+    peak = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+    return {"mem-rss-bytes": _current_rss(peak), "mem-max-rss-bytes": peak}
+
+
+def _current_rss(fallback: float) -> float:
+    """Resident set size now (Linux ``/proc/self/statm``; ``fallback`` elsewhere)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return fallback
+
+
+def gather_memory_stats(dst: int) -> list[dict[str, float]] | None:
+    """Every rank's :func:`memory_stats` on global rank ``dst`` (a collective: every rank must
+    call it; the others get None)."""
+    import torch.distributed as dist
+
+    mine = memory_stats()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(mine, gathered, dst=dst)
+    return gathered
 
 
 def _bubble(stats: IterationStats) -> float:
@@ -125,6 +163,7 @@ class IterationStats:
     pipeline_seconds: float | None = None  # schedule execution only (the bubble's denominator)
     busy_seconds: list[float] = field(default_factory=list)
     timers: dict[str, float] = field(default_factory=dict)
+    memory: list[dict[str, float]] | None = None  # per rank (--log-memory-to-tensorboard)
 
 
 class TrainingMonitor:
@@ -216,11 +255,19 @@ class TrainingMonitor:
         if self.predicted_bubble is not None:
             self._scalar("bubble-ratio-predicted", self.predicted_bubble, it, samples)
         if self.config.logging.log_timers_to_tensorboard:
-            for name, seconds in stats.timers.items():
-                w.add_scalar(f"{name}-time", seconds, it)
+            for name in TENSORBOARD_TIMERS:
+                if name in stats.timers:
+                    w.add_scalar(f"{name}-time", stats.timers[name], it)
         if self.config.logging.log_memory_to_tensorboard:
-            for name, value in memory_stats().items():
-                w.add_scalar(name, value, it)
+            self._write_memory(stats.memory or [memory_stats()], it)
+
+    def _write_memory(self, per_rank: list[dict[str, float]], iteration: int) -> None:
+        """Megatron's memory scalars (the maximum over ranks) and ``<name>/rank-<r>`` each."""
+        for name in per_rank[0]:
+            values = [stats.get(name, 0.0) for stats in per_rank]
+            self.writer.add_scalar(name, max(values), iteration)
+            for rank, value in enumerate(values):
+                self.writer.add_scalar(f"{name}/rank-{rank}", value, iteration)
 
     def _log_line(self, stats: IterationStats) -> str:
         window = self._window
@@ -232,7 +279,10 @@ class TrainingMonitor:
             f" iteration {stats.iteration:8d}/{train_iters:8d}",
             f" consumed samples: {stats.consumed_samples:12d}",
             f" elapsed time per iteration (ms): {seconds * 1000:.1f}",
-            f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f}",
+        ]
+        if self.config.logging.log_throughput:  # Megatron prints it only with --log-throughput
+            parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f}")
+        parts += [
             f" learning rate: {stats.learning_rate:.6E}",
             f" global batch size: {self.config.training.global_batch_size:5d}",
         ]

@@ -27,11 +27,18 @@ from megatron_chimera.arguments import build_schedule_for, parse_args_and_schedu
 from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
 from megatron_chimera.config import ConfigError, TrainConfig
 from megatron_chimera.data.samplers import build_data_iterator, next_microbatches
+from megatron_chimera.flag_catalog import family_flag_errors
 from megatron_chimera.initialize import default_backend, initialize_megatron
 from megatron_chimera.model.family import GPT2, ModelFamily
 from megatron_chimera.model.flops import training_flops
 from megatron_chimera.model.partition import partition_layers
-from megatron_chimera.monitor import IterationStats, Timers, TrainingMonitor, predicted_bubble_ratio
+from megatron_chimera.monitor import (
+    IterationStats,
+    Timers,
+    TrainingMonitor,
+    gather_memory_stats,
+    predicted_bubble_ratio,
+)
 from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_embedding_weight
@@ -205,8 +212,10 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
     monitor = TrainingMonitor.create(config, flops, world_size, predicted,
                                      enabled=rank == logging_rank)
+    # BERT's padding mask and GPT's document mask (--reset-attention-mask) reach every stage
     needed = _needed_microbatches(schedule, pipeline_rank,
-                                  all_stages=family.every_stage_reads_batch)
+                                  all_stages=family.every_stage_reads_batch
+                                  or config.data.reset_attention_mask)
     run = _Run(config, schedule, partition, stages, optimizer, scheduler, executor,
                eval_executor, monitor, Timers(), needed, rank, world_size)
     return run, datasets
@@ -224,14 +233,18 @@ def train_step(run: _Run, data_iterator) -> tuple[Any, bool, float | None, float
 
     Returns (executor result, skipped, grad norm, pipeline seconds).
     """
+    run.timers("batch-generator").start()
     batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
                                 run.needed_microbatches)
+    run.timers("batch-generator").stop()
     run.optimizer.zero_grad()
     run.timers("forward-backward").start()
     result = run.executor.run(batches)
     run.timers("forward-backward").stop()
     run.timers("optimizer").start()
-    update_successful, grad_norm, _ = run.optimizer.step()
+    # the optimizer's own timers add device syncs: only when they are written
+    detail = run.timers if run.config.logging.log_timers_to_tensorboard else None
+    update_successful, grad_norm, _ = run.optimizer.step(timers=detail)
     run.timers("optimizer").stop()
     if update_successful:
         run.scheduler.step(run.config.training.global_batch_size)
@@ -284,22 +297,26 @@ def save(run: _Run, state: TrainState) -> None:
 
 def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
     """The training loop: steps, logging, evaluation, checkpoint cadence, exit interval."""
-    training, ckpt = run.config.training, run.config.checkpoint
+    training, ckpt, log = run.config.training, run.config.checkpoint, run.config.logging
     total = training.total_train_iters
     while state.iteration < total:
-        run.timers("iteration").start()
+        run.timers("interval-time").start()
         result, skipped, grad_norm, pipeline_seconds = train_step(run, train_iterator)
-        run.timers("iteration").stop()
+        run.timers("interval-time").stop()
         state.iteration += 1
         state.consumed_train_samples += training.global_batch_size
         timers = run.timers.elapsed_all()
+        memory = None  # a collective: every rank, on the iterations TensorBoard is written
+        if (log.log_memory_to_tensorboard and log.tensorboard_dir
+                and state.iteration % log.tensorboard_log_interval == 0):
+            memory = gather_memory_stats(run.world_size - 1)
         run.monitor.record(IterationStats(
             iteration=state.iteration, consumed_samples=state.consumed_train_samples,
             losses=_average_losses(result.losses), learning_rate=run.scheduler.get_lr(),
             loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
-            iteration_seconds=timers.get("iteration", pipeline_seconds),
+            iteration_seconds=timers.get("interval-time", pipeline_seconds),
             pipeline_seconds=pipeline_seconds, busy_seconds=result.busy_seconds_per_rank,
-            timers=timers))
+            timers=timers, memory=memory))
         if training.eval_interval and state.iteration % training.eval_interval == 0:
             _evaluate_and_log(run, "validation", valid_iterator, state)
         if ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
@@ -373,6 +390,8 @@ def pretrain_from_flags(
     ``(config.model, seed, ...)``; ``forward_step_for(tokenizer)`` gives the forward step.
     """
     config, schedule = parse_args_and_schedule(argv)
+    for message in family_flag_errors(config, family):
+        raise ConfigError(message)
     tokenizer, config = build_tokenizer_for(config)
     pretrain(
         functools.partial(train_valid_test_datasets_provider, config, tokenizer),

@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> tuple[float, list[Result]]:
             config = ModelConfig(num_layers=args.num_layers, hidden_size=hidden,
                                  num_attention_heads=heads, seq_length=seq, params_dtype=dtype,
                                  masked_softmax_fusion=fused, bias_gelu_fusion=fused,
+                                 bias_dropout_fusion=fused,
                                  use_apex=False if args.no_apex else None)
             seconds = time_training_step(config, batch, device, args.steps, args.warmup)
             tflops = model_flops_per_step(config, batch) / seconds / 1e12

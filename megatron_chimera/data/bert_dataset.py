@@ -5,9 +5,10 @@ consecutive sentences of one document are gathered until the target length (``se
 with probability ``short_seq_prob`` a random shorter one) is reached, over as many epochs as the
 requested sample count needs, then shuffled. Each sample splits its span into segments A and B at a
 random sentence boundary and swaps them with probability 1/2 (``is_random`` = 1: wrong order),
-truncates to the target, builds ``[CLS] A [SEP] B [SEP]`` and masks 15% of the non-special tokens:
-80% become ``[MASK]``, 10% a random id, 10% stay. Masking is per token (Megatron's default also
-masks whole words and n-grams; this is the plain BERT recipe).
+truncates to the target, builds ``[CLS] A [SEP] B [SEP]`` and masks 15% of the tokens as Megatron
+does (:mod:`~megatron_chimera.data.masking`): whole words (WordPiece / SentencePiece word tables)
+in n-grams of up to 3 words; each masked token becomes ``[MASK]`` (80%), a random id (10%) or
+stays (10%). ``word_starts=None`` masks tokens as words, ``max_ngram=1`` single words.
 
 Sample fields (Megatron's): ``text``, ``types``, ``labels`` (the original id at masked positions,
 **-1 elsewhere**), ``is_random``, ``loss_mask`` (1 at masked positions), ``padding_mask``
@@ -33,6 +34,7 @@ from megatron_chimera.data.dataset_utils import (
     save_npy_atomic,
 )
 from megatron_chimera.data.indexed_dataset import MMapIndexedDataset
+from megatron_chimera.data.masking import create_masked_lm_predictions
 
 LONG_SENTENCE_LEN = 512  # documents holding a longer sentence are skipped, as Megatron does
 MAX_EPOCHS = 10_000
@@ -116,7 +118,8 @@ def truncate_segments(tokens_a: list[int], tokens_b: list[int], max_num_tokens: 
 def build_training_sample(
     sentences: Sequence[np.ndarray], target_seq_length: int, max_seq_length: int, vocab_size: int,
     cls_id: int, sep_id: int, mask_id: int, pad_id: int, masked_lm_prob: float,
-    rng: np.random.RandomState, binary_head: bool,
+    rng: np.random.RandomState, binary_head: bool, word_starts: np.ndarray | None = None,
+    max_ngram: int = 3,
 ) -> dict[str, np.ndarray | int]:
     """One BERT sample from consecutive sentences (see the module docstring for the fields)."""
     if binary_head:
@@ -131,21 +134,14 @@ def build_training_sample(
         types += [1] * (len(tokens_b) + 1)
     num_tokens = len(tokens)
     special = {0, len(tokens_a) + 1, num_tokens - 1}
-    candidates = [i for i in range(num_tokens) if i not in special]
     max_predictions = max(1, int(round(masked_lm_prob * target_seq_length)))
-    num_to_predict = min(max_predictions, max(1, int(round(len(candidates) * masked_lm_prob))))
-    positions = np.sort(rng.permutation(candidates)[:num_to_predict]) if candidates else []
+    tokens, positions, originals = create_masked_lm_predictions(
+        tokens, special, word_starts, masked_lm_prob, max_predictions, max_ngram, vocab_size,
+        mask_id, rng)
     labels = np.full(max_seq_length, -1, dtype=np.int64)
     loss_mask = np.zeros(max_seq_length, dtype=np.int64)
-    for pos in positions:
-        labels[pos] = tokens[pos]
-        loss_mask[pos] = 1
-        draw = rng.random_sample()
-        if draw < 0.8:
-            tokens[pos] = mask_id
-        elif draw < 0.9:
-            tokens[pos] = int(rng.randint(0, vocab_size))
-        # else: keep the original token
+    labels[positions] = originals
+    loss_mask[positions] = 1
     padding = max_seq_length - num_tokens
     return {
         "text": np.array(tokens + [pad_id] * padding, dtype=np.int64),
@@ -166,7 +162,7 @@ class BertDataset(torch.utils.data.Dataset):
         documents: range, num_samples: int, seq_length: int, seed: int, vocab_size: int,
         cls_id: int, sep_id: int, mask_id: int, pad_id: int, masked_lm_prob: float = 0.15,
         short_seq_prob: float = 0.1, binary_head: bool = True, cache_dir: str | None = None,
-        build_cache: bool = True,
+        build_cache: bool = True, word_starts: np.ndarray | None = None, max_ngram: int = 3,
     ) -> None:
         if seq_length < 5:
             raise ConfigError("--seq-length must be at least 5 for BERT ([CLS] A [SEP] B [SEP])")
@@ -174,6 +170,7 @@ class BertDataset(torch.utils.data.Dataset):
         self.seq_length, self.seed, self.vocab_size = seq_length, seed, vocab_size
         self.special = (cls_id, sep_id, mask_id, pad_id)
         self.masked_lm_prob, self.binary_head = masked_lm_prob, binary_head
+        self.word_starts, self.max_ngram = word_starts, max_ngram
         prefix = cache_prefix(data_prefix, cache_dir, f"{name}_bert", {
             "class": "BertDataset", "path": os.path.abspath(data_prefix),
             "sequences": len(indexed_dataset), "documents": (documents.start, documents.stop),
@@ -203,7 +200,7 @@ class BertDataset(torch.utils.data.Dataset):
         cls_id, sep_id, mask_id, pad_id = self.special
         return build_training_sample(sentences, target, self.seq_length, self.vocab_size, cls_id,
                                      sep_id, mask_id, pad_id, self.masked_lm_prob, rng,
-                                     self.binary_head)
+                                     self.binary_head, self.word_starts, self.max_ngram)
 
 
 class MockBertDataset(torch.utils.data.Dataset):
@@ -211,11 +208,13 @@ class MockBertDataset(torch.utils.data.Dataset):
 
     def __init__(self, name: str, num_samples: int, seq_length: int, vocab_size: int, cls_id: int,
                  sep_id: int, mask_id: int, pad_id: int, seed: int, binary_head: bool = True,
-                 masked_lm_prob: float = 0.15) -> None:
+                 masked_lm_prob: float = 0.15, word_starts: np.ndarray | None = None,
+                 max_ngram: int = 3) -> None:
         self.split_id = SPLIT_NAMES.index(name) if name in SPLIT_NAMES else len(SPLIT_NAMES)
         self.num_samples, self.seq_length, self.vocab_size = num_samples, seq_length, vocab_size
         self.special = (cls_id, sep_id, mask_id, pad_id)
         self.seed, self.binary_head, self.masked_lm_prob = seed, binary_head, masked_lm_prob
+        self.word_starts, self.max_ngram = word_starts, max_ngram
         self.ordinary = np.setdiff1d(np.arange(vocab_size), np.array(self.special))
 
     def __len__(self) -> int:
@@ -232,7 +231,7 @@ class MockBertDataset(torch.utils.data.Dataset):
         cls_id, sep_id, mask_id, pad_id = self.special
         return build_training_sample(sentences, budget, self.seq_length, self.vocab_size, cls_id,
                                      sep_id, mask_id, pad_id, self.masked_lm_prob, rng,
-                                     self.binary_head)
+                                     self.binary_head, self.word_starts, self.max_ngram)
 
 
 def build_train_valid_test_datasets(
@@ -240,8 +239,10 @@ def build_train_valid_test_datasets(
     seq_length: int, seed: int, vocab_size: int, cls_id: int, sep_id: int, mask_id: int,
     pad_id: int, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
     binary_head: bool = True, cache_dir: str | None = None, build_cache: bool = True,
+    word_starts: np.ndarray | None = None, max_ngram: int = 3,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
-    """(train, valid, test) BERT datasets; the split is over documents, as Megatron's."""
+    """(train, valid, test) BERT datasets; the split is over documents, as Megatron's.
+    ``word_starts`` / ``max_ngram``: whole-word and n-gram masking (:mod:`.masking`)."""
     from megatron_chimera.data.blended_dataset import blend_split_datasets
 
     prefixes, weights = parse_data_paths(data_prefix)
@@ -259,7 +260,7 @@ def build_train_valid_test_datasets(
             splits.append(BertDataset(
                 name, prefix, indexed, range(bounds[i], bounds[i + 1]), num_samples[i],
                 seq_length, seed, vocab_size, cls_id, sep_id, mask_id, pad_id, masked_lm_prob,
-                short_seq_prob, binary_head, cache_dir, build_cache,
+                short_seq_prob, binary_head, cache_dir, build_cache, word_starts, max_ngram,
             ))
         built.append(splits)
     return blend_split_datasets(built, weights, train_valid_test_num_samples, prefixes[0],

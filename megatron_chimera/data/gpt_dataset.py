@@ -31,6 +31,7 @@ from megatron_chimera.data.dataset_utils import (
     parse_data_paths,
     save_npy_atomic,
 )
+from megatron_chimera.data.gpt_sample_fields import LtorOptions, ltor_sample_fields
 from megatron_chimera.data.indexed_dataset import MMapIndexedDataset
 
 LAST_EPOCH_FRACTION = 0.80
@@ -248,51 +249,35 @@ def build_train_valid_test_datasets(
 
 
 class GPTBatch(NamedTuple):
-    """A GPT micro-batch in Megatron's order; every tensor is ``[b, s]`` except the mask."""
+    """A GPT micro-batch in Megatron's order; every tensor is ``[b, s]``.
+
+    ``document_ids`` (the document of each token, for per-document attention) is present only
+    with ``--reset-attention-mask``; without it attention is plainly causal and no mask exists.
+    """
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
-    attention_mask: torch.Tensor  # bool [b or 1, 1, s, s]; True = masked out (Megatron's)
+    document_ids: torch.Tensor | None
     position_ids: torch.Tensor
 
 
-def get_ltor_masks_and_position_ids(
-    data: torch.Tensor, eod_token: int, reset_position_ids: bool, reset_attention_mask: bool,
-    eod_mask_loss: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Megatron's left-to-right masks: (attention_mask, loss_mask, position_ids)."""
-    batch, seq = data.shape
-    att_batch = batch if reset_attention_mask else 1
-    attention_mask = torch.tril(torch.ones((att_batch, seq, seq), device=data.device))
-    attention_mask = attention_mask.view(att_batch, 1, seq, seq)
-    loss_mask = torch.ones(data.shape, dtype=torch.float, device=data.device)
-    if eod_mask_loss:
-        loss_mask[data == eod_token] = 0.0
-    position_ids = torch.arange(seq, dtype=torch.long, device=data.device)
-    position_ids = position_ids.unsqueeze(0).expand_as(data).clone()
-    if reset_position_ids or reset_attention_mask:
-        for b in range(batch):
-            eod_positions = torch.nonzero(data[b] == eod_token).flatten().tolist()
-            prev = 0
-            for i in eod_positions:
-                if reset_attention_mask:
-                    attention_mask[b, 0, i + 1 :, : i + 1] = 0
-                if reset_position_ids:
-                    position_ids[b, i + 1 :] -= i + 1 - prev
-                    prev = i + 1
-    return attention_mask < 0.5, loss_mask, position_ids
+def get_batch(micro_batch: dict[str, torch.Tensor],
+              options: LtorOptions | None = None) -> GPTBatch:
+    """Megatron's GPT ``get_batch``: tokens = text[:, :-1], labels = text[:, 1:], and the loss
+    mask, position ids (and document ids) the data workers computed (:class:`GPTSampleDataset`).
 
-
-def get_batch(
-    micro_batch: dict[str, torch.Tensor], eod_token: int, reset_position_ids: bool = False,
-    reset_attention_mask: bool = False, eod_mask_loss: bool = False,
-) -> GPTBatch:
-    """Megatron's GPT ``get_batch``: tokens = text[:, :-1], labels = text[:, 1:], masks."""
+    A raw ``{"text"}`` batch gets them computed here from ``options`` (default: plain causal).
+    """
     text = micro_batch["text"].long()
     tokens = text[:, :-1].contiguous()
     labels = text[:, 1:].contiguous()
-    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
-        tokens, eod_token, reset_position_ids, reset_attention_mask, eod_mask_loss
-    )
-    return GPTBatch(tokens, labels, loss_mask, attention_mask, position_ids)
+    if "loss_mask" not in micro_batch:
+        if options is None:
+            options = LtorOptions(eod_token=-1)
+        fields = [ltor_sample_fields(row, options) for row in text.cpu().numpy()]
+        micro_batch = {key: torch.from_numpy(np.stack([f[key] for f in fields]))
+                       for key in fields[0]}
+    document_ids = micro_batch.get("document_ids")
+    return GPTBatch(tokens, labels, micro_batch["loss_mask"].float(), document_ids,
+                    micro_batch["position_ids"].long())

@@ -215,6 +215,14 @@ class SentencePieceTokenizer(MegatronTokenizer):
     def vocab_size(self) -> int:
         return len(self._vocab)
 
+    def pieces(self) -> list[tuple[str, bool]]:
+        """``(piece, ordinary)`` of every id; Megatron's special tokens are not ordinary."""
+        by_id = {index: piece for piece, index in self._vocab.items()}
+        ordinary = dict(enumerate(ok for _, ok in _sentencepiece_pieces(self._sp)))
+        special = set(self._special.values())
+        return [(by_id[i], ordinary.get(i, False) and i not in special)
+                for i in range(len(self._vocab))]
+
     def tokenize(self, text: str) -> list[int]:
         """SentencePiece ids; special-token strings in the text become their ids (as Megatron)."""
         ids: list[int] = []
@@ -274,6 +282,10 @@ class GPTSentencePieceTokenizer(MegatronTokenizer):
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
 
+    def pieces(self) -> list[tuple[str, bool]]:
+        """``(piece, ordinary)`` of every id (control / unknown / unused: not ordinary)."""
+        return _sentencepiece_pieces(self._sp)
+
     def tokenize(self, text: str) -> list[int]:
         return self._sp.encode(text)
 
@@ -288,6 +300,12 @@ class GPTSentencePieceTokenizer(MegatronTokenizer):
     def pad(self) -> int:
         pad = self._sp.pad_id()
         return pad if pad >= 0 else self._sp.eos_id()
+
+
+def _sentencepiece_pieces(sp) -> list[tuple[str, bool]]:
+    """``(piece, ordinary)`` of a SentencePiece model's ids."""
+    return [(sp.id_to_piece(i), not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)))
+            for i in range(sp.get_piece_size())]
 
 
 class NullTokenizer(MegatronTokenizer):

@@ -9,7 +9,14 @@ the default; ``unfused`` = the reference composition of element-wise ops, for co
 * bias + GeLU (tanh approximation): the bias is added by :class:`~.linear.Linear` (which must own
   it for the split backward), then ``F.gelu(approximate="tanh")``, one native kernel forward and
   backward. Unfused: the tanh formula in separate element-wise ops.
-* bias + dropout + add: native ``residual + dropout(x + bias)`` on both backends.
+* bias + dropout + add: native ``residual + dropout(x)`` with the bias added inside
+  :class:`~.linear.Linear` (so a split backward defers its gradient to W); with
+  ``--no-bias-dropout-fusion`` the output projections return their bias and Megatron's unfused
+  ``residual + dropout(x + bias)`` adds it in separate ops.
+* ``--use-flash-attn`` (CUDA): SDPA restricted to its flash and memory-efficient kernels; a
+  configuration neither supports raises :class:`ConfigError` with torch's reasons instead of
+  falling back to the math kernel. On the CPU the flag cannot apply (those are CUDA kernels) and
+  is reported once (:func:`warn_once`).
 * the optimizer's kernels (Adam step, grad norm, grad copies) live in
   :mod:`megatron_chimera.optimizer.kernels` and use the same backend choice.
 
@@ -25,6 +32,7 @@ import functools
 import importlib
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -124,18 +132,101 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
     return residual + F.dropout(x, p=prob, training=training)
 
 
+# --------------------------------------------------------------------------- notices
+_NOTICES: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning once per process, on global rank 0 only."""
+    if message in _NOTICES:
+        return
+    _NOTICES.add(message)
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    logger.warning("warning: %s", message)
+
+
 # --------------------------------------------------------------------------- attention core
+def _flash_backends() -> list:
+    from torch.nn.attention import SDPBackend
+
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+         allowed: torch.Tensor | None, dropout_p: float, is_causal: bool,
+         flash_only: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``; ``flash_only`` limits it to the flash and
+    memory-efficient kernels and turns "no kernel" into a ConfigError naming torch's reasons."""
+    if not flash_only:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
+                                              dropout_p=dropout_p, is_causal=is_causal)
+    from torch.nn.attention import sdpa_kernel
+
+    try:
+        with sdpa_kernel(_flash_backends()):
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
+                                                 dropout_p=dropout_p, is_causal=is_causal)
+    except RuntimeError as exc:
+        if "No available kernel" not in str(exc):
+            raise
+        raise ConfigError(_no_flash_kernel_message(query, key, value, allowed, dropout_p,
+                                                   is_causal)) from None
+    _note_flash_kernel(query, key, value, allowed, dropout_p, is_causal)
+    return out
+
+
+def _no_flash_kernel_message(query, key, value, allowed, dropout_p, is_causal) -> str:
+    """Why SDPA has neither kernel: rerun the selection, collecting torch's warnings."""
+    from torch.nn.attention import sdpa_kernel
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with sdpa_kernel(_flash_backends()):
+                F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
+                                               dropout_p=dropout_p, is_causal=is_causal)
+        except RuntimeError:
+            pass
+    reasons = []
+    for warning in caught:
+        text = str(warning.message).split(" (Triggered internally")[0].strip()
+        if text and not text.endswith("not used because:") and text not in reasons:
+            reasons.append(text)
+    what = (f"dtype {str(query.dtype).replace('torch.', '')}, head dim {query.shape[-1]}, "
+            f"{'explicit mask' if allowed is not None else 'no mask'}, dropout {dropout_p:g}, "
+            f"{query.device.type}")
+    return (f"--use-flash-attn: scaled_dot_product_attention has no flash or memory-efficient "
+            f"kernel for this configuration ({what}): {'; '.join(reasons) or 'no reason given'}")
+
+
+def _note_flash_kernel(query, key, value, allowed, dropout_p, is_causal) -> None:
+    """Say once which of the two kernels SDPA can use (CUDA only)."""
+    if not query.is_cuda:
+        return
+    from torch.nn.attention import SDPAParams, can_use_flash_attention
+
+    params = SDPAParams(query, key, value, allowed, dropout_p, is_causal, False)
+    kernel = "flash" if can_use_flash_attention(params) else "memory-efficient"
+    if f"kernel:{kernel}" not in _NOTICES:
+        _NOTICES.add(f"kernel:{kernel}")
+        logger.info("--use-flash-attn: scaled_dot_product_attention uses its %s kernel", kernel)
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               mask: torch.Tensor | None, causal: bool, dropout_p: float, training: bool,
               fused: bool = True, softmax_in_fp32: bool = False,
-              layer_scale: float = 1.0) -> torch.Tensor:
+              layer_scale: float = 1.0, flash_only: bool = False) -> torch.Tensor:
     """Scaled, masked softmax attention on ``[b, heads, s, head_dim]`` tensors.
 
     ``mask`` is boolean, True where attention is *forbidden*, broadcastable to
     ``[b, heads, sq, sk]``; ``causal`` adds the upper-triangular mask. ``softmax_in_fp32`` and
     ``layer_scale`` (Megatron's query-key layer scaling: divide the scores by it, multiply back
     in the fp32 softmax; mathematically a no-op that guards the fp16 range) concern the unfused
-    path; the fused kernels accumulate the softmax in fp32 anyway.
+    path; the fused kernels accumulate the softmax in fp32 anyway. ``flash_only``: see
+    :func:`sdpa` (fused path only).
     """
     p = dropout_p if training else 0.0
     if fused:
@@ -144,8 +235,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             sq, sk = query.shape[-2], key.shape[-2]
             allowed = allowed & _causal_allowed(sq, sk, query.device)
             causal = False
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=allowed, dropout_p=p, is_causal=causal)
+        return sdpa(query, key, value, allowed, p, causal, flash_only)
 
     b, heads, sq, hd = query.shape
     sk = key.shape[-2]

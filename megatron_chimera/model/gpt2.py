@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from megatron_chimera.config import ModelConfig
+from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.fused import get_fused_backend
 from megatron_chimera.model.language_model import (
     MegatronModule,
@@ -37,10 +38,12 @@ class GPTModel(MegatronModule):
         self._init_output_embedding_copy(config, seed)
 
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
-                attention_mask: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | DocumentMask | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
-        """``attention_mask`` (optional, bool, True = forbidden, broadcastable to
-        ``[b, heads, s, s]``) is combined with the causal mask."""
+        """``attention_mask``: None (plain causal attention, no mask built), a
+        :class:`DocumentMask` (``--reset-attention-mask``: causal within each document; every
+        stage needs it), or a bool tensor (True = forbidden, broadcastable to ``[b, heads, s, s]``)
+        combined with the causal mask."""
         hidden = self.language_model(input_ids, position_ids, attention_mask)
         if not self.post_process:
             return hidden

@@ -14,7 +14,7 @@ from torch.nn.utils import skip_init
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.model.linear import Linear
-from megatron_chimera.model.transformer import ParallelTransformer
+from megatron_chimera.model.transformer import AttentionMask, ParallelTransformer
 from megatron_chimera.model.utils import (
     OUTPUT_LAYER_KEY,
     POOLER_KEY,
@@ -114,7 +114,7 @@ class TransformerLanguageModel(nn.Module):
         self.input_tensor = tensor
 
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
-                mask: torch.Tensor | None,
+                mask: AttentionMask,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states ``[s, b, h]`` after this stage's layers (and the final layer norm)."""
         if self.pre_process:

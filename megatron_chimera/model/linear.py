@@ -114,6 +114,12 @@ class Linear(nn.Linear):
         """Same result as ``nn.Linear``; routes through the deferrable autograd function."""
         return _LinearFunction.apply(inputs, self.weight, self.bias, self)
 
+    def forward_without_bias(self, inputs: torch.Tensor
+                             ) -> tuple[torch.Tensor, nn.Parameter | None]:
+        """``(x W^T, bias)``: the bias left for the caller (Megatron's ``skip_bias_add``); its
+        gradient then comes from autograd, only the weight gradient can be deferred."""
+        return _LinearFunction.apply(inputs, self.weight, None, self), self.bias
+
 
 @contextlib.contextmanager
 def defer_weight_grad(module: nn.Module, store: WeightGradStore) -> Iterator[WeightGradStore]:

@@ -12,12 +12,14 @@ from torch.nn.utils import skip_init
 from torch.utils.checkpoint import checkpoint
 
 from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.document_attention import DocumentMask, document_attention
 from megatron_chimera.model.fused import (
     FusedBackend,
     LayerNorm,
     attention,
     bias_dropout_add,
     gelu,
+    warn_once,
 )
 from megatron_chimera.model.linear import Linear
 from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
@@ -44,6 +46,9 @@ def validate_recompute(config: ModelConfig) -> None:
         raise ConfigError("--recompute-method requires --recompute-granularity full")
 
 
+AttentionMask = torch.Tensor | DocumentMask | None
+
+
 class CoreAttention(nn.Module):
     """Scaled (masked) softmax attention of ``[b, heads, s, head_dim]`` queries, keys, values."""
 
@@ -53,14 +58,43 @@ class CoreAttention(nn.Module):
         self.dropout_p = config.attention_dropout
         self.fused = config.masked_softmax_fusion
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
+        self.apply_layer_scaling = config.apply_query_key_layer_scaling
         self.layer_scale = float(layer_number) if config.apply_query_key_layer_scaling else 1.0
+        self.use_flash_attn = config.use_flash_attn
+        self.document_attention = config.document_attention
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
-        """Context ``[b, heads, s, head_dim]``; ``mask`` is True where attention is forbidden."""
+                mask: AttentionMask) -> torch.Tensor:
+        """Context ``[b, heads, s, head_dim]``; ``mask`` is a bool tensor, True where attention
+        is forbidden, or a :class:`DocumentMask` (causal attention within documents)."""
+        flash_only = self.use_flash_attn and query.is_cuda
+        self._notices(query)
+        options = dict(fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
+                       layer_scale=self.layer_scale, flash_only=flash_only)
+        if isinstance(mask, DocumentMask):
+            if not self.causal:
+                raise ValueError("a document mask needs causal (GPT) attention")
+            return document_attention(query, key, value, mask, self.dropout_p, self.training,
+                                      implementation=self.document_attention, **options)
         return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
-                         fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
-                         layer_scale=self.layer_scale)
+                         **options)
+
+    def _notices(self, query: torch.Tensor) -> None:
+        """Flags that cannot act on this device / path, said once per process."""
+        if self.use_flash_attn and not query.is_cuda:
+            warn_once("--use-flash-attn has no effect on the CPU: flash and memory-efficient "
+                      "attention are CUDA kernels; scaled_dot_product_attention picks its CPU "
+                      "kernel (same result)")
+        if not self.fused or query.dtype == torch.float32:
+            return  # honoured on the unfused path; fp32 scores and softmax are fp32 anyway
+        for flag, on in (("--attention-softmax-in-fp32", self.softmax_in_fp32),
+                         ("--apply-query-key-layer-scaling", self.apply_layer_scaling)):
+            if on:
+                warn_once(f"{flag} has no effect on the fused attention path: "
+                          "scaled_dot_product_attention's fused kernels compute the scores and "
+                          "softmax in fp32 internally (layer scaling only guards an fp16 "
+                          "softmax); add --no-masked-softmax-fusion for Megatron's unfused "
+                          "softmax, which honours it")
 
 
 class ParallelAttention(nn.Module):
@@ -79,9 +113,13 @@ class ParallelAttention(nn.Module):
         self.core_attention = CoreAttention(config, layer_number, causal)
         self.dense = skip_init(Linear, h, h, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
+        self.skip_bias_add = not config.bias_dropout_fusion
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``; QKV laid out per head as ``[q | k | v]`` (Megatron)."""
+    def forward(self, hidden: torch.Tensor, mask: AttentionMask
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s, b, h] -> ([s, b, h], bias)``; QKV laid out per head as ``[q | k | v]``
+        (Megatron). ``bias`` is the output bias left for bias-dropout-add with
+        ``--no-bias-dropout-fusion``, else None (already added)."""
         s, b, _ = hidden.shape
         qkv = self.query_key_value(hidden).view(s, b, self.num_heads, 3 * self.head_dim)
         query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(self.head_dim, dim=-1))
@@ -91,7 +129,9 @@ class ParallelAttention(nn.Module):
         else:
             context = self.core_attention(query, key, value, mask)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
-        return self.dense(context)
+        if self.skip_bias_add:
+            return self.dense.forward_without_bias(context)
+        return self.dense(context), None
 
 
 class ParallelMLP(nn.Module):
@@ -103,10 +143,14 @@ class ParallelMLP(nn.Module):
         self.dense_h_to_4h = skip_init(Linear, h, f, dtype=dtype)
         self.dense_4h_to_h = skip_init(Linear, f, h, dtype=dtype)
         self.fused_gelu = config.bias_gelu_fusion
+        self.skip_bias_add = not config.bias_dropout_fusion
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``."""
-        return self.dense_4h_to_h(gelu(self.dense_h_to_4h(hidden), fused=self.fused_gelu))
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s, b, h] -> ([s, b, h], bias)`` (bias as in :meth:`ParallelAttention.forward`)."""
+        intermediate = gelu(self.dense_h_to_4h(hidden), fused=self.fused_gelu)
+        if self.skip_bias_add:
+            return self.dense_4h_to_h.forward_without_bias(intermediate)
+        return self.dense_4h_to_h(intermediate), None
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -133,13 +177,13 @@ class ParallelTransformerLayer(nn.Module):
         init_linear_(self.mlp.dense_h_to_4h, std, generator)
         init_linear_(self.mlp.dense_4h_to_h, out_std, generator)
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         """``[s, b, h] -> [s, b, h]``: attention and MLP blocks, each with a residual."""
-        attention_out = self.self_attention(self.input_layernorm(hidden), mask)
-        hidden = bias_dropout_add(attention_out, None, hidden, self.hidden_dropout,
+        attention_out, bias = self.self_attention(self.input_layernorm(hidden), mask)
+        hidden = bias_dropout_add(attention_out, bias, hidden, self.hidden_dropout,
                                   self.training)
-        mlp_out = self.mlp(self.post_attention_layernorm(hidden))
-        return bias_dropout_add(mlp_out, None, hidden, self.hidden_dropout, self.training)
+        mlp_out, bias = self.mlp(self.post_attention_layernorm(hidden))
+        return bias_dropout_add(mlp_out, bias, hidden, self.hidden_dropout, self.training)
 
 
 class ParallelTransformer(nn.Module):
@@ -166,13 +210,13 @@ class ParallelTransformer(nn.Module):
             if post_process else None)
 
     def _run(self, first: int, last: int):
-        def run_layers(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        def run_layers(hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
             for layer in self.layers[first:last]:
                 hidden = layer(hidden, mask)
             return hidden
         return run_layers
 
-    def forward(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         """Run this stage's layers on ``[s, b, h]``."""
         n = len(self.layers)
         full = (self.recompute_granularity == "full" and self.training

@@ -9,8 +9,9 @@ main parameters and copies them back into the model.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +24,21 @@ from megatron_chimera.optimizer.grad_scaler import MegatronGradScaler
 from megatron_chimera.optimizer.kernels import multi_tensor_scale_
 
 NormFilter = Callable[[nn.Parameter], bool]
+# Megatron's ``timers(name)`` -> an object with start() / stop()
+TimersLike = Callable[[str], Any]
+
+
+@contextlib.contextmanager
+def _timed(timers: TimersLike | None, name: str) -> Iterator[None]:
+    """Time the block with Megatron's timer ``name`` when ``timers`` is given."""
+    if timers is None:
+        yield
+        return
+    timers(name).start()
+    try:
+        yield
+    finally:
+        timers(name).stop()
 
 
 class MegatronOptimizer:
@@ -96,13 +112,16 @@ class MegatronOptimizer:
         return bool(found_inf.item() > 0)
 
     @torch.no_grad()
-    def step(self) -> tuple[bool, float | None, int | None]:
+    def step(self, timers: TimersLike | None = None) -> tuple[bool, float | None, int | None]:
         """One update: ``(update_successful, grad_norm, num_zeros)``. A skipped step bumps
         ``skipped_steps``: fp16 overflow returns ``(False, None, None)``; a non-finite global
-        grad norm (with clipping on) returns ``(False, norm, None)``."""
-        self._prepare_main_grads()
+        grad norm (with clipping on) returns ``(False, norm, None)``. ``timers`` times the parts
+        under Megatron's names (``optimizer-copy-to-main-grad``, ...)."""
+        with _timed(timers, "optimizer-copy-to-main-grad"):
+            self._prepare_main_grads()
         if self.grad_scaler is not None:
-            found_inf = self._unscale_and_check()
+            with _timed(timers, "optimizer-unscale-and-check-inf"):
+                found_inf = self._unscale_and_check()
             self.grad_scaler.update(found_inf)
             if found_inf:
                 self.skipped_steps += 1
@@ -112,18 +131,26 @@ class MegatronOptimizer:
         grad_norm = None
         device = self.main_params[0].device
         if self.clip_grad > 0.0:
-            grad_norm = get_grad_norm(grads_for_norm, self.grad_norm_group, self.backend, device)
-            if not math.isfinite(grad_norm):
+            with _timed(timers, "optimizer-clip-main-grad"):
+                grad_norm = get_grad_norm(grads_for_norm, self.grad_norm_group, self.backend,
+                                          device)
+                finite = math.isfinite(grad_norm)
+                if finite:
+                    clip_grads_([m.grad for m in self.main_params if m.grad is not None],
+                                grad_norm, self.clip_grad)
+            if not finite:
                 # inf/NaN gradients without a loss scaler (fp32/bf16): every rank of the group
                 # sees the same global norm, so all skip together instead of corrupting weights
                 self.skipped_steps += 1
                 return False, grad_norm, None
-            clip_grads_([m.grad for m in self.main_params if m.grad is not None],
-                        grad_norm, self.clip_grad)
-        num_zeros = (count_zeros(grads_for_norm, self.grad_norm_group, device)
-                     if self.log_num_zeros_in_grad else None)
-        self.optimizer.step()
-        self._copy_main_params_to_model()
+        num_zeros = None
+        if self.log_num_zeros_in_grad:
+            with _timed(timers, "optimizer-count-zeros"):
+                num_zeros = count_zeros(grads_for_norm, self.grad_norm_group, device)
+        with _timed(timers, "optimizer-inner-step"):
+            self.optimizer.step()
+        with _timed(timers, "optimizer-copy-main-to-model-params"):
+            self._copy_main_params_to_model()
         return True, grad_norm, num_zeros
 
     # ------------------------------------------------------------------ checkpoints

@@ -17,6 +17,7 @@ from megatron_chimera.data.gpt_dataset import (
     build_train_valid_test_datasets,
     get_batch,
 )
+from megatron_chimera.data.gpt_sample_fields import LtorOptions
 from megatron_chimera.data.indexed_dataset import IndexedDatasetBuilder, MMapIndexedDataset
 
 pytestmark = pytest.mark.timeout(60)
@@ -182,16 +183,14 @@ def test_mock_dataset_deterministic():
 def test_get_batch():
     eod = 0
     text = torch.tensor([[5, 6, 0, 7, 8, 0, 9], [1, 2, 3, 4, 5, 6, 7]])
-    batch = get_batch({"text": text}, eod, reset_position_ids=True, reset_attention_mask=True,
-                      eod_mask_loss=True)
+    options = LtorOptions(eod, reset_position_ids=True, reset_attention_mask=True,
+                          eod_mask_loss=True)
+    batch = get_batch({"text": text}, options)
     assert batch.tokens.tolist() == [[5, 6, 0, 7, 8, 0], [1, 2, 3, 4, 5, 6]]
     assert batch.labels.tolist() == [[6, 0, 7, 8, 0, 9], [2, 3, 4, 5, 6, 7]]
     assert batch.loss_mask.tolist() == [[1, 1, 0, 1, 1, 0], [1] * 6]
     assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]]
-    mask = batch.attention_mask
-    assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
-    assert mask[0, 0, 3, 2] and not mask[0, 0, 4, 3] and mask[0, 0, 1, 2]
-    assert not mask[1, 0, 5, 0]
-    plain = get_batch({"text": text}, eod)
+    assert batch.document_ids.tolist() == [[0, 0, 0, 1, 1, 1], [0] * 6]
+    plain = get_batch({"text": text})  # plain causal: no document ids, no mask of any kind
     assert plain.position_ids.tolist()[0] == list(range(6))
-    assert plain.loss_mask.sum() == 12 and plain.attention_mask.shape == (1, 1, 6, 6)
+    assert plain.loss_mask.sum() == 12 and plain.document_ids is None

@@ -96,3 +96,76 @@ def test_log_line_and_tensorboard(tmp_path, capsys):
         assert name in tags and f"{name} vs samples" in tags, name
     assert [e.value for e in events.Scalars("lm loss")] == losses
     assert [e.step for e in events.Scalars("lm loss vs samples")] == [8, 16, 24, 32]
+
+
+def _monitor(tmp_path, extra: str = "") -> TrainingMonitor:
+    config = parse_args(
+        ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+         "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --train-iters 4 --mock-data "
+         f"--vocab-size 500 --log-interval 1 --tensorboard-dir {tmp_path} {extra}").split(),
+        world_size=1)
+    return TrainingMonitor.create(config, flops_per_iteration=1e12, world_size=1,
+                                  predicted_bubble=None, enabled=True)
+
+
+def _stats(iteration: int, **extra) -> IterationStats:
+    return IterationStats(iteration=iteration, consumed_samples=8 * iteration,
+                          losses={"lm loss": 1.0}, learning_rate=1e-3, loss_scale=1.0,
+                          grad_norm=0.5, skipped=False, iteration_seconds=0.5, **extra)
+
+
+def _tags(directory) -> set[str]:
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
+def test_throughput_only_with_log_throughput(tmp_path, capsys):
+    """Megatron prints (and writes) TFLOP/s per GPU only with --log-throughput."""
+    monitor = _monitor(tmp_path / "off")
+    monitor.record(_stats(1))
+    monitor.close()
+    assert "throughput" not in capsys.readouterr().out
+    assert "throughput" not in _tags(tmp_path / "off")
+    monitor = _monitor(tmp_path / "on", "--log-throughput")
+    monitor.record(_stats(1))
+    monitor.close()
+    assert "throughput per GPU (TFLOP/s/GPU): 2.000 |" in capsys.readouterr().out
+    assert "throughput" in _tags(tmp_path / "on")
+
+
+def test_timers_and_memory_to_tensorboard(tmp_path):
+    """Megatron's timer names as "<name>-time"; per-rank memory plus the maximum over ranks."""
+    timers = {"forward-backward": 0.3, "batch-generator": 0.01, "optimizer": 0.1,
+              "optimizer-inner-step": 0.05, "interval-time": 0.5, "not-a-megatron-timer": 1.0}
+    memory = [{"mem-allocated-bytes": 10.0, "mem-reserved-bytes": 20.0},
+              {"mem-allocated-bytes": 30.0, "mem-reserved-bytes": 25.0}]
+    monitor = _monitor(tmp_path / "none")
+    monitor.record(_stats(1, timers=timers, memory=memory))
+    monitor.close()
+    assert not any(t.endswith("-time") and t != "iteration-time"
+                   for t in _tags(tmp_path / "none"))
+    assert not any(t.startswith("mem-") for t in _tags(tmp_path / "none"))
+    monitor = _monitor(tmp_path / "all",
+                       "--log-timers-to-tensorboard --log-memory-to-tensorboard")
+    monitor.record(_stats(1, timers=timers, memory=memory))
+    monitor.close()
+    events = EventAccumulator(str(tmp_path / "all"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {t for t in tags if t.endswith("-time")} == {
+        "forward-backward-time", "batch-generator-time", "optimizer-time",
+        "optimizer-inner-step-time", "iteration-time"}
+    assert events.Scalars("forward-backward-time")[0].value == pytest.approx(0.3)
+    assert events.Scalars("mem-allocated-bytes")[0].value == 30.0  # max over ranks
+    assert events.Scalars("mem-allocated-bytes/rank-0")[0].value == 10.0
+    assert events.Scalars("mem-reserved-bytes/rank-1")[0].value == 25.0
+
+
+def test_memory_stats_on_cpu():
+    from megatron_chimera.monitor import gather_memory_stats, memory_stats
+
+    stats = memory_stats()
+    assert set(stats) == {"mem-rss-bytes", "mem-max-rss-bytes"}
+    assert 10e6 < stats["mem-rss-bytes"] <= stats["mem-max-rss-bytes"] * 1.01
+    assert gather_memory_stats(0)[0].keys() == stats.keys()  # one process: no collective

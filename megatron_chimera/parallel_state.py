@@ -29,6 +29,7 @@ is counted with stage 0 (its copy at the last stage is not counted).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -36,6 +37,14 @@ import torch.distributed as dist
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import global_rank, pipeline_and_data_parallel_rank
+
+NCCL_SEMANTICS_ENV = "MEGATRON_CHIMERA_NCCL_SEMANTICS"
+
+
+def nccl_semantics_requested() -> bool:
+    """Whether the test harness runs gloo under NCCL's rules (``MEGATRON_CHIMERA_NCCL_SEMANTICS=1``,
+    see :mod:`megatron_chimera.pipeline.nccl_semantics`): groups are then laid out as for NCCL."""
+    return os.environ.get(NCCL_SEMANTICS_ENV, "0") == "1"
 
 
 @dataclass
@@ -100,7 +109,8 @@ def initialize_model_parallel(
     """Create pipeline, data-parallel, stage-replica and embedding groups (same order everywhere).
 
     ``placement[pipe][stage]`` is the pipeline rank holding that stage replica
-    (``Schedule.placement``). ``p2p_direction_groups`` (default: on with NCCL) adds one 2-rank
+    (``Schedule.placement``). ``p2p_direction_groups`` (default: on with NCCL and in the
+    NCCL-semantics test mode) adds one 2-rank
     group per direction between pipe neighbours, so that the two directions between a pair of
     ranks run on separate NCCL communicators and streams and never wait behind each other.
     """
@@ -166,7 +176,7 @@ def initialize_model_parallel(
     state.embedding_ranks = [global_rank(p, dp, w) for p in holders for dp in range(w)]
     state.embedding_group = new_group(state.embedding_ranks)
     if p2p_direction_groups is None:
-        p2p_direction_groups = dist.get_backend() == "nccl"
+        p2p_direction_groups = dist.get_backend() == "nccl" or nccl_semantics_requested()
     if p2p_direction_groups:
         for src, dst in _neighbour_directions(placement):
             for dp in range(w):

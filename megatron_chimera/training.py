@@ -43,6 +43,7 @@ from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_opt
 from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_embedding_weight
 from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.pipeline.transport import make_transport
 from megatron_chimera.schedules.actions import Schedule
 
 ModelProvider = Callable[..., nn.Module]
@@ -197,8 +198,11 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
         datasets = train_valid_test_datasets_provider(num_samples)
 
     model, training = config.model, config.training
+    topology = PipelineTopology.from_parallel_state()
+    transport = make_transport(  # shared: both executors talk over the same connections
+        topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
     common = dict(
-        schedule=schedule, topology=PipelineTopology.from_parallel_state(), stage_modules=modules,
+        schedule=schedule, topology=topology, transport=transport, stage_modules=modules,
         forward_step_func=forward_step_func,
         tensor_shape=(model.seq_length, training.micro_batch_size, model.hidden_size),
         dtype=model.torch_dtype,
@@ -256,13 +260,16 @@ def evaluate(run: _Run, data_iterator, num_iters: int) -> dict[str, float]:
     losses: list[dict[str, float]] = []
     for module in (s.module for s in run.stages):
         module.eval()
+    results = []
     with torch.no_grad():
         for _ in range(num_iters):
             batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
                                         run.needed_microbatches)
-            losses += run.eval_executor.run(batches, forward_only=True).losses
+            results.append(run.eval_executor.run(batches, forward_only=True))
     for module in (s.module for s in run.stages):
         module.train()
+    for gathered in run.eval_executor.gather(results) or []:
+        losses += gathered.losses
     return _average_losses(losses)
 
 
@@ -295,10 +302,28 @@ def save(run: _Run, state: TrainState) -> None:
         print(f" saved checkpoint {path} at iteration {state.iteration}", flush=True)
 
 
+def _report(run: _Run, pending: list[tuple[IterationStats, Any]]) -> None:
+    """Gather the losses and busy times of the pending iterations (one collective, every rank)
+    and hand each iteration to the monitor in order (log line, TensorBoard)."""
+    if not pending:
+        return
+    gathered = run.executor.gather([result for _, result in pending])
+    for (stats, _), figures in zip(pending, gathered or []):
+        stats.losses = _average_losses(figures.losses)
+        stats.busy_seconds = figures.busy_seconds_per_rank
+        run.monitor.record(stats)
+    pending.clear()
+
+
 def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
-    """The training loop: steps, logging, evaluation, checkpoint cadence, exit interval."""
+    """The training loop: steps, logging, evaluation, checkpoint cadence, exit interval.
+
+    Losses and busy times stay on the device until the next log iteration (or the end), when
+    one collective brings every pending iteration's figures to the logging rank.
+    """
     training, ckpt, log = run.config.training, run.config.checkpoint, run.config.logging
     total = training.total_train_iters
+    pending: list[tuple[IterationStats, Any]] = []
     while state.iteration < total:
         run.timers("interval-time").start()
         result, skipped, grad_norm, pipeline_seconds = train_step(run, train_iterator)
@@ -310,18 +335,20 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
         if (log.log_memory_to_tensorboard and log.tensorboard_dir
                 and state.iteration % log.tensorboard_log_interval == 0):
             memory = gather_memory_stats(run.world_size - 1)
-        run.monitor.record(IterationStats(
+        pending.append((IterationStats(
             iteration=state.iteration, consumed_samples=state.consumed_train_samples,
-            losses=_average_losses(result.losses), learning_rate=run.scheduler.get_lr(),
+            losses={}, learning_rate=run.scheduler.get_lr(),
             loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
             iteration_seconds=timers.get("interval-time", pipeline_seconds),
-            pipeline_seconds=pipeline_seconds, busy_seconds=result.busy_seconds_per_rank,
-            timers=timers, memory=memory))
+            pipeline_seconds=pipeline_seconds, timers=timers, memory=memory), result))
+        if state.iteration % log.log_interval == 0 or state.iteration == total:
+            _report(run, pending)
         if training.eval_interval and state.iteration % training.eval_interval == 0:
             _evaluate_and_log(run, "validation", valid_iterator, state)
         if ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
             save(run, state)
         if training.exit_interval and state.iteration % training.exit_interval == 0:
+            _report(run, pending)
             save(run, state)
             if run.rank == 0:
                 print(f" exiting program at iteration {state.iteration}", flush=True)

@@ -141,7 +141,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
             emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
             torch.float32, loss_scale_divisor=n * w,
             grad_sync=GradientSynchronizer.from_parallel_state(stages),
-            weight_grad_store_factory=SleepingWeightGradStore, gather_losses=False,
+            weight_grad_store_factory=SleepingWeightGradStore,
         )
         batch = torch.randn(SEQ, MICRO_BATCH, HIDDEN)
 

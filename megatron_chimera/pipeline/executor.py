@@ -1,24 +1,28 @@
-"""Runs one rank's action list of any :class:`Schedule` with real stage modules.
+"""Runs one rank's lowered action list of any :class:`Schedule` with real stage modules.
 
-``F`` receives the stage input (stage > 0), runs ``forward_step_func(batch, model)``, computes the
-loss at the last stage and sends the output; ``B`` receives the output gradient (stage < last),
-back-propagates and sends the input gradient; ``W`` (split backward) computes the weight
-gradients queued by its ``B`` (``B`` runs inside :func:`defer_weight_grad`).
+The schedule is lowered once per mode (training, forward-only) into per-rank lists with
+explicit ``SEND`` and ``RECV`` operations (:mod:`megatron_chimera.schedules.lowering`), checked
+against NCCL's rules (:func:`~megatron_chimera.schedules.validate.validate_lowered`), and
+executed as it stands: a ``RECV`` posts the receive, a compute action waits for the message it
+consumes, a ``SEND`` posts the output of the action before it. Before the first iteration every
+direction of the rank is connected once, in one global order (NCCL blocks at a first exchange).
+
+``F`` runs ``forward_step_func(batch, model)`` (the stage input set with ``set_input_tensor``),
+computes the loss at the last stage; ``B`` back-propagates the received output gradient (or the
+scaled loss); ``W`` (split backward) computes the weight gradients its ``B`` queued.
 
 Loss scaling: each micro-batch loss is divided by ``loss_scale_divisor = N x W`` before its
 backward, and :class:`GradientSynchronizer` SUMs gradients over each stage-replica group, so every
 replica ends with the mean gradient over the ``B x N x W`` samples of the mini-batch.
 
-Losses: every last-stage rank records ``{name: value}`` per micro-batch; at the end of ``run`` they
-are gathered (with each rank's compute-busy seconds) on the logging rank, the last global rank
-(Megatron's convention).
+Losses and busy times stay on the device (no host sync per iteration); :meth:`gather` brings the
+results of any number of iterations to the logging rank (the last global rank, Megatron's
+convention) in one collective, at log intervals.
 
 Failures: an exception on any rank is recorded in the c10d store before it propagates; a rank
 whose communication then fails raises :class:`~.failures.PipelineFailure` naming the rank that
-failed first (:mod:`.failures`).
-
-Where the rank sits (pipeline rank, data-parallel rank, peers) comes from an injected
-:class:`~.topology.PipelineTopology`.
+failed first (:mod:`.failures`). Where the rank sits comes from an injected
+:class:`~.topology.PipelineTopology`, how messages move from a :class:`~.transport.Transport`.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -37,12 +41,27 @@ from torch.autograd import Variable
 from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
-from megatron_chimera.pipeline.p2p import P2PCommunicator, iteration_actions
+from megatron_chimera.pipeline.p2p import P2PCommunicator
 from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.pipeline.transport import Transport, make_transport
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from megatron_chimera.schedules.lowering import (
+    ACTIVATION,
+    DEFAULT_LOOKAHEAD,
+    SEND,
+    Comm,
+    LoweredSchedule,
+    Message,
+    connection_order,
+    lower,
+    needed_message,
+    produced_message,
+)
+from megatron_chimera.schedules.validate import validate_lowered
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
-__all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "ForwardStepFunc"]
+__all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "GatheredIteration",
+           "ForwardStepFunc"]
 
 
 class SavedForward(NamedTuple):
@@ -56,15 +75,22 @@ class SavedForward(NamedTuple):
 
 @dataclass
 class IterationResult:
-    """What one iteration produced on this rank (``losses``, ``busy_seconds_per_rank``: only on
-    the logging rank)."""
+    """What one iteration left on this rank: per micro-batch losses (device tensors, on ranks
+    holding a last stage), the busy timer, wall seconds and the executed compute order."""
 
-    local_losses: dict[int, dict[str, float]]
-    busy_seconds: float
+    local_losses: dict[int, dict[str, Any]]
+    busy: _BusyTimer
     iteration_seconds: float
     executed: list[Action]
-    losses: list[dict[str, float]] = field(default_factory=list)
-    busy_seconds_per_rank: list[float] = field(default_factory=list)
+
+
+@dataclass
+class GatheredIteration:
+    """One iteration's figures on the logging rank: losses of every micro-batch (ordered by
+    data-parallel rank, then micro-batch) and every rank's compute-busy seconds."""
+
+    losses: list[dict[str, float]]
+    busy_seconds_per_rank: list[float]
 
 
 def deallocate_output_tensor(output: torch.Tensor) -> None:
@@ -81,7 +107,8 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
 
 
 class _BusyTimer:
-    """Sums compute time: wall clock on CPU, CUDA events on GPU (read at the end)."""
+    """Sums compute time: wall clock on CPU, CUDA events on GPU (read when gathered, so no
+    host-device sync happens during the iteration)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -102,6 +129,7 @@ class _BusyTimer:
             self.seconds += time.perf_counter() - t0
 
     def total(self) -> float:
+        """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
         if self._events:
             torch.cuda.synchronize()
             self.seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1000.0
@@ -115,15 +143,17 @@ def _as_float_dict(stats: dict[str, Any]) -> dict[str, float]:
 
 
 class PipelineExecutor:
-    """Executes ``schedule.actions[pipeline_rank]`` for one iteration with real stage modules.
+    """Executes this rank's lowered list of ``schedule`` for one iteration at a time.
 
     ``topology`` says where this rank sits; ``stage_modules`` maps every stage this rank holds to
     its module (one module per stage, shared by the pipes that visit it); ``tensor_shape`` and
     ``dtype`` describe every p2p message (``[seq, micro_batch, hidden]``);
     ``loss_scale_divisor`` is ``N x W``; ``grad_sync`` is None for evaluation-only use;
     ``scale_loss`` is the fp16 grad scaler's hook; ``recompute`` keeps only stage inputs and
-    re-runs the forward at B; ``weight_grad_store_factory`` makes the store
-    of each split backward (W); ``gather_losses`` collects losses on the last global rank.
+    re-runs the forward at B; ``weight_grad_store_factory`` makes the store of each split
+    backward (W); ``transport`` moves the messages (default: :func:`make_transport`);
+    ``recv_lookahead`` is how many compute actions early a receive is posted when NCCL's rules
+    allow it; ``safe_posting=False`` ignores those rules (only to show that tests catch it).
     """
 
     def __init__(
@@ -139,10 +169,12 @@ class PipelineExecutor:
         device: torch.device | str = "cpu",
         recompute: bool = False,
         scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        recv_lookahead: int = 2,
+        recv_lookahead: int = DEFAULT_LOOKAHEAD,
         deallocate_outputs: bool = True,
         weight_grad_store_factory: Callable[[], WeightGradStore] = WeightGradStore,
-        gather_losses: bool = True,
+        transport: Transport | None = None,
+        warm_up: bool = True,
+        safe_posting: bool = True,
     ) -> None:
         pipeline_rank = topology.pipeline_rank
         missing = set(schedule.stages_of_rank(pipeline_rank)) - set(stage_modules)
@@ -160,10 +192,16 @@ class PipelineExecutor:
         self.device = torch.device(device)
         self.recompute = recompute
         self.scale_loss = scale_loss
-        self.recv_lookahead = max(1, recv_lookahead)
         self.deallocate_outputs = deallocate_outputs and not recompute
         self.weight_grad_store_factory = weight_grad_store_factory
-        self.gather_losses = gather_losses
+        self.transport = transport or make_transport(
+            topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
+        self.lowered = {mode: lower(schedule, mode, recv_lookahead, safe_posting)
+                        for mode in (False, True)}
+        if safe_posting:
+            for lowered in self.lowered.values():
+                validate_lowered(lowered, ranks=[pipeline_rank])
+        self._connected = not warm_up
         self._last_grad_action = self._final_gradient_actions()
 
     def _final_gradient_actions(self) -> dict[int, int]:
@@ -175,99 +213,136 @@ class PipelineExecutor:
                 last[action.stage] = i
         return {i: stage for stage, i in last.items()}
 
+    def connect(self) -> None:
+        """Exchange one tiny message in every direction of the schedule, in the one global
+        order every rank follows (a no-op after the first call)."""
+        if self._connected:
+            return
+        for src, dst in connection_order(*self.lowered.values()):
+            self.transport.connect(src, dst)
+        self._connected = True
+
     # ------------------------------------------------------------------ one iteration
     def run(self, microbatches: Sequence[Any], forward_only: bool = False) -> IterationResult:
-        """Run this rank's actions for one iteration on ``microbatches`` (indexed by global id)."""
+        """Run this rank's list for one iteration on ``microbatches`` (indexed by global id)."""
         if len(microbatches) != self.schedule.num_microbatches:
             raise ValueError(
                 f"expected {self.schedule.num_microbatches} micro-batches, got {len(microbatches)}"
             )
         start = time.perf_counter()
-        comm = P2PCommunicator(
-            self.schedule, self.pipeline_rank, self.tensor_shape, self.dtype, self.device,
-            self.topology, forward_only,
-        )
-        run = _Iteration(self, comm, microbatches, forward_only)
+        comm = P2PCommunicator(self.transport, self.tensor_shape, self.dtype, self.device)
+        run = _Iteration(self, comm, microbatches, self.lowered[forward_only])
         try:
+            self.connect()
             if self.grad_sync is not None and not forward_only:
                 self.grad_sync.start_iteration()
             run.execute()
             comm.finish()
             if self.grad_sync is not None and not forward_only:
                 self.grad_sync.finish()
-            result = IterationResult(
-                local_losses={m: _as_float_dict(d) for m, d in run.losses.items()},
-                busy_seconds=run.timer.total(),
-                iteration_seconds=time.perf_counter() - start, executed=run.executed,
-            )
-            if self.gather_losses and dist.is_initialized():
-                self._gather(result)
         except Exception as exc:
             raise self._failure(exc, run.current) from exc
-        return result
+        return IterationResult(local_losses=run.losses, busy=run.timer,
+                               iteration_seconds=time.perf_counter() - start,
+                               executed=run.executed)
 
-    def _failure(self, exc: BaseException, action: Action | None) -> PipelineFailure:
+    def _failure(self, exc: BaseException, op: Any) -> PipelineFailure:
         rank = dist.get_rank() if dist.is_initialized() else self.pipeline_rank
-        where = f" in {action.short()}" if action is not None else ""
+        where = f" in {op.short()}" if op is not None else ""
         return pipeline_failure(f"rank {rank} (pipeline rank {self.pipeline_rank}) failed{where}: "
                                 f"{type(exc).__name__}: {exc}")
 
-    def _gather(self, result: IterationResult) -> None:
-        """Collect per-micro-batch losses and busy seconds of every rank on the last global rank."""
+    def gather(self, results: Sequence[IterationResult]) -> list[GatheredIteration] | None:
+        """Losses and busy seconds of ``results`` (the same iterations on every rank) on the
+        logging rank, in one collective; None elsewhere. Syncs the device: call it at log
+        intervals."""
+        local = [({m: _as_float_dict(d) for m, d in r.local_losses.items()}, r.busy.total())
+                 for r in results]
+        if not dist.is_initialized():
+            return [_merge([(0, losses, busy)]) for losses, busy in local]
         world, me = dist.get_world_size(), dist.get_rank()
-        payload = (self.topology.data_parallel_rank, result.local_losses, result.busy_seconds)
+        payload = (self.topology.data_parallel_rank, local)
         logging_rank = world - 1
         gathered: list[Any] | None = [None] * world if me == logging_rank else None
         dist.gather_object(payload, gathered, dst=logging_rank)
         if gathered is None:
-            return
-        by_replica: dict[int, dict[int, dict[str, float]]] = {}
-        for dp, losses, _ in gathered:
-            by_replica.setdefault(dp, {}).update(losses)
-        result.losses = [by_replica[dp][m] for dp in sorted(by_replica)
-                         for m in sorted(by_replica[dp])]
-        result.busy_seconds_per_rank = [busy for _, _, busy in gathered]
+            return None
+        return [_merge([(dp, per_rank[i][0], per_rank[i][1]) for dp, per_rank in gathered])
+                for i in range(len(results))]
+
+
+def _merge(per_rank: list[tuple[int, dict[int, dict[str, float]], float]]) -> GatheredIteration:
+    by_replica: dict[int, dict[int, dict[str, float]]] = {}
+    for dp, losses, _ in per_rank:
+        by_replica.setdefault(dp, {}).update(losses)
+    losses = [by_replica[dp][m] for dp in sorted(by_replica) for m in sorted(by_replica[dp])]
+    return GatheredIteration(losses, [busy for _, _, busy in per_rank])
 
 
 class _Iteration:
     """Mutable state of one ``PipelineExecutor.run`` (saved tensors, stores, losses, timing)."""
 
     def __init__(self, executor: PipelineExecutor, comm: P2PCommunicator,
-                 microbatches: Sequence[Any], forward_only: bool) -> None:
+                 microbatches: Sequence[Any], lowered: LoweredSchedule) -> None:
         self.ex = executor
         self.comm = comm
         self.microbatches = microbatches
-        self.forward_only = forward_only
-        self.actions = iteration_actions(executor.schedule, executor.pipeline_rank, forward_only)
+        self.ops = lowered.lists[executor.pipeline_rank]
+        self.forward_only = lowered.forward_only
         self.last_stage = executor.schedule.num_stages - 1
         self.saved: dict[tuple[int, int, int], SavedForward] = {}
         self.stores: dict[tuple[int, int, int], WeightGradStore] = {}
-        self.to_deallocate: list[tuple[dist.Work, torch.Tensor]] = []
+        self.outbox: dict[Message, torch.Tensor] = {}
+        self.to_deallocate: list[tuple[Any, torch.Tensor]] = []
         self.losses: dict[int, dict[str, Any]] = {}
         self.executed: list[Action] = []
         self.timer = _BusyTimer(executor.device)
-        self.current: Action | None = None
+        self.current: Any = None
 
     def execute(self) -> None:
-        """Walk the action list; report finished stages to the gradient synchronizer."""
-        for action in self.actions[:self.ex.recv_lookahead]:
-            self.comm.prefetch(action)
+        """Walk the lowered list; report finished stages to the gradient synchronizer."""
         final = {} if self.forward_only else self.ex._last_grad_action
-        for i, action in enumerate(self.actions):
-            self.current = action
-            if i + self.ex.recv_lookahead < len(self.actions):
-                self.comm.prefetch(self.actions[i + self.ex.recv_lookahead])
+        sync_point = self.ex.transport.sync_point
+        for op in self.ops:
+            self.current = op
+            if isinstance(op, Comm):
+                if op.op == SEND:
+                    self._send(op.message)
+                else:
+                    self.comm.post_recv(op.message)
+                continue
+            sync_point(op.short())
             self._release_sent_outputs()
-            if action.kind == FORWARD:
-                self._forward(action)
-            elif action.kind == BACKWARD:
-                self._backward(action)
+            if op.kind == FORWARD:
+                self._forward(op)
+            elif op.kind == BACKWARD:
+                self._backward(op)
             else:
-                self._weight(action)
-            self.executed.append(action)
-            if i in final and self.ex.grad_sync is not None:
-                self.ex.grad_sync.stage_done(final[i])
+                self._weight(op)
+            index = len(self.executed)
+            self.executed.append(op)
+            if index in final and self.ex.grad_sync is not None:
+                self.ex.grad_sync.stage_done(final[index])
         self.current = None
+
+    def _send(self, message: Message) -> None:
+        output = self.outbox.pop(message)
+        work = self.comm.send(message, output)
+        if self.ex.deallocate_outputs and message.direction == ACTIVATION:
+            self.to_deallocate.append((work, output))
+
+    def _deliver(self, action: Action, tensor: torch.Tensor) -> None:
+        """Hand ``action``'s output to the consumer: locally, or to the SEND that follows."""
+        message = produced_message(self.ex.schedule, action)
+        if message is None:
+            return
+        if message.dst == self.ex.pipeline_rank:
+            self.comm.put_local(message, tensor)
+        else:
+            self.outbox[message] = tensor
+
+    def _receive(self, action: Action) -> torch.Tensor:
+        return self.comm.take(needed_message(self.ex.schedule, action))
 
     def _release_sent_outputs(self) -> None:
         """Free the data of forward outputs whose sends completed (oldest first)."""
@@ -291,7 +366,7 @@ class _Iteration:
         ex = self.ex
         input_tensor = None
         if action.stage > 0:
-            input_tensor = self.comm.recv(action)
+            input_tensor = self._receive(action)
             input_tensor.requires_grad_(not self.forward_only)
         keep_graph = not self.forward_only and not ex.recompute
         rng_state = _rng_state(ex.device) if ex.recompute and not self.forward_only else None
@@ -299,13 +374,12 @@ class _Iteration:
             output, loss_func = self._run_forward(action, input_tensor)
             if action.stage == self.last_stage:
                 loss, stats = loss_func(output)
-                self.losses[action.microbatch] = {  # converted after the iteration (no sync)
+                self.losses[action.microbatch] = {  # converted when gathered (no sync)
                     k: v.detach() if torch.is_tensor(v) else v for k, v in stats.items()
                 }
                 output = loss
-        work = None
         if action.stage < self.last_stage:
-            work = self.comm.send(action, output)
+            self._deliver(action, output)
         if self.forward_only:
             return
         key = (action.pipe, action.stage, action.microbatch)
@@ -313,8 +387,6 @@ class _Iteration:
             self.saved[key] = SavedForward(input_tensor, None, rng_state)
         else:
             self.saved[key] = SavedForward(input_tensor, output, None)
-            if ex.deallocate_outputs and work is not None:
-                self.to_deallocate.append((work, output))
 
     def _recompute(self, action: Action, input_tensor: torch.Tensor | None, rng_state):
         if input_tensor is not None:
@@ -329,7 +401,7 @@ class _Iteration:
         ex = self.ex
         key = (action.pipe, action.stage, action.microbatch)
         input_tensor, output, rng_state = self.saved.pop(key)
-        grad_output = self.comm.recv(action) if action.stage < self.last_stage else None
+        grad_output = self._receive(action) if action.stage < self.last_stage else None
         module = ex.stage_modules[action.stage]
         defer = contextlib.nullcontext()
         if ex.schedule.split_backward:
@@ -349,7 +421,7 @@ class _Iteration:
             grad = input_tensor.grad
             if grad is None:
                 grad = torch.zeros(ex.tensor_shape, dtype=ex.dtype, device=ex.device)
-            self.comm.send(action, grad)
+            self._deliver(action, grad)
 
     def _weight(self, action: Action) -> None:
         store = self.stores.pop((action.pipe, action.stage, action.microbatch))

@@ -1,8 +1,9 @@
 """In-order discrete-event simulation of a schedule under an alpha-beta cost model.
 
 Each rank executes its action list in order. An action starts when its rank is free and its input
-has arrived: the action it depends on (:func:`~.actions.input_of`) has finished, plus one
-point-to-point message time when that action ran on another rank. Sends never block.
+has arrived: the action it depends on (:func:`~.actions.input_of`) has finished, plus the
+point-to-point message time of that edge (``CostModel.p2p_edges``, e.g. intra- or inter-node)
+when that action ran on another rank. Sends never block.
 
 After a rank's last backward (last W when the backward is split) of a stage, the rank may start
 that stage's gradient all-reduce over all replicas of the stage (the stage's replicas in the
@@ -42,6 +43,8 @@ class CostModel:
     weight_cost: PerStage = 0.0
     p2p_alpha: float = 0.0  # latency of one activation / gradient message
     p2p_beta: float = 0.0  # seconds per byte
+    # per-edge links: (sender, receiver pipeline rank, alpha, beta); others use the two above
+    p2p_edges: tuple[tuple[int, int, float, float], ...] = ()
     activation_bytes: float = 0.0  # bytes of one activation (or its gradient) message
     allreduce_alpha: float = 0.0
     allreduce_beta: float = 0.0  # seconds per byte
@@ -58,8 +61,12 @@ class CostModel:
             raise ValueError(f"CostModel.{name} has {len(values)} entries for {num_stages} stages")
         return values
 
-    def p2p_time(self) -> float:
-        """Time of one point-to-point message between two ranks."""
+    def p2p_time(self, src: int | None = None, dst: int | None = None) -> float:
+        """Time of one point-to-point message from pipeline rank ``src`` to ``dst`` (its edge's
+        link when ``p2p_edges`` lists it, else the default link)."""
+        for a, b, alpha, beta in self.p2p_edges:
+            if (a, b) == (src, dst):
+                return alpha + self.activation_bytes * beta
         return self.p2p_alpha + self.activation_bytes * self.p2p_beta
 
     def allreduce_time(self, replicas: int, nbytes: float) -> float:
@@ -171,6 +178,7 @@ def _durations(schedule: Schedule, costs: CostModel) -> dict[str, list[float]]:
 
 def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
     durations = _durations(schedule, costs)
+    edges = {(a, b): costs.p2p_time(a, b) for a, b, _, _ in costs.p2p_edges}
     p2p = costs.p2p_time()
     finished: dict[Action, tuple[int, float]] = {}
     free = [0.0] * schedule.num_ranks
@@ -180,7 +188,7 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
         ready = 0.0
         if dep is not None:
             dep_rank, dep_end = finished[dep]
-            ready = dep_end + (p2p if dep_rank != rank else 0.0)
+            ready = dep_end + (edges.get((dep_rank, rank), p2p) if dep_rank != rank else 0.0)
         start = max(free[rank], ready)
         end = start + durations[a.kind][a.stage]
         free[rank] = end

@@ -16,8 +16,19 @@ index and action at fault otherwise:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, input_of
+from megatron_chimera.schedules.lowering import (
+    RECV,
+    SEND,
+    Comm,
+    LoweredSchedule,
+    Message,
+    iteration_actions,
+    needed_message,
+    produced_message,
+)
 from megatron_chimera.schedules.walk import run_in_order, stalled
 
 
@@ -144,3 +155,148 @@ def validate(schedule: Schedule) -> None:
     _check_actions(schedule)
     _check_complete(schedule)
     _check_deadlock(schedule)
+
+
+# ----------------------------------------------------------------------------- lowered schedules
+def _check_messages(lowered: LoweredSchedule) -> None:
+    """Every message is sent right after its producer and received before its consumer, once;
+    between two ranks the receiver posts its receives in the sender's send order."""
+    s = lowered.schedule
+    for rank, ops in enumerate(lowered.lists):
+        posted: set[Message] = set()
+        last_compute: Action | None = None
+        for index, op in enumerate(ops):
+            if isinstance(op, Comm):
+                m = op.message
+                if (m.src if op.op == SEND else m.dst) != rank:
+                    raise ScheduleError(f"rank {rank}, index {index}: {op.short()} belongs to "
+                                        f"rank {m.src if op.op == SEND else m.dst}")
+                if op.op == RECV:
+                    if m in posted:
+                        raise ScheduleError(f"rank {rank}: {op.short()} posted twice")
+                    posted.add(m)
+                elif last_compute is None or produced_message(s, last_compute) != m:
+                    raise ScheduleError(f"rank {rank}, index {index}: {op.short()} does not "
+                                        f"follow the action that produces it")
+                continue
+            last_compute = op
+            needed = needed_message(s, op)
+            if needed is not None and needed.src != rank and needed not in posted:
+                raise ScheduleError(f"rank {rank}, index {index}: {op.short()} runs before the "
+                                    f"RECV of its input {needed.short()}")
+    sends: dict[tuple[int, int], list[Message]] = {}
+    recvs: dict[tuple[int, int], list[Message]] = {}
+    for ops in lowered.lists:
+        for op in ops:
+            if isinstance(op, Comm):
+                table = sends if op.op == SEND else recvs
+                table.setdefault((op.message.src, op.message.dst), []).append(op.message)
+    for channel in sorted(set(sends) | set(recvs)):
+        sent, received = sends.get(channel, []), recvs.get(channel, [])
+        if sent != received:
+            first = next((i for i, (a, b) in enumerate(zip(sent, received)) if a != b),
+                         min(len(sent), len(received)))
+            got = received[first].short() if first < len(received) else "nothing"
+            want = sent[first].short() if first < len(sent) else "nothing"
+            raise ScheduleError(
+                f"rank {channel[1]} receives from rank {channel[0]} in another order than it "
+                f"sends: receive {first} is {got}, send {first} is {want} (NCCL ignores tags and "
+                f"matches the messages of a pair in issue order)")
+    missing = set(sends) - set(lowered.connections)
+    if missing:
+        raise ScheduleError(f"directions {sorted(missing)} carry messages but are not connected")
+
+
+class _Execution:
+    """The lowered lists under NCCL's host semantics: posting a send or receive never blocks
+    (connections are set up beforehand); a compute action waits until the SEND of each input
+    it receives has been posted."""
+
+    def __init__(self, lowered: LoweredSchedule) -> None:
+        self.lists = lowered.lists
+        self.where: dict[tuple[str, Message], tuple[int, int]] = {}
+        for rank, ops in enumerate(self.lists):
+            for index, op in enumerate(ops):
+                if isinstance(op, Comm):
+                    self.where[(op.op, op.message)] = (rank, index)
+        s = lowered.schedule
+        # per rank and index: the (rank, index) of the SEND a compute action waits for
+        self.waits: list[list[tuple[int, int] | None]] = []
+        for ops in self.lists:
+            row: list[tuple[int, int] | None] = []
+            for op in ops:
+                needed = None if isinstance(op, Comm) else needed_message(s, op)
+                row.append(self.where.get((SEND, needed)) if needed is not None else None)
+            self.waits.append(row)
+
+    def runnable(self, heads: list[int], rank: int) -> bool:
+        """Whether ``rank``'s next operation can run now."""
+        wait = self.waits[rank][heads[rank]]
+        return wait is None or heads[wait[0]] > wait[1]
+
+    def advance(self, heads: list[int], frozen: int | None = None) -> None:
+        """Run every rank but ``frozen`` as far as it can."""
+        progress = True
+        while progress:
+            progress = False
+            for rank, ops in enumerate(self.lists):
+                if rank == frozen:
+                    continue
+                while heads[rank] < len(ops) and self.runnable(heads, rank):
+                    heads[rank] += 1
+                    progress = True
+
+    def unmatched(self, heads: list[int], rank: int) -> list[str]:
+        """``rank``'s posted operations whose counterpart no other rank has posted yet."""
+        pending = []
+        for op in self.lists[rank][:heads[rank]]:
+            if isinstance(op, Comm):
+                peer, index = self.where[(RECV if op.op == SEND else SEND, op.message)]
+                if heads[peer] <= index:
+                    pending.append(f"{op.short()} (rank {peer} stopped at index {heads[peer]})")
+        return pending
+
+
+def _check_sync_anywhere(lowered: LoweredSchedule, ranks: Sequence[int] | None = None) -> None:
+    """NCCL: a posted send or receive sits on the device until its peer posts the counterpart,
+    and a device-wide sync (the allocator's free-and-retry on OOM, ``empty_cache``) waits for
+    it. For each rank and each point of its list, stop the rank there, let the others run, and
+    require every operation it posted to be matched -- or that sync would hang."""
+    execution = _Execution(lowered)
+    heads = [0] * len(lowered.lists)
+    execution.advance(heads)
+    if any(h < len(ops) for h, ops in zip(heads, lowered.lists)):
+        stuck = [f"rank {r} at {lowered.lists[r][h].short()}" for r, h in enumerate(heads)
+                 if h < len(lowered.lists[r])]
+        raise ScheduleError("the lowered lists deadlock: " + "; ".join(stuck))
+    for rank in range(len(lowered.lists)) if ranks is None else ranks:
+        heads = [0] * len(lowered.lists)
+        ops = lowered.lists[rank]
+        while True:
+            execution.advance(heads, frozen=rank)
+            pending = execution.unmatched(heads, rank)
+            if pending:
+                at = ops[heads[rank]].short() if heads[rank] < len(ops) else "the end"
+                raise ScheduleError(
+                    f"a device-wide sync on rank {rank} before {at} (index {heads[rank]}) would "
+                    f"hang: posted {', '.join(pending)} need(s) this rank's later work")
+            if heads[rank] == len(ops):
+                break
+            if not execution.runnable(heads, rank):
+                raise ScheduleError(f"rank {rank} cannot run {ops[heads[rank]].short()}")
+            heads[rank] += 1
+
+
+def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = None) -> None:
+    """Raise :class:`ScheduleError` unless the lowered lists keep NCCL's rules: the compute
+    lists are the schedule's, every message is sent after its producer and received before its
+    consumer, per pair in one order (tags ignored), every direction is connected (warmed up in
+    one global order), and a device-wide sync on any rank at any point cannot hang (checked for
+    ``ranks``, default all: a rank of a job checks its own list)."""
+    for rank, actions in enumerate(lowered.compute_lists()):
+        expected = iteration_actions(lowered.schedule, rank, lowered.forward_only)
+        if actions != expected:
+            raise ScheduleError(f"rank {rank}: the lowered compute order differs from the "
+                                f"schedule's")
+    _check_messages(lowered)
+    _check_sync_anywhere(lowered, ranks)

@@ -15,7 +15,6 @@ from measured timings (:mod:`megatron_chimera.tuning.profile`), through :class:`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -138,14 +137,6 @@ class AnalyticCompute:
         return StageTimes(forward, backward, weights / rate)
 
 
-def mean_link_alpha_beta(links: Sequence[LinkProfile]) -> tuple[float, float]:
-    """Mean alpha and beta over a list of links (a path's per-hop average)."""
-    if not links:
-        return 0.0, 0.0
-    return (sum(lk.alpha_s for lk in links) / len(links),
-            sum(lk.beta_s_per_byte for lk in links) / len(links))
-
-
 def chimera_eq1_time(forward: float, backward: float, N: int, D: int, p2p: float = 0.0,
                      unoverlapped_allreduce: float = 0.0) -> float:
     """The paper's Eq. (1) for Chimera's basic unit with ``backward >= forward``:
@@ -220,16 +211,22 @@ class PerformanceModel:
         return rank_memory(self.spec, self.schedule(layout), self.partition(layout), layout.B,
                            layout.recompute, self.device_type)
 
-    def _p2p(self, layout: TrainingLayout, schedule: Schedule) -> tuple[float, float]:
-        if self.p2p_link is not None:
-            return self.p2p_link.alpha_s, self.p2p_link.beta_s_per_byte
-        hops = []
+    def _p2p_edges(self, layout: TrainingLayout,
+                   schedule: Schedule) -> tuple[tuple[int, int, float, float], ...]:
+        """(sender, receiver, alpha, beta) of every edge the schedule's messages cross: the
+        hardware's intra- or inter-node link of the two global ranks (replica 0's layout)."""
+        edges = set()
         for pipe in range(schedule.num_pipes):
             for stage in range(schedule.num_stages - 1):
-                a = global_rank(schedule.rank_of(pipe, stage), 0, layout.W)
-                b = global_rank(schedule.rank_of(pipe, stage + 1), 0, layout.W)
-                hops.append(self.hardware.link_for((a, b)))
-        return mean_link_alpha_beta(hops)
+                a, b = schedule.rank_of(pipe, stage), schedule.rank_of(pipe, stage + 1)
+                if a != b:
+                    edges.update({(a, b), (b, a)})
+        result = []
+        for a, b in sorted(edges):
+            link = self.p2p_link or self.hardware.link_for(
+                (global_rank(a, 0, layout.W), global_rank(b, 0, layout.W)))
+            result.append((a, b, link.alpha_s, link.beta_s_per_byte))
+        return tuple(result)
 
     def _allreduce_link(self, layout: TrainingLayout, schedule: Schedule) -> LinkProfile:
         if self.p2p_link is not None:
@@ -248,7 +245,6 @@ class PerformanceModel:
         pieces = self.partition(layout)
         times = [self.compute.stage_times(p, layout.B, layout.recompute) for p in pieces]
         split = schedule.split_backward
-        p2p_alpha, p2p_beta = self._p2p(layout, schedule)
         link = self._allreduce_link(layout, schedule)
         grad_bytes = tuple(float(n * self.spec.dtype_bytes)
                            for n in stage_parameters(self.spec, pieces))
@@ -256,8 +252,7 @@ class PerformanceModel:
             forward_cost=tuple(t.forward for t in times),
             backward_cost=tuple(t.backward for t in times),
             weight_cost=tuple(t.weight for t in times) if split else 0.0,
-            p2p_alpha=p2p_alpha,
-            p2p_beta=p2p_beta,
+            p2p_edges=self._p2p_edges(layout, schedule),
             activation_bytes=float(activation_message_bytes(self.spec, layout.B)),
             allreduce_alpha=link.alpha_s,
             allreduce_beta=link.beta_s_per_byte,

@@ -188,7 +188,7 @@ def run_case(rank: int, world_size: int, case: Case) -> None:
         ref_losses, ref_model, ref_eval = reference_training(
             STEPS, n, w, make_optimizer(case.optimizer)
         )
-        logging = rank == world_size - 1
+        results = []
         for step in range(STEPS):
             optimizer.zero_grad(set_to_none=True)
             result = executor.run([make_batch(step, dp, m) for m in range(n)])
@@ -198,20 +198,24 @@ def run_case(rank: int, world_size: int, case: Case) -> None:
                 for p in params:
                     p.grad.div_(case.loss_scale)
             optimizer.step()
-            if logging:
-                _check_close([x["lm loss"] for x in result.losses], ref_losses[step],
-                             f"step {step} losses")
-                busy = result.busy_seconds_per_rank
-                if len(busy) != world_size or min(busy) <= 0:
-                    raise AssertionError(f"busy seconds per rank: {busy}")
+            results.append(result)
+        gathered = executor.gather(results)  # every step at once, as at a log interval
+        for step, figures in enumerate(gathered or []):
+            _check_close([x["lm loss"] for x in figures.losses], ref_losses[step],
+                         f"step {step} losses")
+            busy = figures.busy_seconds_per_rank
+            if len(busy) != world_size or min(busy) <= 0:
+                raise AssertionError(f"busy seconds per rank: {busy}")
+        if (gathered is None) != (rank != world_size - 1):
+            raise AssertionError(f"rank {rank}: gathered {gathered is not None}")
         assert_replicas_identical(stages)
         _check_weights(stages, ref_model)
         result = executor.run([make_batch(STEPS, dp, m) for m in range(n)], forward_only=True)
         forwards = [a for a in schedule.actions[prank] if a.kind == FORWARD]
         if result.executed != forwards:
             raise AssertionError(f"pipeline rank {prank}: forward-only order differs")
-        if logging:
-            _check_close([x["lm loss"] for x in result.losses], ref_eval, "forward-only losses")
+        for figures in executor.gather([result]) or []:
+            _check_close([x["lm loss"] for x in figures.losses], ref_eval, "forward-only losses")
     finally:
         parallel_state.destroy_model_parallel()
 

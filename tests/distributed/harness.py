@@ -1,5 +1,8 @@
 """Spawns a gloo world of local processes for a test and reports every rank's outcome.
 
+Every world runs under NCCL's point-to-point rules unless a test opts out (``nccl_semantics``):
+gloo alone forgives tag mismatches, early receives and first-use rendezvous.
+
 Each rank runs ``fn(rank, world_size, *args)`` in a fresh process with a process group whose
 timeout is bounded, writes its outcome (ok, or the traceback) to a file and exits. Ranks are
 forked from a forkserver that imported torch once (8 ranks start in about a second, and none of
@@ -21,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
 
 PRELOAD = ["torch", "torch.distributed", "megatron_chimera.pipeline.executor"]
 
@@ -48,9 +53,10 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: float,
-            outdir: str, args: tuple) -> None:
+            outdir: str, nccl_semantics: bool, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ[NCCL_SEMANTICS_ENV] = "1" if nccl_semantics else "0"
     import torch
     import torch.distributed as dist
 
@@ -77,17 +83,22 @@ def spawn_world(
     timeout_s: float = 120.0,
     pg_timeout_s: float = 60.0,
     kill_on_failure: bool = True,
+    nccl_semantics: bool = True,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their outcomes.
 
     With ``kill_on_failure`` the first failing rank stops the world and its traceback is raised.
+    ``nccl_semantics`` (default on) runs gloo under NCCL's rules
+    (:mod:`megatron_chimera.pipeline.nccl_semantics`): tag-blind FIFO matching, a rendezvous at
+    each direction's first exchange, device-wide syncs waiting for posted operations.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # import torch once, in a clean single-threaded server
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="mc_dist_") as outdir:
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, port, pg_timeout_s, outdir, args))
+            ctx.Process(target=_worker,
+                        args=(fn, r, world_size, port, pg_timeout_s, outdir, nccl_semantics, args))
             for r in range(world_size)
         ]
         for p in procs:

@@ -1,7 +1,9 @@
 """Distributed runtime: exact equivalence with a single-process run, schedule order, no hang.
 
 Each test spawns one gloo world and runs many configurations in it (groups are created and
-destroyed per configuration), so the whole set stays within a few minutes on 2 cores.
+destroyed per configuration), so the whole set stays within a few minutes on 2 cores. Every
+world runs under NCCL's rules (the harness's NCCL-semantics mode); the last test shows that
+mode reporting the deadlocks plain gloo forgives.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .cases import (
     run_replica_utilities,
 )
 from .harness import spawn_world
+from .nccl_cases import run_unprotected
 
 pytestmark = pytest.mark.distributed
 
@@ -130,3 +133,29 @@ def test_replica_utilities_and_layout_errors():
 def test_recompute_replays_dropout():
     """Activation recomputation restores the RNG: same masks, bitwise the same weights."""
     spawn_world(run_recompute_replays_dropout, 4, timeout_s=50)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("warm_up,safe_posting,reported", [
+    # no connection warm-up: rank 0's first receive from rank 1 blocks the host (NCCL's
+    # rendezvous) while rank 1's device sync waits for rank 0's next activation
+    (False, True, "first exchange of"),
+    # receives posted blind, two actions early: rank 0 prefetches B0's gradient before F0 has
+    # sent the activation rank 1 needs to produce it; a device sync on rank 0 then hangs
+    (True, False, "syncs the device before F0.0.0 while it receives g0.0.0 from rank 1"),
+])
+def test_nccl_semantics_report_the_deadlock_gloo_forgives(warm_up, safe_posting, reported):
+    """1F1B, D=2 with one protection off: gloo alone runs it; under NCCL's rules every rank
+    fails within seconds with a report naming the ranks and their operations."""
+    plain = spawn_world(run_unprotected, 2, "1f1b", 4, warm_up, safe_posting, timeout_s=60,
+                        nccl_semantics=False)
+    assert all(o.exitcode == 0 for o in plain)
+    start = time.monotonic()
+    outcomes = spawn_world(run_unprotected, 2, "1f1b", 4, warm_up, safe_posting, timeout_s=90,
+                           pg_timeout_s=60, kill_on_failure=False)
+    elapsed = time.monotonic() - start
+    assert all(o.exitcode not in (0, None) for o in outcomes), outcomes
+    errors = "\n".join(o.error for o in outcomes)
+    assert "NCCL-semantics deadlock: rank" in errors and reported in errors, errors[-2000:]
+    assert "rank 1 is at:" in errors or "rank 0 is at:" in errors
+    assert elapsed < 45, f"the deadlock took {elapsed:.0f} s to report"

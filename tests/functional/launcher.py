@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # A tiny GPT/BERT: 8 layers, hidden 64, seq 32, vocab ~512, dropout off so layouts agree.
@@ -32,13 +34,16 @@ class RunResult:
 
 def launch(script: str, args: list[str], nproc: int = 1, timeout: float = 180,
            env: dict[str, str] | None = None) -> RunResult:
-    """``python script args`` (nproc 1) or ``torchrun --standalone --nproc-per-node nproc``."""
+    """``python script args`` (nproc 1) or ``torchrun --standalone --nproc-per-node nproc``,
+    under NCCL's point-to-point rules on gloo (``MEGATRON_CHIMERA_NCCL_SEMANTICS=1``) unless
+    ``env`` says otherwise."""
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(ROOT / script), *args]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                    **{NCCL_SEMANTICS_ENV: "1"}, **(env or {}))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if not env or key not in env:
             full_env.pop(key, None)

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _run_quickstart(out_dir: Path) -> str:
     env = dict(os.environ, QUICKSTART_SHORT="1", OUT_DIR=str(out_dir), TRAIN_ITERS="4",
-               MASTER_PORT="29631", OMP_NUM_THREADS="1")
+               MASTER_PORT="29631", OMP_NUM_THREADS="1", **{NCCL_SEMANTICS_ENV: "1"})
     proc = subprocess.run(["bash", "examples/quickstart.sh"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -130,19 +130,26 @@ def test_two_level_network_picks_intra_or_inter_node_links():
     hw = PRESETS["h100"]
     intra, inter = hw.intra_node, hw.inter_node
     model = PerformanceModel(gpt(num_layers=16), hw)
+    link = {"intra": (intra.alpha_s, intra.beta_s_per_byte),
+            "inter": (inter.alpha_s, inter.beta_s_per_byte)}
+
+    def edges(costs) -> dict:
+        return {(a, b): (alpha, beta) for a, b, alpha, beta in costs.p2p_edges}
+
     one_node = model.cost_model(TrainingLayout("1f1b", 8, 1, 1, 8))
-    assert one_node.p2p_alpha == pytest.approx(intra.alpha_s)
+    assert set(edges(one_node).values()) == {link["intra"]} and len(edges(one_node)) == 14
     assert one_node.allreduce_alpha == intra.alpha_s
-    # D=8, W=2: pipeline 0 is ranks 0, 2, ..., 14: one of its 7 hops crosses nodes (6 -> 8);
-    # each stage's replicas {2s, 2s+1} share a node
+    # D=8, W=2: pipeline 0 is ranks 0, 2, ..., 14: its hop 3 <-> 4 (global 6 <-> 8) crosses
+    # nodes, every other hop stays inside one; each stage's replicas {2s, 2s+1} share a node
     two_nodes = model.cost_model(TrainingLayout("1f1b", 8, 2, 1, 8))
-    assert two_nodes.p2p_alpha == pytest.approx((6 * intra.alpha_s + inter.alpha_s) / 7)
-    assert two_nodes.p2p_beta == pytest.approx((6 * intra.beta_s_per_byte
-                                                + inter.beta_s_per_byte) / 7)
+    crossing = {pair for pair, value in edges(two_nodes).items() if value == link["inter"]}
+    assert crossing == {(3, 4), (4, 3)}
+    assert two_nodes.p2p_time(3, 4) > two_nodes.p2p_time(2, 3) == one_node.p2p_time(2, 3)
     assert two_nodes.allreduce_alpha == intra.alpha_s
     # D=2, W=8: stage replicas are ranks 0..7 (one node); the only hop is 0 -> 8
     wide = model.cost_model(TrainingLayout("1f1b", 2, 8, 1, 2))
-    assert wide.p2p_alpha == inter.alpha_s and wide.allreduce_alpha == intra.alpha_s
+    assert edges(wide) == {(0, 1): link["inter"], (1, 0): link["inter"]}
+    assert wide.allreduce_alpha == intra.alpha_s
     # Chimera D=2, W=8: stage 0 is held by pipeline ranks 0 (down) and 1 (up): 16 ranks, 2 nodes
     chimera = model.cost_model(TrainingLayout.of("chimera", 2, 8, 1, 2, pipes=2))
     assert chimera.allreduce_alpha == inter.alpha_s

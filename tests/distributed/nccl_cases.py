@@ -1,0 +1,35 @@
+"""Per-rank bodies that break NCCL's rules on purpose: the NCCL-semantics mode must catch them."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from megatron_chimera import parallel_state
+from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
+from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.schedules import build_schedule
+
+from .toy_model import HIDDEN, MICRO_BATCH, SEQ, build_stage, forward_step, make_batch
+
+
+def run_unprotected(rank: int, world_size: int, schedule_name: str, num_microbatches: int,
+                    warm_up: bool, safe_posting: bool) -> None:
+    """One iteration with the connection warm-up and/or the safe posting rule switched off."""
+    schedule = build_schedule(schedule_name, world_size, num_microbatches)
+    parallel_state.initialize_model_parallel(world_size, schedule.placement, schedule.num_stages,
+                                             timeout=datetime.timedelta(seconds=60))
+    try:
+        prank = parallel_state.get_pipeline_model_parallel_rank()
+        stages = {s: build_stage(s, schedule.num_stages)
+                  for s in schedule.stages_of_rank(prank)}
+        executor = PipelineExecutor(
+            schedule, PipelineTopology.from_parallel_state(), stages, forward_step,
+            (SEQ, MICRO_BATCH, HIDDEN), torch.float32, loss_scale_divisor=num_microbatches,
+            grad_sync=GradientSynchronizer.from_parallel_state(stages), warm_up=warm_up,
+            safe_posting=safe_posting)
+        executor.run([make_batch(0, 0, m) for m in range(num_microbatches)])
+    finally:
+        parallel_state.destroy_model_parallel()

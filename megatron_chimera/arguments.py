@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from .config import (
+    GELU_VARIANTS,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -60,6 +61,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-masked-softmax-fusion", action="store_false",
                    dest="masked_softmax_fusion")
     g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
+    g.add_argument("--gelu", choices=GELU_VARIANTS, default="megatron",
+                   help="megatron: tanh approximation in the MLP, exact in BERT's LM head; "
+                        "tanh / erf: that form everywhere (Hugging Face's gelu_new / gelu)")
     g.add_argument("--no-apex", action="store_true",
                    help="use torch-native kernels even when NVIDIA Apex is importable")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)

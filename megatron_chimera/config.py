@@ -12,6 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+# GeLU forms: "megatron" = tanh approximation in the MLP (Megatron's fused bias-GeLU) and exact erf
+# GeLU in BERT's LM head (Megatron-LM's default); "tanh" = tanh approximation everywhere (Megatron's
+# --openai-gelu, Hugging Face's gelu_new); "erf" = exact erf GeLU everywhere (Hugging Face's gelu).
+GELU_VARIANTS = ("megatron", "tanh", "erf")
+
 
 class ConfigError(ValueError):
     """An inconsistent or invalid setting; the message names the offending flag."""
@@ -59,6 +64,7 @@ class ModelConfig:
     # (Megatron's --no-masked-softmax-fusion / --no-bias-gelu-fusion)
     masked_softmax_fusion: bool = True
     bias_gelu_fusion: bool = True
+    gelu: str = "megatron"  # one of GELU_VARIANTS (--gelu)
 
     @property
     def ffn_size(self) -> int:

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import parallel_state
 from .arguments import build_schedule_for, parse_args
+from .checkpoint_args import check_model_matches_checkpoint
 from .checkpointing import StageSlice, load_checkpoint, save_checkpoint
 from .config import ConfigError, TrainConfig
 from .data.samplers import build_data_iterator, next_microbatches
@@ -170,6 +171,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
 
     ckpt = config.checkpoint
     if ckpt.load is not None:
+        check_model_matches_checkpoint(ckpt.load, config.model)
         loaded = load_checkpoint(
             ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
             world_size=world_size, load_optim=not ckpt.no_load_optim,

@@ -54,7 +54,7 @@ def random_tokens(vocab: int, seed: int = 1, batch: int = BATCH, seq: int = SEQ)
 
 # ----------------------------------------------------------------------------- layouts
 def test_qkv_per_head_layout_round_trips_and_is_interleaved():
-    heads, hd, h = 3, 2, 6
+    heads, h = 3, 6  # head_dim 2
     q, k, v = (torch.randn(h, 5) for _ in range(3))
     qkv = qkv_to_megatron(q, k, v, heads)
     # head 1's rows are [q_1 | k_1 | v_1], each head_dim rows
@@ -219,7 +219,8 @@ def test_export_of_megatron_gelu_bert_warns_and_measures(tmp_path):
 
 def test_export_writes_tokenizer_files_transformers_reads(tmp_path):
     write_bpe_files(tmp_path / "tok")
-    data = DataConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path / "tok/vocab.json"),
+    data = DataConfig(tokenizer_type="GPT2BPETokenizer",
+                      vocab_file=str(tmp_path / "tok/vocab.json"),
                       merge_file=str(tmp_path / "tok/merges.txt"))
     ours_tok = build_tokenizer("GPT2BPETokenizer", vocab_file=data.vocab_file,
                                merge_file=data.merge_file)

@@ -11,8 +11,7 @@ import json
 from pathlib import Path
 
 import torch
-
-transformers = __import__("pytest").importorskip("transformers")
+import transformers  # the [test] extra installs it: a missing reference must fail, not skip
 
 EOT = "<|endoftext|>"
 WORDS = ("the king shall speak and the queen shall answer while the fool laughs at both of them "

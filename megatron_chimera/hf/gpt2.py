@@ -61,7 +61,13 @@ def model_config_from_hf(hf: Any, source: str, make_vocab_size_divisible_by: int
         hidden_dropout=hf.resid_pdrop, attention_dropout=hf.attn_pdrop,
         init_method_std=hf.initializer_range, layernorm_epsilon=hf.layer_norm_epsilon,
         untie_embeddings_and_output_weights=not getattr(hf, "tie_word_embeddings", True),
-        gelu=gelu_from_hf(hf.activation_function, "activation_function", source))
+        gelu=_gpt_gelu(gelu_from_hf(hf.activation_function, "activation_function", source)))
+
+
+def _gpt_gelu(form: str) -> str:
+    """GPT-2 has GeLU only in its MLP, where "megatron" (the training default) is the tanh
+    approximation: record that, so fine-tuning needs no --gelu flag."""
+    return "megatron" if form == "tanh" else form
 
 
 def state_from_hf(tensors: dict[str, torch.Tensor], config: ModelConfig,

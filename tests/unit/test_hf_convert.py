@@ -76,6 +76,7 @@ def test_gpt2_import_gives_hf_logits_and_loss(tmp_path, variant):
                    activation_function=act)
     result = import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     assert result.model_config.padded_vocab_size == 384  # 300 padded to a multiple of 128
+    assert result.model_config.gelu == ("megatron" if act == "gelu_new" else "erf")
     ours = load_model(str(tmp_path / "ckpt")).model
     tokens, labels = random_tokens(300), random_tokens(300, seed=2)
     with torch.no_grad():

@@ -54,6 +54,14 @@ FAMILY_OF_MODEL_TYPE = {gpt2.MODEL_TYPE: "gpt", bert.MODEL_TYPE: "bert"}
 
 
 @dataclass(frozen=True)
+class Agreement:
+    """Our model vs ``transformers`` on one random batch (fp32, eager attention)."""
+
+    max_abs_logit_diff: float  # over the real (unpadded) vocabulary
+    loss_diff: float  # |our loss - theirs|: next-token (GPT) or all-token MLM (BERT) cross-entropy
+
+
+@dataclass(frozen=True)
 class ImportResult:
     """What ``import_hf`` wrote."""
 
@@ -63,18 +71,19 @@ class ImportResult:
     checkpoint: str
     weights_file: str
     notes: list[str] = field(default_factory=list)
+    agreement: Agreement | None = None
 
 
 @dataclass(frozen=True)
 class ExportResult:
-    """What ``export_hf`` wrote, and the verification's largest logit difference (or None)."""
+    """What ``export_hf`` wrote, and how well transformers' load of it agrees (None: unchecked)."""
 
     family: str
     architecture: str
     hf_dir: str
     files: list[str]
     notes: list[str] = field(default_factory=list)
-    max_abs_logit_diff: float | None = None
+    agreement: Agreement | None = None
 
 
 def read_hf_config(hf_dir: str) -> tuple[str, Any]:
@@ -122,8 +131,9 @@ def _tokenizer_notes(tokenizer: TokenizerSettings, model: ModelConfig, hf_dir: s
 
 
 def import_hf(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
-              max_position_embeddings: int | None = None) -> ImportResult:
-    """Convert the Hugging Face model in ``hf_dir`` into a release checkpoint under ``save``."""
+              max_position_embeddings: int | None = None, verify: bool = False) -> ImportResult:
+    """Convert the Hugging Face model in ``hf_dir`` into a release checkpoint under ``save``;
+    ``verify`` also runs both models on a random batch (positions unchanged only)."""
     if make_vocab_size_divisible_by <= 0:
         raise ConfigError("--make-vocab-size-divisible-by must be positive")
     if max_position_embeddings is not None and max_position_embeddings <= 0:
@@ -158,7 +168,10 @@ def import_hf(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
                            rank=0, world_size=1, consumed_train_samples=0,
                            args=_checkpoint_args(model_config, tokenizer, family, provenance),
                            save_optim=False, release=True)
-    return ImportResult(family, model_config, tokenizer, path, weights_file, notes)
+    agreement = None
+    if verify and max_position_embeddings is None:
+        agreement = compare_with_transformers(model, family, model_config, hf_dir)
+    return ImportResult(family, model_config, tokenizer, path, weights_file, notes, agreement)
 
 
 def _special_id(loaded: LoadedModel, name: str) -> int | None:
@@ -191,22 +204,24 @@ def export_hf(load: str, hf_dir: str, overwrite: bool = False,
     files = {CONFIG_FILE: hf_config.to_json_string(use_diff=True).encode(),
              SAFETENSORS_FILE: safetensors_bytes(tensors), **tokenizer_files}
     write_dir(hf_dir, files, overwrite=overwrite)
-    diff = verify_export(loaded, hf_dir) if verify else None
+    agreement = (compare_with_transformers(loaded.model, loaded.family, config, hf_dir)
+                 if verify else None)
     return ExportResult(loaded.family, hf_config.architectures[0], os.path.abspath(hf_dir),
-                        sorted(files), notes, diff)
+                        sorted(files), notes, agreement)
 
 
 @torch.no_grad()
-def verify_export(loaded: LoadedModel, hf_dir: str, batch: int = 2, seq: int = 16) -> float:
-    """Largest |logit difference| between our model and ``from_pretrained(hf_dir)`` on random
-    tokens (fp32, eager attention)."""
+def compare_with_transformers(model: torch.nn.Module, family: str, config: ModelConfig,
+                              hf_dir: str, batch: int = 2, seq: int = 16) -> Agreement:
+    """Run ``model`` and ``from_pretrained(hf_dir)`` on the same random tokens."""
     transformers = require_transformers()
-    config = loaded.model_config
     seq = min(seq, config.max_positions)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
-    model = loaded.model
-    if loaded.family == "gpt":
+    labels = torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+    was_training = model.training
+    model.eval()
+    if family == "gpt":
         hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager")
         ours = model(tokens, torch.arange(seq).expand(batch, seq))
         theirs = hf.eval()(input_ids=tokens).logits
@@ -221,4 +236,9 @@ def verify_export(loaded: LoadedModel, hf_dir: str, batch: int = 2, seq: int = 1
                         tokentype_ids=types if model.num_tokentypes else None)
         out = hf(input_ids=tokens, token_type_ids=types, attention_mask=torch.ones_like(tokens))
         theirs = out.prediction_logits if config.bert_binary_head else out.logits
-    return float((ours[..., :config.vocab_size].float() - theirs.float()).abs().max())
+    model.train(was_training)
+    # our logits span the padded vocabulary (padding at -inf); the loss is over all of it
+    our_loss = torch.nn.functional.cross_entropy(ours.float().flatten(0, 1), labels.flatten())
+    their_loss = torch.nn.functional.cross_entropy(theirs.float().flatten(0, 1), labels.flatten())
+    diff = (ours[..., :config.vocab_size].float() - theirs.float()).abs().max()
+    return Agreement(float(diff), abs(float(our_loss) - float(their_loss)))

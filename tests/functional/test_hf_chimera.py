@@ -42,6 +42,7 @@ def trained(tmp_path_factory):
     out = ok(launch("tools/checkpoint/convert.py",
                     ["import-hf", "--hf-dir", str(root / "hf"), "--save", str(root / "ckpt")]))
     assert "train it with: pretrain_gpt2.py" in out.stdout and "--gelu" not in out.stdout
+    assert "verified against transformers" in out.stdout
     tokenizer_flags = ["--tokenizer-type", "GPT2BPETokenizer",
                        "--vocab-file", str(root / "ckpt/tokenizer/vocab.json"),
                        "--merge-file", str(root / "ckpt/tokenizer/merges.txt")]
@@ -104,11 +105,12 @@ def test_generate_text_cli_equals_transformers_greedy(trained):
                                 eos_token_id=None, pad_token_id=0,
                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     assert record["tokens"] == ref[0, len(prompt):].tolist()
+    (root / "prompts.txt").write_text("the queen\n\nthe fool\n")
     sampled = ok(launch("tools/generate_text.py",
-                        ["--load", str(root / "trained"), "--prompt", "the", "--prompt", "",
-                         "--max-new-tokens", "5", "--temperature", "0.9", "--top-k", "20",
-                         "--top-p", "0.95", "--seed", "7"]))
-    assert sampled.stdout.count("--- sample") == 2
+                        ["--load", str(root / "trained"), "--prompt", "", "--prompt-file",
+                         str(root / "prompts.txt"), "--max-new-tokens", "5", "--temperature",
+                         "0.9", "--top-k", "20", "--top-p", "0.95", "--seed", "7"]))
+    assert sampled.stdout.count("--- sample") == 3 and "seed 7" in sampled.stdout
     bad = launch("tools/generate_text.py", ["--load", str(root / "trained"), "--prompt", "x",
                                             "--max-new-tokens", "3", "--greedy", "--top-k", "3"])
     assert bad.returncode == 2 and "error: --top-k cannot be combined with --greedy" in bad.stderr

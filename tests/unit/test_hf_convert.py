@@ -74,7 +74,8 @@ def test_gpt2_import_gives_hf_logits_and_loss(tmp_path, variant):
     tied, act = variant.split("-")
     hf = save_gpt2(tmp_path / "hf", vocab_size=300, tie_word_embeddings=tied == "tied",
                    activation_function=act)
-    result = import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    result = import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), verify=True)
+    assert result.agreement.max_abs_logit_diff <= TOL and result.agreement.loss_diff <= 1e-5
     assert result.model_config.padded_vocab_size == 384  # 300 padded to a multiple of 128
     assert result.model_config.gelu == ("megatron" if act == "gelu_new" else "erf")
     ours = load_model(str(tmp_path / "ckpt")).model
@@ -185,7 +186,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, variant):
                          bert_binary_head=variant != "bert-tanh-nohead")
     model = write_our_checkpoint(tmp_path / "ckpt", family, config).eval()
     result = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
-    assert result.max_abs_logit_diff is not None and result.max_abs_logit_diff <= TOL
+    assert result.agreement.max_abs_logit_diff <= TOL and result.agreement.loss_diff <= 1e-5
     tokens = random_tokens(200)
     cls = {"gpt": transformers.GPT2LMHeadModel,
            "bert": (transformers.MegatronBertForMaskedLM if variant.endswith("nohead")
@@ -215,7 +216,7 @@ def test_export_of_megatron_gelu_bert_warns_and_measures(tmp_path):
     write_our_checkpoint(tmp_path / "ckpt", "bert", config)
     result = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     assert any("GeLU" in note for note in result.notes)
-    assert result.max_abs_logit_diff > TOL  # the measured, reported difference is real
+    assert result.agreement.max_abs_logit_diff > TOL  # the measured, reported difference is real
 
 
 def test_export_writes_tokenizer_files_transformers_reads(tmp_path):

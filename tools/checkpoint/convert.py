@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pad the vocabulary as training does (padding ids are masked)")
     imp.add_argument("--max-position-embeddings", type=int, default=None,
                      help="keep only the first N position embeddings (shorter context)")
+    imp.add_argument("--no-verify", action="store_true",
+                     help="skip comparing our logits with transformers' on a random batch")
     exp = sub.add_parser("export-hf", help="checkpoint -> Hugging Face directory",
                          allow_abbrev=False)
     exp.add_argument("--load", required=True, help="checkpoint directory (any layout)")
@@ -57,8 +59,15 @@ def _print_import(result, save: str) -> None:
           f"{config.padded_vocab_size}) -> {result.checkpoint}")
     for note in result.notes:
         print(f"note: {note}")
+    _print_agreement(result.agreement)
     print(f"train it with: {script} --load {shlex.quote(save)} "
           + " ".join(shlex.quote(f) for f in flags) + " ...")
+
+
+def _print_agreement(agreement) -> None:
+    if agreement is not None:
+        print(f"verified against transformers (fp32, random batch): max |logit difference| "
+              f"{agreement.max_abs_logit_diff:.3e}, |loss difference| {agreement.loss_diff:.3e}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "import-hf":
         result = import_hf(args.hf_dir, args.save, args.make_vocab_size_divisible_by,
-                           args.max_position_embeddings)
+                           args.max_position_embeddings, verify=not args.no_verify)
         _print_import(result, args.save)
         return
     result = export_hf(args.load, args.hf_dir, overwrite=args.overwrite,
@@ -75,9 +84,7 @@ def main(argv: list[str] | None = None) -> None:
           f"({', '.join(result.files)})")
     for note in result.notes:
         print(f"note: {note}")
-    if result.max_abs_logit_diff is not None:
-        print(f"verified: transformers loads it; max |logit difference| "
-              f"{result.max_abs_logit_diff:.3e} (fp32, random batch)")
+    _print_agreement(result.agreement)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,11 @@ def test_gpt2_import_gives_hf_logits_and_loss(tmp_path, variant):
 def test_gpt2_import_from_pytorch_bin_and_shards(tmp_path):
     hf = save_gpt2(tmp_path / "hf")
     state = {k: v.clone() for k, v in hf.state_dict().items()}
+    # the original GPT-2 files: no "transformer." prefix, causal-mask buffers among the weights
+    legacy = {k.removeprefix("transformer."): v for k, v in state.items()}
+    legacy.update({f"h.{i}.attn.bias": torch.ones(1, 1, 32, 32).tril() for i in range(4)})
     for name, prepare in (("bin", lambda d: torch.save(state, d / "pytorch_model.bin")),
+                          ("legacy", lambda d: torch.save(legacy, d / "pytorch_model.bin")),
                           ("sharded", lambda d: hf.save_pretrained(d, max_shard_size="40KB"))):
         folder = tmp_path / name
         folder.mkdir()

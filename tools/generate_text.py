@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     device = next(loaded.model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     eod = tokenizer.eod
-    print(f"checkpoint {loaded.root} (iteration {loaded.iteration}), "
-          f"{'greedy' if params.greedy else 'sampling'}, seed {seed}", flush=True)
+    mode = "greedy" if params.greedy else f"sampling, seed {seed}"
+    print(f"checkpoint {loaded.root} (iteration {loaded.iteration}), {mode}", flush=True)
     records = []
     for index, prompt in enumerate(prompts):
         prompt_ids = tokenizer.tokenize(prompt) or [eod]

@@ -16,5 +16,9 @@ setup(
         "matplotlib",
         "tqdm",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout", "ruff"]},
+    extras_require={
+        # Hugging Face interchange (tools/checkpoint/convert.py) (pinned: the tested versions)
+        "hf": ["transformers==5.23.0", "safetensors==0.8.0"],
+        "test": ["pytest", "pytest-timeout", "ruff", "transformers==5.23.0", "safetensors==0.8.0"],
+    },
 )

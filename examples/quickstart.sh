@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Quickstart: from a fresh clone, on a CPU machine, train a small GPT-2 with Chimera (4 pipeline stages,
-# 2 pipes) on Shakespeare, with evaluation, TensorBoard logs, a checkpoint and a schedule plot.
+# 2 pipes) on Shakespeare, with evaluation, TensorBoard logs, a checkpoint and a schedule plot, and
+# end with a short sample of what the model writes.
 #
 #   bash examples/quickstart.sh              # a few minutes on 2 cores
 #   QUICKSTART_SHORT=1 bash examples/quickstart.sh   # the CI form: smaller vocabulary, fewer iterations
 #
 # Re-running reuses the corpus, tokenizer and preprocessed data, and resumes from the checkpoint.
-# Variables: OUT_DIR (default outputs/quickstart), DATA_DIR (default data), TRAIN_ITERS, NPROC (default 4).
+# Variables: OUT_DIR (default outputs/quickstart), DATA_DIR (default data), TRAIN_ITERS, NPROC (default 4),
+# PROMPT and SAMPLE_TOKENS (the closing sample; default "ROMEO:" and 40).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step() { printf '\n==> %s\n' "$*"; }
@@ -70,9 +72,15 @@ step "schedule plot: Chimera D=4, 2 pipes, N=8 (backward = 2 x forward)"
 $PY tools/plot_schedule.py --pipeline-schedule chimera --pipeline-model-parallel-size 4 \
   --num-microbatches 8 --chimera-pipes 2 --forward-cost 1 --backward-cost 2 --out "$PLOT"
 
+step "sample: tools/generate_text.py, one process, from the checkpoint just written"
+$PY tools/generate_text.py --load "$CHECKPOINTS" --prompt "${PROMPT:-ROMEO:}" \
+  --max-new-tokens "${SAMPLE_TOKENS:-40}" --temperature 0.8 --top-k 40 --seed 1234 --device cpu
+
 step "done"
 cat <<MSG
   TensorBoard logs : $TENSORBOARD      (open with: .venv/bin/tensorboard --logdir $TENSORBOARD)
   Checkpoint       : $CHECKPOINTS      (iteration $(cat "$CHECKPOINTS/latest_checkpointed_iteration.txt" 2>/dev/null || echo none))
   Schedule plot    : $PLOT
+  More samples     : $PY tools/generate_text.py --load $CHECKPOINTS --prompt "JULIET:" --max-new-tokens 60
+  Perplexity       : $PY tools/evaluate.py --load $CHECKPOINTS --data-path ${DATA_PREFIX}_text_document --max-tokens 20000
 MSG

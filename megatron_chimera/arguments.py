@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Sequence
 
 from megatron_chimera.config import (
+    GELU_VARIANTS,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -70,6 +71,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion")
     g.add_argument("--use-flash-attn", action="store_true")
     g.add_argument("--document-attention", choices=DOCUMENT_ATTENTIONS, default="auto")
+    g.add_argument("--gelu", choices=GELU_VARIANTS, default="megatron",
+                   help="megatron: tanh approximation in the MLP, exact in BERT's LM head; "
+                        "tanh / erf: that form everywhere (Hugging Face's gelu_new / gelu)")
     g.add_argument("--no-apex", action="store_true",
                    help="use torch-native kernels even when NVIDIA Apex is importable")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)

@@ -207,11 +207,14 @@ def save_checkpoint(
     args: dict[str, Any] | None = None,
     save_optim: bool = True,
     barrier: Callable[[], None] | None = None,
+    release: bool = False,
 ) -> str:
     """Collectively write iteration ``iteration`` under ``root``; every rank must call it.
 
     ``partition`` lists the global layer range of every stage (the manifest); each stage's file is
     written by its ``writer`` rank, RNG states by every rank, ``common.pt`` by rank 0.
+    ``release`` marks weights from elsewhere (Megatron's release checkpoint, e.g. an imported
+    Hugging Face model): ``--load`` starts from them at iteration 0 with a fresh optimizer.
     """
     barrier = barrier or (lambda: None)
     final = checkpoint_dir(root, iteration)
@@ -241,6 +244,7 @@ def save_checkpoint(
         common = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
+            "release": release,
             "world_size": world_size,
             "args": args or {},
             "consumed_train_samples": consumed_train_samples,
@@ -325,7 +329,8 @@ def load_checkpoint(
     """Restore this rank's stage modules (and optimizer, scheduler, RNG) from ``root``.
 
     Returns None when ``root`` has no tracker file. ``finetune`` loads weights only and restarts
-    at iteration 0 with no consumed samples (Megatron's ``--finetune``).
+    at iteration 0 with no consumed samples (Megatron's ``--finetune``); a release checkpoint
+    (``save_checkpoint(release=True)``) is always loaded that way.
     """
     iteration = read_tracker(root)
     if iteration is None:
@@ -341,6 +346,7 @@ def load_checkpoint(
             cache[name] = safe_torch_load(os.path.join(path, name))
         return cache[name]
 
+    finetune = finetune or bool(common.get("release", False))
     load_optim = load_optim and not finetune and optimizer is not None
     for stage in stages:
         files = _overlapping_files(common, stage, num_stages)

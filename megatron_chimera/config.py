@@ -15,6 +15,11 @@ import torch
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --params-dtype
 
+# GeLU forms: "megatron" = tanh approximation in the MLP (Megatron's fused bias-GeLU) and exact erf
+# GeLU in BERT's LM head (Megatron-LM's default); "tanh" = tanh approximation everywhere (Megatron's
+# --openai-gelu, Hugging Face's gelu_new); "erf" = exact erf GeLU everywhere (Hugging Face's gelu).
+GELU_VARIANTS = ("megatron", "tanh", "erf")
+
 
 class ConfigError(ValueError):
     """An inconsistent or invalid setting; the message names the offending flag."""
@@ -68,6 +73,7 @@ class ModelConfig:
     use_flash_attn: bool = False
     # per-document attention kernel with --reset-attention-mask (model/document_attention.py)
     document_attention: str = "auto"
+    gelu: str = "megatron"  # one of GELU_VARIANTS (--gelu)
 
     @property
     def ffn_size(self) -> int:

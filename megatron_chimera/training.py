@@ -24,6 +24,7 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.arguments import build_schedule_for, parse_args_and_schedule
+from megatron_chimera.checkpoint_args import check_model_matches_checkpoint
 from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
 from megatron_chimera.config import ConfigError, TrainConfig
 from megatron_chimera.data.samplers import build_data_iterator, next_microbatches
@@ -65,6 +66,7 @@ class _Run:
     """Everything ``pretrain`` builds for the loop."""
 
     config: TrainConfig
+    family: ModelFamily
     schedule: Schedule
     partition: list[tuple[int, int]]
     stages: list[StageSlice]
@@ -175,6 +177,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
 
     ckpt = config.checkpoint
     if ckpt.load is not None:
+        check_model_matches_checkpoint(ckpt.load, config.model)
         loaded = load_checkpoint(
             ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
             world_size=world_size, load_optim=not ckpt.no_load_optim,
@@ -220,7 +223,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     needed = _needed_microbatches(schedule, pipeline_rank,
                                   all_stages=family.every_stage_reads_batch
                                   or config.data.reset_attention_mask)
-    run = _Run(config, schedule, partition, stages, optimizer, scheduler, executor,
+    run = _Run(config, family, schedule, partition, stages, optimizer, scheduler, executor,
                eval_executor, monitor, Timers(), needed, rank, world_size)
     return run, datasets
 
@@ -294,7 +297,8 @@ def save(run: _Run, state: TrainState) -> None:
         rank=run.rank, world_size=run.world_size,
         consumed_train_samples=state.consumed_train_samples,
         consumed_valid_samples=state.consumed_valid_samples,
-        args=dataclasses.asdict(run.config), save_optim=not ckpt.no_save_optim,
+        args={**dataclasses.asdict(run.config), "model_family": run.family.name},
+        save_optim=not ckpt.no_save_optim,
         barrier=dist.barrier)
     run.timers("save-checkpoint").stop()
     state.last_saved_iteration = state.iteration

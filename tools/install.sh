@@ -5,8 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 if [ "${1:-}" = "--fresh" ]; then rm -rf .venv; fi
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import megatron_chimera, torch" 2>/dev/null; then
-  echo "[install] creating .venv and installing torch==2.13.0, then megatron_chimera[test]"
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import megatron_chimera, torch, transformers, safetensors" 2>/dev/null; then
+  echo "[install] creating .venv (or completing it): torch==2.13.0, then megatron_chimera[test]"
   "$PYTHON" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q torch==2.13.0

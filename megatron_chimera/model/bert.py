@@ -9,10 +9,11 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from megatron_chimera.config import ConfigError, ModelConfig
-from megatron_chimera.model.fused import FusedBackend, LayerNorm, get_fused_backend
+from megatron_chimera.model.fused import FusedBackend, LayerNorm, gelu, get_fused_backend
 from megatron_chimera.model.language_model import (
     MegatronModule,
     TransformerLanguageModel,
+    mask_padded_vocab,
     per_token_cross_entropy,
     resolve_layer_range,
 )
@@ -37,7 +38,8 @@ def padding_to_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
 
 
 class BertLMHead(nn.Module):
-    """MLM head: dense -> GeLU -> ``layernorm`` -> logits against the tied embedding + ``bias``."""
+    """MLM head: dense -> GeLU (exact; tanh with ``--gelu tanh``) -> ``layernorm`` -> logits
+    against the tied embedding + ``bias`` (padded-vocabulary columns masked)."""
 
     def __init__(self, config: ModelConfig, backend: FusedBackend, seed: int) -> None:
         super().__init__()
@@ -46,12 +48,15 @@ class BertLMHead(nn.Module):
         init_linear_(self.dense, config.init_method_std, make_generator(seed, LM_HEAD_KEY))
         self.layernorm = LayerNorm(h, config.layernorm_epsilon, backend, dtype)
         self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size, dtype=dtype))
+        self.tanh_gelu = config.gelu == "tanh"
+        self.vocab_size = config.vocab_size
 
     def forward(self, hidden: torch.Tensor, word_embeddings_weight: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[b, s, V]``."""
-        hidden = self.layernorm(F.gelu(self.dense(hidden)))
+        hidden = self.dense(hidden)
+        hidden = self.layernorm(gelu(hidden) if self.tanh_gelu else F.gelu(hidden))
         logits = F.linear(hidden, word_embeddings_weight, self.bias)
-        return logits.transpose(0, 1).contiguous()
+        return mask_padded_vocab(logits.transpose(0, 1).contiguous(), self.vocab_size)
 
 
 class BertModel(MegatronModule):

@@ -129,6 +129,7 @@ class TransformerLanguageModel(nn.Module):
 class MegatronModule(nn.Module):
     """Base of the full models: the tied word-embedding bookkeeping of a pipeline stage."""
 
+    config: ModelConfig
     pre_process: bool
     post_process: bool
     tied: bool
@@ -156,16 +157,27 @@ class MegatronModule(nn.Module):
         return None
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h]`` -> logits ``[b, s, V]`` over the padded vocabulary."""
+        """``[s, b, h]`` -> logits ``[b, s, V]`` over the padded vocabulary (padding masked)."""
         if self.tied:
             logits = F.linear(hidden, self.shared_embedding_or_output_weight())
         else:
             logits = self.language_model.output_layer(hidden)
-        return logits.transpose(0, 1).contiguous()
+        return mask_padded_vocab(logits.transpose(0, 1).contiguous(), self.config.vocab_size)
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set the logits of the ``--make-vocab-size-divisible-by`` padding columns (ids >=
+    ``vocab_size``) to -inf, so ids no tokenizer produces never take probability mass, in the
+    loss or in sampling; their gradients are zero."""
+    padded = logits.shape[-1]
+    if padded <= vocab_size:
+        return logits
+    is_padding = torch.arange(padded, device=logits.device) >= vocab_size
+    return logits.masked_fill(is_padding, float("-inf"))
 
 
 def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """fp32 cross-entropy ``[b, s]`` of logits ``[b, s, V]`` (padded vocabulary included)."""
+    """fp32 cross-entropy ``[b, s]`` of logits ``[b, s, V]`` (padding columns are -inf)."""
     b, s, v = logits.shape
     if labels.shape != (b, s):
         raise ValueError(f"labels shape {tuple(labels.shape)} != logits' [b, s] {(b, s)}")

@@ -7,11 +7,12 @@ convention), so a stage slice's ``layers.{i}`` (local index) knows which model l
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 from torch.utils.checkpoint import checkpoint
 
-from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.config import GELU_VARIANTS, ConfigError, ModelConfig
 from megatron_chimera.model.document_attention import DocumentMask, document_attention
 from megatron_chimera.model.fused import (
     FusedBackend,
@@ -135,7 +136,8 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """``dense_h_to_4h`` -> GeLU (tanh) -> ``dense_4h_to_h``."""
+    """``dense_h_to_4h`` -> GeLU (tanh approximation, or exact with ``--gelu erf``) ->
+    ``dense_4h_to_h``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -144,10 +146,14 @@ class ParallelMLP(nn.Module):
         self.dense_4h_to_h = skip_init(Linear, f, h, dtype=dtype)
         self.fused_gelu = config.bias_gelu_fusion
         self.skip_bias_add = not config.bias_dropout_fusion
+        if config.gelu not in GELU_VARIANTS:
+            raise ConfigError(f"--gelu must be one of {GELU_VARIANTS}, got {config.gelu!r}")
+        self.exact_gelu = config.gelu == "erf"
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, h] -> ([s, b, h], bias)`` (bias as in :meth:`ParallelAttention.forward`)."""
-        intermediate = gelu(self.dense_h_to_4h(hidden), fused=self.fused_gelu)
+        hidden = self.dense_h_to_4h(hidden)
+        intermediate = F.gelu(hidden) if self.exact_gelu else gelu(hidden, fused=self.fused_gelu)
         if self.skip_bias_add:
             return self.dense_4h_to_h.forward_without_bias(intermediate)
         return self.dense_4h_to_h(intermediate), None

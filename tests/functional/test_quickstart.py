@@ -38,6 +38,7 @@ def test_quickstart_short_end_to_end_and_rerun(tmp_path: Path):
     png = tmp_path / "chimera_schedule.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"Checkpoint       : {tmp_path / 'checkpoints'}" in out
+    assert "==> sample:" in out and "--- sample 1/1" in out and "\nROMEO:" in out
 
     again = _run_quickstart(tmp_path)
     assert "reusing" in again and "resuming from" in again

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_chimera"
 
 # Each module belongs to one layer; a layer may import itself and the layers listed for it.
 DRIVER_MODULES = ("training", "arguments", "config_checks", "flag_catalog", "monitor",
-                  "checkpointing", "initialize")
+                  "checkpointing", "checkpoint_args", "initialize")
 BASE_MODULES = ("__init__", "config", "atomic", "layout")
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
@@ -26,6 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     "pipeline": {"base", "schedules", "parallel_state", "model"},
     "driver": {"base", "schedules", "parallel_state", "model", "data", "optimizer", "tuning",
                "pipeline"},
+    # Hugging Face interop and one-process inference: tools' library code, above the driver
+    "hf": {"base", "model", "data", "driver", "inference"},
+    "inference": {"base", "model", "data", "driver", "hf"},
 }
 
 

@@ -118,6 +118,7 @@ def reference_gpt_loss(model: GPTModel, tokens, positions, labels) -> torch.Tens
         x = x + lin(gelu, p + "mlp.dense_4h_to_h")
     x = ln(x, "language_model.encoder.final_layernorm")
     logits = x @ params[emb + "word_embeddings.weight"].T
+    logits[..., cfg.vocab_size:] = float("-inf")  # padded-vocabulary columns take no mass
     return F.cross_entropy(logits.reshape(b * s, -1), labels.reshape(-1),
                            reduction="none").view(b, s)
 

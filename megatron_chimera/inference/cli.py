@@ -1,0 +1,70 @@
+"""What the checkpoint tools share: their checkpoint/tokenizer flags, loading, errors, JSON out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_chimera.atomic import atomic_write
+from megatron_chimera.checkpointing import CheckpointError
+from megatron_chimera.config import ConfigError
+from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, MegatronTokenizer
+from megatron_chimera.hf.common import HFError
+from megatron_chimera.hf.tokenizer_files import TokenizerSettings
+from megatron_chimera.inference.loader import LoadedModel, load_model, load_tokenizer
+from megatron_chimera.model.family import GPT2
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """``--load``, ``--device``, ``--params-dtype`` and the tokenizer overrides."""
+    parser.add_argument("--load", required=True, help="checkpoint directory (any layout)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--params-dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                        help="default: fp32 on the CPU, the checkpoint's dtype on a GPU")
+    g = parser.add_argument_group("tokenizer (default: the one recorded in the checkpoint)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+
+
+def load_gpt(args: argparse.Namespace, tool: str) -> tuple[LoadedModel, MegatronTokenizer]:
+    """The GPT model and tokenizer named by the flags; ConfigError for a BERT checkpoint."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available")
+    dtype = args.params_dtype or ("fp32" if torch.device(device).type == "cpu" else None)
+    loaded = load_model(args.load, device, params_dtype=dtype)
+    if loaded.family is not GPT2:
+        raise ConfigError(f"--load {args.load}: a {loaded.family.upper()} checkpoint; {tool} "
+                          "needs a GPT (left-to-right) model")
+    override = None
+    if args.tokenizer_type is not None:
+        override = TokenizerSettings(args.tokenizer_type, args.vocab_file, args.merge_file)
+    else:
+        for flag in ("vocab_file", "merge_file", "tokenizer_model"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --tokenizer-type")
+    return loaded, load_tokenizer(loaded, override, args.tokenizer_model)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """``obj`` as indented JSON at ``path``, written atomically."""
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write(path, lambda handle: handle.write(data))
+
+
+def run_cli(main: Callable[[], None]) -> None:
+    """Run a tool's ``main``; a configuration, checkpoint or Hugging Face error prints one line
+    ``error: <message>`` and exits with code 2."""
+    try:
+        main()
+    except (ConfigError, CheckpointError, HFError) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

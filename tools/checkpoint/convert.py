@@ -1,0 +1,91 @@
+"""Convert between Hugging Face ``transformers`` directories and our checkpoints.
+
+    python tools/checkpoint/convert.py import-hf --hf-dir DIR --save CKPT_DIR
+    python tools/checkpoint/convert.py export-hf --load CKPT_DIR --hf-dir DIR
+
+``import-hf`` reads a local ``GPT2LMHeadModel`` or ``MegatronBertForPreTraining`` /
+``MegatronBertForMaskedLM`` directory (``config.json`` + safetensors or ``pytorch_model.bin``,
+loaded without running code) and writes a release checkpoint that ``pretrain_gpt2.py`` /
+``pretrain_bert.py --load`` trains under any layout with a fresh optimizer; it prints the model
+flags to train it with. ``export-hf`` writes ``config.json``, ``model.safetensors`` and the
+tokenizer files (GPT-2 BPE or WordPiece) that ``from_pretrained`` loads, then checks the logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from megatron_chimera.checkpoint_args import model_flags
+from megatron_chimera.hf.convert import export_hf, import_hf
+from megatron_chimera.inference.cli import run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``import-hf`` / ``export-hf`` command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import-hf", help="Hugging Face directory -> checkpoint",
+                         allow_abbrev=False)
+    imp.add_argument("--hf-dir", required=True, help="local directory written by save_pretrained")
+    imp.add_argument("--save", required=True, help="new checkpoint directory")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                     help="pad the vocabulary as training does (padding ids are masked)")
+    imp.add_argument("--max-position-embeddings", type=int, default=None,
+                     help="keep only the first N position embeddings (shorter context)")
+    imp.add_argument("--no-verify", action="store_true",
+                     help="skip comparing our logits with transformers' on a random batch")
+    exp = sub.add_parser("export-hf", help="checkpoint -> Hugging Face directory",
+                         allow_abbrev=False)
+    exp.add_argument("--load", required=True, help="checkpoint directory (any layout)")
+    exp.add_argument("--hf-dir", required=True, help="output directory")
+    exp.add_argument("--overwrite", action="store_true", help="replace a non-empty --hf-dir")
+    exp.add_argument("--no-verify", action="store_true",
+                     help="skip loading the result with transformers and comparing logits")
+    return parser
+
+
+def _print_import(result, save: str) -> None:
+    config = result.model_config
+    script = result.family.entry_point
+    flags = [*model_flags(config), "--seq-length", str(config.max_positions)]
+    tok = result.tokenizer
+    if tok.tokenizer_type is not None:
+        flags += ["--tokenizer-type", tok.tokenizer_type, "--vocab-file", tok.vocab_file]
+        flags += ["--merge-file", tok.merge_file] if tok.merge_file else []
+    print(f"imported {result.weights_file} ({result.family}, {config.num_layers} layers, hidden "
+          f"{config.hidden_size}, vocabulary {config.vocab_size} padded to "
+          f"{config.padded_vocab_size}) -> {result.checkpoint}")
+    for note in result.notes:
+        print(f"note: {note}")
+    _print_agreement(result.agreement)
+    print(f"train it with: {script} --load {shlex.quote(save)} "
+          + " ".join(shlex.quote(f) for f in flags) + " ...")
+
+
+def _print_agreement(agreement) -> None:
+    if agreement is not None:
+        print(f"verified against transformers (fp32, random batch): max |logit difference| "
+              f"{agreement.max_abs_logit_diff:.3e}, |loss difference| {agreement.loss_diff:.3e}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one conversion."""
+    args = build_parser().parse_args(argv)
+    if args.command == "import-hf":
+        result = import_hf(args.hf_dir, args.save, args.make_vocab_size_divisible_by,
+                           args.max_position_embeddings, verify=not args.no_verify)
+        _print_import(result, args.save)
+        return
+    result = export_hf(args.load, args.hf_dir, overwrite=args.overwrite,
+                       verify=not args.no_verify)
+    print(f"exported {args.load} as {result.architecture} -> {result.hf_dir} "
+          f"({', '.join(result.files)})")
+    for note in result.notes:
+        print(f"note: {note}")
+    _print_agreement(result.agreement)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -22,6 +22,7 @@ from megatron_chimera.data.bert_dataset import (
     get_bert_batch,
 )
 from megatron_chimera.data.masking import word_start_table
+from megatron_chimera.data.samplers import batch_to_device
 from megatron_chimera.model.bert import BertModel
 from megatron_chimera.model.family import BERT
 from megatron_chimera.training import pretrain_from_flags, run_main
@@ -83,8 +84,8 @@ def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tens
 def forward_step(batch, model: BertModel):
     """Megatron's BERT forward step: every stage needs the padding mask of the micro-batch."""
     device = next(model.parameters()).device
-    tokens, types, sentence_order, loss_mask, lm_labels, padding_mask = (
-        t.to(device) for t in get_bert_batch(batch))
+    tokens, types, sentence_order, loss_mask, lm_labels, padding_mask = get_bert_batch(
+        batch_to_device(batch, device))
     # Unmasked positions carry label -1 (Megatron's convention) and have loss_mask 0.
     lm_labels = lm_labels.clamp(min=0)
     output = model(tokens if model.pre_process else None, padding_mask,

@@ -21,6 +21,7 @@ from megatron_chimera.data.gpt_dataset import (
     get_batch,
 )
 from megatron_chimera.data.gpt_sample_fields import GPTSampleDataset, LtorOptions
+from megatron_chimera.data.samplers import batch_to_device
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
@@ -68,19 +69,34 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
+def batch_fields(model: GPTModel) -> list[str]:
+    """The micro-batch fields a stage reads: tokens and positions at the first stage, labels and
+    the loss mask at the last, the document ids (--reset-attention-mask) everywhere."""
+    fields = ["document_ids"]
+    if model.pre_process or model.post_process:
+        fields.append("text")
+    if model.pre_process:
+        fields.append("position_ids")
+    if model.post_process:
+        fields.append("loss_mask")
+    return fields
+
+
 def forward_step(batch, model: GPTModel):
     """Megatron's GPT forward step; ``batch`` is None on a stage that needs no data (with
-    --reset-attention-mask every stage gets the batch: each needs the document mask)."""
+    --reset-attention-mask every stage gets the batch: each needs the document mask). Only the
+    fields this stage reads move to its device, asynchronously from pinned memory."""
     if batch is None:
         return model(None, None), None
     device = next(model.parameters()).device
+    batch = batch_to_device(batch, device, batch_fields(model))
     tokens, labels, loss_mask, document_ids, position_ids = get_batch(batch)
     mask = None if document_ids is None else DocumentMask(document_ids, device)
-    output = model(tokens.to(device) if model.pre_process else None,
-                   position_ids.to(device) if model.pre_process else None,
+    output = model(tokens if model.pre_process else None,
+                   position_ids if model.pre_process else None,
                    attention_mask=mask,
-                   labels=labels.to(device) if model.post_process else None)
-    return output, functools.partial(loss_func, loss_mask.to(device))
+                   labels=labels if model.post_process else None)
+    return output, functools.partial(loss_func, loss_mask)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -92,6 +92,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--partition-method", choices=PARTITION_METHODS, default="uniform")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--allow-cpu-training", action="store_true",
+                   help="with --distributed-backend gloo on a machine with CUDA devices: train "
+                        "on the CPU on purpose (refused otherwise)")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:

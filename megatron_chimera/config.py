@@ -118,6 +118,7 @@ class ParallelConfig:
     schedule_options: Any = None  # None: the schedule's defaults
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     distributed_timeout_minutes: float = 10.0
+    allow_cpu_training: bool = False  # gloo on a machine with CUDA devices is deliberate
 
     @property
     def world_size(self) -> int:

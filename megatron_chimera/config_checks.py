@@ -20,6 +20,7 @@ from megatron_chimera.config import (
 )
 from megatron_chimera.data.dataset_utils import parse_data_paths, parse_split
 from megatron_chimera.data.tokenizers import check_tokenizer_args
+from megatron_chimera.initialize import check_backend
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.registry import get_spec
 from megatron_chimera.schedules.validate import validate as validate_schedule
@@ -60,11 +61,7 @@ def validate(config: TrainConfig, world_size: int) -> Schedule:
     _validate_checkpoint(config.checkpoint)
     _validate_logging(config.logging)
     _validate_attention(config.model, config.data)
-    if parallel.distributed_backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("--distributed-backend nccl needs CUDA, which is not available")
+    check_backend(parallel)
     return schedule
 
 

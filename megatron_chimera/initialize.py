@@ -26,19 +26,48 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def initialize_distributed(config: ParallelConfig) -> None:
-    """``init_process_group`` via ``env://`` (torchrun) with the configured backend and timeout."""
+def check_backend(config: ParallelConfig) -> str:
+    """The backend to use (``--distributed-backend`` or the device's); ConfigError when it cannot
+    work here -- NCCL without CUDA, or gloo on a CUDA machine, which would silently train on the
+    CPU unless ``--allow-cpu-training`` says that is meant."""
     backend = config.distributed_backend or default_backend()
     if backend not in BACKENDS:
         raise ConfigError(f"--distributed-backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("--distributed-backend nccl needs CUDA; use gloo on CPU")
+        raise ConfigError("--distributed-backend nccl needs CUDA, which is not available; "
+                          "use gloo on CPU")
+    if backend == "gloo" and torch.cuda.is_available() and not config.allow_cpu_training:
+        raise ConfigError("--distributed-backend gloo on a machine with CUDA devices would train "
+                          "on the CPU; drop the flag to use NCCL on the GPUs, or pass "
+                          "--allow-cpu-training if CPU training is meant")
     if config.distributed_timeout_minutes <= 0:
         raise ConfigError(
             f"--distributed-timeout-minutes must be > 0, got {config.distributed_timeout_minutes}"
         )
+    return backend
+
+
+def initialize_distributed(config: ParallelConfig) -> torch.device:
+    """``init_process_group`` with the configured backend and timeout; returns this rank's device.
+
+    Under torchrun (``RANK`` set) via ``env://``; a plain one-process run gets an in-memory store
+    and needs no port. On CUDA the process group is bound to the rank's device
+    (``device_id``), so NCCL communicators are created eagerly, when their groups are created in
+    one order on every rank, instead of lazily at a first use that blocks until the peers arrive.
+    """
+    backend = check_backend(config)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if dist.is_initialized():
-        return
+        return device
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    options = {"backend": backend, "timeout": timedelta(minutes=config.distributed_timeout_minutes)}
+    if backend == "nccl":
+        options["device_id"] = device
+    if "RANK" not in os.environ and config.world_size == 1:
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **options)
+        return device
     required = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     missing = [k for k in required if k not in os.environ]
     if missing:
@@ -50,12 +79,8 @@ def initialize_distributed(config: ParallelConfig) -> None:
             f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size} x "
             f"--tensor-model-parallel-size {config.tensor_model_parallel_size}"
         )
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        backend=backend, init_method="env://",
-        timeout=timedelta(minutes=config.distributed_timeout_minutes),
-    )
+    dist.init_process_group(init_method="env://", **options)
+    return device
 
 
 def set_random_seed(seed: int) -> None:
@@ -75,9 +100,10 @@ def set_random_seed(seed: int) -> None:
         torch.cuda.manual_seed_all(seed + offset)
 
 
-def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -> None:
-    """Distributed start-up, model-parallel groups for ``schedule``'s placement, and seeding."""
-    initialize_distributed(config)
+def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -> torch.device:
+    """Distributed start-up, model-parallel groups for ``schedule``'s placement, and seeding;
+    returns this rank's device."""
+    device = initialize_distributed(config)
     if schedule.num_ranks != config.pipeline_model_parallel_size:
         raise ConfigError(
             f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size} != the "
@@ -89,3 +115,4 @@ def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -
         timeout=timedelta(minutes=config.distributed_timeout_minutes),
     )
     set_random_seed(seed)
+    return device

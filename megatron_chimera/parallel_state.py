@@ -108,6 +108,10 @@ def initialize_model_parallel(
 ) -> None:
     """Create pipeline, data-parallel, stage-replica and embedding groups (same order everywhere).
 
+    A rank set that appears twice (Chimera's stages s and D-1-s, 1F1B's stage-replica and
+    data-parallel groups) gets one group; the two directions between pipe neighbours are the one
+    deliberate exception (separate NCCL communicators, hence streams).
+
     ``placement[pipe][stage]`` is the pipeline rank holding that stage replica
     (``Schedule.placement``). ``p2p_direction_groups`` (default: on with NCCL and in the
     NCCL-semantics test mode) adds one 2-rank
@@ -138,13 +142,17 @@ def initialize_model_parallel(
     pipeline_rank, data_parallel_rank = pipeline_and_data_parallel_rank(rank, w)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     created: list[dist.ProcessGroup] = []
+    known: dict[tuple, dist.ProcessGroup | None] = {}
 
-    def new_group(ranks: list[int]) -> dist.ProcessGroup | None:
-        group = dist.new_group(ranks, **kwargs)
-        if rank in ranks:
-            created.append(group)
-            return group
-        return None
+    def new_group(ranks: list[int], purpose: str = "collective") -> dist.ProcessGroup | None:
+        """One group per distinct rank set and purpose (every rank asks in the same order)."""
+        key = (purpose, tuple(sorted(ranks)))
+        if key not in known:
+            group = dist.new_group(ranks, **kwargs)
+            known[key] = group if rank in ranks else None
+            if rank in ranks:
+                created.append(group)
+        return known[key]
 
     pipeline_group = pipeline_ranks = None
     for dp in range(w):
@@ -181,7 +189,7 @@ def initialize_model_parallel(
         for src, dst in _neighbour_directions(placement):
             for dp in range(w):
                 ranks = [global_rank(src, dp, w), global_rank(dst, dp, w)]
-                group = new_group(ranks)
+                group = new_group(ranks, purpose=f"p2p {src}->{dst}")
                 if group is not None:
                     state.p2p_groups[(ranks[0], ranks[1])] = group
     state.all_groups = created

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,7 +27,7 @@ from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_che
 from megatron_chimera.config import ConfigError, TrainConfig
 from megatron_chimera.data.samplers import build_data_iterator, next_microbatches
 from megatron_chimera.flag_catalog import family_flag_errors
-from megatron_chimera.initialize import default_backend, initialize_megatron
+from megatron_chimera.initialize import initialize_megatron
 from megatron_chimera.model.family import GPT2, ModelFamily
 from megatron_chimera.model.flops import training_flops
 from megatron_chimera.model.partition import partition_layers
@@ -96,26 +94,6 @@ def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
     return tokenizer, dataclasses.replace(config, model=model)
 
 
-def initialize(config: TrainConfig, schedule) -> torch.device:
-    """torch.distributed, the schedule's process groups and seeds (``initialize_megatron``).
-
-    A plain ``python pretrain_*.py`` (no torchrun environment, world size 1) gets an in-memory
-    store, so single-process runs need no port. Returns this rank's device.
-    """
-    parallel = config.parallel
-    backend = parallel.distributed_backend or default_backend()
-    if not dist.is_initialized() and "RANK" not in os.environ and parallel.world_size == 1:
-        if backend == "nccl":
-            torch.cuda.set_device(0)
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1,
-            timeout=timedelta(minutes=parallel.distributed_timeout_minutes))
-    initialize_megatron(parallel, schedule, config.training.seed)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _norm_filter(stage_modules: dict[int, nn.Module]) -> Callable[[nn.Parameter], bool]:
     """Count each stage once in the global grad norm: on its owner, tied copy with stage 0."""
     counted: set[int] = set()
@@ -153,7 +131,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
            forward_step_func: Callable, config: TrainConfig, family: ModelFamily,
            schedule: Schedule, state: TrainState) -> tuple[_Run, tuple[Any, Any, Any]]:
     parallel = config.parallel
-    device = initialize(config, schedule)
+    device = initialize_megatron(config.parallel, schedule, config.training.seed)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
     partition = partition_layers(config.model.num_layers, schedule.num_stages,
@@ -387,9 +365,11 @@ def pretrain(
     dp_size = parallel_state.get_data_parallel_world_size()
     workers = config.data.num_workers
 
+    reads = run.needed_microbatches is None or bool(run.needed_microbatches)
+
     def iterator(dataset, consumed):
         return build_data_iterator(dataset, consumed, training.micro_batch_size, dp_rank,
-                                   dp_size, workers)
+                                   dp_size, workers, read=reads)
 
     # On an exception the process exits without further collectives; torchrun stops the others.
     train_iterator = iterator(train_ds, state.consumed_train_samples)

@@ -253,11 +253,12 @@ class GPTBatch(NamedTuple):
 
     ``document_ids`` (the document of each token, for per-document attention) is present only
     with ``--reset-attention-mask``; without it attention is plainly causal and no mask exists.
+    Fields a stage did not ask for (``pretrain_gpt2.batch_fields``) are None.
     """
 
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    loss_mask: torch.Tensor
+    tokens: torch.Tensor | None
+    labels: torch.Tensor | None
+    loss_mask: torch.Tensor | None
     document_ids: torch.Tensor | None
     position_ids: torch.Tensor
 
@@ -267,17 +268,20 @@ def get_batch(micro_batch: dict[str, torch.Tensor],
     """Megatron's GPT ``get_batch``: tokens = text[:, :-1], labels = text[:, 1:], and the loss
     mask, position ids (and document ids) the data workers computed (:class:`GPTSampleDataset`).
 
-    A raw ``{"text"}`` batch gets them computed here from ``options`` (default: plain causal).
+    A stage may pass only the fields it reads (the others come back None). A raw ``{"text"}``
+    batch gets the derived fields computed here from ``options`` (default: plain causal).
     """
-    text = micro_batch["text"].long()
-    tokens = text[:, :-1].contiguous()
-    labels = text[:, 1:].contiguous()
-    if "loss_mask" not in micro_batch:
-        if options is None:
-            options = LtorOptions(eod_token=-1)
-        fields = [ltor_sample_fields(row, options) for row in text.cpu().numpy()]
-        micro_batch = {key: torch.from_numpy(np.stack([f[key] for f in fields]))
-                       for key in fields[0]}
-    document_ids = micro_batch.get("document_ids")
-    return GPTBatch(tokens, labels, micro_batch["loss_mask"].float(), document_ids,
-                    micro_batch["position_ids"].long())
+    text = micro_batch.get("text")
+    tokens = labels = None
+    if text is not None:
+        text = text.long()
+        tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+        if not {"loss_mask", "position_ids", "document_ids"} & micro_batch.keys():
+            options = options or LtorOptions(eod_token=-1)
+            fields = [ltor_sample_fields(row, options) for row in text.cpu().numpy()]
+            micro_batch = {key: torch.from_numpy(np.stack([f[key] for f in fields]))
+                           .to(text.device) for key in fields[0]}
+    loss_mask, positions = micro_batch.get("loss_mask"), micro_batch.get("position_ids")
+    return GPTBatch(tokens, labels, None if loss_mask is None else loss_mask.float(),
+                    micro_batch.get("document_ids"),
+                    None if positions is None else positions.long())

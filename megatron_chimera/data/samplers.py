@@ -12,6 +12,7 @@ executor hands pipe ``p`` the block ``[p * N / P, (p + 1) * N / P)`` of these ``
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -105,12 +106,26 @@ def build_data_iterator(
     data_parallel_rank: int,
     data_parallel_size: int,
     num_workers: int = 2,
-) -> Iterator[dict[str, torch.Tensor]] | None:
-    """An iterator over this replica's micro-batches (``None`` for a missing split)."""
+    read: bool = True,
+) -> Iterator[dict[str, torch.Tensor] | None] | None:
+    """An iterator over this replica's micro-batches (``None`` for a missing split). With
+    ``read=False`` (a rank none of whose stages reads the data) it yields ``None`` forever: no
+    worker loads or collates a batch only to throw it away."""
     if dataset is None:
         return None
+    if not read:
+        return itertools.repeat(None)
     return iter(build_pretraining_data_loader(dataset, consumed_samples, micro_batch_size,
                                               data_parallel_rank, data_parallel_size, num_workers))
+
+
+def batch_to_device(micro_batch: dict[str, torch.Tensor], device: torch.device | str,
+                    fields: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The ``fields`` (default all) of a collated micro-batch on ``device``. The copies are
+    asynchronous (``non_blocking``): the DataLoader pins its batches on CUDA machines, so the
+    host does not wait for the transfer; on the CPU they are the tensors themselves."""
+    names = micro_batch.keys() if fields is None else [f for f in fields if f in micro_batch]
+    return {name: micro_batch[name].to(device, non_blocking=True) for name in names}
 
 
 def next_microbatches(

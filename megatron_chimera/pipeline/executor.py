@@ -234,6 +234,7 @@ class PipelineExecutor:
         run = _Iteration(self, comm, microbatches, self.lowered[forward_only])
         try:
             self.connect()
+            self.transport.begin_iteration()
             if self.grad_sync is not None and not forward_only:
                 self.grad_sync.start_iteration()
             run.execute()

@@ -10,11 +10,11 @@ gloo forgives three things NCCL does not; :class:`NcclSemanticsTransport` takes 
 3. **A posted operation sits on the device**: a device-wide sync (the allocator's free-and-retry
    on OOM, ``empty_cache``, ``synchronize``) waits until every posted send and receive of this
    rank is matched by its peer. :meth:`sync_point` -- called before every compute action --
-   waits exactly so. It models one rank syncing while the others run: a token in the store lets
-   one rank at a time wait; a rank that finds the token taken runs on as if it had not synced
-   (two simultaneous syncs, e.g. two OOMs at once, are out of scope; NCCL's watchdog timeout
-   bounds them). The static check (:func:`~megatron_chimera.schedules.validate.validate_lowered`)
-   covers every rank and point exhaustively; this one tests the executor that runs the lists.
+   waits exactly so. It models one rank syncing while the others run: in each iteration one
+   rank, in turn, syncs at every point (two simultaneous syncs, e.g. two OOMs at once, are out
+   of scope; NCCL's watchdog timeout bounds them). The static check
+   (:func:`~megatron_chimera.schedules.validate.validate_lowered`) covers every rank and point
+   exhaustively; this one tests the executor that runs the lists.
 
 Who has posted what is published in the c10d store (per direction: sends and receives posted);
 every wait has a short deadline (``MEGATRON_CHIMERA_NCCL_SEMANTICS_TIMEOUT``, default 10 s), after
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_chimera.pipeline.failures import PipelineFailure
+from megatron_chimera.pipeline.failures import PipelineFailure, first_failure
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.lowering import Message
@@ -75,7 +75,10 @@ class NcclSemanticsTransport(Transport):
         self.timeout_s = float(os.environ.get(TIMEOUT_ENV, "10"))
         me = topology.global_rank
         # every rank creates its transports in the same sequence: the epoch names this one
-        self.prefix = f"ncclsem/{self.store.add(f'ncclsem/epoch/{me}', 1)}"
+        self.epoch = self.store.add(f"ncclsem/epoch/{me}", 1)
+        self.prefix = f"ncclsem/{self.epoch}"
+        self.iteration = 0
+        self.syncing = False
         self.counts: dict[tuple[str, int, int], int] = {}  # (op, src, dst) -> posted so far
         self.pending: list[tuple[str, int, int, int, str]] = []  # op, src, dst, k, label
         self._where("started")
@@ -108,7 +111,8 @@ class NcclSemanticsTransport(Transport):
         return self.store.add(self._key(op, src, dst), 0)
 
     def _await(self, counterpart: str, src: int, dst: int, k: int, why: str) -> None:
-        """Wait until the peer posted its ``k``-th ``counterpart`` on ``src -> dst``."""
+        """Wait until the peer posted its ``k``-th ``counterpart`` on ``src -> dst``; a failure
+        recorded by any rank ends the wait at once (naming that rank)."""
         if self._posted_by_peer(counterpart, src, dst) >= k:
             return
         me = self.topology.global_rank
@@ -116,6 +120,9 @@ class NcclSemanticsTransport(Transport):
         self._where(why)
         deadline = time.monotonic() + self.timeout_s
         while self._posted_by_peer(counterpart, src, dst) < k:
+            first = first_failure(wait_seconds=0.0)
+            if first is not None:
+                raise PipelineFailure(f"{first}; rank {me} stopped while it {why}")
             if time.monotonic() > deadline:
                 raise NcclDeadlock(
                     f"NCCL-semantics deadlock: rank {me} {why}, waiting {self.timeout_s:g} s for "
@@ -167,25 +174,22 @@ class NcclSemanticsTransport(Transport):
                 f"different orders (NCCL ignores tags and matches in issue order)")
         payload_work.wait()
 
+    def begin_iteration(self) -> None:
+        """A new iteration: the next rank in turn is the one that syncs at every point."""
+        world = dist.get_world_size()
+        self.syncing = (self.epoch + self.iteration) % world == self.topology.global_rank
+        self.iteration += 1
+
     def sync_point(self, where: str) -> None:
-        """A device-wide sync here: wait until every posted operation of this rank is matched
-        (when no other rank holds the sync token)."""
-        still = [entry for entry in self.pending
-                 if self._posted_by_peer(entry[0], entry[1], entry[2]) < entry[3]]
-        self.pending = still
-        if not still:
-            self._where(f"runs {where}")
+        """A device-wide sync here (on the syncing rank of this iteration): wait until every
+        posted operation of this rank is matched."""
+        if not self.syncing:
+            if len(self.pending) > 64:  # forget what is surely matched by now
+                self.pending = [entry for entry in self.pending
+                                if self._posted_by_peer(*entry[:3]) < entry[3]]
             return
-        me = str(self.topology.global_rank).encode()
-        token = f"{self.prefix}/sync-token"
-        if self.store.compare_set(token, "", me) != me:
-            self._where(f"runs {where} (its sync skipped: another rank is syncing)")
-            return
-        try:
-            for counterpart, src, dst, k, label in still:
-                self._await(counterpart, src, dst, k,
-                            f"syncs the device before {where} while it {label}")
-        finally:
-            self.store.set(token, "")
+        for counterpart, src, dst, k, label in self.pending:
+            self._await(counterpart, src, dst, k,
+                        f"syncs the device before {where} while it {label}")
         self.pending.clear()
         self._where(f"runs {where}")

@@ -66,6 +66,9 @@ class Transport:
             return
         self.wait(work, message)
 
+    def begin_iteration(self) -> None:
+        """An iteration starts (no-op here)."""
+
     def sync_point(self, where: str) -> None:
         """A point where a device-wide sync may happen (no-op: the real device decides)."""
 

@@ -290,6 +290,9 @@ def _check_megatron_getters(rank: int) -> None:
                              (True, False, True, False)),
         "last rank": (ps.get_pipeline_model_parallel_last_rank(), 2 + dp),
     }
+    # one group per distinct rank set: Chimera's stages 0 and 1 are held by the same four ranks
+    checks["stage groups shared"] = (ps.get_stage_replica_group(0) is ps.get_stage_replica_group(1),
+                                     True)
     wrong = {k: v for k, v in checks.items() if v[0] != v[1]}
     if wrong:
         raise AssertionError(f"rank {rank}: getters (got, expected): {wrong}")

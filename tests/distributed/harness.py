@@ -64,10 +64,10 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: f
     result = Path(outdir) / f"rank{rank}"
     code = 0
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
         fn(rank, world_size, *args)
         _write_atomic(result, "")
     except BaseException:  # noqa: BLE001 - every failure is reported to the parent
@@ -92,9 +92,16 @@ def spawn_world(
     (:mod:`megatron_chimera.pipeline.nccl_semantics`): tag-blind FIFO matching, a rendezvous at
     each direction's first exchange, device-wide syncs waiting for posted operations.
     """
+    import torch.distributed as dist
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # import torch once, in a clean single-threaded server
     port = _free_port()
+    # the store lives here, as torchrun's lives in its agent: it outlives any failing rank, so
+    # the others can still read who failed first
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True,
+                          timeout=datetime.timedelta(seconds=pg_timeout_s),
+                          wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="mc_dist_") as outdir:
         procs = [
             ctx.Process(target=_worker,
@@ -125,6 +132,7 @@ def spawn_world(
             error = path.read_text() if path.exists() else "(no outcome: killed or timed out)"
             outcomes.append(RankOutcome(r, p.exitcode if r in finished else None, error,
                                         finished.get(r, float("inf"))))
+    del store
     if kill_on_failure:
         errors = [o for o in outcomes if o.exitcode not in (0,) and o.finished_at < float("inf")]
         if errors:

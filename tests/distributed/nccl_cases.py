@@ -17,7 +17,8 @@ from .toy_model import HIDDEN, MICRO_BATCH, SEQ, build_stage, forward_step, make
 
 def run_unprotected(rank: int, world_size: int, schedule_name: str, num_microbatches: int,
                     warm_up: bool, safe_posting: bool) -> None:
-    """One iteration with the connection warm-up and/or the safe posting rule switched off."""
+    """Two iterations with the connection warm-up and/or the safe posting rule switched off (in
+    NCCL-semantics mode each rank is the syncing one in one of them)."""
     schedule = build_schedule(schedule_name, world_size, num_microbatches)
     parallel_state.initialize_model_parallel(world_size, schedule.placement, schedule.num_stages,
                                              timeout=datetime.timedelta(seconds=60))
@@ -30,6 +31,7 @@ def run_unprotected(rank: int, world_size: int, schedule_name: str, num_microbat
             (SEQ, MICRO_BATCH, HIDDEN), torch.float32, loss_scale_divisor=num_microbatches,
             grad_sync=GradientSynchronizer.from_parallel_state(stages), warm_up=warm_up,
             safe_posting=safe_posting)
-        executor.run([make_batch(0, 0, m) for m in range(num_microbatches)])
+        for step in range(2):
+            executor.run([make_batch(step, 0, m) for m in range(num_microbatches)])
     finally:
         parallel_state.destroy_model_parallel()

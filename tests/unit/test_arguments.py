@@ -143,3 +143,14 @@ def test_chimera_max_inflight_reaches_the_split_backward_schedule():
 def test_chimera_max_inflight_needs_the_split_backward_schedule(extra):
     with pytest.raises(ConfigError, match="--chimera-max-inflight"):
         parse(extra, world_size=4)
+
+
+def test_gloo_on_a_cuda_machine_needs_allow_cpu_training(monkeypatch):
+    """--distributed-backend gloo with CUDA devices visible would silently train on the CPU."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="--allow-cpu-training"):
+        parse("--distributed-backend gloo")
+    config = parse("--distributed-backend gloo --allow-cpu-training")
+    assert config.parallel.allow_cpu_training

@@ -23,7 +23,8 @@ from megatron_chimera.data.bert_dataset import (
 )
 from megatron_chimera.model.bert import BertModel
 from megatron_chimera.model.family import BERT
-from megatron_chimera.training import pretrain_from_flags, run_main
+from megatron_chimera.rank_errors import run_main
+from megatron_chimera.training import pretrain_from_flags
 
 # Special ids of bare --mock-data (a NullTokenizer has no [CLS]/[SEP]/[MASK]/[PAD]).
 MOCK_PAD, MOCK_CLS, MOCK_SEP, MOCK_MASK = 0, 1, 2, 3

@@ -22,7 +22,8 @@ from megatron_chimera.data.gpt_dataset import (
 )
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
-from megatron_chimera.training import pretrain_from_flags, run_main
+from megatron_chimera.rank_errors import run_main
+from megatron_chimera.training import pretrain_from_flags
 
 
 def model_provider(config: ModelConfig, seed: int, pre_process: bool = True,

@@ -29,6 +29,7 @@ from megatron_chimera.config import (
 )
 from megatron_chimera.config_checks import build_schedule_for, validate
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES
+from megatron_chimera.errors import DEBUG_FLAG
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
 
@@ -154,6 +155,8 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument(DEBUG_FLAG, action="store_true",
+                   help="print the traceback of every error (also: MEGATRON_CHIMERA_TRACEBACKS=1)")
 
 
 def build_parser(

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
+from megatron_chimera.errors import UserError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.pt"
@@ -40,7 +41,7 @@ CHECKPOINT_VERSION = 1
 _LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A missing, corrupt, truncated or incompatible checkpoint; the message names the file."""
 
 

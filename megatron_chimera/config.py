@@ -13,11 +13,15 @@ from typing import Any
 
 import torch
 
+from megatron_chimera.errors import UserError
+
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --params-dtype
 
 
-class ConfigError(ValueError):
-    """An inconsistent or invalid setting; the message names the offending flag."""
+class ConfigError(UserError, ValueError):
+    """An inconsistent or invalid setting; the message names the offending flag (exit code 2)."""
+
+    exit_code = 2
 
 
 def pad_vocab_size(

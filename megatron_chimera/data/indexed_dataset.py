@@ -23,6 +23,7 @@ from functools import cached_property
 import numpy as np
 
 from megatron_chimera.atomic import replace_atomically, temp_path_beside
+from megatron_chimera.errors import InputFileError
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
@@ -40,7 +41,7 @@ DTYPE_CODES: dict[int, type[np.number]] = {
 }
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(InputFileError):
     """A missing, truncated or corrupt ``.bin``/``.idx`` file; the message names the file."""
 
 

@@ -13,8 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "megatron_chimera"
 
 # Each module belongs to one layer; a layer may import itself and the layers listed for it.
 DRIVER_MODULES = ("training", "arguments", "config_checks", "monitor", "checkpointing",
-                  "initialize")
-BASE_MODULES = ("__init__", "config", "atomic", "layout")
+                  "initialize", "rank_errors", "checkpoint_args", "preflight", "health")
+BASE_MODULES = ("__init__", "config", "atomic", "layout", "errors", "process")
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
     "schedules": {"base"},

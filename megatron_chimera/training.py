@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,10 +23,21 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.arguments import build_schedule_for, parse_args_and_schedule
-from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
-from megatron_chimera.config import ConfigError, TrainConfig
-from megatron_chimera.data.samplers import build_data_iterator, next_microbatches
+from megatron_chimera.checkpointing import (
+    StageSlice,
+    get_rng_state,
+    load_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
+from megatron_chimera.config import TrainConfig
+from megatron_chimera.data.samplers import (
+    build_data_iterator,
+    microbatch_first_samples,
+    next_microbatches,
+)
 from megatron_chimera.initialize import default_backend, initialize_megatron
+from megatron_chimera.model.dropout_rng import KeyedMicrobatch, keyed_forward_step, microbatch_key
 from megatron_chimera.model.family import GPT2, ModelFamily
 from megatron_chimera.model.flops import training_flops
 from megatron_chimera.model.partition import partition_layers
@@ -36,6 +46,7 @@ from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_opt
 from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_embedding_weight
 from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.rank_errors import run_main  # noqa: F401 - re-exported for entry scripts
 from megatron_chimera.schedules.actions import Schedule
 
 ModelProvider = Callable[..., nn.Module]
@@ -69,6 +80,7 @@ class _Run:
     needed_microbatches: list[int] | None
     rank: int
     world_size: int
+    rng_state: dict[str, Any] | None = None  # seeded or restored state, re-applied before the loop
 
 
 # ------------------------------------------------------------------------------ setup
@@ -181,6 +193,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
         elif rank == 0:
             print(f" no checkpoint in {ckpt.load} (no tracker file): training from scratch",
                   flush=True)
+    rng_state = get_rng_state()  # seeded, or restored from the checkpoint
     # Megatron's pattern: rank 0 builds the dataset index caches (atomically, once); after the
     # barrier every other rank finds them on disk and only memory-maps them.
     num_samples = _train_valid_test_num_samples(config)
@@ -192,7 +205,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     model, training = config.model, config.training
     common = dict(
         schedule=schedule, topology=PipelineTopology.from_parallel_state(), stage_modules=modules,
-        forward_step_func=forward_step_func,
+        forward_step_func=keyed_forward_step(forward_step_func, device),
         tensor_shape=(model.seq_length, training.micro_batch_size, model.hidden_size),
         dtype=model.torch_dtype,
         loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
@@ -208,7 +221,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     needed = _needed_microbatches(schedule, pipeline_rank,
                                   all_stages=family.every_stage_reads_batch)
     run = _Run(config, schedule, partition, stages, optimizer, scheduler, executor,
-               eval_executor, monitor, Timers(), needed, rank, world_size)
+               eval_executor, monitor, Timers(), needed, rank, world_size, rng_state)
     return run, datasets
 
 
@@ -219,13 +232,27 @@ def _average_losses(losses: list[dict[str, float]]) -> dict[str, float]:
     return {name: sum(d[name] for d in losses) / len(losses) for name in losses[0]}
 
 
-def train_step(run: _Run, data_iterator) -> tuple[Any, bool, float | None, float]:
-    """One iteration: schedule, gradient sync, optimizer and LR step.
+def keyed_microbatches(run: _Run, batches: list[Any], consumed_samples: int) -> list[Any]:
+    """Each micro-batch with its keyed-dropout key (from the global index of its first sample)."""
+    training = run.config.training
+    firsts = microbatch_first_samples(
+        consumed_samples, len(batches), training.micro_batch_size,
+        parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+    return [KeyedMicrobatch(microbatch_key(training.seed, first), batch)
+            for first, batch in zip(firsts, batches)]
+
+
+def train_step(run: _Run, data_iterator,
+               consumed_samples: int | None = None) -> tuple[Any, bool, float | None, float]:
+    """One iteration: schedule, gradient sync, optimizer and LR step; ``consumed_samples`` (the
+    samples before this iteration) keys the dropout masks (see ``model/dropout_rng.py``).
 
     Returns (executor result, skipped, grad norm, pipeline seconds).
     """
     batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
                                 run.needed_microbatches)
+    if consumed_samples is not None:
+        batches = keyed_microbatches(run, batches, consumed_samples)
     run.optimizer.zero_grad()
     run.timers("forward-backward").start()
     result = run.executor.run(batches)
@@ -288,7 +315,8 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
     total = training.total_train_iters
     while state.iteration < total:
         run.timers("iteration").start()
-        result, skipped, grad_norm, pipeline_seconds = train_step(run, train_iterator)
+        result, skipped, grad_norm, pipeline_seconds = train_step(
+            run, train_iterator, state.consumed_train_samples)
         run.timers("iteration").stop()
         state.iteration += 1
         state.consumed_train_samples += training.global_batch_size
@@ -346,6 +374,8 @@ def pretrain(
     # On an exception the process exits without further collectives; torchrun stops the others.
     train_iterator = iterator(train_ds, state.consumed_train_samples)
     valid_iterator = iterator(valid_ds, state.consumed_valid_samples)
+    if run.rng_state is not None:  # nothing drawn since the restore reaches the first iteration
+        set_rng_state(run.rng_state)
     train(run, state, train_iterator, valid_iterator)
     if state.iteration >= training.total_train_iters:
         if training.eval_iters and training.total_train_iters % training.eval_interval:
@@ -382,12 +412,3 @@ def pretrain_from_flags(
         family=family,
         schedule=schedule,
     )
-
-
-def run_main(main: Callable[[], None]) -> None:
-    """Run an entry script's ``main``: a ConfigError prints ``error: <message>``, exit code 2."""
-    try:
-        main()
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)

@@ -322,11 +322,13 @@ def load_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     finetune: bool = False,
+    check_args: Callable[[dict[str, Any], str], None] | None = None,
 ) -> LoadedCheckpoint | None:
     """Restore this rank's stage modules (and optimizer, scheduler, RNG) from ``root``.
 
     Returns None when ``root`` has no tracker file. ``finetune`` loads weights only and restarts
-    at iteration 0 with no consumed samples (Megatron's ``--finetune``).
+    at iteration 0 with no consumed samples (Megatron's ``--finetune``). ``check_args(saved
+    args, checkpoint dir)`` may refuse the checkpoint before any tensor is read.
     """
     iteration = read_tracker(root)
     if iteration is None:
@@ -335,6 +337,8 @@ def load_checkpoint(
     common = safe_torch_load(os.path.join(path, COMMON_FILENAME))
     if common.get("checkpoint_version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}/{COMMON_FILENAME}: unsupported checkpoint version")
+    if check_args is not None:
+        check_args(common.get("args") or {}, path)
     cache: dict[str, dict[str, Any]] = {}
 
     def read(name: str) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.arguments import build_schedule_for, parse_args_and_schedule
+from megatron_chimera.checkpoint_args import check_checkpoint_args
 from megatron_chimera.checkpointing import (
     StageSlice,
     get_rng_state,
@@ -182,7 +183,8 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
         loaded = load_checkpoint(
             ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
             world_size=world_size, load_optim=not ckpt.no_load_optim,
-            load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune)
+            load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune,
+            check_args=functools.partial(check_checkpoint_args, config))
         if loaded is not None:
             state.iteration = loaded.iteration
             state.consumed_train_samples = loaded.consumed_train_samples

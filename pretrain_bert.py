@@ -62,7 +62,7 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
         data.data_path, data.split, num_samples, seq_length, seed, tokenizer.vocab_size, cls_id,
         sep_id, mask_id, pad_id, masked_lm_prob=data.mask_prob,
         short_seq_prob=data.short_seq_prob, binary_head=binary_head,
-        cache_dir=data.data_cache_path)
+        cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size)
 
 
 def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tensor):

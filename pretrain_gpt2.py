@@ -43,7 +43,8 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
                                     seed) if n > 0 else None
                      for name, n in zip(("train", "valid", "test"), num_samples))
     return build_train_valid_test_datasets(data.data_path, data.split, num_samples, seq_length,
-                                           seed, cache_dir=data.data_cache_path)
+                                           seed, cache_dir=data.data_cache_path,
+                                           embedding_size=config.model.padded_vocab_size)
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

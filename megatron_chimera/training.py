@@ -26,8 +26,10 @@ from megatron_chimera.arguments import build_schedule_for, parse_args_and_schedu
 from megatron_chimera.checkpoint_args import check_checkpoint_args
 from megatron_chimera.checkpointing import (
     StageSlice,
+    checkpoint_dir,
     get_rng_state,
     load_checkpoint,
+    read_tracker,
     save_checkpoint,
     set_rng_state,
 )
@@ -47,6 +49,7 @@ from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_opt
 from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_embedding_weight
 from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.preflight import check_outputs, check_resume_iteration, check_splits
 from megatron_chimera.rank_errors import run_main  # noqa: F401 - re-exported for entry scripts
 from megatron_chimera.schedules.actions import Schedule
 
@@ -180,6 +183,10 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
 
     ckpt = config.checkpoint
     if ckpt.load is not None:
+        saved_iteration = read_tracker(ckpt.load)
+        if saved_iteration is not None and not ckpt.finetune:
+            check_resume_iteration(saved_iteration, config, checkpoint_dir(ckpt.load,
+                                                                           saved_iteration))
         loaded = load_checkpoint(
             ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
             world_size=world_size, load_optim=not ckpt.no_load_optim,
@@ -361,6 +368,7 @@ def pretrain(
     state = TrainState()
     if schedule is None:
         schedule = build_schedule_for(config)
+    check_outputs(config, family)  # every rank, before any process group: fail in seconds
     run, (train_ds, valid_ds, test_ds) = _setup(
         train_valid_test_datasets_provider, model_provider, forward_step_func, config,
         family, schedule, state)
@@ -374,7 +382,10 @@ def pretrain(
                                    dp_size, workers)
 
     # On an exception the process exits without further collectives; torchrun stops the others.
-    train_iterator = iterator(train_ds, state.consumed_train_samples)
+    remaining = training.total_train_iters - state.iteration
+    check_splits(config, train_ds, valid_ds, test_ds, remaining,
+                 warn=(lambda line: print(line, flush=True)) if run.rank == 0 else None)
+    train_iterator = iterator(train_ds, state.consumed_train_samples) if remaining > 0 else None
     valid_iterator = iterator(valid_ds, state.consumed_valid_samples)
     if run.rng_state is not None:  # nothing drawn since the restore reaches the first iteration
         set_rng_state(run.rng_state)

@@ -96,6 +96,14 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   help="stop with the iteration and rank when a loss or gradient is NaN/Inf "
+                        "(default on)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=100,
+                   help="stop when the optimizer skips this many iterations in a row "
+                        "(fp16 overflow at every loss scale); 0: no bound")
     g = parser.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=float, default=None)
@@ -287,6 +295,7 @@ def _check_positive(args: argparse.Namespace) -> None:
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     non_negative = ("eval_iters", "num_workers", "lr", "min_lr", "weight_decay", "clip_grad",
+                    "max_consecutive_skipped_iterations",
                     "lr_warmup_iters", "lr_warmup_samples", "distributed_timeout_minutes")
     for name in non_negative:
         value = getattr(args, name)

@@ -105,8 +105,11 @@ def safe_torch_load(path: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for corrupt files
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if len(detail) > 120:  # torch's unpickler explains weights_only at length
+            detail = detail[:117] + "..."
         raise CheckpointError(
-            f"checkpoint file {path} is corrupt or truncated ({type(exc).__name__}: {exc})"
+            f"checkpoint file {path} is corrupt or truncated ({type(exc).__name__}: {detail})"
         ) from None
 
 

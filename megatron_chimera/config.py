@@ -181,6 +181,10 @@ class TrainingConfig:
     exit_interval: int | None = None
     seed: int = 1234
     partition_method: str = "uniform"
+    # stop on a NaN/Inf loss or gradient (Megatron's --check-for-nan-in-loss-and-grad)
+    check_for_nan_in_loss_and_grad: bool = True
+    # stop after this many skipped iterations in a row (0: no bound)
+    max_consecutive_skipped_iterations: int = 100
 
     @property
     def total_train_iters(self) -> int:

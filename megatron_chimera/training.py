@@ -32,6 +32,7 @@ from megatron_chimera.checkpointing import (
     read_tracker,
     save_checkpoint,
     set_rng_state,
+    stage_named_parameters,
 )
 from megatron_chimera.config import TrainConfig
 from megatron_chimera.data.samplers import (
@@ -39,6 +40,7 @@ from megatron_chimera.data.samplers import (
     microbatch_first_samples,
     next_microbatches,
 )
+from megatron_chimera.health import check_loss_and_grad, check_skipped
 from megatron_chimera.initialize import default_backend, initialize_megatron
 from megatron_chimera.model.dropout_rng import KeyedMicrobatch, keyed_forward_step, microbatch_key
 from megatron_chimera.model.family import GPT2, ModelFamily
@@ -65,6 +67,7 @@ class TrainState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     last_saved_iteration: int | None = None
+    consecutive_skipped: int = 0
 
 
 @dataclass
@@ -251,10 +254,11 @@ def keyed_microbatches(run: _Run, batches: list[Any], consumed_samples: int) -> 
             for first, batch in zip(firsts, batches)]
 
 
-def train_step(run: _Run, data_iterator,
-               consumed_samples: int | None = None) -> tuple[Any, bool, float | None, float]:
+def train_step(run: _Run, data_iterator, consumed_samples: int | None = None,
+               iteration: int | None = None) -> tuple[Any, bool, float | None, float]:
     """One iteration: schedule, gradient sync, optimizer and LR step; ``consumed_samples`` (the
-    samples before this iteration) keys the dropout masks (see ``model/dropout_rng.py``).
+    samples before this iteration) keys the dropout masks (see ``model/dropout_rng.py``);
+    ``iteration`` (its number) turns on the NaN/Inf check before the step (``health.py``).
 
     Returns (executor result, skipped, grad norm, pipeline seconds).
     """
@@ -266,6 +270,11 @@ def train_step(run: _Run, data_iterator,
     run.timers("forward-backward").start()
     result = run.executor.run(batches)
     run.timers("forward-backward").stop()
+    if iteration is not None and run.config.training.check_for_nan_in_loss_and_grad:
+        check_loss_and_grad(
+            iteration, result.local_losses,
+            [(name, p) for stage in run.stages for name, p in stage_named_parameters(stage)
+             .items()], check_grads=not run.config.optimizer.fp16, device=run.executor.device)
     run.timers("optimizer").start()
     update_successful, grad_norm, _ = run.optimizer.step()
     run.timers("optimizer").stop()
@@ -325,9 +334,10 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
     while state.iteration < total:
         run.timers("iteration").start()
         result, skipped, grad_norm, pipeline_seconds = train_step(
-            run, train_iterator, state.consumed_train_samples)
+            run, train_iterator, state.consumed_train_samples, state.iteration + 1)
         run.timers("iteration").stop()
         state.iteration += 1
+        state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
         state.consumed_train_samples += training.global_batch_size
         timers = run.timers.elapsed_all()
         run.monitor.record(IterationStats(
@@ -337,6 +347,8 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
             iteration_seconds=timers.get("iteration", pipeline_seconds),
             pipeline_seconds=pipeline_seconds, busy_seconds=result.busy_seconds_per_rank,
             timers=timers))
+        check_skipped(state.consecutive_skipped, training.max_consecutive_skipped_iterations,
+                      state.iteration, run.optimizer.get_loss_scale())
         if training.eval_interval and state.iteration % training.eval_interval == 0:
             _evaluate_and_log(run, "validation", valid_iterator, state)
         if ckpt.save_interval and state.iteration % ckpt.save_interval == 0:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .launcher import TINY, scalars, train
+from .launcher import scalars, train
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
 

@@ -1,4 +1,4 @@
-"""Keyed dropout: masks depend on (seed, sample, layer) only, never on order, rank or other draws."""
+"""Keyed dropout: masks depend on (seed, sample, layer) only, not on order, rank or draws."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tools/preprocess_data.py on bad input and Ctrl-C: one error line, nothing half-written, no hang."""
+"""tools/preprocess_data.py on bad input and Ctrl-C: one error line, nothing half-written."""
 
 from __future__ import annotations
 

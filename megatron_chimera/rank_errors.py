@@ -36,6 +36,7 @@ from megatron_chimera.errors import (
     tracebacks_requested,
     user_error_in,
 )
+from megatron_chimera.process import die_with_parent, launched_by_torchrun
 
 EXIT_GRACE_SECONDS = 15.0
 _CLAIM_KEY = "megatron_chimera/error_claims"
@@ -172,7 +173,10 @@ def _exit(code: int) -> NoReturn:
 
 def run_main(main: Callable[[], None]) -> None:
     """Run an entry script's ``main``; on any failure report it once (see the module docstring)
-    and exit non-zero."""
+    and exit non-zero. Under torchrun the process also dies with its launcher
+    (:func:`~megatron_chimera.process.die_with_parent`)."""
+    if launched_by_torchrun():
+        die_with_parent()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:

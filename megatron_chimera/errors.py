@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
@@ -21,6 +22,7 @@ from typing import NoReturn
 DEBUG_FLAG = "--debug-tracebacks"
 DEBUG_ENV = "MEGATRON_CHIMERA_TRACEBACKS"
 INTERRUPTED_EXIT_CODE = 130
+EXIT_GRACE_SECONDS = 10.0  # interpreter shutdown may take this long before the exit is forced
 
 
 class UserError(Exception):
@@ -106,6 +108,24 @@ def print_error(exc: BaseException, suffix: str = "", debug: bool | None = None)
     return exit_code_of(shown)
 
 
+def exit_process(code: int, immediate: bool = False) -> NoReturn:
+    """End the process with ``code``: at once (``os._exit`` after flushing; for Ctrl-C, when
+    helper threads or processes may be wedged), or by ``sys.exit`` guarded by a watchdog that
+    forces the exit if shutdown hangs (a pool's or a collective's threads) for
+    :data:`EXIT_GRACE_SECONDS`."""
+    if immediate:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    timer = threading.Timer(EXIT_GRACE_SECONDS, os._exit, (code,))
+    timer.daemon = True
+    timer.start()
+    sys.exit(code)
+
+
 def _strip_debug_flag() -> None:
     while DEBUG_FLAG in sys.argv:
         sys.argv.remove(DEBUG_FLAG)
@@ -113,9 +133,8 @@ def _strip_debug_flag() -> None:
 
 def run_tool(main: Callable[[], int | None]) -> NoReturn:
     """Run a tool's ``main`` and exit: user errors become one ``error:`` line (exit 1, or 2 for a
-    bad command line), ``SystemExit("message")`` too, Ctrl-C prints ``interrupted`` (exit 130).
-
-    ``--debug-tracebacks`` is taken out of ``sys.argv`` before ``main`` parses it.
+    bad command line), ``SystemExit("message")`` too, Ctrl-C prints ``interrupted`` and exits
+    130 at once. ``--debug-tracebacks`` is taken out of ``sys.argv`` before ``main`` parses it.
     """
     debug = tracebacks_requested()
     _strip_debug_flag()
@@ -124,13 +143,13 @@ def run_tool(main: Callable[[], int | None]) -> NoReturn:
     except SystemExit as exc:
         if isinstance(exc.code, str):
             print(f"error: {exc.code}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            exit_process(1)
         raise
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()
         print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(INTERRUPTED_EXIT_CODE)
+        exit_process(INTERRUPTED_EXIT_CODE, immediate=True)
     except Exception as exc:  # noqa: BLE001 - every error ends here, reported once
-        sys.exit(print_error(exc, debug=debug))
+        exit_process(print_error(exc, debug=debug))
     sys.exit(int(code or 0))

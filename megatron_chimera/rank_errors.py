@@ -12,7 +12,7 @@ checks the same flags and prints the same ``error:`` line.
 Under torchrun the first rank's line is also written to ``TORCHELASTIC_ERROR_FILE``, so the
 launcher's summary names the problem instead of pointing at its documentation. Exiting is
 guarded by a watchdog: if interpreter shutdown hangs (a peer stuck in a collective, a loader
-worker), the process ends anyway after :data:`EXIT_GRACE_SECONDS`.
+worker), the process ends anyway (``errors.exit_process``).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import NoReturn
 
 from megatron_chimera.errors import (
     INTERRUPTED_EXIT_CODE,
     StoppedByPeer,
+    exit_process,
     one_line,
     print_error,
     tracebacks_requested,
@@ -38,7 +38,6 @@ from megatron_chimera.errors import (
 )
 from megatron_chimera.process import die_with_parent, launched_by_torchrun
 
-EXIT_GRACE_SECONDS = 15.0
 _CLAIM_KEY = "megatron_chimera/error_claims"
 _FIRST_KEY = "megatron_chimera/first_error_rank"
 
@@ -163,14 +162,6 @@ def _raise_terminated(signum, frame) -> None:  # noqa: ARG001 - signal handler s
     raise Terminated()
 
 
-def _exit(code: int) -> NoReturn:
-    """``sys.exit(code)``, with a watchdog that ends the process if shutdown hangs."""
-    timer = threading.Timer(EXIT_GRACE_SECONDS, os._exit, (code,))
-    timer.daemon = True
-    timer.start()
-    sys.exit(code)
-
-
 def run_main(main: Callable[[], None]) -> None:
     """Run an entry script's ``main``; on any failure report it once (see the module docstring)
     and exit non-zero. Under torchrun the process also dies with its launcher
@@ -184,4 +175,4 @@ def run_main(main: Callable[[], None]) -> None:
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure ends here, reported once
-        _exit(report_failure(exc))
+        exit_process(report_failure(exc))

@@ -39,6 +39,7 @@ from megatron_chimera.data.indexed_dataset import (
     optimal_dtype,
 )
 from megatron_chimera.data.sentence_splitter import split_sentences
+from megatron_chimera.data.text_files import read_lines
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megatron_chimera.errors import InputFileError, ToolArgumentParser, run_tool
 
@@ -161,19 +162,6 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.inputs:
         parser.error(f"--input {args.input}: no such file")
     return args
-
-
-def read_lines(path: str) -> Iterator[tuple[int, str]]:
-    """``(line number, text)`` of each line of ``path``; a line that is not UTF-8 is an
-    InputFileError naming the file and the line."""
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                yield number, raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputFileError(
-                    f"{path}:{number}: not UTF-8 text ({e.reason} at byte {e.start} of the "
-                    "line); convert the file to UTF-8") from None
 
 
 def _chunks(paths: list[str]) -> Iterator[tuple[str, int, list[str]]]:

@@ -1,0 +1,111 @@
+"""errors.run_tool and the tools: one ``error:`` line per user error, tracebacks on request."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_chimera.errors import (
+    InputFileError,
+    UsageError,
+    one_line,
+    user_error_in,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = """
+import sys
+from megatron_chimera.errors import InputFileError, run_tool
+def main():
+    kind = sys.argv[1]
+    if kind == "user":
+        raise InputFileError("data.jsonl:3: not UTF-8 text")
+    if kind == "chained":
+        try:
+            raise InputFileError("root cause in a.bin")
+        except InputFileError as exc:
+            raise RuntimeError("wrapper") from exc
+    if kind == "bug":
+        raise KeyError("oops")
+    if kind == "exit":
+        raise SystemExit("no datasets found")
+    return 0
+run_tool(main)
+"""
+
+
+def run(kind: str, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, kind, *extra], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, **(env or {})))
+
+
+def lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [ln for ln in proc.stderr.splitlines() if ln.strip()]
+
+
+def test_user_error_is_one_line():
+    proc = run("user")
+    assert proc.returncode == 1 and lines(proc) == ["error: data.jsonl:3: not UTF-8 text"]
+
+
+def test_user_error_behind_a_wrapper_is_shown():
+    proc = run("chained")
+    assert proc.returncode == 1 and lines(proc) == ["error: root cause in a.bin"]
+
+
+def test_systemexit_message_gets_the_prefix():
+    proc = run("exit")
+    assert proc.returncode == 1 and lines(proc) == ["error: no datasets found"]
+
+
+def test_a_bug_keeps_its_traceback():
+    proc = run("bug")
+    assert proc.returncode == 1 and "Traceback" in proc.stderr
+    assert lines(proc)[-1] == "error: 'oops'"
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_tracebacks_on_request(how):
+    proc = run("user", "--debug-tracebacks") if how == "flag" else \
+        run("user", env={"MEGATRON_CHIMERA_TRACEBACKS": "1"})
+    assert proc.returncode == 1 and "Traceback" in proc.stderr
+    assert lines(proc)[-1] == "error: data.jsonl:3: not UTF-8 text"
+
+
+def test_helpers():
+    assert one_line(ValueError("a\n  b")) == "a b"
+    assert isinstance(user_error_in(OSError(2, "No such file")), OSError)
+    assert user_error_in(KeyError("x")) is None
+    assert UsageError.exit_code == 2 and issubclass(InputFileError, ValueError)
+
+
+def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "tools" / name), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_merge_datasets_bad_input_is_one_line(tmp_path):
+    proc = _tool("merge_datasets.py", "--input", str(tmp_path / "none"), "--output-prefix", "x")
+    assert proc.returncode == 2 and len(lines(proc)) == 1, proc.stderr
+    assert lines(proc)[0].startswith("error: --input") and "not a directory" in lines(proc)[0]
+    proc = _tool("merge_datasets.py", "--input", str(tmp_path), "--output-prefix", "x")
+    assert proc.returncode == 1 and lines(proc) == [
+        f"error: --input {tmp_path}: no .bin/.idx datasets found"]
+
+
+def test_train_tokenizer_non_utf8_names_file_and_line(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(json.dumps({"text": "hello"}).encode() + b"\n" + b'{"text": "\xff"}\n')
+    proc = _tool("train_tokenizer.py", "--input", str(corpus), "--model-prefix",
+                 str(tmp_path / "spm"), "--vocab-size", "50")
+    assert proc.returncode == 1 and len(lines(proc)) == 1, proc.stderr
+    assert lines(proc)[0].startswith(f"error: {corpus}:2: not UTF-8 text")

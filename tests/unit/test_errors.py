@@ -109,3 +109,16 @@ def test_train_tokenizer_non_utf8_names_file_and_line(tmp_path):
                  str(tmp_path / "spm"), "--vocab-size", "50")
     assert proc.returncode == 1 and len(lines(proc)) == 1, proc.stderr
     assert lines(proc)[0].startswith(f"error: {corpus}:2: not UTF-8 text")
+
+
+@pytest.mark.parametrize("kind", ["SentencePieceTokenizer", "GPT2BPETokenizer"])
+def test_corrupt_tokenizer_file_is_one_config_error(tmp_path, kind):
+    from megatron_chimera.config import ConfigError
+    from megatron_chimera.data.tokenizers import build_tokenizer
+
+    bad = tmp_path / "bad.file"
+    bad.write_bytes(b"\x00garbage{")
+    files = ({"tokenizer_model": str(bad)} if kind == "SentencePieceTokenizer"
+             else {"vocab_file": str(bad), "merge_file": str(bad)})
+    with pytest.raises(ConfigError, match=f"--tokenizer-type {kind}: cannot read --"):
+        build_tokenizer(kind, **files)

@@ -88,6 +88,7 @@ class _Run:
     rank: int
     world_size: int
     rng_state: dict[str, Any] | None = None  # seeded or restored state, re-applied before the loop
+    device: torch.device | None = None
 
 
 # ------------------------------------------------------------------------------ setup
@@ -233,7 +234,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     needed = _needed_microbatches(schedule, pipeline_rank,
                                   all_stages=family.every_stage_reads_batch)
     run = _Run(config, schedule, partition, stages, optimizer, scheduler, executor,
-               eval_executor, monitor, Timers(), needed, rank, world_size, rng_state)
+               eval_executor, monitor, Timers(), needed, rank, world_size, rng_state, device)
     return run, datasets
 
 
@@ -274,7 +275,8 @@ def train_step(run: _Run, data_iterator, consumed_samples: int | None = None,
         check_loss_and_grad(
             iteration, result.local_losses,
             [(name, p) for stage in run.stages for name, p in stage_named_parameters(stage)
-             .items()], check_grads=not run.config.optimizer.fp16, device=run.executor.device)
+             .items()], check_grads=not run.config.optimizer.fp16,
+            device=run.device or torch.device("cpu"))
     run.timers("optimizer").start()
     update_successful, grad_norm, _ = run.optimizer.step()
     run.timers("optimizer").stop()

@@ -25,7 +25,8 @@ from megatron_chimera.data.masking import word_start_table
 from megatron_chimera.data.samplers import batch_to_device
 from megatron_chimera.model.bert import BertModel
 from megatron_chimera.model.family import BERT
-from megatron_chimera.training import pretrain_from_flags, run_main
+from megatron_chimera.rank_errors import run_main
+from megatron_chimera.training import pretrain_from_flags
 
 # Special ids of bare --mock-data (a NullTokenizer has no [CLS]/[SEP]/[MASK]/[PAD]).
 MOCK_PAD, MOCK_CLS, MOCK_SEP, MOCK_MASK = 0, 1, 2, 3
@@ -66,7 +67,7 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
     return build_train_valid_test_datasets(
         data.data_path, data.split, num_samples, seq_length, seed, tokenizer.vocab_size, cls_id,
         sep_id, mask_id, pad_id, short_seq_prob=data.short_seq_prob, binary_head=binary_head,
-        cache_dir=data.data_cache_path, **masking)
+        cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size, **masking)
 
 
 def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tensor):

@@ -25,7 +25,8 @@ from megatron_chimera.data.samplers import batch_to_device
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
-from megatron_chimera.training import pretrain_from_flags, run_main
+from megatron_chimera.rank_errors import run_main
+from megatron_chimera.training import pretrain_from_flags
 
 
 def model_provider(config: ModelConfig, seed: int, pre_process: bool = True,
@@ -54,9 +55,9 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
                                         seed) if n > 0 else None
                          for name, n in zip(("train", "valid", "test"), num_samples))
     else:
-        datasets = build_train_valid_test_datasets(data.data_path, data.split, num_samples,
-                                                   seq_length, seed,
-                                                   cache_dir=data.data_cache_path)
+        datasets = build_train_valid_test_datasets(
+            data.data_path, data.split, num_samples, seq_length, seed,
+            cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size)
     options = ltor_options(config, tokenizer)
     return tuple(None if d is None else GPTSampleDataset(d, options) for d in datasets)
 

@@ -30,6 +30,7 @@ from megatron_chimera.config import (
 )
 from megatron_chimera.config_checks import build_schedule_for, validate
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES
+from megatron_chimera.errors import DEBUG_FLAG
 from megatron_chimera.flag_catalog import apply_help, refused_flag_message
 from megatron_chimera.model.document_attention import IMPLEMENTATIONS as DOCUMENT_ATTENTIONS
 from megatron_chimera.schedules.actions import Schedule
@@ -107,6 +108,11 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="no NaN/Inf check of the losses and gradients (Megatron-LM's flag)")
+    g.add_argument("--max-consecutive-skipped-iterations", type=int, default=100)
     g = parser.add_argument_group("optimizer")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
     g.add_argument("--lr", type=float, default=None)
@@ -174,6 +180,7 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument(DEBUG_FLAG, action="store_true")
 
 
 def build_parser(
@@ -306,6 +313,7 @@ def _check_positive(args: argparse.Namespace) -> None:
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     non_negative = ("eval_iters", "num_workers", "lr", "min_lr", "weight_decay", "clip_grad",
+                    "max_consecutive_skipped_iterations",
                     "lr_warmup_iters", "lr_warmup_samples", "distributed_timeout_minutes")
     for name in non_negative:
         value = getattr(args, name)

@@ -1,16 +1,31 @@
 """The arguments a checkpoint was saved with: the model it holds, and whether a run's flags fit it.
 
-``common.pt`` stores ``dataclasses.asdict(TrainConfig)`` (``{"model": {...}, "data": {...}, ...}``).
-Tools that load a checkpoint on their own (generation, evaluation, export) rebuild the model and
-tokenizer from it; a training run that ``--load``s a checkpoint checks first that its model flags
-describe the same network (Megatron's ``check_checkpoint_args``), because a different GeLU form or
-layer-norm epsilon would load without error and silently train another function.
+``common.pt`` stores ``dataclasses.asdict(TrainConfig)`` (``{"model": {...}, "data": {...}, ...}``)
+and the model family. Tools that load a checkpoint on their own (generation, evaluation, export)
+rebuild the model and tokenizer from it (:func:`saved_model_config`, :func:`saved_data_config`).
+
+A run that loads a checkpoint (``--load``, ``--finetune`` too) first checks that it describes the
+same network -- Megatron's ``check_checkpoint_args``, one check for every path (trained and
+imported checkpoints alike). Shapes alone do not tell models apart: a 4-layer checkpoint fills
+the first two layers of a 2-layer model (and brings the 4-layer model's final norm and head), a
+4-head checkpoint loads into 8 heads (its QKV re-split), and a different GeLU form or layer-norm
+epsilon loads without any error and silently trains another function. So the *model-defining*
+arguments saved with the checkpoint are compared with the run's, and every difference is named
+in one error (a :class:`CheckpointArgsError`, exit code 2). As Megatron: the layers, hidden size,
+heads, position embeddings, padded vocabulary and tokenizer type; beyond Megatron (whose loader
+catches some of them as shape errors): the model family (GPT-2 / BERT), the FFN size, untied
+output layer, BERT's token types and binary head, the layer-norm epsilon and the GeLU form.
+Everything else may change: the layout (D, pipes, W, schedule, T) -- checkpoints are
+layout-independent -- and training settings (dropout, learning rate, precision, sequence length
+up to the position embeddings). Unlike Megatron, ``--finetune`` is checked too: fine-tuning
+starts from the same model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 from megatron_chimera.checkpointing import (
@@ -20,21 +35,142 @@ from megatron_chimera.checkpointing import (
     read_tracker,
     safe_torch_load,
 )
-from megatron_chimera.config import ConfigError, DataConfig, ModelConfig
-
-# (ModelConfig attribute or property, flag that sets it) for every architecture-defining setting
-_ARCHITECTURE = (
-    ("num_layers", "--num-layers"),
-    ("hidden_size", "--hidden-size"),
-    ("num_attention_heads", "--num-attention-heads"),
-    ("ffn_size", "--ffn-hidden-size"),
-    ("max_positions", "--max-position-embeddings"),
-    ("padded_vocab_size", "--make-vocab-size-divisible-by / the tokenizer's vocabulary"),
-    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
-    ("layernorm_epsilon", "--layernorm-epsilon"),
-    ("gelu", "--gelu"),
-    ("bert_binary_head", "--bert-no-binary-head"),
+from megatron_chimera.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    pad_vocab_size,
 )
+
+
+class CheckpointArgsError(CheckpointError, ConfigError):
+    """The run's model flags describe another network than the checkpoint's (exit code 2: the
+    flags are wrong, not the file); the message names every differing flag."""
+
+    exit_code = 2
+
+
+_MISSING = object()  # a key an older checkpoint did not record: not compared
+
+
+def _get(key: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda model: model.get(key, _MISSING)
+
+
+def _ffn(model: dict[str, Any]) -> Any:
+    if "hidden_size" not in model:
+        return _MISSING
+    return model.get("ffn_hidden_size") or 4 * model["hidden_size"]
+
+
+def _positions(model: dict[str, Any]) -> Any:
+    if "seq_length" not in model and not model.get("max_position_embeddings"):
+        return _MISSING
+    return model.get("max_position_embeddings") or model["seq_length"]
+
+
+def _padded_vocab(model: dict[str, Any]) -> Any:
+    if "vocab_size" not in model or "make_vocab_size_divisible_by" not in model:
+        return _MISSING
+    return pad_vocab_size(model["vocab_size"], model["make_vocab_size_divisible_by"])
+
+
+# name -> (the flag(s) a user changes, value from the saved/now ``model`` dict). Keys missing from
+# an older checkpoint are not compared.
+MODEL_ARGS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
+    "num_layers": ("--num-layers", _get("num_layers")),
+    "hidden_size": ("--hidden-size", _get("hidden_size")),
+    "num_attention_heads": ("--num-attention-heads", _get("num_attention_heads")),
+    "ffn_hidden_size": ("--ffn-hidden-size", _ffn),
+    "max_position_embeddings": ("--max-position-embeddings", _positions),
+    "padded_vocab_size": ("the padded vocabulary (tokenizer / --vocab-size, "
+                          "--make-vocab-size-divisible-by)", _padded_vocab),
+    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights",
+                                            _get("untie_embeddings_and_output_weights")),
+    "num_tokentypes": ("the token-type embeddings (BERT)", _get("num_tokentypes")),
+    "bert_binary_head": ("--bert-no-binary-head", _get("bert_binary_head")),
+    "layernorm_epsilon": ("--layernorm-epsilon", _get("layernorm_epsilon")),
+    "gelu": ("--gelu", _get("gelu")),
+}
+FAMILY_KEY = "model_family"
+TOKENIZER_KEY = "tokenizer_type"
+LEGACY_FAMILY_NAMES = {"gpt": "gpt2"}  # family names recorded by earlier checkpoints
+
+
+def model_signature(args: dict[str, Any]) -> dict[str, Any]:
+    """The model-defining values of a run's arguments (``dataclasses.asdict(TrainConfig)`` plus
+    ``model_family``, as saved in ``common.pt``), derived values resolved (FFN 4h, positions =
+    sequence length, padding). Keys missing from an older checkpoint are left out, and so is the
+    tokenizer of an imported checkpoint that has none (the tools are told to pass one)."""
+    model = args.get("model") or {}
+    out: dict[str, Any] = {}
+    for key, (_, value_of) in MODEL_ARGS.items():
+        value = value_of(model)
+        if value is not _MISSING:
+            out[key] = value
+    data = args.get("data")
+    if data is not None and TOKENIZER_KEY in data:
+        if data[TOKENIZER_KEY] is not None or "imported_from" not in args:
+            out[TOKENIZER_KEY] = data[TOKENIZER_KEY] or "NullTokenizer"
+    family = args.get(FAMILY_KEY)
+    if family:
+        out[FAMILY_KEY] = LEGACY_FAMILY_NAMES.get(family, family)
+    return out
+
+
+def _flag(key: str) -> str:
+    if key == FAMILY_KEY:
+        return "the model family (pretrain_gpt2.py / pretrain_bert.py)"
+    if key == TOKENIZER_KEY:
+        return "--tokenizer-type"
+    return MODEL_ARGS[key][0]
+
+
+def checkpoint_args_mismatches(saved_args: dict[str, Any], config: TrainConfig | ModelConfig,
+                               family: Any = None) -> list[str]:
+    """``"<flag>: <saved> in the checkpoint, <now> now"`` for every model-defining difference.
+
+    ``config`` is the run's TrainConfig (or only its ModelConfig: the tokenizer is then not
+    compared); ``family`` (a ModelFamily or its name) is compared when given."""
+    if isinstance(config, ModelConfig):
+        now_args: dict[str, Any] = {"model": dataclasses.asdict(config)}
+    else:
+        now_args = dataclasses.asdict(config)
+    if family is not None:
+        now_args[FAMILY_KEY] = getattr(family, "name", family)
+    saved, now = model_signature(saved_args), model_signature(now_args)
+    keys = [FAMILY_KEY, *MODEL_ARGS, TOKENIZER_KEY]
+    return [f"{_flag(key)}: {saved[key]!s} in the checkpoint, {now[key]!s} now"
+            for key in keys if key in saved and key in now and saved[key] != now[key]]
+
+
+def check_checkpoint_args(config: TrainConfig | ModelConfig, saved_args: dict[str, Any],
+                          path: str, family: Any = None) -> None:
+    """Raise one :class:`CheckpointArgsError` naming every model-defining argument in which the
+    checkpoint at ``path`` (its saved arguments ``saved_args``) differs from ``config`` (and
+    ``family``), with the flags that build the checkpoint's model."""
+    mismatches = checkpoint_args_mismatches(saved_args, config, family)
+    if not mismatches:
+        return
+    hint = ""
+    if saved_args.get("model"):
+        flags = model_flags(_build(ModelConfig, saved_args["model"]))
+        hint = f"; the checkpoint's model flags: {' '.join(flags)}"
+    raise CheckpointArgsError(
+        f"{path} was saved from a different model: {'; '.join(mismatches)} "
+        f"(layout and training flags may change, the model's may not{hint})")
+
+
+def check_model_matches_checkpoint(root: str, config: TrainConfig | ModelConfig,
+                                   family: Any = None) -> None:
+    """:func:`check_checkpoint_args` against the latest checkpoint under ``root`` (for tools
+    that load without :func:`~megatron_chimera.checkpointing.load_checkpoint`); checkpoints
+    without a tracker or without recorded model arguments are not checked."""
+    common = read_common(root)
+    if common is None or not (common.get("args") or {}).get("model"):
+        return
+    check_checkpoint_args(config, common["args"], root, family)
 
 
 def read_common(root: str) -> dict[str, Any] | None:
@@ -67,24 +203,6 @@ def saved_model_config(common: dict[str, Any], source: str) -> ModelConfig:
 def saved_data_config(common: dict[str, Any]) -> DataConfig:
     """The DataConfig (tokenizer settings) a checkpoint was written with (defaults if none)."""
     return _build(DataConfig, (common.get("args") or {}).get("data"))
-
-
-def check_model_matches_checkpoint(root: str, model: ModelConfig) -> None:
-    """Raise ConfigError naming the flag when ``model`` is not the network saved under ``root``.
-
-    Checkpoints without a tracker or without recorded model arguments are not checked.
-    """
-    common = read_common(root)
-    if common is None or not (common.get("args") or {}).get("model"):
-        return
-    saved = saved_model_config(common, root)
-    for attribute, flag in _ARCHITECTURE:
-        want, have = getattr(saved, attribute), getattr(model, attribute)
-        if want != have:
-            raise ConfigError(
-                f"{flag}: the checkpoint in --load {root} has {attribute} = {want!r}, this run "
-                f"{have!r}; pass the checkpoint's setting (its model flags: "
-                f"{' '.join(model_flags(saved))})")
 
 
 def model_flags(model: ModelConfig) -> list[str]:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
+from megatron_chimera.errors import UserError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.pt"
@@ -40,7 +41,7 @@ CHECKPOINT_VERSION = 1
 _LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A missing, corrupt, truncated or incompatible checkpoint; the message names the file."""
 
 
@@ -104,8 +105,11 @@ def safe_torch_load(path: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for corrupt files
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if len(detail) > 120:  # torch's unpickler explains weights_only at length
+            detail = detail[:117] + "..."
         raise CheckpointError(
-            f"checkpoint file {path} is corrupt or truncated ({type(exc).__name__}: {exc})"
+            f"checkpoint file {path} is corrupt or truncated ({type(exc).__name__}: {detail})"
         ) from None
 
 
@@ -360,12 +364,14 @@ def load_checkpoint(
     load_optim: bool = True,
     load_rng: bool = True,
     finetune: bool = False,
+    check_args: Callable[[dict[str, Any], str], None] | None = None,
 ) -> LoadedCheckpoint | None:
     """Restore this rank's stage modules (and optimizer, scheduler, RNG) from ``root``.
 
     Returns None when ``root`` has no tracker file. ``finetune`` loads weights only and restarts
     at iteration 0 with no consumed samples (Megatron's ``--finetune``); a release checkpoint
-    (``save_checkpoint(release=True)``) is always loaded that way.
+    (``save_checkpoint(release=True)``) is always loaded that way. ``check_args(saved args,
+    checkpoint dir)`` may refuse the checkpoint before any tensor is read.
     """
     iteration = read_tracker(root)
     if iteration is None:
@@ -374,6 +380,8 @@ def load_checkpoint(
     common = safe_torch_load(os.path.join(path, COMMON_FILENAME))
     if common.get("checkpoint_version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}/{COMMON_FILENAME}: unsupported checkpoint version")
+    if check_args is not None:
+        check_args(common.get("args") or {}, path)
     cache: dict[str, dict[str, Any]] = {}
 
     def read(name: str) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from megatron_chimera.errors import UserError
+
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --params-dtype
 
 # GeLU forms: "megatron" = tanh approximation in the MLP (Megatron's fused bias-GeLU) and exact erf
@@ -21,8 +23,10 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --p
 GELU_VARIANTS = ("megatron", "tanh", "erf")
 
 
-class ConfigError(ValueError):
-    """An inconsistent or invalid setting; the message names the offending flag."""
+class ConfigError(UserError, ValueError):
+    """An inconsistent or invalid setting; the message names the offending flag (exit code 2)."""
+
+    exit_code = 2
 
 
 def pad_vocab_size(
@@ -196,6 +200,10 @@ class TrainingConfig:
     exit_interval: int | None = None
     seed: int = 1234
     partition_method: str = "uniform"
+    # stop on a NaN/Inf loss or gradient (Megatron's --check-for-nan-in-loss-and-grad)
+    check_for_nan_in_loss_and_grad: bool = True
+    # stop after this many skipped iterations in a row (0: no bound)
+    max_consecutive_skipped_iterations: int = 100
 
     @property
     def total_train_iters(self) -> int:

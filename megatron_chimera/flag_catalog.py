@@ -70,6 +70,11 @@ HELP: dict[str, str] = {
     "eval_interval": "validate every this many iterations",
     "eval_iters": "iterations per validation / test evaluation",
     "seed": "random seed (weights, dropout, data order)",
+    "check_for_nan_in_loss_and_grad": "stop with the iteration and rank when a loss or gradient "
+                                      "is NaN/Inf (default on; --no-... turns it off)",
+    "max_consecutive_skipped_iterations": "stop when the optimizer skips this many iterations "
+                                          "in a row (fp16 overflow at every loss scale); 0: no "
+                                          "bound",
     "optimizer": "adam (AdamW semantics, as Megatron) or sgd",
     "lr": "peak learning rate",
     "min_lr": "learning rate floor of the decay",
@@ -133,6 +138,7 @@ HELP: dict[str, str] = {
                                  "every rank in TensorBoard",
     "log_validation_ppl_to_tensorboard": "validation perplexity in TensorBoard (always written)",
     "log_batch_size_to_tensorboard": "global batch size in TensorBoard (always written)",
+    "debug_tracebacks": "print the traceback of every error (also: MEGATRON_CHIMERA_TRACEBACKS=1)",
 }
 
 # Flags one model family reads: the other entry script rejects them rather than ignore them.
@@ -150,6 +156,13 @@ CONSUMED_WHILE_PARSING: dict[str, str] = {
     "lr_warmup_iters": "`optimizer.lr_warmup_samples` = iterations x global batch",
     "num_layers_per_virtual_pipeline_stage": "`parallel.schedule_options` (virtual stages per "
                                              "rank = layers / (chunk layers x D))",
+}
+
+# Parsed flags that no configuration field holds: who reads them instead (the tests check that
+# the named module uses the flag).
+READ_OUTSIDE_CONFIG: dict[str, tuple[str, str]] = {
+    "debug_tracebacks": ("errors", "`errors.tracebacks_requested` reads it from the command line "
+                                   "(every rank, every tool; also MEGATRON_CHIMERA_TRACEBACKS=1)"),
 }
 
 # Megatron flags accepted because what they ask for always holds here (nothing to configure).
@@ -289,6 +302,7 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--recompute-activations", "--recompute-granularity", "--distribute-saved-activations",
     "--recompute-method", "--recompute-num-layers", "--checkpoint-activations", "--train-iters",
     "--train-samples", "--log-interval", "--exit-interval", "--exit-duration-in-mins",
+    "--no-check-for-nan-in-loss-and-grad",
     "--exit-signal-handler", "--tensorboard-dir", "--no-masked-softmax-fusion",
     "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--use-flash-attn",
     "--disable-bias-linear", "--optimizer", "--dataloader-type",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +21,27 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.arguments import build_schedule_for, parse_args_and_schedule
-from megatron_chimera.checkpoint_args import check_model_matches_checkpoint
-from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from megatron_chimera.checkpoint_args import check_checkpoint_args
+from megatron_chimera.checkpointing import (
+    StageSlice,
+    checkpoint_dir,
+    get_rng_state,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+    set_rng_state,
+    stage_named_parameters,
+)
 from megatron_chimera.config import ConfigError, TrainConfig
-from megatron_chimera.data.samplers import build_data_iterator, next_microbatches
+from megatron_chimera.data.samplers import (
+    build_data_iterator,
+    microbatch_first_samples,
+    next_microbatches,
+)
 from megatron_chimera.flag_catalog import family_flag_errors
+from megatron_chimera.health import check_loss_and_grad, check_skipped
 from megatron_chimera.initialize import initialize_megatron
+from megatron_chimera.model.dropout_rng import KeyedMicrobatch, keyed_forward_step, microbatch_key
 from megatron_chimera.model.family import GPT2, ModelFamily
 from megatron_chimera.model.flops import training_flops
 from megatron_chimera.model.partition import partition_layers
@@ -43,6 +57,8 @@ from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_embedding_weight
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import make_transport
+from megatron_chimera.preflight import check_outputs, check_resume_iteration, check_splits
+from megatron_chimera.rank_errors import run_main  # noqa: F401 - re-exported for entry scripts
 from megatron_chimera.schedules.actions import Schedule
 
 ModelProvider = Callable[..., nn.Module]
@@ -57,6 +73,7 @@ class TrainState:
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
     last_saved_iteration: int | None = None
+    consecutive_skipped: int = 0
 
 
 @dataclass
@@ -77,6 +94,8 @@ class _Run:
     needed_microbatches: list[int] | None
     rank: int
     world_size: int
+    rng_state: dict[str, Any] | None = None  # seeded or restored state, re-applied before the loop
+    device: torch.device | None = None
 
 
 # ------------------------------------------------------------------------------ setup
@@ -155,11 +174,15 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
 
     ckpt = config.checkpoint
     if ckpt.load is not None:
-        check_model_matches_checkpoint(ckpt.load, config.model)
+        saved_iteration = read_tracker(ckpt.load)
+        if saved_iteration is not None and not ckpt.finetune:
+            check_resume_iteration(saved_iteration, config, checkpoint_dir(ckpt.load,
+                                                                           saved_iteration))
         loaded = load_checkpoint(
             ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
             world_size=world_size, load_optim=not ckpt.no_load_optim,
-            load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune)
+            load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune,
+            check_args=functools.partial(check_checkpoint_args, config, family=family))
         if loaded is not None:
             state.iteration = loaded.iteration
             state.consumed_train_samples = loaded.consumed_train_samples
@@ -170,6 +193,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
         elif rank == 0:
             print(f" no checkpoint in {ckpt.load} (no tracker file): training from scratch",
                   flush=True)
+    rng_state = get_rng_state()  # seeded, or restored from the checkpoint
     # Megatron's pattern: rank 0 builds the dataset index caches (atomically, once); after the
     # barrier every other rank finds them on disk and only memory-maps them.
     num_samples = _train_valid_test_num_samples(config)
@@ -184,7 +208,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
         topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
     common = dict(
         schedule=schedule, topology=topology, transport=transport, stage_modules=modules,
-        forward_step_func=forward_step_func,
+        forward_step_func=keyed_forward_step(forward_step_func, device),
         tensor_shape=(model.seq_length, training.micro_batch_size, model.hidden_size),
         dtype=model.torch_dtype,
         loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
@@ -202,7 +226,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
                                   all_stages=family.every_stage_reads_batch
                                   or config.data.reset_attention_mask)
     run = _Run(config, family, schedule, partition, stages, optimizer, scheduler, executor,
-               eval_executor, monitor, Timers(), needed, rank, world_size)
+               eval_executor, monitor, Timers(), needed, rank, world_size, rng_state, device)
     return run, datasets
 
 
@@ -213,8 +237,21 @@ def _average_losses(losses: list[dict[str, float]]) -> dict[str, float]:
     return {name: sum(d[name] for d in losses) / len(losses) for name in losses[0]}
 
 
-def train_step(run: _Run, data_iterator) -> tuple[Any, bool, float | None, float]:
-    """One iteration: schedule, gradient sync, optimizer and LR step.
+def keyed_microbatches(run: _Run, batches: list[Any], consumed_samples: int) -> list[Any]:
+    """Each micro-batch with its keyed-dropout key (from the global index of its first sample)."""
+    training = run.config.training
+    firsts = microbatch_first_samples(
+        consumed_samples, len(batches), training.micro_batch_size,
+        parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+    return [KeyedMicrobatch(microbatch_key(training.seed, first), batch)
+            for first, batch in zip(firsts, batches)]
+
+
+def train_step(run: _Run, data_iterator, consumed_samples: int | None = None,
+               iteration: int | None = None) -> tuple[Any, bool, float | None, float]:
+    """One iteration: schedule, gradient sync, optimizer and LR step; ``consumed_samples`` (the
+    samples before this iteration) keys the dropout masks (see ``model/dropout_rng.py``);
+    ``iteration`` (its number) turns on the NaN/Inf check before the step (``health.py``).
 
     Returns (executor result, skipped, grad norm, pipeline seconds).
     """
@@ -222,10 +259,18 @@ def train_step(run: _Run, data_iterator) -> tuple[Any, bool, float | None, float
     batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
                                 run.needed_microbatches)
     run.timers("batch-generator").stop()
+    if consumed_samples is not None:
+        batches = keyed_microbatches(run, batches, consumed_samples)
     run.optimizer.zero_grad()
     run.timers("forward-backward").start()
     result = run.executor.run(batches)
     run.timers("forward-backward").stop()
+    if iteration is not None and run.config.training.check_for_nan_in_loss_and_grad:
+        check_loss_and_grad(
+            iteration, result.local_losses,
+            [(name, p) for stage in run.stages for name, p in stage_named_parameters(stage)
+             .items()], check_grads=not run.config.optimizer.fp16,
+            device=run.device or torch.device("cpu"))
     run.timers("optimizer").start()
     # the optimizer's own timers add device syncs: only when they are written
     detail = run.timers if run.config.logging.log_timers_to_tensorboard else None
@@ -308,9 +353,11 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
     pending: list[tuple[IterationStats, Any]] = []
     while state.iteration < total:
         run.timers("interval-time").start()
-        result, skipped, grad_norm, pipeline_seconds = train_step(run, train_iterator)
+        result, skipped, grad_norm, pipeline_seconds = train_step(
+            run, train_iterator, state.consumed_train_samples, state.iteration + 1)
         run.timers("interval-time").stop()
         state.iteration += 1
+        state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
         state.consumed_train_samples += training.global_batch_size
         timers = run.timers.elapsed_all()
         memory = None  # a collective: every rank, on the iterations TensorBoard is written
@@ -325,6 +372,8 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
             pipeline_seconds=pipeline_seconds, timers=timers, memory=memory), result))
         if state.iteration % log.log_interval == 0 or state.iteration == total:
             _report(run, pending)
+        check_skipped(state.consecutive_skipped, training.max_consecutive_skipped_iterations,
+                      state.iteration, run.optimizer.get_loss_scale())
         if training.eval_interval and state.iteration % training.eval_interval == 0:
             _evaluate_and_log(run, "validation", valid_iterator, state)
         if ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
@@ -357,6 +406,7 @@ def pretrain(
     state = TrainState()
     if schedule is None:
         schedule = build_schedule_for(config)
+    check_outputs(config, family)  # every rank, before any process group: fail in seconds
     run, (train_ds, valid_ds, test_ds) = _setup(
         train_valid_test_datasets_provider, model_provider, forward_step_func, config,
         family, schedule, state)
@@ -372,8 +422,13 @@ def pretrain(
                                    dp_size, workers, read=reads)
 
     # On an exception the process exits without further collectives; torchrun stops the others.
-    train_iterator = iterator(train_ds, state.consumed_train_samples)
+    remaining = training.total_train_iters - state.iteration
+    check_splits(config, train_ds, valid_ds, test_ds, remaining,
+                 warn=(lambda line: print(line, flush=True)) if run.rank == 0 else None)
+    train_iterator = iterator(train_ds, state.consumed_train_samples) if remaining > 0 else None
     valid_iterator = iterator(valid_ds, state.consumed_valid_samples)
+    if run.rng_state is not None:  # nothing drawn since the restore reaches the first iteration
+        set_rng_state(run.rng_state)
     train(run, state, train_iterator, valid_iterator)
     if state.iteration >= training.total_train_iters:
         if training.eval_iters and training.total_train_iters % training.eval_interval:
@@ -412,12 +467,3 @@ def pretrain_from_flags(
         family=family,
         schedule=schedule,
     )
-
-
-def run_main(main: Callable[[], None]) -> None:
-    """Run an entry script's ``main``: a ConfigError prints ``error: <message>``, exit code 2."""
-    try:
-        main()
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)

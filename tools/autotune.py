@@ -22,6 +22,7 @@ from pathlib import Path
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.tuning.autotune import (
     DEFAULT_SCHEDULES,
     SearchSpace,
@@ -51,7 +52,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI: model flags as pretrain_gpt2.py / pretrain_bert.py plus the search space."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = ToolArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     g = p.add_argument_group("model (as pretrain_gpt2.py / pretrain_bert.py)")
     g.add_argument("--model", choices=("gpt2", "bert"), default="gpt2")
     g.add_argument("--num-layers", type=int, required=True)
@@ -197,4 +198,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

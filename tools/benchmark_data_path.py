@@ -30,6 +30,7 @@ from megatron_chimera.atomic import atomic_write
 from megatron_chimera.data.gpt_dataset import MockGPTDataset, get_batch
 from megatron_chimera.data.gpt_sample_fields import GPTSampleDataset, LtorOptions
 from megatron_chimera.data.samplers import batch_to_device, build_data_iterator
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 
 EOD = 0
 
@@ -71,7 +72,7 @@ def measure(dataset, work, args: argparse.Namespace, device: torch.device) -> di
 
 def main(argv: list[str] | None = None) -> int:
     """Run both paths and print (and optionally write) the figures."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ToolArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--num-workers", type=int, default=2)
@@ -106,4 +107,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_tool(main)

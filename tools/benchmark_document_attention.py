@@ -12,7 +12,6 @@ mask's ``b x s x s`` bytes show up there).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_chimera.errors import ToolArgumentParser, run_tool  # noqa: E402
 from megatron_chimera.model.document_attention import (  # noqa: E402
     DocumentMask,
     document_attention,
@@ -68,7 +68,7 @@ def time_kernel(run, inputs: list[torch.Tensor], steps: int, device: torch.devic
 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, time every applicable kernel, print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--num-attention-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -105,4 +105,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -25,6 +25,7 @@ import torch
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ModelConfig, OptimizerConfig
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.model.flops import layer_forward_flops
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.optimizer import get_megatron_optimizer
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> tuple[float, list[Result]]:
 
 def main() -> None:
     """Parse flags, run, print a Markdown table (and write JSON with ``--output``)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -145,4 +146,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_chimera import parallel_state
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError, ParallelConfig
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.initialize import initialize_distributed
 from megatron_chimera.pipeline.emulated import (
     EmulatedCosts,
@@ -215,7 +216,7 @@ def bench_torch(name: str, d: int, n: int, costs: EmulatedCosts, args: argparse.
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("-D", "--pipeline-model-parallel-size", type=int, default=None,
                    help="pipeline ranks D (default: the world size)")
     p.add_argument("--num-microbatches", type=int, nargs="+", default=[8, 32])
@@ -305,4 +306,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

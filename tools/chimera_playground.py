@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from megatron_chimera.config import ConfigError
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.model.family import FAMILIES
 from megatron_chimera.model.presets import (
     DTYPES,
@@ -199,7 +200,7 @@ def interactive(settings: Settings, read: Callable[[str], str] = input) -> int:
 # ------------------------------------------------------------------------------------ CLI
 def build_parser() -> argparse.ArgumentParser:
     """Flags of the scripted mode; in the interactive mode they set the defaults."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = ToolArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--non-interactive", action="store_true", help="print sections and exit")
     p.add_argument("--section", choices=(*SECTIONS, "all"), default=None,
                    help="section to print with --non-interactive (default: all)")
@@ -262,4 +263,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

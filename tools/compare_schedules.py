@@ -13,11 +13,10 @@ rows as a list of objects.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 
 from megatron_chimera.atomic import atomic_write
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.schedules.cli import add_size_and_cost_arguments, check_costs, sizes
 from megatron_chimera.schedules.compare import compare, format_table
 from megatron_chimera.schedules.registry import SCHEDULE_NAMES, add_schedule_arguments
@@ -25,7 +24,7 @@ from megatron_chimera.schedules.registry import SCHEDULE_NAMES, add_schedule_arg
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, compare the schedules, print the table and optionally write JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     add_size_and_cost_arguments(parser)
     add_schedule_arguments(parser)
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULE_NAMES, default=None,
@@ -50,4 +49,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

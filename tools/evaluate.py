@@ -20,13 +20,14 @@ import numpy as np
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
+from megatron_chimera.errors import ToolArgumentParser
 from megatron_chimera.inference.cli import add_checkpoint_args, load_gpt, run_cli, write_json
 from megatron_chimera.inference.evaluation import lambada_accuracy, lambada_example, perplexity
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The evaluation command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = ToolArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     add_checkpoint_args(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--data-path", help="prefix of a .bin/.idx dataset")

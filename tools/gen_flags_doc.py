@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from megatron_chimera import flag_catalog  # noqa: E402
 from megatron_chimera.arguments import build_parser  # noqa: E402
 from megatron_chimera.config import TrainConfig  # noqa: E402
+from megatron_chimera.errors import ToolArgumentParser, run_tool  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "FLAGS.md"
 
@@ -76,6 +77,8 @@ def _sets(action: argparse.Action) -> str:
         return ", ".join(f"`{f}`" for f in fields)
     if action.dest in flag_catalog.CONSUMED_WHILE_PARSING:
         return flag_catalog.CONSUMED_WHILE_PARSING[action.dest]
+    if action.dest in flag_catalog.READ_OUTSIDE_CONFIG:
+        return f"nothing: {flag_catalog.READ_OUTSIDE_CONFIG[action.dest][1]}"
     if action.dest in flag_catalog.ALWAYS_ON:
         return f"nothing: {flag_catalog.ALWAYS_ON[action.dest]}"
     return "**nothing**"
@@ -147,7 +150,7 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Write docs/FLAGS.md, or with ``--check`` report whether it is current."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/FLAGS.md is stale")
     args = parser.parse_args(argv)
     text = render()
@@ -163,4 +166,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

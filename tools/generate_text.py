@@ -19,13 +19,14 @@ import torch
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError
+from megatron_chimera.errors import ToolArgumentParser
 from megatron_chimera.inference.cli import add_checkpoint_args, load_gpt, run_cli
 from megatron_chimera.inference.generation import SamplingParams, generate
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The generation command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = ToolArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     add_checkpoint_args(parser)
     parser.add_argument("--prompt", action="append", default=None, help="repeatable")
     parser.add_argument("--prompt-file", default=None, help="one prompt per non-empty line")

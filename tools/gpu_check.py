@@ -23,7 +23,6 @@ CUDA-only parts report "skipped").
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from benchmark_layer import matmul_peak_tflops, model_flops_per_step, time_train
 from megatron_chimera.atomic import atomic_write_text
 from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
 from megatron_chimera.config import ModelConfig, OptimizerConfig
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.model.memory import estimate_stage_memory
@@ -252,7 +252,7 @@ def check_memory(report: Report, device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run every section, print the report, optionally write it (atomically)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ToolArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="auto | cuda | cpu")
     p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test of the script)")
     p.add_argument("--output", default=None, help="write the Markdown report here")
@@ -290,4 +290,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_tool(main)

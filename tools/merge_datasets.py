@@ -19,11 +19,12 @@ from megatron_chimera.data.indexed_dataset import (
     data_file_path,
     index_file_path,
 )
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input", required=True,
                         help="directory holding the .bin/.idx pairs to merge")
     parser.add_argument("--output-prefix", required=True,
@@ -67,4 +68,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

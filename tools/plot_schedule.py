@@ -15,12 +15,11 @@ stdout; ``--json`` writes ``{"makespan", "bubble_ratio", "peak_inflight": {rank:
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from typing import Any
 
 from megatron_chimera.atomic import atomic_write
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.schedules.cli import (
     add_size_and_cost_arguments,
     check_costs,
@@ -40,7 +39,7 @@ def write_json(path: str, data: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, build, validate and simulate the schedule, then write the outputs."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     add_schedule_arguments(parser, default_schedule="chimera")
     add_size_and_cost_arguments(parser)
     parser.add_argument("--out", default=None, help="PNG file for the Gantt chart")
@@ -69,4 +68,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

@@ -21,8 +21,10 @@ import glob
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -37,7 +39,9 @@ from megatron_chimera.data.indexed_dataset import (
     optimal_dtype,
 )
 from megatron_chimera.data.sentence_splitter import split_sentences
+from megatron_chimera.data.text_files import read_lines
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_chimera.errors import InputFileError, ToolArgumentParser, run_tool
 
 CHUNK_LINES = 64  # lines per task sent to a worker
 
@@ -63,19 +67,22 @@ class Encoder:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not valid JSON ({e})") from None
+            raise InputFileError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise InputFileError(f"{where}: not a JSON object")
         out: EncodedDoc = {}
         for key in self.json_keys:
             if key not in record:
-                raise ValueError(f"{where}: json key {key!r} (from --json-keys) is missing")
+                raise InputFileError(f"{where}: json key {key!r} (from --json-keys) is missing")
             text = record[key]
             if not isinstance(text, str):
-                raise ValueError(f"{where}: json key {key!r} is not a string")
+                raise InputFileError(f"{where}: json key {key!r} is not a string")
             pieces = split_sentences(text, self.keep_newlines) if self.split else [text]
             try:
                 sequences = [ids for ids in map(self.tokenizer.tokenize, pieces) if len(ids) > 0]
             except ValueError as e:
-                raise ValueError(f"{where}: json key {key!r} cannot be tokenized ({e})") from None
+                raise InputFileError(f"{where}: json key {key!r} cannot be tokenized ({e})") \
+                    from None
             if sequences and self.append_eod:
                 sequences[-1] = list(sequences[-1]) + [self.tokenizer.eod]
             lengths = [len(s) for s in sequences]
@@ -98,6 +105,9 @@ class _Worker:
 
     @classmethod
     def initializer(cls, args: argparse.Namespace) -> None:
+        # Ctrl-C is the main process's to handle: a worker interrupted inside the pool's queues
+        # could leave them locked (and the shutdown hanging); the main process kills workers.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         cls.encoder = Encoder(args)
 
     @classmethod
@@ -108,7 +118,7 @@ class _Worker:
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Megatron's ``tools/preprocess_data.py`` flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_argument_group("input data")
     group.add_argument("--input", type=str, required=True,
                        help="jsonl file (or a glob of them) with one json object per line")
@@ -156,28 +166,73 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _chunks(paths: list[str]) -> Iterator[tuple[str, int, list[str]]]:
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            lines: list[str] = []
-            first = 1
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                if not lines:
-                    first = number
-                lines.append(line)
-                if len(lines) == CHUNK_LINES:
-                    yield path, first, lines
-                    lines = []
-            if lines:
+        lines: list[str] = []
+        first = 1
+        for number, line in read_lines(path):
+            if not line.strip():
+                continue
+            if not lines:
+                first = number
+            lines.append(line)
+            if len(lines) == CHUNK_LINES:
                 yield path, first, lines
+                lines = []
+        if lines:
+            yield path, first, lines
 
 
 def _output_prefix(output_prefix: str, key: str, level: str) -> str:
     return f"{output_prefix}_{key}_{level}"
 
 
-def encode_files(args: argparse.Namespace, paths: list[str], output_prefix: str) -> None:
-    """Encode ``paths`` into one dataset per json key under ``output_prefix``."""
+def check_not_empty(args: argparse.Namespace, builders: dict[str, IndexedDatasetBuilder]) -> None:
+    """An output dataset without a single sequence is an error naming the input and the key."""
+    for key, builder in builders.items():
+        if builder.sequence_count == 0:
+            raise InputFileError(
+                f"--input {args.input}: no text to write for json key {key!r} (the input is "
+                "empty or every value is empty); nothing was written")
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGKILL the pool's workers (no queue or lock is left for a shutdown to wait on)."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _encode_in_pool(args: argparse.Namespace, paths: list[str], write) -> None:
+    """Encode the chunks in ``--workers`` processes, at most ``4 x workers`` chunks in flight,
+    writing the results in input order.
+
+    On Ctrl-C (or any error) the main process ignores further Ctrl-C, kills the workers and
+    re-raises, so a second Ctrl-C can neither hang the pool's shutdown nor skip the clean-up.
+    """
+    # fork where it is safe (Linux): workers inherit the imports instead of redoing them
+    method = "fork" if sys.platform.startswith("linux") else "spawn"
+    # (a worker that dies, e.g. killed for memory, raises BrokenProcessPool: no hang)
+    pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context(method),
+                               initializer=_Worker.initializer, initargs=(args,))
+    try:
+        pending: deque = deque()
+        for chunk in _chunks(paths):
+            pending.append(pool.submit(_Worker.encode_chunk, chunk))
+            if len(pending) >= 4 * args.workers:
+                write(pending.popleft().result())
+        while pending:
+            write(pending.popleft().result())
+    except BaseException:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _kill_workers(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def encode_files(args: argparse.Namespace, paths: list[str], output_prefix: str,
+                 allow_empty: bool = False) -> None:
+    """Encode ``paths`` into one dataset per json key under ``output_prefix`` (an empty output
+    is an error unless ``allow_empty``: a partition may be empty, the merged dataset not)."""
     level = "sentence" if args.split_sentences else "document"
     encoder = Encoder(args)
     dtype = optimal_dtype(encoder.tokenizer.vocab_size)
@@ -208,21 +263,9 @@ def encode_files(args: argparse.Namespace, paths: list[str], output_prefix: str)
             for chunk in _chunks(paths):
                 write(encoder.encode_chunk(chunk))
         else:
-            # fork where it is safe (Linux): workers inherit the imports instead of redoing them
-            method = "fork" if sys.platform.startswith("linux") else "spawn"
-            # (a worker that dies, e.g. killed for memory, raises BrokenProcessPool: no hang)
-            pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context(method),
-                                       initializer=_Worker.initializer, initargs=(args,))
-            try:
-                pending: deque = deque()
-                for chunk in _chunks(paths):
-                    pending.append(pool.submit(_Worker.encode_chunk, chunk))
-                    if len(pending) >= 4 * args.workers:
-                        write(pending.popleft().result())
-                while pending:
-                    write(pending.popleft().result())
-            finally:
-                pool.shutdown(wait=True, cancel_futures=True)
+            _encode_in_pool(args, paths, write)
+        if not allow_empty:
+            check_not_empty(args, builders)
         for key, builder in builders.items():
             builder.finalize(index_file_path(_output_prefix(output_prefix, key, level)))
     except BaseException:
@@ -242,20 +285,18 @@ def _partition_input(args: argparse.Namespace, directory: str) -> list[str]:
         total = 0
         if args.keep_sequential_samples:
             for path in args.inputs:
-                with open(path, encoding="utf-8") as f:
-                    total += sum(1 for line in f if line.strip())
+                total += sum(1 for _, line in read_lines(path) if line.strip())
         index, seen = 0, 0
         for path in args.inputs:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    if not line.strip():
-                        continue
-                    if args.keep_sequential_samples:
-                        index = min(seen * args.partitions // max(total, 1), args.partitions - 1)
-                    files[index].write(line if line.endswith("\n") else line + "\n")
-                    seen += 1
-                    if not args.keep_sequential_samples:
-                        index = (index + 1) % args.partitions
+            for _, line in read_lines(path):
+                if not line.strip():
+                    continue
+                if args.keep_sequential_samples:
+                    index = min(seen * args.partitions // max(total, 1), args.partitions - 1)
+                files[index].write(line if line.endswith("\n") else line + "\n")
+                seen += 1
+                if not args.keep_sequential_samples:
+                    index = (index + 1) % args.partitions
     finally:
         for f in files:
             f.close()
@@ -274,15 +315,23 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".partitions.") as tmp:
         parts = _partition_input(args, tmp)
         for i, part in enumerate(parts):
-            encode_files(args, [part], os.path.join(tmp, f"part{i}"))
+            encode_files(args, [part], os.path.join(tmp, f"part{i}"), allow_empty=True)
         dtype = optimal_dtype(Encoder(args).tokenizer.vocab_size)
-        for key in args.json_keys:
-            prefix = _output_prefix(args.output_prefix, key, level)
-            builder = IndexedDatasetBuilder(data_file_path(prefix), dtype)
-            for i in range(len(parts)):
-                builder.add_index(_output_prefix(os.path.join(tmp, f"part{i}"), key, level))
-            builder.finalize(index_file_path(prefix))
+        builders = {key: IndexedDatasetBuilder(
+            data_file_path(_output_prefix(args.output_prefix, key, level)), dtype)
+            for key in args.json_keys}
+        try:
+            for key, builder in builders.items():
+                for i in range(len(parts)):
+                    builder.add_index(_output_prefix(os.path.join(tmp, f"part{i}"), key, level))
+            check_not_empty(args, builders)
+            for key, builder in builders.items():
+                builder.finalize(index_file_path(_output_prefix(args.output_prefix, key, level)))
+        except BaseException:
+            for builder in builders.values():
+                builder.abort()
+            raise
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -19,11 +19,13 @@ import os
 from collections.abc import Iterator
 
 from megatron_chimera.atomic import atomic_write
+from megatron_chimera.data.text_files import read_lines
+from megatron_chimera.errors import InputFileError, ToolArgumentParser, run_tool
 
 
 def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description="Train a SentencePiece tokenizer.")
+    parser = ToolArgumentParser(description="Train a SentencePiece tokenizer.")
     parser.add_argument("--input", nargs="+", required=True, help="jsonl or text files")
     parser.add_argument("--input-format", choices=["auto", "jsonl", "text"], default="auto",
                         help="auto: jsonl for *.jsonl/*.json, text otherwise")
@@ -52,32 +54,27 @@ def iter_lines(paths: list[str], input_format: str, json_keys: list[str]) -> Ite
         is_json = input_format == "jsonl" or (
             input_format == "auto" and path.endswith((".jsonl", ".json"))
         )
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                if not is_json:
-                    yield line.rstrip("\n")
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SystemExit(f"{path}:{number}: not valid JSON ({e})") from None
-                for key in json_keys:
-                    if key not in record:
-                        raise SystemExit(f"{path}:{number}: json key {key!r} is missing")
-                    yield from (s for s in str(record[key]).split("\n") if s.strip())
+        for number, line in read_lines(path):
+            if not line.strip():
+                continue
+            if not is_json:
+                yield line.rstrip("\n")
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputFileError(f"{path}:{number}: not valid JSON ({e})") from None
+            for key in json_keys:
+                if key not in record:
+                    raise InputFileError(f"{path}:{number}: json key {key!r} is missing")
+                yield from (s for s in str(record[key]).split("\n") if s.strip())
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Train and write the model atomically."""
-    import sentencepiece
-
-    args = get_args(argv)
-    sentencepiece.SetRandomGeneratorSeed(args.seed)
-    model = io.BytesIO()
+def _train(sentencepiece, args: argparse.Namespace, sentences: Iterator[str],
+           model: io.BytesIO) -> None:
+    """SentencePiece's trainer over ``sentences``, the model written to ``model``."""
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter_lines(args.input, args.input_format, args.json_keys),
+        sentence_iterator=sentences,
         model_writer=model,
         vocab_size=args.vocab_size,
         model_type=args.model_type,
@@ -88,6 +85,29 @@ def main(argv: list[str] | None = None) -> None:
         num_threads=1,
         minloglevel=2,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train and write the model atomically."""
+    import sentencepiece
+
+    args = get_args(argv)
+    sentencepiece.SetRandomGeneratorSeed(args.seed)
+    model = io.BytesIO()
+    input_errors: list[InputFileError] = []
+
+    def lines() -> Iterator[str]:
+        try:
+            yield from iter_lines(args.input, args.input_format, args.json_keys)
+        except InputFileError as exc:  # SentencePiece would wrap it in a RuntimeError
+            input_errors.append(exc)
+            raise
+    try:
+        _train(sentencepiece, args, lines(), model)
+    except RuntimeError:
+        if input_errors:
+            raise input_errors[0] from None
+        raise
     out_dir = os.path.dirname(os.path.abspath(args.model_prefix))
     os.makedirs(out_dir, exist_ok=True)
     model_path = args.model_prefix + ".model"
@@ -101,4 +121,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -9,17 +9,16 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.tuning.hardware import LinkProfile
 from megatron_chimera.tuning.validation import EmulatedCompute, compare, format_comparison
 
 
 def main(argv: list[str] | None = None) -> int:
     """Compare a benchmark JSON with the model's predictions."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ToolArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("bench_json")
     p.add_argument("--forward-ms", type=float, required=True)
     p.add_argument("--backward-ms", type=float, required=True)
@@ -42,4 +41,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

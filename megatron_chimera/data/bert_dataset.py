@@ -30,6 +30,7 @@ from megatron_chimera.data.dataset_utils import (
     cache_prefix,
     get_train_valid_test_split,
     load_npy,
+    open_checked_dataset,
     parse_data_paths,
     save_npy_atomic,
 )
@@ -240,9 +241,11 @@ def build_train_valid_test_datasets(
     pad_id: int, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
     binary_head: bool = True, cache_dir: str | None = None, build_cache: bool = True,
     word_starts: np.ndarray | None = None, max_ngram: int = 3,
+    embedding_size: int | None = None,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """(train, valid, test) BERT datasets; the split is over documents, as Megatron's.
-    ``word_starts`` / ``max_ngram``: whole-word and n-gram masking (:mod:`.masking`)."""
+    ``word_starts`` / ``max_ngram``: whole-word and n-gram masking (:mod:`.masking`). An empty
+    dataset, or one with a token id ``>= embedding_size`` (padded vocabulary), is an error."""
     from megatron_chimera.data.blended_dataset import blend_split_datasets
 
     prefixes, weights = parse_data_paths(data_prefix)
@@ -250,7 +253,7 @@ def build_train_valid_test_datasets(
               else blended_num_samples(weights, train_valid_test_num_samples))
     built = []
     for prefix, num_samples in zip(prefixes, counts):
-        indexed = MMapIndexedDataset(prefix)
+        indexed = open_checked_dataset(prefix, embedding_size, cache_dir, build_cache)
         bounds = get_train_valid_test_split(splits_string, indexed.num_documents)
         splits = []
         for i, name in enumerate(SPLIT_NAMES):

@@ -11,6 +11,12 @@ import numpy as np
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError
+from megatron_chimera.data.indexed_dataset import (
+    IndexedDatasetError,
+    MMapIndexedDataset,
+    data_file_path,
+    index_file_path,
+)
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -112,3 +118,37 @@ def load_npy(path: str, what: str) -> np.ndarray:
             "(build_cache=True on one rank, then a barrier)"
         )
     return np.load(path, allow_pickle=False, mmap_mode="r")
+
+
+def open_checked_dataset(data_prefix: str, embedding_size: int | None = None,
+                         cache_dir: str | None = None, build_cache: bool = True
+                         ) -> MMapIndexedDataset:
+    """Open a ``--data-path`` dataset for training: it must hold at least one document, and
+    (given ``embedding_size``, the model's padded vocabulary) every token id must be below it.
+
+    The largest token id is computed once (a pass over the ``.bin``) and cached like the
+    indices, keyed by the file's path, size and modification time.
+    """
+    dataset = MMapIndexedDataset(data_prefix)
+    if dataset.num_documents == 0 or len(dataset) == 0:
+        raise IndexedDatasetError(
+            f"{index_file_path(data_prefix)}: the dataset is empty (0 documents): was the corpus "
+            "empty when it was preprocessed?")
+    if embedding_size is None:
+        return dataset
+    bin_path = data_file_path(data_prefix)
+    stat = os.stat(bin_path)
+    path = cache_prefix(data_prefix, cache_dir, "max_token_id", {
+        "path": os.path.abspath(bin_path), "size": stat.st_size, "mtime": stat.st_mtime_ns,
+        "format": 1}) + ".npy"
+    if os.path.isfile(path):
+        largest = int(np.load(path, allow_pickle=False))
+    else:  # built by the caching rank; a rank that finds no cache computes it itself
+        largest = dataset.max_token_id()
+        if build_cache:
+            save_npy_atomic(path, np.asarray(largest, dtype=np.int64))
+    if largest >= embedding_size:
+        raise IndexedDatasetError(
+            f"{bin_path}: token id {largest} is outside the model's vocabulary of "
+            f"{embedding_size} ids (padded): tokenized with another tokenizer or vocabulary?")
+    return dataset

@@ -28,6 +28,7 @@ from megatron_chimera.data.dataset_utils import (
     cache_prefix,
     get_train_valid_test_split,
     load_npy,
+    open_checked_dataset,
     parse_data_paths,
     save_npy_atomic,
 )
@@ -207,9 +208,9 @@ class MockGPTDataset(torch.utils.data.Dataset):
 
 def _build_split_datasets(
     data_prefix: str, splits_string: str, num_samples: Sequence[int], seq_length: int, seed: int,
-    cache_dir: str | None, build_cache: bool,
+    cache_dir: str | None, build_cache: bool, embedding_size: int | None = None,
 ) -> list[GPTDataset | None]:
-    indexed = MMapIndexedDataset(data_prefix)
+    indexed = open_checked_dataset(data_prefix, embedding_size, cache_dir, build_cache)
     bounds = get_train_valid_test_split(splits_string, len(indexed))
     out: list[GPTDataset | None] = []
     for i, name in enumerate(SPLIT_NAMES):
@@ -230,10 +231,12 @@ def build_train_valid_test_datasets(
     seed: int,
     cache_dir: str | None = None,
     build_cache: bool = True,
+    embedding_size: int | None = None,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
     """(train, valid, test) GPT datasets from ``--data-path`` (one prefix or weighted prefixes).
 
-    A split with no documents or no requested samples is ``None``.
+    A split with no documents or no requested samples is ``None``. An empty dataset, or one
+    with a token id ``>= embedding_size`` (the model's padded vocabulary), is an error.
     """
     from megatron_chimera.data.blended_dataset import blend_split_datasets
 
@@ -241,7 +244,8 @@ def build_train_valid_test_datasets(
     counts = ([train_valid_test_num_samples] if weights is None
               else blended_num_samples(weights, train_valid_test_num_samples))
     built = [
-        _build_split_datasets(p, splits_string, n, seq_length, seed, cache_dir, build_cache)
+        _build_split_datasets(p, splits_string, n, seq_length, seed, cache_dir, build_cache,
+                              embedding_size)
         for p, n in zip(prefixes, counts)
     ]
     return blend_split_datasets(built, weights, train_valid_test_num_samples, prefixes[0],

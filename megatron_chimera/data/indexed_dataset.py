@@ -23,6 +23,7 @@ from functools import cached_property
 import numpy as np
 
 from megatron_chimera.atomic import replace_atomically, temp_path_beside
+from megatron_chimera.errors import InputFileError
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
@@ -40,7 +41,7 @@ DTYPE_CODES: dict[int, type[np.number]] = {
 }
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(InputFileError):
     """A missing, truncated or corrupt ``.bin``/``.idx`` file; the message names the file."""
 
 
@@ -144,6 +145,11 @@ class IndexedDatasetBuilder:
         self._data_file = open(self._tmp_bin, "wb")  # closed by finalize or abort
         self._sequence_lengths = _GrowableArray(np.int32)
         self._document_indices = _GrowableArray(np.int64, [0])
+
+    @property
+    def sequence_count(self) -> int:
+        """Sequences added so far."""
+        return len(self._sequence_lengths)
 
     def add_item(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Append one sequence (a document, or a sentence of the current document)."""
@@ -264,10 +270,11 @@ class MMapIndexedDataset:
                 self._index.sequence_lengths[-1]
             ) * self.dtype.itemsize
         size = os.path.getsize(bin_path)
-        if size < needed:
+        if size != needed:
+            what = "truncated or mismatched" if size < needed else "from another corpus?"
             raise IndexedDatasetError(
                 f"{bin_path}: data file is {size} bytes but {index_file_path(path_prefix)} "
-                f"indexes {needed} bytes (truncated or mismatched .bin)"
+                f"indexes exactly {needed} bytes ({what} .bin)"
             )
         self._bin = np.memmap(bin_path, mode="r", order="C") if size else np.zeros(0, np.uint8)
 
@@ -327,6 +334,13 @@ class MMapIndexedDataset:
         pointer = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, dtype=self.dtype.newbyteorder("<"), count=length,
                              offset=pointer)
+
+    def max_token_id(self, chunk_bytes: int = 1 << 26) -> int:
+        """The largest token id in the ``.bin`` (-1 when empty), read ``chunk_bytes`` at a time."""
+        tokens = np.frombuffer(self._bin, dtype=self.dtype.newbyteorder("<"))
+        step = max(1, chunk_bytes // self.dtype.itemsize)
+        return max((int(tokens[i:i + step].max()) for i in range(0, len(tokens), step)),
+                   default=-1)
 
     def get_document(self, doc: int) -> list[np.ndarray]:
         """The sequences (sentences) of document ``doc``."""

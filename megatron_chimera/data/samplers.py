@@ -70,6 +70,16 @@ class MegatronPretrainingSampler:
                 yield rest
 
 
+def microbatch_first_samples(consumed_samples: int, num_microbatches: int, micro_batch_size: int,
+                             data_parallel_rank: int, data_parallel_size: int) -> list[int]:
+    """Global index of the first sample of each of this replica's ``N`` micro-batches of the
+    iteration starting at ``consumed_samples`` (the sampler's layout: step ``m`` gives replica
+    ``r`` samples ``consumed + (m W + r) B ...``), so the same sample has the same index on any
+    data-parallel size."""
+    return [consumed_samples + (m * data_parallel_size + data_parallel_rank) * micro_batch_size
+            for m in range(num_microbatches)]
+
+
 def collate_samples(samples: Sequence[dict[str, object]]) -> dict[str, torch.Tensor]:
     """Stack a list of sample dicts (numpy arrays or ints) into a dict of torch tensors."""
     out: dict[str, torch.Tensor] = {}
@@ -93,9 +103,12 @@ def build_pretraining_data_loader(
     """Megatron's ``build_pretraining_data_loader`` with the single (sequential) sampler."""
     sampler = MegatronPretrainingSampler(len(dataset), consumed_samples, micro_batch_size,
                                          data_parallel_rank, data_parallel_size)
+    # A private generator for the loader's worker seed: creating (or re-creating) an iterator
+    # never draws from the global torch RNG, so it cannot shift the training's random stream.
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_samples,
         pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(consumed_samples),
     )
 
 

@@ -340,7 +340,17 @@ def build_tokenizer(
     """Megatron's ``build_tokenizer``: the tokenizer named by ``--tokenizer-type``."""
     if make_vocab_size_divisible_by <= 0:
         raise ConfigError("--make-vocab-size-divisible-by must be positive")
-    tokenizer = _build(tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size)
+    try:
+        tokenizer = _build(tokenizer_type, tokenizer_model, vocab_file, merge_file, vocab_size)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - each library fails its own way on a corrupt file
+        files = ", ".join(f"--{flag.replace('_', '-')} {path}" for flag, path in (
+            ("tokenizer_model", tokenizer_model), ("vocab_file", vocab_file),
+            ("merge_file", merge_file)) if path)
+        detail = (str(exc).strip().splitlines() or [""])[0][:160]
+        raise ConfigError(f"--tokenizer-type {tokenizer_type}: cannot read {files or 'its files'}"
+                          f" ({type(exc).__name__}: {detail})") from None
     tokenizer.make_vocab_size_divisible_by = make_vocab_size_divisible_by
     return tokenizer
 

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from megatron_chimera.errors import UserError
+
 # Hugging Face activation names -> our --gelu form (mathematically the same function)
 _TANH_NAMES = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _ERF_NAMES = ("gelu",)
 
 
-class HFError(ValueError):
-    """A Hugging Face directory or model we cannot convert; the message names the file/field."""
+class HFError(UserError, ValueError):
+    """A Hugging Face directory or model we cannot convert; the message names the file/field
+    (exit code 2, as a bad flag: the tools' input)."""
+
+    exit_code = 2
 
 
 class TensorSource:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +13,7 @@ from megatron_chimera.atomic import atomic_write
 from megatron_chimera.checkpointing import CheckpointError
 from megatron_chimera.config import ConfigError
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, MegatronTokenizer
+from megatron_chimera.errors import run_tool
 from megatron_chimera.hf.common import HFError
 from megatron_chimera.hf.tokenizer_files import TokenizerSettings
 from megatron_chimera.inference.loader import LoadedModel, load_model, load_tokenizer
@@ -61,10 +61,15 @@ def write_json(path: str, obj: Any) -> None:
 
 
 def run_cli(main: Callable[[], None]) -> None:
-    """Run a tool's ``main``; a configuration, checkpoint or Hugging Face error prints one line
-    ``error: <message>`` and exits with code 2."""
-    try:
-        main()
-    except (ConfigError, CheckpointError, HFError) as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    """Run a checkpoint tool's ``main`` through :func:`~megatron_chimera.errors.run_tool` (one
+    ``error:`` line, Ctrl-C, ``--debug-tracebacks``); a configuration, checkpoint or Hugging Face
+    error -- the tool's input -- exits with code 2."""
+
+    def checked() -> None:
+        try:
+            main()
+        except (ConfigError, CheckpointError, HFError) as exc:
+            exc.exit_code = 2  # the tools' contract: a bad --load / --hf-dir is a usage error
+            raise
+
+    run_tool(checked)

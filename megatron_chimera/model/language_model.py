@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.utils import skip_init
 
 from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.dropout_rng import EMBEDDING_SITE, current_stream, seed_site
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.model.linear import Linear
 from megatron_chimera.model.transformer import AttentionMask, ParallelTransformer
@@ -118,6 +119,7 @@ class TransformerLanguageModel(nn.Module):
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states ``[s, b, h]`` after this stage's layers (and the final layer norm)."""
         if self.pre_process:
+            seed_site(current_stream(), EMBEDDING_SITE)
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)
         else:
             if self.input_tensor is None:

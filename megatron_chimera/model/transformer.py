@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_chimera.config import GELU_VARIANTS, ConfigError, ModelConfig
 from megatron_chimera.model.document_attention import DocumentMask, document_attention
+from megatron_chimera.model.dropout_rng import current_stream, layer_site, seed_site
 from megatron_chimera.model.fused import (
     FusedBackend,
     LayerNorm,
@@ -215,9 +216,12 @@ class ParallelTransformer(nn.Module):
             LayerNorm(config.hidden_size, config.layernorm_epsilon, backend, config.torch_dtype)
             if post_process else None)
 
-    def _run(self, first: int, last: int):
+    def _run(self, first: int, last: int, stream: int | None):
+        # ``stream`` (the keyed-dropout micro-batch, captured at the forward) is part of the
+        # closure, so a recomputation in the backward reseeds every layer exactly as the forward.
         def run_layers(hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
             for layer in self.layers[first:last]:
+                seed_site(stream, layer_site(layer.layer_number))
                 hidden = layer(hidden, mask)
             return hidden
         return run_layers
@@ -225,20 +229,23 @@ class ParallelTransformer(nn.Module):
     def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         """Run this stage's layers on ``[s, b, h]``."""
         n = len(self.layers)
+        stream = current_stream()
         full = (self.recompute_granularity == "full" and self.training
                 and torch.is_grad_enabled())
         if not full:
-            hidden = self._run(0, n)(hidden, mask)
+            hidden = self._run(0, n, stream)(hidden, mask)
         elif self.recompute_method == "uniform":
             for first in range(0, n, self.recompute_num_layers):
                 last = min(first + self.recompute_num_layers, n)
-                hidden = checkpoint(self._run(first, last), hidden, mask, use_reentrant=False)
+                hidden = checkpoint(self._run(first, last, stream), hidden, mask,
+                                    use_reentrant=False)
         else:  # block: the first recompute_num_layers layers of this stage, one at a time
             for i in range(n):
+                run = self._run(i, i + 1, stream)
                 if i < self.recompute_num_layers:
-                    hidden = checkpoint(self._run(i, i + 1), hidden, mask, use_reentrant=False)
+                    hidden = checkpoint(run, hidden, mask, use_reentrant=False)
                 else:
-                    hidden = self.layers[i](hidden, mask)
+                    hidden = run(hidden, mask)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

@@ -82,13 +82,14 @@ def free_port() -> int:
 def launch_ranks(script: str, args: list[str], world_size: int,
                  timeout: float = 120) -> list[RunResult]:
     """Start ``world_size`` ranks by hand (torchrun's env, no supervisor that kills siblings),
-    so each rank's own exit status and stderr can be checked."""
+    so each rank's own exit status and stderr can be checked; under NCCL's point-to-point rules
+    on gloo, as :func:`launch`."""
     port = str(free_port())
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(rank),
                    LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port)
+                   MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"})
         procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))

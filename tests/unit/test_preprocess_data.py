@@ -14,6 +14,7 @@ import pytest
 from megatron_chimera.data.indexed_dataset import MMapIndexedDataset
 from megatron_chimera.data.sentence_splitter import split_sentences
 from megatron_chimera.data.tokenizers import build_tokenizer
+from megatron_chimera.errors import UsageError
 from tests.unit.test_tokenizers import (
     TEXTS,
     train_sentencepiece,
@@ -167,7 +168,7 @@ def test_bad_input_errors(tool, files, tmp_path, workers, monkeypatch):
     with pytest.raises(ValueError, match=r"corpus\.jsonl:1: json key 'text' cannot be tokenized"):
         tool.main(["--input", files["corpus"], "--output-prefix", str(tmp_path / "y"),
                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "9", "--workers", workers])
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="no such file"):  # one line via run_tool
         tool.main(["--input", str(tmp_path / "none.jsonl"), "--output-prefix", "x",
                    "--tokenizer-type", "NullTokenizer", "--vocab-size", "9", "--workers", "1"])
 

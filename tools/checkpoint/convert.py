@@ -17,13 +17,14 @@ import argparse
 import shlex
 
 from megatron_chimera.checkpoint_args import model_flags
+from megatron_chimera.errors import ToolArgumentParser
 from megatron_chimera.hf.convert import export_hf, import_hf
 from megatron_chimera.inference.cli import run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``import-hf`` / ``export-hf`` command line."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = ToolArgumentParser(description=__doc__.split("\n\n")[0],
                                      allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import-hf", help="Hugging Face directory -> checkpoint",

@@ -1,0 +1,94 @@
+"""Keyed dropout: every dropout mask is a function of (seed, micro-batch, layer), not of the rank.
+
+With one global random stream per rank, a dropout mask depends on which rank runs a layer, in
+which order it runs its micro-batches, and on every other draw from that stream (a data loader's
+seed, ...). Then neither a schedule change, nor a layout change, nor a resume that draws one
+number more gives the same masks. Here the training driver wraps each micro-batch with its
+*key* (the global index of its first sample and the seed) and runs its forward inside
+:func:`dropout_stream`; each dropout site (the embedding, every transformer layer by its global
+number) reseeds the generator from ``(key, site)`` before it draws. So a micro-batch gets the
+same masks on any rank, in any schedule, on any (D, pipes, W) with the same micro-batch size,
+and before or after a resume. The rank's own random stream is restored after each forward.
+
+Recomputation replays the same masks: the executor re-runs the wrapped forward step (same key),
+and activation checkpointing inside the model captures the key when it first runs (see
+:func:`current_stream`). Outside a stream (evaluation, tests, user code) dropout uses the
+global generator as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from typing import Any, NamedTuple
+
+import torch
+
+_STREAM: ContextVar[int | None] = ContextVar("megatron_chimera_dropout_stream", default=None)
+EMBEDDING_SITE = "embedding"
+
+
+class KeyedMicrobatch(NamedTuple):
+    """A micro-batch (or None on a stage that reads no data) and its dropout key."""
+
+    key: int
+    batch: Any
+
+
+def microbatch_key(seed: int, first_sample: int) -> int:
+    """The dropout key of the micro-batch whose first sample is global sample ``first_sample``."""
+    return _digest(f"microbatch:{seed}:{first_sample}")
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
+                          "little") & ((1 << 63) - 1)
+
+
+def current_stream() -> int | None:
+    """The key of the micro-batch whose forward is running, or None outside a stream."""
+    return _STREAM.get()
+
+
+@contextlib.contextmanager
+def dropout_stream(key: int, device: torch.device | None = None) -> Iterator[None]:
+    """Run a micro-batch's forward with keyed dropout; the rank's RNG state is restored after."""
+    devices = [device] if device is not None and device.type == "cuda" else []
+    token = _STREAM.set(key)
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        _STREAM.reset(token)
+
+
+def seed_site(stream: int | None, site: str) -> None:
+    """Reseed the CPU (and current CUDA device) generator for dropout site ``site`` of the
+    micro-batch ``stream``; a no-op when ``stream`` is None (no keyed stream)."""
+    if stream is None:
+        return
+    seed = _digest(f"{stream}:{site}")
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed(seed)
+
+
+def layer_site(layer_number: int) -> str:
+    """The site name of the transformer layer with 1-based global number ``layer_number``."""
+    return f"layer:{layer_number}"
+
+
+def keyed_forward_step(forward_step_func: Callable[[Any, Any], Any],
+                       device: torch.device | None = None) -> Callable[[Any, Any], Any]:
+    """``forward_step_func`` taking :class:`KeyedMicrobatch` entries (plain batches pass
+    through unkeyed, e.g. in evaluation)."""
+
+    def forward_step(batch: Any, model: Any) -> Any:
+        if not isinstance(batch, KeyedMicrobatch):
+            return forward_step_func(batch, model)
+        with dropout_stream(batch.key, device):
+            return forward_step_func(batch.batch, model)
+
+    return forward_step

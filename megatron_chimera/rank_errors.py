@@ -1,0 +1,178 @@
+"""The entry scripts' ``main`` wrapper: one error line on the rank that found the problem.
+
+When a rank fails, every other rank's next collective fails too (gloo: ``Connection closed by
+peer``), so without coordination each rank prints a traceback about the symptom. Here the first
+rank to fail claims the failure in the job's c10d store (torchrun's agent store, which outlives
+the workers) and prints ``error: <message> [rank r]`` (its traceback too when the error is a bug
+or ``--debug-tracebacks`` is given); every later rank prints one quiet line naming that rank:
+``rank 3: stopped (rank 1 failed; see its error)``. Exit codes are non-zero (2 for a bad flag,
+1 otherwise, 130 for Ctrl-C). Before the process group exists (flag validation) every rank
+checks the same flags and prints the same ``error:`` line.
+
+Under torchrun the first rank's line is also written to ``TORCHELASTIC_ERROR_FILE``, so the
+launcher's summary names the problem instead of pointing at its documentation. Exiting is
+guarded by a watchdog: if interpreter shutdown hangs (a peer stuck in a collective, a loader
+worker), the process ends anyway (``errors.exit_process``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from megatron_chimera.errors import (
+    INTERRUPTED_EXIT_CODE,
+    StoppedByPeer,
+    exit_process,
+    one_line,
+    print_error,
+    tracebacks_requested,
+    user_error_in,
+)
+from megatron_chimera.process import die_with_parent, launched_by_torchrun
+
+_CLAIM_KEY = "megatron_chimera/error_claims"
+_FIRST_KEY = "megatron_chimera/first_error_rank"
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (torchrun stopping the workers after another rank failed, or a scheduler)."""
+
+
+def _rank_and_world() -> tuple[int | None, int]:
+    """This process's global rank and the world size (from torch.distributed or torchrun's env)."""
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    rank = os.environ.get("RANK")
+    return (int(rank) if rank is not None else None), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _store():
+    """The job's c10d store, or None before ``init_process_group``."""
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+    return None
+
+
+def claim_failure(rank: int, wait_seconds: float = 3.0) -> int | None:
+    """Claim this failure as the job's first; returns the rank that failed first (``rank`` when
+    this claim won), or None when there is no reachable store."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        if store.add(_CLAIM_KEY, 1) == 1:
+            store.set(_FIRST_KEY, str(rank))
+            return rank
+        deadline = time.monotonic() + wait_seconds
+        while time.monotonic() < deadline:
+            if store.check([_FIRST_KEY]):
+                return int(store.get(_FIRST_KEY).decode())
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the store died with its host: nobody to ask
+        return None
+    return None
+
+
+def _write_torchelastic_error_file(line: str) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                         "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError), open(path, "w") as handle:
+        json.dump(data, handle)
+
+
+def _quiet_line(rank: int | None, first: int, what: str = "") -> None:
+    me = f"rank {rank}" if rank is not None else "this rank"
+    reason = f"rank {first} {what}" if what else f"rank {first} failed"
+    print(f"{me}: stopped ({reason}; see its error)", file=sys.stderr, flush=True)
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """True for the symptom of another rank's death: a torch.distributed error, the executor's
+    PipelineFailure, or a closed/reset connection, anywhere along the cause chain."""
+    markers = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+               "failed to recv", "failed to send")
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        kind = type(current)
+        names = {c.__name__ for c in kind.__mro__}
+        if names & {"DistError", "PipelineFailure"}:
+            return True
+        if isinstance(current, RuntimeError) and any(m in str(current) for m in markers):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def report_failure(exc: BaseException) -> int:
+    """Print ``exc`` as this rank should (first failure: the error; later ones: a quiet line
+    naming the first rank) and return the exit code."""
+    debug = tracebacks_requested()
+    rank, world = _rank_and_world()
+    if isinstance(exc, StoppedByPeer):
+        if debug:
+            traceback.print_exception(exc, file=sys.stderr)
+        _quiet_line(rank, exc.rank, exc.what)
+        return 1
+    first = claim_failure(rank) if rank is not None and world > 1 else None
+    if first is not None and first != rank:
+        if debug and not isinstance(exc, Terminated):
+            traceback.print_exception(exc, file=sys.stderr)
+        _quiet_line(rank, first)
+        return 1
+    if isinstance(exc, Terminated):
+        print(f"rank {rank}: terminated (SIGTERM)" if rank is not None else "terminated",
+              file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
+    if isinstance(exc, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT_CODE
+    suffix = f" [rank {rank}]" if rank is not None and world > 1 else ""
+    if user_error_in(exc) is None and is_communication_error(exc) and not debug:
+        # another rank died without a word (killed, out of memory): name the symptom once
+        line = f"error: lost contact with another rank: {one_line(exc)[:300]}{suffix}"
+        print(line, file=sys.stderr, flush=True)
+        _write_torchelastic_error_file(line)
+        return 1
+    code = print_error(exc, suffix, debug=debug)
+    shown = user_error_in(exc) or exc
+    _write_torchelastic_error_file(f"error: {one_line(shown)}{suffix}")
+    return code
+
+
+def _raise_terminated(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    raise Terminated()
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Run an entry script's ``main``; on any failure report it once (see the module docstring)
+    and exit non-zero. Under torchrun the process also dies with its launcher
+    (:func:`~megatron_chimera.process.die_with_parent`)."""
+    if launched_by_torchrun():
+        die_with_parent()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure ends here, reported once
+        exit_process(report_failure(exc))

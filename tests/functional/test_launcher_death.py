@@ -1,0 +1,107 @@
+"""End-to-end: ``kill -9`` of the torchrun launcher takes its workers with it (no orphans)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
+from megatron_chimera.process import die_with_parent
+
+from .launcher import ROOT, TINY
+
+pytestmark = [pytest.mark.functional, pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (from /proc/*/stat)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(240)
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "pretrain_gpt2.py"), *TINY, "--num-layers", "4", "--train-iters",
+           "100000", "--log-interval", "1", "--pipeline-model-parallel-size", "2"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{NCCL_SEMANTICS_ENV: "1"})
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    workers: list[int] = []
+    try:
+        for line in launcher.stdout:  # wait until the workers train
+            if " iteration " in line:
+                break
+        workers = children_of(launcher.pid)
+        assert len(workers) == 2, workers
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 20
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        orphans = [w for w in workers if alive(w)]
+        assert not orphans, f"workers {orphans} outlived the killed launcher"
+    finally:
+        for pid in workers:  # the processes this test started
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.stdout.close()
+
+
+@pytest.mark.timeout(60)
+def test_die_with_parent_in_a_child_whose_parent_is_killed(tmp_path):
+    # parent -> child; the child arms die_with_parent and sleeps; kill -9 the parent.
+    child_code = ("import sys, time; sys.path.insert(0, sys.argv[1]);"
+                  "from megatron_chimera.process import die_with_parent;"
+                  "print(die_with_parent(), flush=True); time.sleep(120)")
+    parent_code = ("import subprocess, sys, time;"
+                   f"p = subprocess.Popen([sys.executable, '-c', {child_code!r}, sys.argv[1]]);"
+                   "print(p.pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", parent_code, str(ROOT)],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while not children_of(parent.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the child has armed the request
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(child)
+    finally:
+        if alive(child):
+            os.kill(child, signal.SIGKILL)
+        parent.stdout.close()
+    assert die_with_parent.__doc__

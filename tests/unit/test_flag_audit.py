@@ -143,12 +143,21 @@ def test_unknown_flags_keep_argparse_message():
     ("pretrain_gpt2", ["--log-memory-to-tensorboard"],
      "error: --log-memory-to-tensorboard requires --tensorboard-dir"),
 ])
-def test_entry_scripts_reject_with_one_line(script, flags, message, capsys):
+def test_entry_scripts_reject_with_one_line(script, flags, message, capsys, monkeypatch):
     """As ``python pretrain_*.py`` runs: one ``error:`` line, exit code 2, before any process
     group or dataset exists."""
+    import signal
+    import sys
+
+    from megatron_chimera import rank_errors
+
     module = importlib.import_module(script)
     from megatron_chimera.training import run_main
 
+    # in this process: a plain SystemExit, without the exit watchdog that would end pytest
+    # seconds later (errors.exit_process), and pytest's own SIGTERM handler afterwards
+    monkeypatch.setattr(rank_errors, "exit_process", lambda code, immediate=False: sys.exit(code))
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
     with pytest.raises(SystemExit) as info:
         run_main(lambda: module.main([*BASE, *flags]))
     assert info.value.code == 2

@@ -176,7 +176,10 @@ class TrainingConfig:
     eval_iters: int = 100
     exit_interval: int | None = None
     seed: int = 1234
-    partition_method: str = "uniform"
+    partition_method: str = "uniform"  # uniform | parameters | time (measured, per rank)
+    # split-backward schedules: time F/B/W during the first K iterations, then rebuild the
+    # order for the measured costs (0: never; resolved from --profile-iterations)
+    profile_iterations: int = 0
 
     @property
     def total_train_iters(self) -> int:

@@ -35,8 +35,11 @@ from megatron_chimera.monitor import IterationStats, Timers, TrainingMonitor, pr
 from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_embedding_weight
+from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.fallback import FallbackRefused
+from megatron_chimera.schedules.rebuild import RebuildReport
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -69,6 +72,8 @@ class _Run:
     needed_microbatches: list[int] | None
     rank: int
     world_size: int
+    make_executors: Callable[[Schedule], tuple[PipelineExecutor, PipelineExecutor]]
+    profile: ProfileRebuild | None = None
 
 
 # ------------------------------------------------------------------------------ setup
@@ -146,9 +151,15 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     device = initialize(config, schedule)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-    partition = partition_layers(config.model.num_layers, schedule.num_stages,
-                                 config.training.partition_method, config=config.model,
-                                 family=family)
+    if rank == 0 and "replaces" in schedule.meta:
+        print(f" running {schedule.describe()} instead of {schedule.meta['replaces']}",
+              flush=True)
+    if config.training.partition_method == "time":
+        partition = time_partition(config, family, schedule, device, rank == 0)
+    else:
+        partition = partition_layers(config.model.num_layers, schedule.num_stages,
+                                     config.training.partition_method, config=config.model,
+                                     family=family)
     last = schedule.num_stages - 1
     modules: dict[int, nn.Module] = {}
     for stage in schedule.stages_of_rank(pipeline_rank):
@@ -197,9 +208,15 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
         dtype=model.torch_dtype,
         loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
         device=device)
-    executor = PipelineExecutor(**common, grad_sync=GradientSynchronizer.from_parallel_state(
-        modules), scale_loss=optimizer.scale_loss)
-    eval_executor = PipelineExecutor(**common)
+
+    def make_executors(schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
+        kwargs = dict(common, schedule=schedule)
+        train_executor = PipelineExecutor(
+            **kwargs, grad_sync=GradientSynchronizer.from_parallel_state(modules),
+            scale_loss=optimizer.scale_loss)
+        return train_executor, PipelineExecutor(**kwargs)
+
+    executor, eval_executor = make_executors(schedule)
     logging_rank = world_size - 1  # where the executor gathers losses and busy times
     flops = training_flops(model, family, training.global_batch_size)
     predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
@@ -208,8 +225,47 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     needed = _needed_microbatches(schedule, pipeline_rank,
                                   all_stages=family.every_stage_reads_batch)
     run = _Run(config, schedule, partition, stages, optimizer, scheduler, executor,
-               eval_executor, monitor, Timers(), needed, rank, world_size)
+               eval_executor, monitor, Timers(), needed, rank, world_size, make_executors)
+    profile_iterations = config.training.profile_iterations
+    if profile_iterations and schedule.split_backward:
+        options = parallel.schedule_options
+        run.profile = ProfileRebuild(schedule, options, profile_iterations, device,
+                                     getattr(options, "fallback", None))
+    elif profile_iterations and rank == 0:
+        print(f" --profile-iterations {profile_iterations}: {schedule.name} runs the whole "
+              f"backward, nothing to rebuild", flush=True)
     return run, datasets
+
+
+def time_partition(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+                   device: torch.device, verbose: bool) -> list[tuple[int, int]]:
+    """``--partition-method time``: time one transformer layer and the extra cost of the first
+    (embeddings) and last stage (final norm, LM head, loss) with the real classes on this rank's
+    device, average over all ranks (one all-reduce, so every rank splits alike), and balance the
+    ranks' total time over the stages each holds (both replicas for Chimera)."""
+    from megatron_chimera.tuning.costs import ModelSpec
+    from megatron_chimera.tuning.profile import MeasuredCompute
+
+    compute = MeasuredCompute(ModelSpec(config.model, family), device=str(device))
+    layer, first, last = compute.measure(config.training.micro_batch_size)
+    recompute = config.model.recompute_granularity == "full"  # the backward re-runs the forward
+    seconds = [t.forward * (2 if recompute else 1) + t.backward for t in (layer, first, last)]
+    times = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(times)
+    unit = float(times[0]) / dist.get_world_size()
+    layer_s, first_s, last_s = (round(float(t) / dist.get_world_size() / unit, 3)
+                                for t in times)
+    rank_stages = [schedule.stages_of_rank(r) for r in range(schedule.num_ranks)]
+    partition = partition_layers(config.model.num_layers, schedule.num_stages, "time",
+                                 layer_times=[layer_s] * config.model.num_layers,
+                                 embedding_time=first_s, head_time=last_s,
+                                 rank_stages=rank_stages)
+    if verbose:
+        print(f" --partition-method time: layer {unit * 1e3:.3g} ms (forward + backward per "
+              f"micro-batch), first stage +{first_s:.3g} layers, last stage +{last_s:.3g} "
+              f"layers -> layers per stage {[end - start for start, end in partition]}",
+              flush=True)
+    return partition
 
 
 # ------------------------------------------------------------------------------ loop pieces
@@ -287,10 +343,16 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
     training, ckpt = run.config.training, run.config.checkpoint
     total = training.total_train_iters
     while state.iteration < total:
+        if run.profile is not None:
+            run.profile.start_iteration(run.executor)
         run.timers("iteration").start()
         result, skipped, grad_norm, pipeline_seconds = train_step(run, train_iterator)
         run.timers("iteration").stop()
         state.iteration += 1
+        if run.profile is not None:
+            report = run.profile.finish_iteration(run.executor)
+            if report is not None:
+                apply_rebuild(run, report, state.iteration)
         state.consumed_train_samples += training.global_batch_size
         timers = run.timers.elapsed_all()
         run.monitor.record(IterationStats(
@@ -309,6 +371,36 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
             if run.rank == 0:
                 print(f" exiting program at iteration {state.iteration}", flush=True)
             return
+
+
+def apply_rebuild(run: _Run, report: RebuildReport, iteration: int) -> None:
+    """Run the rebuilt schedule from the next iteration on, log the switch (stdout line and
+    TensorBoard on the logging rank), and keep the measured costs next to the checkpoints
+    (``<save>/profiled_stage_costs.json``, for ``--chimera-zb-costs @file``)."""
+    run.profile = None
+    if report.changed:
+        run.schedule = report.schedule
+        run.executor, run.eval_executor = run.make_executors(report.schedule)
+        if run.monitor.predicted_bubble is not None:
+            run.monitor.predicted_bubble = predicted_bubble_ratio(report.schedule)
+    costs = report.costs
+    scalars = {"schedule-predicted-iteration-before": report.before.makespan,
+               "schedule-predicted-iteration-after": report.decision.chosen.makespan,
+               "schedule-predicted-gain": report.predicted_gain,
+               "schedule-rebuilt": float(report.changed),
+               "schedule-unsplit-fallback": float(report.decision.fell_back)}
+    for kind, values in (("F", costs.forward), ("B", costs.backward), ("W", costs.weight)):
+        scalars.update({f"profiled-{kind}-stage{s}": v for s, v in enumerate(values)})
+    run.monitor.log_schedule_rebuild(iteration, report.line(), scalars)
+    save_dir = run.config.checkpoint.save
+    if save_dir is not None and run.rank == 0:
+        import json
+
+        from megatron_chimera.atomic import atomic_write
+
+        os.makedirs(save_dir, exist_ok=True)
+        atomic_write(os.path.join(save_dir, "profiled_stage_costs.json"),
+                     lambda handle: json.dump(costs.to_dict(), handle, indent=1), mode="w")
 
 
 # ------------------------------------------------------------------------------ entry
@@ -385,9 +477,10 @@ def pretrain_from_flags(
 
 
 def run_main(main: Callable[[], None]) -> None:
-    """Run an entry script's ``main``: a ConfigError prints ``error: <message>``, exit code 2."""
+    """Run an entry script's ``main``: a ConfigError (or a refused fallback after profiling,
+    the same on every rank) prints ``error: <message>``, exit code 2."""
     try:
         main()
-    except ConfigError as exc:
+    except (ConfigError, FallbackRefused) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -42,7 +42,8 @@ from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
-__all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "ForwardStepFunc"]
+__all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "ForwardStepFunc",
+           "ActionTimer"]
 
 
 class SavedForward(NamedTuple):
@@ -80,31 +81,43 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
     )
 
 
-class _BusyTimer:
-    """Sums compute time: wall clock on CPU, CUDA events on GPU (read at the end)."""
+ActionTimer = Callable[[Action, float], None]
 
-    def __init__(self, device: torch.device) -> None:
+
+class _BusyTimer:
+    """Sums compute time: wall clock on CPU, CUDA events on GPU (read at the end). With an
+    ``action_timer`` it also reports each action's seconds (on GPU when the iteration ends)."""
+
+    def __init__(self, device: torch.device, action_timer: ActionTimer | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
-        self._events: list[tuple[Any, Any]] = []
+        self.action_timer = action_timer
+        self._events: list[tuple[Any, Any, Action | None]] = []
 
     @contextlib.contextmanager
-    def measure(self):
+    def measure(self, action: Action | None = None):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
-            self._events.append((start, end))
+            self._events.append((start, end, action))
         else:
             t0 = time.perf_counter()
             yield
-            self.seconds += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.seconds += elapsed
+            if self.action_timer is not None and action is not None:
+                self.action_timer(action, elapsed)
 
     def total(self) -> float:
         if self._events:
             torch.cuda.synchronize()
-            self.seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1000.0
+            for start, end, action in self._events:
+                elapsed = start.elapsed_time(end) / 1000.0
+                self.seconds += elapsed
+                if self.action_timer is not None and action is not None:
+                    self.action_timer(action, elapsed)
             self._events.clear()
         return self.seconds
 
@@ -123,7 +136,10 @@ class PipelineExecutor:
     ``loss_scale_divisor`` is ``N x W``; ``grad_sync`` is None for evaluation-only use;
     ``scale_loss`` is the fp16 grad scaler's hook; ``recompute`` keeps only stage inputs and
     re-runs the forward at B; ``weight_grad_store_factory`` makes the store
-    of each split backward (W); ``gather_losses`` collects losses on the last global rank.
+    of each split backward (W); ``gather_losses`` collects losses on the last global rank;
+    ``action_timer(action, seconds)``, when set (it may be set or cleared between iterations),
+    receives the compute time of every F, B and W (the profiler's hook,
+    :mod:`~megatron_chimera.pipeline.profiler`).
     """
 
     def __init__(
@@ -143,6 +159,7 @@ class PipelineExecutor:
         deallocate_outputs: bool = True,
         weight_grad_store_factory: Callable[[], WeightGradStore] = WeightGradStore,
         gather_losses: bool = True,
+        action_timer: ActionTimer | None = None,
     ) -> None:
         pipeline_rank = topology.pipeline_rank
         missing = set(schedule.stages_of_rank(pipeline_rank)) - set(stage_modules)
@@ -164,6 +181,7 @@ class PipelineExecutor:
         self.deallocate_outputs = deallocate_outputs and not recompute
         self.weight_grad_store_factory = weight_grad_store_factory
         self.gather_losses = gather_losses
+        self.action_timer = action_timer
         self._last_grad_action = self._final_gradient_actions()
 
     def _final_gradient_actions(self) -> dict[int, int]:
@@ -245,7 +263,7 @@ class _Iteration:
         self.to_deallocate: list[tuple[dist.Work, torch.Tensor]] = []
         self.losses: dict[int, dict[str, Any]] = {}
         self.executed: list[Action] = []
-        self.timer = _BusyTimer(executor.device)
+        self.timer = _BusyTimer(executor.device, executor.action_timer)
         self.current: Action | None = None
 
     def execute(self) -> None:
@@ -295,7 +313,7 @@ class _Iteration:
             input_tensor.requires_grad_(not self.forward_only)
         keep_graph = not self.forward_only and not ex.recompute
         rng_state = _rng_state(ex.device) if ex.recompute and not self.forward_only else None
-        with self.timer.measure(), torch.set_grad_enabled(keep_graph):
+        with self.timer.measure(action), torch.set_grad_enabled(keep_graph):
             output, loss_func = self._run_forward(action, input_tensor)
             if action.stage == self.last_stage:
                 loss, stats = loss_func(output)
@@ -335,7 +353,7 @@ class _Iteration:
         if ex.schedule.split_backward:
             store = self.stores[key] = ex.weight_grad_store_factory()
             defer = defer_weight_grad(module, store)
-        with self.timer.measure(), defer:
+        with self.timer.measure(action), defer:
             if ex.recompute:
                 input_tensor, output = self._recompute(action, input_tensor, rng_state)
             if grad_output is None:
@@ -353,7 +371,7 @@ class _Iteration:
 
     def _weight(self, action: Action) -> None:
         store = self.stores.pop((action.pipe, action.stage, action.microbatch))
-        with self.timer.measure():
+        with self.timer.measure(action):
             store.flush()
 
 

@@ -277,8 +277,9 @@ def add_schedule_arguments(parser: argparse.ArgumentParser | Any,
     """``--pipeline-schedule``, ``--chimera-split-backward`` and every option flag (default None,
     so that a flag given for the wrong schedule can be told from an absent one)."""
     parser.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=default_schedule,
-                        help="the pipeline schedule (default: chimera when --chimera-pipes is "
-                             "given, else 1f1b)" if default_schedule is None else
+                        help="the pipeline schedule (default: chimera when --chimera-pipes or "
+                             "--chimera-split-backward is given, else 1f1b)"
+                        if default_schedule is None else
                              f"the pipeline schedule (default {default_schedule})")
     parser.add_argument("--chimera-split-backward", action="store_true",
                         help="Chimera-ZB: split the backward into B and W, W fills the bubbles "
@@ -297,12 +298,14 @@ def add_schedule_arguments(parser: argparse.ArgumentParser | Any,
 
 def schedule_name_from(source: Any) -> str:
     """The schedule the flags select: ``--pipeline-schedule`` (default chimera when
-    ``--chimera-pipes`` is given, else 1f1b); ``--chimera-split-backward`` turns chimera into
-    chimera-zb."""
+    ``--chimera-pipes`` or ``--chimera-split-backward`` is given, else 1f1b);
+    ``--chimera-split-backward`` turns chimera into chimera-zb."""
     name = getattr(source, "pipeline_schedule", None)
+    split = getattr(source, "chimera_split_backward", False)
     if name is None:
-        name = "chimera" if getattr(source, "chimera_pipes", None) is not None else "1f1b"
-    if getattr(source, "chimera_split_backward", False):
+        chimera_flags = split or getattr(source, "chimera_pipes", None) is not None
+        name = "chimera" if chimera_flags else "1f1b"
+    if split:
         if name not in ("chimera", "chimera-zb"):
             raise ValueError(f"--chimera-split-backward requires --pipeline-schedule chimera or "
                              f"chimera-zb, got {name}")

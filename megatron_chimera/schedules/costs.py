@@ -125,6 +125,17 @@ class StageCosts:
         return StageCosts(tuple(map(r, self.forward)), tuple(map(r, self.backward)),
                           tuple(map(r, self.weight)), round(self.p2p * scale) / scale)
 
+    def quantized(self, step: float = 0.05) -> StageCosts:
+        """Times rounded to multiples of ``step`` x the mean F (at least one step; p2p may round
+        to 0): an order built for them does not follow measurement noise below the step."""
+        unit = step * sum(self.forward) / len(self.forward)
+
+        def q(v: float) -> float:
+            return max(round(v / unit), 1) * unit
+
+        return StageCosts(tuple(map(q, self.forward)), tuple(map(q, self.backward)),
+                          tuple(map(q, self.weight)), round(self.p2p / unit) * unit)
+
     def cost_model(self, split_backward: bool = True, **extra: Any) -> CostModel:
         """The simulator's cost model: a split schedule runs B and W, an unsplit one runs the
         whole backward B + W as one action. ``extra``: other CostModel fields."""

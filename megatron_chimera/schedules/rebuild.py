@@ -19,6 +19,10 @@ from megatron_chimera.schedules.fallback import Decision, Prediction, decide, of
 from megatron_chimera.schedules.registry import get_spec
 from megatron_chimera.schedules.validate import validate
 
+# the order is built for the measured costs rounded to this fraction of the mean F, so that
+# measurement noise below it does not steer the generator; predictions use the costs as measured
+QUANTUM = 0.05
+
 
 @dataclass(frozen=True)
 class RebuildReport:
@@ -65,7 +69,7 @@ class RebuildReport:
 
 
 def rebuild_for_costs(schedule: Schedule, options: Any, costs: StageCosts,
-                      policy: str | None = None) -> RebuildReport:
+                      policy: str | None = None, quantum: float = QUANTUM) -> RebuildReport:
     """Rebuild ``schedule`` (a registry schedule with split backward, built from ``options``)
     for ``costs`` and decide what to run next (module docstring). Raises
     :class:`~.fallback.FallbackRefused` under ``policy="refuse"`` when an unsplit schedule on
@@ -76,7 +80,7 @@ def rebuild_for_costs(schedule: Schedule, options: Any, costs: StageCosts,
     options = spec.options_type() if options is None else options
     started = time.perf_counter()
     new = spec.build(schedule.num_ranks, schedule.num_microbatches,
-                     replace(options, costs=costs))
+                     replace(options, costs=costs.quantized(quantum)))
     validate(new)
     build_seconds = time.perf_counter() - started
     before = of_schedule(schedule, costs, label=schedule.name)

@@ -11,9 +11,11 @@ the same :class:`~.costs.StageCosts` and picks the fastest, following the policy
 * ``refuse`` (the user *forces* the split-backward schedule): no replacement; if an alternative
   is predicted faster, :class:`FallbackRefused` (a ValueError) says so with the figures.
 
-``same_placement=True`` (a running job, whose process groups and stage modules are built for
-the split schedule's placement) only lets an alternative with the same placement replace it;
-the others are still predicted and reported. Torch-free.
+An alternative never needs more memory: one whose peak of live activations on a rank exceeds
+the split schedule's cap (``--chimera-max-inflight``, else the split order's own peak) may not
+replace it. ``same_placement=True`` (a running job, whose process groups and stage modules are
+built for the split schedule's placement) also requires the same placement. Such alternatives
+are still predicted and reported, with the reason. Torch-free.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import FALLBACKS, ChimeraOptions, NoOptions, get_spec
-from megatron_chimera.schedules.simulate import simulate
+from megatron_chimera.schedules.simulate import peak_inflight, simulate
 from megatron_chimera.schedules.validate import validate
 
 POLICIES = FALLBACKS  # the choices of --chimera-zb-fallback
@@ -115,12 +117,17 @@ def decide(split: Prediction, costs: StageCosts, policy: str | None = None,
         raise ValueError(f"--chimera-zb-fallback must be one of {POLICIES}, got {policy!r}")
     assert split.schedule is not None, "the split schedule must be built"
     sched = split.schedule
+    cap = sched.meta.get("max_inflight") or max(peak_inflight(sched))
     candidates = []
     for name, options in alternatives or unsplit_alternatives(sched.num_pipes):
         p = predict(name, options, sched.num_ranks, sched.num_microbatches, costs)
-        if same_placement and p.schedule is not None and p.schedule.placement != sched.placement:
-            p = Prediction(p.label, p.name, p.options, p.schedule, p.makespan,
-                           "other placement: needs a restart")
+        note = ""
+        if p.schedule is not None and max(peak_inflight(p.schedule)) > cap:
+            note = f"needs {max(peak_inflight(p.schedule))} live activations > {cap}"
+        elif same_placement and p.schedule is not None and p.schedule.placement != sched.placement:
+            note = "other placement: needs a restart"
+        if note:
+            p = Prediction(p.label, p.name, p.options, p.schedule, p.makespan, note)
         candidates.append(p)
     usable = [p for p in candidates if p.usable]
     best = min(usable, key=lambda p: p.makespan, default=None)

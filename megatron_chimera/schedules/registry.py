@@ -272,6 +272,22 @@ def _where_it_applies(flag: str) -> str:
     return f" (it applies to {', '.join(names)})" if names else ""
 
 
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` whose ValueError message reaches the user (argparse replaces a plain
+    ValueError by "invalid <name> value")."""
+    if parse in (str, int, float):
+        return parse
+
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse_flag.__name__ = getattr(parse, "__name__", "value")
+    return parse_flag
+
+
 def add_schedule_arguments(parser: argparse.ArgumentParser | Any,
                            default_schedule: str | None = None) -> None:
     """``--pipeline-schedule``, ``--chimera-split-backward`` and every option flag (default None,
@@ -291,7 +307,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser | Any,
             if flag in seen:
                 continue
             seen.add(flag)
-            parser.add_argument(flag, type=f.metadata["parse"] or str,
+            parser.add_argument(flag, type=_argparse_type(f.metadata["parse"] or str),
                                 choices=f.metadata["choices"], default=None,
                                 help=f.metadata["help"])
 

@@ -32,6 +32,7 @@ from megatron_chimera.schedules.actions import (
     single_pipe,
 )
 from megatron_chimera.schedules.chimera import (
+    CONCAT_FORWARD_DOUBLING,
     CONCAT_NAMES,
     check_chimera_ranks_and_pipes,
     chimera,
@@ -151,8 +152,10 @@ def _refinements(guard: str, bias: float, overbook: int, cap: int) -> list[Prior
 
 # the list-scheduler runs a search may spend, counted in simulated actions (a run of a schedule
 # with A actions costs A; the banker's check of the "safe" guard counts 4x): the whole search at
-# D=8, N=32; beyond, the variants in order until the budget is spent (the seeds always run)
+# D=8, N=32; beyond, the variants in order until the budget is spent (the seeds always run). A
+# search that could not try MIN_VARIANTS variants is skipped: one or two rarely beat the seeds.
 SEARCH_BUDGET_ACTIONS = 60_000
+MIN_VARIANTS = 8
 _GUARD_WEIGHT = {"safe": 4}
 
 
@@ -191,17 +194,15 @@ class _Search:
         if self.done:
             return
         adjacent = split_adjacent(unsplit_order)
-        if all(peak_live(order) <= cap for order, cap in zip(adjacent, self.caps)):
-            start = replay(adjacent, placement, costs)
-            durations = costs.durations()
-            makespan = max(t + durations[a.kind][a.stage] for a, t in start.items())
-            self.offer(ListResult(adjacent, start, makespan, [peak_live(o) for o in adjacent]),
-                       f"seed:{label}")
-        try:
-            self.offer(fill_weights(unsplit_order, placement, costs, self.caps),
-                       f"seed:{label}+W-fill")
-        except CapDeadlock:
-            pass  # the cap is below the unsplit order's need
+        peaks = [peak_live(order) for order in adjacent]
+        if any(peak > cap for peak, cap in zip(peaks, self.caps)):
+            return  # W-fill only delays W's: it would need even more live activations
+        start = replay(adjacent, placement, costs)
+        durations = costs.durations()
+        makespan = max(t + durations[a.kind][a.stage] for a, t in start.items())
+        self.offer(ListResult(adjacent, start, makespan, peaks), f"seed:{label}")
+        self.offer(fill_weights(unsplit_order, placement, costs, self.caps),
+                   f"seed:{label}+W-fill")
 
     def evaluate(self, priority: Priority) -> float:
         """Makespan of ``priority`` (inf if it deadlocks, or if the search is over)."""
@@ -242,6 +243,8 @@ def _best_order(
     cap = max(caps)
     budget = SEARCH_BUDGET_ACTIONS if budget is None else budget
     search = _Search(placement, pipe_microbatches, costs, caps, lower_bound, budget)
+    if search.actions * MIN_VARIANTS > budget:
+        search.budget = 0
     for label, order in seeds:
         search.seed(label, order)
     scores = []
@@ -261,11 +264,13 @@ def _best_order(
     return search.best
 
 
-def _chimera_seeds(num_ranks: int, num_microbatches: int,
-                   pipes: int) -> list[tuple[str, list[list[Action]]]]:
-    """Chimera's unsplit orders on the same placement, one per concatenation that applies."""
+def _chimera_seeds(num_ranks: int, num_microbatches: int, pipes: int,
+                   cap: int) -> list[tuple[str, list[list[Action]]]]:
+    """Chimera's unsplit orders on the same placement, one per concatenation that applies
+    (forward doubling only with room for its up to 2D live activations)."""
     seeds = []
-    concats = (None,) if num_microbatches <= num_ranks else CONCAT_NAMES
+    concats = (None,) if num_microbatches <= num_ranks else [
+        c for c in CONCAT_NAMES if c != CONCAT_FORWARD_DOUBLING or cap >= 2 * num_ranks]
     for concat in concats:
         try:
             unsplit = chimera(num_ranks, num_microbatches, pipes=pipes, concat=concat)
@@ -297,7 +302,7 @@ def chimera_zb(
     per_pipe = num_microbatches // pipes
     pipe_microbatches = [list(range(p * per_pipe, (p + 1) * per_pipe)) for p in range(pipes)]
     bound = makespan_lower_bound(placement, per_pipe, stage_costs, num_ranks)
-    seeds = _chimera_seeds(num_ranks, num_microbatches, pipes)
+    seeds = _chimera_seeds(num_ranks, num_microbatches, pipes, cap)
     result, variant = _best_order(placement, pipe_microbatches, stage_costs, [cap] * num_ranks,
                                   bound, seeds)
     return Schedule(

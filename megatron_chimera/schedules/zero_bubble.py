@@ -257,10 +257,10 @@ def _best_order(
     for _, guard, bias, overbook in sorted(scores)[:2]:
         for priority in _refinements(guard, bias, overbook, cap):
             search.evaluate(priority)
-    if search.best is None:  # no seed fits the cap and the budget ran out: the safe guard
-        search.budget = search.actions * _GUARD_WEIGHT["safe"]
-        search.evaluate(Priority(guard="safe"))
-    assert search.best is not None, "the safe guard cannot deadlock with a cap >= 1"
+    if search.best is None:  # no seed fits the cap and no list run did: one cheap safe run
+        search.budget = search.actions
+        search.evaluate(Priority(guard="reserve"))
+    assert search.best is not None, "the reserve guard cannot deadlock with a cap >= 1"
     return search.best
 
 

@@ -173,3 +173,12 @@ def test_weight_fill_keeps_f_b_order_and_matches_in_order_execution():
         durations = costs.durations()
         assert result.makespan <= max(t + durations[a.kind][a.stage]
                                       for a, t in adjacent.items()) + 1e-9
+
+
+def test_large_capped_build_stays_within_its_cap():
+    """D=32, N=128 with 8 live activations: no seed fits (Chimera holds up to 32), too big for
+    the list search budget: one deadlock-free reserve run, valid and within the cap."""
+    sched = chimera_zb(32, 128, max_inflight=8, costs=(1.0, 1.5, 0.5))
+    validate(sched)
+    assert sched.meta["priority"].endswith("guard:reserve:0:0")
+    assert max(simulate(sched).peak_inflight) <= 8

@@ -237,7 +237,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     shown = {k: v for k, v in options.items() if k != "costs"}
     if profile:
         shown["profile"] = profile
-    elif probe.split_backward:
+    elif cost_source != "known":
         shown["costs"] = cost_source
     extra.update(pipes=schedule.num_pipes, concat=schedule.meta.get("concat"),
                  simulated_compute_s=compute_only.makespan, schedule_used=schedule.name)

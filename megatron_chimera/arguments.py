@@ -39,7 +39,9 @@ from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and
 __all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
            "build_schedule_for"]
 
-PARTITION_METHODS = ("uniform", "parameters")
+PARTITION_METHODS = ("uniform", "parameters", "time")
+SPLIT_BACKWARD_SCHEDULES = ("chimera-zb", "zb-h1")
+DEFAULT_PROFILE_ITERATIONS = 3  # the first is a warm-up, the other two are measured
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -91,6 +93,7 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="interleaved: layers per model chunk (alternative to "
                         "--num-virtual-stages-per-pipeline-rank)")
     g.add_argument("--partition-method", choices=PARTITION_METHODS, default="uniform")
+    g.add_argument("--profile-iterations", type=int, default=None)
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--allow-cpu-training", action="store_true",
@@ -276,6 +279,7 @@ def _build_config(
         )
     num_microbatches = global_batch // (args.micro_batch_size * data_parallel)
     schedule, options = _schedule(args, pipeline_size)
+    args.profile_iterations = _profile_iterations(args, schedule, global_batch)
     return TrainConfig(
         model=_model_config(args),
         parallel=_pick(ParallelConfig, args, data_parallel_size=data_parallel,
@@ -353,6 +357,29 @@ def _schedule(args: argparse.Namespace, pipeline_size: int) -> tuple[str, object
                           "--num-layers-per-virtual-pipeline-stage or "
                           "--num-virtual-stages-per-pipeline-rank")
     return spec.name, options
+
+
+def _profile_iterations(args: argparse.Namespace, schedule: str, global_batch: int) -> int:
+    """``--profile-iterations`` resolved: the default for a split-backward schedule whose costs
+    are not fixed by hand (at most the iterations but one), else 0; an explicit K must leave an
+    iteration to run the rebuilt order and needs a split-backward schedule."""
+    given = args.profile_iterations
+    total = args.train_iters if args.train_iters is not None else \
+        (args.train_samples or 0) // global_batch
+    if given is None:
+        if schedule not in SPLIT_BACKWARD_SCHEDULES or args.chimera_zb_costs is not None:
+            return 0
+        return max(0, min(DEFAULT_PROFILE_ITERATIONS, total - 1))
+    if given < 0:
+        raise ConfigError(f"--profile-iterations must be >= 0, got {given}")
+    if given and schedule not in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(f"--profile-iterations applies to split-backward schedules "
+                          f"({', '.join(SPLIT_BACKWARD_SCHEDULES)}), not --pipeline-schedule "
+                          f"{schedule}")
+    if total and given >= total:  # (no iterations at all is --train-iters' error)
+        raise ConfigError(f"--profile-iterations {given} must be smaller than the {total} "
+                          f"training iterations (the rebuilt order runs after them)")
+    return given
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:

@@ -199,7 +199,10 @@ class TrainingConfig:
     eval_iters: int = 100
     exit_interval: int | None = None
     seed: int = 1234
-    partition_method: str = "uniform"
+    partition_method: str = "uniform"  # uniform | parameters | time (measured, per rank)
+    # split-backward schedules: time F/B/W during the first K iterations, then rebuild the
+    # order for the measured costs (0: never; resolved from --profile-iterations)
+    profile_iterations: int = 0
     # stop on a NaN/Inf loss or gradient (Megatron's --check-for-nan-in-loss-and-grad)
     check_for_nan_in_loss_and_grad: bool = True
     # stop after this many skipped iterations in a row (0: no bound)

@@ -22,12 +22,37 @@ from megatron_chimera.data.dataset_utils import parse_data_paths, parse_split
 from megatron_chimera.data.tokenizers import check_tokenizer_args
 from megatron_chimera.initialize import check_backend
 from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.costs import StageCosts
+from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_schedule
 from megatron_chimera.schedules.registry import get_spec
 from megatron_chimera.schedules.validate import validate as validate_schedule
 
 
+def never_slower_than_unsplit(schedule: Schedule, options: object) -> Schedule:
+    """A split-backward schedule whose costs are given (``--chimera-zb-costs``) against 1F1B and
+    Chimera under those costs (:func:`~megatron_chimera.schedules.fallback.decide`, any
+    placement: no process group exists yet). Returns the schedule to run; a replacement names
+    what it replaces in ``meta["replaces"]``. FallbackRefused under ``--chimera-zb-fallback
+    refuse``."""
+    costs = getattr(options, "costs", None)
+    if not schedule.split_backward or costs is None:
+        return schedule
+    stage_costs = StageCosts.of(costs, schedule.num_stages)
+    decision = decide(of_schedule(schedule, stage_costs), stage_costs,
+                      getattr(options, "fallback", None))
+    if not decision.fell_back:
+        return schedule
+    chosen = decision.chosen.schedule
+    assert chosen is not None
+    chosen.meta["replaces"] = (f"{schedule.name} (predicted slower under --chimera-zb-costs: "
+                               f"{decision.figures()})")
+    return chosen
+
+
 def build_schedule_for(config: TrainConfig) -> Schedule:
-    """The validated schedule of this run; a generator's ValueError becomes a ConfigError."""
+    """The validated schedule of this run; a generator's ValueError becomes a ConfigError. A
+    split-backward schedule with given costs is never slower than 1F1B or Chimera under them
+    (:func:`never_slower_than_unsplit`)."""
     parallel = config.parallel
     try:
         spec = get_spec(parallel.pipeline_schedule)
@@ -35,6 +60,9 @@ def build_schedule_for(config: TrainConfig) -> Schedule:
         schedule = spec.build(parallel.pipeline_model_parallel_size,
                               config.training.num_microbatches, options)
         validate_schedule(schedule)
+        schedule = never_slower_than_unsplit(schedule, options)
+    except FallbackRefused as exc:
+        raise ConfigError(str(exc)) from None
     except ValueError as exc:
         first_line = str(exc).splitlines()[0]
         raise ConfigError(f"--pipeline-schedule {parallel.pipeline_schedule}: {first_line}") \

@@ -58,7 +58,13 @@ HELP: dict[str, str] = {
     "num_layers_per_virtual_pipeline_stage": "interleaved 1F1B: layers per model chunk",
     # the schedule flags (--pipeline-schedule, --chimera-*, ...) carry their help in the
     # schedule registry (megatron_chimera/schedules/registry.py)
-    "partition_method": "layers to stages: uniform, or parameters (balances embedding and head)",
+    "partition_method": "layers per stage: uniform counts, balanced parameters, or balanced "
+                        "measured time (embedding and LM head included; for Chimera the time "
+                        "of each rank's stage replicas together)",
+    "profile_iterations": "split-backward schedules (chimera-zb, zb-h1): time F, B, W per stage "
+                          "during the first K iterations (the first one a warm-up when K > 1), "
+                          "then rebuild the order for the measured costs; 0 turns it off "
+                          "(default 3, or 0 with --chimera-zb-costs)",
     "distributed_backend": "nccl or gloo (default: nccl on CUDA, gloo on CPU)",
     "distributed_timeout_minutes": "timeout of collective operations",
     # training

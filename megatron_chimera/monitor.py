@@ -307,6 +307,18 @@ class TrainingMonitor:
             parts.append(f" bubble ratio predicted: {self.predicted_bubble:.3f}")
         return "".join(f"{part} |" for part in parts)
 
+    # ---------------------------------------------------------------- schedule rebuild
+    def log_schedule_rebuild(self, iteration: int, line: str, scalars: dict[str, float]) -> None:
+        """Print the rebuild's one line and write its scalars (and the line as text) to
+        TensorBoard at ``iteration``."""
+        if not self.enabled:
+            return
+        print(f" schedule rebuild after iteration {iteration}:{line}", flush=True)
+        if self.writer is not None:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, iteration)
+            self.writer.add_text("schedule-rebuild", line, iteration)
+
     # ---------------------------------------------------------------- evaluation
     def log_evaluation(self, prefix: str, iteration: int, consumed_samples: int,
                        losses: dict[str, float]) -> str | None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +57,14 @@ from megatron_chimera.monitor import (
 from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_optimizer
 from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_embedding_weight
+from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import make_transport
 from megatron_chimera.preflight import check_outputs, check_resume_iteration, check_splits
 from megatron_chimera.rank_errors import run_main  # noqa: F401 - re-exported for entry scripts
 from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.costs import StageCosts
+from megatron_chimera.schedules.rebuild import RebuildReport, rebuild_for_costs
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -96,6 +101,10 @@ class _Run:
     world_size: int
     rng_state: dict[str, Any] | None = None  # seeded or restored state, re-applied before the loop
     device: torch.device | None = None
+    # executors of a (rebuilt) schedule: lowered, validated, sharing the run's connections
+    make_executors: Callable[[Schedule], tuple[PipelineExecutor, PipelineExecutor]] | None = None
+    profile: ProfileRebuild | None = None
+    profiled: dict[str, Any] | None = None  # measured costs and the schedule they rebuilt
 
 
 # ------------------------------------------------------------------------------ setup
@@ -153,9 +162,15 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     device = initialize_megatron(config.parallel, schedule, config.training.seed)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-    partition = partition_layers(config.model.num_layers, schedule.num_stages,
-                                 config.training.partition_method, config=config.model,
-                                 family=family)
+    if rank == 0 and "replaces" in schedule.meta:
+        print(f" running {schedule.describe()} instead of {schedule.meta['replaces']}",
+              flush=True)
+    if config.training.partition_method == "time":
+        partition = time_partition(config, family, schedule, device, rank == 0)
+    else:
+        partition = partition_layers(config.model.num_layers, schedule.num_stages,
+                                     config.training.partition_method, config=config.model,
+                                     family=family)
     last = schedule.num_stages - 1
     modules: dict[int, nn.Module] = {}
     for stage in schedule.stages_of_rank(pipeline_rank):
@@ -173,6 +188,12 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     scheduler = OptimizerParamScheduler.from_config(optimizer, config.optimizer, train_samples)
 
     ckpt = config.checkpoint
+    saved_args: dict[str, Any] = {}  # the loaded checkpoint's arguments (as checked)
+
+    def check_args(args: dict[str, Any], path: str) -> None:
+        check_checkpoint_args(config, args, path, family=family)
+        saved_args.update(args)
+
     if ckpt.load is not None:
         saved_iteration = read_tracker(ckpt.load)
         if saved_iteration is not None and not ckpt.finetune:
@@ -182,7 +203,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
             ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
             world_size=world_size, load_optim=not ckpt.no_load_optim,
             load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune,
-            check_args=functools.partial(check_checkpoint_args, config, family=family))
+            check_args=check_args)
         if loaded is not None:
             state.iteration = loaded.iteration
             state.consumed_train_samples = loaded.consumed_train_samples
@@ -213,9 +234,24 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
         dtype=model.torch_dtype,
         loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
         device=device)
-    executor = PipelineExecutor(**common, grad_sync=GradientSynchronizer.from_parallel_state(
-        modules), scale_loss=optimizer.scale_loss)
-    eval_executor = PipelineExecutor(**common)
+
+    shared = {(schedule.num_pipes, schedule.num_microbatches): transport}
+
+    def make_executors(schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
+        """Both executors of ``schedule`` (each lowers and validates it). They share the
+        transport of the running schedule, so its connections stay and only a direction it
+        never used is connected, in the one global order, before the first iteration (message
+        tags depend on the pipes and N: other ones get their own transport)."""
+        sizes = (schedule.num_pipes, schedule.num_microbatches)
+        if sizes not in shared:
+            shared[sizes] = make_transport(topology, lambda m: m.tag(*sizes))
+        kwargs = dict(common, schedule=schedule, transport=shared[sizes])
+        train_executor = PipelineExecutor(
+            **kwargs, grad_sync=GradientSynchronizer.from_parallel_state(modules),
+            scale_loss=optimizer.scale_loss)
+        return train_executor, PipelineExecutor(**kwargs)
+
+    executor, eval_executor = make_executors(schedule)
     logging_rank = world_size - 1  # where the executor gathers losses and busy times
     flops = training_flops(model, family, training.global_batch_size)
     predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
@@ -226,8 +262,67 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
                                   all_stages=family.every_stage_reads_batch
                                   or config.data.reset_attention_mask)
     run = _Run(config, family, schedule, partition, stages, optimizer, scheduler, executor,
-               eval_executor, monitor, Timers(), needed, rank, world_size, rng_state, device)
+               eval_executor, monitor, Timers(), needed, rank, world_size, rng_state, device,
+               make_executors)
+    profile_iterations = config.training.profile_iterations
+    if profile_iterations and schedule.split_backward:
+        options = parallel.schedule_options
+        run.profile = ProfileRebuild(schedule, options, profile_iterations, device,
+                                     getattr(options, "fallback", None))
+    elif profile_iterations and rank == 0:
+        print(f" --profile-iterations {profile_iterations}: {schedule.name} runs the whole "
+              f"backward, nothing to rebuild", flush=True)
+    record = saved_args.get(PROFILED_KEY)
+    if (run.profile is not None and record and not ckpt.finetune
+            and record.get("schedule") == schedule_digest(schedule)):
+        # a resume after the profiling window: the same rebuild as the saved run made (same
+        # inputs, deterministic), so the resumed iterations run the same order -- bitwise exact
+        if rank == 0:
+            print(" resuming with the per-stage costs measured before the checkpoint (no "
+                  "profiling)", flush=True)
+        report = rebuild_for_costs(schedule, run.profile.options,
+                                   StageCosts.from_dict(record["costs"]), run.profile.policy)
+        apply_rebuild(run, report, state.iteration)
     return run, datasets
+
+
+PROFILED_KEY = "profiled_stage_costs"  # in a checkpoint's args: the measured costs, the schedule
+
+
+def schedule_digest(schedule: Schedule) -> str:
+    """A short fingerprint of ``schedule``'s orders (which schedule a record was made for)."""
+    return hashlib.sha256(schedule.to_json().encode()).hexdigest()[:16]
+
+
+def time_partition(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+                   device: torch.device, verbose: bool) -> list[tuple[int, int]]:
+    """``--partition-method time``: time one transformer layer and the extra cost of the first
+    (embeddings) and last stage (final norm, LM head, loss) with the real classes on this rank's
+    device, average over all ranks (one all-reduce, so every rank splits alike), and balance the
+    ranks' total time over the stages each holds (both replicas for Chimera)."""
+    from megatron_chimera.tuning.costs import ModelSpec
+    from megatron_chimera.tuning.profile import MeasuredCompute
+
+    compute = MeasuredCompute(ModelSpec(config.model, family), device=str(device))
+    layer, first, last = compute.measure(config.training.micro_batch_size)
+    recompute = config.model.recompute_granularity == "full"  # the backward re-runs the forward
+    seconds = [t.forward * (2 if recompute else 1) + t.backward for t in (layer, first, last)]
+    times = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(times)
+    unit = float(times[0]) / dist.get_world_size()
+    layer_s, first_s, last_s = (round(float(t) / dist.get_world_size() / unit, 3)
+                                for t in times)
+    rank_stages = [schedule.stages_of_rank(r) for r in range(schedule.num_ranks)]
+    partition = partition_layers(config.model.num_layers, schedule.num_stages, "time",
+                                 layer_times=[layer_s] * config.model.num_layers,
+                                 embedding_time=first_s, head_time=last_s,
+                                 rank_stages=rank_stages)
+    if verbose:
+        print(f" --partition-method time: layer {unit * 1e3:.3g} ms (forward + backward per "
+              f"micro-batch), first stage +{first_s:.3g} layers, last stage +{last_s:.3g} "
+              f"layers -> layers per stage {[end - start for start, end in partition]}",
+              flush=True)
+    return partition
 
 
 # ------------------------------------------------------------------------------ loop pieces
@@ -320,7 +415,8 @@ def save(run: _Run, state: TrainState) -> None:
         rank=run.rank, world_size=run.world_size,
         consumed_train_samples=state.consumed_train_samples,
         consumed_valid_samples=state.consumed_valid_samples,
-        args={**dataclasses.asdict(run.config), "model_family": run.family.name},
+        args={**dataclasses.asdict(run.config), "model_family": run.family.name,
+              **({PROFILED_KEY: run.profiled} if run.profiled else {})},
         save_optim=not ckpt.no_save_optim,
         barrier=dist.barrier)
     run.timers("save-checkpoint").stop()
@@ -352,12 +448,18 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
     total = training.total_train_iters
     pending: list[tuple[IterationStats, Any]] = []
     while state.iteration < total:
+        if run.profile is not None:
+            run.profile.start_iteration(run.executor)
         run.timers("interval-time").start()
         result, skipped, grad_norm, pipeline_seconds = train_step(
             run, train_iterator, state.consumed_train_samples, state.iteration + 1)
         run.timers("interval-time").stop()
         state.iteration += 1
         state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
+        if run.profile is not None:
+            report = run.profile.finish_iteration(run.executor)
+            if report is not None:
+                apply_rebuild(run, report, state.iteration)
         state.consumed_train_samples += training.global_batch_size
         timers = run.timers.elapsed_all()
         memory = None  # a collective: every rank, on the iterations TensorBoard is written
@@ -384,6 +486,41 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
             if run.rank == 0:
                 print(f" exiting program at iteration {state.iteration}", flush=True)
             return
+
+
+def apply_rebuild(run: _Run, report: RebuildReport, iteration: int) -> None:
+    """Run the rebuilt schedule from the next iteration on, log the switch (stdout line and
+    TensorBoard on the logging rank), and keep the measured costs next to the checkpoints
+    (``<save>/profiled_stage_costs.json``, for ``--chimera-zb-costs @file``)."""
+    run.profile = None
+    run.profiled = {"costs": report.costs.to_dict(),  # saved with the checkpoints
+                    "schedule": schedule_digest(report.before.schedule)}
+    if report.changed:
+        run.schedule = report.schedule
+        run.executor, run.eval_executor = run.make_executors(report.schedule)
+        run.needed_microbatches = _needed_microbatches(  # same placement: the same stages
+            report.schedule, parallel_state.get_pipeline_model_parallel_rank(),
+            all_stages=run.needed_microbatches is None)
+        if run.monitor.predicted_bubble is not None:
+            run.monitor.predicted_bubble = predicted_bubble_ratio(report.schedule)
+    costs = report.costs
+    scalars = {"schedule-predicted-iteration-before": report.before.makespan,
+               "schedule-predicted-iteration-after": report.decision.chosen.makespan,
+               "schedule-predicted-gain": report.predicted_gain,
+               "schedule-rebuilt": float(report.changed),
+               "schedule-unsplit-fallback": float(report.decision.fell_back)}
+    for kind, values in (("F", costs.forward), ("B", costs.backward), ("W", costs.weight)):
+        scalars.update({f"profiled-{kind}-stage{s}": v for s, v in enumerate(values)})
+    run.monitor.log_schedule_rebuild(iteration, report.line(), scalars)
+    save_dir = run.config.checkpoint.save
+    if save_dir is not None and run.rank == 0:
+        import json
+
+        from megatron_chimera.atomic import atomic_write
+
+        os.makedirs(save_dir, exist_ok=True)
+        atomic_write(os.path.join(save_dir, "profiled_stage_costs.json"),
+                     lambda handle: json.dump(costs.to_dict(), handle, indent=1), mode="w")
 
 
 # ------------------------------------------------------------------------------ entry

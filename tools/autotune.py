@@ -11,6 +11,8 @@ Prints the ranked table (configuration, predicted iteration time, samples/s, bub
 memory per rank, fits) and the ``torchrun`` command of the best layout; ``--json PATH`` writes the
 ranked list. ``--profile`` replaces the analytic stage times by timings of the real model classes
 on this machine; ``--measure-p2p`` replaces the network profile by a measured ping-pong.
+``--stage-costs-json PATH`` writes the best layout's per-stage F, B, W and p2p seconds, which
+``pretrain_*.py --chimera-zb-costs @PATH`` takes as they are.
 """
 
 from __future__ import annotations
@@ -104,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--show-over-memory", type=int, default=3,
                    help="also list this many of the smallest layouts that do not fit")
     g.add_argument("--json", default=None, help="write the ranked list to this path")
+    g.add_argument("--stage-costs-json", default=None,
+                   help="write the best layout's per-stage F, B, W and p2p seconds to this path "
+                        "(for --chimera-zb-costs @PATH)")
     return p
 
 
@@ -134,8 +139,8 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(config, args.model)
 
 
-def write_json(path: str, records: list[dict]) -> None:
-    """Write ``records`` atomically (temp file + rename)."""
+def write_json(path: str, records: list[dict] | dict) -> None:
+    """Write ``records`` (a list, or one object) atomically (temp file + rename)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(str(target), lambda f: json.dump(records, f, indent=1), mode="w")
@@ -191,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         print(torchrun_command(spec, best.layout, hardware.gpus_per_node))
         if args.json:
             write_json(args.json, to_records(result.ranked))
+        if args.stage_costs_json:
+            costs = model.stage_costs(best.layout)
+            write_json(args.stage_costs_json, costs.to_dict() | {"layout": best.layout.describe()})
+            print(f"wrote the per-stage costs of {best.layout.describe()} to "
+                  f"{args.stage_costs_json} (--chimera-zb-costs @{args.stage_costs_json})")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -11,9 +11,22 @@ of ``--iters`` after ``--warmup``; per iteration the slowest rank), the simulato
 the same costs with the p2p latency measured by ping-pong in this run, their ratio, and throughput
 relative to 1F1B at the same N (same samples per iteration). ``--backward-ms`` is the whole
 backward; with a split backward B takes ``backward - weight`` and W takes ``--weight-ms``. A
-schedule with k stages per rank (interleaved, V-shaped) gets 1/k of these times per stage. Rows
-``torch-*`` run torch.distributed.pipelining's schedules on the same emulated stages (no
-simulation).
+schedule with k stages per rank (interleaved, V-shaped) gets 1/k of these times per stage.
+``--end-stage-factor X`` makes the model's first and last stage X times as heavy (embedding, LM
+head): the extra (X-1) x the times sits on the first and the last (chunk) stage of every
+schedule. Rows ``torch-*`` run torch.distributed.pipelining's schedules on the same emulated
+stages (no simulation).
+
+Chimera-ZB rows: ``chimera-zb`` is built for the emulated per-stage costs (known in advance),
+``chimera-zb:costs=unit`` for 1:1:1 (as training builds it before measuring), and
+``chimera-zb:profile=K`` starts from the 1:1:1 order, times F/B/W per stage in K iterations with
+the executor's profiler, rebuilds the order for the measured costs (as training does) and then
+measures the rebuilt order. Example (the README's table)::
+
+    torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 8 --num-microbatches 32 \
+        --forward-ms 20 --backward-ms 40 --weight-ms 10 --end-stage-factor 1.5 \
+        --schedules 1f1b,chimera,zb-h1,chimera-zb:costs=unit,chimera-zb:profile=3,chimera-zb,\
+torch-zbv,torch-dualpipev
 """
 
 from __future__ import annotations
@@ -45,15 +58,19 @@ from megatron_chimera.pipeline.emulated import (
 )
 from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
+from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
+from megatron_chimera.schedules.costs import StageCosts
+from megatron_chimera.schedules.registry import get_spec
 from megatron_chimera.schedules.simulate import CostModel, simulate
 from megatron_chimera.schedules.validate import validate
 
 DEFAULT_SCHEDULES = (
     "gpipe,1f1b,interleaved:virtual_pipeline_size=2,chimera,chimera:concat=direct,"
-    "chimera:concat=forward-doubling,chimera:pipes=4,zb-h1,chimera-zb,chimera-zb:pipes=4,"
-    "torch-1f1b,torch-interleaved,torch-zbv,torch-dualpipev"
+    "chimera:concat=forward-doubling,chimera:pipes=4,zb-h1,chimera-zb:costs=unit,"
+    "chimera-zb:profile=3,chimera-zb,chimera-zb:pipes=4,torch-1f1b,torch-interleaved,torch-zbv,"
+    "torch-dualpipev"
 )
 TORCH_SCHEDULES = ("torch-1f1b", "torch-interleaved", "torch-zbv", "torch-dualpipev")
 SEQ, MICRO_BATCH, HIDDEN = 8, 2, 4
@@ -120,30 +137,79 @@ def _timed(run, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def stage_costs(costs: EmulatedCosts, num_stages: int, num_ranks: int, end_factor: float,
+                split: bool) -> list[EmulatedCosts]:
+    """Per-stage emulated times of a schedule with ``num_stages`` stages on ``num_ranks`` ranks:
+    each stage ``num_ranks / num_stages`` of ``costs``, plus (end_factor - 1) x ``costs`` on the
+    first and the last stage; no W time when the backward is not split."""
+    base = costs.scaled(num_ranks / num_stages)
+    extra = costs.scaled(end_factor - 1)
+    out = []
+    for stage in range(num_stages):
+        c = base
+        if stage in (0, num_stages - 1):
+            times = (c.forward_s + extra.forward_s, c.backward_s + extra.backward_s,
+                     c.weight_s + extra.weight_s)
+            c = EmulatedCosts(*times)
+        out.append(c if split else EmulatedCosts(c.forward_s, c.backward_s, 0.0))
+    return out
+
+
+def split_costs(per_stage: list[EmulatedCosts]) -> StageCosts:
+    """The split-backward generators' view of emulated stages: F, B = backward - weight, W."""
+    return StageCosts(tuple(c.forward_s for c in per_stage),
+                      tuple(c.input_grad_s for c in per_stage),
+                      tuple(c.weight_s for c in per_stage))
+
+
+def cost_model(per_stage: list[EmulatedCosts], split: bool, latency: float = 0.0,
+               data_parallel_size: int = 1) -> CostModel:
+    """The simulator's costs of emulated stages, with ``latency`` per message and all-reduce."""
+    return CostModel(forward_cost=tuple(c.forward_s for c in per_stage),
+                     backward_cost=tuple(c.backward_s for c in per_stage),
+                     weight_cost=tuple(c.weight_s for c in per_stage) if split else 0.0,
+                     p2p_alpha=latency, allreduce_alpha=latency,
+                     data_parallel_size=data_parallel_size)
+
+
 def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: EmulatedCosts,
                args: argparse.Namespace, latency: float) -> Row:
     """Measure our executor on schedule ``name`` and simulate the same costs."""
-    if name == "chimera-zb":
-        options = {"costs": (costs.forward_s, costs.input_grad_s, costs.weight_s), **options}
-    schedule = build_schedule(name, d, n, **options)
+    options = dict(options)
+    if ("costs" in options or "profile" in options) and name not in ("chimera-zb", "zb-h1"):
+        raise ConfigError(f"--schedules: costs= and profile= apply to chimera-zb and zb-h1, "
+                          f"not {name}")
+    profile = int(options.pop("profile", 0))
+    cost_source = options.pop("costs", "unit" if profile else "known")
+    if cost_source not in ("unit", "known") or (profile and cost_source != "unit"):
+        raise ConfigError(f"--schedules: {name}:costs= takes unit or known (profile= starts "
+                          f"from unit), got {cost_source}")
+    probe = build_schedule(name, d, n, **options)
+    per_stage = stage_costs(costs, probe.num_stages, d, args.end_stage_factor,
+                            probe.split_backward)
+    if probe.split_backward and cost_source == "known":
+        options["costs"] = split_costs(per_stage)
+    schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
     validate(schedule)
     w = dist.get_world_size() // d
-    stage_costs = costs.scaled(d / schedule.num_stages)
-    if not schedule.split_backward:
-        stage_costs = EmulatedCosts(stage_costs.forward_s, stage_costs.backward_s, 0.0)
     parallel_state.initialize_model_parallel(d, schedule.placement, schedule.num_stages,
                                              timeout=timedelta(minutes=5))
+    extra: dict[str, Any] = {}
     try:
         prank = parallel_state.get_pipeline_model_parallel_rank()
-        stages = {s: EmulatedStage(stage_costs, s == 0, s == schedule.num_stages - 1, HIDDEN, s)
+        stages = {s: EmulatedStage(per_stage[s], s == 0, s == schedule.num_stages - 1, HIDDEN, s)
                   for s in schedule.stages_of_rank(prank)}
-        executor = PipelineExecutor(
-            schedule, PipelineTopology.from_parallel_state(), stages,
-            emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
-            torch.float32, loss_scale_divisor=n * w,
-            grad_sync=GradientSynchronizer.from_parallel_state(stages),
-            weight_grad_store_factory=SleepingWeightGradStore,
-        )
+
+        def executor_for(sched, transport=None):
+            return PipelineExecutor(
+                sched, PipelineTopology.from_parallel_state(), stages,
+                emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
+                torch.float32, loss_scale_divisor=n * w,
+                grad_sync=GradientSynchronizer.from_parallel_state(stages),
+                weight_grad_store_factory=SleepingWeightGradStore, transport=transport,
+            )
+
+        executor = executor_for(schedule)
         batch = torch.randn(SEQ, MICRO_BATCH, HIDDEN)
 
         def step() -> None:
@@ -151,23 +217,32 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                 module.zero_grad(set_to_none=True)
             executor.run([batch] * n)
 
+        if profile:
+            spec = get_spec(name)
+            profiler = ProfileRebuild(schedule, spec.options_type(**options), profile)
+            for _ in range(profile):
+                profiler.start_iteration(executor)
+                step()
+                report = profiler.finish_iteration(executor)
+            schedule = report.schedule  # re-lowered and validated by its executor, which
+            executor = executor_for(schedule, executor.transport)  # keeps the connections
+            extra.update(rebuild=report.line(), predicted_gain=report.predicted_gain)
+            if dist.get_rank() == 0:
+                print(f"{name} N={n} after {profile} profiled iterations:{report.line()}",
+                      file=sys.stderr, flush=True)
         measured = _timed(step, args.warmup, args.iters)
     finally:
         parallel_state.destroy_model_parallel()
-    model = CostModel(
-        forward_cost=stage_costs.forward_s, backward_cost=stage_costs.backward_s,
-        weight_cost=stage_costs.weight_s, p2p_alpha=latency, allreduce_alpha=latency,
-        data_parallel_size=w,
-    )
-    sim = simulate(schedule, model)
-    compute_only = simulate(schedule, CostModel(
-        forward_cost=stage_costs.forward_s, backward_cost=stage_costs.backward_s,
-        weight_cost=stage_costs.weight_s, data_parallel_size=w,
-    ))
+    sim = simulate(schedule, cost_model(per_stage, schedule.split_backward, latency, w))
+    compute_only = simulate(schedule, cost_model(per_stage, schedule.split_backward, 0.0, w))
     shown = {k: v for k, v in options.items() if k != "costs"}
-    return Row(name, shown, d, n, measured, sim.makespan,
-               {"pipes": schedule.num_pipes, "concat": schedule.meta.get("concat"),
-                "simulated_compute_s": compute_only.makespan})
+    if profile:
+        shown["profile"] = profile
+    elif cost_source != "known":
+        shown["costs"] = cost_source
+    extra.update(pipes=schedule.num_pipes, concat=schedule.meta.get("concat"),
+                 simulated_compute_s=compute_only.makespan, schedule_used=schedule.name)
+    return Row(name, shown, d, n, measured, sim.makespan, extra)
 
 
 def bench_torch(name: str, d: int, n: int, costs: EmulatedCosts, args: argparse.Namespace) -> Row:
@@ -185,12 +260,11 @@ def bench_torch(name: str, d: int, n: int, costs: EmulatedCosts, args: argparse.
         cls = ts.ScheduleZBVZeroBubble if name == "torch-zbv" else ts.ScheduleDualPipeV
     else:
         raise ConfigError(f"--schedules: unknown torch schedule {name!r}; choose {TORCH_SCHEDULES}")
-    stage_costs = costs.scaled(d / num_stages)
-    if name in ("torch-1f1b", "torch-interleaved"):
-        stage_costs = EmulatedCosts(stage_costs.forward_s, stage_costs.backward_s, 0.0)
+    per_stage = stage_costs(costs, num_stages, d, args.end_stage_factor,
+                            split=name not in ("torch-1f1b", "torch-interleaved"))
     example = torch.randn(MICRO_BATCH, SEQ, HIDDEN)
     stages = [
-        PipelineStage(EmulatedTorchStage(stage_costs, sid == 0, HIDDEN), sid, num_stages,
+        PipelineStage(EmulatedTorchStage(per_stage[sid], sid == 0, HIDDEN), sid, num_stages,
                       torch.device("cpu"), input_args=(example.clone().requires_grad_(sid > 0),),
                       output_args=(example.clone().requires_grad_(),))
         for sid in stage_ids
@@ -224,6 +298,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backward-ms", type=float, default=40.0, help="whole backward (B + W)")
     p.add_argument("--weight-ms", type=float, default=20.0,
                    help="weight-gradient part of the backward (W) for split schedules")
+    p.add_argument("--end-stage-factor", type=float, default=1.0,
+                   help="the first and last stage take this many times a middle stage's times")
     p.add_argument("--iters", type=int, default=5, help="measured iterations (median), >= 5")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--schedules", default=DEFAULT_SCHEDULES,
@@ -234,6 +310,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--iters must be >= 5, got {args.iters}")
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.end_stage_factor < 1:
+        p.error(f"--end-stage-factor must be >= 1, got {args.end_stage_factor}")
     return args
 
 
@@ -260,7 +338,9 @@ def write_json(path: str, rows: list[Row]) -> None:
     data = [{"schedule": r.schedule, "pipes": r.extra.get("pipes"), "concat": r.extra.get("concat"),
              "D": r.pipeline_size, "N": r.num_microbatches, "measured_s": r.measured_s,
              "simulated_s": r.simulated_s, "options": r.options,
-             "simulated_compute_s": r.extra.get("simulated_compute_s")} for r in rows]
+             "simulated_compute_s": r.extra.get("simulated_compute_s"),
+             **{k: r.extra[k] for k in ("rebuild", "predicted_gain", "schedule_used")
+                if k in r.extra}} for r in rows]
     atomic_write(path, lambda f: json.dump(data, f, indent=1), mode="w")
 
 

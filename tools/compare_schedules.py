@@ -9,17 +9,63 @@ Every name of ``--pipeline-schedule`` is simulated (Chimera once per concatenati
 unless ``--chimera-concat`` picks one); the schedule flags apply to the schedules that take them.
 A schedule that cannot run at these sizes is listed with the reason. ``--json PATH`` writes the
 rows as a list of objects.
+
+``--cost-grid`` instead prints the cost grid (``megatron_chimera/schedules/cost_grid.py``): for
+B/F in {0.5, 1, 1.5, 2} x W/B in {0.25, 0.5, 1}, the makespan of Chimera-ZB built for 1:1:1,
+for measured costs (the true ones off by up to ``--measurement-noise``) and for the true costs,
+of ZB-H1, 1F1B and Chimera, the lower bound, and the schedule the framework would choose::
+
+    python tools/compare_schedules.py -D 8 -N 32 --cost-grid --json grid.json
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.schedules.cli import add_size_and_cost_arguments, check_costs, sizes
 from megatron_chimera.schedules.compare import compare, format_table
+from megatron_chimera.schedules.cost_grid import cost_grid, format_grid
 from megatron_chimera.schedules.registry import SCHEDULE_NAMES, add_schedule_arguments
+
+COST_FLAGS = {"forward_cost": 1.0, "backward_cost": 2.0, "weight_cost": 0.0}
+
+
+def run_cost_grid(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--cost-grid``: print (and write) the grid at -D, -N, --chimera-pipes."""
+    given = [f"--{k.replace('_', '-')}" for k, v in COST_FLAGS.items() if getattr(args, k) != v]
+    others = [f for f, v in (("--schedules", args.schedules),
+                             ("--chimera-concat", args.chimera_concat),
+                             ("--chimera-max-inflight", args.chimera_max_inflight),
+                             ("--chimera-zb-costs", args.chimera_zb_costs),
+                             ("--chimera-zb-fallback", args.chimera_zb_fallback),
+                             ("--num-virtual-stages-per-pipeline-rank",
+                              args.num_virtual_stages_per_pipeline_rank)) if v is not None]
+    if given or others:
+        parser.error(f"--cost-grid sets the costs and the schedules itself; drop "
+                     f"{' '.join(given + others)}")
+    if not 0 <= args.measurement_noise < 1:
+        parser.error(f"--measurement-noise must be in [0, 1), got {args.measurement_noise}")
+    if args.end_stage_factor <= 0:
+        parser.error(f"--end-stage-factor must be positive, got {args.end_stage_factor}")
+    try:
+        D, N = sizes(args)
+        points = cost_grid(D, N, pipes=args.chimera_pipes or 2,
+                           end_factor=args.end_stage_factor, noise=args.measurement_noise,
+                           seed=args.seed)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(f"D={D} N={N} pipes={args.chimera_pipes or 2} F=1 on middle stages, first and last "
+          f"stage x{args.end_stage_factor:g}; measured = true costs off by up to "
+          f"{args.measurement_noise:.0%} (seed {args.seed}); makespans under the true costs")
+    print(format_grid(points))
+    if args.json:
+        rows = [p.to_dict() for p in points]
+        atomic_write(args.json, lambda handle: json.dump(rows, handle, indent=1), mode="w")
+        print(f"wrote {args.json}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", nargs="+", choices=SCHEDULE_NAMES, default=None,
                         help="subset of schedules to compare (default: all)")
     parser.add_argument("--json", default=None, help="write the rows to this JSON file")
+    grid = parser.add_argument_group("cost grid")
+    grid.add_argument("--cost-grid", action="store_true",
+                      help="print the cost grid instead (B/F x W/B, orders built from measured "
+                           "costs vs every alternative and the lower bound)")
+    grid.add_argument("--measurement-noise", type=float, default=0.02,
+                      help="--cost-grid: relative error of the measured costs (default 0.02)")
+    grid.add_argument("--end-stage-factor", type=float, default=1.0,
+                      help="--cost-grid: first and last stage cost this many times a middle one")
+    grid.add_argument("--seed", type=int, default=0, help="--cost-grid: measurement error seed")
     args = parser.parse_args(argv)
     if args.pipeline_schedule is not None or args.chimera_split_backward:
         parser.error("choose schedules with --schedules (every schedule is compared)")
+    if args.cost_grid:
+        return run_cost_grid(args, parser)
+    grid_flags = [f for f, v, d in (("--measurement-noise", args.measurement_noise, 0.02),
+                                    ("--end-stage-factor", args.end_stage_factor, 1.0),
+                                    ("--seed", args.seed, 0)) if v != d]
+    if grid_flags:
+        parser.error(f"{' '.join(grid_flags)} apply only with --cost-grid")
     try:
         check_costs(args)
         D, N = sizes(args)

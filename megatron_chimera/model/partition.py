@@ -3,12 +3,15 @@
 ``partition_layers`` splits ``num_layers`` into ``num_stages`` contiguous ``(start, end)`` ranges:
 ``uniform`` (equal layer counts), ``parameters`` (balanced parameter count) or ``time`` (balanced
 measured time), the last two counting the embedding on the first stage and the LM head on the
-last. The parameter counts here are exact for :mod:`megatron_chimera.model` (tested against the
-real classes).
+last. With ``rank_stages`` (the stages each pipeline rank holds: two replicas per rank for
+Chimera), ``time`` balances the ranks' total time instead of the stages' (then, among the splits
+with the least loaded busiest rank, the stages'). The parameter counts here are exact for
+:mod:`megatron_chimera.model` (tested against the real classes).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from megatron_chimera.config import ConfigError, ModelConfig
@@ -70,11 +73,13 @@ def stage_parameters(config: ModelConfig, family: ModelFamily,
 def partition_layers(num_layers: int, num_stages: int, method: str = "uniform", *,
                      config: ModelConfig | None = None, family: ModelFamily = GPT2,
                      layer_times: Sequence[float] | None = None, embedding_time: float = 0.0,
-                     head_time: float = 0.0) -> list[tuple[int, int]]:
+                     head_time: float = 0.0,
+                     rank_stages: Sequence[Sequence[int]] | None = None) -> list[tuple[int, int]]:
     """Contiguous ``(start, end)`` layer ranges, one per stage, each at least one layer.
 
     ``parameters`` needs ``config`` (and the model ``family``); ``time`` needs ``layer_times``
-    (one per layer, e.g. measured forward+backward seconds) and the embedding / head times.
+    (one per layer, e.g. measured forward+backward seconds) and the embedding / head times, and
+    balances the ranks of ``rank_stages`` (one list of held stages per rank) when given.
     """
     if method not in PARTITION_METHODS:
         raise ConfigError(f"partition method must be one of {PARTITION_METHODS}, got {method!r}")
@@ -99,6 +104,8 @@ def partition_layers(num_layers: int, num_stages: int, method: str = "uniform", 
             raise ValueError("partition method 'time' needs one measured time per layer")
         costs = [float(t) for t in layer_times]
         first, last = float(embedding_time), float(head_time)
+        if rank_stages is not None:
+            return balanced_rank_partition(costs, num_stages, rank_stages, first, last)
     return balanced_partition(costs, num_stages, first_extra=first, last_extra=last)
 
 
@@ -138,3 +145,119 @@ def balanced_partition(costs: Sequence[float], num_stages: int, first_extra: flo
         bounds.append(i)
     bounds.reverse()
     return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def stage_groups(rank_stages: Sequence[Sequence[int]], num_stages: int) -> list[tuple[int, ...]]:
+    """The distinct sets of stages the ranks hold; they must partition the stages (true of every
+    placement here: one stage per rank, or Chimera's replicas)."""
+    groups = sorted({tuple(sorted(set(stages))) for stages in rank_stages})
+    held = sorted(s for g in groups for s in g)
+    if held != list(range(num_stages)):
+        raise ValueError(f"the ranks' stage sets {groups} do not partition the {num_stages} "
+                         f"stages")
+    return groups
+
+
+def _stage_extras(num_stages: int, first_extra: float, last_extra: float) -> list[float]:
+    extras = [0.0] * num_stages
+    extras[0] += first_extra
+    extras[-1] += last_extra
+    return extras
+
+
+def _loads(bounds: Sequence[int], prefix: Sequence[float], extras: Sequence[float],
+           groups: Sequence[Sequence[int]]) -> tuple[float, float, list[float]]:
+    stage = [prefix[bounds[s + 1]] - prefix[bounds[s]] + extras[s] for s in range(len(extras))]
+    group = [sum(stage[s] for s in g) for g in groups]
+    return max(group), max(stage), sorted(group, reverse=True)
+
+
+def balanced_rank_partition(costs: Sequence[float], num_stages: int,
+                            rank_stages: Sequence[Sequence[int]], first_extra: float = 0.0,
+                            last_extra: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous split minimising the busiest rank's time (the sum over the stages it holds),
+    then the largest stage time; the first stage also pays ``first_extra``, the last
+    ``last_extra``.
+
+    Exact when every layer costs the same (the transformer's case): water-filling, one layer at
+    a time to the least loaded group of stages (a rank's stage set), gives the least busiest-rank
+    time; a bisection over the largest stage time then finds the least one that water-filling
+    under both limits still fits. Otherwise that split, by mean layer cost, is improved by
+    moving single cut points while the (busiest rank, largest stage) pair drops.
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} layers into {num_stages} non-empty stages")
+    groups = stage_groups(rank_stages, num_stages)
+    extras = _stage_extras(num_stages, first_extra, last_extra)
+    unit = sum(costs) / n
+    busiest = _fill(n, unit, extras, groups, math.inf, math.inf)[1]
+    # the smallest largest-stage time that still fits under the busiest rank's time
+    candidates = sorted({c * unit + extras[s] for s in range(num_stages) for c in range(1, n + 1)})
+    low, high = 0, len(candidates) - 1
+    while low < high:
+        mid = (low + high) // 2
+        if _fill(n, unit, extras, groups, busiest, candidates[mid])[0] is None:
+            low = mid + 1
+        else:
+            high = mid
+    counts = _fill(n, unit, extras, groups, busiest, candidates[low])[0]
+    assert counts is not None
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    if len(set(costs)) > 1:
+        bounds = _improve_cuts(bounds, costs, extras, groups)
+    return [(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def _fill(num_layers: int, unit: float, extras: Sequence[float], groups: Sequence[Sequence[int]],
+          group_cap: float, stage_cap: float) -> tuple[list[int] | None, float]:
+    """Layer counts by water-filling: one stage each, then every next layer to the least loaded
+    group with room (group time <= ``group_cap``), within it to its least loaded stage with room
+    (stage time <= ``stage_cap``). Returns (counts or None if they do not fit, busiest group)."""
+    slack = 1e-9 * max(unit, 1e-300) * num_layers
+    counts = [1] * len(extras)
+
+    def stage_time(i: int, extra_layers: int = 0) -> float:
+        return (counts[i] + extra_layers) * unit + extras[i]
+
+    if any(stage_time(i) > stage_cap + slack for i in range(len(extras))):
+        return None, math.inf
+    load = [sum(stage_time(i) for i in g) for g in groups]
+    for _ in range(num_layers - len(extras)):
+        best = None
+        for k, g in enumerate(groups):
+            if load[k] + unit > group_cap + slack:
+                continue
+            room = [i for i in g if stage_time(i, 1) <= stage_cap + slack]
+            if room and (best is None or load[k] < load[best[0]]):
+                best = (k, min(room, key=lambda i: (stage_time(i), i)))
+        if best is None:
+            return None, math.inf
+        counts[best[1]] += 1
+        load[best[0]] += unit
+    return counts, max(load)
+
+
+def _improve_cuts(bounds: list[int], costs: Sequence[float], extras: Sequence[float],
+                  groups: Sequence[Sequence[int]]) -> list[int]:
+    """Move one inner cut point by one layer at a time while (busiest group, largest stage,
+    sorted group loads) decreases."""
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = _loads(bounds, prefix, extras, groups)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(1, len(bounds) - 1):
+            for step in (-1, 1):
+                cut = bounds[i] + step
+                if not bounds[i - 1] < cut < bounds[i + 1]:
+                    continue
+                trial = bounds[:i] + [cut] + bounds[i + 1:]
+                value = _loads(trial, prefix, extras, groups)
+                if value < best:
+                    bounds, best, improved = trial, value, True
+    return bounds

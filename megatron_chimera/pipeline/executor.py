@@ -61,7 +61,7 @@ from megatron_chimera.schedules.validate import validate_lowered
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
 __all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "GatheredIteration",
-           "ForwardStepFunc"]
+           "ForwardStepFunc", "ActionTimer"]
 
 
 class SavedForward(NamedTuple):
@@ -106,33 +106,46 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
     )
 
 
+ActionTimer = Callable[[Action, float], None]
+
+
 class _BusyTimer:
     """Sums compute time: wall clock on CPU, CUDA events on GPU (read when gathered, so no
-    host-device sync happens during the iteration)."""
+    host-device sync happens during the iteration). With an ``action_timer`` it also reports
+    each compute action's seconds (on GPU when the events are read: the executor reads them at
+    the end of a timed iteration)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, action_timer: ActionTimer | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
-        self._events: list[tuple[Any, Any]] = []
+        self.action_timer = action_timer
+        self._events: list[tuple[Any, Any, Action | None]] = []
 
     @contextlib.contextmanager
-    def measure(self):
+    def measure(self, action: Action | None = None):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
-            self._events.append((start, end))
+            self._events.append((start, end, action))
         else:
             t0 = time.perf_counter()
             yield
-            self.seconds += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self.seconds += elapsed
+            if self.action_timer is not None and action is not None:
+                self.action_timer(action, elapsed)
 
     def total(self) -> float:
         """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
         if self._events:
             torch.cuda.synchronize()
-            self.seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1000.0
+            for start, end, action in self._events:
+                elapsed = start.elapsed_time(end) / 1000.0
+                self.seconds += elapsed
+                if self.action_timer is not None and action is not None:
+                    self.action_timer(action, elapsed)
             self._events.clear()
         return self.seconds
 
@@ -153,7 +166,11 @@ class PipelineExecutor:
     re-runs the forward at B; ``weight_grad_store_factory`` makes the store of each split
     backward (W); ``transport`` moves the messages (default: :func:`make_transport`);
     ``recv_lookahead`` is how many compute actions early a receive is posted when NCCL's rules
-    allow it; ``safe_posting=False`` ignores those rules (only to show that tests catch it).
+    allow it; ``safe_posting=False`` ignores those rules (only to show that tests catch it);
+    ``action_timer(action, seconds)``, when set (it may be set or cleared between iterations),
+    receives the compute time of every F, B and W -- compute only, never a SEND, a RECV or a
+    wait for a message (the profiler's hook, :mod:`~megatron_chimera.pipeline.profiler`); on
+    CUDA the iteration's times are then read at its end (one device sync per timed iteration).
     """
 
     def __init__(
@@ -175,6 +192,7 @@ class PipelineExecutor:
         transport: Transport | None = None,
         warm_up: bool = True,
         safe_posting: bool = True,
+        action_timer: ActionTimer | None = None,
     ) -> None:
         pipeline_rank = topology.pipeline_rank
         missing = set(schedule.stages_of_rank(pipeline_rank)) - set(stage_modules)
@@ -202,6 +220,7 @@ class PipelineExecutor:
             for lowered in self.lowered.values():
                 validate_lowered(lowered, ranks=[pipeline_rank])
         self._connected = not warm_up
+        self.action_timer = action_timer
         self._last_grad_action = self._final_gradient_actions()
 
     def _final_gradient_actions(self) -> dict[int, int]:
@@ -214,8 +233,10 @@ class PipelineExecutor:
         return {i: stage for stage, i in last.items()}
 
     def connect(self) -> None:
-        """Exchange one tiny message in every direction of the schedule, in the one global
-        order every rank follows (a no-op after the first call)."""
+        """Exchange one tiny message in every direction of the schedule that the transport has
+        not connected yet, in the one global order every rank follows (a no-op after the first
+        call). A schedule rebuilt at run time gets new executors on the same transport: only a
+        direction the running schedule never used is connected then."""
         if self._connected:
             return
         for src, dst in connection_order(*self.lowered.values()):
@@ -241,6 +262,8 @@ class PipelineExecutor:
             comm.finish()
             if self.grad_sync is not None and not forward_only:
                 self.grad_sync.finish()
+            if run.timer.action_timer is not None:
+                run.timer.total()  # the action timer gets this iteration's times now
         except Exception as exc:
             raise self._failure(exc, run.current) from exc
         return IterationResult(local_losses=run.losses, busy=run.timer,
@@ -297,7 +320,7 @@ class _Iteration:
         self.to_deallocate: list[tuple[Any, torch.Tensor]] = []
         self.losses: dict[int, dict[str, Any]] = {}
         self.executed: list[Action] = []
-        self.timer = _BusyTimer(executor.device)
+        self.timer = _BusyTimer(executor.device, executor.action_timer)
         self.current: Any = None
 
     def execute(self) -> None:
@@ -371,7 +394,7 @@ class _Iteration:
             input_tensor.requires_grad_(not self.forward_only)
         keep_graph = not self.forward_only and not ex.recompute
         rng_state = _rng_state(ex.device) if ex.recompute and not self.forward_only else None
-        with self.timer.measure(), torch.set_grad_enabled(keep_graph):
+        with self.timer.measure(action), torch.set_grad_enabled(keep_graph):
             output, loss_func = self._run_forward(action, input_tensor)
             if action.stage == self.last_stage:
                 loss, stats = loss_func(output)
@@ -408,7 +431,7 @@ class _Iteration:
         if ex.schedule.split_backward:
             store = self.stores[key] = ex.weight_grad_store_factory()
             defer = defer_weight_grad(module, store)
-        with self.timer.measure(), defer:
+        with self.timer.measure(action), defer:
             if ex.recompute:
                 input_tensor, output = self._recompute(action, input_tensor, rng_state)
             if grad_output is None:
@@ -426,7 +449,7 @@ class _Iteration:
 
     def _weight(self, action: Action) -> None:
         store = self.stores.pop((action.pipe, action.stage, action.microbatch))
-        with self.timer.measure():
+        with self.timer.measure(action):
             store.flush()
 
 

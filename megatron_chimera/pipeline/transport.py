@@ -28,6 +28,7 @@ class Transport:
 
     def __init__(self, topology: PipelineTopology, tag_of: Any = None) -> None:
         self.topology = topology
+        self.connected: set[tuple[int, int]] = set()  # directions (pipeline ranks) warmed up
         tag = tag_of or (lambda message: 0)
         # the warm-up probe (direction PROBE) uses tag 0; it precedes every message of its pair
         self.tag_of = lambda message: 0 if message.direction == PROBE else tag(message)
@@ -54,7 +55,13 @@ class Transport:
 
     def connect(self, src: int, dst: int) -> None:
         """Exchange one tiny message from pipeline rank ``src`` to ``dst`` (blocking), so the
-        connection of that direction exists before the first iteration."""
+        connection of that direction exists before the first iteration. A direction this
+        transport already connected is skipped: executors sharing it (training and evaluation,
+        a schedule rebuilt at run time) connect only the directions that are new to it -- on
+        both ends alike, since every rank connects in the same global order."""
+        if (src, dst) in self.connected:
+            return
+        self.connected.add((src, dst))
         me = self.topology.pipeline_rank
         probe = torch.zeros(1, device=_device())
         message = Message(PROBE, 0, 0, 0, src, dst)

@@ -59,6 +59,12 @@ class Action(_ActionFields):
         return f"{self.kind}{self.pipe}.{self.stage}.{self.microbatch}"
 
 
+def _derived(kind: str, pipe: int, stage: int, microbatch: int) -> Action:
+    """An Action whose kind is known valid (derived from another): skips the check, since the
+    dependency walks create millions of them."""
+    return tuple.__new__(Action, (kind, pipe, stage, microbatch))
+
+
 def input_of(action: Action, num_stages: int) -> Action | None:
     """The action whose output ``action`` consumes: *the* dependency rule of every schedule.
 
@@ -67,12 +73,12 @@ def input_of(action: Action, num_stages: int) -> Action | None:
     """
     kind, pipe, stage, mb = action
     if kind == FORWARD:
-        return None if stage == 0 else Action(FORWARD, pipe, stage - 1, mb)
+        return None if stage == 0 else _derived(FORWARD, pipe, stage - 1, mb)
     if kind == BACKWARD:
         if stage == num_stages - 1:
-            return Action(FORWARD, pipe, stage, mb)
-        return Action(BACKWARD, pipe, stage + 1, mb)
-    return Action(BACKWARD, pipe, stage, mb)
+            return _derived(FORWARD, pipe, stage, mb)
+        return _derived(BACKWARD, pipe, stage + 1, mb)
+    return _derived(BACKWARD, pipe, stage, mb)
 
 
 def output_to(action: Action, num_stages: int) -> Action | None:
@@ -81,9 +87,9 @@ def output_to(action: Action, num_stages: int) -> Action | None:
     pipe ends and for W (whose output, a weight gradient, stays on its stage)."""
     kind, pipe, stage, mb = action
     if kind == FORWARD and stage < num_stages - 1:
-        return Action(FORWARD, pipe, stage + 1, mb)
+        return _derived(FORWARD, pipe, stage + 1, mb)
     if kind == BACKWARD and stage > 0:
-        return Action(BACKWARD, pipe, stage - 1, mb)
+        return _derived(BACKWARD, pipe, stage - 1, mb)
     return None
 
 
@@ -92,9 +98,9 @@ def consumers(action: Action, num_stages: int, split_backward: bool) -> list[Act
     kind, pipe, stage, mb = action
     if kind == FORWARD:
         nxt = output_to(action, num_stages)
-        return [nxt if nxt is not None else Action(BACKWARD, pipe, stage, mb)]
+        return [nxt if nxt is not None else _derived(BACKWARD, pipe, stage, mb)]
     if kind == BACKWARD:
-        out = [Action(WEIGHT, pipe, stage, mb)] if split_backward else []
+        out = [_derived(WEIGHT, pipe, stage, mb)] if split_backward else []
         prev = output_to(action, num_stages)
         return out + ([prev] if prev is not None else [])
     return []

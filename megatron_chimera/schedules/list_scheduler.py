@@ -1,10 +1,16 @@
 """Event-driven greedy list scheduling of split-backward (F, B, W) pipelines.
 
-Given a placement of (pipe, stage) replicas on ranks, the micro-batches of every pipe, per-kind
-costs and a per-rank cap on in-flight activations, :func:`list_schedule` simulates the iteration:
-whenever a rank is free it starts one of its *ready* actions (dependencies finished), chosen by a
+Given a placement of (pipe, stage) replicas on ranks, the micro-batches of every pipe, per-stage
+F/B/W costs with a point-to-point message time (:class:`~.costs.StageCosts`, or three numbers for
+every stage) and a per-rank cap on in-flight activations, :func:`list_schedule` simulates the
+iteration: whenever a rank is free it starts one of its *ready* actions (input arrived: the
+producer finished, plus one message time when it ran on another rank), chosen by a
 :class:`Priority`. The per-rank order it emits is the order of start times, so executing it in
 order reproduces the simulated timeline (no deadlock under blocking receives, by construction).
+
+Only ranks whose state changed (they became free, or an input arrived) are examined at an event
+time, plus, under a guard that looks at other ranks, the free ranks whose forwards it blocked:
+the same choices as examining every rank at every event time, in O(actions) examinations.
 
 Dependencies are the schedules' one rule (:func:`~.actions.input_of`, walked forwards with
 :func:`~.actions.consumers`). In addition every (pipe, stage) runs its forwards in micro-batch
@@ -20,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, consumers
+from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.walk import run_in_order, stalled
 
 GUARDS = ("none", "safe", "reserve", "quota")
@@ -73,7 +80,7 @@ class _ListScheduler:
         self,
         placement: Sequence[Sequence[int]],
         pipe_microbatches: Sequence[Sequence[int]],
-        costs: tuple[float, float, float],
+        costs: StageCosts | Sequence[float],
         caps: Sequence[int],
         priority: Priority,
     ) -> None:
@@ -85,9 +92,16 @@ class _ListScheduler:
         self.num_stages = len(self.placement[0])
         self.caps = list(caps)
         self.num_ranks = len(self.caps)
-        self.cost = {FORWARD: costs[0], BACKWARD: costs[1], WEIGHT: costs[2]}
+        self.costs = StageCosts.of(costs, self.num_stages)
+        self.cost = self.costs.durations()  # kind -> per-stage time
         self.priority = priority
+        # a guard that reads other ranks' state may unblock a forward when anything changes
+        self.global_guard = priority.guard in ("safe", "reserve") or (
+            priority.guard == "quota" and priority.quota_overbook != 0)
         self.ready = [{FORWARD: [], BACKWARD: [], WEIGHT: []} for _ in range(self.num_ranks)]
+        self.dirty: set[int] = set(range(self.num_ranks))  # ranks to examine at the next time
+        self.arrivals: list[tuple[float, int, Action]] = []  # (time, tie-break, consumer)
+        self._arrival_seq = 0
         stages = [(p, s) for p in range(self.num_pipes) for s in range(self.num_stages)]
         self.next_index = dict.fromkeys(stages, 0)  # next micro-batch (index in pipe) to release
         self.arrived = dict.fromkeys(stages, 0)  # micro-batches whose input reached (pipe, stage)
@@ -120,17 +134,29 @@ class _ListScheduler:
             mb = self.pipe_microbatches[pipe][idx]
             rank = self.placement[pipe][stage]
             self.ready[rank][FORWARD].append(Action(FORWARD, pipe, stage, mb))
+            self.dirty.add(rank)
 
-    def _finish(self, a: Action) -> None:
+    def _arrive(self, nxt: Action) -> None:
+        """The input of ``nxt`` has reached its rank."""
+        if nxt.kind == FORWARD:  # forwards enter their stage one at a time, in order
+            self.arrived[(nxt.pipe, nxt.stage)] += 1
+            self._release_forward(nxt.pipe, nxt.stage)
+        else:
+            rank = self.placement[nxt.pipe][nxt.stage]
+            self.ready[rank][nxt.kind].append(nxt)
+            self.dirty.add(rank)
+
+    def _finish(self, a: Action, t: float) -> None:
+        rank = self.placement[a.pipe][a.stage]
+        self.dirty.add(rank)
         for nxt in consumers(a, self.num_stages, split_backward=True):
-            if nxt.kind == FORWARD:  # forwards enter their stage one at a time, in order
-                self.arrived[(nxt.pipe, nxt.stage)] += 1
-                self._release_forward(nxt.pipe, nxt.stage)
+            if self.costs.p2p and self.placement[nxt.pipe][nxt.stage] != rank:
+                self._arrival_seq += 1
+                heapq.heappush(self.arrivals, (t + self.costs.p2p, self._arrival_seq, nxt))
             else:
-                self.ready[self.placement[nxt.pipe][nxt.stage]][nxt.kind].append(nxt)
+                self._arrive(nxt)
         if a.kind != WEIGHT:
             return
-        rank = self.placement[a.pipe][a.stage]
         self.live[rank] -= 1
         self.replica_live[(a.pipe, a.stage)] -= 1
         self.reserved[rank] -= 1
@@ -293,48 +319,66 @@ class _ListScheduler:
         started = 0
         order: list[list[Action]] = [[] for _ in range(self.num_ranks)]
         events: list[tuple[float, int, Action]] = []  # (finish time, tie-break, action)
+        blocked: set[int] = set()  # free ranks whose ready forwards a global guard held back
+        arrivals = self.arrivals
         t = 0.0
         while started < total:
             while events and events[0][0] <= t:
-                self._finish(heapq.heappop(events)[2])
-            for rank in range(self.num_ranks):
+                end, _, a = heapq.heappop(events)
+                self._finish(a, end)
+            while arrivals and arrivals[0][0] <= t:
+                self._arrive(heapq.heappop(arrivals)[2])
+            candidates = self.dirty | blocked if self.global_guard else self.dirty
+            self.dirty = set()
+            for rank in sorted(candidates):
                 if free_at[rank] > t:
-                    continue
+                    continue  # busy: examined again when its action finishes
                 a = self.choose(rank)
                 if a is None:
+                    if self.ready[rank][FORWARD]:
+                        blocked.add(rank)
                     continue
+                blocked.discard(rank)
                 self._start(rank, a)
                 started += 1
                 order[rank].append(a)
-                free_at[rank] = t + self.cost[a.kind]
+                free_at[rank] = t + self.cost[a.kind][a.stage]
                 heapq.heappush(events, (free_at[rank], started, a))
             if started == total:
                 break
-            if not events:
+            if not events and not arrivals:
                 raise CapDeadlock(
                     f"no action can start at t={t}: in flight {self.live}, caps {self.caps}"
                 )
-            t = events[0][0]
+            t = min(q[0][0] for q in (events, arrivals) if q)
         # a guard may have kept a rank idle beside a ready F; executed in order, that F starts
         # as soon as it can, so cost the emitted order the way the executor will run it
-        start = replay(order, self.placement, self.cost)
-        makespan = max(t + self.cost[a.kind] for a, t in start.items())
+        start = replay(order, self.placement, self.costs)
+        makespan = max(t + self.cost[a.kind][a.stage] for a, t in start.items())
         return ListResult(order, start, makespan, self.peak)
 
 
 def replay(
     order: Sequence[Sequence[Action]],
     placement: Sequence[Sequence[int]],
-    cost: dict[str, float],
+    costs: StageCosts,
 ) -> dict[Action, float]:
-    """Start times when every rank runs its list in order, each action as soon as possible."""
+    """Start times when every rank runs its list in order, each action as soon as its input has
+    arrived (one p2p message time after its producer ended on another rank)."""
     end: dict[Action, float] = {}
     start: dict[Action, float] = {}
     free_at = [0.0] * len(order)
+    duration = costs.durations()
+    p2p = costs.p2p
 
     def run(rank: int, a: Action, dep: Action | None) -> None:
-        start[a] = max(free_at[rank], end[dep] if dep is not None else 0.0)
-        free_at[rank] = end[a] = start[a] + cost[a.kind]
+        ready = 0.0
+        if dep is not None:
+            ready = end[dep]
+            if p2p and placement[dep.pipe][dep.stage] != rank:
+                ready += p2p
+        start[a] = max(free_at[rank], ready)
+        free_at[rank] = end[a] = start[a] + duration[a.kind][a.stage]
 
     heads = run_in_order(order, len(placement[0]), run)
     if stalled(order, heads):
@@ -345,14 +389,15 @@ def replay(
 def list_schedule(
     placement: Sequence[Sequence[int]],
     pipe_microbatches: Sequence[Sequence[int]],
-    costs: tuple[float, float, float],
+    costs: StageCosts | Sequence[float],
     caps: Sequence[int],
     priority: Priority,
 ) -> ListResult:
     """Greedy non-delay list schedule of all F/B/W actions; raises :class:`CapDeadlock`.
 
     ``placement[pipe][stage] -> rank``; ``pipe_microbatches[pipe]`` lists the pipe's global
-    micro-batch ids in injection order; ``costs`` are the (F, B, W) times; ``caps[rank]`` bounds
-    the activations alive on a rank at once.
+    micro-batch ids in injection order; ``costs`` are per-stage F, B, W times and the p2p
+    message time (:class:`~.costs.StageCosts`) or (F, B, W) for every stage; ``caps[rank]``
+    bounds the activations alive on a rank at once.
     """
     return _ListScheduler(placement, pipe_microbatches, costs, caps, priority).run()

@@ -25,6 +25,7 @@ from typing import Any
 
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.chimera import CONCAT_NAMES, chimera
+from megatron_chimera.schedules.costs import StageCosts, costs_text, parse_costs
 from megatron_chimera.schedules.gpipe import gpipe
 from megatron_chimera.schedules.interleaved import interleaved
 from megatron_chimera.schedules.one_f_one_b import one_f_one_b
@@ -32,11 +33,14 @@ from megatron_chimera.schedules.zero_bubble import chimera_zb, zb_h1
 
 
 def option(default: Any, flag: str, help: str, *, parse: Callable[[str], Any] | None = None,
-           choices: Sequence[Any] | None = None, search: Sequence[Any] = ()) -> Any:
+           choices: Sequence[Any] | None = None, search: Sequence[Any] = (),
+           generator: bool = True) -> Any:
     """A schedule option: a dataclass field that knows its flag, parser, choices and the values
-    the autotuner tries (``search``; empty: only the default)."""
+    the autotuner tries (``search``; empty: only the default). ``generator=False``: a policy of
+    the driver (not passed to the generator, not part of a variant's label)."""
     return field(default=default, metadata={"flag": flag, "help": help, "parse": parse,
-                                            "choices": choices, "search": tuple(search)})
+                                            "choices": choices, "search": tuple(search),
+                                            "generator": generator})
 
 
 def flag_dest(flag: str) -> str:
@@ -44,20 +48,9 @@ def flag_dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
-def parse_costs(text: str) -> tuple[float, float, float]:
-    """``"F,B,W"`` -> three positive floats (``--chimera-zb-costs``)."""
-    try:
-        costs = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--chimera-zb-costs must be F,B,W numbers, got {text!r}") from None
-    if len(costs) != 3 or min(costs) <= 0:
-        raise ValueError(f"--chimera-zb-costs must be three positive numbers F,B,W, got {text!r}")
-    return costs  # type: ignore[return-value]
-
-
 @dataclass(frozen=True)
 class NoOptions:
-    """Options of a schedule that has none (GPipe, 1F1B, ZB-H1)."""
+    """Options of a schedule that has none (GPipe, 1F1B)."""
 
 
 @dataclass(frozen=True)
@@ -71,18 +64,46 @@ class ChimeraOptions:
         "(default slot-merge)", choices=CONCAT_NAMES, search=CONCAT_NAMES)
 
 
+FALLBACKS = ("unsplit", "refuse")
+Costs = tuple[float, float, float] | StageCosts | None
+
+
+def _costs_option() -> Any:
+    return option(
+        None, "--chimera-zb-costs", "split backward (chimera-zb, zb-h1): the F,B,W times the "
+        "order is built for: F,B,W (every stage), F,B,W;F,B,W;... (per stage) or @file.json "
+        "with per-stage lists (default: 1,1,1, then measured, see --profile-iterations)",
+        parse=parse_costs)
+
+
+def _fallback_option() -> Any:
+    return option(
+        None, "--chimera-zb-fallback", "split backward: when the order is predicted slower than "
+        "the best unsplit schedule (1F1B, Chimera slot-merge) under the costs, 'unsplit' "
+        "(default) runs that one instead; 'refuse' stops with the figures (Chimera-ZB forced)",
+        choices=FALLBACKS, generator=False)
+
+
 @dataclass(frozen=True)
 class ChimeraZBOptions:
-    """Chimera-ZB: pipes, the cap on live activations and the F,B,W costs the order is built for."""
+    """Chimera-ZB: pipes, the cap on live activations, the costs the order is built for and what
+    to do when it would lose to an unsplit schedule."""
 
     pipes: int = option(2, "--chimera-pipes", "Chimera: 2f pipes, f dividing D/2 (default 2)",
                         parse=int, search=(2, 4))
     max_inflight: int | None = option(
         None, "--chimera-max-inflight", "Chimera-ZB: cap on live activations per rank "
         "(default D)", parse=int)
-    costs: tuple[float, float, float] | None = option(
-        None, "--chimera-zb-costs", "Chimera-ZB: relative F,B,W times the order is optimised "
-        "for (default 1,1,1)", parse=parse_costs)
+    costs: Costs = _costs_option()
+    fallback: str | None = _fallback_option()
+
+
+@dataclass(frozen=True)
+class ZBH1Options:
+    """ZB-H1: the costs its order is built for (none: the closed form) and the fallback policy."""
+
+    costs: Costs = _costs_option()
+    fallback: str | None = _fallback_option()
 
 
 @dataclass(frozen=True)
@@ -131,7 +152,8 @@ class ScheduleSpec:
         options = self.options_type() if options is None else options
         if not isinstance(options, self.options_type):
             raise TypeError(f"{self.name} takes {self.options_type.__name__}, got {options!r}")
-        kwargs = {k: v for k, v in _all_options(options).items() if v is not None}
+        kwargs = {f.name: getattr(options, f.name) for f in self.option_fields()
+                  if f.metadata["generator"] and getattr(options, f.name) is not None}
         return self.generator(num_ranks, num_microbatches, **kwargs)
 
     def options_from(self, source: Any, strict: bool = True) -> Any:
@@ -159,7 +181,7 @@ class ScheduleSpec:
         for f in self.option_fields():
             value = getattr(options, f.name)
             if value is not None:
-                text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+                text = costs_text(value) if f.name == "costs" else str(value)
                 flags += [f.metadata["flag"], text]
         return flags
 
@@ -188,7 +210,9 @@ class ScheduleSpec:
         parts = [self.name]
         for f in self.option_fields():
             value = getattr(options, f.name)
-            if f.name != "pipes" and value is not None and value != f.default:
+            if f.name in ("pipes", "costs") or not f.metadata["generator"]:
+                continue
+            if value is not None and value != f.default:
                 parts.append(f"v{value}" if f.name == "virtual_pipeline_size" else str(value))
         return "/".join(parts)
 
@@ -204,7 +228,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("chimera-zb", chimera_zb, ChimeraZBOptions,
                      summary="Chimera with split backward, W fills the bubbles",
                      max_search_ranks=16),
-        ScheduleSpec("zb-h1", zb_h1, summary="ZB-H1: 1F1B with delayed weight gradients"),
+        ScheduleSpec("zb-h1", zb_h1, ZBH1Options,
+                     summary="ZB-H1: 1F1B with delayed weight gradients"),
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
@@ -247,13 +272,30 @@ def _where_it_applies(flag: str) -> str:
     return f" (it applies to {', '.join(names)})" if names else ""
 
 
+def _argparse_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` whose ValueError message reaches the user (argparse replaces a plain
+    ValueError by "invalid <name> value")."""
+    if parse in (str, int, float):
+        return parse
+
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse_flag.__name__ = getattr(parse, "__name__", "value")
+    return parse_flag
+
+
 def add_schedule_arguments(parser: argparse.ArgumentParser | Any,
                            default_schedule: str | None = None) -> None:
     """``--pipeline-schedule``, ``--chimera-split-backward`` and every option flag (default None,
     so that a flag given for the wrong schedule can be told from an absent one)."""
     parser.add_argument("--pipeline-schedule", choices=SCHEDULE_NAMES, default=default_schedule,
-                        help="the pipeline schedule (default: chimera when --chimera-pipes is "
-                             "given, else 1f1b)" if default_schedule is None else
+                        help="the pipeline schedule (default: chimera when --chimera-pipes or "
+                             "--chimera-split-backward is given, else 1f1b)"
+                        if default_schedule is None else
                              f"the pipeline schedule (default {default_schedule})")
     parser.add_argument("--chimera-split-backward", action="store_true",
                         help="Chimera-ZB: split the backward into B and W, W fills the bubbles "
@@ -265,19 +307,21 @@ def add_schedule_arguments(parser: argparse.ArgumentParser | Any,
             if flag in seen:
                 continue
             seen.add(flag)
-            parser.add_argument(flag, type=f.metadata["parse"] or str,
+            parser.add_argument(flag, type=_argparse_type(f.metadata["parse"] or str),
                                 choices=f.metadata["choices"], default=None,
                                 help=f.metadata["help"])
 
 
 def schedule_name_from(source: Any) -> str:
     """The schedule the flags select: ``--pipeline-schedule`` (default chimera when
-    ``--chimera-pipes`` is given, else 1f1b); ``--chimera-split-backward`` turns chimera into
-    chimera-zb."""
+    ``--chimera-pipes`` or ``--chimera-split-backward`` is given, else 1f1b);
+    ``--chimera-split-backward`` turns chimera into chimera-zb."""
     name = getattr(source, "pipeline_schedule", None)
+    split = getattr(source, "chimera_split_backward", False)
     if name is None:
-        name = "chimera" if getattr(source, "chimera_pipes", None) is not None else "1f1b"
-    if getattr(source, "chimera_split_backward", False):
+        chimera_flags = split or getattr(source, "chimera_pipes", None) is not None
+        name = "chimera" if chimera_flags else "1f1b"
+    if split:
         if name not in ("chimera", "chimera-zb"):
             raise ValueError(f"--chimera-split-backward requires --pipeline-schedule chimera or "
                              f"chimera-zb, got {name}")
@@ -298,7 +342,8 @@ def options_dict(options: Any) -> dict[str, Any]:
 
 __all__ = [
     "ScheduleSpec", "SCHEDULES", "SCHEDULE_NAMES", "NoOptions", "ChimeraOptions",
-    "ChimeraZBOptions", "InterleavedOptions", "get_spec", "build_schedule", "all_option_flags",
+    "ChimeraZBOptions", "ZBH1Options", "InterleavedOptions", "FALLBACKS", "parse_costs",
+    "get_spec", "build_schedule", "all_option_flags",
     "add_schedule_arguments", "schedule_name_from", "spec_and_options_from", "options_dict",
     "flag_dest", "option",
 ]

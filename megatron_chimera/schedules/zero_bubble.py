@@ -5,16 +5,24 @@ free to run later on the same rank). An activation stays in flight from its F un
 
 * ``chimera_zb``: Chimera's placement of 2f pipes, ordered by an event-driven greedy list scheduler
   (:mod:`.list_scheduler`) run over a few priority variants; the variant with the shortest makespan
-  under the given relative costs wins (stop early at the lower bound). See docs/CHIMERA_ZB.md.
+  under the given costs wins (stop early at the lower bound). See docs/CHIMERA_ZB.md.
 * ``zb_h1``: the zero-bubble paper's ZB-H1 (Qi et al., ICLR'24): 1F1B whose W passes on rank i are
   delayed by i steps so that they fill the cool-down bubbles; bubble (D-1)(F+B-W) instead of
   1F1B's (D-1)(F+B+W), every rank holds at most D activations (1F1B's peak, on its first rank).
+  Given costs, the list scheduler also orders the same placement within the same per-rank
+  memory, and the shorter of the two orders under those costs is kept.
+
+Costs are per-stage F, B (input gradient), W and one p2p message time
+(:class:`~.costs.StageCosts`), or ``(F, B, W)`` for every stage; the lower bound accounts for
+all of them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from megatron_chimera.schedules.actions import (
@@ -25,13 +33,23 @@ from megatron_chimera.schedules.actions import (
     Schedule,
     single_pipe,
 )
-from megatron_chimera.schedules.chimera import check_chimera_ranks_and_pipes, chimera_placement
+from megatron_chimera.schedules.chimera import (
+    CONCAT_FORWARD_DOUBLING,
+    CONCAT_NAMES,
+    check_chimera_ranks_and_pipes,
+    chimera,
+    chimera_placement,
+)
+from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.list_scheduler import (
     CapDeadlock,
     ListResult,
     Priority,
     list_schedule,
+    replay,
 )
+from megatron_chimera.schedules.one_f_one_b import one_f_one_b
+from megatron_chimera.schedules.weight_fill import fill_weights, peak_live, split_adjacent
 
 DEFAULT_COSTS = (1.0, 1.0, 1.0)
 
@@ -45,36 +63,66 @@ def _check_chimera_zb_sizes(num_ranks: int, num_microbatches: int, pipes: int) -
         )
 
 
-def _check_costs(costs: Sequence[float]) -> tuple[float, float, float]:
-    if len(costs) != 3 or any(not c > 0 for c in costs):
-        raise ValueError(
-            f"chimera-zb costs must be three positive relative times (F, B, W), got {costs!r}"
-        )
-    return float(costs[0]), float(costs[1]), float(costs[2])
+def _stage_costs(costs: StageCosts | Sequence[float], num_stages: int) -> StageCosts:
+    try:
+        return StageCosts.of(costs, num_stages)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--chimera-zb-costs: split-backward costs must be three positive "
+                         f"times F,B,W or per-stage costs: {exc}") from None
+
+
+def _meta_costs(costs: StageCosts) -> list[float] | dict:
+    """``schedule.meta["costs"]``: ``[F, B, W]`` for uniform costs without p2p, else the dict."""
+    if costs.is_uniform() and not costs.p2p:
+        return [costs.forward[0], costs.backward[0], costs.weight[0]]
+    return costs.to_dict()
 
 
 def makespan_lower_bound(
     placement: Sequence[Sequence[int]],
     microbatches_per_pipe: int,
-    costs: tuple[float, float, float],
+    costs: StageCosts | Sequence[float],
     num_ranks: int,
 ) -> float:
-    """Simple lower bound on the makespan with zero communication cost.
+    """A lower bound on the makespan of any order of these replicas under ``costs``.
 
-    The larger of (a) per rank, the time its first input can arrive (the F's of all earlier
-    stages of a pipe) plus all its work, and (b) one micro-batch's F-B chain through every stage
-    plus its last W.
+    The largest of, per rank, (a) the time its first input can arrive (the F's of all earlier
+    stages of a pipe, plus one p2p message per hop between ranks) plus all its work, and (b) that
+    time plus its F and B work plus the shortest tail that must follow the rank's last B (the B's
+    of the earlier stages of that pipe, their messages, and W of stage 0); and (c) one
+    micro-batch's F-B chain through every stage plus its last W.
     """
-    f, b, w = costs
     num_stages = len(placement[0])
+    c = _stage_costs(costs, num_stages)
+    f, b, w, p2p = c.forward, c.backward, c.weight, c.p2p
     first_input = [float("inf")] * num_ranks
+    tail = [float("inf")] * num_ranks
     work = [0.0] * num_ranks
-    for pipe_ranks in placement:
-        for stage, rank in enumerate(pipe_ranks):
-            first_input[rank] = min(first_input[rank], stage * f)
-            work[rank] += microbatches_per_pipe * (f + b + w)
-    per_rank = max(first_input[r] + work[r] for r in range(num_ranks) if work[r])
-    chain = num_stages * (f + b) + w
+    forward_backward = [0.0] * num_ranks
+    chain = 0.0
+    for ranks in placement:
+        hop = [p2p if ranks[s] != ranks[s + 1] else 0.0 for s in range(num_stages - 1)]
+        head = 0.0
+        heads = []
+        for s in range(num_stages):
+            heads.append(head)
+            if s < num_stages - 1:
+                head += f[s] + hop[s]
+        # after the B of stage s: B's of stages s-1 .. 0 (and their messages), then a W
+        after_b = [0.0] * num_stages
+        for s in range(1, num_stages):
+            after_b[s] = after_b[s - 1] + b[s - 1] + hop[s - 1]
+        for s, rank in enumerate(ranks):
+            first_input[rank] = min(first_input[rank], heads[s])
+            tail[rank] = min(tail[rank], after_b[s] + w[0] if s else w[0])
+            work[rank] += microbatches_per_pipe * (f[s] + b[s] + w[s])
+            forward_backward[rank] += microbatches_per_pipe * (f[s] + b[s])
+        # one micro-batch: forwards to the last stage, backwards down to stage k, then W of k
+        down = heads[-1] + f[-1]
+        chain = max(chain, max(down + sum(b[k:]) + sum(hop[k:]) + w[k]
+                               for k in range(num_stages)))
+    per_rank = max(max(first_input[r] + work[r], first_input[r] + forward_backward[r] + tail[r])
+                   for r in range(num_ranks) if work[r])
     return max(per_rank, chain)
 
 
@@ -86,6 +134,8 @@ GUARD_VARIANTS = (
     + [("quota", bias, -1) for bias in (-2.0, 0.0)]
     + [("reserve", 0.0, 0), ("safe", 0.0, 0)]
 )
+# one replica per rank: a quota is the whole cap
+SINGLE_PIPE_GUARDS = (("none", 0.0, 0), ("reserve", 0.0, 0), ("safe", 0.0, 0))
 
 
 def _refinements(guard: str, bias: float, overbook: int, cap: int) -> list[Priority]:
@@ -102,34 +152,71 @@ def _refinements(guard: str, bias: float, overbook: int, cap: int) -> list[Prior
     ]
 
 
+# the list-scheduler runs a search may spend, counted in simulated actions (a run of a schedule
+# with A actions costs A; the banker's check of the "safe" guard counts 4x): the whole search at
+# D=8, N=32; beyond, the variants in order until the budget is spent (the seeds always run). A
+# search that could not try MIN_VARIANTS variants is skipped: one or two rarely beat the seeds.
+SEARCH_BUDGET_ACTIONS = 60_000
+MIN_VARIANTS = 8
+_GUARD_WEIGHT = {"safe": 4}
+
+
 class _Search:
-    """Keeps the shortest list schedule seen; stops once one reaches the lower bound."""
+    """Keeps the shortest order seen; stops at the lower bound or when the budget is spent."""
 
     def __init__(
         self,
         placement: list[list[int]],
         pipe_microbatches: list[list[int]],
-        costs: tuple[float, float, float],
-        cap: int,
+        costs: StageCosts,
+        caps: list[int],
         lower_bound: float,
+        budget: int,
     ) -> None:
         self.args = (placement, pipe_microbatches, costs)
-        self.caps = [cap] * len({r for ranks in placement for r in ranks})
+        self.caps = caps
         self.lower_bound = lower_bound
-        self.best: tuple[ListResult, Priority] | None = None
+        self.actions = 3 * len(placement[0]) * sum(len(m) for m in pipe_microbatches)
+        self.budget = budget
+        self.best: tuple[ListResult, str] | None = None
         self.makespans: dict[Priority, float] = {}  # variants already run
 
     @property
     def done(self) -> bool:
         return self.best is not None and self.best[0].makespan <= self.lower_bound + 1e-9
 
+    def offer(self, result: ListResult, label: str) -> None:
+        """Keep ``result`` if it is the shortest so far (ties: the earlier one)."""
+        if self.best is None or result.makespan < self.best[0].makespan - 1e-9:
+            self.best = (result, label)
+
+    def seed(self, label: str, unsplit_order: list[list[Action]]) -> None:
+        """An unsplit order as a split one: W right after B, and W filling the waits."""
+        placement, _, costs = self.args
+        if self.done:
+            return
+        adjacent = split_adjacent(unsplit_order)
+        peaks = [peak_live(order) for order in adjacent]
+        if any(peak > cap for peak, cap in zip(peaks, self.caps)):
+            return  # W-fill only delays W's: it would need even more live activations
+        start = replay(adjacent, placement, costs)
+        durations = costs.durations()
+        makespan = max(t + durations[a.kind][a.stage] for a, t in start.items())
+        self.offer(ListResult(adjacent, start, makespan, peaks), f"seed:{label}")
+        self.offer(fill_weights(unsplit_order, placement, costs, self.caps),
+                   f"seed:{label}+W-fill")
+
     def evaluate(self, priority: Priority) -> float:
-        """Makespan of ``priority`` (inf if it deadlocks); remembers the best."""
+        """Makespan of ``priority`` (inf if it deadlocks, or if the search is over)."""
         if self.done:
             return float("inf")
         # an eager W ignores the soft cap, so those variants schedule alike: run one of them
         key = replace(priority, soft_cap=None) if priority.eager_weight else priority
         if key not in self.makespans:
+            cost = self.actions * _GUARD_WEIGHT.get(priority.guard, 1)
+            if cost > self.budget:
+                return float("inf")
+            self.budget -= cost
             self.makespans[key] = self._run(priority)
         return self.makespans[key]
 
@@ -138,22 +225,32 @@ class _Search:
             result = list_schedule(*self.args, self.caps, priority)
         except CapDeadlock:
             return float("inf")  # unguarded variant stuck, or a cap too small for quotas
-        if self.best is None or result.makespan < self.best[0].makespan - 1e-9:
-            self.best = (result, priority)
+        self.offer(result, _describe(priority))
         return result.makespan
 
 
-def _best_list_schedule(
+def _best_order(
     placement: list[list[int]],
     pipe_microbatches: list[list[int]],
-    costs: tuple[float, float, float],
-    cap: int,
+    costs: StageCosts,
+    caps: list[int],
     lower_bound: float,
-) -> tuple[ListResult, Priority]:
-    """Two-phase search: every cap guard with default choice rules, then refine the best two."""
-    search = _Search(placement, pipe_microbatches, costs, cap, lower_bound)
+    seeds: Sequence[tuple[str, list[list[Action]]]] = (),
+    guards: Sequence[tuple[str, float, int]] = GUARD_VARIANTS,
+    budget: int | None = None,
+) -> tuple[ListResult, str]:
+    """The shortest of: the seeds (unsplit orders, W adjacent or filling the waits), then the
+    list scheduler's two-phase search -- every cap guard with default choice rules, then
+    refinements of the best two -- within ``budget``; stops at ``lower_bound``."""
+    cap = max(caps)
+    budget = SEARCH_BUDGET_ACTIONS if budget is None else budget
+    search = _Search(placement, pipe_microbatches, costs, caps, lower_bound, budget)
+    if search.actions * MIN_VARIANTS > budget:
+        search.budget = 0
+    for label, order in seeds:
+        search.seed(label, order)
     scores = []
-    for guard, bias, overbook in GUARD_VARIANTS:
+    for guard, bias, overbook in guards:
         makespan = min(
             search.evaluate(Priority(b, guard=guard, quota_bias=bias, quota_overbook=overbook))
             for b in ("stage", "microbatch")
@@ -162,8 +259,40 @@ def _best_list_schedule(
     for _, guard, bias, overbook in sorted(scores)[:2]:
         for priority in _refinements(guard, bias, overbook, cap):
             search.evaluate(priority)
-    assert search.best is not None, "the guarded variants cannot deadlock with a cap >= 1"
+    if search.best is None:  # no seed fits the cap and no list run did: one cheap safe run
+        search.budget = search.actions
+        search.evaluate(Priority(guard="reserve"))
+    assert search.best is not None, "the reserve guard cannot deadlock with a cap >= 1"
     return search.best
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector: a search allocates millions of tuples (no cycles, so
+    reference counting frees them) and the collector's passes over them cost ~40% at D=64."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _chimera_seeds(num_ranks: int, num_microbatches: int, pipes: int,
+                   cap: int) -> list[tuple[str, list[list[Action]]]]:
+    """Chimera's unsplit orders on the same placement, one per concatenation that applies
+    (forward doubling only with room for its up to 2D live activations)."""
+    seeds = []
+    concats = (None,) if num_microbatches <= num_ranks else [
+        c for c in CONCAT_NAMES if c != CONCAT_FORWARD_DOUBLING or cap >= 2 * num_ranks]
+    for concat in concats:
+        try:
+            unsplit = chimera(num_ranks, num_microbatches, pipes=pipes, concat=concat)
+        except ValueError:
+            continue  # e.g. forward doubling needs two pipes and N a multiple of 2D
+        seeds.append((f"chimera/{concat or 'basic'}", unsplit.actions))
+    return seeds
 
 
 def chimera_zb(
@@ -171,23 +300,27 @@ def chimera_zb(
     num_microbatches: int,
     pipes: int = 2,
     max_inflight: int | None = None,
-    costs: Sequence[float] = DEFAULT_COSTS,
+    costs: StageCosts | Sequence[float] = DEFAULT_COSTS,
 ) -> Schedule:
     """Chimera with split backward: 2f bidirectional pipes whose W actions fill the bubbles.
 
     At most ``max_inflight`` (default D) activations per rank are alive at once (F to W).
-    ``costs`` are the relative F, B, W times the order is optimised for.
+    ``costs`` are the per-stage F, B, W (and p2p) times the order is optimised for
+    (:class:`~.costs.StageCosts`), or ``(F, B, W)`` for every stage.
     """
     _check_chimera_zb_sizes(num_ranks, num_microbatches, pipes)
     cap = num_ranks if max_inflight is None else max_inflight
     if cap < 1:
         raise ValueError(f"--chimera-max-inflight must be >= 1, got {cap}")
-    costs3 = _check_costs(costs)
+    stage_costs = _stage_costs(costs, num_ranks)
     placement = chimera_placement(num_ranks, pipes)
     per_pipe = num_microbatches // pipes
     pipe_microbatches = [list(range(p * per_pipe, (p + 1) * per_pipe)) for p in range(pipes)]
-    bound = makespan_lower_bound(placement, per_pipe, costs3, num_ranks)
-    result, priority = _best_list_schedule(placement, pipe_microbatches, costs3, cap, bound)
+    bound = makespan_lower_bound(placement, per_pipe, stage_costs, num_ranks)
+    with _no_cyclic_gc():
+        seeds = _chimera_seeds(num_ranks, num_microbatches, pipes, cap)
+        result, variant = _best_order(placement, pipe_microbatches, stage_costs,
+                                      [cap] * num_ranks, bound, seeds)
     return Schedule(
         name="chimera-zb",
         num_ranks=num_ranks,
@@ -199,24 +332,22 @@ def chimera_zb(
         split_backward=True,
         meta={
             "max_inflight": cap,
-            "costs": list(costs3),
+            "costs": _meta_costs(stage_costs),
             "model_makespan": result.makespan,
             "lower_bound": bound,
-            "priority": (
-                f"B:{priority.backward},F:{priority.forward},soft_cap:{priority.soft_cap},"
-                f"eager_w:{priority.eager_weight},guard:{priority.guard}:{priority.quota_bias:g}"
-                f":{priority.quota_overbook}"
-            ),
+            "priority": variant,
         },
     )
 
 
-def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1: 1F1B with B/W split; rank i delays its W's by i steps to fill the cool-down.
+def _describe(priority: Priority) -> str:
+    return (f"B:{priority.backward},F:{priority.forward},soft_cap:{priority.soft_cap},"
+            f"eager_w:{priority.eager_weight},guard:{priority.guard}:{priority.quota_bias:g}"
+            f":{priority.quota_overbook}")
 
-    Rank i warms up with D-1-i forwards like 1F1B, then runs (F, B) pairs, adding a W after each
-    pair once i B's are pending, then drains (B, W) and the remaining W's.
-    """
+
+def _zb_h1_order(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
+    """ZB-H1's closed-form order (see :func:`zb_h1`)."""
 
     def rank_order(rank: int) -> list[Action]:
         warmup = min(num_ranks - 1 - rank, num_microbatches)
@@ -233,4 +364,39 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
             weights += 1
         return order + [Action(WEIGHT, 0, rank, m) for m in range(weights, num_microbatches)]
 
-    return single_pipe("zb-h1", num_ranks, num_microbatches, rank_order, split_backward=True)
+    return [rank_order(rank) for rank in range(num_ranks)]
+
+
+def zb_h1(num_ranks: int, num_microbatches: int,
+          costs: StageCosts | Sequence[float] | None = None) -> Schedule:
+    """ZB-H1: 1F1B with B/W split; rank i delays its W's by i steps to fill the cool-down.
+
+    Rank i warms up with D-1-i forwards like 1F1B, then runs (F, B) pairs, adding a W after each
+    pair once i B's are pending, then drains (B, W) and the remaining W's. With ``costs``
+    (per-stage F, B, W and p2p, or ``(F, B, W)``) the list scheduler also orders the pipe under
+    those costs with each rank's peak of live activations capped at the closed form's, and the
+    order with the shorter makespan under the costs is kept (the closed form on ties).
+    """
+    order = _zb_h1_order(num_ranks, num_microbatches)
+    schedule = single_pipe("zb-h1", num_ranks, num_microbatches, order.__getitem__,
+                           split_backward=True)
+    if costs is None:
+        return schedule
+    stage_costs = _stage_costs(costs, num_ranks)
+    placement = schedule.placement
+    caps = [max(1, peak_live(actions)) for actions in order]
+    bound = makespan_lower_bound(placement, num_microbatches, stage_costs, num_ranks)
+    start = replay(order, placement, stage_costs)
+    closed = max(t + stage_costs.durations()[a.kind][a.stage] for a, t in start.items())
+    schedule.meta.update(costs=_meta_costs(stage_costs), model_makespan=closed,
+                         lower_bound=bound, priority="closed-form")
+    if closed <= bound + 1e-9:
+        return schedule
+    with _no_cyclic_gc():
+        seeds = [("1f1b", one_f_one_b(num_ranks, num_microbatches).actions)]
+        result, variant = _best_order(placement, [list(range(num_microbatches))], stage_costs,
+                                      caps, bound, seeds, SINGLE_PIPE_GUARDS)
+    if result.makespan < closed - 1e-9:
+        schedule.actions = result.actions
+        schedule.meta.update(model_makespan=result.makespan, priority=variant)
+    return schedule

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import global_rank
 from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
 from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
 from megatron_chimera.tuning.costs import (
@@ -259,6 +260,22 @@ class PerformanceModel:
             grad_bytes=grad_bytes,
             data_parallel_size=layout.W,
         )
+
+    def stage_costs(self, layout: TrainingLayout) -> StageCosts:
+        """Per-stage F, B (input gradient), W seconds and the p2p message time of ``layout``:
+        what ``--chimera-zb-costs @file.json`` reads (``tools/autotune.py --stage-costs-json``).
+        StageCosts has one message time: the mean over the links the schedule's messages
+        cross (the simulator itself prices each link, :meth:`_p2p_edges`)."""
+        schedule = self.schedule(layout)
+        times = [self.compute.stage_times(p, layout.B, layout.recompute)
+                 for p in self.partition(layout)]
+        size = activation_message_bytes(self.spec, layout.B)
+        edges = self._p2p_edges(layout, schedule)
+        p2p = (sum(alpha + beta * size for _, _, alpha, beta in edges) / len(edges)
+               if edges else 0.0)
+        return StageCosts(tuple(t.forward for t in times),
+                          tuple(t.backward - t.weight for t in times),
+                          tuple(t.weight for t in times), p2p)
 
     def simulate(self, layout: TrainingLayout) -> SimResult:
         """Simulated iteration of ``layout`` (cached by schedule and cost model)."""

@@ -103,7 +103,7 @@ class MeasuredCompute:
 
         return build
 
-    def _measure(self, micro_batch: int) -> tuple[StageTimes, StageTimes, StageTimes]:
+    def measure(self, micro_batch: int) -> tuple[StageTimes, StageTimes, StageTimes]:
         """(one layer, first-stage extra, last-stage extra) for ``micro_batch``."""
         if micro_batch not in self._cache:
             layer = self._time(self._builder(micro_batch, pre=False, post=False))
@@ -148,7 +148,7 @@ class MeasuredCompute:
     def stage_times(self, piece: StagePiece, micro_batch: int, recompute: bool) -> StageTimes:
         """Measured times of the stage ``piece``; recomputation adds its forward to the backward,
         the weight-gradient share of the backward is its share of the FLOPs."""
-        layer, first, last = self._measure(micro_batch)
+        layer, first, last = self.measure(micro_batch)
         forward = piece.num_layers * layer.forward
         backward = piece.num_layers * layer.backward
         if piece.pre_process:

@@ -29,13 +29,18 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["--num-microbatches", "4", "8", "--forward-ms", "2", "--backward-ms", "4",
             "--weight-ms", "2", "--iters", "5", "--warmup", "0", "--json", str(out),
-            "--schedules", "1f1b,chimera,chimera-zb,interleaved:virtual_pipeline_size=2,torch-1f1b"]
+            "--end-stage-factor", "1.5",
+            "--schedules", "1f1b,chimera,chimera-zb,interleaved:virtual_pipeline_size=2,torch-1f1b,"
+            "chimera-zb:profile=2,chimera-zb:costs=unit"]
     spawn_world(_run_tool, 4, argv, timeout_s=110)
     rows = json.loads(out.read_text())
-    assert {(r["schedule"], r["N"]) for r in rows} == {
-        (s, n) for s in ("1f1b", "chimera", "chimera-zb", "interleaved", "torch-1f1b")
-        for n in (4, 8)
-    }
+    expected = [("1f1b", {}), ("chimera", {}), ("interleaved", {"virtual_pipeline_size": 2}),
+                ("torch-1f1b", {}), ("chimera-zb", {}),
+                ("chimera-zb", {"profile": 2}), ("chimera-zb", {"costs": "unit"})]
+    assert sorted((r["schedule"], r["N"], str(r["options"])) for r in rows) == sorted(
+        (s, n, str(o)) for s, o in expected for n in (4, 8))
+    profiled = [r for r in rows if r["options"] == {"profile": 2}]
+    assert all(" measured F/B/W per stage [ms]: s0 " in r["rebuild"] for r in profiled)
     for row in rows:
         assert set(row) >= {"schedule", "pipes", "concat", "D", "N", "measured_s", "simulated_s"}
         assert row["D"] == 4

@@ -2,7 +2,10 @@
 runs agree across layouts up to float summation order (keyed dropout, model/dropout_rng.py).
 
 Each case trains 6 iterations saving at 3, points the checkpoint's tracker back at 3 and
-resumes: iterations 4..6 must repeat bit for bit, and so must the weights at iteration 6.
+resumes: iterations 4..6 must repeat bit for bit, and so must the weights at iteration 6. The
+split-backward schedules profile their first 3 iterations and rebuild their order (the
+default); the resumed run rebuilds from the costs its checkpoint recorded instead of profiling
+again, so it runs the same order.
 """
 
 from __future__ import annotations
@@ -67,6 +70,14 @@ def test_resume_with_dropout_is_bitwise_exact(schedule, tmp_path):
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]
     assert not different, f"{schedule}: weights at iteration 6 differ: {different}"
+    if schedule in ("chimera-zb", "zb-h1"):  # profiled, rebuilt after 3; the resume reused it
+        record = common_args(ckpt_a, 3)["profiled_stage_costs"]
+        assert record["costs"]["F"] and common_args(ckpt_b, 6)["profiled_stage_costs"] == record
+
+
+def common_args(checkpoint: Path, iteration: int) -> dict:
+    path = checkpoint / f"iter_{iteration:07d}" / "common.pt"
+    return torch.load(path, map_location="cpu", weights_only=True)["args"]
 
 
 @pytest.mark.timeout(400)

@@ -154,3 +154,54 @@ def test_gloo_on_a_cuda_machine_needs_allow_cpu_training(monkeypatch):
         parse("--distributed-backend gloo")
     config = parse("--distributed-backend gloo --allow-cpu-training")
     assert config.parallel.allow_cpu_training
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ("--chimera-split-backward", 3),  # split backward, costs not given: profile 3 iterations
+    ("--pipeline-schedule zb-h1", 3),
+    ("--chimera-split-backward --profile-iterations 5", 5),
+    ("--chimera-split-backward --chimera-zb-costs 1,2,1", 0),  # costs fixed by hand
+    ("--chimera-split-backward --chimera-zb-costs 1,2,1 --profile-iterations 2", 2),
+    ("--chimera-split-backward --profile-iterations 0", 0),
+    ("--chimera-pipes 2", 0),  # unsplit: nothing to rebuild
+    ("--chimera-split-backward --train-iters 2", 1),  # leaves an iteration for the rebuilt order
+    ("--chimera-split-backward --train-iters 1", 0),
+])
+def test_profile_iterations_resolved(extra, expected):
+    config = parse(f"--pipeline-model-parallel-size 4 {extra}", world_size=4)
+    assert config.training.profile_iterations == expected
+
+
+@pytest.mark.parametrize("extra,message", [
+    ("--chimera-split-backward --profile-iterations -1", "--profile-iterations must be >= 0"),
+    ("--chimera-pipes 2 --profile-iterations 2",
+     "--profile-iterations applies to split-backward schedules .* not --pipeline-schedule "
+     "chimera"),
+    ("--chimera-split-backward --profile-iterations 20", "--profile-iterations 20 must be "
+                                                          "smaller than the 20 training"),
+    ("--chimera-split-backward --chimera-zb-costs 1,2", "--chimera-zb-costs must be three"),
+    ("--chimera-split-backward --chimera-zb-costs 1,2,1;1,2,1", "--chimera-zb-costs: the costs "
+                                                                 "have 2 stages"),
+    ("--chimera-split-backward --chimera-zb-fallback never", "--chimera-zb-fallback"),
+    ("--chimera-pipes 2 --chimera-zb-fallback refuse", "--chimera-zb-fallback does not apply"),
+    ("--partition-method fastest", "--partition-method"),
+])
+def test_profile_and_cost_flags_rejected_with_the_flag(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(f"--pipeline-model-parallel-size 4 {extra}", world_size=4)
+
+
+def test_stage_costs_file_and_time_partition_accepted(tmp_path):
+    path = tmp_path / "costs.json"
+    path.write_text('{"F": [1.2, 1, 1, 1.4], "B": [1, 1, 1, 1.5], "W": [1, 1, 1, 1]}')
+    config = parse(f"--pipeline-model-parallel-size 4 --chimera-split-backward "
+                   f"--chimera-zb-costs @{path} --partition-method time", world_size=4)
+    assert config.parallel.schedule_options.costs.forward == (1.2, 1.0, 1.0, 1.4)
+    assert config.training.partition_method == "time"
+
+
+def test_profile_iterations_help_names_the_default():
+    from megatron_chimera.arguments import DEFAULT_PROFILE_ITERATIONS
+    from megatron_chimera.flag_catalog import HELP
+
+    assert f"(default {DEFAULT_PROFILE_ITERATIONS}," in HELP["profile_iterations"]

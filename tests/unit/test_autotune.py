@@ -143,6 +143,26 @@ def test_cli_json_records(tmp_path, capsys):
     assert "--bf16" in capsys.readouterr().out
 
 
+def test_cli_stage_costs_feed_chimera_zb_costs(tmp_path, capsys):
+    """--stage-costs-json writes the best layout's per-stage F, B, W, p2p; --chimera-zb-costs
+    @file reads it as it is, and its figures are the performance model's."""
+    from megatron_chimera.schedules.costs import parse_costs
+
+    path = tmp_path / "costs.json"
+    rc = _cli().main(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "32", "--vocab-size", "500", "--num-gpus", "4",
+                      "--global-batch-size", "16", "--hardware", "h100", "--schedules",
+                      "chimera-zb", "--stage-costs-json", str(path)])
+    assert rc == 0 and f"--chimera-zb-costs @{path}" in capsys.readouterr().out
+    costs = parse_costs(f"@{path}")
+    record = json.loads(path.read_text())
+    assert costs.num_stages == int(record["layout"].split(" D=")[1].split()[0])
+    # the end stages carry the embedding and the LM head: heavier than a middle one
+    if costs.num_stages > 2:
+        assert costs.forward[-1] > costs.forward[1] and costs.backward[-1] > costs.backward[1]
+    assert costs.p2p > 0
+
+
 def test_cli_rejects_bad_input(capsys):
     cli = _cli()
     base = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",

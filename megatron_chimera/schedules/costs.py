@@ -1,0 +1,228 @@
+"""Per-stage costs a split-backward generator builds for: F, B (input gradient), W, and p2p.
+
+:class:`StageCosts` holds, for every model stage, the time of one micro-batch's forward (F), its
+input-gradient backward (B) and its weight-gradient backward (W), plus the time of one
+point-to-point message between two ranks. Any unit (seconds, or relative to F): a generator's
+order depends only on the ratios.
+
+``--chimera-zb-costs`` accepts three forms (:func:`parse_costs`):
+
+* ``F,B,W``: the same three numbers for every stage (a tuple, as before);
+* ``F,B,W;F,B,W;...``: one triple per stage, stage 0 first (one triple: every stage), optionally
+  followed by ``;p2p=T``, the time of one point-to-point message;
+* ``@path.json``: a JSON object ``{"F": [...], "B": [...], "W": [...], "p2p": seconds}`` (one entry
+  per stage; ``p2p`` optional), as written by :meth:`StageCosts.to_dict` (the measured costs a
+  training run logs, ``tools/autotune.py --stage-costs-json``), or a list of such objects under
+  ``"stage_costs"`` keys (the first is used).
+
+Torch-free, like the rest of the IR.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT
+from megatron_chimera.schedules.simulate import CostModel
+
+FLAG = "--chimera-zb-costs"
+UniformCosts = tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage F, B (input gradient), W times of one micro-batch, and one p2p message time."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    p2p: float = 0.0
+
+    def __post_init__(self) -> None:
+        lengths = {len(self.forward), len(self.backward), len(self.weight)}
+        if len(lengths) != 1 or not self.forward:
+            raise ValueError(f"{FLAG}: F, B and W need one entry per stage each, got "
+                             f"{len(self.forward)}, {len(self.backward)}, {len(self.weight)}")
+        for name, values in (("F", self.forward), ("B", self.backward), ("W", self.weight)):
+            if any(not (math.isfinite(v) and v > 0) for v in values):
+                raise ValueError(f"{FLAG}: every {name} must be a positive number, got "
+                                 f"{list(values)}")
+        if not (math.isfinite(self.p2p) and self.p2p >= 0):
+            raise ValueError(f"{FLAG}: p2p must be a number >= 0, got {self.p2p}")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def uniform(cls, forward: float, backward: float, weight: float, num_stages: int,
+                p2p: float = 0.0) -> StageCosts:
+        """The same F, B, W on every one of ``num_stages`` stages."""
+        return cls((float(forward),) * num_stages, (float(backward),) * num_stages,
+                   (float(weight),) * num_stages, float(p2p))
+
+    @classmethod
+    def of(cls, costs: StageCosts | Sequence[float], num_stages: int) -> StageCosts:
+        """``costs`` for ``num_stages`` stages: a StageCosts of that length (one stage: the same
+        for every stage), or ``(F, B, W)``."""
+        if isinstance(costs, StageCosts):
+            if costs.num_stages == 1 and num_stages > 1:
+                return cls.uniform(costs.forward[0], costs.backward[0], costs.weight[0],
+                                   num_stages, costs.p2p)
+            if costs.num_stages != num_stages:
+                raise ValueError(f"{FLAG}: the costs have {costs.num_stages} stages, the "
+                                 f"schedule {num_stages}")
+            return costs
+        values = tuple(costs)
+        if len(values) != 3:
+            raise ValueError(f"{FLAG}: costs must be three numbers F,B,W or per-stage lists, "
+                             f"got {costs!r}")
+        return cls.uniform(*values, num_stages)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StageCosts:
+        """Inverse of :meth:`to_dict` (``p2p`` optional)."""
+        missing = [k for k in ("F", "B", "W") if k not in data]
+        if missing:
+            raise ValueError(f"{FLAG}: the cost file lacks {missing} (needs per-stage lists "
+                             f"\"F\", \"B\", \"W\" and optionally \"p2p\")")
+        try:
+            return cls(tuple(float(v) for v in data["F"]), tuple(float(v) for v in data["B"]),
+                       tuple(float(v) for v in data["W"]), float(data.get("p2p", 0.0)))
+        except TypeError:
+            raise ValueError(f"{FLAG}: \"F\", \"B\" and \"W\" must be lists of numbers") from None
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_stages(self) -> int:
+        """Number of stages."""
+        return len(self.forward)
+
+    def durations(self) -> dict[str, tuple[float, ...]]:
+        """Per-kind (``F``, ``B``, ``W``) per-stage times."""
+        return {FORWARD: self.forward, BACKWARD: self.backward, WEIGHT: self.weight}
+
+    def is_uniform(self) -> bool:
+        """Whether every stage has the same F, B and W."""
+        return all(len(set(v)) == 1 for v in (self.forward, self.backward, self.weight))
+
+    def scaled(self, factor: float) -> StageCosts:
+        """Every time (p2p included) times ``factor``."""
+        return StageCosts(tuple(v * factor for v in self.forward),
+                          tuple(v * factor for v in self.backward),
+                          tuple(v * factor for v in self.weight), self.p2p * factor)
+
+    def rounded(self, digits: int = 4) -> StageCosts:
+        """Times rounded to ``digits`` significant digits relative to the mean F (so that ranks
+        that agree up to the last bits build the same order)."""
+        unit = sum(self.forward) / len(self.forward)
+        scale = 10 ** (digits - 1 - math.floor(math.log10(unit)))
+
+        def r(v: float) -> float:
+            return max(round(v * scale), 1) / scale
+
+        return StageCosts(tuple(map(r, self.forward)), tuple(map(r, self.backward)),
+                          tuple(map(r, self.weight)), round(self.p2p * scale) / scale)
+
+    def quantized(self, step: float = 0.05) -> StageCosts:
+        """Times rounded to multiples of ``step`` x the mean F (at least one step; p2p may round
+        to 0): an order built for them does not follow measurement noise below the step."""
+        unit = step * sum(self.forward) / len(self.forward)
+
+        def q(v: float) -> float:
+            return max(round(v / unit), 1) * unit
+
+        return StageCosts(tuple(map(q, self.forward)), tuple(map(q, self.backward)),
+                          tuple(map(q, self.weight)), round(self.p2p / unit) * unit)
+
+    def cost_model(self, split_backward: bool = True, **extra: Any) -> CostModel:
+        """The simulator's cost model: a split schedule runs B and W, an unsplit one runs the
+        whole backward B + W as one action. ``extra``: other CostModel fields."""
+        whole = tuple(b + w for b, w in zip(self.backward, self.weight))
+        return CostModel(forward_cost=self.forward, backward_cost=whole,
+                         weight_cost=self.weight if split_backward else 0.0,
+                         p2p_alpha=self.p2p, **extra)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"F": [...], "B": [...], "W": [...], "p2p": x}`` (the ``@file.json`` format)."""
+        return {"F": list(self.forward), "B": list(self.backward), "W": list(self.weight),
+                "p2p": self.p2p}
+
+    def to_text(self) -> str:
+        """The inline flag form ``F,B,W;F,B,W;...[;p2p=T]`` (exact: floats in full)."""
+        text = ";".join(f"{f!r},{b!r},{w!r}"
+                        for f, b, w in zip(self.forward, self.backward, self.weight))
+        return text + (f";p2p={self.p2p!r}" if self.p2p else "")
+
+    def summary(self, unit: float = 1e-3, suffix: str = "ms") -> str:
+        """Short per-stage text for log lines: ``s0 F/B/W 1.2/1.5/0.8 ms, ...``."""
+        stages = ", ".join(f"s{s} {f / unit:.3g}/{b / unit:.3g}/{w / unit:.3g}"
+                           for s, (f, b, w) in enumerate(zip(self.forward, self.backward,
+                                                             self.weight)))
+        return f"F/B/W per stage [{suffix}]: {stages}; p2p {self.p2p / unit:.3g} {suffix}"
+
+
+def _triple(text: str, source: str) -> UniformCosts:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{FLAG} must be F,B,W numbers, got {source!r}") from None
+    if len(values) != 3 or any(not (math.isfinite(v) and v > 0) for v in values):
+        raise ValueError(f"{FLAG} must be three positive numbers F,B,W per stage, got {source!r}")
+    return values  # type: ignore[return-value]
+
+
+def _from_json(data: Any, path: str) -> StageCosts:
+    if isinstance(data, list):  # e.g. a list of records, each with "stage_costs"
+        for record in data:
+            if isinstance(record, Mapping) and "stage_costs" in record:
+                return StageCosts.from_dict(record["stage_costs"])
+        raise ValueError(f"{FLAG}: {path} is a list without a \"stage_costs\" entry")
+    if isinstance(data, Mapping) and "stage_costs" in data:
+        data = data["stage_costs"]
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{FLAG}: {path} must hold a JSON object with \"F\", \"B\", \"W\"")
+    return StageCosts.from_dict(data)
+
+
+def load_costs(path: str) -> StageCosts:
+    """Per-stage costs from a JSON file (see the module docstring)."""
+    try:
+        with open(path) as handle:
+            data = json.load(handle)
+    except OSError as exc:
+        raise ValueError(f"{FLAG}: cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{FLAG}: {path} is not valid JSON ({exc.msg}, line {exc.lineno})") \
+            from None
+    return _from_json(data, path)
+
+
+def parse_costs(text: str) -> UniformCosts | StageCosts:
+    """``--chimera-zb-costs``: ``F,B,W`` -> a tuple; ``F,B,W;F,B,W;...`` or ``@file.json`` ->
+    :class:`StageCosts` (ValueError naming the flag otherwise)."""
+    text = text.strip()
+    if text.startswith("@"):
+        return load_costs(text[1:])
+    if ";" not in text:
+        return _triple(text, text)
+    parts = [part.strip() for part in text.split(";") if part.strip()]
+    p2p = 0.0
+    if parts and parts[-1].startswith("p2p="):
+        try:
+            p2p = float(parts.pop()[4:])
+        except ValueError:
+            raise ValueError(f"{FLAG}: p2p=T needs a number, got {text!r}") from None
+    triples = [_triple(part, text) for part in parts]
+    if not triples:
+        raise ValueError(f"{FLAG} needs at least one F,B,W triple, got {text!r}")
+    return StageCosts(tuple(t[0] for t in triples), tuple(t[1] for t in triples),
+                      tuple(t[2] for t in triples), p2p)
+
+
+def costs_text(costs: UniformCosts | StageCosts) -> str:
+    """The flag text of parsed costs (the inverse of :func:`parse_costs`)."""
+    if isinstance(costs, StageCosts):
+        return costs.to_text()
+    return ",".join(repr(float(v)) for v in costs)

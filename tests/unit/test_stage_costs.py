@@ -1,0 +1,104 @@
+"""Per-stage costs: the three forms of --chimera-zb-costs, round trips, errors naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from megatron_chimera.schedules.costs import StageCosts, costs_text, load_costs, parse_costs
+from megatron_chimera.schedules.registry import ChimeraZBOptions, add_schedule_arguments, get_spec
+from megatron_chimera.schedules.simulate import CostModel
+
+PER_STAGE = StageCosts((1.5, 1.0, 1.0, 2.0), (2.0, 1.5, 1.5, 3.0), (0.5, 0.75, 0.75, 1.0), 0.1)
+
+
+def test_three_forms():
+    assert parse_costs("1,1.5,0.5") == (1.0, 1.5, 0.5)
+    assert parse_costs("1,2,1;3,4,2") == StageCosts((1.0, 3.0), (2.0, 4.0), (1.0, 2.0))
+    assert parse_costs("1,2,1; 3,4,2 ;p2p=0.25").p2p == 0.25
+    assert parse_costs(PER_STAGE.to_text()) == PER_STAGE
+
+
+def test_file_forms(tmp_path):
+    plain = tmp_path / "costs.json"
+    plain.write_text(json.dumps(PER_STAGE.to_dict()))
+    assert parse_costs(f"@{plain}") == PER_STAGE
+    records = tmp_path / "records.json"  # e.g. a list of records, the first with stage costs
+    records.write_text(json.dumps([{"schedule": "x"}, {"stage_costs": PER_STAGE.to_dict()}]))
+    assert load_costs(str(records)) == PER_STAGE
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"stage_costs": {"F": [1], "B": [2], "W": [1]}}))
+    assert load_costs(str(wrapped)) == StageCosts((1.0,), (2.0,), (1.0,))
+
+
+@pytest.mark.parametrize("text,message", [
+    ("1,2", "three positive numbers"),
+    ("1,x,1", "F,B,W numbers"),
+    ("1,0,1", "three positive numbers"),
+    ("1,2,1;p2p=x", "p2p=T needs a number"),
+    ("p2p=1;", "at least one F,B,W triple"),
+    ("@/nonexistent/costs.json", "cannot read"),
+])
+def test_errors_name_the_flag(text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_costs(text)
+    assert "--chimera-zb-costs" in str(info.value)
+
+
+def test_bad_files_name_the_flag(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="--chimera-zb-costs: .* is not valid JSON"):
+        parse_costs(f"@{bad}")
+    bad.write_text(json.dumps({"F": [1, 1], "B": [1], "W": [1, 1]}))
+    with pytest.raises(ValueError, match="one entry per stage"):
+        parse_costs(f"@{bad}")
+    bad.write_text(json.dumps({"F": [1], "B": [1]}))
+    with pytest.raises(ValueError, match="lacks \\['W'\\]"):
+        parse_costs(f"@{bad}")
+    bad.write_text(json.dumps({"F": [1], "B": [-1], "W": [1]}))
+    with pytest.raises(ValueError, match="every B must be a positive"):
+        parse_costs(f"@{bad}")
+
+
+def test_broadcast_and_stage_count_checks():
+    one = StageCosts((1.0,), (2.0,), (1.0,), 0.5)
+    assert StageCosts.of(one, 3) == StageCosts.uniform(1, 2, 1, 3, p2p=0.5)
+    assert StageCosts.of((1, 2, 1), 2) == StageCosts.uniform(1, 2, 1, 2)
+    with pytest.raises(ValueError, match="--chimera-zb-costs: the costs have 4 stages"):
+        StageCosts.of(PER_STAGE, 8)
+    with pytest.raises(ValueError, match="--chimera-zb-costs: the costs have 4 stages"):
+        get_spec("chimera-zb").build(8, 16, ChimeraZBOptions(costs=PER_STAGE))
+
+
+def test_flags_round_trip_through_the_registry(tmp_path):
+    """to_flags writes per-stage costs inline; parsing the flags gives the same options."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(PER_STAGE.to_dict()))
+    parser = argparse.ArgumentParser()
+    add_schedule_arguments(parser)
+    spec = get_spec("chimera-zb")
+    options = spec.options_from(parser.parse_args(
+        ["--chimera-zb-costs", f"@{path}", "--chimera-zb-fallback", "refuse"]))
+    assert options == ChimeraZBOptions(costs=PER_STAGE, fallback="refuse")
+    flags = spec.to_flags(options)
+    assert spec.options_from(parser.parse_args(flags[2:])) == options
+    assert costs_text((1.0, 1.5, 0.5)) == "1.0,1.5,0.5"
+    assert spec.label(options) == "chimera-zb"  # costs and policies are not variants
+
+
+def test_cost_model_splits_or_merges_the_backward():
+    split, whole = PER_STAGE.cost_model(True), PER_STAGE.cost_model(False)
+    assert split == CostModel(PER_STAGE.forward, (2.5, 2.25, 2.25, 4.0), PER_STAGE.weight,
+                              p2p_alpha=0.1)
+    assert whole.weight_cost == 0.0 and whole.backward_cost == split.backward_cost
+
+
+def test_rounding_and_quantising():
+    noisy = StageCosts((1.0004, 0.9996), (1.4987, 1.5012), (0.5003, 0.4991))
+    assert noisy.quantized(0.05) == StageCosts((1.0, 1.0), (1.5, 1.5), (0.5, 0.5))
+    assert noisy.rounded(3).forward == (1.0, 1.0)
+    tiny = StageCosts((1.0,), (1.0,), (1e-6,))
+    assert tiny.quantized(0.05).weight == (0.05,)  # never rounds a time away

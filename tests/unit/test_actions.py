@@ -20,3 +20,22 @@ def test_1f1b_orders_and_views():
     assert sched.weight_copies() == [1, 1, 1, 1]
     for rank_actions in sched.actions:
         assert len(rank_actions) == 12
+
+
+def test_derived_dependencies_are_plain_actions():
+    """input_of / output_to / consumers build their Actions without the kind check (issue 17's
+    speed-up); they must be indistinguishable from checked ones, since the lowering derives
+    every message from them (one dependency rule)."""
+    from megatron_chimera.schedules.actions import consumers, input_of, output_to
+    from megatron_chimera.schedules.lowering import lower
+    from megatron_chimera.schedules.validate import validate_lowered
+
+    schedule = build_schedule("chimera-zb", 4, 8)
+    for actions in schedule.actions:
+        for action in actions:
+            derived = [input_of(action, 4), output_to(action, 4),
+                       *consumers(action, 4, schedule.split_backward)]
+            for other in filter(None, derived):
+                assert type(other) is Action
+                assert other == Action(*other) and hash(other) == hash(Action(*other))
+    validate_lowered(lower(schedule))

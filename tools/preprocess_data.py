@@ -221,10 +221,17 @@ def _encode_in_pool(args: argparse.Namespace, paths: list[str], write) -> None:
                 write(pending.popleft().result())
         while pending:
             write(pending.popleft().result())
-    except BaseException:
+    except BaseException as exc:
+        previous = None
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _kill_workers(pool)
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a 2nd Ctrl-C: ignored
+        try:
+            _kill_workers(pool)
+        finally:
+            # an error (not Ctrl-C, whose process is ending) gives Ctrl-C back: a caller that
+            # goes on (main() run in-process) must not ignore SIGINT, nor its children after it
+            if previous is not None and not isinstance(exc, KeyboardInterrupt):
+                signal.signal(signal.SIGINT, previous)
         raise
     pool.shutdown(wait=True)
 

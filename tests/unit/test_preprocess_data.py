@@ -201,3 +201,17 @@ def test_sentence_splitter_rules():
     kept = split_sentences("One here.\nTwo there.\n\nThree", keep_newlines=True)
     assert kept == ["One here.\n", "Two there.\n\n", "Three"]
     assert split_sentences("   \n\n ") == []
+
+
+def test_a_failed_run_in_process_gives_ctrl_c_back(tool, tmp_path):
+    """An error with a worker pool must not leave SIGINT ignored in the calling process (its
+    later children would inherit SIG_IGN and never see a Ctrl-C)."""
+    import signal
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "1 2"}\n{not json\n')
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(Exception):  # noqa: B017 - the one-line error type is tested elsewhere
+        tool.main(["--input", str(bad), "--output-prefix", str(tmp_path / "x"),
+                   "--tokenizer-type", "NullTokenizer", "--vocab-size", "9", "--workers", "2"])
+    assert signal.getsignal(signal.SIGINT) is before

@@ -54,7 +54,11 @@ def _loss_values(local_losses: dict[int, dict[str, Any]], device: torch.device
 
 def _gradients(named_params: Iterable[tuple[str, torch.nn.Parameter]]
                ) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor | None]:
-    named = [(name, p.grad) for name, p in named_params if p.grad is not None]
+    # gradients live in the grad buffers' ``main_grad`` (reduced, or this rank's reduced shard
+    # beside its own contributions with the distributed optimizer: a non-finite value anywhere
+    # shows up on some rank); ``grad`` for parameters outside any buffer
+    named = [(name, g) for name, p in named_params
+             if (g := getattr(p, "main_grad", p.grad)) is not None]
     if not named:
         return named, None
     return named, torch.stack([g.detach().float().norm() for _, g in named])

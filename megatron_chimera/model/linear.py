@@ -7,7 +7,8 @@ computes the weight and bias gradients later, in time the pipeline would otherwi
 :class:`Linear` behaves exactly like ``torch.nn.Linear`` unless a :class:`WeightGradStore` is
 attached to it (``with defer_weight_grad(module, store): loss.backward()``). Then its backward
 returns the input gradient only and queues ``(input, grad_output)`` in the store; ``store.flush()``
-(the ``W`` action) computes ``grad_output^T @ input`` and accumulates it into ``weight.grad``. The
+(the ``W`` action) computes ``grad_output^T @ input`` and accumulates it into the weight's
+gradient buffer (``weight.main_grad``) or, without one, into ``weight.grad``. The
 store hangs off the module, not a global, so backward threads and several stage replicas on one
 rank cannot mix up their queues.
 """
@@ -62,6 +63,12 @@ def _bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Add ``grad`` into the parameter's gradient buffer (``main_grad``, see
+    :mod:`megatron_chimera.distributed.grad_buffer`) when it has one, else into ``.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(grad)
+        return
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad

@@ -13,7 +13,9 @@ scaled loss); ``W`` (split backward) computes the weight gradients its ``B`` que
 
 Loss scaling: each micro-batch loss is divided by ``loss_scale_divisor = N x W`` before its
 backward, and :class:`GradientSynchronizer` SUMs gradients over each stage-replica group, so every
-replica ends with the mean gradient over the ``B x N x W`` samples of the mini-batch.
+replica ends with the mean gradient over the ``B x N x W`` samples of the mini-batch. The
+synchronizer hears when this rank's last backward (or W) of a stage begins and ends, so that it
+can reduce buckets while that backward still runs (``--overlap-grad-reduce``).
 
 Losses and busy times stay on the device (no host sync per iteration); :meth:`gather` brings the
 results of any number of iterations to the logging rank (the last global rank, Megatron's
@@ -337,16 +339,19 @@ class _Iteration:
                 continue
             sync_point(op.short())
             self._release_sent_outputs()
+            index = len(self.executed)
+            last_of_stage = final.get(index) if self.ex.grad_sync is not None else None
+            if last_of_stage is not None:
+                self.ex.grad_sync.final_action_begins(last_of_stage)
             if op.kind == FORWARD:
                 self._forward(op)
             elif op.kind == BACKWARD:
                 self._backward(op)
             else:
                 self._weight(op)
-            index = len(self.executed)
             self.executed.append(op)
-            if index in final and self.ex.grad_sync is not None:
-                self.ex.grad_sync.stage_done(final[index])
+            if last_of_stage is not None:
+                self.ex.grad_sync.stage_done(last_of_stage)
         self.current = None
 
     def _send(self, message: Message) -> None:

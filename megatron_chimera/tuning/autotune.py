@@ -44,6 +44,7 @@ class SearchSpace:
     # (e.g. {"pipes": (2, 4, 8), "virtual_pipeline_size": (2,)})
     option_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     partition_methods: tuple[str, ...] = ("uniform", "parameters")
+    distributed_optimizer: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
         if self.num_gpus < 2:
@@ -99,10 +100,14 @@ def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
             N = space.global_batch_size // (W * B)
             for spec in specs:
                 for options in _variants(space, spec, D, N):
+                    replicated = W * getattr(options, "pipes", 1) > 1
                     for partition in space.partition_methods:
                         for recompute in space.recompute:
-                            yield TrainingLayout(spec.name, D, W, B, N, recompute, options,
-                                                 partition)
+                            for sharded in space.distributed_optimizer:
+                                if sharded and not replicated:
+                                    continue  # every stage-replica group has one rank
+                                yield TrainingLayout(spec.name, D, W, B, N, recompute, options,
+                                                     partition, sharded)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import global_rank
+from megatron_chimera.model.memory import bytes_per_parameter
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
@@ -49,6 +50,9 @@ class TrainingLayout:
     recompute: bool = False
     options: Any = None  # the schedule's options dataclass (None: its defaults)
     partition: str = "uniform"  # --partition-method: uniform | parameters
+    # --use-distributed-optimizer (with --overlap-param-gather): optimizer state sharded over
+    # each stage-replica group, gradients reduce-scattered, parameters all-gathered
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.options is None:
@@ -56,10 +60,11 @@ class TrainingLayout:
 
     @classmethod
     def of(cls, schedule: str, D: int, W: int, B: int, N: int, recompute: bool = False,
-           partition: str = "uniform", **options: Any) -> TrainingLayout:
+           partition: str = "uniform", distributed_optimizer: bool = False,
+           **options: Any) -> TrainingLayout:
         """A layout with the schedule's options given as keywords (``pipes=4, concat=...``)."""
         return cls(schedule, D, W, B, N, recompute, get_spec(schedule).options_type(**options),
-                   partition)
+                   partition, distributed_optimizer)
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -101,7 +106,8 @@ class TrainingLayout:
         """Compact one-line description for tables."""
         pipes = f" pipes={self.pipes}" if self.pipes > 1 else ""
         return (f"{self.label}{pipes} D={self.D} W={self.W} B={self.B} N={self.N}"
-                f"{' recompute' if self.recompute else ''}")
+                f"{' recompute' if self.recompute else ''}"
+                f"{' dist-opt' if self.distributed_optimizer else ''}")
 
 
 @dataclass(frozen=True)
@@ -210,7 +216,8 @@ class PerformanceModel:
     def memory(self, layout: TrainingLayout) -> list[RankMemory]:
         """Peak memory of every pipeline rank."""
         return rank_memory(self.spec, self.schedule(layout), self.partition(layout), layout.B,
-                           layout.recompute, self.device_type)
+                           layout.recompute, self.device_type, data_parallel_size=layout.W,
+                           distributed_optimizer=layout.distributed_optimizer)
 
     def _p2p_edges(self, layout: TrainingLayout,
                    schedule: Schedule) -> tuple[tuple[int, int, float, float], ...]:
@@ -247,17 +254,18 @@ class PerformanceModel:
         times = [self.compute.stage_times(p, layout.B, layout.recompute) for p in pieces]
         split = schedule.split_backward
         link = self._allreduce_link(layout, schedule)
-        grad_bytes = tuple(float(n * self.spec.dtype_bytes)
-                           for n in stage_parameters(self.spec, pieces))
+        # a reduce-scatter is half of Rabenseifner's all-reduce (its all-gather half comes after
+        # the step: :meth:`exposed_param_gather_s`)
+        half = 0.5 if layout.distributed_optimizer else 1.0
         return CostModel(
             forward_cost=tuple(t.forward for t in times),
             backward_cost=tuple(t.backward for t in times),
             weight_cost=tuple(t.weight for t in times) if split else 0.0,
             p2p_edges=self._p2p_edges(layout, schedule),
             activation_bytes=float(activation_message_bytes(self.spec, layout.B)),
-            allreduce_alpha=link.alpha_s,
+            allreduce_alpha=link.alpha_s * half,
             allreduce_beta=link.beta_s_per_byte,
-            grad_bytes=grad_bytes,
+            grad_bytes=tuple(b * half for b in self._grad_bytes(pieces)),
             data_parallel_size=layout.W,
         )
 
@@ -276,6 +284,25 @@ class PerformanceModel:
         return StageCosts(tuple(t.forward for t in times),
                           tuple(t.backward - t.weight for t in times),
                           tuple(t.weight for t in times), p2p)
+
+    def _grad_bytes(self, pieces: list[StagePiece]) -> list[float]:
+        """Bytes of each stage's gradient buffer (fp32 for fp32 and bf16 models)."""
+        width = bytes_per_parameter(self.spec.config.params_dtype)["grad"]
+        return [float(n * width) for n in stage_parameters(self.spec, pieces)]
+
+    def exposed_param_gather_s(self, layout: TrainingLayout) -> float:
+        """The distributed optimizer's parameter all-gather that the next iteration waits for:
+        the gathers run in the background (``--overlap-param-gather``), but the stage of each
+        rank's first forward needs its parameters before it starts (slowest rank)."""
+        if not layout.distributed_optimizer:
+            return 0.0
+        schedule = self.schedule(layout)
+        costs = self.cost_model(layout)  # its all-reduce terms are the reduce-scatter halves
+        nbytes = self._grad_bytes(self.partition(layout))
+        replicas = schedule.num_pipes * layout.W
+        first = [schedule.actions[r][0].stage for r in range(schedule.num_ranks)
+                 if schedule.actions[r]]
+        return max((costs.allreduce_time(replicas, nbytes[s] / 2) for s in first), default=0.0)
 
     def simulate(self, layout: TrainingLayout) -> SimResult:
         """Simulated iteration of ``layout`` (cached by schedule and cost model)."""
@@ -301,8 +328,8 @@ class PerformanceModel:
             raise ConfigError(f"layout sizes must be positive: {layout.describe()}")
         sim = self.simulate(layout)
         memory = self.memory(layout) if with_memory else []
-        return Prediction(layout, sim.makespan + self.optimizer_step_s(layout), sim.bubble_ratio,
-                          memory, sim)
+        seconds = sim.makespan + self.optimizer_step_s(layout) + self.exposed_param_gather_s(layout)
+        return Prediction(layout, seconds, sim.bubble_ratio, memory, sim)
 
     def optimizer_step_s(self, layout: TrainingLayout) -> float:
         """Seconds of the optimizer step after the last all-reduce (slowest rank), when the
@@ -313,5 +340,6 @@ class PerformanceModel:
             return 0.0
         schedule = self.schedule(layout)
         params = stage_parameters(self.spec, self.partition(layout))
-        return max(step(sum(params[s] for s in schedule.stages_of_rank(r)))
+        shards = schedule.num_pipes * layout.W if layout.distributed_optimizer else 1
+        return max(step(sum(params[s] for s in schedule.stages_of_rank(r)) / shards)
                    for r in range(schedule.num_ranks))

@@ -29,6 +29,7 @@ W = (0.006, 0.005, 0.005, 0.007)
 
 def _profile_and_rebuild(rank: int, world_size: int) -> None:
     from megatron_chimera import parallel_state
+    from megatron_chimera.distributed.grad_buffer import build_grad_buffers
     from megatron_chimera.pipeline.emulated import (
         EmulatedCosts,
         EmulatedStage,
@@ -49,13 +50,13 @@ def _profile_and_rebuild(rank: int, world_size: int) -> None:
                                              timeout=timedelta(minutes=1))
     stages = {s: EmulatedStage(EmulatedCosts(F[s], B[s] + W[s], W[s]), s == 0, s == 3, 4, s)
               for s in schedule.stages_of_rank(rank)}
+    grad_sync = GradientSynchronizer.from_parallel_state(build_grad_buffers(stages, True))
 
     def executor_for(sched, transport=None, train=True):
         return PipelineExecutor(sched, PipelineTopology.from_parallel_state(), stages,
                                 emulated_forward_step, (8, 2, 4), torch.float32,
                                 loss_scale_divisor=8,
-                                grad_sync=GradientSynchronizer.from_parallel_state(stages)
-                                if train else None,
+                                grad_sync=grad_sync if train else None,
                                 weight_grad_store_factory=SleepingWeightGradStore,
                                 transport=transport)
 

@@ -75,10 +75,14 @@ def _profile_and_rebuild(rank: int, world_size: int) -> None:
     # the first iteration was a warm-up: one recorded iteration's worth of samples per replica
     assert len(profile.recorder.samples[("F", schedule.stages_of_rank(rank)[0])]) == 4
     costs = report.costs
+    ratios = []
     for measured, slept in ((costs.forward, F), (costs.backward, B), (costs.weight, W)):
         for stage in range(4):  # sleeping at least the time; overheads and load on top
-            assert slept[stage] <= measured[stage] <= 1.6 * slept[stage] + 0.004, (
-                measured, slept)
+            assert measured[stage] >= slept[stage], (measured, slept)
+            ratios.append(measured[stage] / slept[stage])
+    # the action's own time, not the wait for its input (that would be a multiple of it): on a
+    # loaded machine a rank can be descheduled mid-sleep, so one entry may be off, not most
+    assert sorted(ratios)[len(ratios) // 2] <= 1.5, (costs.to_dict(), ratios)
     validate(report.schedule)
     assert report.changed and report.predicted_gain > 0.02, report.line()
     digest = hashlib.sha256(report.schedule.to_json().encode()).hexdigest()

@@ -16,6 +16,10 @@ overlaps it, so a checkpoint written with one (D, schedule, pipes, W) loads into
 Files are written to a staging directory (temp file, fsync, rename) and the staging directory is
 renamed into place after a barrier; only then is the tracker updated, so a crash at any point
 leaves the previous checkpoint loadable and the tracker pointing at it.
+
+Stage files hold full tensors whatever the tensor-parallel size T: the shards of a stage are
+joined on tensor rank 0 of the writing group before it writes, and split again on load
+(:mod:`megatron_chimera.tensor_parallel.checkpoint_shards`), so T is part of the layout too.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ import torch
 from torch import nn
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
+from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
+from megatron_chimera.tensor_parallel.checkpoint_shards import (
+    join_tensor_parallel_state,
+    split_tensor_parallel_state,
+)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.pt"
@@ -51,7 +60,9 @@ class StageSlice:
     stage: int
     layer_range: tuple[int, int]
     module: nn.Module
-    writer: bool = True  # this rank writes the stage's file (the lowest rank holding it)
+    # this rank writes the stage's file: the lowest rank holding its shard (with tensor
+    # parallelism every rank of the writing tensor-parallel group joins in; tensor rank 0 writes)
+    writer: bool = True
 
 
 @dataclass(frozen=True)
@@ -197,7 +208,8 @@ def _load_inner(inner: torch.optim.Optimizer, states: dict[int, dict[str, Any]],
 
 
 def get_rng_state() -> dict[str, Any]:
-    """Python, numpy, torch CPU (and CUDA) RNG states as weights-only-loadable objects."""
+    """Python, numpy, torch CPU (and CUDA) RNG states and the tensor-parallel tracker's, as
+    weights-only-loadable objects."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -207,6 +219,9 @@ def get_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
+    state["tensor_parallel"] = {
+        name: {"cpu": cpu, **({"cuda": cuda} if cuda is not None else {})}
+        for name, (cpu, cuda) in get_cuda_rng_tracker().get_states().items()}
     return state
 
 
@@ -220,6 +235,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if "tensor_parallel" in state:
+        get_cuda_rng_tracker().set_states({
+            name: (entry["cpu"], entry.get("cuda"))
+            for name, entry in state["tensor_parallel"].items()})
 
 
 # ---------------------------------------------------------------------------- save
@@ -260,14 +279,20 @@ def save_checkpoint(
             continue
         params = stage_named_parameters(stage)
         start = stage.layer_range[0]
+        joined = join_tensor_parallel_state(  # a collective of the stage's tensor-parallel group
+            {global_name(n, start): t.detach().cpu()
+             for n, t in stage.module.state_dict().items()},
+            (_optimizer_param_state(optimizer, params)
+             if save_optim and optimizer is not None else None),
+            params)
+        if joined is None:
+            continue  # not tensor rank 0: its shards went to the writer
         payload = {
             "stage": stage.stage,
             "layer_range": list(stage.layer_range),
-            "model": {global_name(n, start): t.detach().cpu()
-                      for n, t in stage.module.state_dict().items()},
+            "model": joined[0],
             "shared_embedding": _shared_embedding_name(stage),
-            "optimizer": (_optimizer_param_state(optimizer, params)
-                          if save_optim and optimizer is not None else None),
+            "optimizer": joined[1],
         }
         atomic_torch_save(payload, os.path.join(staging, stage_filename(stage.layer_range)))
     atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
@@ -398,6 +423,8 @@ def load_checkpoint(
             if key is not None and shared is None:
                 shared = (payload["model"][key], (payload.get("optimizer") or {}).get(key))
         _alias_shared_embedding(stage, model, optim, shared)
+        params = stage_named_parameters(stage)
+        model, optim = split_tensor_parallel_state(model, optim, params)
         _load_stage_module(stage, model, path)
         if load_optim:
             if not optim:
@@ -405,8 +432,7 @@ def load_checkpoint(
                     f"{path}: saved without optimizer state (--no-save-optim); "
                     "use --no-load-optim or --finetune"
                 )
-            _collect_optimizer_param_state(optimizer, stage_named_parameters(stage), optim, path,
-                                           inner_states)
+            _collect_optimizer_param_state(optimizer, params, optim, path, inner_states)
     if load_optim:
         state = common.get("optimizer") or {}
         _load_inner(optimizer.optimizer, inner_states, state.get("param_groups"))

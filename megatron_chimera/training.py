@@ -44,6 +44,7 @@ from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_emb
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import make_transport
 from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -95,7 +96,8 @@ def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
 
 
 def _norm_filter(stage_modules: dict[int, nn.Module]) -> Callable[[nn.Parameter], bool]:
-    """Count each stage once in the global grad norm: on its owner, tied copy with stage 0."""
+    """Count each stage once in the global grad norm: on its owner, tied copy with stage 0, and a
+    parameter replicated over the tensor-parallel ranks on tensor rank 0 only."""
     counted: set[int] = set()
     for stage, module in stage_modules.items():
         if not parallel_state.is_stage_owner(stage):
@@ -104,8 +106,19 @@ def _norm_filter(stage_modules: dict[int, nn.Module]) -> Callable[[nn.Parameter]
         for param in module.parameters():
             if param is shared and stage != 0:
                 continue
-            counted.add(id(param))
+            if param_is_not_tensor_parallel_duplicate(param):
+                counted.add(id(param))
     return lambda param: id(param) in counted
+
+
+def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
+    """Shape of every pipeline message: ``[s, b, h]``, or ``[s/T, b, h]`` (this rank's chunk of
+    the sequence) under sequence parallelism."""
+    model, parallel = config.model, config.parallel
+    seq = model.seq_length
+    if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
+        seq //= parallel.tensor_model_parallel_size
+    return (seq, config.training.micro_batch_size, model.hidden_size)
 
 
 def _needed_microbatches(schedule, pipeline_rank: int, all_stages: bool) -> list[int] | None:
@@ -185,7 +198,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     common = dict(
         schedule=schedule, topology=topology, transport=transport, stage_modules=modules,
         forward_step_func=forward_step_func,
-        tensor_shape=(model.seq_length, training.micro_batch_size, model.hidden_size),
+        tensor_shape=p2p_tensor_shape(config),
         dtype=model.torch_dtype,
         loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
         device=device)

@@ -2,16 +2,25 @@
 
 Activations are ``[seq, batch, hidden]``. ``layer_number`` is 1-based and *global* (Megatron's
 convention), so a stage slice's ``layers.{i}`` (local index) knows which model layer it is.
+
+Tensor parallelism (T = ``parallel_state.get_tensor_model_parallel_world_size()``): the attention
+heads and the MLP's inner features are split over the T ranks (column-parallel ``query_key_value``
+and ``dense_h_to_4h``, row-parallel ``dense`` and ``dense_4h_to_h``). With
+``config.sequence_parallel`` the residual stream, LayerNorms and dropouts between them hold
+``[s/T, b, h]`` (all-gather into the column-parallel layers, reduce-scatter out of the
+row-parallel ones). Dropout on tensor- or sequence-split data draws from the tensor-parallel RNG
+stream (``tensor_parallel.get_cuda_rng_tracker().fork()``), elsewhere from the default one.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
-from torch.utils.checkpoint import checkpoint
 
+from megatron_chimera import parallel_state
 from megatron_chimera.config import GELU_VARIANTS, ConfigError, ModelConfig
 from megatron_chimera.model.document_attention import DocumentMask, document_attention
 from megatron_chimera.model.fused import (
@@ -22,8 +31,14 @@ from megatron_chimera.model.fused import (
     gelu,
     warn_once,
 )
-from megatron_chimera.model.linear import Linear
 from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
+from megatron_chimera.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    checkpoint,
+    get_cuda_rng_tracker,
+)
+from megatron_chimera.tensor_parallel.utils import mark_sequence_parallel
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -50,6 +65,25 @@ def validate_recompute(config: ModelConfig) -> None:
 AttentionMask = torch.Tensor | DocumentMask | None
 
 
+def uses_sequence_parallel(config: ModelConfig) -> bool:
+    """Whether the model runs sequence parallel: ``--sequence-parallel`` and T > 1."""
+    return config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
+def tensor_parallel_rng(split: bool) -> contextlib.AbstractContextManager:
+    """The tensor-parallel RNG stream for dropout on ``split`` (per-rank) data, else the default
+    stream (the same mask on every tensor-parallel rank)."""
+    return get_cuda_rng_tracker().fork() if split else contextlib.nullcontext()
+
+
+def sequence_parallel_layer_norm(config: ModelConfig, backend: FusedBackend) -> LayerNorm:
+    """A LayerNorm of the residual stream; its parameters are marked ``sequence_parallel``
+    (partial gradients per rank) when the model runs sequence parallel."""
+    norm = LayerNorm(config.hidden_size, config.layernorm_epsilon, backend, config.torch_dtype)
+    mark_sequence_parallel(norm, uses_sequence_parallel(config))
+    return norm
+
+
 class CoreAttention(nn.Module):
     """Scaled (masked) softmax attention of ``[b, heads, s, head_dim]`` queries, keys, values."""
 
@@ -67,18 +101,21 @@ class CoreAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 mask: AttentionMask) -> torch.Tensor:
         """Context ``[b, heads, s, head_dim]``; ``mask`` is a bool tensor, True where attention
-        is forbidden, or a :class:`DocumentMask` (causal attention within documents)."""
+        is forbidden, or a :class:`DocumentMask` (causal attention within documents). The heads
+        are this rank's: attention dropout draws from the tensor-parallel RNG stream."""
         flash_only = self.use_flash_attn and query.is_cuda
         self._notices(query)
         options = dict(fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
                        layer_scale=self.layer_scale, flash_only=flash_only)
-        if isinstance(mask, DocumentMask):
-            if not self.causal:
-                raise ValueError("a document mask needs causal (GPT) attention")
-            return document_attention(query, key, value, mask, self.dropout_p, self.training,
-                                      implementation=self.document_attention, **options)
-        return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
-                         **options)
+        with tensor_parallel_rng(self.training and self.dropout_p > 0):
+            if isinstance(mask, DocumentMask):
+                if not self.causal:
+                    raise ValueError("a document mask needs causal (GPT) attention")
+                return document_attention(query, key, value, mask, self.dropout_p,
+                                          self.training, implementation=self.document_attention,
+                                          **options)
+            return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
+                             **options)
 
     def _notices(self, query: torch.Tensor) -> None:
         """Flags that cannot act on this device / path, said once per process."""
@@ -98,8 +135,17 @@ class CoreAttention(nn.Module):
                           "softmax, which honours it")
 
 
+def _tensor_parallel_size(size: int, flag: str) -> int:
+    """``size / T``; ConfigError naming ``flag`` when T does not divide it."""
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    if size % world:
+        raise ConfigError(f"{flag} {size} is not divisible by --tensor-model-parallel-size {world}")
+    return size // world
+
+
 class ParallelAttention(nn.Module):
-    """Self-attention: ``query_key_value`` projection, core attention, output ``dense``."""
+    """Self-attention: ``query_key_value`` projection (column-parallel: this rank's heads), core
+    attention, output ``dense`` (row-parallel)."""
 
     def __init__(self, config: ModelConfig, layer_number: int, causal: bool) -> None:
         super().__init__()
@@ -108,55 +154,61 @@ class ParallelAttention(nn.Module):
             raise ConfigError(
                 f"--hidden-size {h} must be divisible by --num-attention-heads "
                 f"{config.num_attention_heads}")
-        self.num_heads = config.num_attention_heads
-        self.head_dim = h // self.num_heads
-        self.query_key_value = skip_init(Linear, h, 3 * h, dtype=config.torch_dtype)
+        self.num_heads = _tensor_parallel_size(config.num_attention_heads,
+                                               "--num-attention-heads")
+        self.head_dim = h // config.num_attention_heads
+        sequence_parallel = uses_sequence_parallel(config)
+        self.query_key_value = ColumnParallelLinear(
+            h, 3 * h, gather_output=False, sequence_parallel=sequence_parallel,
+            dtype=config.torch_dtype)
         self.core_attention = CoreAttention(config, layer_number, causal)
-        self.dense = skip_init(Linear, h, h, dtype=config.torch_dtype)
+        self.dense = RowParallelLinear(
+            h, h, input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
+            sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
-        self.skip_bias_add = not config.bias_dropout_fusion
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s, b, h] -> ([s, b, h], bias)``; QKV laid out per head as ``[q | k | v]``
-        (Megatron). ``bias`` is the output bias left for bias-dropout-add with
+        """``[s(/T), b, h] -> ([s(/T), b, h], bias)``; QKV laid out per head as ``[q | k | v]``
+        (Megatron), this rank's heads. ``bias`` is the output bias left for bias-dropout-add with
         ``--no-bias-dropout-fusion``, else None (already added)."""
-        s, b, _ = hidden.shape
-        qkv = self.query_key_value(hidden).view(s, b, self.num_heads, 3 * self.head_dim)
+        qkv, _ = self.query_key_value(hidden)
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.num_heads, 3 * self.head_dim)
         query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(self.head_dim, dim=-1))
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            context = checkpoint(self.core_attention, query, key, value, mask,
-                                 use_reentrant=False)
+            context = checkpoint(self.core_attention, query, key, value, mask)
         else:
             context = self.core_attention(query, key, value, mask)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
-        if self.skip_bias_add:
-            return self.dense.forward_without_bias(context)
-        return self.dense(context), None
+        return self.dense(context)
 
 
 class ParallelMLP(nn.Module):
-    """``dense_h_to_4h`` -> GeLU (tanh approximation, or exact with ``--gelu erf``) ->
-    ``dense_4h_to_h``."""
+    """``dense_h_to_4h`` (column-parallel) -> GeLU (tanh approximation, or exact with ``--gelu
+    erf``) -> ``dense_4h_to_h`` (row-parallel)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, f, dtype = config.hidden_size, config.ffn_size, config.torch_dtype
-        self.dense_h_to_4h = skip_init(Linear, h, f, dtype=dtype)
-        self.dense_4h_to_h = skip_init(Linear, f, h, dtype=dtype)
+        _tensor_parallel_size(f, "--ffn-hidden-size")
+        sequence_parallel = uses_sequence_parallel(config)
+        self.dense_h_to_4h = ColumnParallelLinear(
+            h, f, gather_output=False, sequence_parallel=sequence_parallel, dtype=dtype)
+        self.dense_4h_to_h = RowParallelLinear(
+            f, h, input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
+            sequence_parallel=sequence_parallel, dtype=dtype)
         self.fused_gelu = config.bias_gelu_fusion
-        self.skip_bias_add = not config.bias_dropout_fusion
         if config.gelu not in GELU_VARIANTS:
             raise ConfigError(f"--gelu must be one of {GELU_VARIANTS}, got {config.gelu!r}")
         self.exact_gelu = config.gelu == "erf"
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s, b, h] -> ([s, b, h], bias)`` (bias as in :meth:`ParallelAttention.forward`)."""
-        hidden = self.dense_h_to_4h(hidden)
+        """``[s(/T), b, h] -> ([s(/T), b, h], bias)`` (bias as in
+        :meth:`ParallelAttention.forward`)."""
+        hidden, _ = self.dense_h_to_4h(hidden)
         intermediate = F.gelu(hidden) if self.exact_gelu else gelu(hidden, fused=self.fused_gelu)
-        if self.skip_bias_add:
-            return self.dense_4h_to_h.forward_without_bias(intermediate)
-        return self.dense_4h_to_h(intermediate), None
+        return self.dense_4h_to_h(intermediate)
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -167,10 +219,10 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        eps, dtype = config.layernorm_epsilon, config.torch_dtype
-        self.input_layernorm = LayerNorm(config.hidden_size, eps, backend, dtype)
+        self.sequence_parallel = uses_sequence_parallel(config)
+        self.input_layernorm = sequence_parallel_layer_norm(config, backend)
         self.self_attention = ParallelAttention(config, layer_number, causal)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps, backend, dtype)
+        self.post_attention_layernorm = sequence_parallel_layer_norm(config, backend)
         self.mlp = ParallelMLP(config)
         self._init_weights(config, seed)
 
@@ -184,12 +236,15 @@ class ParallelTransformerLayer(nn.Module):
         init_linear_(self.mlp.dense_4h_to_h, out_std, generator)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``: attention and MLP blocks, each with a residual."""
+        """``[s(/T), b, h] -> [s(/T), b, h]``: attention and MLP blocks, each with a residual."""
         attention_out, bias = self.self_attention(self.input_layernorm(hidden), mask)
-        hidden = bias_dropout_add(attention_out, bias, hidden, self.hidden_dropout,
-                                  self.training)
+        split = self.sequence_parallel and self.training and self.hidden_dropout > 0
+        with tensor_parallel_rng(split):
+            hidden = bias_dropout_add(attention_out, bias, hidden, self.hidden_dropout,
+                                      self.training)
         mlp_out, bias = self.mlp(self.post_attention_layernorm(hidden))
-        return bias_dropout_add(mlp_out, bias, hidden, self.hidden_dropout, self.training)
+        with tensor_parallel_rng(split):
+            return bias_dropout_add(mlp_out, bias, hidden, self.hidden_dropout, self.training)
 
 
 class ParallelTransformer(nn.Module):
@@ -212,8 +267,7 @@ class ParallelTransformer(nn.Module):
             ParallelTransformerLayer(config, start + i + 1, causal, backend, seed)
             for i in range(end - start))
         self.final_layernorm = (
-            LayerNorm(config.hidden_size, config.layernorm_epsilon, backend, config.torch_dtype)
-            if post_process else None)
+            sequence_parallel_layer_norm(config, backend) if post_process else None)
 
     def _run(self, first: int, last: int):
         def run_layers(hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
@@ -223,7 +277,7 @@ class ParallelTransformer(nn.Module):
         return run_layers
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        """Run this stage's layers on ``[s, b, h]``."""
+        """Run this stage's layers on ``[s(/T), b, h]``."""
         n = len(self.layers)
         full = (self.recompute_granularity == "full" and self.training
                 and torch.is_grad_enabled())
@@ -232,11 +286,11 @@ class ParallelTransformer(nn.Module):
         elif self.recompute_method == "uniform":
             for first in range(0, n, self.recompute_num_layers):
                 last = min(first + self.recompute_num_layers, n)
-                hidden = checkpoint(self._run(first, last), hidden, mask, use_reentrant=False)
+                hidden = checkpoint(self._run(first, last), hidden, mask)
         else:  # block: the first recompute_num_layers layers of this stage, one at a time
             for i in range(n):
                 if i < self.recompute_num_layers:
-                    hidden = checkpoint(self._run(i, i + 1), hidden, mask, use_reentrant=False)
+                    hidden = checkpoint(self._run(i, i + 1), hidden, mask)
                 else:
                     hidden = self.layers[i](hidden, mask)
         if self.final_layernorm is not None:

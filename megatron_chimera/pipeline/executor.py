@@ -13,7 +13,13 @@ scaled loss); ``W`` (split backward) computes the weight gradients its ``B`` que
 
 Loss scaling: each micro-batch loss is divided by ``loss_scale_divisor = N x W`` before its
 backward, and :class:`GradientSynchronizer` SUMs gradients over each stage-replica group, so every
-replica ends with the mean gradient over the ``B x N x W`` samples of the mini-batch.
+replica ends with the mean gradient over the ``B x N x W`` samples of the mini-batch. Then the
+gradients of sequence-parallel parameters (partial on each tensor-parallel rank) are summed over
+the tensor-parallel group (:func:`~megatron_chimera.tensor_parallel.allreduce_sequence_parallel_grads`).
+
+Tensor parallelism is invisible to the lists: the T ranks of a tensor-parallel group run the same
+list, exchange messages only with the equal tensor rank of their neighbours, and meet in the
+collectives inside their forward and backward computations in the same order.
 
 Losses and busy times stay on the device (no host sync per iteration); :meth:`gather` brings the
 results of any number of iterations to the logging rank (the last global rank, Megatron's
@@ -38,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from megatron_chimera import parallel_state
 from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
@@ -58,6 +65,12 @@ from megatron_chimera.schedules.lowering import (
     produced_message,
 )
 from megatron_chimera.schedules.validate import validate_lowered
+from megatron_chimera.tensor_parallel import (
+    allreduce_sequence_parallel_grads,
+    get_cuda_rng_tracker,
+    sequence_parallel_params,
+)
+from megatron_chimera.tensor_parallel.random import restored_tracker_states
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
 __all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "GatheredIteration",
@@ -76,12 +89,14 @@ class SavedForward(NamedTuple):
 @dataclass
 class IterationResult:
     """What one iteration left on this rank: per micro-batch losses (device tensors, on ranks
-    holding a last stage), the busy timer, wall seconds and the executed compute order."""
+    holding a last stage), the busy timer, wall seconds, the executed compute order and the
+    point-to-point payload bytes this rank sent."""
 
     local_losses: dict[int, dict[str, Any]]
     busy: _BusyTimer
     iteration_seconds: float
     executed: list[Action]
+    p2p_bytes_sent: int = 0
 
 
 @dataclass
@@ -203,6 +218,8 @@ class PipelineExecutor:
                 validate_lowered(lowered, ranks=[pipeline_rank])
         self._connected = not warm_up
         self._last_grad_action = self._final_gradient_actions()
+        self._sequence_parallel_params = sequence_parallel_params(
+            stage_modules[s] for s in sorted(stage_modules))
 
     def _final_gradient_actions(self) -> dict[int, int]:
         """Index of this rank's last B (last W when split) per stage: its gradient is then final."""
@@ -241,11 +258,23 @@ class PipelineExecutor:
             comm.finish()
             if self.grad_sync is not None and not forward_only:
                 self.grad_sync.finish()
+                self._reduce_sequence_parallel_grads()
         except Exception as exc:
             raise self._failure(exc, run.current) from exc
         return IterationResult(local_losses=run.losses, busy=run.timer,
                                iteration_seconds=time.perf_counter() - start,
-                               executed=run.executed)
+                               executed=run.executed, p2p_bytes_sent=comm.bytes_sent)
+
+    def _reduce_sequence_parallel_grads(self) -> None:
+        """Sum the partial gradients of sequence-parallel parameters over the tensor-parallel
+        group (after the stage-replica reduction; every tensor rank holds the same parameters)."""
+        if not self._sequence_parallel_params:
+            return
+        for param in self._sequence_parallel_params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        allreduce_sequence_parallel_grads([p.grad for p in self._sequence_parallel_params],
+                                          parallel_state.get_tensor_model_parallel_group())
 
     def _failure(self, exc: BaseException, op: Any) -> PipelineFailure:
         rank = dist.get_rank() if dist.is_initialized() else self.pipeline_rank
@@ -432,17 +461,18 @@ class _Iteration:
 
 def _rng_state(device: torch.device) -> tuple:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
 
 
 @contextlib.contextmanager
 def _restored_rng(state: tuple | None, device: torch.device):
-    """Replay the forward's random stream (dropout) during recomputation, then restore."""
+    """Replay the forward's random streams (dropout: the default generator and the
+    tensor-parallel tracker's) during recomputation, then restore."""
     if state is None:
         yield
         return
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), restored_tracker_states(state[2]):
         torch.set_rng_state(state[0])
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], device)

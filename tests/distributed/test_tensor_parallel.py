@@ -1,0 +1,62 @@
+"""Tensor (and sequence) parallelism in the runtime: GPT-2 and BERT on T x W x D gloo ranks under
+NCCL's rules reproduce one process's losses, gradient norms and full weights over 3 steps (1e-5
+relative, fp32), with Chimera, Chimera-ZB and 1F1B; sequence parallelism sends 1/T of the
+pipeline bytes; recomputation replays the tensor-parallel random streams."""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import spawn_world
+from .tp_cases import (
+    TPCase,
+    run_recompute_replays_tensor_parallel_dropout,
+    run_sequence_parallel_bytes,
+    run_tp_cases,
+)
+
+pytestmark = pytest.mark.distributed
+
+FAMILIES = ("gpt2", "bert")
+
+
+def world_4(family: str) -> list[TPCase]:
+    """T=2 x D=2: 1F1B, Chimera-ZB, 1F1B and Chimera with sequence parallelism."""
+    return [
+        TPCase(family, "1f1b", 2, 2, 4),
+        TPCase(family, "chimera-zb", 2, 2, 4),
+        TPCase(family, "1f1b", 2, 2, 4, sequence_parallel=True),
+        TPCase(family, "chimera", 2, 2, 4, sequence_parallel=True, untied=family == "gpt2"),
+    ]
+
+
+def world_8(family: str) -> list[TPCase]:
+    """T=2 x D=4 Chimera (2 pipes), T=2 x W=2 x D=2 Chimera, T=2 x D=4 Chimera-ZB + SP."""
+    return [
+        TPCase(family, "chimera", 2, 4, 4, (("pipes", 2),)),
+        TPCase(family, "chimera", 2, 2, 4),
+        TPCase(family, "chimera-zb", 2, 4, 8, sequence_parallel=True),
+    ]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_world_of_4(family):
+    spawn_world(run_tp_cases, 4, world_4(family), timeout_s=280)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_world_of_8(family):
+    spawn_world(run_tp_cases, 8, world_8(family), timeout_s=380)
+
+
+@pytest.mark.timeout(200)
+def test_sequence_parallel_sends_one_over_t_of_the_bytes():
+    spawn_world(run_sequence_parallel_bytes, 4, "gpt2", timeout_s=180)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recomputation_replays_tensor_parallel_dropout(family):
+    spawn_world(run_recompute_replays_tensor_parallel_dropout, 4, family, timeout_s=180)

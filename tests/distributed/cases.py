@@ -303,7 +303,8 @@ def run_replica_utilities(rank: int, world_size: int) -> None:
     bad layouts raise ConfigError; Megatron's getters describe the layout."""
     schedule = build_schedule("chimera", 2, 2)
     timeout = datetime.timedelta(seconds=30)
-    for bad in ({"pipeline_model_parallel_size": 3}, {"tensor_model_parallel_size": 2}):
+    for bad in ({"pipeline_model_parallel_size": 3}, {"tensor_model_parallel_size": 3},
+                {"tensor_model_parallel_size": 4}):
         kwargs = {"pipeline_model_parallel_size": 2, **bad}
         try:
             parallel_state.initialize_model_parallel(

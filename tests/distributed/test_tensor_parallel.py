@@ -10,6 +10,7 @@ import pytest
 from .harness import spawn_world
 from .tp_cases import (
     TPCase,
+    run_checkpoint_round_trip,
     run_recompute_replays_tensor_parallel_dropout,
     run_sequence_parallel_bytes,
     run_tp_cases,
@@ -60,3 +61,11 @@ def test_sequence_parallel_sends_one_over_t_of_the_bytes():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recomputation_replays_tensor_parallel_dropout(family):
     spawn_world(run_recompute_replays_tensor_parallel_dropout, 4, family, timeout_s=180)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_round_trip_across_tensor_parallel_sizes(family, tmp_path):
+    """Save with T=2 D=4 Chimera, load with T=1 D=2 1F1B and save, load with T=2 D=4 again:
+    identical full weights and optimizer state throughout."""
+    spawn_world(run_checkpoint_round_trip, 8, family, str(tmp_path), timeout_s=280)

@@ -21,7 +21,15 @@ import torch.distributed as dist
 import pretrain_bert
 import pretrain_gpt2
 from megatron_chimera import parallel_state
-from megatron_chimera.checkpointing import global_name
+from megatron_chimera.checkpointing import (
+    StageSlice,
+    checkpoint_dir,
+    global_name,
+    load_checkpoint,
+    read_tracker,
+    save_checkpoint,
+    stage_named_parameters,
+)
 from megatron_chimera.config import ModelConfig, OptimizerConfig
 from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.optimizer import get_megatron_optimizer
@@ -160,7 +168,8 @@ def _assert_tensor_parallel_copies_equal(modules: dict[int, torch.nn.Module]) ->
                 raise AssertionError(f"stage {stage} {name}: tensor-parallel copies differ")
 
 
-def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = False):
+def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = False,
+              optimizer_config: OptimizerConfig = OPTIMIZER):
     """This rank's stage modules, optimizer and executor (groups already created)."""
     entry = FAMILIES[case.family]
     prank = parallel_state.get_pipeline_model_parallel_rank()
@@ -170,7 +179,7 @@ def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = Fal
                                        layer_range=partition[s], stage=s)
                for s in schedule.stages_of_rank(prank)}
     group = parallel_state.get_model_replica_group()
-    optimizer = get_megatron_optimizer(OPTIMIZER, [modules[s] for s in sorted(modules)],
+    optimizer = get_megatron_optimizer(optimizer_config, [modules[s] for s in sorted(modules)],
                                        grad_norm_group=group, found_inf_group=group,
                                        norm_param_filter=_norm_filter(modules))
     seq = SEQ // case.tensor_size if case.sequence_parallel else SEQ
@@ -304,3 +313,101 @@ def run_recompute_replays_tensor_parallel_dropout(rank: int, world_size: int,
         for i, (a, b) in enumerate(zip(stored, weights, strict=True)):
             if not torch.equal(a, b):
                 raise AssertionError(f"{what}: parameter {i} differs from the stored run")
+
+
+# ----------------------------------------------------------------------------- checkpoints
+ADAM = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0)
+
+
+def _stage_slices(modules: dict[int, torch.nn.Module], partition) -> list[StageSlice]:
+    rank = dist.get_rank()
+    return [StageSlice(s, partition[s], m,
+                       writer=rank == min(parallel_state.get_stage_replica_ranks(s)))
+            for s, m in sorted(modules.items())]
+
+
+def _local_state(optimizer, stages: list[StageSlice]) -> dict[str, torch.Tensor]:
+    """This rank's shards: parameters and their Adam state, by global name."""
+    out = {}
+    for stage in stages:
+        for name, param in stage_named_parameters(stage).items():
+            out[name] = param.detach().clone()
+            for key, value in optimizer.optimizer.state.get(param, {}).items():
+                out[f"{name}/{key}"] = value.detach().clone()
+    return out
+
+
+def read_checkpoint_tensors(root: str) -> dict[str, torch.Tensor]:
+    """Every tensor of every stage file of the latest checkpoint under ``root``, by name."""
+    import glob
+    import os
+
+    directory = checkpoint_dir(root, read_tracker(root))
+    out = {}
+    for path in sorted(glob.glob(os.path.join(directory, "layers_*.pt"))):
+        payload = torch.load(path, weights_only=True)
+        out.update(payload["model"])
+        for name, entry in (payload["optimizer"] or {}).items():
+            out.update({f"{name}/{key}": value for key, value in entry.items()})
+    return out
+
+
+def _layout_run(case: TPCase, config: ModelConfig, steps: int, root_in: str | None,
+                root_out: str) -> dict[str, torch.Tensor]:
+    """Create the case's groups, build, load ``root_in`` (if given), train ``steps`` steps, save
+    to ``root_out``; returns this rank's local state right after loading / building."""
+    schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches,
+                              **dict(case.options))
+    _init_groups(case, schedule)
+    try:
+        modules, optimizer, executor, partition = build_run(case, config, schedule,
+                                                            optimizer_config=ADAM)
+        stages = _stage_slices(modules, partition)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if root_in is not None:
+            load_checkpoint(root_in, stages, schedule.num_stages, optimizer, None, rank=rank,
+                            world_size=world)
+        loaded = _local_state(optimizer, stages)
+        dp = parallel_state.get_data_parallel_rank()
+        for step in range(steps):
+            optimizer.zero_grad()
+            executor.run([make_batch(case.family, step, dp, m)
+                          for m in range(case.num_microbatches)])
+            optimizer.step()
+        save_checkpoint(root_out, 1, stages, partition, optimizer, None, rank=rank,
+                        world_size=world, consumed_train_samples=0, barrier=dist.barrier)
+        return {"loaded": loaded, "saved": _local_state(optimizer, stages)}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _assert_states_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                         what: str) -> None:
+    if got.keys() != want.keys():
+        raise AssertionError(f"{what}: names differ: {sorted(got.keys() ^ want.keys())[:5]}")
+    for name in got:
+        if not torch.equal(got[name], want[name]):
+            raise AssertionError(f"{what}: {name} differs")
+
+
+def run_checkpoint_round_trip(rank: int, world_size: int, family: str, root: str) -> None:
+    """T=2 D=4 Chimera trains 2 steps (Adam) and saves; T=1 D=2 1F1B (W=4) loads it and saves
+    again at once; T=2 D=4 Chimera loads that. The two checkpoints are bitwise the same full
+    tensors (weights and Adam state), T=1 loads exactly the saved full tensors, and T=2 gets
+    back exactly the shards it saved."""
+    import os
+
+    config_case = TPCase(family, "chimera", 2, 4, 4, (("pipes", 2),), untied=family == "gpt2")
+    config = config_case.model_config()
+    one = TPCase(family, "1f1b", 1, 2, 4, untied=config_case.untied)
+    first, second = os.path.join(root, "t2"), os.path.join(root, "t1")
+    t2 = _layout_run(config_case, config, 2, None, first)
+    t1 = _layout_run(one, config, 0, first, second)
+    saved = read_checkpoint_tensors(first)
+    _assert_states_equal({k: v for k, v in saved.items() if k in t1["loaded"]}, t1["loaded"],
+                         "T=1 loaded vs the T=2 checkpoint")
+    if rank == 0:  # every tensor of the checkpoint is loaded by some rank; files compared whole
+        _assert_states_equal(read_checkpoint_tensors(second), saved,
+                             "checkpoint written by T=1 vs by T=2")
+    back = _layout_run(config_case, config, 0, second, os.path.join(root, "t2-again"))
+    _assert_states_equal(back["loaded"], t2["saved"], "T=2 shards after the round trip")

@@ -51,19 +51,25 @@ def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> lis
 
 
 def stage_memory(spec: ModelSpec, partition: Sequence[StagePiece], micro_batch: int,
-                 device_type: str = "cuda") -> list[StageMemory]:
-    """Per-stage estimates of :mod:`megatron_chimera.model.memory` for this partition."""
+                 device_type: str = "cuda", tensor_parallel: int = 1,
+                 sequence_parallel: bool = False) -> list[StageMemory]:
+    """Per-stage estimates of :mod:`megatron_chimera.model.memory` for this partition (one
+    tensor-parallel rank's shard)."""
     return estimate_stage_memory(spec.config, spec.family,
                                  [p.layer_range for p in partition], micro_batch,
-                                 device_type=device_type)
+                                 device_type=device_type, tensor_parallel=tensor_parallel,
+                                 sequence_parallel=sequence_parallel)
 
 
 def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePiece],
-                micro_batch: int, recompute: bool, device_type: str = "cuda") -> list[RankMemory]:
-    """Peak memory of every pipeline rank of ``schedule`` (one entry per rank)."""
+                micro_batch: int, recompute: bool, device_type: str = "cuda",
+                tensor_parallel: int = 1, sequence_parallel: bool = False) -> list[RankMemory]:
+    """Peak memory of every pipeline rank of ``schedule`` (one entry per rank; with tensor
+    parallelism, of each of its T ranks)."""
     if len(partition) != schedule.num_stages:
         raise ValueError(f"partition has {len(partition)} stages, schedule {schedule.num_stages}")
-    stages = stage_memory(spec, partition, micro_batch, device_type)
+    stages = stage_memory(spec, partition, micro_batch, device_type, tensor_parallel,
+                          sequence_parallel)
     per_mb = [m.activation_bytes_recompute if recompute else m.activation_bytes for m in stages]
     peaks = peak_activation_bytes(schedule, per_mb)
     result = []

@@ -11,6 +11,13 @@ exactly Eq. (1) (:func:`chimera_eq1_time`; checked by the tests).
 
 Stage times come from :class:`AnalyticCompute` (FLOPs / achieved FLOP/s of a hardware profile) or
 from measured timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
+
+With tensor parallelism (``layout.T``) every stage's compute is divided by T and its
+tensor-parallel collectives (:func:`~megatron_chimera.tuning.costs.tensor_parallel_comm_seconds`,
+on the link the T consecutive ranks share) are added to its forward and backward (they are on
+the critical path); the weight-gradient part (W) has none. Gradient buckets, optimizer state and
+activations are per tensor-parallel rank; messages between stages shrink to ``[s/T, b, h]`` with
+sequence parallelism.
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from megatron_chimera.tuning.costs import (
     ModelSpec,
     StagePiece,
     activation_message_bytes,
+    check_tensor_parallel,
     partition_stages,
     stage_forward_flops,
     stage_parameters,
+    tensor_parallel_comm_seconds,
 )
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
 from megatron_chimera.tuning.memory import RankMemory, rank_memory
@@ -38,7 +47,7 @@ from megatron_chimera.tuning.memory import RankMemory, rank_memory
 @dataclass(frozen=True)
 class TrainingLayout:
     """One point of the search: schedule and its typed options (the registry's), D, W, B, N,
-    recomputation and the partition method."""
+    recomputation, the partition method, the tensor-parallel size T and sequence parallelism."""
 
     schedule: str  # --pipeline-schedule
     D: int  # pipeline stages (ranks per pipeline)
@@ -48,6 +57,8 @@ class TrainingLayout:
     recompute: bool = False
     options: Any = None  # the schedule's options dataclass (None: its defaults)
     partition: str = "uniform"  # --partition-method: uniform | parameters
+    T: int = 1  # --tensor-model-parallel-size
+    sequence_parallel: bool = False  # --sequence-parallel (with T > 1)
 
     def __post_init__(self) -> None:
         if self.options is None:
@@ -55,10 +66,16 @@ class TrainingLayout:
 
     @classmethod
     def of(cls, schedule: str, D: int, W: int, B: int, N: int, recompute: bool = False,
-           partition: str = "uniform", **options: Any) -> TrainingLayout:
+           partition: str = "uniform", T: int = 1, sequence_parallel: bool = False,
+           **options: Any) -> TrainingLayout:
         """A layout with the schedule's options given as keywords (``pipes=4, concat=...``)."""
         return cls(schedule, D, W, B, N, recompute, get_spec(schedule).options_type(**options),
-                   partition)
+                   partition, T, sequence_parallel)
+
+    @property
+    def num_gpus(self) -> int:
+        """Ranks of the layout: T x W x D."""
+        return self.T * self.W * self.D
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -99,8 +116,10 @@ class TrainingLayout:
     def describe(self) -> str:
         """Compact one-line description for tables."""
         pipes = f" pipes={self.pipes}" if self.pipes > 1 else ""
-        return (f"{self.label}{pipes} D={self.D} W={self.W} B={self.B} N={self.N}"
-                f"{' recompute' if self.recompute else ''}")
+        tensor = f" T={self.T}" if self.T > 1 else ""
+        sp = " sequence-parallel" if self.sequence_parallel and self.T > 1 else ""
+        return (f"{self.label}{pipes}{tensor} D={self.D} W={self.W} B={self.B} N={self.N}"
+                f"{' recompute' if self.recompute else ''}{sp}")
 
 
 @dataclass(frozen=True)
@@ -207,9 +226,31 @@ class PerformanceModel:
         return list(self._partitions[key])
 
     def memory(self, layout: TrainingLayout) -> list[RankMemory]:
-        """Peak memory of every pipeline rank."""
+        """Peak memory of every pipeline rank (of one tensor-parallel rank)."""
+        check_tensor_parallel(self.spec, layout.T, layout.sequence_parallel)
         return rank_memory(self.spec, self.schedule(layout), self.partition(layout), layout.B,
-                           layout.recompute, self.device_type)
+                           layout.recompute, self.device_type, layout.T,
+                           layout.sequence_parallel)
+
+    def _global_rank(self, layout: TrainingLayout, pipeline_rank: int, replica: int = 0) -> int:
+        """Global rank of a pipeline rank in data-parallel replica ``replica``, tensor rank 0."""
+        return global_rank(pipeline_rank, replica, layout.W, 0, layout.T)
+
+    def tensor_parallel_link(self, layout: TrainingLayout) -> LinkProfile:
+        """The link of a tensor-parallel group (T consecutive global ranks)."""
+        return self.hardware.link_for(range(layout.T))
+
+    def stage_times(self, layout: TrainingLayout, piece: StagePiece) -> StageTimes:
+        """One micro-batch through one stage on one of T ranks: compute / T plus the
+        tensor-parallel collectives (forward and backward; none in W)."""
+        times = self.compute.stage_times(piece, layout.B, layout.recompute)
+        if layout.T == 1:
+            return times
+        forward, backward = tensor_parallel_comm_seconds(
+            self.spec, piece, layout.B, layout.T, layout.sequence_parallel,
+            self.tensor_parallel_link(layout), layout.recompute)
+        return StageTimes(times.forward / layout.T + forward,
+                          times.backward / layout.T + backward, times.weight / layout.T)
 
     def _p2p_edges(self, layout: TrainingLayout,
                    schedule: Schedule) -> tuple[tuple[int, int, float, float], ...]:
@@ -224,7 +265,7 @@ class PerformanceModel:
         result = []
         for a, b in sorted(edges):
             link = self.p2p_link or self.hardware.link_for(
-                (global_rank(a, 0, layout.W), global_rank(b, 0, layout.W)))
+                (self._global_rank(layout, a), self._global_rank(layout, b)))
             result.append((a, b, link.alpha_s, link.beta_s_per_byte))
         return tuple(result)
 
@@ -232,7 +273,7 @@ class PerformanceModel:
         if self.p2p_link is not None:
             return self.p2p_link
         groups = [
-            [global_rank(schedule.rank_of(pipe, stage), w, layout.W)
+            [self._global_rank(layout, schedule.rank_of(pipe, stage), w)
              for w in range(layout.W) for pipe in range(schedule.num_pipes)]
             for stage in range(schedule.num_stages)
         ]
@@ -243,17 +284,18 @@ class PerformanceModel:
         """The simulator's cost model for ``layout`` (seconds and bytes)."""
         schedule = self.schedule(layout)
         pieces = self.partition(layout)
-        times = [self.compute.stage_times(p, layout.B, layout.recompute) for p in pieces]
+        times = [self.stage_times(layout, p) for p in pieces]
         split = schedule.split_backward
         link = self._allreduce_link(layout, schedule)
         grad_bytes = tuple(float(n * self.spec.dtype_bytes)
-                           for n in stage_parameters(self.spec, pieces))
+                           for n in stage_parameters(self.spec, pieces, layout.T))
         return CostModel(
             forward_cost=tuple(t.forward for t in times),
             backward_cost=tuple(t.backward for t in times),
             weight_cost=tuple(t.weight for t in times) if split else 0.0,
             p2p_edges=self._p2p_edges(layout, schedule),
-            activation_bytes=float(activation_message_bytes(self.spec, layout.B)),
+            activation_bytes=float(activation_message_bytes(
+                self.spec, layout.B, layout.T, layout.sequence_parallel)),
             allreduce_alpha=link.alpha_s,
             allreduce_beta=link.beta_s_per_byte,
             grad_bytes=grad_bytes,
@@ -273,14 +315,13 @@ class PerformanceModel:
         """A bound below the iteration time, without building the schedule: every micro-batch
         passes every stage forward and backward, spread at best evenly over the D ranks."""
         pieces = self.partition(layout)
-        work = sum(t.forward + t.backward for t in
-                   (self.compute.stage_times(p, layout.B, layout.recompute) for p in pieces))
+        work = sum(t.forward + t.backward for t in (self.stage_times(layout, p) for p in pieces))
         return layout.N * work / layout.D
 
     # ------------------------------------------------------------------ the prediction
     def predict(self, layout: TrainingLayout, with_memory: bool = True) -> Prediction:
         """Iteration time (the simulated makespan), bubble ratio and per-rank peak memory."""
-        if layout.D < 1 or layout.W < 1 or layout.B < 1 or layout.N < 1:
+        if min(layout.D, layout.W, layout.B, layout.N, layout.T) < 1:
             raise ConfigError(f"layout sizes must be positive: {layout.describe()}")
         sim = self.simulate(layout)
         memory = self.memory(layout) if with_memory else []
@@ -295,6 +336,6 @@ class PerformanceModel:
         if step is None:
             return 0.0
         schedule = self.schedule(layout)
-        params = stage_parameters(self.spec, self.partition(layout))
+        params = stage_parameters(self.spec, self.partition(layout), layout.T)
         return max(step(sum(params[s] for s in schedule.stages_of_rank(r)))
                    for r in range(schedule.num_ranks))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -159,6 +160,8 @@ def test_cli_rejects_bad_input(capsys):
     TrainingLayout.of("interleaved", 4, 2, 1, 8, virtual_pipeline_size=2),
     TrainingLayout.of("chimera-zb", 4, 2, 1, 8, pipes=4),
     TrainingLayout("1f1b", 4, 1, 4, 2),
+    TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True, pipes=2),
+    TrainingLayout("1f1b", 2, 2, 2, 4, T=4),
 ])
 def test_generated_flags_parse_into_the_same_layout(layout):
     """The command's flags go through the framework's own parser to the chosen layout."""
@@ -169,13 +172,64 @@ def test_generated_flags_parse_into_the_same_layout(layout):
                                  seq_length=32, vocab_size=500), "gpt2")
     argv = pretrain_flags(spec, layout) + ["--mock-data", "--train-iters", "10", "--lr", "1e-4",
                                            "--vocab-size", "500"]
-    config = parse_args(argv, world_size=layout.D * layout.W)
+    config = parse_args(argv, world_size=layout.num_gpus)
     parallel = config.parallel
-    assert (parallel.pipeline_model_parallel_size, parallel.data_parallel_size) == (layout.D,
-                                                                                    layout.W)
+    assert (parallel.pipeline_model_parallel_size, parallel.data_parallel_size,
+            parallel.tensor_model_parallel_size) == (layout.D, layout.W, layout.T)
+    assert config.model.sequence_parallel == layout.sequence_parallel
     assert parallel.pipeline_schedule == layout.schedule
     assert config.training.micro_batch_size == layout.B
     assert config.training.num_microbatches == layout.N
     assert config.training.partition_method == layout.partition
     assert (config.model.recompute_granularity == "full") == layout.recompute
     assert parallel.schedule_options == layout.options
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+def test_tensor_parallel_sizes_are_searched_and_reach_the_command(capsys):
+    """With T allowed, the space holds T x W x D = P layouts (sequence parallel), T must divide
+    the heads, and the chosen command carries T."""
+    space = SearchSpace(num_gpus=8, global_batch_size=16, num_layers=8, schedules=("1f1b",),
+                        micro_batch_sizes=(2,), recompute=(False,),
+                        partition_methods=("uniform",), tensor_parallel_sizes=(1, 2, 8))
+    layouts = list(enumerate_layouts(space))
+    assert {(lay.T, lay.D, lay.W) for lay in layouts} == {(1, 2, 4), (1, 4, 2), (1, 8, 1),
+                                                          (2, 2, 2), (2, 4, 1)}
+    assert all(lay.sequence_parallel == (lay.T > 1) for lay in layouts)
+    result = autotune(PerformanceModel(gpt(), PRESETS["a100"]), dataclasses.replace(
+        space, tensor_parallel_sizes=(1, 2, 8), num_gpus=16), 10**12)
+    assert any(lay.T == 8 and "--num-attention-heads 4 is not divisible" in why
+               for lay, why in result.invalid)
+    rc = _cli().main(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "32", "--vocab-size", "500", "--num-gpus", "8",
+                      "--global-batch-size", "16", "--hardware", "a100", "--bf16",
+                      "--tensor-model-parallel-sizes", "2", "--schedules", "1f1b"])
+    assert rc == 0
+    command = capsys.readouterr().out.replace(" \\\n    ", " ")
+    assert "--tensor-model-parallel-size 2 --sequence-parallel" in command
+
+
+def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
+    """Per rank, T = 2 holds about half the weights and activations; its stage times are half
+    the compute plus the tensor-parallel collectives, which vanish on a free link."""
+    spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                                 seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
+    one = TrainingLayout("1f1b", 4, 1, 2, 8)
+    two = dataclasses.replace(one, T=2, sequence_parallel=True)
+    model = PerformanceModel(spec, PRESETS["a100"])
+    m1, m2 = (max(m.total_bytes for m in model.memory(lay)) for lay in (one, two))
+    assert 0.45 < m2 / m1 < 0.6
+    piece = model.partition(one)[1]
+    t1, t2 = model.stage_times(one, piece), model.stage_times(two, piece)
+    assert t2.weight == pytest.approx(t1.weight / 2)
+    assert t2.forward > t1.forward / 2 and t2.backward > t1.backward / 2
+    free = PerformanceModel(spec, dataclasses.replace(PRESETS["a100"], intra_node=FREE))
+    t_free = free.stage_times(two, piece)
+    assert t_free.forward == pytest.approx(t1.forward / 2)
+    # 2 layers x (2 all-gathers + 2 reduce-scatters of one [s, b, h] bf16 activation) forward
+    link = PRESETS["a100"].intra_node
+    activation = 512 * 2 * 1024 * 2
+    one_collective = link.alpha_s + activation / 2 * link.beta_s_per_byte
+    assert t2.forward - t1.forward / 2 == pytest.approx(2 * 4 * one_collective)
+    # sequence parallelism halves the pipeline messages
+    assert model.cost_model(two).activation_bytes == model.cost_model(one).activation_bytes / 2

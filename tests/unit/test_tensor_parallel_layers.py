@@ -16,7 +16,9 @@ from torch import nn
 from megatron_chimera import parallel_state
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.model.bert import BertModel
+from megatron_chimera.model.family import BERT, GPT2
 from megatron_chimera.model.gpt2 import GPTModel
+from megatron_chimera.model.partition import stage_parameters
 from megatron_chimera.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -249,6 +251,7 @@ def _bert_loss(model: BertModel) -> torch.Tensor:
 
 
 MODELS = {"gpt2": (GPTModel, _gpt_loss), "bert": (BertModel, _bert_loss)}
+FAMILY_OF = {"gpt2": GPT2, "bert": BERT}
 
 
 def run_models(rank: int, world_size: int, family: str, sequence_parallel: bool,
@@ -263,6 +266,9 @@ def run_models(rank: int, world_size: int, family: str, sequence_parallel: bool,
     model_parallel_cuda_manual_seed(1234)
     try:
         model = cls(config, seed=7)
+        per_rank = stage_parameters(config, FAMILY_OF[family], [(0, config.num_layers)],
+                                    world_size)[0]
+        assert sum(p.numel() for p in model.parameters()) == per_rank  # the analytic count
         for name, value in full_state(model).items():  # layout-independent initialisation
             assert torch.equal(value, dict(reference.named_parameters())[name]), name
         loss = loss_of(model)

@@ -155,6 +155,15 @@ class AnalyticCompute:
         backward = 2 * forward + (forward if recompute else 0.0)
         return StageTimes(forward, backward, weights / rate)
 
+    def tensor_parallel_slowdown(self, micro_batch: int, tensor_parallel: int) -> float:
+        """How much slower per FLOP the stage runs on 1/T of every weight matrix: the
+        efficiency curve taken at ``B s / T`` tokens (a GEMM T times narrower does the work of
+        one with T times fewer tokens), relative to ``B s``."""
+        tokens = micro_batch * self.spec.config.seq_length
+        dtype = self.spec.config.params_dtype
+        return (self.hardware.achieved_flops(dtype, tokens)
+                / self.hardware.achieved_flops(dtype, tokens / tensor_parallel))
+
 
 def chimera_eq1_time(forward: float, backward: float, N: int, D: int, p2p: float = 0.0,
                      unoverlapped_allreduce: float = 0.0) -> float:
@@ -241,16 +250,19 @@ class PerformanceModel:
         return self.hardware.link_for(range(layout.T))
 
     def stage_times(self, layout: TrainingLayout, piece: StagePiece) -> StageTimes:
-        """One micro-batch through one stage on one of T ranks: compute / T plus the
-        tensor-parallel collectives (forward and backward; none in W)."""
+        """One micro-batch through one stage on one of T ranks: compute / T (at the efficiency of
+        the narrower matrices, when the compute source models it) plus the tensor-parallel
+        collectives (forward and backward; none in W)."""
         times = self.compute.stage_times(piece, layout.B, layout.recompute)
         if layout.T == 1:
             return times
+        slowdown = getattr(self.compute, "tensor_parallel_slowdown", None)
+        share = (slowdown(layout.B, layout.T) if slowdown else 1.0) / layout.T
         forward, backward = tensor_parallel_comm_seconds(
             self.spec, piece, layout.B, layout.T, layout.sequence_parallel,
             self.tensor_parallel_link(layout), layout.recompute)
-        return StageTimes(times.forward / layout.T + forward,
-                          times.backward / layout.T + backward, times.weight / layout.T)
+        return StageTimes(times.forward * share + forward, times.backward * share + backward,
+                          times.weight * share)
 
     def _p2p_edges(self, layout: TrainingLayout,
                    schedule: Schedule) -> tuple[tuple[int, int, float, float], ...]:

@@ -211,23 +211,29 @@ def test_tensor_parallel_sizes_are_searched_and_reach_the_command(capsys):
 
 def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
     """Per rank, T = 2 holds about half the weights and activations; its stage times are half
-    the compute plus the tensor-parallel collectives, which vanish on a free link."""
+    the compute (at the efficiency of half-width matrices) plus the tensor-parallel collectives,
+    which vanish on a free link."""
     spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
                                  seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
     one = TrainingLayout("1f1b", 4, 1, 2, 8)
     two = dataclasses.replace(one, T=2, sequence_parallel=True)
-    model = PerformanceModel(spec, PRESETS["a100"])
+    flat = dataclasses.replace(PRESETS["a100"], half_efficiency_tokens=0.0)  # no size effect
+    model = PerformanceModel(spec, flat)
     m1, m2 = (max(m.total_bytes for m in model.memory(lay)) for lay in (one, two))
     assert 0.45 < m2 / m1 < 0.6
     piece = model.partition(one)[1]
     t1, t2 = model.stage_times(one, piece), model.stage_times(two, piece)
     assert t2.weight == pytest.approx(t1.weight / 2)
     assert t2.forward > t1.forward / 2 and t2.backward > t1.backward / 2
-    free = PerformanceModel(spec, dataclasses.replace(PRESETS["a100"], intra_node=FREE))
+    free = PerformanceModel(spec, dataclasses.replace(flat, intra_node=FREE))
     t_free = free.stage_times(two, piece)
     assert t_free.forward == pytest.approx(t1.forward / 2)
+    # the a100 preset's efficiency m / (m + 512) at m = B s = 1024 tokens vs 512 for half-width
+    sized = PerformanceModel(spec, PRESETS["a100"])
+    ratio = sized.stage_times(two, piece).weight / sized.stage_times(one, piece).weight
+    assert ratio == pytest.approx((1024 / 1536) / (512 / 1024) / 2)
     # 2 layers x (2 all-gathers + 2 reduce-scatters of one [s, b, h] bf16 activation) forward
-    link = PRESETS["a100"].intra_node
+    link = flat.intra_node
     activation = 512 * 2 * 1024 * 2
     one_collective = link.alpha_s + activation / 2 * link.beta_s_per_byte
     assert t2.forward - t1.forward / 2 == pytest.approx(2 * 4 * one_collective)

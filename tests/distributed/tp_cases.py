@@ -43,6 +43,7 @@ from megatron_chimera.tensor_parallel.utils import is_tensor_parallel
 from megatron_chimera.training import _norm_filter
 
 from ..tp_helpers import full_state
+from .cases import run_each
 
 STEPS = 3
 RTOL = 1e-5
@@ -247,11 +248,7 @@ def run_tp_case(rank: int, world_size: int, case: TPCase) -> dict[str, int]:
 
 def run_tp_cases(rank: int, world_size: int, cases: list[TPCase]) -> None:
     """Run every case in sequence in this world; name the failing case."""
-    for case in cases:
-        try:
-            run_tp_case(rank, world_size, case)
-        except Exception as exc:
-            raise AssertionError(f"case {case.name}: {exc}") from exc
+    run_each(rank, world_size, cases, run_tp_case)
 
 
 def run_sequence_parallel_bytes(rank: int, world_size: int, family: str) -> None:

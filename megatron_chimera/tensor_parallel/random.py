@@ -8,7 +8,7 @@ heads, and under sequence parallelism the residual stream of this rank's sequenc
 differ: it runs inside ``get_cuda_rng_tracker().fork()``, which swaps in the tracker's
 ``model-parallel-rng`` state, seeded with ``seed + 2718 + tensor rank``
 (:func:`model_parallel_cuda_manual_seed`, as Megatron). The tracker swaps the CPU generator and,
-when CUDA is initialised, the current device's, so the same code runs on both.
+on a machine with CUDA, the current device's, so the same code runs on both.
 
 The tracker is process state like Megatron's (one per process, reset by every seeding).
 :func:`checkpoint` is activation checkpointing that also replays the tracker's streams, so a
@@ -33,7 +33,9 @@ RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU state, CUDA state or
 
 
 def _cuda_active() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    """Whether the CUDA generator is tracked too (on any machine with a CUDA device: seeding
+    before the first CUDA operation must not leave the device's dropout on one stream)."""
+    return torch.cuda.is_available()
 
 
 def _current_state() -> RngState:

@@ -15,7 +15,8 @@ Loss scaling: each micro-batch loss is divided by ``loss_scale_divisor = N x W``
 backward, and :class:`GradientSynchronizer` SUMs gradients over each stage-replica group, so every
 replica ends with the mean gradient over the ``B x N x W`` samples of the mini-batch. Then the
 gradients of sequence-parallel parameters (partial on each tensor-parallel rank) are summed over
-the tensor-parallel group (:func:`~megatron_chimera.tensor_parallel.allreduce_sequence_parallel_grads`).
+the tensor-parallel group
+(:func:`~megatron_chimera.tensor_parallel.allreduce_sequence_parallel_grads`).
 
 Tensor parallelism is invisible to the lists: the T ranks of a tensor-parallel group run the same
 list, exchange messages only with the equal tensor rank of their neighbours, and meet in the

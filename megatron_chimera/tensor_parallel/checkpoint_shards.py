@@ -54,7 +54,7 @@ def _gather(tensors: list[torch.Tensor], group: dist.ProcessGroup, dst: int,
     me = dist.get_rank()
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend(group) == "nccl" else torch.device("cpu"))
-    for dtype, indices in by_dtype.items():
+    for indices in by_dtype.values():
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in indices]).to(device)
         parts = [torch.empty_like(flat) for _ in range(world)] if me == dst else None
         dist.gather(flat, parts, dst=dst, group=group)

@@ -4,9 +4,9 @@ throughput.
 For ``P`` GPUs and a mini-batch ``B̂`` it tries every allowed tensor-parallel size ``T``
 (``SearchSpace.tensor_parallel_sizes``, default 1 only; with sequence parallelism when T > 1;
 T must divide the heads, hidden and MLP sizes), every even ``D`` dividing ``P / T`` (at most one
-stage per layer), ``W = P / (T D)``, every micro-batch size ``B`` with ``N = B̂ / (W B)`` integral, every
-registered schedule variant the sizes allow (GPipe, 1F1B, interleaved with ``v`` dividing the
-layers, Chimera and Chimera-ZB with 2 and 4 pipes and every concatenation, ZB-H1), layers
+stage per layer), ``W = P / (T D)``, every micro-batch size ``B`` with ``N = B̂ / (W B)``
+integral, every registered schedule variant the sizes allow (GPipe, 1F1B, interleaved with ``v``
+dividing the layers, Chimera and Chimera-ZB with 2 and 4 pipes and every concatenation, ZB-H1), layers
 partitioned uniformly or balanced by parameters (``--partition-method``; the balanced split moves
 layers off the stages holding the embedding and the LM head), with and without full
 recomputation. The memory model drops layouts over the device memory before anything is

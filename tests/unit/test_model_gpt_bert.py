@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.bert import BertModel, build_bert_stage
 from megatron_chimera.model.gpt2 import GPTModel, build_gpt_stage
-from megatron_chimera.model.linear import Linear, WeightGradStore, defer_weight_grad
+from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
 from megatron_chimera.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_chimera.tensor_parallel.weight_grad import deferrable_modules
 

@@ -11,6 +11,7 @@ replica of a shard, and every tensor-parallel copy of a replicated parameter, is
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from dataclasses import dataclass
 from typing import Any
@@ -247,27 +248,30 @@ def run_tp_case(rank: int, world_size: int, case: TPCase) -> dict[str, int]:
 
 
 def run_tp_cases(rank: int, world_size: int, cases: list[TPCase]) -> None:
-    """Run every case in sequence in this world; name the failing case."""
-    run_each(rank, world_size, cases, run_tp_case)
+    """Run every case in sequence in this world; name the failing case. A sequence-parallel case
+    whose twin without sequence parallelism ran too must have sent exactly 1/T of its p2p bytes
+    (on every rank); the figures are printed for the record."""
+    sent: dict[TPCase, int] = {}
 
+    def run(rank: int, world_size: int, case: TPCase) -> None:
+        sent[case] = run_tp_case(rank, world_size, case)["p2p_bytes"]
 
-def run_sequence_parallel_bytes(rank: int, world_size: int, family: str) -> None:
-    """The same 1F1B T=2 D=2 iteration with and without --sequence-parallel: every rank sends
-    exactly 1/T of the p2p bytes with it; the figures are printed for the record."""
-    sent = {}
-    for sp in (False, True):
-        case = TPCase(family, "1f1b", 2, world_size // 2, 4, sequence_parallel=sp)
-        sent[sp] = run_tp_case(rank, world_size, case)["p2p_bytes"]
-    if sent[False] == 0 or sent[True] * 2 != sent[False]:
-        raise AssertionError(f"p2p bytes without / with sequence parallelism: {sent}")
-    totals = torch.tensor([sent[False], sent[True]], dtype=torch.int64)
-    dist.all_reduce(totals)
-    if rank == 0:
-        per_microbatch = totals / (STEPS * 4)
-        print(f"\n{family} 1F1B T=2 D=2 N=4, [s, b, h] = [{SEQ}, {MICRO_BATCH}, "
-              f"{MODEL['hidden_size']}] fp32: p2p bytes per micro-batch (all ranks) without "
-              f"sequence parallelism {int(per_microbatch[0])}, with {int(per_microbatch[1])}",
-              flush=True)
+    run_each(rank, world_size, cases, run)
+    for case, nbytes in sent.items():
+        twin = dataclasses.replace(case, sequence_parallel=False)
+        if not case.sequence_parallel or twin not in sent:
+            continue
+        if sent[twin] == 0 or nbytes * case.tensor_size != sent[twin]:
+            raise AssertionError(f"{case.name}: p2p bytes {nbytes} with sequence parallelism, "
+                                 f"{sent[twin]} without")
+        totals = torch.tensor([sent[twin], nbytes], dtype=torch.int64)
+        dist.all_reduce(totals)
+        if rank == 0:
+            per_microbatch = totals // (STEPS * case.num_microbatches * (
+                world_size // (case.tensor_size * case.pipeline_size)))
+            print(f"\n{twin.name}, [s, b, h] = [{SEQ}, {MICRO_BATCH}, {MODEL['hidden_size']}] "
+                  f"fp32: p2p bytes per micro-batch (all ranks) {int(per_microbatch[0])}, with "
+                  f"--sequence-parallel {int(per_microbatch[1])}", flush=True)
 
 
 def _train_with_dropout(case: TPCase, schedule, recompute: bool,

@@ -1,8 +1,8 @@
 """Process groups and rank arithmetic for T-way tensor x W-way data x D-way pipeline parallelism.
 
-This is the only module of the library that holds module-level state (like Megatron's
-``parallel_state``). ``initialize_model_parallel`` creates every group, in the same order on every
-rank; ``destroy_model_parallel`` frees them.
+This module holds the library's module-level state (like Megatron's ``parallel_state``; the
+only other is Megatron's RNG tracker in ``tensor_parallel.random``). ``initialize_model_parallel``
+creates every group, in the same order on every rank; ``destroy_model_parallel`` frees them.
 
 Rank layout (Megatron's): ``global rank = (pipeline_rank * W + data_parallel_rank) * T +
 tensor_rank`` -- tensor-parallel ranks innermost (one node holds a tensor-parallel group), then

@@ -163,12 +163,12 @@ CONSUMED_WHILE_PARSING: dict[str, str] = {
 # Megatron flags accepted because what they ask for always holds here (nothing to configure).
 ALWAYS_ON: dict[str, str] = {
     "data_impl": "always mmap (Megatron's MMIDIDX files; `infer` finds the same)",
-    "no_async_tensor_model_parallel_allreduce": "always: the input-gradient all-reduce of a "
-                                                "column-parallel layer is not overlapped with its "
-                                                "weight gradient",
-    "no_scatter_gather_tensors_in_pipeline": "always: pipeline messages are whole [s, b, h] "
-                                             "tensors ([s/T, b, h] chunks with "
-                                             "--sequence-parallel)",
+    "no_async_tensor_model_parallel_allreduce": "the input-gradient all-reduce of a "
+                                                "column-parallel layer is never overlapped with "
+                                                "its weight gradient",
+    "no_scatter_gather_tensors_in_pipeline": "pipeline messages are never split over the "
+                                             "tensor-parallel ranks (whole [s, b, h]; [s/T, b, h] "
+                                             "chunks with --sequence-parallel)",
     "log_validation_ppl_to_tensorboard": "always written",
     "log_batch_size_to_tensorboard": "always written",
 }

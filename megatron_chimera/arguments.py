@@ -21,6 +21,7 @@ from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
+    DDPConfig,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -95,6 +96,20 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--partition-method", choices=PARTITION_METHODS, default="uniform")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and reduce gradients in fp32 buffers (always on with --bf16)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce each gradient bucket as soon as it is final, during the stage's "
+                        "last backward (otherwise each stage once its last backward is done)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient bucket (default: max(40M, 1M x stage-replica "
+                        "group size) with --overlap-grad-reduce, else one bucket per stage)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard fp32 main parameters and optimizer state over each "
+                        "stage-replica group (ZeRO-1)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather updated parameters in the background; each stage waits "
+                        "before its first forward (needs --use-distributed-optimizer)")
     g.add_argument("--allow-cpu-training", action="store_true",
                    help="with --distributed-backend gloo on a machine with CUDA devices: train "
                         "on the CPU on purpose (refused otherwise)")
@@ -277,8 +292,20 @@ def _build_config(
         training=_training_config(args, global_batch, num_microbatches),
         checkpoint=_pick(CheckpointConfig, args),
         logging=_pick(LoggingConfig, args),
+        ddp=_ddp_config(args),
         extra=extra,
     )
+
+
+def _ddp_config(args: argparse.Namespace) -> DDPConfig:
+    """Gradient-buffer and data-parallel flags (bf16 always accumulates in fp32, as Megatron)."""
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+    return DDPConfig(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or args.bf16,
+                     overlap_grad_reduce=args.overlap_grad_reduce,
+                     bucket_size=args.ddp_bucket_size,
+                     use_distributed_optimizer=args.use_distributed_optimizer,
+                     overlap_param_gather=args.overlap_param_gather)
 
 
 def _pick(cls: type, args: argparse.Namespace, **overrides: object):
@@ -296,7 +323,7 @@ def _check_positive(args: argparse.Namespace) -> None:
                 "max_position_embeddings", "make_vocab_size_divisible_by", "log_interval",
                 "eval_interval", "save_interval", "exit_interval", "vocab_size",
                 "num_layers_per_virtual_pipeline_stage", "chimera_pipes",
-                "num_virtual_stages_per_pipeline_rank",
+                "num_virtual_stages_per_pipeline_rank", "ddp_bucket_size",
                 "recompute_num_layers", "loss_scale_window", "hysteresis",
                 "tensorboard_log_interval", "lr_decay_iters", "lr_decay_samples",
                 "masking_max_ngram")

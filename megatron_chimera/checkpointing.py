@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
+from megatron_chimera.optimizer.param_state import ParamStateError
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
 from megatron_chimera.tensor_parallel.checkpoint_shards import (
     join_tensor_parallel_state,
@@ -138,75 +139,6 @@ def _shared_embedding_name(stage: StageSlice) -> str | None:
     return None
 
 
-def _to_host(value: Any) -> Any:
-    """A tensor as saved: on the host, with no device-side copy (a device tensor is copied to
-    host memory; a host tensor is written as it is, since saving is synchronous)."""
-    return value.detach().cpu() if torch.is_tensor(value) else value
-
-
-def _optimizer_param_state(optimizer: Any, params: dict[str, nn.Parameter]) -> dict[str, Any]:
-    """Per-parameter optimizer state keyed by global name: the inner optimizer's state of the
-    main parameter, plus the fp32 main parameter itself when it is a separate copy (host copies:
-    saving never allocates device memory for the optimizer state)."""
-    main_of = {id(p): m for p, m in zip(optimizer.model_params, optimizer.main_params)}
-    state: dict[str, Any] = {}
-    for name, param in params.items():
-        main = main_of.get(id(param))
-        if main is None:
-            continue
-        entry = {k: _to_host(v) for k, v in optimizer.optimizer.state.get(main, {}).items()}
-        if main is not param:
-            entry["main_param"] = _to_host(main)
-        state[name] = entry
-    return state
-
-
-def _collect_optimizer_param_state(optimizer: Any, params: dict[str, nn.Parameter],
-                                   saved: dict[str, Any], source: str,
-                                   into: dict[int, dict[str, Any]]) -> None:
-    """Copy saved fp32 main parameters into this rank's, and gather the saved per-parameter
-    state of ``params`` by main parameter (``into``: id -> state) for :func:`_load_inner`."""
-    main_of = {id(p): m for p, m in zip(optimizer.model_params, optimizer.main_params)}
-    for name, param in params.items():
-        main = main_of.get(id(param))
-        if main is None:
-            continue
-        if name not in saved:
-            raise CheckpointError(f"{source}: no optimizer state for parameter {name}")
-        entry = dict(saved[name])
-        main_value = entry.pop("main_param", None)
-        with torch.no_grad():
-            if main is not param:
-                main.copy_(main_value if main_value is not None else param.float())
-        # own copies: the tied embedding's copies share one saved entry
-        into[id(main)] = {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
-
-
-# optimizer group entries that choose a kernel: they follow the resuming run, not the checkpoint
-KERNEL_CHOICES = ("foreach", "fused", "capturable", "differentiable")
-
-
-def _load_inner(inner: torch.optim.Optimizer, states: dict[int, dict[str, Any]],
-                saved_groups: list[dict[str, Any]] | None) -> None:
-    """Restore the inner optimizer through its own ``load_state_dict``, so its policy applies
-    (e.g. fused / capturable Adam's ``step`` on the parameter's device, state cast to the
-    parameter's dtype and device) and group entries such as Apex FusedAdam's ``step`` return."""
-    groups, state, index = [], {}, 0
-    usable = saved_groups if saved_groups and len(saved_groups) == len(inner.param_groups) else None
-    for position, group in enumerate(inner.param_groups):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        if usable is not None:  # the saved entries, but this run's choice of kernel
-            hyper.update({k: v for k, v in usable[position].items() if k not in KERNEL_CHOICES})
-        ids = []
-        for param in group["params"]:
-            if id(param) in states:
-                state[index] = states[id(param)]
-            ids.append(index)
-            index += 1
-        groups.append({**hyper, "params": ids})
-    inner.load_state_dict({"state": state, "param_groups": groups})
-
-
 def get_rng_state() -> dict[str, Any]:
     """Python, numpy, torch CPU (and CUDA) RNG states and the tensor-parallel tracker's, as
     weights-only-loadable objects."""
@@ -267,6 +199,7 @@ def save_checkpoint(
     Hugging Face model): ``--load`` starts from them at iteration 0 with a fresh optimizer.
     """
     barrier = barrier or (lambda: None)
+    stages = list(stages)
     final = checkpoint_dir(root, iteration)
     staging = final + ".staging"
     if rank == 0:
@@ -274,17 +207,21 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(os.path.join(staging, "rng"))
     barrier()
+    if optimizer is not None:
+        optimizer.finish_param_sync()  # the weights saved are the updated ones
+    optimizer = optimizer if save_optim else None
+    optim_states = (optimizer.param_state_to_save(
+        [(st.stage, stage_named_parameters(st), st.writer) for st in stages])
+        if optimizer is not None else {})
     for stage in stages:
         if not stage.writer:
             continue
-        params = stage_named_parameters(stage)
+        optim_state = optim_states.get(stage.stage) if optimizer is not None else None
         start = stage.layer_range[0]
         joined = join_tensor_parallel_state(  # a collective of the stage's tensor-parallel group
             {global_name(n, start): t.detach().cpu()
              for n, t in stage.module.state_dict().items()},
-            (_optimizer_param_state(optimizer, params)
-             if save_optim and optimizer is not None else None),
-            params)
+            optim_state, stage_named_parameters(stage))
         if joined is None:
             continue  # not tensor rank 0: its shards went to the writer
         payload = {
@@ -308,7 +245,7 @@ def save_checkpoint(
             "stages": [{"layer_range": list(r), "file": stage_filename(r)} for r in partition],
             "opt_param_scheduler": (opt_param_scheduler.state_dict()
                                     if opt_param_scheduler is not None else None),
-            "optimizer": _optimizer_common_state(optimizer) if save_optim else None,
+            "optimizer": optimizer.common_state() if optimizer is not None else None,
         }
         atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME))
     barrier()
@@ -316,18 +253,6 @@ def save_checkpoint(
         _publish(root, staging, final, iteration)
     barrier()
     return final
-
-
-def _optimizer_common_state(optimizer: Any | None) -> dict[str, Any] | None:
-    if optimizer is None:
-        return None
-    scaler = getattr(optimizer, "grad_scaler", None)
-    # the inner optimizer's group entries besides the parameters (lr, betas, Apex's step, ...)
-    groups = [{k: _to_host(v) for k, v in group.items() if k != "params"}
-              for group in optimizer.optimizer.param_groups]
-    return {"grad_scaler": scaler.state_dict() if scaler is not None else None,
-            "skipped_steps": int(getattr(optimizer, "skipped_steps", 0)),
-            "param_groups": groups}
 
 
 def _publish(root: str, staging: str, final: str, iteration: int) -> None:
@@ -408,7 +333,6 @@ def load_checkpoint(
 
     finetune = finetune or bool(common.get("release", False))
     load_optim = load_optim and not finetune and optimizer is not None
-    inner_states: dict[int, dict[str, Any]] = {}
     for stage in stages:
         files = _overlapping_files(common, stage, num_stages)
         model: dict[str, torch.Tensor] = {}
@@ -432,14 +356,12 @@ def load_checkpoint(
                     f"{path}: saved without optimizer state (--no-save-optim); "
                     "use --no-load-optim or --finetune"
                 )
-            _collect_optimizer_param_state(optimizer, params, optim, path, inner_states)
+            try:
+                optimizer.collect_param_state(params, optim)
+            except ParamStateError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
     if load_optim:
-        state = common.get("optimizer") or {}
-        _load_inner(optimizer.optimizer, inner_states, state.get("param_groups"))
-        scaler = getattr(optimizer, "grad_scaler", None)
-        if scaler is not None and state.get("grad_scaler") is not None:
-            scaler.load_state_dict(state["grad_scaler"])
-        optimizer.skipped_steps = int(state.get("skipped_steps", 0))
+        optimizer.load_collected_state(common.get("optimizer") or {})
     if finetune:
         return LoadedCheckpoint(0, 0, 0, path)
     if opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:

@@ -169,6 +169,36 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class DDPConfig:
+    """Gradient buffers and data-parallel reduction (Megatron's ``DistributedDataParallelConfig``).
+
+    ``grad_reduce_in_fp32``: accumulate and reduce gradients in fp32 buffers
+    (``--accumulate-allreduce-grads-in-fp32``; always on with ``--bf16``, as in Megatron).
+    ``overlap_grad_reduce``: reduce each bucket as soon as its gradients are final, during the
+    stage's last backward; otherwise each stage is reduced whole once its last backward is done.
+    ``bucket_size``: elements per bucket (None: Megatron's ``max(40M, 1M x group size)`` with
+    overlap, one bucket per stage without). ``use_distributed_optimizer``: shard the fp32 main
+    parameters and optimizer state over each stage-replica group (ZeRO-1).
+    ``overlap_param_gather``: all-gather the updated parameters in the background, waiting for
+    a stage's parameters before its first forward of the next iteration.
+    """
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    bucket_size: int | None = None
+    use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+
+    def bucket_elements(self, group_size: int) -> int | None:
+        """Elements per bucket for a reducing group of ``group_size`` ranks (None: whole)."""
+        if self.bucket_size is not None:
+            return self.bucket_size
+        if self.overlap_grad_reduce:
+            return max(40_000_000, 1_000_000 * group_size)
+        return None
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Datasets and tokenizer (``--data-path``, ``--split``, ``--tokenizer-type``, ...)."""
 
@@ -253,6 +283,7 @@ class TrainConfig:
     training: TrainingConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    ddp: DDPConfig = DDPConfig()
     extra: tuple[tuple[str, object], ...] = ()  # flags added by an extra_args_provider
 
     def extra_arg(self, name: str, default: object = None) -> object:

@@ -153,6 +153,8 @@ FAMILY: dict[str, str] = {
 
 # Parsed flags that are not a configuration field of the same name: where arguments.py puts them.
 CONSUMED_WHILE_PARSING: dict[str, str] = {
+    "accumulate_allreduce_grads_in_fp32": "`ddp.grad_reduce_in_fp32` (also set by --bf16)",
+    "ddp_bucket_size": "`ddp.bucket_size`",
     "no_apex": "`model.use_apex`, `optimizer.use_apex` = False",
     "lr_decay_iters": "`optimizer.lr_decay_samples` = iterations x global batch",
     "lr_warmup_iters": "`optimizer.lr_warmup_samples` = iterations x global batch",
@@ -238,8 +240,6 @@ REFUSED: dict[str, str] = {
     "--fp32-residual-connection": "the residual stream is kept in the parameter dtype",
     "--no-query-key-layer-scaling": "older spelling: layer scaling is off by default, as in "
                                     "current Megatron-LM (--apply-query-key-layer-scaling)",
-    "--accumulate-allreduce-grads-in-fp32": "gradients are accumulated and all-reduced in the "
-                                            "parameter dtype, then copied to fp32 main grads",
     "--fp16-lm-cross-entropy": "the LM cross-entropy is always computed in fp32",
     "--overlap-p2p-communication": "point-to-point messages are part of the lowered schedule "
                                    "(receives posted ahead); no flag",
@@ -251,10 +251,6 @@ REFUSED: dict[str, str] = {
     "--empty-unused-memory-level": "not implemented",
     "--standalone-embedding-stage": "not implemented (--partition-method parameters balances "
                                     "the embedding instead)",
-    "--use-distributed-optimizer": "the distributed (sharded) optimizer is not implemented",
-    "--overlap-grad-reduce": "not a flag here: bucketed gradient reduction always overlaps "
-                             "the remaining backward work",
-    "--overlap-param-gather": "needs the distributed optimizer, which is not implemented",
     "--skip-train": "not implemented",
     "--train-data-path": "per-split data paths are not implemented: use --data-path with "
                          "--split",
@@ -329,7 +325,8 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--no-contiguous-buffers-in-local-ddp", "--no-scatter-gather-tensors-in-pipeline",
     "--use-ring-exchange-p2p", "--lazy-mpu-init", "--use-cpu-initialization",
     "--empty-unused-memory-level", "--standalone-embedding-stage", "--use-distributed-optimizer",
-    "--overlap-grad-reduce", "--overlap-param-gather", "--context-parallel-size",
+    "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
+    "--context-parallel-size",
     # validation
     "--eval-iters", "--eval-interval", "--skip-train",
     # data and tokenizer

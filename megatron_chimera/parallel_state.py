@@ -380,6 +380,11 @@ def get_stage_replica_ranks(stage: int) -> list[int]:
     return list(_state().stage_replica_ranks[stage])
 
 
+def get_num_stages() -> int:
+    """Model stages of the schedule (D, or D x v for the interleaved schedule)."""
+    return _state().num_stages
+
+
 def get_embedding_group() -> dist.ProcessGroup | None:
     """Holders of this rank's shard of the tied word embedding (stage 0 or last stage, this
     tensor rank); None off the group."""

@@ -24,8 +24,13 @@ from megatron_chimera import parallel_state
 from megatron_chimera.arguments import build_schedule_for, parse_args_and_schedule
 from megatron_chimera.checkpoint_args import check_model_matches_checkpoint
 from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
-from megatron_chimera.config import ConfigError, TrainConfig
+from megatron_chimera.config import ConfigError, DDPConfig, OptimizerConfig, TrainConfig
 from megatron_chimera.data.samplers import build_data_iterator, next_microbatches
+from megatron_chimera.distributed.grad_buffer import (
+    TIED,
+    build_grad_buffers,
+    shared_embedding_weight,
+)
 from megatron_chimera.flag_catalog import family_flag_errors
 from megatron_chimera.initialize import initialize_megatron
 from megatron_chimera.model.family import GPT2, ModelFamily
@@ -38,9 +43,15 @@ from megatron_chimera.monitor import (
     gather_memory_stats,
     predicted_bubble_ratio,
 )
-from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_optimizer
+from megatron_chimera.optimizer import (
+    MegatronOptimizer,
+    OptimizerParamScheduler,
+    ShardGroup,
+    get_megatron_optimizer,
+)
+from megatron_chimera.optimizer.builder import InnerFactory
 from megatron_chimera.pipeline.executor import PipelineExecutor
-from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, shared_embedding_weight
+from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import make_transport
 from megatron_chimera.schedules.actions import Schedule
@@ -121,6 +132,64 @@ def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
     return (seq, config.training.micro_batch_size, model.hidden_size)
 
 
+def _shard_groups(modules: dict[int, nn.Module]) -> dict[int | str, ShardGroup]:
+    """The distributed optimizer's shard groups: each local stage over its stage-replica group,
+    the tied embedding over the embedding group (its writers: those of the first and last
+    stage files, which both keep its entry). With tensor parallelism these groups join the ranks
+    of this rank's tensor rank, so each tensor rank's shards are sharded among its equals."""
+    rank = dist.get_rank()
+    shards: dict[int | str, ShardGroup] = {}
+    for stage in modules:
+        ranks = parallel_state.get_stage_replica_ranks(stage)
+        shards[stage] = ShardGroup(parallel_state.get_stage_replica_group(stage), len(ranks),
+                                   ranks.index(rank), (min(ranks),))
+    embedding = parallel_state.get_embedding_ranks()
+    if rank in embedding:
+        ends = (0, parallel_state.get_num_stages() - 1)
+        writers = sorted({min(parallel_state.get_stage_replica_ranks(s)) for s in ends})
+        shards[TIED] = ShardGroup(parallel_state.get_embedding_group(), len(embedding),
+                                  embedding.index(rank), tuple(writers))
+    return shards
+
+
+def build_data_parallel(optimizer_config: OptimizerConfig, ddp: DDPConfig,
+                        modules: dict[int, nn.Module], make_inner: InnerFactory | None = None
+                        ) -> tuple[GradientSynchronizer, MegatronOptimizer]:
+    """Gradient buffers, their synchronizer and the optimizer of this rank's stage modules.
+
+    The local optimizer reduces norm and found-inf over the model-replica group (each stage
+    counted on its owner); the distributed one is sharded over each stage-replica group (the
+    tied embedding over the embedding group) and reduces them over the world. Either way a
+    parameter replicated over the tensor-parallel ranks counts on tensor rank 0 only. Buckets
+    are sized for each stage-replica group; the synchronizer also sums sequence-parallel
+    gradients over the tensor-parallel group. ``make_inner`` overrides the inner optimizer
+    (tests).
+    """
+    sharded = ddp.use_distributed_optimizer
+    shards = _shard_groups(modules) if sharded else None
+    group_sizes = {s: len(parallel_state.get_stage_replica_ranks(s)) for s in modules}
+    buffers = build_grad_buffers(
+        modules, ddp.grad_reduce_in_fp32,
+        bucket_sizes={s: ddp.bucket_elements(n) for s, n in group_sizes.items()},
+        shard_counts={k: g.size for k, g in shards.items()} if shards else None,
+        param_buffers=sharded)
+    grad_sync = GradientSynchronizer.from_parallel_state(buffers, ddp.overlap_grad_reduce,
+                                                         scatter=sharded)
+    chunks = [modules[s] for s in sorted(modules)]
+    if not sharded:
+        replica_group = parallel_state.get_model_replica_group()
+        return grad_sync, get_megatron_optimizer(
+            optimizer_config, chunks, grad_norm_group=replica_group,
+            found_inf_group=replica_group, norm_param_filter=_norm_filter(modules),
+            grad_buffers=buffers, make_inner=make_inner)
+    optimizer = get_megatron_optimizer(
+        optimizer_config, chunks, grad_buffers=buffers, shards=shards,
+        world_group=dist.group.WORLD, overlap_param_gather=ddp.overlap_param_gather,
+        make_inner=make_inner)
+    optimizer.register_param_gather_hooks(modules)
+    return grad_sync, optimizer
+
+
 def _needed_microbatches(schedule, pipeline_rank: int, all_stages: bool) -> list[int] | None:
     """Micro-batches whose first or last stage this rank holds (None: every one)."""
     if all_stages:
@@ -159,10 +228,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     stages = [StageSlice(s, partition[s], m,
                          writer=rank == min(parallel_state.get_stage_replica_ranks(s)))
               for s, m in sorted(modules.items())]
-    replica_group = parallel_state.get_model_replica_group()
-    optimizer = get_megatron_optimizer(
-        config.optimizer, [modules[s] for s in sorted(modules)], grad_norm_group=replica_group,
-        found_inf_group=replica_group, norm_param_filter=_norm_filter(modules))
+    grad_sync, optimizer = build_data_parallel(config.optimizer, config.ddp, modules)
     train_samples = config.training.total_train_iters * config.training.global_batch_size
     scheduler = OptimizerParamScheduler.from_config(optimizer, config.optimizer, train_samples)
 
@@ -202,8 +268,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
         dtype=model.torch_dtype,
         loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
         device=device)
-    executor = PipelineExecutor(**common, grad_sync=GradientSynchronizer.from_parallel_state(
-        modules), scale_loss=optimizer.scale_loss)
+    executor = PipelineExecutor(**common, grad_sync=grad_sync, scale_loss=optimizer.scale_loss)
     eval_executor = PipelineExecutor(**common)
     logging_rank = world_size - 1  # where the executor gathers losses and busy times
     flops = training_flops(model, family, training.global_batch_size)
@@ -393,6 +458,7 @@ def pretrain(
             _evaluate_and_log(run, "validation end of training", valid_iterator, state)
         save(run, state)
         _evaluate_and_log(run, "test end of training", iterator(test_ds, 0), state)
+    run.optimizer.finish_param_sync()  # no collective may be in flight at teardown
     run.monitor.close()
     dist.barrier()
     parallel_state.destroy_model_parallel()

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-sequence-parallel", action="store_false", dest="sequence_parallel",
                    help="with T > 1, do not split the residual stream over the sequence")
     g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
+    g.add_argument("--distributed-optimizer", choices=("both", "on", "off"), default="both",
+                   help="try --use-distributed-optimizer (optimizer state sharded over each "
+                        "stage-replica group), plain data parallelism, or both")
     g.add_argument("--partition-methods", type=_name_list, default=("uniform", "parameters"),
                    help="comma-separated --partition-method values to try")
     g.add_argument("--top", type=int, default=10, help="rows of the table")
@@ -170,14 +173,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measured p2p: alpha {p2p_link.alpha_s * 1e6:.1f} us, "
                   f"{p2p_link.bandwidth_gbps:.2f} GB/s")
         model = PerformanceModel(spec, hardware, compute=compute, p2p_link=p2p_link)
-        recompute = {"both": (False, True), "on": (True,), "off": (False,)}[args.recompute]
+        choices = {"both": (False, True), "on": (True,), "off": (False,)}
+        recompute = choices[args.recompute]
         space = SearchSpace(args.num_gpus, args.global_batch_size, args.num_layers,
                             schedules=args.schedules, micro_batch_sizes=args.micro_batch_sizes,
                             recompute=recompute,
                             option_values=(("pipes", args.chimera_pipes),),
                             partition_methods=args.partition_methods,
                             tensor_parallel_sizes=args.tensor_model_parallel_sizes,
-                            sequence_parallel=args.sequence_parallel)
+                            sequence_parallel=args.sequence_parallel,
+                            distributed_optimizer=choices[args.distributed_optimizer])
         limit = int(memory_gb * GB * args.memory_headroom)
         result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)
         over = sorted(result.over_memory, key=lambda lp: lp[1])[: args.show_over_memory]

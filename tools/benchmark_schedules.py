@@ -14,6 +14,18 @@ backward; with a split backward B takes ``backward - weight`` and W takes ``--we
 schedule with k stages per rank (interleaved, V-shaped) gets 1/k of these times per stage. Rows
 ``torch-*`` run torch.distributed.pipelining's schedules on the same emulated stages (no
 simulation).
+
+Gradient reduction: ``--allreduce-ms`` gives each stage's reduction an emulated cost (every
+rank's buckets cross one emulated link, :class:`EmulatedCollectives`; ``--layers-per-stage``
+layers per stage, ``--ddp-bucket-size`` elements per bucket) and ``--grad-reduce`` picks how our
+rows reduce: ``none`` (no emulated cost: the compute-only reference), ``end`` (every bucket after
+the iteration's compute: nothing hidden), ``stage`` (each stage once its last backward is done:
+the default), ``overlap`` (each bucket as soon as its gradients are final:
+``--overlap-grad-reduce``). With ``none`` and ``end`` measured, the table ends with the share of
+the reduction time each mode hides. Example::
+
+    torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 4 --num-microbatches 8 \
+        --schedules 1f1b,chimera --allreduce-ms 60 --grad-reduce none,end,stage,overlap
 """
 
 from __future__ import annotations
@@ -34,8 +46,10 @@ import torch.distributed as dist
 from megatron_chimera import parallel_state
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError, ParallelConfig
+from megatron_chimera.distributed.grad_buffer import build_grad_buffers
 from megatron_chimera.initialize import initialize_distributed
 from megatron_chimera.pipeline.emulated import (
+    EmulatedCollectives,
     EmulatedCosts,
     EmulatedStage,
     EmulatedTorchStage,
@@ -119,9 +133,44 @@ def _timed(run, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+GRAD_REDUCE_MODES = ("none", "end", "stage", "overlap")
+
+
+class _ReduceAtEnd:
+    """A synchronizer that hears nothing of the backward: every bucket after the compute."""
+
+    def __init__(self, inner: GradientSynchronizer) -> None:
+        self.inner = inner
+
+    def start_iteration(self) -> None:
+        self.inner.start_iteration()
+
+    def final_action_begins(self, stage: int) -> None:
+        """Ignored: nothing starts before the end."""
+
+    def stage_done(self, stage: int) -> None:
+        """Ignored: nothing starts before the end."""
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+
+def _grad_sync(stages: dict[int, EmulatedStage], args: argparse.Namespace, mode: str):
+    """Buffers and the synchronizer of ``mode`` with the emulated link cost."""
+    buffers = build_grad_buffers(stages, grad_reduce_in_fp32=True,
+                                 bucket_sizes={s: args.ddp_bucket_size for s in stages})
+    elements = max(sum(p.numel() for p in m.parameters()) for m in stages.values())
+    cost = 0.0 if mode == "none" else args.allreduce_ms / 1e3
+    link = EmulatedCollectives(cost / elements)
+    sync = GradientSynchronizer.from_parallel_state(buffers, mode == "overlap",
+                                                    collectives=link)
+    return (_ReduceAtEnd(sync) if mode == "end" else sync), buffers
+
+
 def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: EmulatedCosts,
-               args: argparse.Namespace, latency: float) -> Row:
-    """Measure our executor on schedule ``name`` and simulate the same costs."""
+               args: argparse.Namespace, latency: float, mode: str = "stage") -> Row:
+    """Measure our executor on schedule ``name`` (gradients reduced as ``mode`` says) and
+    simulate the same costs."""
     if name == "chimera-zb":
         options = {"costs": (costs.forward_s, costs.input_grad_s, costs.weight_s), **options}
     schedule = build_schedule(name, d, n, **options)
@@ -134,20 +183,20 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                                              timeout=timedelta(minutes=5))
     try:
         prank = parallel_state.get_pipeline_model_parallel_rank()
-        stages = {s: EmulatedStage(stage_costs, s == 0, s == schedule.num_stages - 1, HIDDEN, s)
+        stages = {s: EmulatedStage(stage_costs, s == 0, s == schedule.num_stages - 1, HIDDEN, s,
+                                   layers=args.layers_per_stage)
                   for s in schedule.stages_of_rank(prank)}
+        grad_sync, buffers = _grad_sync(stages, args, mode)
         executor = PipelineExecutor(
             schedule, PipelineTopology.from_parallel_state(), stages,
             emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
-            torch.float32, loss_scale_divisor=n * w,
-            grad_sync=GradientSynchronizer.from_parallel_state(stages),
+            torch.float32, loss_scale_divisor=n * w, grad_sync=grad_sync,
             weight_grad_store_factory=SleepingWeightGradStore,
         )
         batch = torch.randn(SEQ, MICRO_BATCH, HIDDEN)
 
         def step() -> None:
-            for module in stages.values():
-                module.zero_grad(set_to_none=True)
+            buffers.zero_()
             executor.run([batch] * n)
 
         measured = _timed(step, args.warmup, args.iters)
@@ -164,6 +213,8 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
         weight_cost=stage_costs.weight_s, data_parallel_size=w,
     ))
     shown = {k: v for k, v in options.items() if k != "costs"}
+    if args.allreduce_ms:
+        shown["grad_reduce"] = mode
     return Row(name, shown, d, n, measured, sim.makespan,
                {"pipes": schedule.num_pipes, "concat": schedule.meta.get("concat"),
                 "simulated_compute_s": compute_only.makespan})
@@ -227,8 +278,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--schedules", default=DEFAULT_SCHEDULES,
                    help="comma-separated name[:key=value...] (torch-* for pipelining's)")
+    p.add_argument("--allreduce-ms", type=float, default=0.0,
+                   help="emulated time of one stage's gradient reduction (0: as gloo takes it)")
+    p.add_argument("--layers-per-stage", type=int, default=4,
+                   help="emulated layers per stage (their gradients become final in turn)")
+    p.add_argument("--ddp-bucket-size", type=int, default=24,
+                   help="elements per gradient bucket (an emulated layer has 20)")
+    p.add_argument("--grad-reduce", default="stage",
+                   help=f"comma-separated modes for our rows: {','.join(GRAD_REDUCE_MODES)}")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = p.parse_args(argv)
+    args.grad_reduce = [m for m in args.grad_reduce.split(",") if m]
+    unknown = set(args.grad_reduce) - set(GRAD_REDUCE_MODES)
+    if unknown or not args.grad_reduce:
+        p.error(f"--grad-reduce: choose from {','.join(GRAD_REDUCE_MODES)}, got "
+                f"{sorted(unknown) or 'nothing'}")
+    if args.allreduce_ms < 0 or args.layers_per_stage < 1 or args.ddp_bucket_size < 1:
+        p.error("--allreduce-ms must be >= 0, --layers-per-stage and --ddp-bucket-size >= 1")
     if args.iters < 5:
         p.error(f"--iters must be >= 5, got {args.iters}")
     if args.warmup < 0:
@@ -238,7 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def format_table(rows: list[Row], latency: float) -> str:
     """Markdown table of the rows, with ratio and throughput relative to 1F1B."""
-    base = {r.num_microbatches: r.measured_s for r in rows if r.schedule == "1f1b"}
+    base = {(r.num_microbatches, r.options.get("grad_reduce")): r.measured_s
+            for r in rows if r.schedule == "1f1b"}
     lines = [f"p2p latency (ping-pong, one way): {latency * 1e6:.0f} us", "",
              "| schedule | options | D | N | measured s | simulated s | simulated/measured "
              "| throughput vs 1F1B |", "|---|---|---|---|---|---|---|---|"]
@@ -246,11 +313,33 @@ def format_table(rows: list[Row], latency: float) -> str:
         opts = " ".join(f"{k}={v}" for k, v in r.options.items())
         sim = f"{r.simulated_s:.3f}" if r.simulated_s is not None else "-"
         ratio = f"{r.simulated_s / r.measured_s:.3f}" if r.simulated_s is not None else "-"
-        rel = base.get(r.num_microbatches)
+        rel = base.get((r.num_microbatches, r.options.get("grad_reduce")))
         thr = f"{rel / r.measured_s:.3f}" if rel else "-"
         lines.append(f"| {r.schedule} | {opts} | {r.pipeline_size} | {r.num_microbatches} | "
                      f"{r.measured_s:.3f} | {sim} | {ratio} | {thr} |")
-    return "\n".join(lines)
+    return "\n".join(lines + hidden_reduction(rows))
+
+
+def hidden_reduction(rows: list[Row]) -> list[str]:
+    """Per schedule and N: the share of the emulated reduction time (``end`` minus ``none``)
+    that ``stage`` and ``overlap`` hide."""
+    by_key: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        mode = r.options.get("grad_reduce")
+        if mode is not None:
+            rest = tuple(sorted((k, str(v)) for k, v in r.options.items() if k != "grad_reduce"))
+            by_key.setdefault((r.schedule, rest, r.num_microbatches), {})[mode] = r.measured_s
+    lines = []
+    for (schedule, rest, n), modes in by_key.items():
+        if "none" not in modes or "end" not in modes or modes["end"] <= modes["none"]:
+            continue
+        exposed = modes["end"] - modes["none"]
+        parts = [f"{m}: {(modes['end'] - modes[m]) / exposed:.0%}"
+                 for m in ("stage", "overlap") if m in modes]
+        opts = " ".join(f"{k}={v}" for k, v in rest)
+        lines.append(f"reduction hidden, {schedule} {opts} N={n} (reduction at the end costs "
+                     f"{exposed:.3f} s): {', '.join(parts)}")
+    return [""] + lines if lines else []
 
 
 def write_json(path: str, rows: list[Row]) -> None:
@@ -285,16 +374,19 @@ def main(argv: list[str] | None = None) -> int:
                 if name.startswith("torch-"):
                     if world != d:
                         raise ConfigError("torch-* rows need world size == D (no data parallelism)")
-                    row = bench_torch(name, d, n, costs, args)
+                    found = [bench_torch(name, d, n, costs, args)]
                 else:
-                    row = bench_ours(name, options, d, n, costs, args, latency)
+                    found = [bench_ours(name, options, d, n, costs, args, latency, mode)
+                             for mode in args.grad_reduce]
             except (ValueError, ConfigError) as exc:  # schedule not defined for this (D, N)
                 if rank == 0:
                     print(f"skipped {spec} N={n}: {exc}", file=sys.stderr, flush=True)
                 continue
-            rows.append(row)
+            rows += found
             if rank == 0:
-                print(f"{spec} N={n}: measured {row.measured_s:.3f} s", file=sys.stderr, flush=True)
+                for row in found:
+                    print(f"{spec} N={n} {row.options.get('grad_reduce', '')}: measured "
+                          f"{row.measured_s:.3f} s", file=sys.stderr, flush=True)
     if rank == 0:
         print(format_table(rows, latency))
         if args.json:

@@ -3,7 +3,8 @@
 :class:`Linear` behaves exactly like ``torch.nn.Linear`` unless a :class:`WeightGradStore` is
 attached to it (``with defer_weight_grad(module, store): loss.backward()``). Then its backward
 returns the input gradient only and queues ``(input, grad_output)`` in the store; ``store.flush()``
-(the ``W`` action) computes ``grad_output^T @ input`` and accumulates it into ``weight.grad``. The
+(the ``W`` action) computes ``grad_output^T @ input`` and accumulates it into the weight's
+gradient buffer (``weight.main_grad``) or, without one, into ``weight.grad``. The
 deferrable function and the store live in :mod:`megatron_chimera.tensor_parallel.weight_grad`,
 shared with the tensor-parallel linears (which defer the same way).
 """

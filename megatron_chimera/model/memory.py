@@ -5,14 +5,19 @@ What a rank holds under a schedule (several stages, in-flight micro-batches) is 
 
 Bytes per parameter (Megatron's mixed precision, as :mod:`megatron_chimera.optimizer` does it):
 
-=========  ======  =====  ============================  ======================================
-precision  params  grads  optimizer state               transient in ``step()``
-=========  ======  =====  ============================  ======================================
-fp32       4       4      Adam m, v: 8 (SGD momentum 4)  -
-fp16/bf16  2       2      fp32 main params 4 + Adam 8   fp32 main grads 4 (freed by zero_grad)
-=========  ======  =====  ============================  ======================================
+=========  ======  ==========  ============================  ==================================
+precision  params  grads       optimizer state               transient in ``step()``
+=========  ======  ==========  ============================  ==================================
+fp32       4       4           Adam m, v: 8 (SGD momentum 4)  -
+bf16       2       4 (fp32)    fp32 main params 4 + Adam 8   -
+fp16       2       2 (or 4)    fp32 main params 4 + Adam 8   fp32 main grads 4 with 2-byte grads
+=========  ======  ==========  ============================  ==================================
 
-Gradients are accumulated in the model's dtype (2 bytes for fp16/bf16; no fp32 accumulation).
+Gradients accumulate in contiguous buffers (:mod:`megatron_chimera.distributed.grad_buffer`):
+fp32 with ``--accumulate-allreduce-grads-in-fp32`` (always with ``--bf16``), where they serve as
+the fp32 main gradients directly; otherwise in the parameter dtype, copied to fp32 in the step.
+With the distributed optimizer the optimizer state of a stage is divided among the ranks of its
+stage-replica group (:mod:`megatron_chimera.tuning.memory` applies that per rank).
 
 Activations saved for backward per transformer layer and micro-batch follow Korthikanti et al.
 ("Reducing Activation Recomputation in Large Transformer Models", 2022): ``s*b*h*(34 + 5*a*s/h)``
@@ -59,10 +64,18 @@ def mask_bytes(params_dtype: str, device_type: str = "cuda") -> int:
     return 1 if device_type == "cuda" else DTYPE_BYTES[params_dtype]
 
 
+def grads_in_fp32(params_dtype: str, grad_reduce_in_fp32: bool | None = None) -> bool:
+    """Whether gradients accumulate in fp32: fp32 models, bf16 (always, as Megatron), fp16 with
+    ``--accumulate-allreduce-grads-in-fp32`` (None: the flag's default, off)."""
+    return params_dtype in ("fp32", "bf16") or bool(grad_reduce_in_fp32)
+
+
 def bytes_per_parameter(params_dtype: str, optimizer: str = "adam",
-                        sgd_momentum: float = 0.9) -> dict[str, int]:
-    """Bytes per parameter: ``param``, ``grad``, ``optimizer`` (main copy + moments) and
-    ``main_grad`` (fp32 main gradient during ``step()``, 16-bit only)."""
+                        sgd_momentum: float = 0.9,
+                        grad_reduce_in_fp32: bool | None = None) -> dict[str, int]:
+    """Bytes per parameter: ``param``, ``grad`` (the gradient buffer), ``optimizer`` (main copy +
+    moments) and ``main_grad`` (a separate fp32 main gradient during ``step()``: 16-bit
+    gradients only)."""
     if params_dtype not in DTYPE_BYTES:
         raise ConfigError(f"params dtype must be one of {tuple(DTYPE_BYTES)}, got {params_dtype!r}")
     if optimizer not in ("adam", "sgd"):
@@ -70,8 +83,18 @@ def bytes_per_parameter(params_dtype: str, optimizer: str = "adam",
     width = DTYPE_BYTES[params_dtype]
     moments = 8 if optimizer == "adam" else (4 if sgd_momentum else 0)
     half = width == 2
-    return {"param": width, "grad": width, "optimizer": moments + (4 if half else 0),
-            "main_grad": 4 if half else 0}
+    grad = 4 if grads_in_fp32(params_dtype, grad_reduce_in_fp32) else width
+    return {"param": width, "grad": grad, "optimizer": moments + (4 if half else 0),
+            "main_grad": 4 if grad == 2 else 0}
+
+
+def tied_embedding_parameters(config: ModelConfig, family: ModelFamily,
+                              tensor_parallel: int = 1) -> int:
+    """Elements of the word embedding tied to the output layer on one of ``tensor_parallel``
+    ranks (its vocabulary rows; 0 when untied)."""
+    tied = family.always_tied or not config.untie_embeddings_and_output_weights
+    rows = config.tensor_parallel_vocab_size(tensor_parallel) // tensor_parallel
+    return rows * config.hidden_size if tied else 0
 
 
 def _sequence_chunks(tensor_parallel: int, sequence_parallel: bool) -> int:
@@ -141,6 +164,9 @@ class StageMemory:
     stage: int
     num_layers: int
     parameters: int
+    # the stage's copy of the tied word embedding (this tensor rank's rows; never sharded over
+    # the stage-replica group: the distributed optimizer shards it over the embedding group)
+    tied_parameters: int
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -159,12 +185,14 @@ def estimate_stage_memory(config: ModelConfig, family: ModelFamily,
                           partition: Sequence[tuple[int, int]], micro_batch_size: int,
                           optimizer: str = "adam", sgd_momentum: float = 0.9,
                           device_type: str = "cuda", tensor_parallel: int = 1,
-                          sequence_parallel: bool = False) -> list[StageMemory]:
+                          sequence_parallel: bool = False,
+                          grad_reduce_in_fp32: bool | None = None) -> list[StageMemory]:
     """:class:`StageMemory` of every stage of ``partition`` on one of ``tensor_parallel`` ranks.
     ``activation_bytes_recompute`` uses the config's recompute method (``uniform`` by default,
     one layer per chunk); ``device_type`` only changes the dropout-mask width (see
     :func:`mask_bytes`)."""
-    per_param = bytes_per_parameter(config.params_dtype, optimizer, sgd_momentum)
+    per_param = bytes_per_parameter(config.params_dtype, optimizer, sgd_momentum,
+                                    grad_reduce_in_fp32)
     t, sp = tensor_parallel, sequence_parallel and tensor_parallel > 1
     full = layer_activation_bytes(config, micro_batch_size, device_type=device_type,
                                   tensor_parallel=t, sequence_parallel=sp)
@@ -188,8 +216,10 @@ def estimate_stage_memory(config: ModelConfig, family: ModelFamily,
         else:
             stored = math.ceil(n / chunk) * layer_input
             working = min(chunk, n) * full
+        ends = (stage == 0) + (stage == len(partition) - 1 and len(partition) > 1)
         result.append(StageMemory(
             stage=stage, num_layers=n, parameters=params,
+            tied_parameters=ends * tied_embedding_parameters(config, family, t),
             param_bytes=params * per_param["param"], grad_bytes=params * per_param["grad"],
             optimizer_bytes=params * per_param["optimizer"],
             main_grad_bytes=params * per_param["main_grad"],

@@ -1,8 +1,9 @@
-"""Mixed-precision optimizer, loss scalers, global grad-norm clipping and the LR schedule."""
+"""Mixed-precision and distributed optimizers, loss scalers, grad-norm clipping, the LR schedule."""
 
 from __future__ import annotations
 
 from megatron_chimera.optimizer.builder import get_megatron_optimizer, get_param_groups
+from megatron_chimera.optimizer.distributed_optimizer import DistributedOptimizer, ShardGroup
 from megatron_chimera.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -17,12 +18,14 @@ from megatron_chimera.optimizer.param_scheduler import OptimizerParamScheduler
 
 __all__ = [
     "ConstantGradScaler",
+    "DistributedOptimizer",
     "DynamicGradScaler",
     "FP32Optimizer",
     "Float16OptimizerWithFloat16Params",
     "MegatronGradScaler",
     "MegatronOptimizer",
     "OptimizerParamScheduler",
+    "ShardGroup",
     "get_megatron_optimizer",
     "get_param_groups",
 ]

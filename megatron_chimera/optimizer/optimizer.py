@@ -1,10 +1,18 @@
 """Megatron's optimizer wrappers: fp32 training, and fp16/bf16 models with fp32 main parameters.
 
-The runtime all-reduces the model parameters' ``.grad`` before :meth:`MegatronOptimizer.step`.
-For 16-bit models the step copies those grads into fp32 main grads, unscales them and checks for
-inf/NaN (fp16), reduces the found-inf flag with MAX over ``found_inf_group`` so that every rank of
-a model replica skips together, clips by the global norm over ``grad_norm_group``, steps the fp32
-main parameters and copies them back into the model.
+The runtime reduces the gradients before :meth:`MegatronOptimizer.step`: into each parameter's
+``main_grad`` (its view of a gradient buffer, :mod:`megatron_chimera.distributed.grad_buffer`) or,
+without buffers, its ``.grad``. The step makes the fp32 main gradients (views of fp32 buffers, no
+copy; a copy from 16-bit buffers), unscales them and checks for inf/NaN (fp16), reduces the
+found-inf flag with MAX over ``found_inf_group`` so that every rank of a model replica skips
+together, clips by the global norm over ``grad_norm_group``, steps the main parameters and copies
+them back into the model.
+
+:class:`MegatronOptimizer` holds what every variant shares; the local optimizers
+(:class:`FP32Optimizer`, :class:`Float16OptimizerWithFloat16Params`) keep the full main
+parameters of this rank's stages, the distributed optimizer
+(:mod:`megatron_chimera.optimizer.distributed_optimizer`) only its shard of them. Checkpoints see
+either through the same per-parameter entries (:mod:`megatron_chimera.optimizer.param_state`).
 """
 
 from __future__ import annotations
@@ -18,10 +26,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_chimera.distributed.grad_buffer import ModelGradBuffers
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.optimizer.clip_grads import clip_grads_, count_zeros, get_grad_norm
 from megatron_chimera.optimizer.grad_scaler import MegatronGradScaler
 from megatron_chimera.optimizer.kernels import multi_tensor_scale_
+from megatron_chimera.optimizer.param_state import (
+    MAIN_PARAM,
+    ParamEntry,
+    ParamStateError,
+    group_entries,
+    load_inner,
+    own_copy,
+    to_host,
+)
 
 NormFilter = Callable[[nn.Parameter], bool]
 # Megatron's ``timers(name)`` -> an object with start() / stop()
@@ -44,18 +62,19 @@ def _timed(timers: TimersLike | None, name: str) -> Iterator[None]:
 class MegatronOptimizer:
     """Common step logic over an inner ``torch.optim`` optimizer of *main* parameters.
 
-    ``model_params`` and ``main_params`` are parallel lists (the same objects for fp32).
-    ``norm_param_filter(model_param)`` says whether a parameter counts in the global grad norm.
+    ``main_params`` are the inner optimizer's parameters; ``counts_in_norm[i]`` says whether
+    ``main_params[i]`` counts in the global grad norm (each model element once over
+    ``grad_norm_group``). ``grad_buffers``: the gradient buffers the runtime reduces into
+    (zeroed by :meth:`zero_grad`).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model_params: list[nn.Parameter],
-                 main_params: list[nn.Parameter], clip_grad: float,
+    def __init__(self, optimizer: torch.optim.Optimizer, main_params: list[nn.Parameter],
+                 counts_in_norm: list[bool], clip_grad: float,
                  grad_scaler: MegatronGradScaler | None, backend: FusedBackend,
                  grad_norm_group=None, found_inf_group=None,
-                 norm_param_filter: NormFilter | None = None,
-                 log_num_zeros_in_grad: bool = False) -> None:
+                 log_num_zeros_in_grad: bool = False,
+                 grad_buffers: ModelGradBuffers | None = None) -> None:
         self.optimizer = optimizer
-        self.model_params = model_params
         self.main_params = main_params
         self.clip_grad = clip_grad
         self.grad_scaler = grad_scaler
@@ -63,8 +82,9 @@ class MegatronOptimizer:
         self.grad_norm_group = grad_norm_group
         self.found_inf_group = found_inf_group
         self.log_num_zeros_in_grad = log_num_zeros_in_grad
-        keep = norm_param_filter or (lambda _p: True)
-        self._counts_in_norm = [bool(keep(p)) for p in model_params]
+        self.grad_buffers = grad_buffers
+        self._counts_in_norm = counts_in_norm
+        self._collected: dict[int, ParamEntry] = {}
         self.skipped_steps = 0
 
     # ------------------------------------------------------------------ loss scale
@@ -82,25 +102,39 @@ class MegatronOptimizer:
         return self.optimizer.param_groups
 
     # ------------------------------------------------------------------ step
+    def _model_params(self) -> list[nn.Parameter]:
+        """The model parameters whose ``.grad`` this optimizer clears."""
+        return []
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear model grads (and main grads of 16-bit models)."""
-        for params in (self.model_params, self.main_params):
+        """Clear main grads and model grads, and zero the gradient buffers (with buffers, every
+        ``.grad`` is dropped: the buffers hold the gradients)."""
+        set_to_none = set_to_none or self.grad_buffers is not None
+        for params in (self._model_params(), self.main_params):
             for p in params:
                 if set_to_none:
                     p.grad = None
                 elif p.grad is not None:
                     p.grad.zero_()
+        if self.grad_buffers is not None:
+            self.grad_buffers.zero_()
 
     def _prepare_main_grads(self) -> None:
-        """Make ``main_param.grad`` the fp32 model gradient (no-op for fp32 models)."""
+        """Make ``main_param.grad`` the fp32 model gradient."""
+        raise NotImplementedError
 
     def _copy_main_params_to_model(self) -> None:
-        """Write updated main parameters into the model (no-op for fp32 models)."""
+        """Write updated main parameters into the model."""
+        raise NotImplementedError
+
+    def finish_param_sync(self) -> None:
+        """Wait until every model parameter holds its updated value (a no-op unless parameters
+        are gathered in the background)."""
 
     def _unscale_and_check(self) -> bool:
         """Unscale main grads by 1/scale; True when any is inf/NaN on any rank of the group."""
         grads = [p.grad for p in self.main_params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
+        device = grads[0].device if grads else self._device()
         found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         inv_scale = torch.full((1,), self.grad_scaler.inv_scale, dtype=torch.float32,
                                device=device)
@@ -110,6 +144,9 @@ class MegatronOptimizer:
                 and dist.get_world_size(self.found_inf_group) > 1):
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.found_inf_group)
         return bool(found_inf.item() > 0)
+
+    def _device(self) -> torch.device:
+        return self.main_params[0].device if self.main_params else torch.device("cpu")
 
     @torch.no_grad()
     def step(self, timers: TimersLike | None = None) -> tuple[bool, float | None, int | None]:
@@ -129,7 +166,7 @@ class MegatronOptimizer:
         grads_for_norm = [m.grad for m, counted in zip(self.main_params, self._counts_in_norm)
                           if counted and m.grad is not None]
         grad_norm = None
-        device = self.main_params[0].device
+        device = self._device()
         if self.clip_grad > 0.0:
             with _timed(timers, "optimizer-clip-main-grad"):
                 grad_norm = get_grad_norm(grads_for_norm, self.grad_norm_group, self.backend,
@@ -154,16 +191,107 @@ class MegatronOptimizer:
         return True, grad_norm, num_zeros
 
     # ------------------------------------------------------------------ checkpoints
+    def param_state_to_save(self, stages: list[tuple[int, dict[str, nn.Parameter], bool]]
+                            ) -> dict[int, dict[str, ParamEntry]]:
+        """Per-parameter entries of every ``(stage, params by global name, writer)`` of this
+        rank, for the stages it writes. Every rank calls it (the distributed optimizer gathers
+        its shards here)."""
+        raise NotImplementedError
+
+    def collect_param_state(self, params: dict[str, nn.Parameter],
+                            saved: dict[str, ParamEntry]) -> None:
+        """Take the saved entries of ``params`` (global names) into this rank's main parameters
+        and pending inner state; :meth:`load_collected_state` applies the inner state."""
+        raise NotImplementedError
+
+    def load_collected_state(self, common: dict[str, Any]) -> None:
+        """Restore the inner optimizer from the collected entries and ``common`` (group entries,
+        grad scaler, skipped steps: :meth:`common_state`)."""
+        load_inner(self.optimizer, self._collected, common.get("param_groups"))
+        self._collected = {}
+        if self.grad_scaler is not None and common.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(common["grad_scaler"])
+        self.skipped_steps = int(common.get("skipped_steps", 0))
+
+    def common_state(self) -> dict[str, Any]:
+        """What the checkpoint keeps once for the whole optimizer."""
+        scaler = self.grad_scaler
+        return {"grad_scaler": scaler.state_dict() if scaler is not None else None,
+                "skipped_steps": int(self.skipped_steps),
+                "param_groups": group_entries(self.optimizer)}
+
+
+class LocalOptimizer(MegatronOptimizer):
+    """Full main parameters of every local stage: ``model_params[i]`` is updated from
+    ``main_params[i]`` (the same object for fp32 parameters; a shared main for the local copies
+    of the tied embedding). ``norm_param_filter(model_param)`` says whether a parameter counts in
+    the global grad norm (default: all)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model_params: list[nn.Parameter],
+                 main_params: list[nn.Parameter], clip_grad: float,
+                 grad_scaler: MegatronGradScaler | None, backend: FusedBackend,
+                 grad_norm_group=None, found_inf_group=None,
+                 norm_param_filter: NormFilter | None = None,
+                 log_num_zeros_in_grad: bool = False,
+                 grad_buffers: ModelGradBuffers | None = None) -> None:
+        keep = norm_param_filter or (lambda _p: True)
+        unique, counts, seen = [], [], set()
+        for model, main in zip(model_params, main_params):
+            if id(main) not in seen:  # the first model parameter of a main decides
+                seen.add(id(main))
+                unique.append(main)
+                counts.append(bool(keep(model)))
+        super().__init__(optimizer, unique, counts, clip_grad, grad_scaler, backend,
+                         grad_norm_group, found_inf_group, log_num_zeros_in_grad, grad_buffers)
+        self.model_params = model_params
+        self._main_of_model = list(main_params)
+
+    def _model_params(self) -> list[nn.Parameter]:
+        return self.model_params
+
+    def _pairs(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """(main, model) pairs whose model parameter is not its own main parameter."""
+        return [(m, p) for m, p in zip(self._main_of_model, self.model_params) if m is not p]
+
+    def _sources(self) -> list[tuple[nn.Parameter, torch.Tensor | None]]:
+        """(main, reduced model gradient) for each main parameter, once."""
+        found, seen = [], set()
+        for main, model in zip(self._main_of_model, self.model_params):
+            if id(main) in seen:
+                continue
+            seen.add(id(main))
+            grad = getattr(model, "main_grad", None)
+            found.append((main, grad if grad is not None else model.grad))
+        return found
+
+    def _prepare_main_grads(self) -> None:
+        copies = []
+        for main, grad in self._sources():
+            if grad is None:
+                main.grad = None
+            elif grad.dtype == main.dtype:
+                main.grad = grad  # an fp32 buffer view or fp32 .grad: no copy
+            else:
+                if main.grad is None or main.grad.data_ptr() == grad.data_ptr():
+                    main.grad = torch.empty_like(main)
+                copies.append((grad, main.grad))
+        multi_tensor_scale_([g for g, _ in copies], [m for _, m in copies], 1.0, self.backend)
+
+    def _copy_main_params_to_model(self) -> None:
+        pairs = self._pairs()
+        multi_tensor_scale_([m.data for m, _ in pairs], [p.data for _, p in pairs], 1.0,
+                            self.backend)
+
+    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, grad scaler, skipped steps (and fp32 main params if 16-bit)."""
-        state: dict[str, Any] = {
+        """Inner optimizer state, grad scaler, skipped steps and the fp32 main parameters that
+        are separate copies."""
+        return {
             "optimizer": self.optimizer.state_dict(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
             "skipped_steps": self.skipped_steps,
+            "fp32_from_fp16_params": [m.detach().clone() for m, _ in self._pairs()],
         }
-        if self.main_params is not self.model_params:
-            state["fp32_from_fp16_params"] = [p.detach().clone() for p in self.main_params]
-        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`."""
@@ -173,39 +301,57 @@ class MegatronOptimizer:
                 raise ValueError("checkpoint has no grad-scaler state but this run uses --fp16")
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        saved = state.get("fp32_from_fp16_params")
-        if self.main_params is not self.model_params:
-            if saved is None or len(saved) != len(self.main_params):
-                raise ValueError("checkpoint's fp32 main parameters do not match this model")
-            with torch.no_grad():
-                for main, value in zip(self.main_params, saved):
-                    main.copy_(value)
+        pairs = self._pairs()
+        saved = state.get("fp32_from_fp16_params") or []
+        if len(saved) != len(pairs):
+            raise ValueError("checkpoint's fp32 main parameters do not match this model")
+        with torch.no_grad():
+            for (main, _), value in zip(pairs, saved):
+                main.copy_(value)
+
+    def _main_of(self) -> dict[int, nn.Parameter]:
+        return {id(p): m for p, m in zip(self.model_params, self._main_of_model)}
+
+    def param_state_to_save(self, stages: list[tuple[int, dict[str, nn.Parameter], bool]]
+                            ) -> dict[int, dict[str, ParamEntry]]:
+        main_of = self._main_of()
+        result: dict[int, dict[str, ParamEntry]] = {}
+        for stage, params, writer in stages:
+            if not writer:
+                continue
+            state: dict[str, ParamEntry] = {}
+            for name, param in params.items():
+                main = main_of.get(id(param))
+                if main is None:
+                    continue
+                entry = {k: to_host(v) for k, v in self.optimizer.state.get(main, {}).items()}
+                if main is not param and main.dtype != param.dtype:
+                    entry[MAIN_PARAM] = to_host(main)
+                state[name] = entry
+            result[stage] = state
+        return result
+
+    def collect_param_state(self, params: dict[str, nn.Parameter],
+                            saved: dict[str, ParamEntry]) -> None:
+        main_of = self._main_of()
+        for name, param in params.items():
+            main = main_of.get(id(param))
+            if main is None:
+                continue
+            if name not in saved:
+                raise ParamStateError(f"no optimizer state for parameter {name}")
+            entry = dict(saved[name])
+            main_value = entry.pop(MAIN_PARAM, None)
+            if main is not param:
+                with torch.no_grad():
+                    main.copy_(main_value if main_value is not None else param.float())
+            # own copies: the tied embedding's copies share one saved entry
+            self._collected[id(main)] = own_copy(entry)
 
 
-class FP32Optimizer(MegatronOptimizer):
+class FP32Optimizer(LocalOptimizer):
     """fp32 model: the model parameters are the main parameters."""
 
 
-class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+class Float16OptimizerWithFloat16Params(LocalOptimizer):
     """fp16/bf16 model with fp32 main parameters (and a grad scaler for fp16)."""
-
-    def _copies(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
-        """(main, model) pairs where the main parameter is a separate fp32 copy."""
-        return [(m, p) for m, p in zip(self.main_params, self.model_params) if m is not p]
-
-    def _prepare_main_grads(self) -> None:
-        with_grad = []
-        for main, model in self._copies():
-            if model.grad is None:
-                main.grad = None
-                continue
-            if main.grad is None:
-                main.grad = torch.empty_like(main)
-            with_grad.append((main, model))
-        multi_tensor_scale_([p.grad for _, p in with_grad], [m.grad for m, _ in with_grad], 1.0,
-                            self.backend)
-
-    def _copy_main_params_to_model(self) -> None:
-        copies = self._copies()
-        multi_tensor_scale_([m.data for m, _ in copies], [p.data for _, p in copies], 1.0,
-                            self.backend)

@@ -13,14 +13,17 @@ scaled loss); ``W`` (split backward) computes the weight gradients its ``B`` que
 
 Loss scaling: each micro-batch loss is divided by ``loss_scale_divisor = N x W`` before its
 backward, and :class:`GradientSynchronizer` SUMs gradients over each stage-replica group, so every
-replica ends with the mean gradient over the ``B x N x W`` samples of the mini-batch. Then the
-gradients of sequence-parallel parameters (partial on each tensor-parallel rank) are summed over
-the tensor-parallel group
+replica ends with the mean gradient over the ``B x N x W`` samples of the mini-batch. The
+synchronizer hears when this rank's last backward (or W) of a stage begins and ends, so that it
+can reduce buckets while that backward still runs (``--overlap-grad-reduce``). It also sums the
+gradients of sequence-parallel parameters (partial on each tensor-parallel rank) over the
+tensor-parallel group, bucket by bucket before the bucket's reduction
 (:func:`~megatron_chimera.tensor_parallel.allreduce_sequence_parallel_grads`).
 
 Tensor parallelism is invisible to the lists: the T ranks of a tensor-parallel group run the same
 list, exchange messages only with the equal tensor rank of their neighbours, and meet in the
-collectives inside their forward and backward computations in the same order.
+collectives inside their forward and backward computations (and the synchronizer's) in the same
+order.
 
 Losses and busy times stay on the device (no host sync per iteration); :meth:`gather` brings the
 results of any number of iterations to the logging rank (the last global rank, Megatron's
@@ -45,7 +48,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from megatron_chimera import parallel_state
 from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
@@ -66,11 +68,7 @@ from megatron_chimera.schedules.lowering import (
     produced_message,
 )
 from megatron_chimera.schedules.validate import validate_lowered
-from megatron_chimera.tensor_parallel import (
-    allreduce_sequence_parallel_grads,
-    get_cuda_rng_tracker,
-    sequence_parallel_params,
-)
+from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
 from megatron_chimera.tensor_parallel.random import restored_tracker_states
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
@@ -219,8 +217,6 @@ class PipelineExecutor:
                 validate_lowered(lowered, ranks=[pipeline_rank])
         self._connected = not warm_up
         self._last_grad_action = self._final_gradient_actions()
-        self._sequence_parallel_params = sequence_parallel_params(
-            stage_modules[s] for s in sorted(stage_modules))
 
     def _final_gradient_actions(self) -> dict[int, int]:
         """Index of this rank's last B (last W when split) per stage: its gradient is then final."""
@@ -259,23 +255,11 @@ class PipelineExecutor:
             comm.finish()
             if self.grad_sync is not None and not forward_only:
                 self.grad_sync.finish()
-                self._reduce_sequence_parallel_grads()
         except Exception as exc:
             raise self._failure(exc, run.current) from exc
         return IterationResult(local_losses=run.losses, busy=run.timer,
                                iteration_seconds=time.perf_counter() - start,
                                executed=run.executed, p2p_bytes_sent=comm.bytes_sent)
-
-    def _reduce_sequence_parallel_grads(self) -> None:
-        """Sum the partial gradients of sequence-parallel parameters over the tensor-parallel
-        group (after the stage-replica reduction; every tensor rank holds the same parameters)."""
-        if not self._sequence_parallel_params:
-            return
-        for param in self._sequence_parallel_params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        allreduce_sequence_parallel_grads([p.grad for p in self._sequence_parallel_params],
-                                          parallel_state.get_tensor_model_parallel_group())
 
     def _failure(self, exc: BaseException, op: Any) -> PipelineFailure:
         rank = dist.get_rank() if dist.is_initialized() else self.pipeline_rank
@@ -344,16 +328,19 @@ class _Iteration:
                 continue
             sync_point(op.short())
             self._release_sent_outputs()
+            index = len(self.executed)
+            last_of_stage = final.get(index) if self.ex.grad_sync is not None else None
+            if last_of_stage is not None:
+                self.ex.grad_sync.final_action_begins(last_of_stage)
             if op.kind == FORWARD:
                 self._forward(op)
             elif op.kind == BACKWARD:
                 self._backward(op)
             else:
                 self._weight(op)
-            index = len(self.executed)
             self.executed.append(op)
-            if index in final and self.ex.grad_sync is not None:
-                self.ex.grad_sync.stage_done(final[index])
+            if last_of_stage is not None:
+                self.ex.grad_sync.stage_done(last_of_stage)
         self.current = None
 
     def _send(self, message: Message) -> None:

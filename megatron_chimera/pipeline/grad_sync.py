@@ -1,151 +1,218 @@
 """Gradient synchronisation between the replicas of every stage, and replica-identity utilities.
 
 Every rank holding stage ``s`` (all pipes, all data-parallel replicas) belongs to the
-stage-replica group of ``s``. After this rank's last backward (or last W with split backward) of
-a stage, :class:`GradientSynchronizer` starts an asynchronous SUM all-reduce of the stage's
-gradients, flattened into one bucket per dtype. The all-reduces are issued in one global order,
-descending stage id (a stage is issued only after every higher stage this rank holds), so two
-groups over the same ranks can never be entered in different orders.
+stage-replica group of ``s``. Gradients accumulate in contiguous buffers
+(:mod:`megatron_chimera.distributed.grad_buffer`) cut into buckets; :class:`GradientSynchronizer`
+reduces each bucket with one asynchronous collective: a SUM all-reduce, or with the distributed
+optimizer a SUM reduce-scatter that leaves each rank its own shard.
+
+A bucket is ready once its gradients are final: with ``overlap_grad_reduce``, as soon as every
+parameter of the bucket received its gradient in the stage's last backward on this rank (the
+executor announces that action); otherwise when that action is over. Buckets are issued in one
+global order -- descending stage id, then bucket order, the tied embedding last -- and a bucket
+is issued only when every bucket before it has been, so two groups over the same ranks can never
+be entered in different orders (Chimera's eager, descending-stage reduction).
 
 The tied word embedding (``shared_embedding_or_output_weight()``) is left out of the stage
-buckets: each rank sums the gradients of the copies it holds, all-reduces the sum over the
-embedding group (issued after all stage all-reduces) and writes the total into every copy.
+buckets: every local copy shares one gradient buffer, which is reduced (all-reduce, or
+reduce-scatter with the distributed optimizer) over the embedding group once every stage holding
+a copy is done.
+
+With tensor parallelism every group above joins ranks of one tensor rank (each reduces that
+tensor rank's shards), and the gradients of sequence-parallel parameters -- partial on each
+tensor rank -- are first summed over the tensor-parallel group, bucket by bucket, right before
+the bucket's collective is started
+(:func:`~megatron_chimera.tensor_parallel.allreduce_sequence_parallel_grads`, the only place the
+runtime calls it). The T ranks of a tensor-parallel group run the same list with the same buffer
+layout, so they reach every bucket at the same point, in the same order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron_chimera import parallel_state
+from megatron_chimera.distributed.grad_buffer import (
+    Bucket,
+    GradBuffer,
+    ModelGradBuffers,
+    local_shared_copies,
+    shared_embedding_weight,
+)
+from megatron_chimera.tensor_parallel.grads import (
+    allreduce_sequence_parallel_grads,
+    is_sequence_parallel,
+)
 
-SharedWeightGetter = Callable[[nn.Module], "nn.Parameter | None"]
-
-
-def shared_embedding_weight(module: nn.Module) -> nn.Parameter | None:
-    """``module.shared_embedding_or_output_weight()`` when the module has it, else None."""
-    getter = getattr(module, "shared_embedding_or_output_weight", None)
-    return getter() if callable(getter) else None
+__all__ = ["Collectives", "GradientSynchronizer", "broadcast_stage_params",
+           "assert_replicas_identical",
+           "shared_embedding_weight"]
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_world_size(group)
 
 
-def _stage_params(module: nn.Module, shared: nn.Parameter | None) -> list[nn.Parameter]:
-    return [p for p in module.parameters() if p.requires_grad and p is not shared]
+class Collectives:
+    """How a bucket's collective is started: torch.distributed's asynchronous calls (a
+    benchmark substitutes emulated link costs, :class:`~.emulated.EmulatedCollectives`)."""
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
+        """SUM all-reduce of ``tensor`` in place."""
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor,
+                       group: dist.ProcessGroup) -> dist.Work:
+        """SUM reduce-scatter of ``tensor`` into this rank's ``output`` slice."""
+        return dist.reduce_scatter_single(output, tensor, group=group, async_op=True)
 
 
-def _grads_or_zeros(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
-    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+@dataclass
+class _Item:
+    """One collective of the global order: a bucket of a stage buffer, or the tied embedding."""
 
+    stage: int | None  # None: the tied embedding
+    buffer: GradBuffer
+    bucket: Bucket
+    group: dist.ProcessGroup | None
+    scatter: bool
+    # sequence-parallel parameters of the bucket and the tensor-parallel group they are summed
+    # over before the bucket's reduction
+    sequence_parallel: list[nn.Parameter] = field(default_factory=list)
+    tensor_group: dist.ProcessGroup | None = None
+    waiting: set[int] = field(default_factory=set)  # parameter indices not final yet
+    ready: bool = False
+    work: dist.Work | None = None
 
-def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    return list(by_dtype.values())
-
-
-def _write_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        view = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-        if p.grad is None:
-            p.grad = view.clone()
+    def issue(self, collectives: Collectives) -> None:
+        """Sum the bucket's sequence-parallel gradients over the tensor-parallel group, then
+        start its collective (nothing to do on a group of one)."""
+        allreduce_sequence_parallel_grads(self.sequence_parallel, self.tensor_group)
+        if _group_size(self.group) <= 1:
+            return
+        grads = self.buffer.bucket_grads(self.bucket)
+        if self.scatter:
+            rank = dist.get_rank(self.group)
+            lo, hi = self.bucket.shard(dist.get_world_size(self.group), rank)
+            self.work = collectives.reduce_scatter(self.buffer.grad_data[lo:hi], grads,
+                                                   self.group)
         else:
-            p.grad.copy_(view)
+            self.work = collectives.all_reduce(grads, self.group)
 
 
 class GradientSynchronizer:
-    """Eager, globally ordered stage-replica all-reduce plus the tied-embedding reduction."""
+    """Eager, globally ordered bucket reduction over the stage-replica and embedding groups.
 
-    def __init__(
-        self,
-        stage_modules: dict[int, nn.Module],
-        stage_groups: dict[int, dist.ProcessGroup | None],
-        embedding_group: dist.ProcessGroup | None,
-        shared_weight: SharedWeightGetter = shared_embedding_weight,
-    ) -> None:
-        self.stage_modules = stage_modules
-        self.stage_groups = stage_groups
-        self.embedding_group = embedding_group
-        self.shared_weight = shared_weight
-        self._order = sorted(stage_modules, reverse=True)
+    ``stage_groups[s]``: the stage-replica group of stage ``s``; ``scatter``: reduce-scatter the
+    buckets (distributed optimizer) instead of all-reducing them; ``collectives`` starts them;
+    ``tensor_group``: the tensor-parallel group the sequence-parallel gradients are summed over.
+    """
+
+    def __init__(self, buffers: ModelGradBuffers, stage_groups: dict[int, dist.ProcessGroup | None],
+                 embedding_group: dist.ProcessGroup | None, overlap_grad_reduce: bool = False,
+                 scatter: bool = False, collectives: Collectives | None = None,
+                 tensor_group: dist.ProcessGroup | None = None) -> None:
+        self.buffers = buffers
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.collectives = collectives or Collectives()
+        self._items: list[_Item] = []
+        self._item_of: dict[int, tuple[_Item, int]] = {}  # id(param) -> (item, param index)
+        for stage in sorted(buffers.stages, reverse=True):
+            for buffer in buffers.stages[stage]:
+                for bucket in buffer.buckets:
+                    item = _Item(stage, buffer, bucket, stage_groups.get(stage), scatter,
+                                 _sequence_parallel(buffer, bucket), tensor_group)
+                    self._items.append(item)
+                    for index in bucket.param_indices:
+                        self._item_of[id(buffer.params[index])] = (item, index)
+        self._tied: _Item | None = None
+        if buffers.tied is not None:
+            bucket = buffers.tied.buckets[0]
+            self._tied = _Item(None, buffers.tied, bucket, embedding_group, scatter,
+                               _sequence_parallel(buffers.tied, bucket), tensor_group)
+            self._items.append(self._tied)
+        self._tied_stages = set(buffers.tied_stages)
+        self._final: set[int] = set()
         self._done: set[int] = set()
-        self._issued: list[tuple[list[nn.Parameter], torch.Tensor, dist.Work | None]] = []
         self._next = 0
+        buffers.set_ready_callback(self._grad_ready if overlap_grad_reduce else None)
 
     @classmethod
-    def from_parallel_state(cls, stage_modules: dict[int, nn.Module]) -> GradientSynchronizer:
+    def from_parallel_state(cls, buffers: ModelGradBuffers, overlap_grad_reduce: bool = False,
+                            scatter: bool = False,
+                            collectives: Collectives | None = None) -> GradientSynchronizer:
         """Synchronizer over the groups of :mod:`megatron_chimera.parallel_state`."""
-        groups = {s: parallel_state.get_stage_replica_group(s) for s in stage_modules}
-        return cls(stage_modules, groups, parallel_state.get_embedding_group())
+        groups = {s: parallel_state.get_stage_replica_group(s) for s in buffers.stages}
+        return cls(buffers, groups, parallel_state.get_embedding_group(), overlap_grad_reduce,
+                   scatter, collectives, parallel_state.get_tensor_model_parallel_group())
+
+    @property
+    def num_collectives(self) -> int:
+        """Collectives per iteration (buckets plus the tied embedding)."""
+        return len(self._items)
 
     def start_iteration(self) -> None:
-        """Forget the previous iteration's progress (gradients are zeroed by the optimizer)."""
+        """Forget the previous iteration's progress (the buffers are zeroed by the optimizer)."""
+        self._final.clear()
         self._done.clear()
-        self._issued.clear()
         self._next = 0
+        for item in self._items:
+            item.ready, item.work = False, None
+            item.waiting = set(item.bucket.param_indices) if item is not self._tied else set()
+
+    def final_action_begins(self, stage: int) -> None:
+        """This rank starts the last backward (or W) of ``stage``: its gradients become final
+        as they arrive."""
+        self._final.add(stage)
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        entry = self._item_of.get(id(param))
+        if entry is None:
+            return
+        item, index = entry
+        if item.stage not in self._final or item.ready:
+            return
+        item.waiting.discard(index)
+        if not item.waiting:
+            item.ready = True
+            self._issue_ready()
 
     def stage_done(self, stage: int) -> None:
-        """This rank finished every backward of ``stage``: issue what the global order allows."""
+        """This rank finished every backward of ``stage``: its buckets are ready."""
+        self._final.discard(stage)
         self._done.add(stage)
-        while self._next < len(self._order) and self._order[self._next] in self._done:
-            self._issue(self._order[self._next])
+        for item in self._items:
+            if item.stage == stage:
+                item.ready = True
+        if self._tied is not None and self._tied_stages <= self._done:
+            self._tied.ready = True
+        self._issue_ready()
+
+    def _issue_ready(self) -> None:
+        while self._next < len(self._items) and self._items[self._next].ready:
+            self._items[self._next].issue(self.collectives)
             self._next += 1
 
-    def _issue(self, stage: int) -> None:
-        module = self.stage_modules[stage]
-        group = self.stage_groups.get(stage)
-        params = _stage_params(module, self.shared_weight(module))
-        for bucket in _buckets(params):
-            flat = torch.cat([g.reshape(-1) for g in _grads_or_zeros(bucket)])
-            work = None
-            if _group_size(group) > 1:
-                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            self._issued.append((bucket, flat, work))
-
     def finish(self) -> None:
-        """Issue what is left, reduce the tied embedding, wait for everything, write grads back."""
-        for stage in self._order[self._next:]:
-            self._issue(stage)
-        self._next = len(self._order)
-        self._reduce_embedding()
-        for bucket, flat, work in self._issued:
-            if work is not None:
-                work.wait()
-            _write_grads(bucket, flat)
-        self._issued.clear()
-
-    def _reduce_embedding(self) -> None:
-        copies = _local_shared_copies(self.stage_modules, self.shared_weight)
-        if not copies:
-            return
-        grads = _grads_or_zeros(copies)
-        total = grads[0].clone()
-        for grad in grads[1:]:
-            total.add_(grad)
-        if _group_size(self.embedding_group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.embedding_group)
-        for copy in copies:
-            copy.grad = total.clone()
+        """Issue what is left (in order) and wait for every collective."""
+        for item in self._items[self._next:]:
+            item.issue(self.collectives)
+        self._next = len(self._items)
+        for item in self._items:
+            if item.work is not None:
+                item.work.wait()
+                item.work = None
 
 
-def _local_shared_copies(
-    stage_modules: dict[int, nn.Module], shared_weight: SharedWeightGetter
-) -> list[nn.Parameter]:
-    """Distinct tied-embedding parameters held on this rank, by stage."""
-    copies: list[nn.Parameter] = []
-    for stage in sorted(stage_modules):
-        weight = shared_weight(stage_modules[stage])
-        if weight is not None and all(weight is not c for c in copies):
-            copies.append(weight)
-    return copies
+def _sequence_parallel(buffer: GradBuffer, bucket: Bucket) -> list[nn.Parameter]:
+    """The sequence-parallel parameters of ``bucket``, in buffer order."""
+    return [buffer.params[i] for i in sorted(bucket.param_indices,
+                                             key=lambda i: buffer.layout.ranges[i][0])
+            if is_sequence_parallel(buffer.params[i])]
 
 
 def _flat_params(params: list[nn.Parameter]) -> torch.Tensor:
@@ -153,9 +220,7 @@ def _flat_params(params: list[nn.Parameter]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def broadcast_stage_params(
-    stage_modules: dict[int, nn.Module], shared_weight: SharedWeightGetter = shared_embedding_weight
-) -> None:
+def broadcast_stage_params(stage_modules: dict[int, nn.Module]) -> None:
     """Make all replicas identical: broadcast every stage from the lowest rank of its replica
     group (descending stage order), then the tied embedding over the embedding group."""
     for stage in sorted(stage_modules, reverse=True):
@@ -166,7 +231,7 @@ def broadcast_stage_params(
         if _group_size(group) > 1:
             dist.broadcast(flat, src=src, group=group)
         _copy_into(params, flat)
-    copies = _local_shared_copies(stage_modules, shared_weight)
+    copies = local_shared_copies(stage_modules)
     group = parallel_state.get_embedding_group()
     if copies:
         value = copies[0].detach().clone()
@@ -184,9 +249,7 @@ def _copy_into(params: list[nn.Parameter], flat: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def assert_replicas_identical(
-    stage_modules: dict[int, nn.Module], shared_weight: SharedWeightGetter = shared_embedding_weight
-) -> None:
+def assert_replicas_identical(stage_modules: dict[int, nn.Module]) -> None:
     """Raise AssertionError unless every replica of every stage, and every tied-embedding copy,
     is bitwise identical across ranks (a collective over the stage-replica and embedding groups)."""
     for stage in sorted(stage_modules, reverse=True):
@@ -194,7 +257,7 @@ def assert_replicas_identical(
         flat = _flat_params(list(stage_modules[stage].parameters()))
         _assert_same_everywhere(flat, group, f"stage {stage}",
                                 parallel_state.get_stage_replica_ranks(stage))
-    copies = _local_shared_copies(stage_modules, shared_weight)
+    copies = local_shared_copies(stage_modules)
     if copies:
         for copy in copies[1:]:
             if not torch.equal(copy, copies[0]):

@@ -12,6 +12,7 @@ The groups come from :mod:`megatron_chimera.parallel_state`; with T = 1 everythi
 from megatron_chimera.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_chimera.tensor_parallel.grads import (
     allreduce_sequence_parallel_grads,
+    is_sequence_parallel,
     sequence_parallel_params,
 )
 from megatron_chimera.tensor_parallel.layers import (
@@ -45,7 +46,7 @@ __all__ = [
     "ColumnParallelLinear", "CudaRNGStatesTracker", "RowParallelLinear", "VocabParallelEmbedding",
     "VocabUtility", "allreduce_sequence_parallel_grads", "checkpoint",
     "copy_to_tensor_model_parallel_region", "gather_from_sequence_parallel_region",
-    "gather_from_tensor_model_parallel_region", "get_cuda_rng_tracker",
+    "gather_from_tensor_model_parallel_region", "get_cuda_rng_tracker", "is_sequence_parallel",
     "model_parallel_cuda_manual_seed", "param_is_not_tensor_parallel_duplicate",
     "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region", "scatter_to_tensor_model_parallel_region",

@@ -10,8 +10,10 @@ computes the weight and bias gradients later, in time the pipeline would otherwi
 one. With a :class:`WeightGradStore` attached (``with defer_weight_grad(module, store):
 loss.backward()``) the backward returns the input gradient only and queues ``(input,
 grad_output)``; ``store.flush()`` (the ``W`` action) computes ``grad_output^T @ input`` and
-accumulates it into ``weight.grad``. The store hangs off the module, not a global, so backward
-threads and several stage replicas on one rank cannot mix up their queues. Tensor-parallel
+accumulates it into the weight's gradient buffer (``weight.main_grad``, see
+:mod:`megatron_chimera.distributed.grad_buffer`) or, without one, into ``weight.grad``. The store
+hangs off the module, not a global, so backward threads and several stage replicas on one rank
+cannot mix up their queues. Tensor-parallel
 communication runs in separate autograd functions around this one (:mod:`.mappings`), so the
 input gradient's all-reduce or reduce-scatter happens in ``B`` and ``W`` is local.
 """
@@ -48,7 +50,8 @@ class WeightGradStore:
         return len(self._pending)
 
     def flush(self) -> None:
-        """Compute every queued weight/bias gradient, accumulate it into ``.grad``, free inputs."""
+        """Compute every queued weight/bias gradient, accumulate it into ``main_grad`` (or
+        ``.grad``), free inputs."""
         with torch.no_grad():
             for weight, bias, inputs, grad_output in self._pending:
                 if weight is not None:
@@ -68,6 +71,12 @@ def _bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Add ``grad`` into the parameter's gradient buffer (``main_grad``, see
+    :mod:`megatron_chimera.distributed.grad_buffer`) when it has one, else into ``.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(grad)
+        return
     grad = grad.to(param.dtype)
     if param.grad is None:
         param.grad = grad

@@ -52,6 +52,8 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
     if layout.recompute:
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
+    if layout.distributed_optimizer:
+        flags += ["--use-distributed-optimizer", "--overlap-param-gather"]
     if cfg.params_dtype == "fp16":
         flags.append("--fp16")
     elif cfg.params_dtype == "bf16":

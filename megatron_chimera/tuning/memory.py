@@ -5,15 +5,23 @@ without recomputation, the recomputation working set) come from
 :func:`megatron_chimera.model.memory.estimate_stage_memory`. This module adds what depends on the
 schedule:
 
-* one weight copy per distinct stage a rank holds (``Schedule.stages_of_rank``);
+* one weight copy per distinct stage a rank holds (``Schedule.stages_of_rank``); the local
+  copies of the tied word embedding (a Chimera rank holding the first and the last stage has
+  two) share one storage, one gradient buffer and one optimizer state;
+* with the distributed optimizer, the optimizer state (and fp32 main gradients) of each stage
+  divided among its stage-replica group -- the ranks holding it times ``W`` -- and the tied
+  embedding's among the embedding group (every holder of a copy);
 * the activation peak, by walking the rank's action list: a forward adds its stage's bytes of
   one micro-batch, the backward (the W when the backward is split) releases them -- the
-  schedule's peak in-flight micro-batches weighted by the bytes of the stages they sit on;
-* the flat bucket each stage's gradient all-reduce copies its gradients into
-  (``pipeline/grad_sync.py``); with eager sync it can coexist with the activations of the
-  rank's other stages, so it is counted on top of the weights.
+  schedule's peak in-flight micro-batches weighted by the bytes of the stages they sit on.
 
-Total = weights + buckets + max(activations (+ recompute working set), optimizer-step transient).
+Gradients are reduced in place in their buffers (no extra copy). Total = parameters + gradients
++ optimizer state + max(activations (+ recompute working set), optimizer-step transient).
+
+With tensor parallelism (T) every figure is one tensor rank's: the stage figures are its shards
+(``tensor_parallel``, ``sequence_parallel``), and the stage-replica and embedding groups the
+distributed optimizer shards over join ranks of one tensor rank, so their sizes do not change
+with T.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_chimera.model.memory import StageMemory, estimate_stage_memory
+from megatron_chimera.model.memory import StageMemory, bytes_per_parameter, estimate_stage_memory
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.simulate import peak_inflight
 from megatron_chimera.tuning.costs import ModelSpec, StagePiece
@@ -33,16 +41,21 @@ class RankMemory:
 
     rank: int
     stages: tuple[int, ...]
-    weight_bytes: int  # parameters, gradients, optimizer state of the stages held
-    bucket_bytes: int  # gradient all-reduce buckets
+    param_bytes: int  # parameters of the stages held (every local copy of the tied embedding)
+    grad_bytes: int  # gradient buffers
+    optimizer_bytes: int  # fp32 main parameters and moments (this rank's shard when sharded)
     activation_bytes: int  # in-flight activations at their peak (+ recompute working set)
-    transient_bytes: int  # fp32 main gradients during the optimizer step (16-bit models)
+    transient_bytes: int  # fp32 main gradients during the optimizer step (2-byte gradients)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Parameters, gradients and optimizer state (held for the whole run)."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> int:
         """Peak bytes of this rank."""
-        return (self.weight_bytes + self.bucket_bytes
-                + max(self.activation_bytes, self.transient_bytes))
+        return self.weight_bytes + max(self.activation_bytes, self.transient_bytes)
 
 
 def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> list[int]:
@@ -52,34 +65,67 @@ def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> lis
 
 def stage_memory(spec: ModelSpec, partition: Sequence[StagePiece], micro_batch: int,
                  device_type: str = "cuda", tensor_parallel: int = 1,
-                 sequence_parallel: bool = False) -> list[StageMemory]:
+                 sequence_parallel: bool = False,
+                 grad_reduce_in_fp32: bool | None = None) -> list[StageMemory]:
     """Per-stage estimates of :mod:`megatron_chimera.model.memory` for this partition (one
     tensor-parallel rank's shard)."""
     return estimate_stage_memory(spec.config, spec.family,
                                  [p.layer_range for p in partition], micro_batch,
                                  device_type=device_type, tensor_parallel=tensor_parallel,
-                                 sequence_parallel=sequence_parallel)
+                                 sequence_parallel=sequence_parallel,
+                                 grad_reduce_in_fp32=grad_reduce_in_fp32)
+
+
+def stage_replicas(schedule: Schedule) -> list[int]:
+    """Pipeline ranks holding each stage (its stage-replica group is that times ``W``)."""
+    counts = [0] * schedule.num_stages
+    for rank in range(schedule.num_ranks):
+        for stage in schedule.stages_of_rank(rank):
+            counts[stage] += 1
+    return counts
+
+
+def embedding_group_size(schedule: Schedule, data_parallel_size: int = 1) -> int:
+    """Ranks holding the first or the last stage (a copy of the tied embedding), times ``W``."""
+    ends = {0, schedule.num_stages - 1}
+    holders = {r for r in range(schedule.num_ranks) if ends & set(schedule.stages_of_rank(r))}
+    return len(holders) * data_parallel_size
 
 
 def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePiece],
                 micro_batch: int, recompute: bool, device_type: str = "cuda",
-                tensor_parallel: int = 1, sequence_parallel: bool = False) -> list[RankMemory]:
+                tensor_parallel: int = 1, sequence_parallel: bool = False,
+                data_parallel_size: int = 1, distributed_optimizer: bool = False,
+                grad_reduce_in_fp32: bool | None = None) -> list[RankMemory]:
     """Peak memory of every pipeline rank of ``schedule`` (one entry per rank; with tensor
     parallelism, of each of its T ranks)."""
     if len(partition) != schedule.num_stages:
         raise ValueError(f"partition has {len(partition)} stages, schedule {schedule.num_stages}")
     stages = stage_memory(spec, partition, micro_batch, device_type, tensor_parallel,
-                          sequence_parallel)
+                          sequence_parallel, grad_reduce_in_fp32)
+    per_param = bytes_per_parameter(spec.config.params_dtype,
+                                    grad_reduce_in_fp32=grad_reduce_in_fp32)
     per_mb = [m.activation_bytes_recompute if recompute else m.activation_bytes for m in stages]
     peaks = peak_activation_bytes(schedule, per_mb)
+    replicas = stage_replicas(schedule)
+    embedding_group = embedding_group_size(schedule, data_parallel_size)
     result = []
     for rank in range(schedule.num_ranks):
         held = schedule.stages_of_rank(rank)
         working = max((stages[s].recompute_working_bytes for s in held), default=0)
+        tied = max((stages[s].tied_parameters for s in held), default=0)  # one per rank
+        own = {s: stages[s].parameters - stages[s].tied_parameters for s in held}
+        owned = sum(own.values())  # elements whose optimizer state this rank keeps
+        if distributed_optimizer:
+            owned = (sum(n / (replicas[s] * data_parallel_size) for s, n in own.items())
+                     + tied / embedding_group)
+        else:
+            owned += tied
         result.append(RankMemory(
             rank=rank, stages=tuple(held),
-            weight_bytes=sum(stages[s].weight_bytes for s in held),
-            bucket_bytes=sum(stages[s].grad_bytes for s in held),
+            param_bytes=(sum(own.values()) + tied) * per_param["param"],
+            grad_bytes=(sum(own.values()) + tied) * per_param["grad"],
+            optimizer_bytes=round(owned * per_param["optimizer"]),
             activation_bytes=peaks[rank] + (working if recompute else 0),
-            transient_bytes=sum(stages[s].main_grad_bytes for s in held)))
+            transient_bytes=round(owned * per_param["main_grad"])))
     return result

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import global_rank
+from megatron_chimera.model.memory import bytes_per_parameter
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
 from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
@@ -59,6 +60,9 @@ class TrainingLayout:
     partition: str = "uniform"  # --partition-method: uniform | parameters
     T: int = 1  # --tensor-model-parallel-size
     sequence_parallel: bool = False  # --sequence-parallel (with T > 1)
+    # --use-distributed-optimizer (with --overlap-param-gather): optimizer state sharded over
+    # each stage-replica group, gradients reduce-scattered, parameters all-gathered
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.options is None:
@@ -67,10 +71,10 @@ class TrainingLayout:
     @classmethod
     def of(cls, schedule: str, D: int, W: int, B: int, N: int, recompute: bool = False,
            partition: str = "uniform", T: int = 1, sequence_parallel: bool = False,
-           **options: Any) -> TrainingLayout:
+           distributed_optimizer: bool = False, **options: Any) -> TrainingLayout:
         """A layout with the schedule's options given as keywords (``pipes=4, concat=...``)."""
         return cls(schedule, D, W, B, N, recompute, get_spec(schedule).options_type(**options),
-                   partition, T, sequence_parallel)
+                   partition, T, sequence_parallel, distributed_optimizer)
 
     @property
     def num_gpus(self) -> int:
@@ -119,7 +123,8 @@ class TrainingLayout:
         tensor = f" T={self.T}" if self.T > 1 else ""
         sp = " sequence-parallel" if self.sequence_parallel and self.T > 1 else ""
         return (f"{self.label}{pipes}{tensor} D={self.D} W={self.W} B={self.B} N={self.N}"
-                f"{' recompute' if self.recompute else ''}{sp}")
+                f"{' recompute' if self.recompute else ''}{sp}"
+                f"{' dist-opt' if self.distributed_optimizer else ''}")
 
 
 @dataclass(frozen=True)
@@ -239,7 +244,8 @@ class PerformanceModel:
         check_tensor_parallel(self.spec, layout.T, layout.sequence_parallel)
         return rank_memory(self.spec, self.schedule(layout), self.partition(layout), layout.B,
                            layout.recompute, self.device_type, layout.T,
-                           layout.sequence_parallel)
+                           layout.sequence_parallel, data_parallel_size=layout.W,
+                           distributed_optimizer=layout.distributed_optimizer)
 
     def _global_rank(self, layout: TrainingLayout, pipeline_rank: int, replica: int = 0) -> int:
         """Global rank of a pipeline rank in data-parallel replica ``replica``, tensor rank 0."""
@@ -299,8 +305,9 @@ class PerformanceModel:
         times = [self.stage_times(layout, p) for p in pieces]
         split = schedule.split_backward
         link = self._allreduce_link(layout, schedule)
-        grad_bytes = tuple(float(n * self.spec.dtype_bytes)
-                           for n in stage_parameters(self.spec, pieces, layout.T))
+        # a reduce-scatter is half of Rabenseifner's all-reduce (its all-gather half comes after
+        # the step: :meth:`exposed_param_gather_s`)
+        half = 0.5 if layout.distributed_optimizer else 1.0
         return CostModel(
             forward_cost=tuple(t.forward for t in times),
             backward_cost=tuple(t.backward for t in times),
@@ -308,11 +315,31 @@ class PerformanceModel:
             p2p_edges=self._p2p_edges(layout, schedule),
             activation_bytes=float(activation_message_bytes(
                 self.spec, layout.B, layout.T, layout.sequence_parallel)),
-            allreduce_alpha=link.alpha_s,
+            allreduce_alpha=link.alpha_s * half,
             allreduce_beta=link.beta_s_per_byte,
-            grad_bytes=grad_bytes,
+            grad_bytes=tuple(b * half for b in self._grad_bytes(pieces, layout.T)),
             data_parallel_size=layout.W,
         )
+
+    def _grad_bytes(self, pieces: list[StagePiece], tensor_parallel: int = 1) -> list[float]:
+        """Bytes of each stage's gradient buffer on one of ``tensor_parallel`` ranks (fp32 for
+        fp32 and bf16 models)."""
+        width = bytes_per_parameter(self.spec.config.params_dtype)["grad"]
+        return [float(n * width) for n in stage_parameters(self.spec, pieces, tensor_parallel)]
+
+    def exposed_param_gather_s(self, layout: TrainingLayout) -> float:
+        """The distributed optimizer's parameter all-gather that the next iteration waits for:
+        the gathers run in the background (``--overlap-param-gather``), but the stage of each
+        rank's first forward needs its parameters before it starts (slowest rank)."""
+        if not layout.distributed_optimizer:
+            return 0.0
+        schedule = self.schedule(layout)
+        costs = self.cost_model(layout)  # its all-reduce terms are the reduce-scatter halves
+        nbytes = self._grad_bytes(self.partition(layout), layout.T)
+        replicas = schedule.num_pipes * layout.W
+        first = [schedule.actions[r][0].stage for r in range(schedule.num_ranks)
+                 if schedule.actions[r]]
+        return max((costs.allreduce_time(replicas, nbytes[s] / 2) for s in first), default=0.0)
 
     def simulate(self, layout: TrainingLayout) -> SimResult:
         """Simulated iteration of ``layout`` (cached by schedule and cost model)."""
@@ -337,8 +364,8 @@ class PerformanceModel:
             raise ConfigError(f"layout sizes must be positive: {layout.describe()}")
         sim = self.simulate(layout)
         memory = self.memory(layout) if with_memory else []
-        return Prediction(layout, sim.makespan + self.optimizer_step_s(layout), sim.bubble_ratio,
-                          memory, sim)
+        seconds = sim.makespan + self.optimizer_step_s(layout) + self.exposed_param_gather_s(layout)
+        return Prediction(layout, seconds, sim.bubble_ratio, memory, sim)
 
     def optimizer_step_s(self, layout: TrainingLayout) -> float:
         """Seconds of the optimizer step after the last all-reduce (slowest rank), when the
@@ -349,5 +376,6 @@ class PerformanceModel:
             return 0.0
         schedule = self.schedule(layout)
         params = stage_parameters(self.spec, self.partition(layout), layout.T)
-        return max(step(sum(params[s] for s in schedule.stages_of_rank(r)))
+        shards = schedule.num_pipes * layout.W if layout.distributed_optimizer else 1
+        return max(step(sum(params[s] for s in schedule.stages_of_rank(r)) / shards)
                    for r in range(schedule.num_ranks))

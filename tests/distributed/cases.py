@@ -15,17 +15,14 @@ from typing import Any
 import torch
 
 from megatron_chimera import parallel_state
-from megatron_chimera.config import ConfigError
+from megatron_chimera.config import ConfigError, DDPConfig, OptimizerConfig
 from megatron_chimera.pipeline.executor import PipelineExecutor
-from megatron_chimera.pipeline.grad_sync import (
-    GradientSynchronizer,
-    assert_replicas_identical,
-    broadcast_stage_params,
-)
+from megatron_chimera.pipeline.grad_sync import assert_replicas_identical, broadcast_stage_params
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import SCHEDULES, build_schedule
 from megatron_chimera.schedules.actions import FORWARD, Schedule
 from megatron_chimera.schedules.validate import validate
+from megatron_chimera.training import build_data_parallel
 
 from ..schedule_helpers import with_weight_actions
 from .toy_model import (
@@ -55,6 +52,7 @@ class Case:
     split_delay: int | None = None  # add W actions to a non-split schedule, `delay` actions later
     direction_groups: bool = False  # one p2p group per direction (the NCCL layout)
     loss_scale: float | None = None  # fp16-style static loss scale through the scale_loss hook
+    all_ddp_variants: bool = True  # every data-parallel flag combination, else the defaults
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -66,6 +64,11 @@ class Case:
         scale = f" loss-scale {self.loss_scale:g}" if self.loss_scale else ""
         return (f"{self.schedule}[{opts}] D={self.pipeline_size} N={self.num_microbatches}"
                 f"{split}{rec}{groups}{scale} {self.optimizer}")
+
+    @property
+    def ddp_variants(self) -> tuple[DDPConfig, ...]:
+        """The data-parallel flag combinations this case runs."""
+        return DDP_VARIANTS if self.all_ddp_variants else DDP_VARIANTS[:1]
 
     def available(self) -> bool:
         """Whether the schedule generator (and its options) exist in this tree."""
@@ -154,8 +157,59 @@ def _check_close(values: list[float], reference: list[float], what: str) -> None
             raise AssertionError(f"{what}[{i}]: {v!r} != reference {r!r}")
 
 
+BUCKET_ELEMENTS = 40  # about one toy layer (72 elements) per bucket
+# Megatron's data-parallel flags: overlapped bucketed reduction (tiny buckets, so stages have
+# several) x the distributed optimizer (with the background parameter all-gather when reduction
+# overlaps too). The third flag, --accumulate-allreduce-grads-in-fp32, is on in every variant:
+# for these fp32 models it leaves the buffers fp32 either way (tests/unit/test_grad_buffer.py
+# checks that, and what it changes for 16-bit models).
+DDP_VARIANTS = tuple(
+    DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+              bucket_size=BUCKET_ELEMENTS if overlap else None,
+              use_distributed_optimizer=sharded, overlap_param_gather=sharded and overlap)
+    for overlap in (False, True) for sharded in (False, True)
+)
+
+
+def ddp_name(ddp: DDPConfig) -> str:
+    """Short name of a flag combination for failure messages."""
+    flags = [name for name, on in (("fp32-grads", ddp.grad_reduce_in_fp32),
+                                   ("overlap-grad-reduce", ddp.overlap_grad_reduce),
+                                   ("distributed-optimizer", ddp.use_distributed_optimizer),
+                                   ("overlap-param-gather", ddp.overlap_param_gather)) if on]
+    return "+".join(flags) or "defaults"
+
+
+def build_training(case: Case, schedule: Schedule, prank: int, ddp: DDPConfig):
+    """Stage modules, gradient synchronizer and Megatron optimizer (the case's elementwise
+    optimizer inside) for one flag combination."""
+    stages = {s: build_stage(s, schedule.num_stages) for s in schedule.stages_of_rank(prank)}
+    config = OptimizerConfig(optimizer=case.optimizer, clip_grad=0.0, weight_decay=0.0)
+    make = make_optimizer(case.optimizer)
+    grad_sync, optimizer = build_data_parallel(
+        config, ddp, stages,
+        make_inner=lambda groups: make([p for g in groups for p in g["params"]]))
+    return stages, grad_sync, optimizer
+
+
+def _check_sharding(stages, grad_sync, optimizer, ddp: DDPConfig, case: Case) -> None:
+    """The flags took effect: buckets were cut, the distributed optimizer holds a shard only."""
+    for buffer in grad_sync.buffers.all_buffers():
+        largest = max(p.numel() for p in buffer.params)
+        for bucket in buffer.buckets:
+            held = sum(buffer.params[i].numel() for i in bucket.param_indices)
+            if ddp.bucket_size is not None and held >= ddp.bucket_size + largest:
+                raise AssertionError(f"a bucket of {held} elements: buckets were not cut")
+    held = sum(p.numel() for s in stages.values() for p in s.parameters())
+    mains = sum(m.numel() for m in optimizer.main_params)
+    replicas = min(len(parallel_state.get_stage_replica_ranks(s)) for s in stages)
+    if ddp.use_distributed_optimizer and replicas > 1 and mains >= held:
+        raise AssertionError(f"distributed optimizer holds {mains} of {held} elements")
+
+
 def run_case(rank: int, world_size: int, case: Case) -> None:
-    """Train 3 steps with the executor and compare everything with the single-process run."""
+    """Train 3 steps with the executor and compare everything with the single-process run,
+    for every data-parallel flag combination."""
     schedule = case.build()
     validate(schedule)
     d = case.pipeline_size
@@ -167,8 +221,6 @@ def run_case(rank: int, world_size: int, case: Case) -> None:
     )
     try:
         prank = parallel_state.get_pipeline_model_parallel_rank()
-        dp = parallel_state.get_data_parallel_rank()
-        stages = {s: build_stage(s, schedule.num_stages) for s in schedule.stages_of_rank(prank)}
         if case.direction_groups:
             pipe, stage = parallel_state.replicas_of_this_rank()[0]
             peer = parallel_state.get_pipeline_next_rank(pipe, stage)
@@ -176,48 +228,64 @@ def run_case(rank: int, world_size: int, case: Case) -> None:
                 peer = parallel_state.get_pipeline_prev_rank(pipe, stage)
             if parallel_state.get_p2p_group(rank, peer) is None:
                 raise AssertionError(f"no p2p group for {rank} -> {peer}")
-        params = [p for s in sorted(stages) for p in stages[s].parameters()]
-        optimizer = make_optimizer(case.optimizer)(params)
-        executor = PipelineExecutor(
-            schedule, PipelineTopology.from_parallel_state(), stages,
-            forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
-            loss_scale_divisor=n * w, grad_sync=GradientSynchronizer.from_parallel_state(stages),
-            recompute=case.recompute,
-            scale_loss=(lambda loss: loss * case.loss_scale) if case.loss_scale else None,
-        )
-        ref_losses, ref_model, ref_eval = reference_training(
-            STEPS, n, w, make_optimizer(case.optimizer)
-        )
-        results = []
-        for step in range(STEPS):
-            optimizer.zero_grad(set_to_none=True)
-            result = executor.run([make_batch(step, dp, m) for m in range(n)])
-            if result.executed != schedule.actions[prank]:
-                raise AssertionError(f"pipeline rank {prank}: executed order differs from schedule")
-            if case.loss_scale:  # unscale (a power of two: exact)
-                for p in params:
-                    p.grad.div_(case.loss_scale)
-            optimizer.step()
-            results.append(result)
-        gathered = executor.gather(results)  # every step at once, as at a log interval
-        for step, figures in enumerate(gathered or []):
-            _check_close([x["lm loss"] for x in figures.losses], ref_losses[step],
-                         f"step {step} losses")
-            busy = figures.busy_seconds_per_rank
-            if len(busy) != world_size or min(busy) <= 0:
-                raise AssertionError(f"busy seconds per rank: {busy}")
-        if (gathered is None) != (rank != world_size - 1):
-            raise AssertionError(f"rank {rank}: gathered {gathered is not None}")
-        assert_replicas_identical(stages)
-        _check_weights(stages, ref_model)
-        result = executor.run([make_batch(STEPS, dp, m) for m in range(n)], forward_only=True)
-        forwards = [a for a in schedule.actions[prank] if a.kind == FORWARD]
-        if result.executed != forwards:
-            raise AssertionError(f"pipeline rank {prank}: forward-only order differs")
-        for figures in executor.gather([result]) or []:
-            _check_close([x["lm loss"] for x in figures.losses], ref_eval, "forward-only losses")
+        reference = reference_training(STEPS, n, w, make_optimizer(case.optimizer))
+        for ddp in case.ddp_variants:
+            try:
+                _train_and_check(rank, world_size, case, schedule, prank, ddp, reference)
+            except Exception as exc:
+                raise AssertionError(f"[{ddp_name(ddp)}] {exc}") from exc
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _train_and_check(rank: int, world_size: int, case: Case, schedule: Schedule, prank: int,
+                     ddp: DDPConfig, reference) -> None:
+    ref_losses, ref_model, ref_eval = reference
+    n = case.num_microbatches
+    w = world_size // case.pipeline_size
+    dp = parallel_state.get_data_parallel_rank()
+    stages, grad_sync, optimizer = build_training(case, schedule, prank, ddp)
+    _check_sharding(stages, grad_sync, optimizer, ddp, case)
+    # start together: on a loaded machine a rank still computing the reference could otherwise
+    # look, to the NCCL-semantics mode's 10 s deadlines, like a peer that never arrives
+    torch.distributed.barrier()
+    executor = PipelineExecutor(
+        schedule, PipelineTopology.from_parallel_state(), stages,
+        forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
+        loss_scale_divisor=n * w, grad_sync=grad_sync, recompute=case.recompute,
+        scale_loss=(lambda loss: loss * case.loss_scale) if case.loss_scale else None,
+    )
+    results = []
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        result = executor.run([make_batch(step, dp, m) for m in range(n)])
+        if result.executed != schedule.actions[prank]:
+            raise AssertionError(f"pipeline rank {prank}: executed order differs from schedule")
+        if case.loss_scale:  # unscale (a power of two: exact)
+            for buffer in grad_sync.buffers.all_buffers():
+                buffer.grad_data.div_(case.loss_scale)
+        optimizer.step()
+        results.append(result)
+    gathered = executor.gather(results)  # every step at once, as at a log interval
+    for step, figures in enumerate(gathered or []):
+        _check_close([x["lm loss"] for x in figures.losses], ref_losses[step],
+                     f"step {step} losses")
+        busy = figures.busy_seconds_per_rank
+        if len(busy) != world_size or min(busy) <= 0:
+            raise AssertionError(f"busy seconds per rank: {busy}")
+    if (gathered is None) != (rank != world_size - 1):
+        raise AssertionError(f"rank {rank}: gathered {gathered is not None}")
+    optimizer.finish_param_sync()
+    if ddp == DDP_VARIANTS[0]:  # the other variants: every rank's weights against the reference
+        assert_replicas_identical(stages)
+    _check_weights(stages, ref_model)
+    result = executor.run([make_batch(STEPS, dp, m) for m in range(n)], forward_only=True)
+    forwards = [a for a in schedule.actions[prank] if a.kind == FORWARD]
+    if result.executed != forwards:
+        raise AssertionError(f"pipeline rank {prank}: forward-only order differs")
+    for figures in executor.gather([result]) or []:
+        _check_close([x["lm loss"] for x in figures.losses], ref_eval, "forward-only losses")
+    grad_sync.buffers.remove_hooks()
 
 
 def _check_weights(stages: dict[int, torch.nn.Module], ref_model: torch.nn.Module) -> None:
@@ -268,7 +336,8 @@ def run_failing_rank(rank: int, world_size: int, failing_rank: int) -> None:
     executor = PipelineExecutor(
         schedule, PipelineTopology.from_parallel_state(), stages,
         flaky_forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
-        loss_scale_divisor=8, grad_sync=GradientSynchronizer.from_parallel_state(stages),
+        loss_scale_divisor=8, grad_sync=build_data_parallel(
+            OptimizerConfig(optimizer="sgd"), DDPConfig(), stages)[0],
     )
     executor.run([make_batch(0, 0, m) for m in range(8)])
 
@@ -348,20 +417,20 @@ def _train_with_dropout(rank: int, schedule: Schedule, recompute: bool) -> list[
     prank = parallel_state.get_pipeline_model_parallel_rank()
     stages = {s: build_stage(s, schedule.num_stages, dropout=0.3)
               for s in schedule.stages_of_rank(prank)}
-    params = [p for s in sorted(stages) for p in stages[s].parameters()]
-    optimizer = SGD(params)
+    grad_sync, optimizer = build_data_parallel(
+        OptimizerConfig(optimizer="sgd", clip_grad=0.0, weight_decay=0.0), DDPConfig(), stages,
+        make_inner=lambda groups: SGD([p for g in groups for p in g["params"]]))
     executor = PipelineExecutor(
         schedule, PipelineTopology.from_parallel_state(), stages,
         forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
-        loss_scale_divisor=schedule.num_microbatches,
-        grad_sync=GradientSynchronizer.from_parallel_state(stages), recompute=recompute,
+        loss_scale_divisor=schedule.num_microbatches, grad_sync=grad_sync, recompute=recompute,
     )
     torch.manual_seed(1234 + rank)
     for step in range(2):
         optimizer.zero_grad()
         executor.run([make_batch(step, 0, m) for m in range(schedule.num_microbatches)])
         optimizer.step()
-    return [p.detach().clone() for p in params]
+    return [p.detach().clone() for s in sorted(stages) for p in stages[s].parameters()]
 
 
 def run_recompute_replays_dropout(rank: int, world_size: int) -> None:

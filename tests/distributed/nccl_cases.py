@@ -7,10 +7,11 @@ import datetime
 import torch
 
 from megatron_chimera import parallel_state
+from megatron_chimera.config import DDPConfig, OptimizerConfig
 from megatron_chimera.pipeline.executor import PipelineExecutor
-from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
+from megatron_chimera.training import build_data_parallel
 
 from .toy_model import HIDDEN, MICRO_BATCH, SEQ, build_stage, forward_step, make_batch
 
@@ -29,7 +30,8 @@ def run_unprotected(rank: int, world_size: int, schedule_name: str, num_microbat
         executor = PipelineExecutor(
             schedule, PipelineTopology.from_parallel_state(), stages, forward_step,
             (SEQ, MICRO_BATCH, HIDDEN), torch.float32, loss_scale_divisor=num_microbatches,
-            grad_sync=GradientSynchronizer.from_parallel_state(stages), warm_up=warm_up,
+            grad_sync=build_data_parallel(OptimizerConfig(), DDPConfig(), stages)[0],
+            warm_up=warm_up,
             safe_posting=safe_posting)
         for step in range(2):
             executor.run([make_batch(step, 0, m) for m in range(num_microbatches)])

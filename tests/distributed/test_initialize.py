@@ -32,6 +32,23 @@ def test_world_size_must_match_the_layout(monkeypatch):
 
 
 def test_missing_torchrun_environment_is_rejected(monkeypatch):
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    """Several ranks need torchrun's environment (one process needs none: next test)."""
+    for key in ("RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
     with pytest.raises(ConfigError, match="torchrun"):
-        initialize_distributed(ParallelConfig(distributed_backend="gloo"))
+        initialize_distributed(ParallelConfig(data_parallel_size=2, distributed_backend="gloo"))
+
+
+def test_one_process_starts_without_torchrun(monkeypatch):
+    """A plain ``python pretrain_gpt2.py`` run gets an in-memory store: no port, no env."""
+    import torch.distributed as dist
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    try:
+        device = initialize_distributed(ParallelConfig(distributed_backend="gloo"))
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert device.type == "cpu"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

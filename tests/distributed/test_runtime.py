@@ -1,7 +1,8 @@
 """Distributed runtime: exact equivalence with a single-process run, schedule order, no hang.
 
 Each test spawns one gloo world and runs many configurations in it (groups are created and
-destroyed per configuration), so the whole set stays within a few minutes on 2 cores. Every
+destroyed per configuration), each with every combination of the data-parallel flags
+(``cases.DDP_VARIANTS``), so the whole set stays within a few minutes on 2 cores. Every
 world runs under NCCL's rules (the harness's NCCL-semantics mode); the last test shows that
 mode reporting the deadlocks plain gloo forgives.
 """
@@ -79,22 +80,23 @@ def _available(cases: list[Case]) -> list[Case]:
     return [c for c in cases if c.available()]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_exact_world_of_8():
-    """D=8 (W=1), D=4 x W=2, D=2 x W=4: losses, weights, replica identity, order, eval."""
-    spawn_world(run_cases, 8, _available(WORLD_8), timeout_s=220)
+    """D=8 (W=1), D=4 x W=2, D=2 x W=4: losses, weights, replica identity, order, eval, for
+    every data-parallel flag combination."""
+    spawn_world(run_cases, 8, _available(WORLD_8), timeout_s=580)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_exact_world_of_4():
     """D=4 (W=1) and D=2 x W=2."""
-    spawn_world(run_cases, 4, _available(WORLD_4), timeout_s=100)
+    spawn_world(run_cases, 4, _available(WORLD_4), timeout_s=280)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_exact_world_of_2():
     """D=2 (W=1)."""
-    spawn_world(run_cases, 2, _available(WORLD_2), timeout_s=50)
+    spawn_world(run_cases, 2, _available(WORLD_2), timeout_s=130)
 
 
 def test_required_schedules_are_registered():

@@ -31,17 +31,17 @@ from megatron_chimera.checkpointing import (
     save_checkpoint,
     stage_named_parameters,
 )
-from megatron_chimera.config import ModelConfig, OptimizerConfig
+from megatron_chimera.config import DDPConfig, ModelConfig, OptimizerConfig
 from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.optimizer import get_megatron_optimizer
 from megatron_chimera.pipeline.executor import PipelineExecutor
-from megatron_chimera.pipeline.grad_sync import GradientSynchronizer, assert_replicas_identical
+from megatron_chimera.pipeline.grad_sync import assert_replicas_identical
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.validate import validate
 from megatron_chimera.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_chimera.tensor_parallel.utils import is_tensor_parallel
-from megatron_chimera.training import _norm_filter
+from megatron_chimera.training import build_data_parallel
 
 from ..tp_helpers import full_state
 from .cases import run_each
@@ -180,17 +180,13 @@ def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = Fal
     modules = {s: entry.model_provider(config, SEED, pre_process=s == 0, post_process=s == last,
                                        layer_range=partition[s], stage=s)
                for s in schedule.stages_of_rank(prank)}
-    group = parallel_state.get_model_replica_group()
-    optimizer = get_megatron_optimizer(optimizer_config, [modules[s] for s in sorted(modules)],
-                                       grad_norm_group=group, found_inf_group=group,
-                                       norm_param_filter=_norm_filter(modules))
+    grad_sync, optimizer = build_data_parallel(optimizer_config, DDPConfig(), modules)
     seq = SEQ // case.tensor_size if case.sequence_parallel else SEQ
     executor = PipelineExecutor(
         schedule, PipelineTopology.from_parallel_state(), modules, entry.forward_step,
         (seq, MICRO_BATCH, config.hidden_size), torch.float32,
         loss_scale_divisor=case.num_microbatches * parallel_state.get_data_parallel_world_size(),
-        grad_sync=GradientSynchronizer.from_parallel_state(modules), recompute=recompute,
-        scale_loss=optimizer.scale_loss)
+        grad_sync=grad_sync, recompute=recompute, scale_loss=optimizer.scale_loss)
     return modules, optimizer, executor, partition
 
 
@@ -232,6 +228,7 @@ def run_tp_case(rank: int, world_size: int, case: TPCase) -> dict[str, int]:
             for i, (got, want) in enumerate(zip(figures.losses, ref_losses[step], strict=True)):
                 for key in want:
                     _check_close(got[key], want[key], f"step {step} micro-batch {i} {key}")
+        optimizer.finish_param_sync()
         assert_replicas_identical(modules)
         _assert_tensor_parallel_copies_equal(modules)
         for stage, module in modules.items():

@@ -70,6 +70,24 @@ def scalars(tensorboard_dir: Path, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars(tag)}
 
 
+def assert_close(got: dict[int, float], want: dict[int, float], rtol: float, what: str) -> None:
+    """Same iterations, each value within ``rtol`` (relative) of the reference."""
+    assert got.keys() == want.keys(), f"{what}: steps {sorted(got)} != {sorted(want)}"
+    for step in want:
+        assert abs(got[step] - want[step]) <= rtol * abs(want[step]), (
+            f"{what}: iteration {step}: {got[step]} vs {want[step]}")
+
+
+def reference_curve(tensorboard_dir: Path, iters: int, min_drop: float) -> dict[int, float]:
+    """The one-process GPT loss curve of ``iters`` iterations (the layouts' reference); it must
+    fall by ``min_drop`` (else equality of curves would be vacuous)."""
+    train("pretrain_gpt2.py", ["--train-iters", str(iters)], 1, tensorboard_dir)
+    losses = scalars(tensorboard_dir, "lm loss")
+    assert sorted(losses) == list(range(1, iters + 1))
+    assert losses[iters] < losses[1] - min_drop, "the tiny model must learn"
+    return losses
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (for MASTER_PORT)."""
     import socket

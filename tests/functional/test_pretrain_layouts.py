@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from .launcher import scalars, train
+from .launcher import assert_close, reference_curve, scalars, train
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
 
@@ -24,22 +24,10 @@ GPT_LAYOUTS = {
 }
 
 
-def assert_close(got: dict[int, float], want: dict[int, float], rtol: float, what: str):
-    assert got.keys() == want.keys(), f"{what}: steps {sorted(got)} != {sorted(want)}"
-    for step in want:
-        assert abs(got[step] - want[step]) <= rtol * abs(want[step]), (
-            f"{what}: iteration {step}: {got[step]} vs {want[step]}")
-
-
 @pytest.fixture(scope="module")
 def gpt_reference(tmp_path_factory):
     """One process, whole model: the reference loss curve."""
-    tb = tmp_path_factory.mktemp("gpt-1proc")
-    train("pretrain_gpt2.py", ITERS, 1, tb)
-    losses = scalars(tb, "lm loss")
-    assert sorted(losses) == list(range(1, 21))
-    assert losses[20] < losses[1] - 0.1, "the tiny model must learn (else equality is vacuous)"
-    return losses
+    return reference_curve(tmp_path_factory.mktemp("gpt-1proc"), 20, min_drop=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.tuning.autotune import JSON_KEYS, SearchSpace, autotune, enumerate_layouts
+from megatron_chimera.tuning.command import pretrain_flags
 from megatron_chimera.tuning.costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile
 from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingLayout
@@ -34,11 +35,12 @@ def gpt(num_layers: int = 8) -> ModelSpec:
                                  seq_length=32, vocab_size=500), "gpt2")
 
 
-def hand_space() -> SearchSpace:
+def hand_space(distributed_optimizer: tuple[bool, ...] = (False,)) -> SearchSpace:
     return SearchSpace(num_gpus=4, global_batch_size=8, num_layers=8,
                        schedules=("gpipe", "1f1b", "chimera"), micro_batch_sizes=(2,),
                        recompute=(False,), option_values=(("pipes", (2,)),),
-                       partition_methods=("uniform",))
+                       partition_methods=("uniform",),
+                       distributed_optimizer=distributed_optimizer)
 
 
 # Hand-checked iteration times (forward F = B x layers per stage, backward 2F, no communication):
@@ -82,11 +84,31 @@ def test_drops_layouts_over_the_memory_limit():
         _ = autotune(model, hand_space(), memory_limit_bytes=1).best
 
 
+def test_the_distributed_optimizer_lets_chimera_fit_where_its_replicas_did_not():
+    """Chimera D=2 over its limit (two stage replicas per rank) fits once its optimizer state is
+    sharded over its stage-replica groups, and wins again; where every layout fits, the plain
+    layouts rank first (the sharded ones pay an exposed parameter all-gather)."""
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    chimera2 = TrainingLayout.of("chimera", 2, 2, 2, 2, pipes=2)
+    sharded = TrainingLayout.of("chimera", 2, 2, 2, 2, distributed_optimizer=True, pipes=2)
+    peak = max(m.total_bytes for m in model.memory(chimera2))
+    assert max(m.total_bytes for m in model.memory(sharded)) < peak
+    assert "--use-distributed-optimizer" in pretrain_flags(gpt(), sharded)
+    space = hand_space(distributed_optimizer=(False, True))
+    assert sharded in list(enumerate_layouts(space))
+    # 1F1B/GPipe at D=4, W=1 have one-rank stage-replica groups: no sharded variant
+    assert TrainingLayout("1f1b", 4, 1, 2, 4, distributed_optimizer=True) not in list(
+        enumerate_layouts(space))
+    result = autotune(model, space, memory_limit_bytes=peak - 1)
+    assert [layout for layout, _ in result.over_memory] == [chimera2]
+    assert result.best.layout == sharded and result.best.iteration_s == pytest.approx(48.0)
+
+
 def test_recomputation_is_tried_only_when_the_plain_layout_does_not_fit():
     model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
     space = SearchSpace(num_gpus=4, global_batch_size=32, num_layers=8, schedules=("gpipe",),
                         micro_batch_sizes=(4,), recompute=(False, True),
-                        partition_methods=("uniform",))
+                        partition_methods=("uniform",), distributed_optimizer=(False,))
     plain = TrainingLayout("gpipe", 2, 2, 4, 4)
     peak_plain = max(m.total_bytes for m in model.memory(plain))
     loose = autotune(model, space, memory_limit_bytes=10**12)

@@ -130,9 +130,11 @@ def test_unknown_flags_keep_argparse_message():
      "error: --no-whole-word-masking applies to BERT (pretrain_bert.py) only"),
     ("pretrain_gpt2", ["--mask-prob", "0.2"],
      "error: --mask-prob applies to BERT (pretrain_bert.py) only"),
-    ("pretrain_gpt2", ["--use-distributed-optimizer"],
-     "error: --use-distributed-optimizer is not supported: the distributed (sharded) "
-     "optimizer is not implemented"),
+    ("pretrain_gpt2", ["--standalone-embedding-stage"],
+     "error: --standalone-embedding-stage is not supported: not implemented (--partition-method "
+     "parameters balances the embedding instead)"),
+    ("pretrain_gpt2", ["--overlap-param-gather"],
+     "error: --overlap-param-gather needs --use-distributed-optimizer"),
     ("pretrain_gpt2", ["--log-memory-to-tensorboard"],
      "error: --log-memory-to-tensorboard requires --tensorboard-dir"),
 ])

@@ -9,6 +9,7 @@ Apex path with a stand-in that keeps ``step`` in its groups as Apex does.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -56,7 +57,7 @@ class ApexStyleFusedAdam(torch.optim.Optimizer):
 
 def build(kind: str):
     """A one-stage GPT model and the optimizer of ``kind`` over it."""
-    config = CONFIG if kind != "bf16" else ModelConfig(**{**CONFIG.__dict__, "params_dtype": "bf16"})
+    config = CONFIG if kind != "bf16" else dataclasses.replace(CONFIG, params_dtype="bf16")
     model = GPTModel(config, seed=5)
     groups = get_param_groups([model], weight_decay=0.1)
     params = [p for g in groups for p in g["params"]]

@@ -129,7 +129,10 @@ def test_parameter_and_time_balancing_account_for_embedding_and_head():
 # ----------------------------------------------------------------------------- memory
 def test_bytes_per_parameter_table():
     assert bytes_per_parameter("fp32") == {"param": 4, "grad": 4, "optimizer": 8, "main_grad": 0}
-    assert bytes_per_parameter("bf16") == {"param": 2, "grad": 2, "optimizer": 12, "main_grad": 4}
+    # bf16 always accumulates in fp32 buffers, which are the fp32 main grads (no copy)
+    assert bytes_per_parameter("bf16") == {"param": 2, "grad": 4, "optimizer": 12, "main_grad": 0}
+    assert bytes_per_parameter("fp16") == {"param": 2, "grad": 2, "optimizer": 12, "main_grad": 4}
+    assert bytes_per_parameter("fp16", grad_reduce_in_fp32=True)["grad"] == 4
     assert bytes_per_parameter("fp16", "sgd")["optimizer"] == 8
     assert bytes_per_parameter("fp32", "sgd", sgd_momentum=0.0)["optimizer"] == 0
 
@@ -222,7 +225,7 @@ def test_rank_memory_for_schedules():
     assert r0.stages == (0,)
     assert r0.weight_bytes == stages[0].weight_bytes
     assert r0.activation_bytes == 4 * stages[0].activation_bytes  # GPipe holds all N = 4
-    assert r0.total_bytes == r0.weight_bytes + r0.bucket_bytes + r0.activation_bytes
+    assert r0.total_bytes == r0.weight_bytes + r0.activation_bytes
     # Chimera-style placement: rank 0 holds stage 0 (down pipe) and stage 1 (up pipe); its list
     # keeps two stage-0 and one stage-1 activations alive at once
     F, B = "F", "B"
@@ -235,5 +238,9 @@ def test_rank_memory_for_schedules():
                             num_microbatches=4, placement=[[0, 1], [1, 0]], actions=actions)
     r0 = rank_memory(spec, chimera_like, pieces_of(partition), 2, recompute=False)[0]
     assert r0.stages == (0, 1)
-    assert r0.weight_bytes == stages[0].weight_bytes + stages[1].weight_bytes
+    # both stages hold the tied embedding, but the two copies share one storage, one gradient
+    # buffer and one optimizer state (fp32: 4 + 4 + 8 bytes per element)
+    tied = stages[1].tied_parameters
+    assert tied == stages[0].tied_parameters > 0
+    assert r0.weight_bytes == stages[0].weight_bytes + stages[1].weight_bytes - tied * 16
     assert r0.activation_bytes == 2 * stages[0].activation_bytes + stages[1].activation_bytes

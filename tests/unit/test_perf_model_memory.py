@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
-from megatron_chimera.config import ModelConfig
+from megatron_chimera.config import ModelConfig, OptimizerConfig
+from megatron_chimera.distributed.grad_buffer import SHARD_ALIGNMENT, TIED
 from megatron_chimera.model.bert import BertModel
 from megatron_chimera.model.gpt2 import GPTModel
+from megatron_chimera.optimizer.accounting import measure_state_bytes
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.simulate import peak_inflight
 from megatron_chimera.tuning.costs import ModelSpec, uniform_partition
 from megatron_chimera.tuning.hardware import PRESETS
-from megatron_chimera.tuning.memory import peak_activation_bytes, rank_memory
+from megatron_chimera.tuning.memory import (
+    embedding_group_size,
+    peak_activation_bytes,
+    rank_memory,
+    stage_replicas,
+)
 from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingLayout
 
 
@@ -20,40 +29,52 @@ def small(params_dtype: str = "fp32") -> ModelConfig:
                        vocab_size=300, params_dtype=params_dtype, num_tokentypes=2)
 
 
-def measured_stage_param_bytes(model: str, config: ModelConfig, D: int) -> list[int]:
-    """Bytes of the parameters of every stage slice, built with the real model classes."""
+def stage_modules(model: str, config: ModelConfig, D: int) -> list:
+    """Every stage slice, built with the real model classes."""
     cls = GPTModel if model == "gpt2" else BertModel
-    result = []
-    for stage, piece in enumerate(uniform_partition(config.num_layers, D)):
-        module = cls(config, pre_process=stage == 0, post_process=stage == D - 1,
-                     layer_range=piece.layer_range)
-        result.append(sum(p.numel() * p.element_size() for p in module.parameters()))
-    return result
+    return [cls(config, pre_process=stage == 0, post_process=stage == D - 1,
+                layer_range=piece.layer_range)
+            for stage, piece in enumerate(uniform_partition(config.num_layers, D))]
 
 
 @pytest.mark.parametrize("model", ["gpt2", "bert"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("name,options", [("1f1b", {}), ("chimera", {"pipes": 2}),
                                           ("chimera", {"pipes": 4})])
-def test_weight_memory_matches_real_parameter_bytes(model, dtype, name, options):
-    """Per rank: params + grads (+ bucket) of every stage held, from the real modules' bytes;
-    optimizer state = Adam moments (+ fp32 main params for bf16) per parameter."""
+@pytest.mark.parametrize("W,sharded", [(1, False), (1, True), (2, True)])
+def test_weight_memory_matches_the_real_tensors(model, dtype, name, options, W, sharded):
+    """Per rank: parameters, gradient buffers and optimizer state (fp32 main copies + Adam
+    moments, sharded over the stage-replica group with the distributed optimizer) of the real
+    modules, buffers and optimizer after a step, against the memory model. Sharded buckets are
+    padded, so a shard may hold up to one alignment block per bucket more than 1/R."""
     config = small(dtype)
     D = 4
     spec = ModelSpec(config, model)
-    measured = measured_stage_param_bytes(model, config, D)
+    modules = stage_modules(model, config, D)
     schedule = build_schedule(name, D, 8, **options)
-    memory = rank_memory(spec, schedule, uniform_partition(config.num_layers, D), 2, False)
-    width = 4 if dtype == "fp32" else 2
+    memory = rank_memory(spec, schedule, uniform_partition(config.num_layers, D), 2, False,
+                         data_parallel_size=W, distributed_optimizer=sharded)
+    replicas = stage_replicas(schedule)
+    optimizer = OptimizerConfig(bf16=dtype == "bf16")
     for rank, mem in enumerate(memory):
         held = schedule.stages_of_rank(rank)
         assert mem.stages == tuple(held)
-        param_bytes = sum(measured[s] for s in held)
-        # params + grads in the model dtype, Adam m and v (+ fp32 main params) per parameter
-        optimizer = param_bytes // width * (8 + (4 if width == 2 else 0))
-        assert mem.weight_bytes == 2 * param_bytes + optimizer
-        assert mem.bucket_bytes == param_bytes
-        assert mem.transient_bytes == (param_bytes * 2 if width == 2 else 0)
+        copies = {s: copy.deepcopy(modules[s]) for s in held}  # distinct tied copies
+        shards = None
+        if sharded:
+            shards = {s: replicas[s] * W for s in held}
+            shards[TIED] = embedding_group_size(schedule, W)
+        real = measure_state_bytes(copies, optimizer, grad_reduce_in_fp32=dtype == "bf16",
+                                   shard_counts=shards)
+        assert mem.param_bytes == real.param_bytes
+        if not sharded:
+            assert (mem.grad_bytes, mem.optimizer_bytes) == (real.grad_bytes,
+                                                             real.optimizer_bytes)
+            continue
+        slack = sum(SHARD_ALIGNMENT * n for n in shards.values()) * 4  # a block per bucket
+        assert mem.grad_bytes <= real.grad_bytes <= mem.grad_bytes + slack
+        assert abs(real.optimizer_bytes - mem.optimizer_bytes) <= slack * 3 + 16, (
+            real.optimizer_bytes, mem.optimizer_bytes)
 
 
 # Peak in-flight micro-batches per rank at D=4, known in closed form (docs/CHIMERA.md, Table 2):

@@ -282,7 +282,7 @@ def run_models(rank: int, world_size: int, family: str, sequence_parallel: bool,
             params = sequence_parallel_params([model])
             assert params, "sequence parallelism marks the LayerNorms"
             allreduce_sequence_parallel_grads(
-                [p.grad for p in params], parallel_state.get_tensor_model_parallel_group())
+                params, parallel_state.get_tensor_model_parallel_group())
         want = {n: p.grad for n, p in reference.named_parameters()}
         for name, grad in full_state(model, grads=True).items():
             torch.testing.assert_close(grad, want[name], rtol=1e-4, atol=1e-6, msg=name)

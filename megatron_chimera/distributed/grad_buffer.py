@@ -1,0 +1,288 @@
+"""Contiguous gradient (and parameter) storage for one stage replica, cut into buckets.
+
+Megatron's ``ParamAndGradBuffer`` for this runtime. Each parameter's gradient accumulates in
+``param.main_grad``, a view into one flat tensor: fp32 with ``--accumulate-allreduce-grads-in-fp32``
+(always with ``--bf16``), else the parameter dtype. A post-accumulate-grad hook adds every
+backward's ``param.grad`` into ``main_grad`` and frees it, so there is no second full copy of the
+gradients and each micro-batch's gradient is summed in the buffer's precision.
+
+Parameters are laid out in reverse registration order (the order backward finalises them) and cut
+into buckets of about ``bucket_size`` elements; each bucket is reduced by one collective. With the
+distributed optimizer every bucket is padded to a multiple of the shard count so that rank ``r``
+of the reducing group owns the ``r``-th contiguous slice of every bucket, and the parameters move
+into a parameter buffer of the same layout (the target of the all-gather after the step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# elements each shard of a padded bucket is rounded up to (aligned collectives on GPUs)
+SHARD_ALIGNMENT = 64
+
+GradReadyCallback = Callable[[nn.Parameter], None]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Elements ``[start, end)`` of a buffer (padding included), reduced by one collective."""
+
+    index: int
+    start: int
+    end: int
+    param_indices: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the bucket, padding included."""
+        return self.end - self.start
+
+    def shard(self, shard_count: int, shard_rank: int) -> tuple[int, int]:
+        """Buffer range ``[lo, hi)`` owned by ``shard_rank`` of ``shard_count`` ranks."""
+        size = self.numel // shard_count
+        lo = self.start + shard_rank * size
+        return lo, lo + size
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Where every parameter and bucket lies in a flat buffer: ``ranges[i]`` of parameter ``i``."""
+
+    ranges: tuple[tuple[int, int], ...]
+    buckets: tuple[Bucket, ...]
+    numel: int
+    shard_count: int
+
+    def bucket_of(self, param_index: int) -> Bucket:
+        """The bucket holding parameter ``param_index``."""
+        for bucket in self.buckets:
+            if param_index in bucket.param_indices:
+                return bucket
+        raise KeyError(param_index)
+
+    def shard_numel(self) -> int:
+        """Elements one shard rank owns over all buckets."""
+        return sum(b.numel // self.shard_count for b in self.buckets)
+
+
+def _padded(numel: int, shard_count: int) -> int:
+    if shard_count == 1:
+        return numel
+    multiple = shard_count * SHARD_ALIGNMENT
+    return -(-numel // multiple) * multiple
+
+
+def plan_layout(numels: Iterable[int], bucket_size: int | None,
+                shard_count: int = 1) -> BufferLayout:
+    """Lay out parameters of ``numels`` (registration order) in reverse, in buckets of at least
+    ``bucket_size`` elements (None: one bucket), each padded for ``shard_count`` shards."""
+    numels = list(numels)
+    if shard_count < 1:
+        raise ValueError(f"shard count must be >= 1, got {shard_count}")
+    ranges: dict[int, tuple[int, int]] = {}
+    buckets: list[Bucket] = []
+    offset, bucket_start, members = 0, 0, []
+
+    def close_bucket() -> None:
+        nonlocal offset, bucket_start, members
+        end = bucket_start + _padded(offset - bucket_start, shard_count)
+        buckets.append(Bucket(len(buckets), bucket_start, end, tuple(members)))
+        offset = bucket_start = end
+        members = []
+
+    for index in reversed(range(len(numels))):
+        ranges[index] = (offset, offset + numels[index])
+        offset += numels[index]
+        members.append(index)
+        if bucket_size is not None and offset - bucket_start >= bucket_size:
+            close_bucket()
+    if members:
+        close_bucket()
+    return BufferLayout(tuple(ranges[i] for i in range(len(numels))), tuple(buckets), offset,
+                        shard_count)
+
+
+class GradBuffer:
+    """Flat gradient storage of ``params`` (all of one dtype) with ``main_grad`` views.
+
+    ``grad_dtype``: the accumulation and reduction dtype. ``shard_count`` > 1 pads buckets for
+    the distributed optimizer and, with ``param_buffer``, moves the parameters into a flat
+    buffer of the same layout (``param_data``).
+    """
+
+    def __init__(self, params: list[nn.Parameter], grad_dtype: torch.dtype,
+                 bucket_size: int | None = None, shard_count: int = 1,
+                 param_buffer: bool = False) -> None:
+        if not params:
+            raise ValueError("a gradient buffer needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) != 1:
+            raise ValueError(f"one buffer holds parameters of one dtype, got {dtypes}")
+        self.params = params
+        self.param_dtype = params[0].dtype
+        self.grad_dtype = grad_dtype
+        self.layout = plan_layout([p.numel() for p in params], bucket_size, shard_count)
+        device = params[0].device
+        self.grad_data = torch.zeros(self.layout.numel, dtype=grad_dtype, device=device)
+        self.param_data: torch.Tensor | None = None
+        if param_buffer:
+            self.param_data = torch.zeros(self.layout.numel, dtype=self.param_dtype,
+                                          device=device)
+        self._index = {id(p): i for i, p in enumerate(params)}
+        for i, param in enumerate(params):
+            lo, hi = self.layout.ranges[i]
+            param.main_grad = self.grad_data[lo:hi].view_as(param)
+            if self.param_data is not None:
+                with torch.no_grad():
+                    self.param_data[lo:hi].copy_(param.detach().reshape(-1))
+                param.data = self.param_data[lo:hi].view_as(param)
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The buffer's buckets, in reduction order."""
+        return self.layout.buckets
+
+    def index_of(self, param: nn.Parameter) -> int:
+        """Position of ``param`` in :attr:`params`."""
+        return self._index[id(param)]
+
+    def range_of(self, param: nn.Parameter) -> tuple[int, int]:
+        """Buffer range ``[lo, hi)`` of ``param``."""
+        return self.layout.ranges[self.index_of(param)]
+
+    def bucket_grads(self, bucket: Bucket) -> torch.Tensor:
+        """The gradient view of ``bucket`` (padding included)."""
+        return self.grad_data[bucket.start:bucket.end]
+
+    def zero_(self) -> None:
+        """Zero every gradient (the start of an iteration)."""
+        self.grad_data.zero_()
+
+
+@dataclass
+class ModelGradBuffers:
+    """This rank's gradient buffers: one per stage and parameter dtype, and the tied embedding's.
+
+    Every local copy of the tied word embedding (the first stage's input embedding and the last
+    stage's output layer, when this rank holds both) shares one storage and one ``main_grad``, so
+    their gradients are summed as they accumulate; that sum is reduced over the embedding group
+    (and sharded over it with the distributed optimizer).
+    """
+
+    stages: dict[int, list[GradBuffer]]
+    tied: GradBuffer | None
+    tied_copies: list[nn.Parameter]
+    tied_stages: set[int]
+    _hooks: list = None  # type: ignore[assignment]
+    _on_ready: GradReadyCallback | None = None
+
+    def all_buffers(self) -> list[GradBuffer]:
+        """Stage buffers in descending stage order, then the tied embedding's."""
+        found = [b for s in sorted(self.stages, reverse=True) for b in self.stages[s]]
+        return found + ([self.tied] if self.tied is not None else [])
+
+    def zero_(self) -> None:
+        """Zero every gradient buffer."""
+        for buffer in self.all_buffers():
+            buffer.zero_()
+
+    def set_ready_callback(self, callback: GradReadyCallback | None) -> None:
+        """Called with each parameter right after its gradient was added to ``main_grad``."""
+        self._on_ready = callback
+
+    def _accumulate(self, param: nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.data_ptr() != param.main_grad.data_ptr():  # else autograd added in place
+            param.main_grad.add_(grad)
+        param.grad = None
+        if self._on_ready is not None:
+            self._on_ready(param)
+
+    def register_hooks(self) -> None:
+        """Route every backward's gradient into ``main_grad`` (once per parameter)."""
+        if self._hooks is not None:
+            return
+        self._hooks = []
+        seen: set[int] = set()
+        for buffer in self.all_buffers():
+            params = self.tied_copies if buffer is self.tied else buffer.params
+            for param in params:
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate))
+
+    def remove_hooks(self) -> None:
+        """Undo :meth:`register_hooks`."""
+        for handle in self._hooks or []:
+            handle.remove()
+        self._hooks = None
+
+
+def shared_embedding_weight(module: nn.Module) -> nn.Parameter | None:
+    """``module.shared_embedding_or_output_weight()`` when the module has it, else None."""
+    getter = getattr(module, "shared_embedding_or_output_weight", None)
+    return getter() if callable(getter) else None
+
+
+def local_shared_copies(stage_modules: dict[int, nn.Module]) -> list[nn.Parameter]:
+    """Distinct tied-embedding parameters held on this rank, by stage."""
+    copies: list[nn.Parameter] = []
+    for stage in sorted(stage_modules):
+        weight = shared_embedding_weight(stage_modules[stage])
+        if weight is not None and all(weight is not c for c in copies):
+            copies.append(weight)
+    return copies
+
+
+def grad_dtype_for(param_dtype: torch.dtype, grad_reduce_in_fp32: bool) -> torch.dtype:
+    """fp32 when asked (or for fp32 parameters), else the parameter dtype."""
+    return torch.float32 if grad_reduce_in_fp32 else param_dtype
+
+
+TIED = "tied"  # key of the tied embedding in ``shard_counts`` (its embedding-group size)
+
+
+def build_grad_buffers(stage_modules: dict[int, nn.Module], grad_reduce_in_fp32: bool,
+                       bucket_sizes: dict[int, int | None] | None = None,
+                       shard_counts: dict[int | str, int] | None = None,
+                       param_buffers: bool = False) -> ModelGradBuffers:
+    """Buffers for every stage module of this rank, one for the tied embedding, and hooks.
+
+    ``bucket_sizes[stage]``: elements per bucket (default None: one bucket per buffer).
+    ``shard_counts[stage]``: ranks the stage is sharded over (distributed optimizer; default 1),
+    ``shard_counts[TIED]`` those the tied embedding is sharded over.
+    ``param_buffers``: move sharded parameters into flat buffers (the all-gather target).
+    """
+    shard_counts = shard_counts or {}
+    bucket_sizes = bucket_sizes or {}
+    copies = local_shared_copies(stage_modules)
+    tied_ids = {id(c) for c in copies}
+    stages: dict[int, list[GradBuffer]] = {}
+    for stage, module in stage_modules.items():
+        shards = shard_counts.get(stage, 1)
+        size = bucket_sizes.get(stage)
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for param in module.parameters():
+            if param.requires_grad and id(param) not in tied_ids:
+                by_dtype.setdefault(param.dtype, []).append(param)
+        stages[stage] = [GradBuffer(params, grad_dtype_for(dtype, grad_reduce_in_fp32), size,
+                                    shards, param_buffers and shards > 1)
+                         for dtype, params in by_dtype.items()]
+    tied = None
+    if copies:
+        shards = shard_counts.get(TIED, 1)
+        tied = GradBuffer([copies[0]], grad_dtype_for(copies[0].dtype, grad_reduce_in_fp32),
+                          None, shards, param_buffers and shards > 1)
+        for copy in copies[1:]:  # identical values: one gradient and one storage for all
+            copy.main_grad = copies[0].main_grad
+            copy.data = copies[0].data
+    tied_stages = {s for s, m in stage_modules.items() if shared_embedding_weight(m) is not None}
+    buffers = ModelGradBuffers(stages, tied, copies, tied_stages)
+    buffers.register_hooks()
+    return buffers

@@ -1,8 +1,10 @@
 """Tensor (and sequence) parallelism in the runtime: GPT-2 and BERT on T x W x D gloo ranks under
 NCCL's rules reproduce one process's losses, gradient norms and full weights over 3 steps (1e-5
-relative, fp32), with Chimera, Chimera-ZB and 1F1B; sequence parallelism sends 1/T of the
-pipeline bytes (the 1F1B pair of the world of 4); recomputation replays the tensor-parallel
-random streams; checkpoints move between T = 2 and T = 1 unchanged."""
+relative, fp32), with Chimera, Chimera-ZB and 1F1B, and with Megatron's data-parallel flags all
+on (distributed optimizer, overlapped bucketed reduction, background parameter gather);
+sequence parallelism sends 1/T of the pipeline bytes (the 1F1B pair of the world of 4);
+recomputation replays the tensor-parallel random streams; checkpoints move between T = 2 and
+T = 1 unchanged."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from .harness import spawn_world
 from .tp_cases import (
+    SHARDED_OVERLAP,
     TPCase,
     run_checkpoint_round_trip,
     run_recompute_replays_tensor_parallel_dropout,
@@ -22,12 +25,16 @@ FAMILIES = ("gpt2", "bert")
 
 
 def world_4(family: str) -> list[TPCase]:
-    """T=2 x D=2: 1F1B, Chimera-ZB, 1F1B and Chimera with sequence parallelism."""
+    """T=2 x D=2: 1F1B, Chimera-ZB, 1F1B and Chimera with sequence parallelism; Chimera with
+    sequence parallelism, the distributed optimizer (sharded over the two pipes' replicas of each
+    tensor rank's shard, the tied embedding over the embedding group) and overlapped bucketed
+    reduction."""
     return [
         TPCase(family, "1f1b", 2, 2, 4),
         TPCase(family, "chimera-zb", 2, 2, 4),
         TPCase(family, "1f1b", 2, 2, 4, sequence_parallel=True),
         TPCase(family, "chimera", 2, 2, 4, sequence_parallel=True, untied=family == "gpt2"),
+        TPCase(family, "chimera", 2, 2, 4, sequence_parallel=True, ddp=SHARDED_OVERLAP),
     ]
 
 

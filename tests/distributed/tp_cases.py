@@ -58,6 +58,12 @@ MODEL = dict(hidden_size=32, num_attention_heads=4, seq_length=SEQ, vocab_size=V
 OPTIMIZER = OptimizerConfig(optimizer="sgd", lr=0.5, sgd_momentum=0.9, weight_decay=0.01,
                             clip_grad=0.3)
 FAMILIES = {"gpt2": pretrain_gpt2, "bert": pretrain_bert}
+# Megatron's data-parallel flags all on: small buckets reduced during the last backward (the
+# sequence-parallel gradients summed over the tensor-parallel group inside them), the distributed
+# optimizer sharded over each tensor rank's stage-replica groups, parameters gathered in the
+# background
+SHARDED_OVERLAP = DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=2000,
+                            use_distributed_optimizer=True, overlap_param_gather=True)
 
 
 @dataclass(frozen=True)
@@ -73,13 +79,16 @@ class TPCase:
     sequence_parallel: bool = False
     num_layers: int = 4
     untied: bool = False
+    ddp: DDPConfig = DDPConfig()  # the data-parallel flags (default: Megatron's defaults)
 
     @property
     def name(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         sp = " +SP" if self.sequence_parallel else ""
+        ddp = " +dist-opt+overlap" if self.ddp == SHARDED_OVERLAP else \
+            "" if self.ddp == DDPConfig() else f" {self.ddp}"
         return (f"{self.family} {self.schedule}[{opts}] T={self.tensor_size} "
-                f"D={self.pipeline_size} N={self.num_microbatches}{sp}")
+                f"D={self.pipeline_size} N={self.num_microbatches}{sp}{ddp}")
 
     def model_config(self, **overrides: Any) -> ModelConfig:
         """The tiny model of the case."""
@@ -180,7 +189,11 @@ def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = Fal
     modules = {s: entry.model_provider(config, SEED, pre_process=s == 0, post_process=s == last,
                                        layer_range=partition[s], stage=s)
                for s in schedule.stages_of_rank(prank)}
-    grad_sync, optimizer = build_data_parallel(optimizer_config, DDPConfig(), modules)
+    grad_sync, optimizer = build_data_parallel(optimizer_config, case.ddp, modules)
+    if case.ddp.use_distributed_optimizer:  # the flag took effect: this rank holds a shard
+        held = sum(p.numel() for m in modules.values() for p in m.parameters())
+        if sum(m.numel() for m in optimizer.main_params) >= held:
+            raise AssertionError("the distributed optimizer holds every parameter")
     seq = SEQ // case.tensor_size if case.sequence_parallel else SEQ
     executor = PipelineExecutor(
         schedule, PipelineTopology.from_parallel_state(), modules, entry.forward_step,

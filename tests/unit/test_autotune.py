@@ -184,6 +184,8 @@ def test_cli_rejects_bad_input(capsys):
     TrainingLayout("1f1b", 4, 1, 4, 2),
     TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True, pipes=2),
     TrainingLayout("1f1b", 2, 2, 2, 4, T=4),
+    TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True,
+                      distributed_optimizer=True, pipes=2),
 ])
 def test_generated_flags_parse_into_the_same_layout(layout):
     """The command's flags go through the framework's own parser to the chosen layout."""
@@ -205,6 +207,7 @@ def test_generated_flags_parse_into_the_same_layout(layout):
     assert config.training.partition_method == layout.partition
     assert (config.model.recompute_granularity == "full") == layout.recompute
     assert parallel.schedule_options == layout.options
+    assert config.ddp.use_distributed_optimizer == layout.distributed_optimizer
 
 
 # ----------------------------------------------------------------------------- tensor parallelism
@@ -261,3 +264,36 @@ def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
     assert t2.forward - t1.forward / 2 == pytest.approx(2 * 4 * one_collective)
     # sequence parallelism halves the pipeline messages
     assert model.cost_model(two).activation_bytes == model.cost_model(one).activation_bytes / 2
+
+
+def test_tensor_parallelism_and_the_distributed_optimizer_combine():
+    """Both dimensions are searched together, and per tensor rank the distributed optimizer
+    shards that rank's parameters over its stage-replica group (2 pipes x W ranks, whatever T):
+    the T = 2 shard's gradient buffers are about half of T = 1's, its optimizer state 1 / (2 W)
+    of the unsharded one's, the reduction a reduce-scatter (half)."""
+    spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                                 seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
+    model = PerformanceModel(spec, PRESETS["a100"])
+    space = SearchSpace(num_gpus=8, global_batch_size=16, num_layers=8, schedules=("chimera",),
+                        micro_batch_sizes=(2,), recompute=(False,),
+                        option_values=(("pipes", (2,)),), partition_methods=("uniform",),
+                        tensor_parallel_sizes=(1, 2))
+    layouts = set(enumerate_layouts(space))
+    layout = TrainingLayout.of("chimera", 2, 2, 2, 4, T=2, sequence_parallel=True,
+                               distributed_optimizer=True, pipes=2, concat="direct")
+    plain = dataclasses.replace(layout, distributed_optimizer=False)
+    assert layout in layouts and plain in layouts
+    one = TrainingLayout.of("chimera", 2, 4, 2, 2, distributed_optimizer=True, pipes=2)
+    assert one in layouts
+    sharded2, plain2, sharded1 = (model.memory(lay)[0] for lay in (layout, plain, one))
+    # the state of a stage is spread over its T x 2 x W holders: 2 x 2 x 2 = 1 x 2 x 4 ranks
+    assert sharded2.optimizer_bytes == pytest.approx(sharded1.optimizer_bytes, rel=0.02)
+    assert 0.45 < sharded2.grad_bytes / sharded1.grad_bytes < 0.55
+    # stage-replica groups: 2 pipes x W = 2 ranks at T = 2 (the tied embedding: 2 x 2 holders)
+    assert sharded2.optimizer_bytes < plain2.optimizer_bytes / 2 * 1.01
+    assert sharded2.grad_bytes == plain2.grad_bytes
+    halves = zip(model.cost_model(layout).grad_bytes, model.cost_model(plain).grad_bytes)
+    assert all(a == pytest.approx(b / 2) for a, b in halves)
+    flags = " ".join(pretrain_flags(spec, layout))
+    assert "--tensor-model-parallel-size 2 --sequence-parallel" in flags
+    assert "--use-distributed-optimizer" in flags

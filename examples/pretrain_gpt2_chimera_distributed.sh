@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Multi-node Chimera pretraining of the paper's GPT-2 (64 layers, hidden 1280, 20 heads, seq 632).
-# Run once per node with NODE_RANK set; DRY_RUN=1 prints the command instead of running it.
+# Run once per node with NODE_RANK set; DRY_RUN=1 prints the command instead of running it;
+# TP_SIZE=T adds tensor (and sequence) parallelism, W = nodes x GPUs per node / (T x PP).
 #   NNODES=64 NODE_RANK=0 GPUS_PER_NODE=8 MASTER_ADDR=node001 bash examples/pretrain_gpt2_chimera_distributed.sh
 # Every setting below can be overridden from the environment, e.g. a tiny CPU run of two "nodes"
 # on one machine (tests/functional/test_two_node_launch.py):
@@ -42,11 +43,17 @@ EXTRA_ARGS=${EXTRA_ARGS:-}                                   # more flags, appen
 # ---- parallelism (the paper's best GPT-2 setting on 512 GPUs: W=16, D=32, B=1) -------------------
 PP=${PP:-32}
 CHIMERA_PIPES=${CHIMERA_PIPES:-2}
+# tensor parallelism inside a node (T ranks per stage; world = TP_SIZE x W x PP). With TP_SIZE > 1
+# the residual stream is split along the sequence too unless SEQUENCE_PARALLEL=0.
+TP_SIZE=${TP_SIZE:-1}
+SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL:-1}
 MICRO_BATCH=${MICRO_BATCH:-1}
 GLOBAL_BATCH=${GLOBAL_BATCH:-512}
 
 cd "$(dirname "$0")/.."
 # resume when a checkpoint exists (a missing --load directory is an error, not a fresh start)
+TP_ARGS=(--tensor-model-parallel-size "$TP_SIZE")
+if [ "$TP_SIZE" -gt 1 ] && [ "$SEQUENCE_PARALLEL" = "1" ]; then TP_ARGS+=(--sequence-parallel); fi
 LOAD_ARGS=()
 if [ -f "$CHECKPOINT_PATH/latest_checkpointed_iteration.txt" ]; then LOAD_ARGS=(--load "$CHECKPOINT_PATH"); fi
 if [ "$MOCK_DATA" = "1" ]; then
@@ -64,7 +71,7 @@ CMD=("${TORCHRUN_CMD[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-pe
   pretrain_gpt2.py
   --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_HEADS"
   --seq-length "$SEQ_LENGTH" --max-position-embeddings "$SEQ_LENGTH"
-  --pipeline-model-parallel-size "$PP" --chimera-pipes "$CHIMERA_PIPES"
+  "${TP_ARGS[@]}" --pipeline-model-parallel-size "$PP" --chimera-pipes "$CHIMERA_PIPES"
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
   --train-iters "$TRAIN_ITERS" --lr 1.5e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-fraction 0.01
   --weight-decay 0.01 --clip-grad 1.0 "${PRECISION_ARGS[@]}" "${RECOMPUTE_ARGS[@]}"

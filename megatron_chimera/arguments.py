@@ -88,6 +88,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
+    g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     add_schedule_arguments(g)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
@@ -274,18 +277,14 @@ def _build_config(
     _check_positive(args)
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")
-    if args.tensor_model_parallel_size != 1:
+    pipeline_size, tensor_size = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
+    if world_size % (pipeline_size * tensor_size):
         raise ConfigError(
-            f"--tensor-model-parallel-size must be 1 (tensor parallelism is not supported), "
-            f"got {args.tensor_model_parallel_size}"
+            f"--tensor-model-parallel-size {tensor_size} x --pipeline-model-parallel-size "
+            f"{pipeline_size} does not divide the world size {world_size} "
+            f"(world = tensor x data-parallel x pipeline size)"
         )
-    pipeline_size = args.pipeline_model_parallel_size
-    if world_size % pipeline_size:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size {pipeline_size} does not divide the world size "
-            f"{world_size} (world = data-parallel x pipeline-parallel)"
-        )
-    data_parallel = world_size // pipeline_size
+    data_parallel = world_size // (pipeline_size * tensor_size)
     global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
     if global_batch % (args.micro_batch_size * data_parallel):
         raise ConfigError(

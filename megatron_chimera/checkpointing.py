@@ -16,6 +16,10 @@ overlaps it, so a checkpoint written with one (D, schedule, pipes, W) loads into
 Files are written to a staging directory (temp file, fsync, rename) and the staging directory is
 renamed into place after a barrier; only then is the tracker updated, so a crash at any point
 leaves the previous checkpoint loadable and the tracker pointing at it.
+
+Stage files hold full tensors whatever the tensor-parallel size T: the shards of a stage are
+joined on tensor rank 0 of the writing group before it writes, and split again on load
+(:mod:`megatron_chimera.tensor_parallel.checkpoint_shards`), so T is part of the layout too.
 """
 
 from __future__ import annotations
@@ -35,6 +39,11 @@ from torch import nn
 from megatron_chimera.atomic import atomic_write, fsync_dir
 from megatron_chimera.errors import UserError
 from megatron_chimera.optimizer.param_state import ParamStateError
+from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
+from megatron_chimera.tensor_parallel.checkpoint_shards import (
+    join_tensor_parallel_state,
+    split_tensor_parallel_state,
+)
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.pt"
@@ -53,7 +62,9 @@ class StageSlice:
     stage: int
     layer_range: tuple[int, int]
     module: nn.Module
-    writer: bool = True  # this rank writes the stage's file (the lowest rank holding it)
+    # this rank writes the stage's file: the lowest rank holding its shard (with tensor
+    # parallelism every rank of the writing tensor-parallel group joins in; tensor rank 0 writes)
+    writer: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,8 @@ def _shared_embedding_name(stage: StageSlice) -> str | None:
 
 
 def get_rng_state() -> dict[str, Any]:
-    """Python, numpy, torch CPU (and CUDA) RNG states as weights-only-loadable objects."""
+    """Python, numpy, torch CPU (and CUDA) RNG states and the tensor-parallel tracker's, as
+    weights-only-loadable objects."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -143,6 +155,9 @@ def get_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
+    state["tensor_parallel"] = {
+        name: {"cpu": cpu, **({"cuda": cuda} if cuda is not None else {})}
+        for name, (cpu, cuda) in get_cuda_rng_tracker().get_states().items()}
     return state
 
 
@@ -156,6 +171,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
+    if "tensor_parallel" in state:
+        get_cuda_rng_tracker().set_states({
+            name: (entry["cpu"], entry.get("cuda"))
+            for name, entry in state["tensor_parallel"].items()})
 
 
 # ---------------------------------------------------------------------------- save
@@ -203,13 +222,18 @@ def save_checkpoint(
             continue
         optim_state = optim_states.get(stage.stage) if optimizer is not None else None
         start = stage.layer_range[0]
+        joined = join_tensor_parallel_state(  # a collective of the stage's tensor-parallel group
+            {global_name(n, start): t.detach().cpu()
+             for n, t in stage.module.state_dict().items()},
+            optim_state, stage_named_parameters(stage))
+        if joined is None:
+            continue  # not tensor rank 0: its shards went to the writer
         payload = {
             "stage": stage.stage,
             "layer_range": list(stage.layer_range),
-            "model": {global_name(n, start): t.detach().cpu()
-                      for n, t in stage.module.state_dict().items()},
+            "model": joined[0],
             "shared_embedding": _shared_embedding_name(stage),
-            "optimizer": optim_state,
+            "optimizer": joined[1],
         }
         atomic_torch_save(payload, os.path.join(staging, stage_filename(stage.layer_range)))
     atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
@@ -331,6 +355,8 @@ def load_checkpoint(
             if key is not None and shared is None:
                 shared = (payload["model"][key], (payload.get("optimizer") or {}).get(key))
         _alias_shared_embedding(stage, model, optim, shared)
+        params = stage_named_parameters(stage)
+        model, optim = split_tensor_parallel_state(model, optim, params)
         _load_stage_module(stage, model, path)
         if load_optim:
             if not optim:
@@ -339,7 +365,7 @@ def load_checkpoint(
                     "use --no-load-optim or --finetune"
                 )
             try:
-                optimizer.collect_param_state(stage_named_parameters(stage), optim)
+                optimizer.collect_param_state(params, optim)
             except ParamStateError as exc:
                 raise CheckpointError(f"{path}: {exc}") from None
     if load_optim:

@@ -78,6 +78,9 @@ class ModelConfig:
     # per-document attention kernel with --reset-attention-mask (model/document_attention.py)
     document_attention: str = "auto"
     gelu: str = "megatron"  # one of GELU_VARIANTS (--gelu)
+    # --sequence-parallel: LayerNorm / dropout regions split along the sequence over the
+    # tensor-parallel ranks (a no-op with --tensor-model-parallel-size 1)
+    sequence_parallel: bool = False
 
     @property
     def ffn_size(self) -> int:
@@ -91,8 +94,16 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        """Vocabulary rounded up to ``make_vocab_size_divisible_by``."""
+        """Vocabulary rounded up to ``make_vocab_size_divisible_by``: the layout-independent
+        padding checkpoints store (a tensor-parallel run pads further, see
+        :meth:`tensor_parallel_vocab_size`)."""
         return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
+
+    def tensor_parallel_vocab_size(self, tensor_parallel: int) -> int:
+        """Megatron's padded vocabulary with ``tensor_parallel`` ranks: a multiple of
+        ``make_vocab_size_divisible_by x T`` (the rows beyond :attr:`padded_vocab_size` are zero
+        and never used)."""
+        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)
 
     @property
     def dtype_bytes(self) -> int:
@@ -109,7 +120,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout and schedule: world = data_parallel_size x pipeline_model_parallel_size.
+    """Parallel layout and schedule: world = tensor x data-parallel x pipeline size.
 
     ``schedule_options`` is the typed options dataclass of ``pipeline_schedule`` from the
     schedule registry (``megatron_chimera.schedules.registry``), built from the flags.
@@ -126,7 +137,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Total ranks: W x D (x tensor-parallel, which is 1)."""
+        """Total ranks: T x W x D."""
         return (
             self.data_parallel_size
             * self.pipeline_model_parallel_size

@@ -53,8 +53,16 @@ HELP: dict[str, str] = {
     "recompute_method": "full recomputation: uniform (groups of layers) or block (first layers)",
     "recompute_num_layers": "layers per group (uniform) or recomputed layers per stage (block)",
     # distributed
-    "tensor_model_parallel_size": "must be 1 (tensor parallelism is not implemented)",
-    "pipeline_model_parallel_size": "pipeline stages D (data-parallel size W = world / D)",
+    "tensor_model_parallel_size": "tensor-parallel size T: attention heads, MLP and vocabulary "
+                                  "split over T ranks (world = T x W x D)",
+    "sequence_parallel": "with T > 1: LayerNorm / dropout regions split along the sequence over "
+                         "the tensor-parallel ranks; pipeline messages are [s/T, b, h]",
+    "no_async_tensor_model_parallel_allreduce": "accepted: the tensor-parallel all-reduce of "
+                                                "input gradients is never overlapped here",
+    "no_scatter_gather_tensors_in_pipeline": "accepted: pipeline messages are never split over "
+                                             "the tensor-parallel ranks (--sequence-parallel "
+                                             "sends 1/T of the bytes)",
+    "pipeline_model_parallel_size": "pipeline stages D (data-parallel size W = world / (T x D))",
     "num_layers_per_virtual_pipeline_stage": "interleaved 1F1B: layers per model chunk",
     # the schedule flags (--pipeline-schedule, --chimera-*, ...) carry their help in the
     # schedule registry (megatron_chimera/schedules/registry.py)
@@ -176,11 +184,16 @@ READ_OUTSIDE_CONFIG: dict[str, tuple[str, str]] = {
 # Megatron flags accepted because what they ask for always holds here (nothing to configure).
 ALWAYS_ON: dict[str, str] = {
     "data_impl": "always mmap (Megatron's MMIDIDX files; `infer` finds the same)",
+    "no_async_tensor_model_parallel_allreduce": "the input-gradient all-reduce of a "
+                                                "column-parallel layer is never overlapped with "
+                                                "its weight gradient",
+    "no_scatter_gather_tensors_in_pipeline": "pipeline messages are never split over the "
+                                             "tensor-parallel ranks (whole [s, b, h]; [s/T, b, h] "
+                                             "chunks with --sequence-parallel)",
     "log_validation_ppl_to_tensorboard": "always written",
     "log_batch_size_to_tensorboard": "always written",
 }
 
-_TP = "needs tensor parallelism, which is not implemented (--tensor-model-parallel-size 1)"
 _ENC_DEC = "encoder-decoder (T5) models only; this framework pretrains GPT-2 and BERT"
 _ARCH = "GPT-2/BERT architecture only (learned absolute positions, pre-LN LayerNorm, GeLU MLP)"
 _TE = "no Transformer Engine / FP8: the local implementation is the only one"
@@ -221,10 +234,9 @@ REFUSED: dict[str, str] = {
     "--recompute-activations": "use --recompute-granularity selective",
     "--checkpoint-activations": "removed in Megatron-LM: use --recompute-granularity full "
                                 "--recompute-method uniform --recompute-num-layers 1",
-    "--distribute-saved-activations": _TP,
-    "--sequence-parallel": _TP,
-    "--no-async-tensor-model-parallel-allreduce": _TP,
-    "--no-scatter-gather-tensors-in-pipeline": _TP,
+    "--distribute-saved-activations": "not implemented: full recomputation keeps each "
+                                      "checkpointed layer input whole on every tensor-parallel "
+                                      "rank (--sequence-parallel splits it)",
     "--context-parallel-size": "context parallelism is not implemented",
     "--model-parallel-size": "removed in Megatron-LM: use --tensor-model-parallel-size",
     "--exit-duration-in-mins": "not implemented (use --exit-interval)",

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_chimera import parallel_state
 from megatron_chimera.config import ConfigError, ParallelConfig
 from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.tensor_parallel import model_parallel_cuda_manual_seed
 
 BACKENDS = ("gloo", "nccl")
 
@@ -84,10 +85,13 @@ def initialize_distributed(config: ParallelConfig) -> torch.device:
 
 
 def set_random_seed(seed: int) -> None:
-    """Seed python, numpy and torch for this rank.
+    """Seed python, numpy and torch for this rank, and the tensor-parallel RNG tracker.
 
     Weights do not depend on this seed's per-rank offset (they are drawn from generators keyed by
     layer, see CONTRACTS.md); the offset by pipeline rank only decorrelates dropout (Megatron).
+    The ranks of a tensor-parallel group share the default seed (equal dropout masks on the
+    replicated residual stream); the tracker's stream differs by tensor rank
+    (:func:`~megatron_chimera.tensor_parallel.model_parallel_cuda_manual_seed`).
     """
     if seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {seed}")
@@ -98,6 +102,7 @@ def set_random_seed(seed: int) -> None:
     torch.manual_seed(seed + offset)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed + offset)
+    model_parallel_cuda_manual_seed(seed + offset)
 
 
 def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -> torch.device:

@@ -1,30 +1,49 @@
-"""Process groups and rank arithmetic for W-way data x D-way pipeline parallelism.
+"""Process groups and rank arithmetic for T-way tensor x W-way data x D-way pipeline parallelism.
 
-This is the only module of the library that holds module-level state (like Megatron's
-``parallel_state``). ``initialize_model_parallel`` creates every group, in the same order on every
-rank; ``destroy_model_parallel`` frees them.
+This module holds the library's module-level state (like Megatron's ``parallel_state``; the
+only other is Megatron's RNG tracker in ``tensor_parallel.random``). ``initialize_model_parallel``
+creates every group, in the same order on every rank; ``destroy_model_parallel`` frees them.
 
-Rank layout (Megatron's): ``global rank = pipeline_rank * W + data_parallel_rank``, so consecutive
-ranks are data-parallel replicas of one pipeline rank. Example: W=2, D=4, Chimera with 2 pipes
-(down pipe 0: stage s on pipeline rank s; up pipe 1: stage s on pipeline rank D-1-s)::
+Rank layout (Megatron's): ``global rank = (pipeline_rank * W + data_parallel_rank) * T +
+tensor_rank`` -- tensor-parallel ranks innermost (one node holds a tensor-parallel group), then
+data-parallel replicas, then pipeline ranks. Example: T=2, W=1, D=4, Chimera with 2 pipes (down
+pipe 0: stage s on pipeline rank s; up pipe 1: stage s on pipeline rank D-1-s)::
+
+    global rank      0  1 | 2  3 | 4  5 | 6  7
+    pipeline rank    0  0 | 1  1 | 2  2 | 3  3
+    tensor rank      0  1 | 0  1 | 0  1 | 0  1
+    down-pipe stage  0  0 | 1  1 | 2  2 | 3  3
+    up-pipe stage    3  3 | 2  2 | 1  1 | 0  0
+
+    tensor groups (one per pipeline rank and data-parallel rank):  [0 1] [2 3] [4 5] [6 7]
+    pipeline groups (one per data-parallel rank and tensor rank):  [0 2 4 6] [1 3 5 7]
+    stage-replica groups (one per stage and tensor rank):
+        stages 0 and 3: [0 6] [1 7]    stages 1 and 2: [2 4] [3 5]
+    embedding groups (holders of stage 0 or 3, one per tensor rank): [0 6] [1 7]
+    model-parallel group (tensor x pipeline, one per data-parallel rank): [0 1 2 3 4 5 6 7]
+    p2p: only between equal tensor ranks (0 <-> 2, 1 <-> 3, ...)
+
+With T=1 and W=2 the same Chimera D=4 is::
 
     global rank      0  1 | 2  3 | 4  5 | 6  7
     pipeline rank    0  0 | 1  1 | 2  2 | 3  3
     data-par. rank   0  1 | 0  1 | 0  1 | 0  1
-    down-pipe stage  0  0 | 1  1 | 2  2 | 3  3
-    up-pipe stage    3  3 | 2  2 | 1  1 | 0  0
 
     pipeline groups (one per data-parallel rank):  [0 2 4 6] [1 3 5 7]
     data-parallel groups (one per pipeline rank):  [0 1] [2 3] [4 5] [6 7]
     stage-replica groups: stage 0 [0 1 6 7]  stage 1 [2 3 4 5]  stage 2 [2 3 4 5]  stage 3 [0 1 6 7]
     embedding group (holders of stage 0 or 3):     [0 1 6 7]
 
-Gradient all-reduce runs over the stage-replica groups (all 2f x W holders of a stage). The
-*model-replica group* over which found-inf and the gradient norm are reduced is the pipeline group
-of this rank: after gradient synchronisation every data-parallel replica holds identical
-gradients, so one pipeline group sees the whole model. Inside it each stage is counted once, by
-its *owner*: the rank holding that stage in pipe 0 (``is_stage_owner``). The tied word embedding
-is counted with stage 0 (its copy at the last stage is not counted).
+A rank holds the tensor-parallel shard ``tensor_rank`` of its stages; every group but the tensor
+and model-parallel groups joins equal tensor ranks only. Gradient all-reduce runs over the
+stage-replica groups (all 2f x W holders of a stage's shard). The *model-parallel group* (Megatron's
+name: tensor x pipeline ranks of one data-parallel replica) is where found-inf and the gradient
+norm are reduced: after gradient synchronisation every data-parallel replica holds identical
+gradients, so one model-parallel group sees the whole model. Inside it each stage is counted once,
+by its *owner*: the ranks holding that stage in pipe 0 (``is_stage_owner``), and each parameter
+replicated over the tensor-parallel ranks once (on tensor rank 0, see
+``tensor_parallel.param_is_not_tensor_parallel_duplicate``). The tied word embedding is counted with
+stage 0 (its copy at the last stage is not counted).
 """
 
 from __future__ import annotations
@@ -36,7 +55,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_chimera.config import ConfigError
-from megatron_chimera.layout import global_rank, pipeline_and_data_parallel_rank
+from megatron_chimera.layout import global_rank, rank_coordinates
 
 NCCL_SEMANTICS_ENV = "MEGATRON_CHIMERA_NCCL_SEMANTICS"
 
@@ -53,21 +72,34 @@ class _ModelParallelState:
 
     pipeline_size: int
     data_parallel_size: int
+    tensor_size: int
     num_stages: int
     placement: list[list[int]]
     rank: int
     pipeline_rank: int
     data_parallel_rank: int
-    pipeline_group: dist.ProcessGroup
-    pipeline_ranks: list[int]
-    data_parallel_group: dist.ProcessGroup
-    data_parallel_ranks: list[int]
+    tensor_rank: int
+    pipeline_group: dist.ProcessGroup | None = None
+    pipeline_ranks: list[int] = field(default_factory=list)
+    data_parallel_group: dist.ProcessGroup | None = None
+    data_parallel_ranks: list[int] = field(default_factory=list)
+    tensor_group: dist.ProcessGroup | None = None
+    tensor_ranks: list[int] = field(default_factory=list)
+    model_parallel_group: dist.ProcessGroup | None = None
+    model_parallel_ranks: list[int] = field(default_factory=list)
     stage_replica_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     stage_replica_ranks: dict[int, list[int]] = field(default_factory=dict)
     embedding_group: dist.ProcessGroup | None = None
     embedding_ranks: list[int] = field(default_factory=list)
     p2p_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     all_groups: list[dist.ProcessGroup] = field(default_factory=list)
+
+    def to_global(self, pipeline_rank: int, data_parallel_rank: int | None = None,
+                  tensor_rank: int | None = None) -> int:
+        """Global rank of a pipeline rank (default: this rank's data-parallel and tensor rank)."""
+        dp = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
+        t = self.tensor_rank if tensor_rank is None else tensor_rank
+        return global_rank(pipeline_rank, dp, self.data_parallel_size, t, self.tensor_size)
 
 
 _STATE: _ModelParallelState | None = None
@@ -98,6 +130,20 @@ def _validate_placement(placement: list[list[int]], num_stages: int, pipeline_si
             )
 
 
+def _layout_sizes(world: int, pipeline_size: int, tensor_size: int) -> int:
+    """W = world / (T x D); ConfigError naming the flag when the sizes do not divide the world."""
+    if tensor_size < 1 or world % tensor_size:
+        raise ConfigError(
+            f"--tensor-model-parallel-size={tensor_size} must divide the world size {world}")
+    if pipeline_size < 1 or world % (pipeline_size * tensor_size):
+        raise ConfigError(
+            f"--pipeline-model-parallel-size={pipeline_size} x --tensor-model-parallel-size="
+            f"{tensor_size} must divide the world size {world} "
+            f"(world = tensor x data-parallel x pipeline size)"
+        )
+    return world // (pipeline_size * tensor_size)
+
+
 def initialize_model_parallel(
     pipeline_model_parallel_size: int,
     placement: list[list[int]],
@@ -106,11 +152,13 @@ def initialize_model_parallel(
     timeout: timedelta | None = None,
     p2p_direction_groups: bool | None = None,
 ) -> None:
-    """Create pipeline, data-parallel, stage-replica and embedding groups (same order everywhere).
+    """Create tensor, pipeline, data-parallel, model-parallel, stage-replica and embedding groups
+    (same order everywhere).
 
     A rank set that appears twice (Chimera's stages s and D-1-s, 1F1B's stage-replica and
-    data-parallel groups) gets one group; the two directions between pipe neighbours are the one
-    deliberate exception (separate NCCL communicators, hence streams).
+    data-parallel groups, the model-parallel and pipeline groups at T=1) gets one group; the two
+    directions between pipe neighbours are the one deliberate exception (separate NCCL
+    communicators, hence streams).
 
     ``placement[pipe][stage]`` is the pipeline rank holding that stage replica
     (``Schedule.placement``). ``p2p_direction_groups`` (default: on with NCCL and in the
@@ -125,21 +173,12 @@ def initialize_model_parallel(
         )
     if _STATE is not None:
         raise RuntimeError("model parallel groups are already initialized; destroy them first")
-    if tensor_model_parallel_size != 1:
-        raise ConfigError(
-            f"--tensor-model-parallel-size={tensor_model_parallel_size}: only 1 is supported"
-        )
     world = dist.get_world_size()
-    d = pipeline_model_parallel_size
-    if d < 1 or world % d:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size={d} must divide the world size {world} "
-            f"(world = data-parallel size x pipeline size x tensor size 1)"
-        )
-    w = world // d
+    d, t_size = pipeline_model_parallel_size, tensor_model_parallel_size
+    w = _layout_sizes(world, d, t_size)
     _validate_placement(placement, num_stages, d)
     rank = dist.get_rank()
-    pipeline_rank, data_parallel_rank = pipeline_and_data_parallel_rank(rank, w)
+    pipeline_rank, data_parallel_rank, tensor_rank = rank_coordinates(rank, w, t_size)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     created: list[dist.ProcessGroup] = []
     known: dict[tuple, dist.ProcessGroup | None] = {}
@@ -154,44 +193,57 @@ def initialize_model_parallel(
                 created.append(group)
         return known[key]
 
-    pipeline_group = pipeline_ranks = None
-    for dp in range(w):
-        ranks = [global_rank(p, dp, w) for p in range(d)]
-        group = new_group(ranks)
-        if group is not None:
-            pipeline_group, pipeline_ranks = group, ranks
-    data_parallel_group = data_parallel_ranks = None
-    for p in range(d):
-        ranks = [global_rank(p, dp, w) for dp in range(w)]
-        group = new_group(ranks)
-        if group is not None:
-            data_parallel_group, data_parallel_ranks = group, ranks
+    def g(p: int, dp: int, t: int) -> int:
+        return global_rank(p, dp, w, t, t_size)
+
     state = _ModelParallelState(
-        pipeline_size=d, data_parallel_size=w, num_stages=num_stages,
+        pipeline_size=d, data_parallel_size=w, tensor_size=t_size, num_stages=num_stages,
         placement=[list(p) for p in placement], rank=rank, pipeline_rank=pipeline_rank,
-        data_parallel_rank=data_parallel_rank, pipeline_group=pipeline_group,
-        pipeline_ranks=pipeline_ranks, data_parallel_group=data_parallel_group,
-        data_parallel_ranks=data_parallel_ranks,
+        data_parallel_rank=data_parallel_rank, tensor_rank=tensor_rank,
     )
+
+    def keep(ranks: list[int], attribute: str) -> None:
+        group = new_group(ranks)
+        if group is not None:
+            setattr(state, f"{attribute}_group", group)
+            setattr(state, f"{attribute}_ranks", ranks)
+
+    for dp in range(w):
+        for t in range(t_size):
+            keep([g(p, dp, t) for p in range(d)], "pipeline")
+    for p in range(d):
+        for t in range(t_size):
+            keep([g(p, dp, t) for dp in range(w)], "data_parallel")
+    for p in range(d):
+        for dp in range(w):
+            keep([g(p, dp, t) for t in range(t_size)], "tensor")
+    for dp in range(w):
+        keep([g(p, dp, t) for p in range(d) for t in range(t_size)], "model_parallel")
     for stage in range(num_stages):
         holders = sorted({pipe[stage] for pipe in placement})
-        ranks = [global_rank(p, dp, w) for p in holders for dp in range(w)]
-        state.stage_replica_ranks[stage] = ranks
-        group = new_group(ranks)
-        if group is not None:
-            state.stage_replica_groups[stage] = group
+        for t in range(t_size):
+            ranks = [g(p, dp, t) for p in holders for dp in range(w)]
+            group = new_group(ranks)
+            if t == tensor_rank:
+                state.stage_replica_ranks[stage] = ranks
+            if group is not None:
+                state.stage_replica_groups[stage] = group
     holders = sorted({pipe[s] for pipe in placement for s in (0, num_stages - 1)})
-    state.embedding_ranks = [global_rank(p, dp, w) for p in holders for dp in range(w)]
-    state.embedding_group = new_group(state.embedding_ranks)
+    for t in range(t_size):
+        ranks = [g(p, dp, t) for p in holders for dp in range(w)]
+        group = new_group(ranks)
+        if t == tensor_rank:
+            state.embedding_ranks, state.embedding_group = ranks, group
     if p2p_direction_groups is None:
         p2p_direction_groups = dist.get_backend() == "nccl" or nccl_semantics_requested()
     if p2p_direction_groups:
         for src, dst in _neighbour_directions(placement):
             for dp in range(w):
-                ranks = [global_rank(src, dp, w), global_rank(dst, dp, w)]
-                group = new_group(ranks, purpose=f"p2p {src}->{dst}")
-                if group is not None:
-                    state.p2p_groups[(ranks[0], ranks[1])] = group
+                for t in range(t_size):
+                    ranks = [g(src, dp, t), g(dst, dp, t)]
+                    group = new_group(ranks, purpose=f"p2p {src}->{dst}")
+                    if group is not None:
+                        state.p2p_groups[(ranks[0], ranks[1])] = group
     state.all_groups = created
     _STATE = state
 
@@ -235,10 +287,8 @@ def get_pipeline_model_parallel_rank() -> int:
 
 
 def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
-    """The D ranks of this rank's data-parallel replica."""
+    """The D ranks of this rank's data-parallel replica and tensor rank."""
     return _state().pipeline_group
-
-
 
 
 def get_data_parallel_world_size() -> int:
@@ -252,18 +302,40 @@ def get_data_parallel_rank() -> int:
 
 
 def get_data_parallel_group() -> dist.ProcessGroup:
-    """Ranks with this pipeline rank in every data-parallel replica (Megatron's DP group)."""
+    """Ranks with this pipeline and tensor rank in every data-parallel replica (Megatron's DP
+    group)."""
     return _state().data_parallel_group
 
 
 def get_tensor_model_parallel_world_size() -> int:
-    """Tensor parallelism is not supported: always 1."""
-    return 1
+    """T: tensor-parallel ranks per stage (1 before ``initialize_model_parallel``: a model built
+    without groups is the whole model on one process)."""
+    return _STATE.tensor_size if _STATE is not None else 1
 
 
 def get_tensor_model_parallel_rank() -> int:
-    """Tensor parallelism is not supported: always 0."""
-    return 0
+    """This rank's tensor-parallel rank (0 .. T-1; 0 before ``initialize_model_parallel``)."""
+    return _STATE.tensor_rank if _STATE is not None else 0
+
+
+def get_tensor_model_parallel_group() -> dist.ProcessGroup:
+    """The T ranks sharing this rank's pipeline and data-parallel rank."""
+    return _state().tensor_group
+
+
+def get_tensor_model_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's tensor-parallel group, by tensor rank."""
+    return list(_state().tensor_ranks)
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of tensor rank 0 in this rank's tensor-parallel group."""
+    return _state().tensor_ranks[0]
+
+
+def get_model_parallel_group() -> dist.ProcessGroup:
+    """Tensor x pipeline ranks of this data-parallel replica: one whole model."""
+    return _state().model_parallel_group
 
 
 def is_pipeline_first_stage(stage: int) -> bool:
@@ -277,15 +349,11 @@ def is_pipeline_last_stage(stage: int) -> bool:
 
 
 def get_pipeline_model_parallel_last_rank() -> int:
-    """Global rank of the last pipeline rank in this data-parallel replica (logging rank)."""
+    """Global rank of the last pipeline rank in this data-parallel replica and tensor rank."""
     return _state().pipeline_ranks[-1]
 
 
 # ---------------------------------------------------------------- Chimera getters
-
-
-
-
 def replicas_of_this_rank() -> list[tuple[int, int]]:
     """The (pipe, stage) replicas held by this rank."""
     s = _state()
@@ -297,10 +365,9 @@ def replicas_of_this_rank() -> list[tuple[int, int]]:
     ]
 
 
-
-
 def get_stage_replica_group(stage: int) -> dist.ProcessGroup:
-    """Group of every rank holding stage ``stage`` (all pipes, all data-parallel replicas)."""
+    """Group of every rank holding this rank's shard of stage ``stage`` (all pipes, all
+    data-parallel replicas, this tensor rank)."""
     s = _state()
     if stage not in s.stage_replica_groups:
         raise ValueError(f"rank {s.rank} holds no replica of stage {stage}")
@@ -308,7 +375,8 @@ def get_stage_replica_group(stage: int) -> dist.ProcessGroup:
 
 
 def get_stage_replica_ranks(stage: int) -> list[int]:
-    """Global ranks holding stage ``stage``, over all pipes and data-parallel replicas."""
+    """Global ranks holding this rank's shard of stage ``stage``, over all pipes and data-parallel
+    replicas."""
     return list(_state().stage_replica_ranks[stage])
 
 
@@ -318,18 +386,19 @@ def get_num_stages() -> int:
 
 
 def get_embedding_group() -> dist.ProcessGroup | None:
-    """Holders of the tied word embedding (stage 0 or last stage); None off the group."""
+    """Holders of this rank's shard of the tied word embedding (stage 0 or last stage, this
+    tensor rank); None off the group."""
     return _state().embedding_group
 
 
 def get_embedding_ranks() -> list[int]:
-    """Global ranks of the embedding group."""
+    """Global ranks of this rank's embedding group."""
     return list(_state().embedding_ranks)
 
 
 def get_model_replica_group() -> dist.ProcessGroup:
-    """Group over which found-inf and the gradient norm are reduced (this pipeline group)."""
-    return _state().pipeline_group
+    """Group over which found-inf and the gradient norm are reduced (the model-parallel group)."""
+    return _state().model_parallel_group
 
 
 def is_stage_owner(stage: int) -> bool:
@@ -339,19 +408,19 @@ def is_stage_owner(stage: int) -> bool:
 
 
 def get_pipeline_prev_rank(pipe: int, stage: int) -> int | None:
-    """Global rank holding stage ``stage - 1`` of ``pipe`` in this data-parallel replica."""
+    """Global rank holding stage ``stage - 1`` of ``pipe`` (this data-parallel and tensor rank)."""
     s = _state()
     if stage == 0:
         return None
-    return global_rank(s.placement[pipe][stage - 1], s.data_parallel_rank, s.data_parallel_size)
+    return s.to_global(s.placement[pipe][stage - 1])
 
 
 def get_pipeline_next_rank(pipe: int, stage: int) -> int | None:
-    """Global rank holding stage ``stage + 1`` of ``pipe`` in this data-parallel replica."""
+    """Global rank holding stage ``stage + 1`` of ``pipe`` (this data-parallel and tensor rank)."""
     s = _state()
     if stage == s.num_stages - 1:
         return None
-    return global_rank(s.placement[pipe][stage + 1], s.data_parallel_rank, s.data_parallel_size)
+    return s.to_global(s.placement[pipe][stage + 1])
 
 
 def get_p2p_group(src: int, dst: int) -> dist.ProcessGroup | None:
@@ -360,6 +429,5 @@ def get_p2p_group(src: int, dst: int) -> dist.ProcessGroup | None:
 
 
 def pipeline_rank_to_global_rank(pipeline_rank: int) -> int:
-    """Global rank of ``pipeline_rank`` in this rank's data-parallel replica."""
-    s = _state()
-    return global_rank(pipeline_rank, s.data_parallel_rank, s.data_parallel_size)
+    """Global rank of ``pipeline_rank`` in this rank's data-parallel replica and tensor rank."""
+    return _state().to_global(pipeline_rank)

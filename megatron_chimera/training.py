@@ -76,6 +76,7 @@ from megatron_chimera.rank_errors import run_main  # noqa: F401 - re-exported fo
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.rebuild import RebuildReport, rebuild_for_costs
+from megatron_chimera.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -134,7 +135,8 @@ def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
 
 
 def _norm_filter(stage_modules: dict[int, nn.Module]) -> Callable[[nn.Parameter], bool]:
-    """Count each stage once in the global grad norm: on its owner, tied copy with stage 0."""
+    """Count each stage once in the global grad norm: on its owner, tied copy with stage 0, and a
+    parameter replicated over the tensor-parallel ranks on tensor rank 0 only."""
     counted: set[int] = set()
     for stage, module in stage_modules.items():
         if not parallel_state.is_stage_owner(stage):
@@ -143,14 +145,26 @@ def _norm_filter(stage_modules: dict[int, nn.Module]) -> Callable[[nn.Parameter]
         for param in module.parameters():
             if param is shared and stage != 0:
                 continue
-            counted.add(id(param))
+            if param_is_not_tensor_parallel_duplicate(param):
+                counted.add(id(param))
     return lambda param: id(param) in counted
+
+
+def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
+    """Shape of every pipeline message: ``[s, b, h]``, or ``[s/T, b, h]`` (this rank's chunk of
+    the sequence) under sequence parallelism."""
+    model, parallel = config.model, config.parallel
+    seq = model.seq_length
+    if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
+        seq //= parallel.tensor_model_parallel_size
+    return (seq, config.training.micro_batch_size, model.hidden_size)
 
 
 def _shard_groups(modules: dict[int, nn.Module]) -> dict[int | str, ShardGroup]:
     """The distributed optimizer's shard groups: each local stage over its stage-replica group,
     the tied embedding over the embedding group (its writers: those of the first and last
-    stage files, which both keep its entry)."""
+    stage files, which both keep its entry). With tensor parallelism these groups join the ranks
+    of this rank's tensor rank, so each tensor rank's shards are sharded among its equals."""
     rank = dist.get_rank()
     shards: dict[int | str, ShardGroup] = {}
     for stage in modules:
@@ -173,8 +187,11 @@ def build_data_parallel(optimizer_config: OptimizerConfig, ddp: DDPConfig,
 
     The local optimizer reduces norm and found-inf over the model-replica group (each stage
     counted on its owner); the distributed one is sharded over each stage-replica group (the
-    tied embedding over the embedding group) and reduces them over the world. Buckets are sized
-    for each stage-replica group. ``make_inner`` overrides the inner optimizer (tests).
+    tied embedding over the embedding group) and reduces them over the world. Either way a
+    parameter replicated over the tensor-parallel ranks counts on tensor rank 0 only. Buckets
+    are sized for each stage-replica group; the synchronizer also sums sequence-parallel
+    gradients over the tensor-parallel group. ``make_inner`` overrides the inner optimizer
+    (tests).
     """
     sharded = ddp.use_distributed_optimizer
     shards = _shard_groups(modules) if sharded else None
@@ -292,7 +309,7 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     common = dict(
         schedule=schedule, topology=topology, transport=transport, stage_modules=modules,
         forward_step_func=keyed_forward_step(forward_step_func, device),
-        tensor_shape=(model.seq_length, training.micro_batch_size, model.hidden_size),
+        tensor_shape=p2p_tensor_shape(config),
         dtype=model.torch_dtype,
         loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
         device=device)

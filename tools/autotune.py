@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Choose W, D, B, N, the pipeline schedule and recomputation before spending GPU hours.
+"""Choose T, W, D, B, N, the pipeline schedule and recomputation before spending GPU hours.
 
 Example (the paper's BERT-48 on 32 P100s, mini-batch 512)::
 
@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedules", type=_name_list, default=DEFAULT_SCHEDULES,
                    help=f"comma-separated schedules (default: {','.join(DEFAULT_SCHEDULES)})")
     g.add_argument("--chimera-pipes", type=_int_list, default=(2, 4))
+    g.add_argument("--tensor-model-parallel-sizes", type=_int_list, default=(1,),
+                   help="comma-separated tensor-parallel sizes T to try, e.g. 1,2,4,8 "
+                   "(default: 1, no tensor parallelism); T > 1 runs sequence parallel")
+    g.add_argument("--no-sequence-parallel", action="store_false", dest="sequence_parallel",
+                   help="with T > 1, do not split the residual stream over the sequence")
     g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
     g.add_argument("--distributed-optimizer", choices=("both", "on", "off"), default="both",
                    help="try --use-distributed-optimizer (optimizer state sharded over each "
@@ -181,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                             recompute=recompute,
                             option_values=(("pipes", args.chimera_pipes),),
                             partition_methods=args.partition_methods,
+                            tensor_parallel_sizes=args.tensor_model_parallel_sizes,
+                            sequence_parallel=args.sequence_parallel,
                             distributed_optimizer=choices[args.distributed_optimizer])
         limit = int(memory_gb * GB * args.memory_headroom)
         result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)

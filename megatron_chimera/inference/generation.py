@@ -65,6 +65,11 @@ def forward_cached(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> tor
     the cache. ``model`` must be a whole GPT model in eval mode."""
     if not (model.pre_process and model.post_process):
         raise ValueError("generation needs the whole model (first and last stage)")
+    if any(layer.self_attention.num_heads != model.config.num_attention_heads
+           for layer in model.language_model.encoder.layers):
+        raise ConfigError("text generation runs the whole model on one process: it cannot use "
+                          "a tensor-parallel shard (--tensor-model-parallel-size must be 1; "
+                          "checkpoints hold full tensors, load them with T = 1)")
     start, (b, s) = cache.length, tokens.shape
     lm = model.language_model
     positions = torch.arange(start, start + s, device=tokens.device).expand(b, s)
@@ -74,16 +79,22 @@ def forward_cached(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> tor
                <= torch.arange(start, start + s, device=tokens.device)[:, None])
     for index, layer in enumerate(lm.encoder.layers):
         attention = layer.self_attention
-        qkv = attention.query_key_value(layer.input_layernorm(hidden))
+        qkv, _ = attention.query_key_value(layer.input_layernorm(hidden))
         qkv = qkv.view(s, b, attention.num_heads, 3 * attention.head_dim)
         query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(attention.head_dim, -1))
         key, value = cache.extend(index, key, value)
         context = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
         context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
-        hidden = hidden + attention.dense(context)
-        mlp_out, mlp_bias = layer.mlp(layer.post_attention_layernorm(hidden))
-        hidden = hidden + (mlp_out if mlp_bias is None else mlp_out + mlp_bias)
+        hidden = _residual(hidden, attention.dense(context))
+        hidden = _residual(hidden, layer.mlp(layer.post_attention_layernorm(hidden)))
     return model.output_logits(lm.encoder.final_layernorm(hidden))
+
+
+def _residual(hidden: torch.Tensor, output: tuple[torch.Tensor, torch.Tensor | None]
+              ) -> torch.Tensor:
+    """``hidden + out (+ bias)`` for a block's ``(out, bias)`` (no dropout: eval)."""
+    out, bias = output
+    return hidden + (out if bias is None else out + bias)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

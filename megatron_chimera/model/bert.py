@@ -8,21 +8,29 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from megatron_chimera import parallel_state
 from megatron_chimera.config import ConfigError, ModelConfig
-from megatron_chimera.model.fused import FusedBackend, LayerNorm, gelu, get_fused_backend
+from megatron_chimera.model.fused import FusedBackend, gelu, get_fused_backend
 from megatron_chimera.model.language_model import (
     MegatronModule,
     TransformerLanguageModel,
     mask_padded_vocab,
+    parallel_lm_logits,
     per_token_cross_entropy,
     resolve_layer_range,
+    tensor_parallel_vocab_size,
 )
 from megatron_chimera.model.linear import Linear
+from megatron_chimera.model.transformer import sequence_parallel_layer_norm, uses_sequence_parallel
 from megatron_chimera.model.utils import (
     BINARY_HEAD_KEY,
     LM_HEAD_KEY,
     init_linear_,
     make_generator,
+)
+from megatron_chimera.tensor_parallel.utils import (
+    mark_sequence_parallel,
+    set_tensor_model_parallel_attributes,
 )
 
 
@@ -39,23 +47,32 @@ def padding_to_attention_mask(padding_mask: torch.Tensor) -> torch.Tensor:
 
 class BertLMHead(nn.Module):
     """MLM head: dense -> GeLU (exact; tanh with ``--gelu tanh``) -> ``layernorm`` -> logits
-    against the tied embedding + ``bias`` (padded-vocabulary columns masked)."""
+    against the tied embedding + ``bias`` (padded-vocabulary columns masked). With tensor
+    parallelism ``bias`` and the logits are this rank's vocabulary range; under sequence
+    parallelism dense and layernorm see this rank's chunk of the sequence (partial gradients)."""
 
     def __init__(self, config: ModelConfig, backend: FusedBackend, seed: int) -> None:
         super().__init__()
         h, dtype = config.hidden_size, config.torch_dtype
+        self.sequence_parallel = uses_sequence_parallel(config)
         self.dense = skip_init(Linear, h, h, dtype=dtype)
         init_linear_(self.dense, config.init_method_std, make_generator(seed, LM_HEAD_KEY))
-        self.layernorm = LayerNorm(h, config.layernorm_epsilon, backend, dtype)
-        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size, dtype=dtype))
+        mark_sequence_parallel(self.dense, self.sequence_parallel)
+        self.layernorm = sequence_parallel_layer_norm(config, backend)
+        local_vocab = tensor_parallel_vocab_size(config) // (
+            parallel_state.get_tensor_model_parallel_world_size())
+        self.bias = nn.Parameter(torch.zeros(local_vocab, dtype=dtype))
+        set_tensor_model_parallel_attributes(self.bias, True, 0, 1,
+                                             master_size=config.padded_vocab_size)
         self.tanh_gelu = config.gelu == "tanh"
         self.vocab_size = config.vocab_size
 
     def forward(self, hidden: torch.Tensor, word_embeddings_weight: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h]`` -> logits ``[b, s, V]``."""
+        """``[s(/T), b, h]`` -> logits ``[b, s, V/T]``."""
         hidden = self.dense(hidden)
         hidden = self.layernorm(gelu(hidden) if self.tanh_gelu else F.gelu(hidden))
-        logits = F.linear(hidden, word_embeddings_weight, self.bias)
+        logits = parallel_lm_logits(hidden, word_embeddings_weight, self.sequence_parallel,
+                                    self.bias)
         return mask_padded_vocab(logits.transpose(0, 1).contiguous(), self.vocab_size)
 
 

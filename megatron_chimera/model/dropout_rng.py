@@ -75,6 +75,40 @@ def seed_site(stream: int | None, site: str) -> None:
         torch.cuda.manual_seed(seed)
 
 
+@contextlib.contextmanager
+def keyed_site(stream: int, site: str) -> Iterator[None]:
+    """Run the block on a generator seeded from ``(stream, site)`` and put the previous state
+    back after: a side stream (e.g. dropout on tensor-split data, keyed by the tensor rank in
+    ``site``) that leaves the layer's own stream exactly where it was."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        seed_site(stream, site)
+        yield
+
+
+@contextlib.contextmanager
+def in_stream(stream: int | None) -> Iterator[None]:
+    """Make ``stream`` the current one for the block (without touching any generator): for a
+    recomputation in the backward, where the forward's stream is no longer current."""
+    token = _STREAM.set(stream)
+    try:
+        yield
+    finally:
+        _STREAM.reset(token)
+
+
+def with_current_stream(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` bound to the stream current now, so activation checkpointing's recomputation
+    draws the same keyed masks as the forward did."""
+    stream = current_stream()
+
+    def bound(*args: Any) -> Any:
+        with in_stream(stream):
+            return function(*args)
+
+    return bound
+
+
 def layer_site(layer_number: int) -> str:
     """The site name of the transformer layer with 1-based global number ``layer_number``."""
     return f"layer:{layer_number}"

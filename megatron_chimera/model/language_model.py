@@ -2,6 +2,13 @@
 
 Module names follow Megatron (``language_model.embedding.word_embeddings``, ``.encoder``,
 ``.pooler``, ``.output_layer``) so parameter names match Megatron checkpoints with TP = 1.
+
+With tensor parallelism the word embedding, the untied output layer and so the logits are split
+over the vocabulary (:class:`~megatron_chimera.tensor_parallel.VocabParallelEmbedding`, padded to
+Megatron's ``--make-vocab-size-divisible-by x T``), and the loss is
+:func:`~megatron_chimera.tensor_parallel.vocab_parallel_cross_entropy`: the full logits never
+exist on one rank. Position and token-type embeddings, the pooler and the heads' dense layers are
+replicated.
 """
 
 from __future__ import annotations
@@ -11,11 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
+from megatron_chimera import parallel_state
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.dropout_rng import EMBEDDING_SITE, current_stream, seed_site
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.model.linear import Linear
-from megatron_chimera.model.transformer import AttentionMask, ParallelTransformer
+from megatron_chimera.model.transformer import (
+    AttentionMask,
+    ParallelTransformer,
+    tensor_parallel_rng,
+    uses_sequence_parallel,
+)
 from megatron_chimera.model.utils import (
     OUTPUT_LAYER_KEY,
     POOLER_KEY,
@@ -26,16 +39,44 @@ from megatron_chimera.model.utils import (
     init_normal_,
     make_generator,
 )
+from megatron_chimera.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    vocab_parallel_cross_entropy,
+)
 
 
-def word_embeddings(config: ModelConfig, seed: int) -> nn.Embedding:
-    """The padded-vocabulary word embedding, initialised from its fixed key (so every copy of
-    the tied embedding, on any stage, starts bit-identical)."""
-    embedding = skip_init(nn.Embedding, config.padded_vocab_size, config.hidden_size,
-                          dtype=config.torch_dtype)
+def tensor_parallel_vocab_size(config: ModelConfig) -> int:
+    """The vocabulary padded for this run's T ranks (Megatron's rule)."""
+    return config.tensor_parallel_vocab_size(
+        parallel_state.get_tensor_model_parallel_world_size())
+
+
+def word_embeddings(config: ModelConfig, seed: int) -> VocabParallelEmbedding:
+    """The padded-vocabulary word embedding (this rank's vocabulary range), initialised from its
+    fixed key (so every copy of the tied embedding, on any stage and any T, starts
+    bit-identical)."""
+    embedding = VocabParallelEmbedding(tensor_parallel_vocab_size(config), config.hidden_size,
+                                       master_size=config.padded_vocab_size,
+                                       dtype=config.torch_dtype)
     init_normal_(embedding.weight, config.init_method_std,
                  make_generator(seed, WORD_EMBEDDINGS_KEY))
     return embedding
+
+
+def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[s(/T), b, h]`` -> this rank's vocabulary-range logits ``[s, b, V/T]`` against the
+    vocabulary-parallel ``weight`` (Megatron's ``parallel_lm_logits``): the input is all-gathered
+    along the sequence under sequence parallelism, else its gradient all-reduced."""
+    if sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(hidden)
+    else:
+        hidden = copy_to_tensor_model_parallel_region(hidden)
+    return F.linear(hidden, weight, bias)
 
 
 class Embedding(nn.Module):
@@ -56,10 +97,12 @@ class Embedding(nn.Module):
             init_normal_(self.tokentype_embeddings.weight, std,
                          make_generator(seed, TOKENTYPE_EMBEDDINGS_KEY))
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        self.sequence_parallel = uses_sequence_parallel(config)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """``[b, s]`` token ids -> ``[s, b, h]`` embeddings."""
+        """``[b, s]`` token ids -> ``[s, b, h]`` embeddings (``[s/T, b, h]``, this rank's chunk
+        of the sequence, under sequence parallelism)."""
         if input_ids.shape[1] > self.position_embeddings.num_embeddings:
             raise ValueError(
                 f"sequence length {input_ids.shape[1]} exceeds --max-position-embeddings "
@@ -71,20 +114,30 @@ class Embedding(nn.Module):
             embeddings = embeddings + self.tokentype_embeddings(tokentype_ids)
         elif tokentype_ids is not None:
             raise ValueError("tokentype_ids given but the model has no token-type embeddings")
-        return self.embedding_dropout(embeddings.transpose(0, 1).contiguous())
+        embeddings = embeddings.transpose(0, 1).contiguous()
+        if self.sequence_parallel:
+            embeddings = scatter_to_sequence_parallel_region(embeddings)
+        with tensor_parallel_rng(self.sequence_parallel and self.training
+                                 and self.embedding_dropout.p > 0, EMBEDDING_SITE):
+            return self.embedding_dropout(embeddings)
 
 
 class Pooler(nn.Module):
-    """BERT pooler: ``tanh(dense(hidden[0]))``, the first token's hidden state."""
+    """BERT pooler: ``tanh(dense(hidden[0]))``, the first token's hidden state (replicated over
+    the tensor-parallel ranks; gathered along the sequence first under sequence parallelism)."""
 
     def __init__(self, config: ModelConfig, seed: int) -> None:
         super().__init__()
         h = config.hidden_size
         self.dense = skip_init(Linear, h, h, dtype=config.torch_dtype)
         init_linear_(self.dense, config.init_method_std, make_generator(seed, POOLER_KEY))
+        self.sequence_parallel = uses_sequence_parallel(config)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h] -> [b, h]``."""
+        """``[s(/T), b, h] -> [b, h]``."""
+        if self.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden,
+                                                          tensor_parallel_output_grad=False)
         return torch.tanh(self.dense(hidden[0]))
 
 
@@ -105,8 +158,11 @@ class TransformerLanguageModel(nn.Module):
         self.pooler = Pooler(config, seed) if post_process and add_pooler else None
         self.output_layer = None
         if post_process and add_output_layer:
-            self.output_layer = skip_init(Linear, config.hidden_size, config.padded_vocab_size,
-                                          bias=False, dtype=config.torch_dtype)
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, tensor_parallel_vocab_size(config), bias=False,
+                gather_output=False, sequence_parallel=uses_sequence_parallel(config),
+                dtype=config.torch_dtype)
+            self.output_layer.weight.master_size = config.padded_vocab_size
             init_linear_(self.output_layer, config.init_method_std,
                          make_generator(seed, OUTPUT_LAYER_KEY))
 
@@ -159,30 +215,36 @@ class MegatronModule(nn.Module):
         return None
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h]`` -> logits ``[b, s, V]`` over the padded vocabulary (padding masked)."""
+        """``[s(/T), b, h]`` -> logits ``[b, s, V/T]`` of this rank's range of the padded
+        vocabulary (``[b, s, V]`` with T = 1; padding masked)."""
         if self.tied:
-            logits = F.linear(hidden, self.shared_embedding_or_output_weight())
+            logits = parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
+                                        uses_sequence_parallel(self.config))
         else:
-            logits = self.language_model.output_layer(hidden)
+            logits, _ = self.language_model.output_layer(hidden)
         return mask_padded_vocab(logits.transpose(0, 1).contiguous(), self.config.vocab_size)
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Set the logits of the ``--make-vocab-size-divisible-by`` padding columns (ids >=
-    ``vocab_size``) to -inf, so ids no tokenizer produces never take probability mass, in the
-    loss or in sampling; their gradients are zero."""
-    padded = logits.shape[-1]
-    if padded <= vocab_size:
+    """Set the logits of the vocabulary padding columns (ids >= ``vocab_size``) to -inf, so ids no
+    tokenizer produces never take probability mass, in the loss or in sampling; their gradients
+    are zero. ``logits`` are this tensor-parallel rank's vocabulary range."""
+    local = logits.shape[-1]
+    first = parallel_state.get_tensor_model_parallel_rank() * local
+    if first + local <= vocab_size:
         return logits
-    is_padding = torch.arange(padded, device=logits.device) >= vocab_size
+    is_padding = torch.arange(first, first + local, device=logits.device) >= vocab_size
     return logits.masked_fill(is_padding, float("-inf"))
 
 
 def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """fp32 cross-entropy ``[b, s]`` of logits ``[b, s, V]`` (padding columns are -inf)."""
+    """fp32 cross-entropy ``[b, s]`` of logits ``[b, s, V]`` (padding columns are -inf); with
+    T > 1 the logits are this rank's vocabulary range and the loss is vocabulary-parallel."""
     b, s, v = logits.shape
     if labels.shape != (b, s):
         raise ValueError(f"labels shape {tuple(labels.shape)} != logits' [b, s] {(b, s)}")
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        return vocab_parallel_cross_entropy(logits, labels)
     return F.cross_entropy(logits.float().view(b * s, v), labels.reshape(b * s),
                            reduction="none").view(b, s)
 

@@ -32,6 +32,15 @@ checkpointed chunk's input (``s*b*h*B``, i.e. ``2*s*b*h`` for 16-bit) and rebuil
 activations at a time during backward (``recompute_working_bytes``, once per rank).
 The first stage adds the embedding dropout mask and token/position indices; the last stage the
 final layer norm, the head's saved inputs and the fp32 log-probabilities of the loss (``4*s*b*V``).
+
+Tensor parallelism (T ranks; Korthikanti et al.'s ``sbh(10 + 24/T)``): the ``12*sbh*B`` bytes
+inside the tensor-parallel regions (QKV, attention, MLP inner activations) and the attention core
+are divided by T; the two LayerNorm inputs and dropout masks (``2*sbh*B + masks``) and the inputs
+of the two column-parallel linears (``2*sbh*B``) are whole on every rank. Sequence parallelism
+divides the LayerNorm inputs and masks by T too; the column-parallel linears keep their
+all-gathered input for the (deferrable) weight gradient, so those ``2*sbh*B`` stay whole (Megatron
+re-gathers them in the backward instead). Weights, gradients and optimizer state are the
+per-rank parameter counts of :mod:`~megatron_chimera.model.partition`.
 """
 
 from __future__ import annotations
@@ -79,53 +88,73 @@ def bytes_per_parameter(params_dtype: str, optimizer: str = "adam",
             "main_grad": 4 if grad == 2 else 0}
 
 
-def tied_embedding_parameters(config: ModelConfig, family: ModelFamily) -> int:
-    """Elements of the word embedding tied to the output layer (0 when untied)."""
+def tied_embedding_parameters(config: ModelConfig, family: ModelFamily,
+                              tensor_parallel: int = 1) -> int:
+    """Elements of the word embedding tied to the output layer on one of ``tensor_parallel``
+    ranks (its vocabulary rows; 0 when untied)."""
     tied = family.always_tied or not config.untie_embeddings_and_output_weights
-    return config.padded_vocab_size * config.hidden_size if tied else 0
+    rows = config.tensor_parallel_vocab_size(tensor_parallel) // tensor_parallel
+    return rows * config.hidden_size if tied else 0
+
+
+def _sequence_chunks(tensor_parallel: int, sequence_parallel: bool) -> int:
+    """By how much the residual stream's tensors are divided: T under sequence parallelism."""
+    return tensor_parallel if sequence_parallel else 1
 
 
 def layer_activation_bytes(config: ModelConfig, micro_batch_size: int,
-                           recompute: str | None = None, device_type: str = "cuda") -> int:
-    """Bytes one transformer layer saves for backward for one micro-batch (see module doc).
+                           recompute: str | None = None, device_type: str = "cuda",
+                           tensor_parallel: int = 1, sequence_parallel: bool = False) -> int:
+    """Bytes one transformer layer saves for backward for one micro-batch on one of
+    ``tensor_parallel`` ranks (see module doc).
 
     ``recompute``: None, ``"selective"`` or ``"full"`` (then: the layer's input only).
     """
     s, b, h, a = config.seq_length, micro_batch_size, config.hidden_size, config.num_attention_heads
     width, mask = DTYPE_BYTES[config.params_dtype], mask_bytes(config.params_dtype, device_type)
+    t, chunks = tensor_parallel, _sequence_chunks(tensor_parallel, sequence_parallel)
     sbh = s * b * h
     if recompute == "full":
-        return sbh * width
+        return sbh * width // chunks
     hidden_masks = 2 * sbh * mask if config.hidden_dropout > 0 else 0
-    total = 16 * sbh * width + hidden_masks
+    residual = (2 * sbh * width + hidden_masks) // chunks  # LayerNorm inputs, dropout masks
+    total = residual + 2 * sbh * width + 12 * sbh * width // t
     if recompute == "selective":
         return total
     if recompute is not None:
         raise ConfigError(
             f"--recompute-granularity must be 'selective' or 'full', got {recompute!r}")
     if config.masked_softmax_fusion:  # fused kernel: output and log-sum-exp, no s x s tensors
-        return total + sbh * width + 4 * a * s * b
+        return total + (sbh * width + 4 * a * s * b) // t
     scores = a * s * s * b
     if config.attention_dropout > 0:
-        return total + scores * (2 * width + mask)
-    return total + scores * width
+        return total + scores * (2 * width + mask) // t
+    return total + scores * width // t
 
 
 def embedding_activation_bytes(config: ModelConfig, micro_batch_size: int,
-                               device_type: str = "cuda") -> int:
+                               device_type: str = "cuda", tensor_parallel: int = 1,
+                               sequence_parallel: bool = False) -> int:
     """First stage: embedding dropout mask and the int64 token and position indices."""
     s, b, h = config.seq_length, micro_batch_size, config.hidden_size
     masks = s * b * h * mask_bytes(config.params_dtype, device_type)
+    masks //= _sequence_chunks(tensor_parallel, sequence_parallel)
     return (masks if config.hidden_dropout > 0 else 0) + 2 * s * b * 8
 
 
 def head_activation_bytes(config: ModelConfig, family: ModelFamily,
-                          micro_batch_size: int) -> int:
-    """Last stage: final layer norm input, the head's saved inputs, fp32 log-probabilities."""
+                          micro_batch_size: int, tensor_parallel: int = 1,
+                          sequence_parallel: bool = False) -> int:
+    """Last stage: final layer norm input, the head's saved inputs, fp32 log-probabilities (of
+    this rank's vocabulary range)."""
     s, b, h = config.seq_length, micro_batch_size, config.hidden_size
     width = DTYPE_BYTES[config.params_dtype]
-    saved_hidden = 5 if family.lm_head_transform else 2  # BERT: + lm_head dense, gelu, norm
-    return saved_hidden * s * b * h * width + 4 * s * b * config.padded_vocab_size
+    chunked = 4 if family.lm_head_transform else 1  # final norm (BERT: + dense, gelu, norm)
+    chunks = _sequence_chunks(tensor_parallel, sequence_parallel)
+    vocab = config.tensor_parallel_vocab_size(tensor_parallel) // tensor_parallel
+    # the logits' input (all-gathered under sequence parallelism) is whole
+    return (chunked * s * b * h * width // chunks + s * b * h * width
+            + 4 * s * b * vocab)
 
 
 @dataclass(frozen=True)
@@ -135,7 +164,9 @@ class StageMemory:
     stage: int
     num_layers: int
     parameters: int
-    tied_parameters: int  # the stage's copy of the tied word embedding (never sharded)
+    # the stage's copy of the tied word embedding (this tensor rank's rows; never sharded over
+    # the stage-replica group: the distributed optimizer shards it over the embedding group)
+    tied_parameters: int
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
@@ -153,27 +184,32 @@ class StageMemory:
 def estimate_stage_memory(config: ModelConfig, family: ModelFamily,
                           partition: Sequence[tuple[int, int]], micro_batch_size: int,
                           optimizer: str = "adam", sgd_momentum: float = 0.9,
-                          device_type: str = "cuda",
+                          device_type: str = "cuda", tensor_parallel: int = 1,
+                          sequence_parallel: bool = False,
                           grad_reduce_in_fp32: bool | None = None) -> list[StageMemory]:
-    """:class:`StageMemory` of every stage of ``partition``. ``activation_bytes_recompute`` uses
-    the config's recompute method (``uniform`` by default, one layer per chunk); ``device_type``
-    only changes the dropout-mask width (see :func:`mask_bytes`)."""
+    """:class:`StageMemory` of every stage of ``partition`` on one of ``tensor_parallel`` ranks.
+    ``activation_bytes_recompute`` uses the config's recompute method (``uniform`` by default,
+    one layer per chunk); ``device_type`` only changes the dropout-mask width (see
+    :func:`mask_bytes`)."""
     per_param = bytes_per_parameter(config.params_dtype, optimizer, sgd_momentum,
                                     grad_reduce_in_fp32)
-    full = layer_activation_bytes(config, micro_batch_size, device_type=device_type)
-    layer_input = layer_activation_bytes(config, micro_batch_size, "full")
+    t, sp = tensor_parallel, sequence_parallel and tensor_parallel > 1
+    full = layer_activation_bytes(config, micro_batch_size, device_type=device_type,
+                                  tensor_parallel=t, sequence_parallel=sp)
+    layer_input = layer_activation_bytes(config, micro_batch_size, "full", tensor_parallel=t,
+                                         sequence_parallel=sp)
     chunk = config.recompute_num_layers or 1
     result = []
     for stage, (start, end) in enumerate(partition):
         n = end - start
-        params = n * layer_parameters(config)
+        params = n * layer_parameters(config, t)
         extra = 0
         if stage == 0:
-            params += embedding_parameters(config, family)
-            extra += embedding_activation_bytes(config, micro_batch_size, device_type)
+            params += embedding_parameters(config, family, t)
+            extra += embedding_activation_bytes(config, micro_batch_size, device_type, t, sp)
         if stage == len(partition) - 1:
-            params += head_parameters(config, family, len(partition))
-            extra += head_activation_bytes(config, family, micro_batch_size)
+            params += head_parameters(config, family, len(partition), t)
+            extra += head_activation_bytes(config, family, micro_batch_size, t, sp)
         if config.recompute_method == "block":
             stored = min(chunk, n) * layer_input + max(n - chunk, 0) * full
             working = full if n else 0
@@ -183,7 +219,7 @@ def estimate_stage_memory(config: ModelConfig, family: ModelFamily,
         ends = (stage == 0) + (stage == len(partition) - 1 and len(partition) > 1)
         result.append(StageMemory(
             stage=stage, num_layers=n, parameters=params,
-            tied_parameters=ends * tied_embedding_parameters(config, family),
+            tied_parameters=ends * tied_embedding_parameters(config, family, t),
             param_bytes=params * per_param["param"], grad_bytes=params * per_param["grad"],
             optimizer_bytes=params * per_param["optimizer"],
             main_grad_bytes=params * per_param["main_grad"],

@@ -6,7 +6,10 @@ measured time), the last two counting the embedding on the first stage and the L
 last. With ``rank_stages`` (the stages each pipeline rank holds: two replicas per rank for
 Chimera), ``time`` balances the ranks' total time instead of the stages' (then, among the splits
 with the least loaded busiest rank, the stages'). The parameter counts here are exact for
-:mod:`megatron_chimera.model` (tested against the real classes).
+:mod:`megatron_chimera.model` (tested against the real classes), also per tensor-parallel rank
+(``tensor_parallel`` = T: the split matrices, column biases and vocabulary rows divided by T,
+LayerNorms, row-parallel biases, position embeddings, pooler and the heads' dense layers whole).
+The partition itself always uses the T = 1 counts, so it does not depend on T.
 """
 
 from __future__ import annotations
@@ -21,25 +24,34 @@ from megatron_chimera.model.family import GPT2, ModelFamily
 PARTITION_METHODS = ("uniform", "parameters", "time")
 
 # --------------------------------------------------------------------------- parameter counts
-def layer_parameters(config: ModelConfig) -> int:
-    """Parameters of one transformer layer: QKV, dense, two MLP linears (with biases), two LNs."""
-    h, f = config.hidden_size, config.ffn_size
-    return (3 * h * h + 3 * h) + (h * h + h) + (2 * h * f + f + h) + 4 * h
+def layer_parameters(config: ModelConfig, tensor_parallel: int = 1) -> int:
+    """Parameters of one transformer layer (on one of ``tensor_parallel`` ranks): QKV, dense,
+    two MLP linears (with biases), two LNs."""
+    h, f, t = config.hidden_size, config.ffn_size, tensor_parallel
+    split = (3 * h * h + 3 * h) + h * h + (2 * h * f + f)  # column-parallel with biases, rows
+    return split // t + h + h + 4 * h  # + row-parallel biases (dense, 4h_to_h) + two LNs
 
 
-def embedding_parameters(config: ModelConfig, family: ModelFamily) -> int:
-    """Word (padded vocabulary), position and (BERT) token-type embeddings."""
+def _vocab_rows(config: ModelConfig, tensor_parallel: int) -> int:
+    """Rows of the vocabulary-parallel tensors on one rank (Megatron's padding for T)."""
+    return config.tensor_parallel_vocab_size(tensor_parallel) // tensor_parallel
+
+
+def embedding_parameters(config: ModelConfig, family: ModelFamily,
+                         tensor_parallel: int = 1) -> int:
+    """Word (padded vocabulary, this rank's rows), position and (BERT) token-type embeddings."""
     h = config.hidden_size
-    count = (config.padded_vocab_size + config.max_positions) * h
+    count = (_vocab_rows(config, tensor_parallel) + config.max_positions) * h
     if family.sentence_heads:
         count += bert_num_tokentypes(config) * h
     return count
 
 
-def head_parameters(config: ModelConfig, family: ModelFamily, num_stages: int = 1) -> int:
+def head_parameters(config: ModelConfig, family: ModelFamily, num_stages: int = 1,
+                    tensor_parallel: int = 1) -> int:
     """Parameters of the last stage beyond its layers: final layer norm, output layer or tied
     embedding copy (only when the last stage is not the first), BERT's pooler and heads."""
-    h, v = config.hidden_size, config.padded_vocab_size
+    h, v = config.hidden_size, _vocab_rows(config, tensor_parallel)
     count = 2 * h  # final layer norm
     tied = family.always_tied or not config.untie_embeddings_and_output_weights
     if not tied:
@@ -60,12 +72,13 @@ def count_parameters(config: ModelConfig, family: ModelFamily = GPT2) -> int:
 
 
 def stage_parameters(config: ModelConfig, family: ModelFamily,
-                     partition: Sequence[tuple[int, int]]) -> list[int]:
-    """Parameters held by each stage slice of ``partition`` (the tied copy on the last stage)."""
-    per_layer = layer_parameters(config)
+                     partition: Sequence[tuple[int, int]], tensor_parallel: int = 1) -> list[int]:
+    """Parameters held by each stage slice of ``partition`` (the tied copy on the last stage),
+    on one of ``tensor_parallel`` ranks."""
+    per_layer = layer_parameters(config, tensor_parallel)
     counts = [(end - start) * per_layer for start, end in partition]
-    counts[0] += embedding_parameters(config, family)
-    counts[-1] += head_parameters(config, family, num_stages=len(partition))
+    counts[0] += embedding_parameters(config, family, tensor_parallel)
+    counts[-1] += head_parameters(config, family, len(partition), tensor_parallel)
     return counts
 
 

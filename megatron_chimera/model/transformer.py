@@ -2,19 +2,38 @@
 
 Activations are ``[seq, batch, hidden]``. ``layer_number`` is 1-based and *global* (Megatron's
 convention), so a stage slice's ``layers.{i}`` (local index) knows which model layer it is.
+
+Tensor parallelism (T = ``parallel_state.get_tensor_model_parallel_world_size()``): the attention
+heads and the MLP's inner features are split over the T ranks (column-parallel ``query_key_value``
+and ``dense_h_to_4h``, row-parallel ``dense`` and ``dense_4h_to_h``). With
+``config.sequence_parallel`` the residual stream, LayerNorms and dropouts between them hold
+``[s/T, b, h]`` (all-gather into the column-parallel layers, reduce-scatter out of the
+row-parallel ones). Dropout on tensor- or sequence-split data draws per tensor rank: inside a
+keyed-dropout stream (training, ``model/dropout_rng.py``) from a side stream keyed by the micro-
+batch, the site and the tensor rank (so resume and layouts stay exact), else from the
+tensor-parallel RNG stream (``tensor_parallel.get_cuda_rng_tracker().fork()``); other dropouts
+draw the same mask on every tensor rank.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
-from torch.utils.checkpoint import checkpoint
 
+from megatron_chimera import parallel_state
 from megatron_chimera.config import GELU_VARIANTS, ConfigError, ModelConfig
 from megatron_chimera.model.document_attention import DocumentMask, document_attention
-from megatron_chimera.model.dropout_rng import current_stream, layer_site, seed_site
+from megatron_chimera.model.dropout_rng import (
+    current_stream,
+    in_stream,
+    keyed_site,
+    layer_site,
+    seed_site,
+    with_current_stream,
+)
 from megatron_chimera.model.fused import (
     FusedBackend,
     LayerNorm,
@@ -23,8 +42,14 @@ from megatron_chimera.model.fused import (
     gelu,
     warn_once,
 )
-from megatron_chimera.model.linear import Linear
 from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
+from megatron_chimera.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    checkpoint,
+    get_cuda_rng_tracker,
+)
+from megatron_chimera.tensor_parallel.utils import mark_sequence_parallel
 
 RECOMPUTE_GRANULARITIES = (None, "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
@@ -51,12 +76,40 @@ def validate_recompute(config: ModelConfig) -> None:
 AttentionMask = torch.Tensor | DocumentMask | None
 
 
+def uses_sequence_parallel(config: ModelConfig) -> bool:
+    """Whether the model runs sequence parallel: ``--sequence-parallel`` and T > 1."""
+    return config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
+
+
+def tensor_parallel_rng(split: bool, site: str) -> contextlib.AbstractContextManager:
+    """A per-tensor-rank stream for dropout site ``site`` on ``split`` (per-rank) data, else the
+    default stream (the same mask on every tensor-parallel rank). In a keyed-dropout stream the
+    per-rank stream is keyed by (micro-batch, site, tensor rank); outside one it is the
+    tracker's."""
+    if not split:
+        return contextlib.nullcontext()
+    stream = current_stream()
+    if stream is None:
+        return get_cuda_rng_tracker().fork()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    return keyed_site(stream, f"{site}:tensor-rank:{rank}")
+
+
+def sequence_parallel_layer_norm(config: ModelConfig, backend: FusedBackend) -> LayerNorm:
+    """A LayerNorm of the residual stream; its parameters are marked ``sequence_parallel``
+    (partial gradients per rank) when the model runs sequence parallel."""
+    norm = LayerNorm(config.hidden_size, config.layernorm_epsilon, backend, config.torch_dtype)
+    mark_sequence_parallel(norm, uses_sequence_parallel(config))
+    return norm
+
+
 class CoreAttention(nn.Module):
     """Scaled (masked) softmax attention of ``[b, heads, s, head_dim]`` queries, keys, values."""
 
     def __init__(self, config: ModelConfig, layer_number: int, causal: bool) -> None:
         super().__init__()
         self.causal = causal
+        self.site = f"{layer_site(layer_number)}:attention"
         self.dropout_p = config.attention_dropout
         self.fused = config.masked_softmax_fusion
         self.softmax_in_fp32 = config.attention_softmax_in_fp32
@@ -68,18 +121,21 @@ class CoreAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 mask: AttentionMask) -> torch.Tensor:
         """Context ``[b, heads, s, head_dim]``; ``mask`` is a bool tensor, True where attention
-        is forbidden, or a :class:`DocumentMask` (causal attention within documents)."""
+        is forbidden, or a :class:`DocumentMask` (causal attention within documents). The heads
+        are this rank's: attention dropout draws from the tensor-parallel RNG stream."""
         flash_only = self.use_flash_attn and query.is_cuda
         self._notices(query)
         options = dict(fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
                        layer_scale=self.layer_scale, flash_only=flash_only)
-        if isinstance(mask, DocumentMask):
-            if not self.causal:
-                raise ValueError("a document mask needs causal (GPT) attention")
-            return document_attention(query, key, value, mask, self.dropout_p, self.training,
-                                      implementation=self.document_attention, **options)
-        return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
-                         **options)
+        with tensor_parallel_rng(self.training and self.dropout_p > 0, self.site):
+            if isinstance(mask, DocumentMask):
+                if not self.causal:
+                    raise ValueError("a document mask needs causal (GPT) attention")
+                return document_attention(query, key, value, mask, self.dropout_p,
+                                          self.training, implementation=self.document_attention,
+                                          **options)
+            return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
+                             **options)
 
     def _notices(self, query: torch.Tensor) -> None:
         """Flags that cannot act on this device / path, said once per process."""
@@ -99,8 +155,17 @@ class CoreAttention(nn.Module):
                           "softmax, which honours it")
 
 
+def _tensor_parallel_size(size: int, flag: str) -> int:
+    """``size / T``; ConfigError naming ``flag`` when T does not divide it."""
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    if size % world:
+        raise ConfigError(f"{flag} {size} is not divisible by --tensor-model-parallel-size {world}")
+    return size // world
+
+
 class ParallelAttention(nn.Module):
-    """Self-attention: ``query_key_value`` projection, core attention, output ``dense``."""
+    """Self-attention: ``query_key_value`` projection (column-parallel: this rank's heads), core
+    attention, output ``dense`` (row-parallel)."""
 
     def __init__(self, config: ModelConfig, layer_number: int, causal: bool) -> None:
         super().__init__()
@@ -109,55 +174,62 @@ class ParallelAttention(nn.Module):
             raise ConfigError(
                 f"--hidden-size {h} must be divisible by --num-attention-heads "
                 f"{config.num_attention_heads}")
-        self.num_heads = config.num_attention_heads
-        self.head_dim = h // self.num_heads
-        self.query_key_value = skip_init(Linear, h, 3 * h, dtype=config.torch_dtype)
+        self.num_heads = _tensor_parallel_size(config.num_attention_heads,
+                                               "--num-attention-heads")
+        self.head_dim = h // config.num_attention_heads
+        sequence_parallel = uses_sequence_parallel(config)
+        self.query_key_value = ColumnParallelLinear(
+            h, 3 * h, gather_output=False, sequence_parallel=sequence_parallel,
+            dtype=config.torch_dtype)
         self.core_attention = CoreAttention(config, layer_number, causal)
-        self.dense = skip_init(Linear, h, h, dtype=config.torch_dtype)
+        self.dense = RowParallelLinear(
+            h, h, input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
+            sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
-        self.skip_bias_add = not config.bias_dropout_fusion
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s, b, h] -> ([s, b, h], bias)``; QKV laid out per head as ``[q | k | v]``
-        (Megatron). ``bias`` is the output bias left for bias-dropout-add with
+        """``[s(/T), b, h] -> ([s(/T), b, h], bias)``; QKV laid out per head as ``[q | k | v]``
+        (Megatron), this rank's heads. ``bias`` is the output bias left for bias-dropout-add with
         ``--no-bias-dropout-fusion``, else None (already added)."""
-        s, b, _ = hidden.shape
-        qkv = self.query_key_value(hidden).view(s, b, self.num_heads, 3 * self.head_dim)
+        qkv, _ = self.query_key_value(hidden)
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.num_heads, 3 * self.head_dim)
         query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(self.head_dim, dim=-1))
         if self.recompute_core and self.training and torch.is_grad_enabled():
-            context = checkpoint(self.core_attention, query, key, value, mask,
-                                 use_reentrant=False)
+            context = checkpoint(with_current_stream(self.core_attention), query, key, value,
+                                 mask)
         else:
             context = self.core_attention(query, key, value, mask)
         context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
-        if self.skip_bias_add:
-            return self.dense.forward_without_bias(context)
-        return self.dense(context), None
+        return self.dense(context)
 
 
 class ParallelMLP(nn.Module):
-    """``dense_h_to_4h`` -> GeLU (tanh approximation, or exact with ``--gelu erf``) ->
-    ``dense_4h_to_h``."""
+    """``dense_h_to_4h`` (column-parallel) -> GeLU (tanh approximation, or exact with ``--gelu
+    erf``) -> ``dense_4h_to_h`` (row-parallel)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, f, dtype = config.hidden_size, config.ffn_size, config.torch_dtype
-        self.dense_h_to_4h = skip_init(Linear, h, f, dtype=dtype)
-        self.dense_4h_to_h = skip_init(Linear, f, h, dtype=dtype)
+        _tensor_parallel_size(f, "--ffn-hidden-size")
+        sequence_parallel = uses_sequence_parallel(config)
+        self.dense_h_to_4h = ColumnParallelLinear(
+            h, f, gather_output=False, sequence_parallel=sequence_parallel, dtype=dtype)
+        self.dense_4h_to_h = RowParallelLinear(
+            f, h, input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
+            sequence_parallel=sequence_parallel, dtype=dtype)
         self.fused_gelu = config.bias_gelu_fusion
-        self.skip_bias_add = not config.bias_dropout_fusion
         if config.gelu not in GELU_VARIANTS:
             raise ConfigError(f"--gelu must be one of {GELU_VARIANTS}, got {config.gelu!r}")
         self.exact_gelu = config.gelu == "erf"
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s, b, h] -> ([s, b, h], bias)`` (bias as in :meth:`ParallelAttention.forward`)."""
-        hidden = self.dense_h_to_4h(hidden)
+        """``[s(/T), b, h] -> ([s(/T), b, h], bias)`` (bias as in
+        :meth:`ParallelAttention.forward`)."""
+        hidden, _ = self.dense_h_to_4h(hidden)
         intermediate = F.gelu(hidden) if self.exact_gelu else gelu(hidden, fused=self.fused_gelu)
-        if self.skip_bias_add:
-            return self.dense_4h_to_h.forward_without_bias(intermediate)
-        return self.dense_4h_to_h(intermediate), None
+        return self.dense_4h_to_h(intermediate)
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -168,10 +240,10 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
-        eps, dtype = config.layernorm_epsilon, config.torch_dtype
-        self.input_layernorm = LayerNorm(config.hidden_size, eps, backend, dtype)
+        self.sequence_parallel = uses_sequence_parallel(config)
+        self.input_layernorm = sequence_parallel_layer_norm(config, backend)
         self.self_attention = ParallelAttention(config, layer_number, causal)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps, backend, dtype)
+        self.post_attention_layernorm = sequence_parallel_layer_norm(config, backend)
         self.mlp = ParallelMLP(config)
         self._init_weights(config, seed)
 
@@ -185,12 +257,16 @@ class ParallelTransformerLayer(nn.Module):
         init_linear_(self.mlp.dense_4h_to_h, out_std, generator)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        """``[s, b, h] -> [s, b, h]``: attention and MLP blocks, each with a residual."""
+        """``[s(/T), b, h] -> [s(/T), b, h]``: attention and MLP blocks, each with a residual."""
         attention_out, bias = self.self_attention(self.input_layernorm(hidden), mask)
-        hidden = bias_dropout_add(attention_out, bias, hidden, self.hidden_dropout,
-                                  self.training)
+        split = self.sequence_parallel and self.training and self.hidden_dropout > 0
+        site = layer_site(self.layer_number)
+        with tensor_parallel_rng(split, f"{site}:attention-residual"):
+            hidden = bias_dropout_add(attention_out, bias, hidden, self.hidden_dropout,
+                                      self.training)
         mlp_out, bias = self.mlp(self.post_attention_layernorm(hidden))
-        return bias_dropout_add(mlp_out, bias, hidden, self.hidden_dropout, self.training)
+        with tensor_parallel_rng(split, f"{site}:mlp-residual"):
+            return bias_dropout_add(mlp_out, bias, hidden, self.hidden_dropout, self.training)
 
 
 class ParallelTransformer(nn.Module):
@@ -213,21 +289,21 @@ class ParallelTransformer(nn.Module):
             ParallelTransformerLayer(config, start + i + 1, causal, backend, seed)
             for i in range(end - start))
         self.final_layernorm = (
-            LayerNorm(config.hidden_size, config.layernorm_epsilon, backend, config.torch_dtype)
-            if post_process else None)
+            sequence_parallel_layer_norm(config, backend) if post_process else None)
 
     def _run(self, first: int, last: int, stream: int | None):
         # ``stream`` (the keyed-dropout micro-batch, captured at the forward) is part of the
         # closure, so a recomputation in the backward reseeds every layer exactly as the forward.
         def run_layers(hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-            for layer in self.layers[first:last]:
-                seed_site(stream, layer_site(layer.layer_number))
-                hidden = layer(hidden, mask)
+            with in_stream(stream):
+                for layer in self.layers[first:last]:
+                    seed_site(stream, layer_site(layer.layer_number))
+                    hidden = layer(hidden, mask)
             return hidden
         return run_layers
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        """Run this stage's layers on ``[s, b, h]``."""
+        """Run this stage's layers on ``[s(/T), b, h]``."""
         n = len(self.layers)
         stream = current_stream()
         full = (self.recompute_granularity == "full" and self.training
@@ -237,13 +313,12 @@ class ParallelTransformer(nn.Module):
         elif self.recompute_method == "uniform":
             for first in range(0, n, self.recompute_num_layers):
                 last = min(first + self.recompute_num_layers, n)
-                hidden = checkpoint(self._run(first, last, stream), hidden, mask,
-                                    use_reentrant=False)
+                hidden = checkpoint(self._run(first, last, stream), hidden, mask)
         else:  # block: the first recompute_num_layers layers of this stage, one at a time
             for i in range(n):
                 run = self._run(i, i + 1, stream)
                 if i < self.recompute_num_layers:
-                    hidden = checkpoint(run, hidden, mask, use_reentrant=False)
+                    hidden = checkpoint(run, hidden, mask)
                 else:
                     hidden = run(hidden, mask)
         if self.final_layernorm is not None:

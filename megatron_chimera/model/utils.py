@@ -4,6 +4,8 @@ Every parameter group is drawn from its own ``torch.Generator`` seeded from ``(s
 ``key`` is stable across pipeline layouts: ``"layer.<global index>"`` for transformer layers and a
 fixed name for embeddings, pooler and heads. A stage slice built alone therefore holds exactly the
 weights of the same layers of the whole model, and every copy of the tied word embedding is equal.
+A tensor-parallel shard draws the whole (master) tensor and keeps its slice (Megatron's
+``_initialize_affine_weight_cpu``), so the full weights do not depend on T either.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import hashlib
 import math
 
 import torch
+
+from megatron_chimera.tensor_parallel.utils import master_shape, shard_of_master
 
 WORD_EMBEDDINGS_KEY = "word_embeddings"
 POSITION_EMBEDDINGS_KEY = "position_embeddings"
@@ -38,9 +42,11 @@ def make_generator(seed: int, key: str) -> torch.Generator:
 @torch.no_grad()
 def init_normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
     """Fill ``param`` with ``normal(0, std)`` drawn in fp32 on the CPU (so every dtype and device
-    sees the same numbers), then cast and copy."""
-    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-    param.copy_(values.to(device=param.device, dtype=param.dtype))
+    sees the same numbers), then cast and copy; a tensor-parallel shard draws its master tensor
+    and keeps its slice."""
+    values = torch.empty(master_shape(param), dtype=torch.float32).normal_(
+        0.0, std, generator=generator)
+    param.copy_(shard_of_master(param, values).to(device=param.device, dtype=param.dtype))
 
 
 def scaled_init_std(std: float, num_layers: int) -> float:

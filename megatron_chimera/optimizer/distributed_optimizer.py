@@ -13,8 +13,12 @@ The tied word embedding is sharded the same way over the embedding group (every 
 copy): its gradient is reduce-scattered there, its shards stepped and all-gathered; the local
 copies on one rank share one storage.
 
-The grad norm and the found-inf flag are reduced over the whole world: each element lies in
-exactly one rank's shard, so summing every rank's shard squares counts every stage once.
+The grad norm and the found-inf flag are reduced over the whole world: with tensor parallelism
+each tensor rank's stages are sharded over that tensor rank's stage-replica groups, so each element
+of every tensor rank's shard lies in exactly one rank's shard; a parameter replicated over the
+tensor-parallel ranks (LayerNorm, row-parallel bias) counts on tensor rank 0 only
+(``param_is_not_tensor_parallel_duplicate``), so summing every rank's shard squares counts every
+element of the model once.
 
 Checkpoints stay layout-independent: the writer of each stage file gathers the full
 per-parameter state from the shards (:mod:`megatron_chimera.optimizer.param_state`), and a load
@@ -44,6 +48,7 @@ from megatron_chimera.optimizer.param_state import (
     own_copy,
     to_host,
 )
+from megatron_chimera.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
 
 InnerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
@@ -135,7 +140,7 @@ class DistributedOptimizer(MegatronOptimizer):
             self.fragments[unit] = frags
         for copy in self.tied_copies[1:]:  # the copies share the first one's fragments
             by_param[id(copy)] = by_param.get(id(self.tied_copies[0]), [])
-        inner_groups, mains, seen = [], [], set()
+        inner_groups, mains, counts, seen = [], [], [], set()
         for group in param_groups:
             group_mains = []
             for param in group["params"]:
@@ -143,9 +148,10 @@ class DistributedOptimizer(MegatronOptimizer):
                     if id(frag.main) not in seen:
                         seen.add(id(frag.main))
                         group_mains.append(frag.main)
+                        counts.append(param_is_not_tensor_parallel_duplicate(frag.param))
             mains += group_mains
             inner_groups.append({**group, "params": group_mains})
-        super().__init__(make_inner(inner_groups), mains, [True] * len(mains), clip_grad,
+        super().__init__(make_inner(inner_groups), mains, counts, clip_grad,
                          grad_scaler, backend, world_group, world_group, log_num_zeros_in_grad,
                          grad_buffers)
         self._by_param = by_param

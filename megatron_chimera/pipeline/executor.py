@@ -15,7 +15,15 @@ Loss scaling: each micro-batch loss is divided by ``loss_scale_divisor = N x W``
 backward, and :class:`GradientSynchronizer` SUMs gradients over each stage-replica group, so every
 replica ends with the mean gradient over the ``B x N x W`` samples of the mini-batch. The
 synchronizer hears when this rank's last backward (or W) of a stage begins and ends, so that it
-can reduce buckets while that backward still runs (``--overlap-grad-reduce``).
+can reduce buckets while that backward still runs (``--overlap-grad-reduce``). It also sums the
+gradients of sequence-parallel parameters (partial on each tensor-parallel rank) over the
+tensor-parallel group, bucket by bucket before the bucket's reduction
+(:func:`~megatron_chimera.tensor_parallel.allreduce_sequence_parallel_grads`).
+
+Tensor parallelism is invisible to the lists: the T ranks of a tensor-parallel group run the same
+list, exchange messages only with the equal tensor rank of their neighbours, and meet in the
+collectives inside their forward and backward computations (and the synchronizer's) in the same
+order.
 
 Losses and busy times stay on the device (no host sync per iteration); :meth:`gather` brings the
 results of any number of iterations to the logging rank (the last global rank, Megatron's
@@ -60,6 +68,8 @@ from megatron_chimera.schedules.lowering import (
     produced_message,
 )
 from megatron_chimera.schedules.validate import validate_lowered
+from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
+from megatron_chimera.tensor_parallel.random import restored_tracker_states
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
 __all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "GatheredIteration",
@@ -78,12 +88,14 @@ class SavedForward(NamedTuple):
 @dataclass
 class IterationResult:
     """What one iteration left on this rank: per micro-batch losses (device tensors, on ranks
-    holding a last stage), the busy timer, wall seconds and the executed compute order."""
+    holding a last stage), the busy timer, wall seconds, the executed compute order and the
+    point-to-point payload bytes this rank sent."""
 
     local_losses: dict[int, dict[str, Any]]
     busy: _BusyTimer
     iteration_seconds: float
     executed: list[Action]
+    p2p_bytes_sent: int = 0
 
 
 @dataclass
@@ -270,7 +282,7 @@ class PipelineExecutor:
             raise self._failure(exc, run.current) from exc
         return IterationResult(local_losses=run.losses, busy=run.timer,
                                iteration_seconds=time.perf_counter() - start,
-                               executed=run.executed)
+                               executed=run.executed, p2p_bytes_sent=comm.bytes_sent)
 
     def _failure(self, exc: BaseException, op: Any) -> PipelineFailure:
         rank = dist.get_rank() if dist.is_initialized() else self.pipeline_rank
@@ -460,17 +472,18 @@ class _Iteration:
 
 def _rng_state(device: torch.device) -> tuple:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
 
 
 @contextlib.contextmanager
 def _restored_rng(state: tuple | None, device: torch.device):
-    """Replay the forward's random stream (dropout) during recomputation, then restore."""
+    """Replay the forward's random streams (dropout: the default generator and the
+    tensor-parallel tracker's) during recomputation, then restore."""
     if state is None:
         yield
         return
     devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), restored_tracker_states(state[2]):
         torch.set_rng_state(state[0])
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1], device)

@@ -17,6 +17,14 @@ The tied word embedding (``shared_embedding_or_output_weight()``) is left out of
 buckets: every local copy shares one gradient buffer, which is reduced (all-reduce, or
 reduce-scatter with the distributed optimizer) over the embedding group once every stage holding
 a copy is done.
+
+With tensor parallelism every group above joins ranks of one tensor rank (each reduces that
+tensor rank's shards), and the gradients of sequence-parallel parameters -- partial on each
+tensor rank -- are first summed over the tensor-parallel group, bucket by bucket, right before
+the bucket's collective is started
+(:func:`~megatron_chimera.tensor_parallel.allreduce_sequence_parallel_grads`, the only place the
+runtime calls it). The T ranks of a tensor-parallel group run the same list with the same buffer
+layout, so they reach every bucket at the same point, in the same order.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ from megatron_chimera.distributed.grad_buffer import (
     ModelGradBuffers,
     local_shared_copies,
     shared_embedding_weight,
+)
+from megatron_chimera.tensor_parallel.grads import (
+    allreduce_sequence_parallel_grads,
+    is_sequence_parallel,
 )
 
 __all__ = ["Collectives", "GradientSynchronizer", "broadcast_stage_params",
@@ -68,12 +80,18 @@ class _Item:
     bucket: Bucket
     group: dist.ProcessGroup | None
     scatter: bool
+    # sequence-parallel parameters of the bucket and the tensor-parallel group they are summed
+    # over before the bucket's reduction
+    sequence_parallel: list[nn.Parameter] = field(default_factory=list)
+    tensor_group: dist.ProcessGroup | None = None
     waiting: set[int] = field(default_factory=set)  # parameter indices not final yet
     ready: bool = False
     work: dist.Work | None = None
 
     def issue(self, collectives: Collectives) -> None:
-        """Start this item's collective (nothing to do on a group of one)."""
+        """Sum the bucket's sequence-parallel gradients over the tensor-parallel group, then
+        start its collective (nothing to do on a group of one)."""
+        allreduce_sequence_parallel_grads(self.sequence_parallel, self.tensor_group)
         if _group_size(self.group) <= 1:
             return
         grads = self.buffer.bucket_grads(self.bucket)
@@ -90,12 +108,14 @@ class GradientSynchronizer:
     """Eager, globally ordered bucket reduction over the stage-replica and embedding groups.
 
     ``stage_groups[s]``: the stage-replica group of stage ``s``; ``scatter``: reduce-scatter the
-    buckets (distributed optimizer) instead of all-reducing them; ``collectives`` starts them.
+    buckets (distributed optimizer) instead of all-reducing them; ``collectives`` starts them;
+    ``tensor_group``: the tensor-parallel group the sequence-parallel gradients are summed over.
     """
 
     def __init__(self, buffers: ModelGradBuffers, stage_groups: dict[int, dist.ProcessGroup | None],
                  embedding_group: dist.ProcessGroup | None, overlap_grad_reduce: bool = False,
-                 scatter: bool = False, collectives: Collectives | None = None) -> None:
+                 scatter: bool = False, collectives: Collectives | None = None,
+                 tensor_group: dist.ProcessGroup | None = None) -> None:
         self.buffers = buffers
         self.overlap_grad_reduce = overlap_grad_reduce
         self.collectives = collectives or Collectives()
@@ -104,14 +124,16 @@ class GradientSynchronizer:
         for stage in sorted(buffers.stages, reverse=True):
             for buffer in buffers.stages[stage]:
                 for bucket in buffer.buckets:
-                    item = _Item(stage, buffer, bucket, stage_groups.get(stage), scatter)
+                    item = _Item(stage, buffer, bucket, stage_groups.get(stage), scatter,
+                                 _sequence_parallel(buffer, bucket), tensor_group)
                     self._items.append(item)
                     for index in bucket.param_indices:
                         self._item_of[id(buffer.params[index])] = (item, index)
         self._tied: _Item | None = None
         if buffers.tied is not None:
-            self._tied = _Item(None, buffers.tied, buffers.tied.buckets[0], embedding_group,
-                               scatter)
+            bucket = buffers.tied.buckets[0]
+            self._tied = _Item(None, buffers.tied, bucket, embedding_group, scatter,
+                               _sequence_parallel(buffers.tied, bucket), tensor_group)
             self._items.append(self._tied)
         self._tied_stages = set(buffers.tied_stages)
         self._final: set[int] = set()
@@ -126,7 +148,7 @@ class GradientSynchronizer:
         """Synchronizer over the groups of :mod:`megatron_chimera.parallel_state`."""
         groups = {s: parallel_state.get_stage_replica_group(s) for s in buffers.stages}
         return cls(buffers, groups, parallel_state.get_embedding_group(), overlap_grad_reduce,
-                   scatter, collectives)
+                   scatter, collectives, parallel_state.get_tensor_model_parallel_group())
 
     @property
     def num_collectives(self) -> int:
@@ -184,6 +206,13 @@ class GradientSynchronizer:
             if item.work is not None:
                 item.work.wait()
                 item.work = None
+
+
+def _sequence_parallel(buffer: GradBuffer, bucket: Bucket) -> list[nn.Parameter]:
+    """The sequence-parallel parameters of ``bucket``, in buffer order."""
+    return [buffer.params[i] for i in sorted(bucket.param_indices,
+                                             key=lambda i: buffer.layout.ranges[i][0])
+            if is_sequence_parallel(buffer.params[i])]
 
 
 def _flat_params(params: list[nn.Parameter]) -> torch.Tensor:

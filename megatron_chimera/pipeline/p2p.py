@@ -55,6 +55,7 @@ class P2PCommunicator:
         self._posted: dict[Message, tuple[torch.Tensor, Any]] = {}
         self._local: dict[Message, torch.Tensor] = {}
         self._sends: list[tuple[torch.Tensor, Any, Message]] = []
+        self.bytes_sent = 0  # payload bytes of this iteration's sends (local hand-overs excluded)
 
     def post_recv(self, message: Message) -> None:
         """Post the receive of ``message`` (its buffer comes from the configured shape)."""
@@ -85,6 +86,7 @@ class P2PCommunicator:
                 f"the configured p2p shape {self.tensor_shape} {self.dtype}")
         payload = tensor.detach().contiguous()
         work = self.transport.isend(payload, message)
+        self.bytes_sent += payload.numel() * payload.element_size()
         self._sends.append((payload, work, message))
         return work
 

@@ -1,14 +1,19 @@
-"""Autotuner: enumerate schedules, D, W, B, N and recomputation; keep what fits; rank by throughput.
+"""Autotuner: enumerate T, schedules, D, W, B, N, recomputation and the distributed optimizer;
+keep what fits; rank by throughput.
 
-For ``P`` GPUs and a mini-batch ``B̂`` it tries every even ``D`` dividing ``P`` (at most one stage
-per layer), ``W = P / D``, every micro-batch size ``B`` with ``N = B̂ / (W B)`` integral, every
-registered schedule variant the sizes allow (GPipe, 1F1B, interleaved with ``v`` dividing the
-layers, Chimera and Chimera-ZB with 2 and 4 pipes and every concatenation, ZB-H1), layers
-partitioned uniformly or balanced by parameters (``--partition-method``; the balanced split moves
-layers off the stages holding the embedding and the LM head), with and without full
-recomputation. The memory model drops layouts over the device memory before anything is
-simulated; a recomputing layout is simulated only when the same layout without recomputation does
-not fit (recomputation only adds work, so otherwise it is dominated). The rest are simulated by
+For ``P`` GPUs and a mini-batch ``B̂`` it tries every allowed tensor-parallel size ``T``
+(``SearchSpace.tensor_parallel_sizes``, default 1 only; with sequence parallelism when T > 1;
+T must divide the heads, hidden and MLP sizes), every even ``D`` dividing ``P / T`` (at most one
+stage per layer), ``W = P / (T D)``, every micro-batch size ``B`` with ``N = B̂ / (W B)``
+integral, every registered schedule variant the sizes allow (GPipe, 1F1B, interleaved with ``v``
+dividing the layers, Chimera and Chimera-ZB with 2 and 4 pipes and every concatenation, ZB-H1),
+layers partitioned uniformly or balanced by parameters (``--partition-method``; the balanced
+split moves layers off the stages holding the embedding and the LM head), with and without full
+recomputation, and with and without the distributed optimizer
+(``SearchSpace.distributed_optimizer``; only where a stage-replica group has more than one
+rank). The memory model drops layouts over the device memory before anything is simulated; a
+recomputing layout is simulated only when the same layout without recomputation does not fit
+(recomputation only adds work, so otherwise it is dominated). The rest are simulated by
 :class:`~megatron_chimera.tuning.perf_model.PerformanceModel` and ranked by samples/s.
 """
 
@@ -26,8 +31,8 @@ from megatron_chimera.schedules.registry import SCHEDULE_NAMES, ScheduleSpec, ge
 from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingLayout
 
 DEFAULT_SCHEDULES = SCHEDULE_NAMES
-JSON_KEYS = ("schedule", "pipes", "D", "W", "B", "N", "recompute", "iteration_s",
-             "samples_per_s", "peak_memory_bytes")
+JSON_KEYS = ("schedule", "pipes", "T", "D", "W", "B", "N", "recompute", "sequence_parallel",
+             "distributed_optimizer", "iteration_s", "samples_per_s", "peak_memory_bytes")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class SearchSpace:
     # (e.g. {"pipes": (2, 4, 8), "virtual_pipeline_size": (2,)})
     option_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     partition_methods: tuple[str, ...] = ("uniform", "parameters")
+    tensor_parallel_sizes: tuple[int, ...] = (1,)  # T to try (--tensor-model-parallel-sizes)
+    sequence_parallel: bool = True  # with T > 1, split the residual stream too
     distributed_optimizer: tuple[bool, ...] = (False, True)
 
     def __post_init__(self) -> None:
@@ -62,11 +69,18 @@ class SearchSpace:
                               f"{self.micro_batch_sizes}")
         for name in self.schedules:
             get_spec(name)  # ValueError naming the choices for an unknown schedule
+        if not self.tensor_parallel_sizes or min(self.tensor_parallel_sizes) < 1:
+            raise ConfigError(f"--tensor-model-parallel-sizes must be positive, got "
+                              f"{self.tensor_parallel_sizes}")
 
-    def pipeline_sizes(self) -> list[int]:
-        """Even D dividing the GPU count, at most one stage per layer."""
-        return [d for d in range(2, self.num_gpus + 1, 2)
-                if self.num_gpus % d == 0 and d <= self.num_layers]
+    def tensor_sizes(self) -> list[int]:
+        """The allowed T that divide the GPU count."""
+        return sorted({t for t in self.tensor_parallel_sizes if self.num_gpus % t == 0})
+
+    def pipeline_sizes(self, tensor_parallel: int = 1) -> list[int]:
+        """Even D dividing the GPU count / T, at most one stage per layer."""
+        gpus = self.num_gpus // tensor_parallel
+        return [d for d in range(2, gpus + 1, 2) if gpus % d == 0 and d <= self.num_layers]
 
     def micro_batches_for(self, W: int) -> list[int]:
         """Micro-batch sizes B with B̂ / (W B) a positive integer."""
@@ -94,20 +108,23 @@ def _variants(space: SearchSpace, spec: ScheduleSpec, D: int, N: int) -> Iterato
 def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
     """Every layout of the search space (sizes not yet checked against the generators)."""
     specs = [get_spec(name) for name in space.schedules]
-    for D in space.pipeline_sizes():
-        W = space.num_gpus // D
-        for B in space.micro_batches_for(W):
-            N = space.global_batch_size // (W * B)
-            for spec in specs:
-                for options in _variants(space, spec, D, N):
-                    replicated = W * getattr(options, "pipes", 1) > 1
-                    for partition in space.partition_methods:
-                        for recompute in space.recompute:
-                            for sharded in space.distributed_optimizer:
-                                if sharded and not replicated:
-                                    continue  # every stage-replica group has one rank
-                                yield TrainingLayout(spec.name, D, W, B, N, recompute, options,
-                                                     partition, sharded)
+    for T in space.tensor_sizes():
+        sequence_parallel = space.sequence_parallel and T > 1
+        for D in space.pipeline_sizes(T):
+            W = space.num_gpus // (T * D)
+            for B in space.micro_batches_for(W):
+                N = space.global_batch_size // (W * B)
+                for spec in specs:
+                    for options in _variants(space, spec, D, N):
+                        replicated = W * getattr(options, "pipes", 1) > 1
+                        for partition in space.partition_methods:
+                            for recompute in space.recompute:
+                                for sharded in space.distributed_optimizer:
+                                    if sharded and not replicated:
+                                        continue  # every stage-replica group has one rank
+                                    yield TrainingLayout(spec.name, D, W, B, N, recompute,
+                                                         options, partition, T,
+                                                         sequence_parallel, sharded)
 
 
 @dataclass
@@ -188,11 +205,14 @@ def to_records(predictions: Sequence[Prediction]) -> list[dict]:
         {
             "schedule": p.layout.label,
             "pipes": p.layout.pipes,
+            "T": p.layout.T,
             "D": p.layout.D,
             "W": p.layout.W,
             "B": p.layout.B,
             "N": p.layout.N,
             "recompute": p.layout.recompute,
+            "sequence_parallel": p.layout.sequence_parallel,
+            "distributed_optimizer": p.layout.distributed_optimizer,
             "iteration_s": p.iteration_s,
             "samples_per_s": p.samples_per_s,
             "peak_memory_bytes": p.peak_memory_bytes,
@@ -204,15 +224,18 @@ def to_records(predictions: Sequence[Prediction]) -> list[dict]:
 def format_table(predictions: Sequence[Prediction], memory_limit_bytes: int,
                  over_memory: Sequence[tuple[TrainingLayout, int]] = ()) -> str:
     """Text table: configuration, iteration time, samples/s, bubble ratio, peak memory, fits."""
-    header = (f"{'#':>3}  {'schedule':<32}{'pipes':>5}{'D':>5}{'W':>5}{'B':>5}{'N':>6}"
-              f"{'recomp':>7}{'iter [s]':>11}{'samples/s':>11}{'bubble':>8}"
+    header = (f"{'#':>3}  {'schedule':<32}{'pipes':>5}{'T':>4}{'D':>5}{'W':>5}{'B':>5}{'N':>6}"
+              f"{'recomp':>7}{'dist-opt':>9}{'iter [s]':>11}{'samples/s':>11}{'bubble':>8}"
               f"{'peak mem [GiB]':>16}{'fits':>6}")
     lines = [header, "-" * len(header)]
 
     def row(index: str, layout: TrainingLayout, cells: str, peak: int) -> str:
         fits = "yes" if peak <= memory_limit_bytes else "no"
-        return (f"{index:>3}  {layout.label:<32}{layout.pipes:>5}{layout.D:>5}{layout.W:>5}"
-                f"{layout.B:>5}{layout.N:>6}{('yes' if layout.recompute else 'no'):>7}"
+        tensor = f"{layout.T}{'s' if layout.sequence_parallel else ''}"
+        recompute = "yes" if layout.recompute else "no"
+        sharded = "yes" if layout.distributed_optimizer else "no"
+        return (f"{index:>3}  {layout.label:<32}{layout.pipes:>5}{tensor:>4}{layout.D:>5}"
+                f"{layout.W:>5}{layout.B:>5}{layout.N:>6}{recompute:>7}{sharded:>9}"
                 f"{cells}{peak / 2**30:>16.2f}{fits:>6}")
 
     for i, p in enumerate(predictions, 1):

@@ -39,6 +39,10 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
         flags.append("--bert-no-binary-head")
     if not cfg.masked_softmax_fusion:
         flags.append("--no-masked-softmax-fusion")
+    if layout.T > 1:
+        flags += ["--tensor-model-parallel-size", str(layout.T)]
+        if layout.sequence_parallel:
+            flags.append("--sequence-parallel")
     flags += ["--pipeline-model-parallel-size", str(layout.D)]
     flags += layout.spec.to_flags(layout.options)
     if layout.partition != "uniform":
@@ -59,7 +63,7 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
 
 def torchrun_command(spec: ModelSpec, layout: TrainingLayout, gpus_per_node: int) -> str:
     """The shell command that trains ``layout`` (data paths left as environment variables)."""
-    num_gpus = layout.D * layout.W
+    num_gpus = layout.num_gpus
     words = _launcher(num_gpus, gpus_per_node) + [spec.family.entry_point]
     words += pretrain_flags(spec, layout) + DATA_FLAGS[spec.family.name]
     words += ["--train-iters", "$TRAIN_ITERS", "--lr", "$LR"]

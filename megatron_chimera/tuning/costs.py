@@ -1,8 +1,19 @@
 """Analytic per-stage costs of GPT-2 and BERT: the model to cost, its stage pieces, parameters,
-forward FLOPs and message sizes.
+forward FLOPs, message sizes and the tensor-parallel collectives.
 
 FLOPs come from :mod:`megatron_chimera.model.flops` (the one FLOP count), parameter counts and
-the partition from :mod:`megatron_chimera.model.partition` (exact for the model classes).
+the partition from :mod:`megatron_chimera.model.partition` (exact for the model classes, also
+per tensor-parallel rank).
+
+Tensor parallelism over T ranks (:func:`tensor_parallel_comm_seconds`): per transformer layer the
+forward runs two all-reduces of one ``[s, b, h]`` activation (after the row-parallel attention
+output and MLP output) and the backward two more (the input gradients of the column-parallel QKV
+and first MLP linear); with sequence parallelism each all-reduce becomes an all-gather plus a
+reduce-scatter (the same bytes on the wire). The embedding all-reduces its output, the LM head's
+input gradient is all-reduced (reduce-scattered), and the vocabulary-parallel cross-entropy
+all-reduces three ``[s, b]`` fp32 tensors. A ring collective over T ranks costs
+``(T-1) (alpha + n/T beta)`` per all-gather or reduce-scatter, twice that per all-reduce; the
+link is the one the T consecutive global ranks share (NVLink inside a node).
 """
 
 from __future__ import annotations
@@ -10,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_chimera.config import ModelConfig
+from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model import flops
 from megatron_chimera.model.family import ModelFamily, get_family
 from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.model.partition import stage_parameters as partition_stage_parameters
+from megatron_chimera.tuning.hardware import LinkProfile
 
 
 @dataclass(frozen=True)
@@ -65,9 +77,12 @@ def partition_stages(spec: ModelSpec, num_stages: int, method: str = "uniform") 
                                       config=spec.config, family=spec.family))
 
 
-def stage_parameters(spec: ModelSpec, pieces: Sequence[StagePiece]) -> list[int]:
-    """Parameters of one replica of every stage (tied-embedding copy on the last stage)."""
-    return partition_stage_parameters(spec.config, spec.family, [p.layer_range for p in pieces])
+def stage_parameters(spec: ModelSpec, pieces: Sequence[StagePiece],
+                     tensor_parallel: int = 1) -> list[int]:
+    """Parameters of one replica of every stage (tied-embedding copy on the last stage) on one of
+    ``tensor_parallel`` ranks."""
+    return partition_stage_parameters(spec.config, spec.family, [p.layer_range for p in pieces],
+                                      tensor_parallel)
 
 
 def stage_forward_flops(spec: ModelSpec, piece: StagePiece,
@@ -77,7 +92,65 @@ def stage_forward_flops(spec: ModelSpec, piece: StagePiece,
                                      piece.post_process, micro_batch)
 
 
-def activation_message_bytes(spec: ModelSpec, micro_batch: int) -> int:
-    """Bytes of one activation (or gradient) message between stages: ``[s, b, h]``."""
+def activation_message_bytes(spec: ModelSpec, micro_batch: int, tensor_parallel: int = 1,
+                             sequence_parallel: bool = False) -> int:
+    """Bytes of one activation (or gradient) message between stages: ``[s, b, h]``, or this
+    rank's chunk ``[s/T, b, h]`` under sequence parallelism."""
     cfg = spec.config
-    return cfg.seq_length * micro_batch * cfg.hidden_size * spec.dtype_bytes
+    full = cfg.seq_length * micro_batch * cfg.hidden_size * spec.dtype_bytes
+    return full // tensor_parallel if sequence_parallel else full
+
+
+def check_tensor_parallel(spec: ModelSpec, tensor_parallel: int, sequence_parallel: bool) -> None:
+    """ConfigError when T does not divide the heads, hidden and MLP sizes (or the sequence under
+    sequence parallelism), as the training flags' check."""
+    cfg = spec.config
+    sizes = [("--num-attention-heads", cfg.num_attention_heads),
+             ("--hidden-size", cfg.hidden_size), ("--ffn-hidden-size", cfg.ffn_size)]
+    if sequence_parallel:
+        sizes.append(("--seq-length", cfg.seq_length))
+    for flag, size in sizes:
+        if size % tensor_parallel:
+            raise ConfigError(f"{flag} {size} is not divisible by --tensor-model-parallel-size "
+                              f"{tensor_parallel}")
+
+
+def ring_collective_seconds(num_bytes: float, ranks: int, link: LinkProfile,
+                            all_reduce: bool = False) -> float:
+    """Ring all-gather / reduce-scatter of ``num_bytes`` (the full tensor) over ``ranks`` ranks;
+    an all-reduce is both."""
+    if ranks <= 1:
+        return 0.0
+    one = (ranks - 1) * (link.alpha_s + num_bytes / ranks * link.beta_s_per_byte)
+    return 2 * one if all_reduce else one
+
+
+def tensor_parallel_comm_seconds(spec: ModelSpec, piece: StagePiece, micro_batch: int,
+                                 tensor_parallel: int, sequence_parallel: bool,
+                                 link: LinkProfile, recompute: bool = False
+                                 ) -> tuple[float, float]:
+    """(forward, backward) seconds of the stage's tensor-parallel collectives for one
+    micro-batch (see the module doc); full recomputation repeats the forward's in the backward."""
+    t = tensor_parallel
+    if t <= 1:
+        return 0.0, 0.0
+    cfg = spec.config
+    tokens = cfg.seq_length * micro_batch
+    activation = float(tokens * cfg.hidden_size * spec.dtype_bytes)
+    gather = ring_collective_seconds(activation, t, link)
+    reduce = ring_collective_seconds(activation, t, link, all_reduce=True)
+    # the residual-stream boundary: all-reduce, or all-gather + reduce-scatter under SP
+    boundary = 2 * gather if sequence_parallel else reduce
+    forward = backward = 2 * piece.num_layers * boundary
+    if piece.pre_process:
+        forward += reduce  # vocabulary-parallel embedding
+        backward += gather if sequence_parallel else 0.0
+    if piece.post_process:
+        forward += gather if sequence_parallel else 0.0  # the logits' input
+        if sequence_parallel and spec.family.sentence_heads:
+            forward += gather  # BERT's pooler reads the whole sequence
+        forward += 3 * ring_collective_seconds(4.0 * tokens, t, link, all_reduce=True)
+        backward += gather if sequence_parallel else reduce
+    if recompute:
+        backward += forward
+    return forward, backward

@@ -17,6 +17,11 @@ schedule:
 
 Gradients are reduced in place in their buffers (no extra copy). Total = parameters + gradients
 + optimizer state + max(activations (+ recompute working set), optimizer-step transient).
+
+With tensor parallelism (T) every figure is one tensor rank's: the stage figures are its shards
+(``tensor_parallel``, ``sequence_parallel``), and the stage-replica and embedding groups the
+distributed optimizer shards over join ranks of one tensor rank, so their sizes do not change
+with T.
 """
 
 from __future__ import annotations
@@ -59,12 +64,16 @@ def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> lis
 
 
 def stage_memory(spec: ModelSpec, partition: Sequence[StagePiece], micro_batch: int,
-                 device_type: str = "cuda",
+                 device_type: str = "cuda", tensor_parallel: int = 1,
+                 sequence_parallel: bool = False,
                  grad_reduce_in_fp32: bool | None = None) -> list[StageMemory]:
-    """Per-stage estimates of :mod:`megatron_chimera.model.memory` for this partition."""
+    """Per-stage estimates of :mod:`megatron_chimera.model.memory` for this partition (one
+    tensor-parallel rank's shard)."""
     return estimate_stage_memory(spec.config, spec.family,
                                  [p.layer_range for p in partition], micro_batch,
-                                 device_type=device_type, grad_reduce_in_fp32=grad_reduce_in_fp32)
+                                 device_type=device_type, tensor_parallel=tensor_parallel,
+                                 sequence_parallel=sequence_parallel,
+                                 grad_reduce_in_fp32=grad_reduce_in_fp32)
 
 
 def stage_replicas(schedule: Schedule) -> list[int]:
@@ -85,12 +94,15 @@ def embedding_group_size(schedule: Schedule, data_parallel_size: int = 1) -> int
 
 def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePiece],
                 micro_batch: int, recompute: bool, device_type: str = "cuda",
+                tensor_parallel: int = 1, sequence_parallel: bool = False,
                 data_parallel_size: int = 1, distributed_optimizer: bool = False,
                 grad_reduce_in_fp32: bool | None = None) -> list[RankMemory]:
-    """Peak memory of every pipeline rank of ``schedule`` (one entry per rank)."""
+    """Peak memory of every pipeline rank of ``schedule`` (one entry per rank; with tensor
+    parallelism, of each of its T ranks)."""
     if len(partition) != schedule.num_stages:
         raise ValueError(f"partition has {len(partition)} stages, schedule {schedule.num_stages}")
-    stages = stage_memory(spec, partition, micro_batch, device_type, grad_reduce_in_fp32)
+    stages = stage_memory(spec, partition, micro_batch, device_type, tensor_parallel,
+                          sequence_parallel, grad_reduce_in_fp32)
     per_param = bytes_per_parameter(spec.config.params_dtype,
                                     grad_reduce_in_fp32=grad_reduce_in_fp32)
     per_mb = [m.activation_bytes_recompute if recompute else m.activation_bytes for m in stages]

@@ -11,6 +11,13 @@ exactly Eq. (1) (:func:`chimera_eq1_time`; checked by the tests).
 
 Stage times come from :class:`AnalyticCompute` (FLOPs / achieved FLOP/s of a hardware profile) or
 from measured timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
+
+With tensor parallelism (``layout.T``) every stage's compute is divided by T and its
+tensor-parallel collectives (:func:`~megatron_chimera.tuning.costs.tensor_parallel_comm_seconds`,
+on the link the T consecutive ranks share) are added to its forward and backward (they are on
+the critical path); the weight-gradient part (W) has none. Gradient buckets, optimizer state and
+activations are per tensor-parallel rank; messages between stages shrink to ``[s/T, b, h]`` with
+sequence parallelism.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from megatron_chimera.tuning.costs import (
     ModelSpec,
     StagePiece,
     activation_message_bytes,
+    check_tensor_parallel,
     partition_stages,
     stage_forward_flops,
     stage_parameters,
+    tensor_parallel_comm_seconds,
 )
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
 from megatron_chimera.tuning.memory import RankMemory, rank_memory
@@ -40,7 +49,7 @@ from megatron_chimera.tuning.memory import RankMemory, rank_memory
 @dataclass(frozen=True)
 class TrainingLayout:
     """One point of the search: schedule and its typed options (the registry's), D, W, B, N,
-    recomputation and the partition method."""
+    recomputation, the partition method, the tensor-parallel size T and sequence parallelism."""
 
     schedule: str  # --pipeline-schedule
     D: int  # pipeline stages (ranks per pipeline)
@@ -50,6 +59,8 @@ class TrainingLayout:
     recompute: bool = False
     options: Any = None  # the schedule's options dataclass (None: its defaults)
     partition: str = "uniform"  # --partition-method: uniform | parameters
+    T: int = 1  # --tensor-model-parallel-size
+    sequence_parallel: bool = False  # --sequence-parallel (with T > 1)
     # --use-distributed-optimizer (with --overlap-param-gather): optimizer state sharded over
     # each stage-replica group, gradients reduce-scattered, parameters all-gathered
     distributed_optimizer: bool = False
@@ -60,11 +71,16 @@ class TrainingLayout:
 
     @classmethod
     def of(cls, schedule: str, D: int, W: int, B: int, N: int, recompute: bool = False,
-           partition: str = "uniform", distributed_optimizer: bool = False,
-           **options: Any) -> TrainingLayout:
+           partition: str = "uniform", T: int = 1, sequence_parallel: bool = False,
+           distributed_optimizer: bool = False, **options: Any) -> TrainingLayout:
         """A layout with the schedule's options given as keywords (``pipes=4, concat=...``)."""
         return cls(schedule, D, W, B, N, recompute, get_spec(schedule).options_type(**options),
-                   partition, distributed_optimizer)
+                   partition, T, sequence_parallel, distributed_optimizer)
+
+    @property
+    def num_gpus(self) -> int:
+        """Ranks of the layout: T x W x D."""
+        return self.T * self.W * self.D
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -105,8 +121,10 @@ class TrainingLayout:
     def describe(self) -> str:
         """Compact one-line description for tables."""
         pipes = f" pipes={self.pipes}" if self.pipes > 1 else ""
-        return (f"{self.label}{pipes} D={self.D} W={self.W} B={self.B} N={self.N}"
-                f"{' recompute' if self.recompute else ''}"
+        tensor = f" T={self.T}" if self.T > 1 else ""
+        sp = " sequence-parallel" if self.sequence_parallel and self.T > 1 else ""
+        return (f"{self.label}{pipes}{tensor} D={self.D} W={self.W} B={self.B} N={self.N}"
+                f"{' recompute' if self.recompute else ''}{sp}"
                 f"{' dist-opt' if self.distributed_optimizer else ''}")
 
 
@@ -142,6 +160,15 @@ class AnalyticCompute:
         forward = (weights + other) / rate
         backward = 2 * forward + (forward if recompute else 0.0)
         return StageTimes(forward, backward, weights / rate)
+
+    def tensor_parallel_slowdown(self, micro_batch: int, tensor_parallel: int) -> float:
+        """How much slower per FLOP the stage runs on 1/T of every weight matrix: the
+        efficiency curve taken at ``B s / T`` tokens (a GEMM T times narrower does the work of
+        one with T times fewer tokens), relative to ``B s``."""
+        tokens = micro_batch * self.spec.config.seq_length
+        dtype = self.spec.config.params_dtype
+        return (self.hardware.achieved_flops(dtype, tokens)
+                / self.hardware.achieved_flops(dtype, tokens / tensor_parallel))
 
 
 def chimera_eq1_time(forward: float, backward: float, N: int, D: int, p2p: float = 0.0,
@@ -214,10 +241,35 @@ class PerformanceModel:
         return list(self._partitions[key])
 
     def memory(self, layout: TrainingLayout) -> list[RankMemory]:
-        """Peak memory of every pipeline rank."""
+        """Peak memory of every pipeline rank (of one tensor-parallel rank)."""
+        check_tensor_parallel(self.spec, layout.T, layout.sequence_parallel)
         return rank_memory(self.spec, self.schedule(layout), self.partition(layout), layout.B,
-                           layout.recompute, self.device_type, data_parallel_size=layout.W,
+                           layout.recompute, self.device_type, layout.T,
+                           layout.sequence_parallel, data_parallel_size=layout.W,
                            distributed_optimizer=layout.distributed_optimizer)
+
+    def _global_rank(self, layout: TrainingLayout, pipeline_rank: int, replica: int = 0) -> int:
+        """Global rank of a pipeline rank in data-parallel replica ``replica``, tensor rank 0."""
+        return global_rank(pipeline_rank, replica, layout.W, 0, layout.T)
+
+    def tensor_parallel_link(self, layout: TrainingLayout) -> LinkProfile:
+        """The link of a tensor-parallel group (T consecutive global ranks)."""
+        return self.hardware.link_for(range(layout.T))
+
+    def stage_times(self, layout: TrainingLayout, piece: StagePiece) -> StageTimes:
+        """One micro-batch through one stage on one of T ranks: compute / T (at the efficiency of
+        the narrower matrices, when the compute source models it) plus the tensor-parallel
+        collectives (forward and backward; none in W)."""
+        times = self.compute.stage_times(piece, layout.B, layout.recompute)
+        if layout.T == 1:
+            return times
+        slowdown = getattr(self.compute, "tensor_parallel_slowdown", None)
+        share = (slowdown(layout.B, layout.T) if slowdown else 1.0) / layout.T
+        forward, backward = tensor_parallel_comm_seconds(
+            self.spec, piece, layout.B, layout.T, layout.sequence_parallel,
+            self.tensor_parallel_link(layout), layout.recompute)
+        return StageTimes(times.forward * share + forward, times.backward * share + backward,
+                          times.weight * share)
 
     def _p2p_edges(self, layout: TrainingLayout,
                    schedule: Schedule) -> tuple[tuple[int, int, float, float], ...]:
@@ -232,7 +284,7 @@ class PerformanceModel:
         result = []
         for a, b in sorted(edges):
             link = self.p2p_link or self.hardware.link_for(
-                (global_rank(a, 0, layout.W), global_rank(b, 0, layout.W)))
+                (self._global_rank(layout, a), self._global_rank(layout, b)))
             result.append((a, b, link.alpha_s, link.beta_s_per_byte))
         return tuple(result)
 
@@ -240,7 +292,7 @@ class PerformanceModel:
         if self.p2p_link is not None:
             return self.p2p_link
         groups = [
-            [global_rank(schedule.rank_of(pipe, stage), w, layout.W)
+            [self._global_rank(layout, schedule.rank_of(pipe, stage), w)
              for w in range(layout.W) for pipe in range(schedule.num_pipes)]
             for stage in range(schedule.num_stages)
         ]
@@ -251,7 +303,7 @@ class PerformanceModel:
         """The simulator's cost model for ``layout`` (seconds and bytes)."""
         schedule = self.schedule(layout)
         pieces = self.partition(layout)
-        times = [self.compute.stage_times(p, layout.B, layout.recompute) for p in pieces]
+        times = [self.stage_times(layout, p) for p in pieces]
         split = schedule.split_backward
         link = self._allreduce_link(layout, schedule)
         # a reduce-scatter is half of Rabenseifner's all-reduce (its all-gather half comes after
@@ -262,10 +314,11 @@ class PerformanceModel:
             backward_cost=tuple(t.backward for t in times),
             weight_cost=tuple(t.weight for t in times) if split else 0.0,
             p2p_edges=self._p2p_edges(layout, schedule),
-            activation_bytes=float(activation_message_bytes(self.spec, layout.B)),
+            activation_bytes=float(activation_message_bytes(
+                self.spec, layout.B, layout.T, layout.sequence_parallel)),
             allreduce_alpha=link.alpha_s * half,
             allreduce_beta=link.beta_s_per_byte,
-            grad_bytes=tuple(b * half for b in self._grad_bytes(pieces)),
+            grad_bytes=tuple(b * half for b in self._grad_bytes(pieces, layout.T)),
             data_parallel_size=layout.W,
         )
 
@@ -275,9 +328,8 @@ class PerformanceModel:
         StageCosts has one message time: the mean over the links the schedule's messages
         cross (the simulator itself prices each link, :meth:`_p2p_edges`)."""
         schedule = self.schedule(layout)
-        times = [self.compute.stage_times(p, layout.B, layout.recompute)
-                 for p in self.partition(layout)]
-        size = activation_message_bytes(self.spec, layout.B)
+        times = [self.stage_times(layout, p) for p in self.partition(layout)]
+        size = activation_message_bytes(self.spec, layout.B, layout.T, layout.sequence_parallel)
         edges = self._p2p_edges(layout, schedule)
         p2p = (sum(alpha + beta * size for _, _, alpha, beta in edges) / len(edges)
                if edges else 0.0)
@@ -285,10 +337,11 @@ class PerformanceModel:
                           tuple(t.backward - t.weight for t in times),
                           tuple(t.weight for t in times), p2p)
 
-    def _grad_bytes(self, pieces: list[StagePiece]) -> list[float]:
-        """Bytes of each stage's gradient buffer (fp32 for fp32 and bf16 models)."""
+    def _grad_bytes(self, pieces: list[StagePiece], tensor_parallel: int = 1) -> list[float]:
+        """Bytes of each stage's gradient buffer on one of ``tensor_parallel`` ranks (fp32 for
+        fp32 and bf16 models)."""
         width = bytes_per_parameter(self.spec.config.params_dtype)["grad"]
-        return [float(n * width) for n in stage_parameters(self.spec, pieces)]
+        return [float(n * width) for n in stage_parameters(self.spec, pieces, tensor_parallel)]
 
     def exposed_param_gather_s(self, layout: TrainingLayout) -> float:
         """The distributed optimizer's parameter all-gather that the next iteration waits for:
@@ -298,7 +351,7 @@ class PerformanceModel:
             return 0.0
         schedule = self.schedule(layout)
         costs = self.cost_model(layout)  # its all-reduce terms are the reduce-scatter halves
-        nbytes = self._grad_bytes(self.partition(layout))
+        nbytes = self._grad_bytes(self.partition(layout), layout.T)
         replicas = schedule.num_pipes * layout.W
         first = [schedule.actions[r][0].stage for r in range(schedule.num_ranks)
                  if schedule.actions[r]]
@@ -317,14 +370,13 @@ class PerformanceModel:
         """A bound below the iteration time, without building the schedule: every micro-batch
         passes every stage forward and backward, spread at best evenly over the D ranks."""
         pieces = self.partition(layout)
-        work = sum(t.forward + t.backward for t in
-                   (self.compute.stage_times(p, layout.B, layout.recompute) for p in pieces))
+        work = sum(t.forward + t.backward for t in (self.stage_times(layout, p) for p in pieces))
         return layout.N * work / layout.D
 
     # ------------------------------------------------------------------ the prediction
     def predict(self, layout: TrainingLayout, with_memory: bool = True) -> Prediction:
         """Iteration time (the simulated makespan), bubble ratio and per-rank peak memory."""
-        if layout.D < 1 or layout.W < 1 or layout.B < 1 or layout.N < 1:
+        if min(layout.D, layout.W, layout.B, layout.N, layout.T) < 1:
             raise ConfigError(f"layout sizes must be positive: {layout.describe()}")
         sim = self.simulate(layout)
         memory = self.memory(layout) if with_memory else []
@@ -339,7 +391,7 @@ class PerformanceModel:
         if step is None:
             return 0.0
         schedule = self.schedule(layout)
-        params = stage_parameters(self.spec, self.partition(layout))
+        params = stage_parameters(self.spec, self.partition(layout), layout.T)
         shards = schedule.num_pipes * layout.W if layout.distributed_optimizer else 1
         return max(step(sum(params[s] for s in schedule.stages_of_rank(r)) / shards)
                    for r in range(schedule.num_ranks))

@@ -302,13 +302,18 @@ def _check_weights(stages: dict[int, torch.nn.Module], ref_model: torch.nn.Modul
                 raise AssertionError(f"stage {s} tied embedding copy: rel. error {err:.2e}")
 
 
-def run_cases(rank: int, world_size: int, cases: list[Case]) -> None:
-    """Run every case in sequence in this world; name the failing case."""
+def run_each(rank: int, world_size: int, cases: list[Any], run) -> None:
+    """``run(rank, world_size, case)`` for every case in sequence; name the failing case."""
     for case in cases:
         try:
-            run_case(rank, world_size, case)
+            run(rank, world_size, case)
         except Exception as exc:
             raise AssertionError(f"case {case.name}: {exc}") from exc
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> None:
+    """Run every case in sequence in this world; name the failing case."""
+    run_each(rank, world_size, cases, run_case)
 
 
 def run_failing_rank(rank: int, world_size: int, failing_rank: int) -> None:
@@ -372,7 +377,8 @@ def run_replica_utilities(rank: int, world_size: int) -> None:
     bad layouts raise ConfigError; Megatron's getters describe the layout."""
     schedule = build_schedule("chimera", 2, 2)
     timeout = datetime.timedelta(seconds=30)
-    for bad in ({"pipeline_model_parallel_size": 3}, {"tensor_model_parallel_size": 2}):
+    for bad in ({"pipeline_model_parallel_size": 3}, {"tensor_model_parallel_size": 3},
+                {"tensor_model_parallel_size": 4}):
         kwargs = {"pipeline_model_parallel_size": 2, **bad}
         try:
             parallel_state.initialize_model_parallel(

@@ -38,3 +38,17 @@ def test_dry_run_prints_torchrun_command(script: Path, tmp_path: Path):
         assert "--load" not in line
     if script.suffix != ".sbatch":
         assert "--node-rank 1" in lines[0] and "--nproc-per-node 4" in lines[0]
+
+
+def test_tp_size_reaches_the_command(tmp_path: Path):
+    """TP_SIZE=T adds --tensor-model-parallel-size T and --sequence-parallel (unless
+    SEQUENCE_PARALLEL=0)."""
+    script = REPO / "examples" / "pretrain_gpt2_chimera_distributed.sh"
+    for extra, sequence_parallel in (({"TP_SIZE": "4"}, True),
+                                     ({"TP_SIZE": "4", "SEQUENCE_PARALLEL": "0"}, False),
+                                     ({}, False)):
+        env = dict(os.environ, DRY_RUN="1", CHECKPOINT_PATH=str(tmp_path / "ckpt"), **extra)
+        out = subprocess.run(["bash", str(script)], env=env, check=True, capture_output=True,
+                             text=True, timeout=60).stdout
+        assert f"--tensor-model-parallel-size {extra.get('TP_SIZE', '1')}" in out
+        assert ("--sequence-parallel" in out) == sequence_parallel

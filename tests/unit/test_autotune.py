@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -201,6 +202,10 @@ def test_cli_rejects_bad_input(capsys):
     TrainingLayout.of("interleaved", 4, 2, 1, 8, virtual_pipeline_size=2),
     TrainingLayout.of("chimera-zb", 4, 2, 1, 8, pipes=4),
     TrainingLayout("1f1b", 4, 1, 4, 2),
+    TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True, pipes=2),
+    TrainingLayout("1f1b", 2, 2, 2, 4, T=4),
+    TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True,
+                      distributed_optimizer=True, pipes=2),
 ])
 def test_generated_flags_parse_into_the_same_layout(layout):
     """The command's flags go through the framework's own parser to the chosen layout."""
@@ -211,13 +216,104 @@ def test_generated_flags_parse_into_the_same_layout(layout):
                                  seq_length=32, vocab_size=500), "gpt2")
     argv = pretrain_flags(spec, layout) + ["--mock-data", "--train-iters", "10", "--lr", "1e-4",
                                            "--vocab-size", "500"]
-    config = parse_args(argv, world_size=layout.D * layout.W)
+    config = parse_args(argv, world_size=layout.num_gpus)
     parallel = config.parallel
-    assert (parallel.pipeline_model_parallel_size, parallel.data_parallel_size) == (layout.D,
-                                                                                    layout.W)
+    assert (parallel.pipeline_model_parallel_size, parallel.data_parallel_size,
+            parallel.tensor_model_parallel_size) == (layout.D, layout.W, layout.T)
+    assert config.model.sequence_parallel == layout.sequence_parallel
     assert parallel.pipeline_schedule == layout.schedule
     assert config.training.micro_batch_size == layout.B
     assert config.training.num_microbatches == layout.N
     assert config.training.partition_method == layout.partition
     assert (config.model.recompute_granularity == "full") == layout.recompute
     assert parallel.schedule_options == layout.options
+    assert config.ddp.use_distributed_optimizer == layout.distributed_optimizer
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+def test_tensor_parallel_sizes_are_searched_and_reach_the_command(capsys):
+    """With T allowed, the space holds T x W x D = P layouts (sequence parallel), T must divide
+    the heads, and the chosen command carries T."""
+    space = SearchSpace(num_gpus=8, global_batch_size=16, num_layers=8, schedules=("1f1b",),
+                        micro_batch_sizes=(2,), recompute=(False,),
+                        partition_methods=("uniform",), tensor_parallel_sizes=(1, 2, 8))
+    layouts = list(enumerate_layouts(space))
+    assert {(lay.T, lay.D, lay.W) for lay in layouts} == {(1, 2, 4), (1, 4, 2), (1, 8, 1),
+                                                          (2, 2, 2), (2, 4, 1)}
+    assert all(lay.sequence_parallel == (lay.T > 1) for lay in layouts)
+    result = autotune(PerformanceModel(gpt(), PRESETS["a100"]), dataclasses.replace(
+        space, tensor_parallel_sizes=(1, 2, 8), num_gpus=16), 10**12)
+    assert any(lay.T == 8 and "--num-attention-heads 4 is not divisible" in why
+               for lay, why in result.invalid)
+    rc = _cli().main(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "32", "--vocab-size", "500", "--num-gpus", "8",
+                      "--global-batch-size", "16", "--hardware", "a100", "--bf16",
+                      "--tensor-model-parallel-sizes", "2", "--schedules", "1f1b"])
+    assert rc == 0
+    command = capsys.readouterr().out.replace(" \\\n    ", " ")
+    assert "--tensor-model-parallel-size 2 --sequence-parallel" in command
+
+
+def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
+    """Per rank, T = 2 holds about half the weights and activations; its stage times are half
+    the compute (at the efficiency of half-width matrices) plus the tensor-parallel collectives,
+    which vanish on a free link."""
+    spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                                 seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
+    one = TrainingLayout("1f1b", 4, 1, 2, 8)
+    two = dataclasses.replace(one, T=2, sequence_parallel=True)
+    flat = dataclasses.replace(PRESETS["a100"], half_efficiency_tokens=0.0)  # no size effect
+    model = PerformanceModel(spec, flat)
+    m1, m2 = (max(m.total_bytes for m in model.memory(lay)) for lay in (one, two))
+    assert 0.45 < m2 / m1 < 0.6
+    piece = model.partition(one)[1]
+    t1, t2 = model.stage_times(one, piece), model.stage_times(two, piece)
+    assert t2.weight == pytest.approx(t1.weight / 2)
+    assert t2.forward > t1.forward / 2 and t2.backward > t1.backward / 2
+    free = PerformanceModel(spec, dataclasses.replace(flat, intra_node=FREE))
+    t_free = free.stage_times(two, piece)
+    assert t_free.forward == pytest.approx(t1.forward / 2)
+    # the a100 preset's efficiency m / (m + 512) at m = B s = 1024 tokens vs 512 for half-width
+    sized = PerformanceModel(spec, PRESETS["a100"])
+    ratio = sized.stage_times(two, piece).weight / sized.stage_times(one, piece).weight
+    assert ratio == pytest.approx((1024 / 1536) / (512 / 1024) / 2)
+    # 2 layers x (2 all-gathers + 2 reduce-scatters of one [s, b, h] bf16 activation) forward
+    link = flat.intra_node
+    activation = 512 * 2 * 1024 * 2
+    one_collective = link.alpha_s + activation / 2 * link.beta_s_per_byte
+    assert t2.forward - t1.forward / 2 == pytest.approx(2 * 4 * one_collective)
+    # sequence parallelism halves the pipeline messages
+    assert model.cost_model(two).activation_bytes == model.cost_model(one).activation_bytes / 2
+
+
+def test_tensor_parallelism_and_the_distributed_optimizer_combine():
+    """Both dimensions are searched together, and per tensor rank the distributed optimizer
+    shards that rank's parameters over its stage-replica group (2 pipes x W ranks, whatever T):
+    the T = 2 shard's gradient buffers are about half of T = 1's, its optimizer state 1 / (2 W)
+    of the unsharded one's, the reduction a reduce-scatter (half)."""
+    spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                                 seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
+    model = PerformanceModel(spec, PRESETS["a100"])
+    space = SearchSpace(num_gpus=8, global_batch_size=16, num_layers=8, schedules=("chimera",),
+                        micro_batch_sizes=(2,), recompute=(False,),
+                        option_values=(("pipes", (2,)),), partition_methods=("uniform",),
+                        tensor_parallel_sizes=(1, 2))
+    layouts = set(enumerate_layouts(space))
+    layout = TrainingLayout.of("chimera", 2, 2, 2, 4, T=2, sequence_parallel=True,
+                               distributed_optimizer=True, pipes=2, concat="direct")
+    plain = dataclasses.replace(layout, distributed_optimizer=False)
+    assert layout in layouts and plain in layouts
+    one = TrainingLayout.of("chimera", 2, 4, 2, 2, distributed_optimizer=True, pipes=2)
+    assert one in layouts
+    sharded2, plain2, sharded1 = (model.memory(lay)[0] for lay in (layout, plain, one))
+    # the state of a stage is spread over its T x 2 x W holders: 2 x 2 x 2 = 1 x 2 x 4 ranks
+    assert sharded2.optimizer_bytes == pytest.approx(sharded1.optimizer_bytes, rel=0.02)
+    assert 0.45 < sharded2.grad_bytes / sharded1.grad_bytes < 0.55
+    # stage-replica groups: 2 pipes x W = 2 ranks at T = 2 (the tied embedding: 2 x 2 holders)
+    assert sharded2.optimizer_bytes < plain2.optimizer_bytes / 2 * 1.01
+    assert sharded2.grad_bytes == plain2.grad_bytes
+    halves = zip(model.cost_model(layout).grad_bytes, model.cost_model(plain).grad_bytes)
+    assert all(a == pytest.approx(b / 2) for a, b in halves)
+    flags = " ".join(pretrain_flags(spec, layout))
+    assert "--tensor-model-parallel-size 2 --sequence-parallel" in flags
+    assert "--use-distributed-optimizer" in flags

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from megatron_chimera.config import ModelConfig
@@ -96,3 +97,47 @@ def test_first_samples_do_not_depend_on_the_data_parallel_size():
     one = microbatch_first_samples(16, 4, 2, 0, 1)
     two = [s for r in (0, 1) for s in microbatch_first_samples(16, 2, 2, r, 2)]
     assert sorted(one) == sorted(two) == [16, 18, 20, 22]
+
+
+@pytest.fixture
+def seeded_tracker():
+    """The tensor-parallel RNG tracker seeded as training seeds it (reset afterwards)."""
+    from megatron_chimera.tensor_parallel import (
+        get_cuda_rng_tracker,
+        model_parallel_cuda_manual_seed,
+    )
+
+    model_parallel_cuda_manual_seed(1234)
+    yield get_cuda_rng_tracker()
+    get_cuda_rng_tracker().reset()
+
+
+def test_tensor_parallel_dropout_is_keyed_in_a_stream(seeded_tracker):
+    # Attention-probability dropout draws per tensor rank. In a keyed stream its masks must still
+    # depend only on (micro-batch, layer): not on how far the tracker's stream has advanced
+    # (which depends on the schedule and on what ran before a resume).
+    model = GPTModel(config())
+    key = microbatch_key(1234, 0)
+    outputs = []
+    for advance in (0, 3):
+        for _ in range(advance):
+            with seeded_tracker.fork():
+                torch.rand(10)
+        with dropout_stream(key):
+            outputs.append(model(*batch(0)[:2], labels=batch(0)[2]))
+    assert torch.equal(outputs[0], outputs[1])
+    # outside a stream the tracker's stream is used (and advances): other masks
+    free = [model(*batch(0)[:2], labels=batch(0)[2]) for _ in range(2)]
+    assert not torch.equal(free[0], free[1])
+
+
+def test_selective_recomputation_replays_the_keyed_attention_masks(seeded_tracker):
+    grads = []
+    for recompute in ({}, dict(recompute_granularity="selective")):
+        model = GPTModel(config(hidden_dropout=0.0, **recompute))
+        step = keyed_forward_step(lambda b, m: m(b[0], b[1], labels=b[2]))
+        loss = step(KeyedMicrobatch(microbatch_key(3, 0), batch(0)), model)
+        loss.sum().backward()  # the core attention is recomputed here, outside the stream
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

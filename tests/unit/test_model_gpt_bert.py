@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.bert import BertModel, build_bert_stage
 from megatron_chimera.model.gpt2 import GPTModel, build_gpt_stage
-from megatron_chimera.model.linear import Linear, WeightGradStore, defer_weight_grad
+from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
+from megatron_chimera.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron_chimera.tensor_parallel.weight_grad import deferrable_modules
 
 SEQ, BATCH, VOCAB = 16, 3, 100
 
@@ -266,9 +268,11 @@ def test_init_is_dtype_independent():
 def test_linear_layers_are_deferrable():
     model = GPTModel(small_config())
     layer = model.language_model.encoder.layers[0]
-    for module in (layer.self_attention.query_key_value, layer.self_attention.dense,
-                   layer.mlp.dense_h_to_4h, layer.mlp.dense_4h_to_h):
-        assert isinstance(module, Linear)
+    for module, kind in ((layer.self_attention.query_key_value, ColumnParallelLinear),
+                         (layer.self_attention.dense, RowParallelLinear),
+                         (layer.mlp.dense_h_to_4h, ColumnParallelLinear),
+                         (layer.mlp.dense_4h_to_h, RowParallelLinear)):
+        assert isinstance(module, kind) and module in deferrable_modules(model)
     tokens, positions, labels = gpt_batch()
     model(tokens, positions, labels=labels).sum().backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -1,0 +1,203 @@
+"""Autograd-aware communication at tensor-parallel boundaries (Megatron-core's mappings).
+
+Each function is an identity with T = 1. Tensor-parallel regions split the last dimension
+(hidden features, heads, vocabulary); sequence-parallel regions split the first (the sequence of
+``[s, b, h]`` activations):
+
+==========================================  ==========================  ==========================
+function                                    forward                     backward
+==========================================  ==========================  ==========================
+copy_to_tensor_model_parallel_region        identity                    all-reduce
+reduce_from_tensor_model_parallel_region    all-reduce                  identity
+scatter_to_tensor_model_parallel_region     keep this rank's last-dim   all-gather last dim
+gather_from_tensor_model_parallel_region    all-gather last dim         keep this rank's chunk
+scatter_to_sequence_parallel_region         keep this rank's seq chunk  all-gather sequence
+gather_from_sequence_parallel_region        all-gather sequence         reduce-scatter (or keep
+                                                                        the chunk when the output
+                                                                        gradient is replicated)
+reduce_scatter_to_sequence_parallel_region  reduce-scatter sequence     all-gather sequence
+==========================================  ==========================  ==========================
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_chimera import parallel_state
+from megatron_chimera.tensor_parallel.utils import split_tensor_along_dim
+
+
+def _world() -> int:
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _group() -> dist.ProcessGroup:
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """All-reduce (SUM) over the tensor-parallel group (a new tensor)."""
+    if _world() == 1:
+        return tensor
+    out = tensor.contiguous().clone()
+    dist.all_reduce(out, group=_group())
+    return out
+
+
+def _split_last(tensor: torch.Tensor) -> torch.Tensor:
+    if _world() == 1:
+        return tensor
+    return split_tensor_along_dim(tensor, -1, _world())[
+        parallel_state.get_tensor_model_parallel_rank()]
+
+
+def _gather_last(tensor: torch.Tensor) -> torch.Tensor:
+    if _world() == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(_world())]
+    dist.all_gather(parts, tensor.contiguous(), group=_group())
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def _split_first(tensor: torch.Tensor) -> torch.Tensor:
+    if _world() == 1:
+        return tensor
+    return split_tensor_along_dim(tensor, 0, _world())[
+        parallel_state.get_tensor_model_parallel_rank()]
+
+
+def _gather_first(tensor: torch.Tensor) -> torch.Tensor:
+    if _world() == 1:
+        return tensor
+    shape = list(tensor.shape)
+    shape[0] *= _world()
+    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_single(out, tensor.contiguous(), group=_group())
+    return out
+
+
+def _reduce_scatter_first(tensor: torch.Tensor) -> torch.Tensor:
+    if _world() == 1:
+        return tensor
+    shape = list(tensor.shape)
+    if shape[0] % _world():
+        raise ValueError(f"sequence length {shape[0]} is not divisible by the tensor-parallel "
+                         f"size {_world()}")
+    shape[0] //= _world()
+    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    dist.reduce_scatter_single(out, tensor.contiguous(), group=_group())
+    return out
+
+
+class _CopyToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):  # type: ignore[override]
+        return input_
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return _reduce(grad_output)
+
+
+class _ReduceFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):  # type: ignore[override]
+        return _reduce(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return grad_output
+
+
+class _ScatterToModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):  # type: ignore[override]
+        return _split_last(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return _gather_last(grad_output)
+
+
+class _GatherFromModelParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):  # type: ignore[override]
+        return _gather_last(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return _split_last(grad_output)
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):  # type: ignore[override]
+        return _split_first(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return _gather_first(grad_output)
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_, tensor_parallel_output_grad):  # type: ignore[override]
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _gather_first(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_first(grad_output), None
+        return _split_first(grad_output), None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input_):  # type: ignore[override]
+        return _reduce_scatter_first(input_)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return _gather_first(grad_output)
+
+
+def copy_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient (the input of a column-parallel layer)."""
+    return _CopyToModelParallelRegion.apply(input_)
+
+
+def reduce_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """All-reduce forward (the partial sums of a row-parallel layer); identity backward."""
+    return _ReduceFromModelParallelRegion.apply(input_)
+
+
+def scatter_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk of the last dimension; the gradient is all-gathered back."""
+    return _ScatterToModelParallelRegion.apply(input_)
+
+
+def gather_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """All-gather along the last dimension; the gradient keeps this rank's chunk."""
+    return _GatherFromModelParallelRegion.apply(input_)
+
+
+def scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk of the sequence (first) dimension; the gradient is all-gathered."""
+    return _ScatterToSequenceParallelRegion.apply(input_)
+
+
+def gather_from_sequence_parallel_region(input_: torch.Tensor,
+                                         tensor_parallel_output_grad: bool = True
+                                         ) -> torch.Tensor:
+    """All-gather along the sequence; the gradient is reduce-scattered (each rank's output
+    gradient is partial), or only split when ``tensor_parallel_output_grad`` is False (the
+    consumer computed the same thing on every rank)."""
+    return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
+    """Sum the partial outputs of a row-parallel layer and keep this rank's sequence chunk; the
+    gradient is all-gathered."""
+    return _ReduceScatterToSequenceParallelRegion.apply(input_)

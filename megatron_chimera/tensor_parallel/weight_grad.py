@@ -1,0 +1,163 @@
+"""The linear function whose weight gradient can be deferred, for split-backward (zero-bubble)
+schedules, shared by ``model.linear.Linear`` and the tensor-parallel linears.
+
+A split-backward schedule runs the backward of a micro-batch in two actions: ``B`` computes only
+the gradient with respect to the layer inputs (it is on the pipeline's critical path), ``W``
+computes the weight and bias gradients later, in time the pipeline would otherwise idle.
+
+:class:`LinearWithDeferrableWeightGrad` computes ``y = x W^T (+ b)`` for a module that owns
+``weight``, ``bias`` and ``weight_grad_store``. With no store attached its backward is the ordinary
+one. With a :class:`WeightGradStore` attached (``with defer_weight_grad(module, store):
+loss.backward()``) the backward returns the input gradient only and queues ``(input,
+grad_output)``; ``store.flush()`` (the ``W`` action) computes ``grad_output^T @ input`` and
+accumulates it into the weight's gradient buffer (``weight.main_grad``, see
+:mod:`megatron_chimera.distributed.grad_buffer`) or, without one, into ``weight.grad``. The store
+hangs off the module, not a global, so backward threads and several stage replicas on one rank
+cannot mix up their queues. Tensor-parallel
+communication runs in separate autograd functions around this one (:mod:`.mappings`), so the
+input gradient's all-reduce or reduce-scatter happens in ``B`` and ``W`` is local.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+class WeightGradStore:
+    """Weight-gradient work queued by the B of one (pipe, stage, micro-batch), run by its W."""
+
+    def __init__(self) -> None:
+        self._pending: list[
+            tuple[nn.Parameter | None, nn.Parameter | None, torch.Tensor | None, torch.Tensor]
+        ] = []
+
+    def put(
+        self,
+        weight: nn.Parameter | None,
+        bias: nn.Parameter | None,
+        inputs: torch.Tensor | None,
+        grad_output: torch.Tensor,
+    ) -> None:
+        """Queue the weight (and bias) gradient of one linear layer (``weight`` None: the bias
+        gradient only, of a bias added after a reduction)."""
+        self._pending.append((weight, bias, inputs, grad_output))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def flush(self) -> None:
+        """Compute every queued weight/bias gradient, accumulate it into ``main_grad`` (or
+        ``.grad``), free inputs."""
+        with torch.no_grad():
+            for weight, bias, inputs, grad_output in self._pending:
+                if weight is not None:
+                    _accumulate(weight, _weight_grad(inputs, grad_output))
+                if bias is not None:
+                    _accumulate(bias, _bias_grad(grad_output))
+        self._pending.clear()
+
+
+def _weight_grad(inputs: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+    return flat_grad.t().matmul(inputs.reshape(-1, inputs.shape[-1]))
+
+
+def _bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
+    return grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+
+
+def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Add ``grad`` into the parameter's gradient buffer (``main_grad``, see
+    :mod:`megatron_chimera.distributed.grad_buffer`) when it has one, else into ``.grad``."""
+    main_grad = getattr(param, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(grad)
+        return
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class LinearWithDeferrableWeightGrad(torch.autograd.Function):
+    """y = x W^T + b, with a backward that can hand the weight gradient to a WeightGradStore."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight, bias, module):  # type: ignore[override]
+        ctx.save_for_backward(inputs, weight)
+        ctx.has_bias = bias is not None
+        ctx.module = module
+        output = inputs.matmul(weight.t())
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        inputs, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        store: WeightGradStore | None = ctx.module.weight_grad_store
+        bias = ctx.module.bias if ctx.has_bias else None
+        if store is not None:
+            store.put(ctx.module.weight, bias, inputs, grad_output)
+            return grad_input, None, None, None
+        grad_weight = _weight_grad(inputs, grad_output) if ctx.needs_input_grad[1] else None
+        grad_bias = _bias_grad(grad_output) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+class BiasAddWithDeferrableGrad(torch.autograd.Function):
+    """y = x + b for a bias added after a tensor-parallel reduction (row-parallel layers): its
+    gradient is deferred to the module's WeightGradStore like the weight's."""
+
+    @staticmethod
+    def forward(ctx, inputs, bias, module):  # type: ignore[override]
+        ctx.module = module
+        return inputs + bias
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        store: WeightGradStore | None = ctx.module.weight_grad_store
+        if store is not None:
+            store.put(None, ctx.module.bias, None, grad_output)
+            return grad_output, None, None
+        grad_bias = _bias_grad(grad_output) if ctx.needs_input_grad[1] else None
+        return grad_output, grad_bias, None
+
+
+def bias_add_with_deferrable_grad(inputs: torch.Tensor, module: nn.Module) -> torch.Tensor:
+    """``inputs + module.bias`` with the bias gradient deferrable (split backward)."""
+    return BiasAddWithDeferrableGrad.apply(inputs, module.bias, module)
+
+
+def linear_with_deferrable_weight_grad(inputs: torch.Tensor, module: nn.Module,
+                                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``inputs @ module.weight^T (+ bias)`` through :class:`LinearWithDeferrableWeightGrad`;
+    ``bias`` must be ``module.bias`` or None (then the caller adds it)."""
+    return LinearWithDeferrableWeightGrad.apply(inputs, module.weight, bias, module)
+
+
+def deferrable_modules(module: nn.Module) -> list[nn.Module]:
+    """The sub-modules of ``module`` whose weight gradient can be deferred (they own a
+    ``weight_grad_store`` slot)."""
+    return [m for m in module.modules() if hasattr(m, "weight_grad_store")]
+
+
+@contextlib.contextmanager
+def defer_weight_grad(module: nn.Module, store: WeightGradStore) -> Iterator[WeightGradStore]:
+    """Within the block, backwards through ``module``'s deferrable linear layers (``Linear`` and
+    the tensor-parallel linears) queue their weight gradients in ``store`` instead of computing
+    them; run ``store.flush()`` later (the W action)."""
+    linears = deferrable_modules(module)
+    for linear in linears:
+        linear.weight_grad_store = store
+    try:
+        yield store
+    finally:
+        for linear in linears:
+            linear.weight_grad_store = None

@@ -201,19 +201,37 @@ def _kill_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
+class _FirstInterrupt:
+    """SIGINT handler while the pool runs: the first Ctrl-C raises KeyboardInterrupt, later ones
+    are ignored, so a quick second Ctrl-C cannot interrupt the clean-up that kills the workers
+    (an interrupted clean-up would leave them holding the terminal's pipes)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if not self.seen:
+            self.seen = True
+            raise KeyboardInterrupt
+
+
 def _encode_in_pool(args: argparse.Namespace, paths: list[str], write) -> None:
     """Encode the chunks in ``--workers`` processes, at most ``4 x workers`` chunks in flight,
     writing the results in input order.
 
-    On Ctrl-C (or any error) the main process ignores further Ctrl-C, kills the workers and
-    re-raises, so a second Ctrl-C can neither hang the pool's shutdown nor skip the clean-up.
+    On Ctrl-C (or any error) the workers are killed and the exception re-raised; Ctrl-C after the
+    first is ignored until then (:class:`_FirstInterrupt`), so a double Ctrl-C can neither hang
+    the pool's shutdown nor skip the clean-up.
     """
-    # fork where it is safe (Linux): workers inherit the imports instead of redoing them
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
-    # (a worker that dies, e.g. killed for memory, raises BrokenProcessPool: no hang)
-    pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context(method),
-                               initializer=_Worker.initializer, initargs=(args,))
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _FirstInterrupt()) if main_thread else None
+    pool = None
     try:
+        # fork where it is safe (Linux): workers inherit the imports instead of redoing them
+        method = "fork" if sys.platform.startswith("linux") else "spawn"
+        # (a worker that dies, e.g. killed for memory, raises BrokenProcessPool: no hang)
+        pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context(method),
+                                   initializer=_Worker.initializer, initargs=(args,))
         pending: deque = deque()
         for chunk in _chunks(paths):
             pending.append(pool.submit(_Worker.encode_chunk, chunk))
@@ -221,19 +239,18 @@ def _encode_in_pool(args: argparse.Namespace, paths: list[str], write) -> None:
                 write(pending.popleft().result())
         while pending:
             write(pending.popleft().result())
+        pool.shutdown(wait=True)
     except BaseException as exc:
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a 2nd Ctrl-C: ignored
-        try:
+        if pool is not None:
             _kill_workers(pool)
-        finally:
-            # an error (not Ctrl-C, whose process is ending) gives Ctrl-C back: a caller that
-            # goes on (main() run in-process) must not ignore SIGINT, nor its children after it
-            if previous is not None and not isinstance(exc, KeyboardInterrupt):
-                signal.signal(signal.SIGINT, previous)
+        if isinstance(exc, KeyboardInterrupt) and previous is not None:
+            previous = None  # the process is ending: later Ctrl-C stay ignored
         raise
-    pool.shutdown(wait=True)
+    finally:
+        # an error or success gives Ctrl-C back: a caller that goes on (main() run in-process)
+        # must not keep this handler, nor its children after it
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def encode_files(args: argparse.Namespace, paths: list[str], output_prefix: str,

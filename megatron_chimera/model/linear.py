@@ -16,7 +16,7 @@ rank cannot mix up their queues.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -128,11 +128,19 @@ class Linear(nn.Linear):
         return _LinearFunction.apply(inputs, self.weight, None, self), self.bias
 
 
+def deferrable_linears(module: nn.Module) -> list[Linear]:
+    """``module``'s :class:`Linear` layers (what :func:`defer_weight_grad` switches)."""
+    return [m for m in module.modules() if isinstance(m, Linear)]
+
+
 @contextlib.contextmanager
-def defer_weight_grad(module: nn.Module, store: WeightGradStore) -> Iterator[WeightGradStore]:
+def defer_weight_grad(module: nn.Module | Sequence[Linear],
+                      store: WeightGradStore) -> Iterator[WeightGradStore]:
     """Within the block, backwards through ``module``'s :class:`Linear` layers queue their weight
-    gradients in ``store`` instead of computing them; run ``store.flush()`` later (the W action)."""
-    linears = [m for m in module.modules() if isinstance(m, Linear)]
+    gradients in ``store`` instead of computing them; run ``store.flush()`` later (the W action).
+    A list of layers (:func:`deferrable_linears`, kept by a caller that defers every
+    iteration) saves walking the module each time."""
+    linears = deferrable_linears(module) if isinstance(module, nn.Module) else module
     for linear in linears:
         linear.weight_grad_store = store
     try:

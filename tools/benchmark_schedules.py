@@ -7,15 +7,18 @@ Run under torchrun, one process per pipeline rank (W = world / D data-parallel r
 
 Stages sleep instead of computing (``megatron_chimera/pipeline/emulated.py``), so 8 ranks on 2
 cores behave like 8 devices. Per schedule and N the table shows the measured iteration time (median
-of ``--iters`` after ``--warmup``; per iteration the slowest rank), the simulator's makespan for
-the same costs with the p2p latency measured by ping-pong in this run, their ratio, and throughput
-relative to 1F1B at the same N (same samples per iteration). ``--backward-ms`` is the whole
-backward; with a split backward B takes ``backward - weight`` and W takes ``--weight-ms``. A
-schedule with k stages per rank (interleaved, V-shaped) gets 1/k of these times per stage.
-``--end-stage-factor X`` makes the model's first and last stage X times as heavy (embedding, LM
-head): the extra (X-1) x the times sits on the first and the last (chunk) stage of every
-schedule. Rows ``torch-*`` run torch.distributed.pipelining's schedules on the same emulated
-stages (no simulation).
+of ``--iters`` after ``--warmup``, per iteration the slowest rank; with ``--rounds R`` the rows
+take turns R times and the median is over all R x ``--iters``, so that load from other processes
+falls on every row alike), the simulator's makespan for the same costs with the p2p latency
+measured by ping-pong in this run, their ratio, and throughput relative to 1F1B and to torch's
+fastest schedule at the same N (same samples per iteration); a summary per N compares our
+fastest row with torch's and names the largest measured/simulated.
+``--backward-ms`` is the whole backward; with a split backward B takes ``backward - weight`` and
+W takes ``--weight-ms``. A schedule with k stages per rank (interleaved, V-shaped) gets 1/k of
+these times per stage. ``--end-stage-factor X`` makes the model's first and last stage X times as
+heavy (embedding, LM head): the extra (X-1) x the times sits on the first and the last (chunk)
+stage of every schedule. Rows ``torch-*`` run torch.distributed.pipelining's schedules on the
+same emulated stages (no simulation).
 
 Chimera-ZB rows: ``chimera-zb`` is built for the emulated per-stage costs (known in advance),
 ``chimera-zb:costs=unit`` for 1:1:1 (as training builds it before measuring), and
@@ -44,6 +47,7 @@ the reduction time each mode hides. Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -66,17 +70,18 @@ from megatron_chimera.pipeline.emulated import (
     EmulatedCollectives,
     EmulatedCosts,
     EmulatedStage,
-    EmulatedTorchStage,
     SleepingWeightGradStore,
     emulated_forward_step,
+    emulated_stage_costs,
 )
 from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
 from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.costs import StageCosts
-from megatron_chimera.schedules.registry import get_spec
+from megatron_chimera.schedules.registry import get_spec, parse_schedule_spec
 from megatron_chimera.schedules.simulate import CostModel, simulate
 from megatron_chimera.schedules.validate import validate
 
@@ -86,7 +91,6 @@ DEFAULT_SCHEDULES = (
     "chimera-zb:profile=3,chimera-zb,chimera-zb:pipes=4,torch-1f1b,torch-interleaved,torch-zbv,"
     "torch-dualpipev"
 )
-TORCH_SCHEDULES = ("torch-1f1b", "torch-interleaved", "torch-zbv", "torch-dualpipev")
 SEQ, MICRO_BATCH, HIDDEN = 8, 2, 4
 
 
@@ -98,21 +102,27 @@ class Row:
     options: dict[str, Any]
     pipeline_size: int
     num_microbatches: int
-    measured_s: float
+    measured_s: float  # median of ``times``
     simulated_s: float | None
     extra: dict[str, Any] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)  # every measured iteration, seconds
+
+    def key(self) -> tuple:
+        """What identifies the row across rounds."""
+        return (self.schedule, tuple(sorted(self.options.items())), self.num_microbatches)
+
+    def merged(self, later: Row) -> Row:
+        """This row with the iterations of the same row measured in a later round."""
+        times = self.times + later.times
+        return dataclasses.replace(self, measured_s=statistics.median(times), times=times)
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``name:key=value:key=value`` -> (name, options); integer values become ints."""
-    name, *pairs = spec.split(":")
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ConfigError(f"--schedules: option {pair!r} of {spec!r} is not key=value")
-        key, value = pair.split("=", 1)
-        options[key] = int(value) if value.lstrip("-").isdigit() else value
-    return name, options
+    try:
+        return parse_schedule_spec(spec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def measure_p2p_latency(rounds: int = 200) -> float:
@@ -139,7 +149,8 @@ def _max_over_ranks(seconds: float) -> float:
     return float(t)
 
 
-def _timed(run, warmup: int, iters: int) -> float:
+def _timed(run, warmup: int, iters: int) -> list[float]:
+    """Seconds of ``iters`` iterations (the slowest rank each) after ``warmup`` untimed ones."""
     times = []
     for i in range(warmup + iters):
         dist.barrier()
@@ -148,25 +159,7 @@ def _timed(run, warmup: int, iters: int) -> float:
         elapsed = _max_over_ranks(time.perf_counter() - start)
         if i >= warmup:
             times.append(elapsed)
-    return statistics.median(times)
-
-
-def stage_costs(costs: EmulatedCosts, num_stages: int, num_ranks: int, end_factor: float,
-                split: bool) -> list[EmulatedCosts]:
-    """Per-stage emulated times of a schedule with ``num_stages`` stages on ``num_ranks`` ranks:
-    each stage ``num_ranks / num_stages`` of ``costs``, plus (end_factor - 1) x ``costs`` on the
-    first and the last stage; no W time when the backward is not split."""
-    base = costs.scaled(num_ranks / num_stages)
-    extra = costs.scaled(end_factor - 1)
-    out = []
-    for stage in range(num_stages):
-        c = base
-        if stage in (0, num_stages - 1):
-            times = (c.forward_s + extra.forward_s, c.backward_s + extra.backward_s,
-                     c.weight_s + extra.weight_s)
-            c = EmulatedCosts(*times)
-        out.append(c if split else EmulatedCosts(c.forward_s, c.backward_s, 0.0))
-    return out
+    return times
 
 
 def split_costs(per_stage: list[EmulatedCosts]) -> StageCosts:
@@ -234,8 +227,8 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
         raise ConfigError(f"--schedules: {name}:costs= takes unit or known (profile= starts "
                           f"from unit), got {cost_source}")
     probe = build_schedule(name, d, n, **options)
-    per_stage = stage_costs(costs, probe.num_stages, d, args.end_stage_factor,
-                            probe.split_backward)
+    per_stage = emulated_stage_costs(costs, probe.num_stages, d, args.end_stage_factor,
+                                     probe.split_backward)
     if probe.split_backward and cost_source == "known":
         options["costs"] = split_costs(per_stage)
     schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
@@ -279,7 +272,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
             if dist.get_rank() == 0:
                 print(f"{name} N={n} after {profile} profiled iterations:{report.line()}",
                       file=sys.stderr, flush=True)
-        measured = _timed(step, args.warmup, args.iters)
+        times = _timed(step, args.warmup, args.iters)
     finally:
         parallel_state.destroy_model_parallel()
     sim = simulate(schedule, cost_model(per_stage, schedule.split_backward, latency, w))
@@ -293,50 +286,18 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                  simulated_compute_s=compute_only.makespan, schedule_used=schedule.name)
     if args.allreduce_ms:
         shown["grad_reduce"] = mode
-    return Row(name, shown, d, n, measured, sim.makespan, extra)
+    return Row(name, shown, d, n, statistics.median(times), sim.makespan, extra, times)
 
 
 def bench_torch(name: str, d: int, n: int, costs: EmulatedCosts, args: argparse.Namespace) -> Row:
     """Measure one torch.distributed.pipelining schedule on the same emulated stages."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining import schedules as ts
-
-    rank = dist.get_rank()
-    if name == "torch-1f1b":
-        stage_ids, num_stages, cls = [rank], d, ts.Schedule1F1B
-    elif name == "torch-interleaved":
-        stage_ids, num_stages, cls = [rank, rank + d], 2 * d, ts.ScheduleInterleaved1F1B
-    elif name in ("torch-zbv", "torch-dualpipev"):
-        stage_ids, num_stages = [rank, 2 * d - 1 - rank], 2 * d
-        cls = ts.ScheduleZBVZeroBubble if name == "torch-zbv" else ts.ScheduleDualPipeV
-    else:
-        raise ConfigError(f"--schedules: unknown torch schedule {name!r}; choose {TORCH_SCHEDULES}")
-    per_stage = stage_costs(costs, num_stages, d, args.end_stage_factor,
-                            split=name not in ("torch-1f1b", "torch-interleaved"))
-    example = torch.randn(MICRO_BATCH, SEQ, HIDDEN)
-    stages = [
-        PipelineStage(EmulatedTorchStage(per_stage[sid], sid == 0, HIDDEN), sid, num_stages,
-                      torch.device("cpu"), input_args=(example.clone().requires_grad_(sid > 0),),
-                      output_args=(example.clone().requires_grad_(),))
-        for sid in stage_ids
-    ]
-    loss_fn = lambda out, target: (out - target).pow(2).mean()
-    schedule = cls(stages[0] if cls is ts.Schedule1F1B else stages, n, loss_fn=loss_fn)
-    x = torch.randn(MICRO_BATCH * n, SEQ, HIDDEN)
-
-    def step() -> None:
-        for stage in stages:
-            stage.submod.zero_grad(set_to_none=True)
-        kwargs: dict[str, Any] = {}
-        if num_stages - 1 in stage_ids:
-            kwargs = {"target": torch.zeros_like(x), "losses": []}
-        if 0 in stage_ids:
-            schedule.step(x, **kwargs)
-        else:
-            schedule.step(**kwargs)
-
-    measured = _timed(step, args.warmup, args.iters)
-    return Row(name, {}, d, n, measured, None, {"pipes": 1, "concat": None})
+    try:
+        pipeline = build_torch_pipeline(name, d, n, costs, (MICRO_BATCH, SEQ, HIDDEN),
+                                        end_stage_factor=args.end_stage_factor)
+    except ValueError as exc:
+        raise ConfigError(f"--schedules: {exc}") from exc
+    times = _timed(pipeline.step, args.warmup, args.iters)
+    return Row(name, {}, d, n, statistics.median(times), None, {"pipes": 1, "concat": None}, times)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -352,7 +313,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--end-stage-factor", type=float, default=1.0,
                    help="the first and last stage take this many times a middle stage's times")
     p.add_argument("--iters", type=int, default=5, help="measured iterations (median), >= 5")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per row and round")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds over all rows, --iters each (median over every measured "
+                        "iteration): load from elsewhere then falls on every row alike")
     p.add_argument("--schedules", default=DEFAULT_SCHEDULES,
                    help="comma-separated name[:key=value...] (torch-* for pipelining's)")
     p.add_argument("--allreduce-ms", type=float, default=0.0,
@@ -378,25 +342,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.end_stage_factor < 1:
         p.error(f"--end-stage-factor must be >= 1, got {args.end_stage_factor}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     return args
 
 
 def format_table(rows: list[Row], latency: float) -> str:
-    """Markdown table of the rows, with ratio and throughput relative to 1F1B."""
+    """Markdown table of the rows: measured over simulated time, throughput relative to 1F1B and
+    to torch's best schedule at the same N; then, per N, our best against torch's best."""
     base = {(r.num_microbatches, r.options.get("grad_reduce")): r.measured_s
             for r in rows if r.schedule == "1f1b"}
+    torch_best = best_rows(rows, torch_rows=True)
     lines = [f"p2p latency (ping-pong, one way): {latency * 1e6:.0f} us", "",
-             "| schedule | options | D | N | measured s | simulated s | simulated/measured "
-             "| throughput vs 1F1B |", "|---|---|---|---|---|---|---|---|"]
+             "| schedule | options | D | N | measured s | simulated s | measured/simulated "
+             "| throughput vs 1F1B | vs torch's best |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         opts = " ".join(f"{k}={v}" for k, v in r.options.items())
         sim = f"{r.simulated_s:.3f}" if r.simulated_s is not None else "-"
-        ratio = f"{r.simulated_s / r.measured_s:.3f}" if r.simulated_s is not None else "-"
+        ratio = f"{r.measured_s / r.simulated_s:.3f}" if r.simulated_s is not None else "-"
         rel = base.get((r.num_microbatches, r.options.get("grad_reduce")))
         thr = f"{rel / r.measured_s:.3f}" if rel else "-"
+        best = torch_best.get(r.num_microbatches)
+        vs_torch = f"{best.measured_s / r.measured_s:.3f}" if best else "-"
         lines.append(f"| {r.schedule} | {opts} | {r.pipeline_size} | {r.num_microbatches} | "
-                     f"{r.measured_s:.3f} | {sim} | {ratio} | {thr} |")
-    return "\n".join(lines + hidden_reduction(rows))
+                     f"{r.measured_s:.3f} | {sim} | {ratio} | {thr} | {vs_torch} |")
+    return "\n".join(lines + summary(rows) + hidden_reduction(rows))
+
+
+def _label(row: Row) -> str:
+    opts = " ".join(f"{k}={v}" for k, v in row.options.items())
+    return f"{row.schedule} {opts}".strip()
+
+
+def best_rows(rows: list[Row], torch_rows: bool) -> dict[int, Row]:
+    """Per N, the fastest of torch's rows (``torch_rows``) or of ours."""
+    best: dict[int, Row] = {}
+    for r in rows:
+        if r.schedule.startswith("torch-") == torch_rows:
+            if r.num_microbatches not in best or r.measured_s < best[r.num_microbatches].measured_s:
+                best[r.num_microbatches] = r
+    return best
+
+
+def summary(rows: list[Row]) -> list[str]:
+    """Per N: our fastest row against torch's fastest, and the largest measured/simulated."""
+    ours, theirs = best_rows(rows, torch_rows=False), best_rows(rows, torch_rows=True)
+    lines = []
+    for n in sorted(ours):
+        text = f"N={n}: our best {_label(ours[n])} {ours[n].measured_s:.3f} s"
+        if n in theirs:
+            text += (f", torch's best {_label(theirs[n])} {theirs[n].measured_s:.3f} s: "
+                     f"{theirs[n].measured_s / ours[n].measured_s:.3f}x its throughput")
+        simulated = [r for r in rows if r.num_microbatches == n and r.simulated_s]
+        if simulated:
+            worst = max(simulated, key=lambda r: r.measured_s / r.simulated_s)
+            text += (f"; largest measured/simulated {worst.measured_s / worst.simulated_s:.3f} "
+                     f"({_label(worst)})")
+        lines.append(text)
+    return [""] + lines if lines else []
 
 
 def hidden_reduction(rows: list[Row]) -> list[str]:
@@ -423,11 +426,12 @@ def hidden_reduction(rows: list[Row]) -> list[str]:
 
 def write_json(path: str, rows: list[Row]) -> None:
     """Write ``[{"schedule", "pipes", "concat", "D", "N", "measured_s", "simulated_s"}]`` (plus
-    the options and ``simulated_compute_s``, the makespan without communication) atomically."""
+    the options, ``simulated_compute_s``, the makespan without communication, and ``times_s``,
+    every measured iteration) atomically."""
     data = [{"schedule": r.schedule, "pipes": r.extra.get("pipes"), "concat": r.extra.get("concat"),
              "D": r.pipeline_size, "N": r.num_microbatches, "measured_s": r.measured_s,
              "simulated_s": r.simulated_s, "options": r.options,
-             "simulated_compute_s": r.extra.get("simulated_compute_s"),
+             "simulated_compute_s": r.extra.get("simulated_compute_s"), "times_s": r.times,
              **{k: r.extra[k] for k in ("rebuild", "predicted_gain", "schedule_used")
                 if k in r.extra}} for r in rows]
     atomic_write(path, lambda f: json.dump(data, f, indent=1), mode="w")
@@ -446,32 +450,36 @@ def main(argv: list[str] | None = None) -> int:
     ))
     costs = EmulatedCosts(args.forward_ms / 1e3, args.backward_ms / 1e3, args.weight_ms / 1e3)
     latency = measure_p2p_latency()
-    rows: list[Row] = []
+    rows: dict[tuple, Row] = {}
     rank = dist.get_rank()
-    for spec in [s for s in args.schedules.split(",") if s]:
-        name, options = parse_spec(spec)
-        for n in args.num_microbatches:
-            try:
-                if name.startswith("torch-"):
-                    if world != d:
-                        raise ConfigError("torch-* rows need world size == D (no data parallelism)")
-                    found = [bench_torch(name, d, n, costs, args)]
-                else:
-                    found = [bench_ours(name, options, d, n, costs, args, latency, mode)
-                             for mode in args.grad_reduce]
-            except (ValueError, ConfigError) as exc:  # schedule not defined for this (D, N)
-                if rank == 0:
-                    print(f"skipped {spec} N={n}: {exc}", file=sys.stderr, flush=True)
-                continue
-            rows += found
-            if rank == 0:
+    for round_ in range(args.rounds):
+        for spec in [s for s in args.schedules.split(",") if s]:
+            name, options = parse_spec(spec)
+            for n in args.num_microbatches:
+                try:
+                    if name.startswith("torch-"):
+                        if world != d:
+                            raise ConfigError("torch-* rows need world size == D "
+                                              "(no data parallelism)")
+                        found = [bench_torch(name, d, n, costs, args)]
+                    else:
+                        found = [bench_ours(name, options, d, n, costs, args, latency, mode)
+                                 for mode in args.grad_reduce]
+                except (ValueError, ConfigError) as exc:  # not defined for this (D, N)
+                    if rank == 0 and round_ == 0:
+                        print(f"skipped {spec} N={n}: {exc}", file=sys.stderr, flush=True)
+                    continue
                 for row in found:
-                    print(f"{spec} N={n} {row.options.get('grad_reduce', '')}: measured "
-                          f"{row.measured_s:.3f} s", file=sys.stderr, flush=True)
+                    key = row.key()
+                    rows[key] = rows[key].merged(row) if key in rows else row
+                    if rank == 0:
+                        print(f"round {round_ + 1}: {spec} N={n} "
+                              f"{row.options.get('grad_reduce', '')}: measured "
+                              f"{row.measured_s:.3f} s", file=sys.stderr, flush=True)
     if rank == 0:
-        print(format_table(rows, latency))
+        print(format_table(list(rows.values()), latency))
         if args.json:
-            write_json(args.json, rows)
+            write_json(args.json, list(rows.values()))
     dist.barrier()
     dist.destroy_process_group()
     return 0

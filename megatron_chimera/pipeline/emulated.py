@@ -1,9 +1,12 @@
 """Emulated-compute stage modules: pipeline stages that *wait* instead of computing.
 
-A forward sleeps ``forward_s`` around tiny real tensor work, a backward sleeps ``backward_s``. With
-split backward, B sleeps the input-gradient time ``backward_s - weight_s`` and W sleeps
-``weight_s``. Sleeping ranks do not compete for cores, so 8 ranks on 2 cores behave like 8
-devices and the measured iteration time exposes the schedule plus the runtime's overheads.
+A forward takes ``forward_s``, a backward ``backward_s``; with split backward, B takes the
+input-gradient time ``backward_s - weight_s`` and W takes ``weight_s``. Each action does tiny real
+tensor work and waits *until its deadline*, so the work is part of the emulated time rather than
+added to it (a stage with more tiny layers is not slower), and a time of zero never waits. A wait
+sleeps, then spins its last :data:`SPIN_S` (the OS wakes a sleeper late, a device does not finish
+late). Sleeping ranks do not compete for cores, so 8 ranks on 2 cores behave like 8 devices and
+the measured iteration time exposes the schedule plus the runtime's overheads.
 
 * :class:`EmulatedStage` runs in our executor: its :class:`Linear` layers take the
   weight-gradient time through :class:`SleepingWeightGradStore` (pass it as the executor's
@@ -57,18 +60,75 @@ class EmulatedCosts:
                              self.weight_s * factor)
 
 
+#: the last part of every emulated wait is spun, not slept: waking from ``time.sleep`` takes the
+#: OS 0.15-0.5 ms on the 2-core development VM (up to 3 ms under load), which a device that
+#: computes for exactly the emulated time does not add (see docs/RUNTIME.md, the executor's cost)
+SPIN_S = 0.0005
+
+
+def sleep_until(deadline: float) -> None:
+    """Wait until ``time.perf_counter()`` reaches ``deadline``: sleep until :data:`SPIN_S`
+    before it, then spin (no call when it has passed)."""
+    remaining = deadline - time.perf_counter()
+    if remaining > SPIN_S:
+        time.sleep(remaining - SPIN_S)
+    while time.perf_counter() < deadline:
+        pass
+
+
+class _Deadlines:
+    """The clock of one emulated action that sleeps in ``parts`` pieces (one per layer): piece
+    ``k`` ends at ``start + k/parts`` of the action's time, so the real work between the pieces
+    is absorbed instead of added."""
+
+    def __init__(self, parts: int) -> None:
+        self.parts = parts
+        self._start = 0.0
+        self._seconds = 0.0
+        self._done = 0
+
+    def begin(self, seconds: float) -> None:
+        """The action starts now and lasts ``seconds``."""
+        self._start, self._seconds, self._done = time.perf_counter(), seconds, 0
+
+    def next_part(self) -> None:
+        """Sleep until the end of the next piece."""
+        self._done += 1
+        if self._seconds > 0:
+            sleep_until(self._start + self._seconds * self._done / self.parts)
+
+
 class _SleepInBackward(torch.autograd.Function):
-    """Identity whose backward sleeps ``seconds()``; ``anchor`` keeps it in the graph at stage 0."""
+    """Identity whose backward sleeps ``seconds()`` (or, given ``deadlines``, its next piece);
+    ``anchor`` keeps it in the graph at stage 0."""
 
     @staticmethod
-    def forward(ctx, x, anchor, seconds: Callable[[], float]):  # type: ignore[override]
-        ctx.seconds = seconds
+    def forward(ctx, x, anchor, seconds: Callable[[], float],  # type: ignore[override]
+                deadlines: _Deadlines | None = None):
+        ctx.seconds, ctx.deadlines = seconds, deadlines
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        time.sleep(ctx.seconds())
-        return grad.contiguous(), None, None
+        if ctx.deadlines is not None:
+            ctx.deadlines.next_part()
+        elif ctx.seconds() > 0:
+            sleep_until(time.perf_counter() + ctx.seconds())
+        return grad.contiguous(), None, None, None
+
+
+class _BackwardBegins(torch.autograd.Function):
+    """Identity on a stage's output whose backward (the stage's first) starts its deadlines."""
+
+    @staticmethod
+    def forward(ctx, x, deadlines: _Deadlines, seconds: Callable[[], float]):  # type: ignore[override]
+        ctx.deadlines, ctx.seconds = deadlines, seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.deadlines.begin(ctx.seconds())
+        return grad, None, None
 
 
 class SleepingWeightGradStore(WeightGradStore):
@@ -83,17 +143,19 @@ class SleepingWeightGradStore(WeightGradStore):
         super().put(weight, bias, inputs, grad_output)
 
     def flush(self) -> None:
-        """Sleep the queued weight-gradient time, then compute the (tiny) real gradients."""
-        time.sleep(self._sleep_s)
+        """Compute the (tiny) real gradients, then sleep until the queued weight-gradient time
+        has passed."""
+        deadline = time.perf_counter() + self._sleep_s
         self._sleep_s = 0.0
         super().flush()
+        sleep_until(deadline)
 
 
 class EmulatedStage(nn.Module):
     """A pipeline stage for our executor: ``[s, b, h] -> [s, b, h]`` (the loss ``[b, s]`` last).
 
     ``layers`` tiny linear layers share the stage's times; in backward each layer's parameters
-    receive their gradients after its share of the sleep, so gradient buckets of a layer become
+    receive their gradients after its share of the time, so gradient buckets of a layer become
     final one after another, as in a real stage (what ``--overlap-grad-reduce`` exploits).
     """
 
@@ -114,6 +176,7 @@ class EmulatedStage(nn.Module):
                 linear.weight.emulated_weight_seconds = costs.weight_s / layers
         self.anchor = nn.Parameter(torch.zeros(()))
         self.input_tensor: torch.Tensor | None = None
+        self._backward_deadlines = _Deadlines(layers)
 
     @property
     def linear(self) -> Linear:
@@ -126,17 +189,20 @@ class EmulatedStage(nn.Module):
 
     def _backward_seconds(self) -> float:
         deferred = self.linear.weight_grad_store is not None
-        total = self.costs.input_grad_s if deferred else self.costs.backward_s
-        return total / self.num_layers
+        return self.costs.input_grad_s if deferred else self.costs.backward_s
 
     def forward(self, batch: torch.Tensor | None) -> torch.Tensor:
-        """Sleep the forward time, then the tiny layers (loss per token at the last stage)."""
+        """The tiny layers (loss per token at the last stage), done when the forward time is."""
+        deadline = time.perf_counter() + self.costs.forward_s
         hidden = batch if self.pre_process else self.input_tensor
-        time.sleep(self.costs.forward_s)
         for linear in self.linears:
-            hidden = _SleepInBackward.apply(hidden, self.anchor, self._backward_seconds)
+            hidden = _SleepInBackward.apply(hidden, self.anchor, self._backward_seconds,
+                                            self._backward_deadlines)
             hidden = linear(hidden)
-        return hidden.pow(2).mean(dim=-1).t() if self.post_process else hidden
+        if self.post_process:
+            hidden = hidden.pow(2).mean(dim=-1).t()
+        sleep_until(deadline)
+        return _BackwardBegins.apply(hidden, self._backward_deadlines, self._backward_seconds)
 
 
 class _DelayedWork:
@@ -148,9 +214,7 @@ class _DelayedWork:
     def wait(self) -> bool:
         """Wait for the real collective, then for the emulated transfer."""
         self.work.wait()
-        delay = self.done_at - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
+        sleep_until(self.done_at)
         return True
 
     def is_completed(self) -> bool:
@@ -205,8 +269,28 @@ class EmulatedTorchStage(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(())) if is_first else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Sleep the forward; input-gradient and weight-gradient sleeps on separate branches."""
-        time.sleep(self.costs.forward_s)
+        """Input-gradient and weight-gradient sleeps on separate branches, done when the forward
+        time is."""
+        deadline = time.perf_counter() + self.costs.forward_s
         h = _SleepInBackward.apply(x, self.anchor, lambda: self.costs.input_grad_s)
         w = _SleepInBackward.apply(self.weight, None, lambda: self.costs.weight_s)
-        return h + w.sum() * 0.0
+        out = h + w.sum() * 0.0
+        sleep_until(deadline)
+        return out
+
+
+def emulated_stage_costs(costs: EmulatedCosts, num_stages: int, num_ranks: int,
+                         end_factor: float = 1.0, split: bool = True) -> list[EmulatedCosts]:
+    """Per-stage emulated times of a schedule with ``num_stages`` stages on ``num_ranks`` ranks:
+    each stage ``num_ranks / num_stages`` of ``costs``, plus (end_factor - 1) x ``costs`` on the
+    first and the last stage (embedding, LM head); no W time when the backward is not split."""
+    base = costs.scaled(num_ranks / num_stages)
+    extra = costs.scaled(end_factor - 1)
+    out = []
+    for stage in range(num_stages):
+        c = base
+        if stage in (0, num_stages - 1):
+            c = EmulatedCosts(c.forward_s + extra.forward_s, c.backward_s + extra.backward_s,
+                              c.weight_s + extra.weight_s)
+        out.append(c if split else EmulatedCosts(c.forward_s, c.backward_s, 0.0))
+    return out

@@ -29,6 +29,12 @@ Losses and busy times stay on the device (no host sync per iteration); :meth:`ga
 results of any number of iterations to the logging rank (the last global rank, Megatron's
 convention) in one collective, at log intervals.
 
+The host's cost per action is kept small: each rank's lowered list is compiled once per mode
+(:mod:`.program`: messages, labels, buffer lifetimes, batches), receive buffers come from a pool
+and are reused once nothing reads them (:class:`~.p2p.BufferPool`), the busy timer is two clock
+reads (CPU) or two recorded events from a reused pool (CUDA), and completed sends are polled at
+most once per action and only where the backend reports completion without a wait.
+
 Failures: an exception on any rank is recorded in the c10d store before it propagates; a rank
 whose communication then fails raises :class:`~.failures.PipelineFailure` naming the rank that
 failed first (:mod:`.failures`). Where the rank sits comes from an injected
@@ -51,29 +57,32 @@ from torch.autograd import Variable
 from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
-from megatron_chimera.pipeline.p2p import P2PCommunicator
+from megatron_chimera.pipeline.p2p import (
+    P2PCommunicator,
+    deallocate_output_tensor,
+    uniform_specs,
+)
+from megatron_chimera.pipeline.program import Compute, Post, Program, compile_program
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport, make_transport
-from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
     DEFAULT_LOOKAHEAD,
+    GRADIENT,
     SEND,
-    Comm,
-    LoweredSchedule,
     Message,
     connection_order,
     lower,
-    needed_message,
-    produced_message,
 )
 from megatron_chimera.schedules.validate import validate_lowered
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
 from megatron_chimera.tensor_parallel.random import restored_tracker_states
+from megatron_chimera.tensor_parallel.weight_grad import deferrable_modules
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
 __all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "GatheredIteration",
-           "ForwardStepFunc", "ActionTimer"]
+           "ForwardStepFunc", "ActionTimer", "deallocate_output_tensor", "custom_backward"]
 
 
 class SavedForward(NamedTuple):
@@ -107,11 +116,6 @@ class GatheredIteration:
     busy_seconds_per_rank: list[float]
 
 
-def deallocate_output_tensor(output: torch.Tensor) -> None:
-    """Megatron's trick: free an output's data once sent, keeping its ``grad_fn`` for backward."""
-    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
-
-
 def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
     """Backward without autograd's shape check, so ``output`` may have been deallocated."""
     Variable._execution_engine.run_backward(
@@ -125,42 +129,59 @@ ActionTimer = Callable[[Action, float], None]
 
 class _BusyTimer:
     """Sums compute time: wall clock on CPU, CUDA events on GPU (read when gathered, so no
-    host-device sync happens during the iteration). With an ``action_timer`` it also reports
-    each compute action's seconds (on GPU when the events are read: the executor reads them at
-    the end of a timed iteration)."""
+    host-device sync happens during the iteration). ``timer(action)`` is the context manager of
+    one compute action; with an ``action_timer`` it also reports that action's seconds (on GPU
+    when the events are read: the executor reads them at the end of a timed iteration). Events
+    come from ``events`` (the executor's free list) and go back there once read."""
 
-    def __init__(self, device: torch.device, action_timer: ActionTimer | None = None) -> None:
+    def __init__(self, device: torch.device, events: list[Any],
+                 action_timer: ActionTimer | None = None) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
         self.action_timer = action_timer
-        self._events: list[tuple[Any, Any, Action | None]] = []
+        self._free = events
+        self._recorded: list[tuple[Any, Any, Action | None]] = []
+        self._start: Any = 0.0
+        self._action: Action | None = None
 
-    @contextlib.contextmanager
-    def measure(self, action: Action | None = None):
+    def _event(self) -> Any:
+        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+
+    def __call__(self, action: Action | None = None) -> _BusyTimer:
+        self._action = action
+        return self
+
+    def __enter__(self) -> _BusyTimer:
         if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = self._event()
             start.record()
-            yield
-            end.record()
-            self._events.append((start, end, action))
+            self._start = start
         else:
-            t0 = time.perf_counter()
-            yield
-            elapsed = time.perf_counter() - t0
+            self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.cuda:
+            end = self._event()
+            end.record()
+            self._recorded.append((self._start, end, self._action))
+        else:
+            elapsed = time.perf_counter() - self._start
             self.seconds += elapsed
-            if self.action_timer is not None and action is not None:
-                self.action_timer(action, elapsed)
+            if self.action_timer is not None and self._action is not None:
+                self.action_timer(self._action, elapsed)
 
     def total(self) -> float:
         """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
-        if self._events:
+        if self._recorded:
             torch.cuda.synchronize()
-            for start, end, action in self._events:
+            for start, end, action in self._recorded:
                 elapsed = start.elapsed_time(end) / 1000.0
                 self.seconds += elapsed
                 if self.action_timer is not None and action is not None:
                     self.action_timer(action, elapsed)
-            self._events.clear()
+                self._free += (start, end)
+            self._recorded = []
         return self.seconds
 
 
@@ -233,18 +254,14 @@ class PipelineExecutor:
         if safe_posting:
             for lowered in self.lowered.values():
                 validate_lowered(lowered, ranks=[pipeline_rank])
+        self.programs: dict[bool, Program] = {
+            mode: compile_program(lowered, pipeline_rank) for mode, lowered in self.lowered.items()}
+        self.comm = P2PCommunicator(self.transport, uniform_specs(self.tensor_shape, dtype),
+                                    self.device)
+        self._linears = {s: deferrable_modules(m) for s, m in stage_modules.items()}
+        self._events: list[Any] = []  # CUDA events of the busy timers, reused
         self._connected = not warm_up
         self.action_timer = action_timer
-        self._last_grad_action = self._final_gradient_actions()
-
-    def _final_gradient_actions(self) -> dict[int, int]:
-        """Index of this rank's last B (last W when split) per stage: its gradient is then final."""
-        kind = WEIGHT if self.schedule.split_backward else BACKWARD
-        last: dict[int, int] = {}
-        for i, action in enumerate(self.schedule.actions[self.pipeline_rank]):
-            if action.kind == kind:
-                last[action.stage] = i
-        return {i: stage for stage, i in last.items()}
 
     def connect(self) -> None:
         """Exchange one tiny message in every direction of the schedule that the transport has
@@ -265,15 +282,15 @@ class PipelineExecutor:
                 f"expected {self.schedule.num_microbatches} micro-batches, got {len(microbatches)}"
             )
         start = time.perf_counter()
-        comm = P2PCommunicator(self.transport, self.tensor_shape, self.dtype, self.device)
-        run = _Iteration(self, comm, microbatches, self.lowered[forward_only])
+        run = _Iteration(self, microbatches, self.programs[forward_only])
         try:
             self.connect()
             self.transport.begin_iteration()
+            self.comm.begin_iteration()
             if self.grad_sync is not None and not forward_only:
                 self.grad_sync.start_iteration()
             run.execute()
-            comm.finish()
+            self.comm.finish()
             if self.grad_sync is not None and not forward_only:
                 self.grad_sync.finish()
             if run.timer.action_timer is not None:
@@ -282,7 +299,7 @@ class PipelineExecutor:
             raise self._failure(exc, run.current) from exc
         return IterationResult(local_losses=run.losses, busy=run.timer,
                                iteration_seconds=time.perf_counter() - start,
-                               executed=run.executed, p2p_bytes_sent=comm.bytes_sent)
+                               executed=run.executed, p2p_bytes_sent=self.comm.bytes_sent)
 
     def _failure(self, exc: BaseException, op: Any) -> PipelineFailure:
         rank = dist.get_rank() if dist.is_initialized() else self.pipeline_rank
@@ -320,98 +337,89 @@ def _merge(per_rank: list[tuple[int, dict[int, dict[str, float]], float]]) -> Ga
 class _Iteration:
     """Mutable state of one ``PipelineExecutor.run`` (saved tensors, stores, losses, timing)."""
 
-    def __init__(self, executor: PipelineExecutor, comm: P2PCommunicator,
-                 microbatches: Sequence[Any], lowered: LoweredSchedule) -> None:
+    def __init__(self, executor: PipelineExecutor, microbatches: Sequence[Any],
+                 program: Program) -> None:
         self.ex = executor
-        self.comm = comm
+        self.comm = executor.comm
         self.microbatches = microbatches
-        self.ops = lowered.lists[executor.pipeline_rank]
-        self.forward_only = lowered.forward_only
+        self.program = program
+        self.forward_only = program.forward_only
         self.last_stage = executor.schedule.num_stages - 1
         self.saved: dict[tuple[int, int, int], SavedForward] = {}
         self.stores: dict[tuple[int, int, int], WeightGradStore] = {}
         self.outbox: dict[Message, torch.Tensor] = {}
-        self.to_deallocate: list[tuple[Any, torch.Tensor]] = []
+        self.releasing: tuple[Message, ...] = ()  # buffers of the previous action (see _compute)
         self.losses: dict[int, dict[str, Any]] = {}
         self.executed: list[Action] = []
-        self.timer = _BusyTimer(executor.device, executor.action_timer)
+        self.timer = _BusyTimer(executor.device, executor._events, executor.action_timer)
         self.current: Any = None
 
     def execute(self) -> None:
-        """Walk the lowered list; report finished stages to the gradient synchronizer."""
-        final = {} if self.forward_only else self.ex._last_grad_action
-        sync_point = self.ex.transport.sync_point
-        for op in self.ops:
-            self.current = op
-            if isinstance(op, Comm):
-                if op.op == SEND:
-                    self._send(op.message)
+        """Walk the compiled steps."""
+        comm = self.comm
+        for step in self.program.steps:
+            self.current = step
+            if type(step) is Post:
+                if step.op == SEND:
+                    for message in step.messages:
+                        self._send(message)
                 else:
-                    self.comm.post_recv(op.message)
-                continue
-            sync_point(op.short())
-            self._release_sent_outputs()
-            index = len(self.executed)
-            last_of_stage = final.get(index) if self.ex.grad_sync is not None else None
-            if last_of_stage is not None:
-                self.ex.grad_sync.final_action_begins(last_of_stage)
-            if op.kind == FORWARD:
-                self._forward(op)
-            elif op.kind == BACKWARD:
-                self._backward(op)
+                    comm.post_recvs(step.messages)
             else:
-                self._weight(op)
-            self.executed.append(op)
-            if last_of_stage is not None:
-                self.ex.grad_sync.stage_done(last_of_stage)
+                self._compute(step)
         self.current = None
+
+    def _compute(self, step: Compute) -> None:
+        """One compute action; report finished stages to the gradient synchronizer. The buffers
+        the previous action freed go back to the pool only now, after its sends were posted (a
+        send of a view of one pins it, see :meth:`.P2PCommunicator.send`)."""
+        ex, comm = self.ex, self.comm
+        ex.transport.sync_point(step.label)
+        comm.poll_sends()
+        for message in self.releasing:
+            comm.release(message)
+        self.releasing = step.releases
+        sync = ex.grad_sync if step.final_stage is not None else None
+        if sync is not None:
+            sync.final_action_begins(step.final_stage)
+        kind = step.action.kind
+        if kind == FORWARD:
+            self._forward(step)
+        elif kind == BACKWARD:
+            self._backward(step)
+        else:
+            self._weight(step)
+        self.executed.append(step.action)
+        if sync is not None:
+            sync.stage_done(step.final_stage)
 
     def _send(self, message: Message) -> None:
         output = self.outbox.pop(message)
-        work = self.comm.send(message, output)
-        if self.ex.deallocate_outputs and message.direction == ACTIVATION:
-            self.to_deallocate.append((work, output))
+        free = self.ex.deallocate_outputs and message.direction == ACTIVATION
+        self.comm.send(message, output, free)
 
-    def _deliver(self, action: Action, tensor: torch.Tensor) -> None:
-        """Hand ``action``'s output to the consumer: locally, or to the SEND that follows."""
-        message = produced_message(self.ex.schedule, action)
-        if message is None:
-            return
-        if message.dst == self.ex.pipeline_rank:
-            self.comm.put_local(message, tensor)
+    def _deliver(self, step: Compute, tensor: torch.Tensor) -> None:
+        """Hand ``step``'s output to the consumer: locally, or to the SEND that follows."""
+        if step.local:
+            self.comm.put_local(step.produces, tensor)
         else:
-            self.outbox[message] = tensor
-
-    def _receive(self, action: Action) -> torch.Tensor:
-        return self.comm.take(needed_message(self.ex.schedule, action))
-
-    def _release_sent_outputs(self) -> None:
-        """Free the data of forward outputs whose sends completed (oldest first)."""
-        self.comm.release_completed_sends()
-        done = 0
-        while done < len(self.to_deallocate) and self.to_deallocate[done][0].is_completed():
-            deallocate_output_tensor(self.to_deallocate[done][1])
-            done += 1
-        del self.to_deallocate[:done]
-
-    def _batch(self, microbatch: int) -> Any:
-        return self.microbatches[microbatch]
+            self.outbox[step.produces] = tensor
 
     def _run_forward(self, action: Action, input_tensor: torch.Tensor | None):
         module = self.ex.stage_modules[action.stage]
         if action.stage > 0:
             module.set_input_tensor(input_tensor)
-        return self.ex.forward_step_func(self._batch(action.microbatch), module)
+        return self.ex.forward_step_func(self.microbatches[action.microbatch], module)
 
-    def _forward(self, action: Action) -> None:
-        ex = self.ex
+    def _forward(self, step: Compute) -> None:
+        ex, action = self.ex, step.action
         input_tensor = None
-        if action.stage > 0:
-            input_tensor = self._receive(action)
+        if step.needs is not None:
+            input_tensor = self.comm.take(step.needs)
             input_tensor.requires_grad_(not self.forward_only)
         keep_graph = not self.forward_only and not ex.recompute
         rng_state = _rng_state(ex.device) if ex.recompute and not self.forward_only else None
-        with self.timer.measure(action), torch.set_grad_enabled(keep_graph):
+        with self.timer(action), torch.set_grad_enabled(keep_graph):
             output, loss_func = self._run_forward(action, input_tensor)
             if action.stage == self.last_stage:
                 loss, stats = loss_func(output)
@@ -419,15 +427,14 @@ class _Iteration:
                     k: v.detach() if torch.is_tensor(v) else v for k, v in stats.items()
                 }
                 output = loss
-        if action.stage < self.last_stage:
-            self._deliver(action, output)
+        if step.produces is not None:
+            self._deliver(step, output)
         if self.forward_only:
             return
-        key = (action.pipe, action.stage, action.microbatch)
         if ex.recompute:
-            self.saved[key] = SavedForward(input_tensor, None, rng_state)
+            self.saved[step.key] = SavedForward(input_tensor, None, rng_state)
         else:
-            self.saved[key] = SavedForward(input_tensor, output, None)
+            self.saved[step.key] = SavedForward(input_tensor, output, None)
 
     def _recompute(self, action: Action, input_tensor: torch.Tensor | None, rng_state):
         if input_tensor is not None:
@@ -438,17 +445,15 @@ class _Iteration:
                 output, _ = loss_func(output)
         return input_tensor, output
 
-    def _backward(self, action: Action) -> None:
-        ex = self.ex
-        key = (action.pipe, action.stage, action.microbatch)
-        input_tensor, output, rng_state = self.saved.pop(key)
-        grad_output = self._receive(action) if action.stage < self.last_stage else None
-        module = ex.stage_modules[action.stage]
+    def _backward(self, step: Compute) -> None:
+        ex, action = self.ex, step.action
+        input_tensor, output, rng_state = self.saved.pop(step.key)
+        grad_output = self.comm.take(step.needs) if step.needs is not None else None
         defer = contextlib.nullcontext()
         if ex.schedule.split_backward:
-            store = self.stores[key] = ex.weight_grad_store_factory()
-            defer = defer_weight_grad(module, store)
-        with self.timer.measure(action), defer:
+            store = self.stores[step.key] = ex.weight_grad_store_factory()
+            defer = defer_weight_grad(ex._linears[action.stage], store)
+        with self.timer(action), defer:
             if ex.recompute:
                 input_tensor, output = self._recompute(action, input_tensor, rng_state)
             if grad_output is None:
@@ -458,15 +463,16 @@ class _Iteration:
                 loss.backward()
             else:
                 custom_backward(output, grad_output)
-        if action.stage > 0:
+        if step.produces is not None:
             grad = input_tensor.grad
             if grad is None:
-                grad = torch.zeros(ex.tensor_shape, dtype=ex.dtype, device=ex.device)
-            self._deliver(action, grad)
+                spec = self.comm.specs[GRADIENT]
+                grad = torch.zeros(spec.shape, dtype=spec.dtype, device=ex.device)
+            self._deliver(step, grad)
 
-    def _weight(self, action: Action) -> None:
-        store = self.stores.pop((action.pipe, action.stage, action.microbatch))
-        with self.timer.measure(action):
+    def _weight(self, step: Compute) -> None:
+        store = self.stores.pop(step.key)
+        with self.timer(step.action):
             store.flush()
 
 

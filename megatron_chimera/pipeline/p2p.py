@@ -1,22 +1,29 @@
-"""The point-to-point side of one iteration: the receives and sends a lowered schedule posts.
+"""The point-to-point side of the iterations: the receives and sends a lowered schedule posts.
 
 The lowered lists (:mod:`megatron_chimera.schedules.lowering`) say when each ``RECV`` and
-``SEND`` is posted; :class:`P2PCommunicator` keeps their buffers and work handles between the
-post and the compute action that consumes or produced the message:
+``SEND`` is posted, and the compiled program (:mod:`.program`) when each receive buffer is free
+again; :class:`P2PCommunicator` keeps the buffers and work handles in between:
 
-* ``post_recv(m)`` allocates the buffer (shape and dtype from the configuration, no handshake)
-  and posts the receive; ``take(m)`` waits for it and returns the tensor.
-* ``send(m, tensor)`` posts the send; outputs whose sends completed can be freed (Megatron's
-  ``deallocate_output_tensor``), and :meth:`finish` waits for every send at the end.
+* ``post_recvs(ms)`` takes a buffer per message from the :class:`BufferPool` (shape and dtype of
+  the message's direction from the configuration, no handshake) and posts the receives (one batch,
+  :meth:`.transport.Transport.post`); ``take(m)`` waits for one and returns it;
+  ``release(m)`` gives its buffer back to the pool once the program says nothing reads it.
+* ``send(m, tensor)`` posts a send; with ``free_when_sent`` the tensor's data is freed once the
+  send completed (Megatron's ``deallocate_output_tensor``), checked once per compute action and
+  only where the backend reports completion without a wait (NCCL; gloo reports it through
+  ``wait`` only); :meth:`finish` waits for every send at the end of the iteration.
 * A message between two stages on the same rank is handed over locally (``put_local``).
 
-Tags (``Message.tag``) are unique within an iteration; NCCL ignores them and matches in issue
-order, which the lowering keeps (the receiver posts in the sender's order).
+A buffer a pending send still reads (an output that is a view of the stage input) is given back
+only at :meth:`finish`, so a later receive can never overwrite data in flight. Tags
+(``Message.tag``) are unique within an iteration; NCCL ignores them and matches in issue order,
+which the lowering keeps (the receiver posts in the sender's order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,14 +33,16 @@ from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
     GRADIENT,
+    RECV,
+    SEND,
     Message,
     iteration_actions,
     needed_message,
     produced_message,
 )
 
-__all__ = ["P2PCommunicator", "Message", "ACTIVATION", "GRADIENT", "needed_message",
-           "produced_message", "iteration_actions", "sends_in_order"]
+__all__ = ["P2PCommunicator", "BufferPool", "MessageSpec", "Message", "ACTIVATION", "GRADIENT",
+           "needed_message", "produced_message", "iteration_actions", "sends_in_order"]
 
 
 def sends_in_order(schedule: Schedule, rank: int, forward_only: bool = False) -> list[Message]:
@@ -43,67 +52,170 @@ def sends_in_order(schedule: Schedule, rank: int, forward_only: bool = False) ->
     return [m for m in produced if m is not None]
 
 
-class P2PCommunicator:
-    """Buffers and work handles of one iteration's point-to-point messages on one rank."""
+@dataclass(frozen=True)
+class MessageSpec:
+    """Shape and dtype of the messages of one direction (activations, or gradients)."""
 
-    def __init__(self, transport: Transport, tensor_shape: Sequence[int], dtype: torch.dtype,
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def uniform_specs(shape: Sequence[int], dtype: torch.dtype) -> dict[int, MessageSpec]:
+    """The same shape and dtype for activations and gradients (no sequence parallelism)."""
+    spec = MessageSpec(tuple(shape), dtype)
+    return {ACTIVATION: spec, GRADIENT: spec}
+
+
+class BufferPool:
+    """Receive buffers reused across messages and iterations, one free list per spec."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: dict[MessageSpec, list[torch.Tensor]] = {}
+        self.allocated = 0  # buffers created so far (the most ever in use at once)
+
+    def acquire(self, spec: MessageSpec) -> torch.Tensor:
+        """A buffer of ``spec`` (contents undefined)."""
+        free = self._free.get(spec)
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+
+    def release(self, spec: MessageSpec, buffer: torch.Tensor) -> None:
+        """Give ``buffer`` back: nothing reads or writes it any more."""
+        self._free.setdefault(spec, []).append(buffer)
+
+
+class _Received:
+    """A posted receive: its pooled buffer, spec and work handle."""
+
+    __slots__ = ("buffer", "spec", "work", "pinned")
+
+    def __init__(self, buffer: torch.Tensor, spec: MessageSpec, work: Any) -> None:
+        self.buffer, self.spec, self.work = buffer, spec, work
+        self.pinned = False  # a pending send reads it: give it back at finish() only
+
+
+class P2PCommunicator:
+    """Buffers and work handles of the point-to-point messages of one rank (across iterations).
+
+    ``specs`` gives each direction's shape and dtype (activations and gradients may differ, e.g.
+    with sequence parallelism)."""
+
+    def __init__(self, transport: Transport, specs: Mapping[int, MessageSpec],
                  device: torch.device | str = "cpu") -> None:
         self.transport = transport
-        self.tensor_shape = tuple(tensor_shape)
-        self.dtype = dtype
+        self.specs = dict(specs)
         self.device = torch.device(device)
-        self._posted: dict[Message, tuple[torch.Tensor, Any]] = {}
+        self.pool = BufferPool(self.device)
+        self._posted: dict[Message, _Received] = {}  # posted, not yet taken
+        self._in_use: dict[Message, _Received] = {}  # taken, not yet released
+        self._by_storage: dict[int, Message] = {}  # data pointer of a buffer in use -> message
         self._local: dict[Message, torch.Tensor] = {}
-        self._sends: list[tuple[torch.Tensor, Any, Message]] = []
+        self._sends: list[tuple[Any, Message, torch.Tensor, bool]] = []  # work, msg, data, free
+        self._polled = 0  # sends before this index are known complete
         self.bytes_sent = 0  # payload bytes of this iteration's sends (local hand-overs excluded)
 
-    def post_recv(self, message: Message) -> None:
-        """Post the receive of ``message`` (its buffer comes from the configured shape)."""
-        buffer = torch.empty(self.tensor_shape, dtype=self.dtype, device=self.device)
-        self._posted[message] = (buffer, self.transport.irecv(buffer, message))
+    def begin_iteration(self) -> None:
+        """Start an iteration. Whatever a failed previous one left is dropped, not pooled (a
+        receive into it may still be pending)."""
+        self.bytes_sent = 0
+        if self._posted or self._in_use or self._sends or self._local:
+            self._posted.clear()
+            self._in_use.clear()
+            self._by_storage.clear()
+            self._sends.clear()
+            self._local.clear()
+            self._polled = 0
+
+    # ------------------------------------------------------------------------ receiving
+    def post_recvs(self, messages: Sequence[Message]) -> None:
+        """Post the receives of ``messages`` (one step, one peer) as one batch."""
+        specs = [self.specs[m.direction] for m in messages]
+        buffers = [self.pool.acquire(spec) for spec in specs]
+        works = self.transport.post(RECV, messages, buffers)
+        for message, buffer, spec, work in zip(messages, buffers, specs, works):
+            self._posted[message] = _Received(buffer, spec, work)
 
     def take(self, message: Message) -> torch.Tensor:
-        """The tensor of ``message``: waited for if received, handed over if local."""
-        if message in self._local:
-            return self._local.pop(message)
-        try:
-            buffer, work = self._posted.pop(message)
-        except KeyError:
+        """The tensor of ``message``: waited for if received, handed over if local. A received
+        one is a fresh alias of its pooled buffer (no autograd state carried over)."""
+        local = self._local.pop(message, None)
+        if local is not None:
+            return local
+        received = self._posted.pop(message, None)
+        if received is None:
             raise RuntimeError(f"{message.short()} is consumed before its receive is posted: "
-                               f"the lowered list is out of order") from None
-        self.transport.wait(work, message)
-        return buffer
+                               f"the lowered list is out of order")
+        self.transport.wait(received.work, message)
+        self._in_use[message] = received
+        self._by_storage[received.buffer.data_ptr()] = message
+        return received.buffer.detach()
+
+    def release(self, message: Message) -> None:
+        """``message``'s buffer is read no more: back to the pool (at :meth:`finish` if a
+        pending send still reads it). No-op for local hand-overs."""
+        received = self._in_use.get(message)
+        if received is None or received.pinned:
+            return
+        del self._in_use[message]
+        del self._by_storage[received.buffer.data_ptr()]
+        self.pool.release(received.spec, received.buffer)
 
     def put_local(self, message: Message, tensor: torch.Tensor) -> None:
         """Hand ``message`` over to a stage on this rank (a detached copy)."""
         self._local[message] = tensor.detach().clone()
 
-    def send(self, message: Message, tensor: torch.Tensor) -> Any:
-        """Post the send of ``tensor`` as ``message``; returns its work handle."""
-        if tuple(tensor.shape) != self.tensor_shape or tensor.dtype != self.dtype:
+    # -------------------------------------------------------------------------- sending
+    def send(self, message: Message, tensor: torch.Tensor, free_when_sent: bool = False) -> None:
+        """Post the send of ``tensor`` as ``message``; with ``free_when_sent`` its data is freed
+        (``deallocate_output_tensor``) once the send completed."""
+        spec = self.specs[message.direction]
+        if tensor.shape != spec.shape or tensor.dtype != spec.dtype:
             raise RuntimeError(
                 f"{message.short()}: tensor {tuple(tensor.shape)} {tensor.dtype} does not match "
-                f"the configured p2p shape {self.tensor_shape} {self.dtype}")
+                f"the configured p2p shape {spec.shape} {spec.dtype}")
         payload = tensor.detach().contiguous()
-        work = self.transport.isend(payload, message)
+        aliased = self._by_storage.get(payload.untyped_storage().data_ptr())
+        if aliased is not None:  # the output is a view of a received buffer
+            self._in_use[aliased].pinned = True
+        (work,) = self.transport.post(SEND, (message,), (payload,))
         self.bytes_sent += payload.numel() * payload.element_size()
-        self._sends.append((payload, work, message))
-        return work
+        self._sends.append((work, message, tensor, free_when_sent))
 
-    def release_completed_sends(self) -> None:
-        """Drop the buffers of the oldest sends that have completed (lets freed outputs really be
-        freed). Gloo reports completion only through ``wait``, so there they stay to the end."""
-        done = 0
-        while done < len(self._sends) and self._sends[done][1].is_completed():
-            done += 1
-        del self._sends[:done]
+    def poll_sends(self) -> None:
+        """Free the data of outputs whose sends completed, oldest first (one check per pending
+        send at most; never waits). A no-op where completion is known only through ``wait``."""
+        if not self.transport.reports_completion:
+            return
+        sends, i = self._sends, self._polled
+        while i < len(sends) and sends[i][0].is_completed():
+            _, _, tensor, free = sends[i]
+            if free:
+                deallocate_output_tensor(tensor)
+            i += 1
+        self._polled = i
 
+    # ------------------------------------------------------------------------ iteration end
     def finish(self) -> None:
-        """Wait for every send of the iteration; every posted receive must have been consumed."""
-        for _, work, message in self._sends:
+        """Wait for every send of the iteration and give every buffer back; every posted
+        receive must have been consumed."""
+        for work, message, _, _ in self._sends:
             self.transport.wait(work, message)
         self._sends.clear()
+        self._polled = 0
+        for received in self._in_use.values():
+            self.pool.release(received.spec, received.buffer)
+            received.pinned = False
+        self._in_use.clear()
+        self._by_storage.clear()
         leftover = list(self._posted) + list(self._local)
         if leftover:
             raise RuntimeError(f"{len(leftover)} messages of the iteration were never consumed "
                                f"(first: {leftover[0].short()})")
+
+
+def deallocate_output_tensor(output: torch.Tensor) -> None:
+    """Megatron's trick: free an output's data once sent, keeping its ``grad_fn`` for backward."""
+    output.data = torch.empty((1,), device=output.device, dtype=output.dtype)

@@ -1,30 +1,52 @@
 """How point-to-point messages move: torch.distributed, or the same under NCCL's rules for tests.
 
-:class:`Transport` posts the sends and receives of a lowered schedule with
-``torch.distributed.isend`` / ``irecv`` (tagged, which only gloo uses), connects each direction
+:class:`Transport` posts the sends and receives of a lowered schedule, connects each direction
 once before the first iteration, and offers :meth:`Transport.sync_point` where a device-wide
 sync could happen. With the environment variable ``MEGATRON_CHIMERA_NCCL_SEMANTICS=1`` on the
 gloo backend, :func:`make_transport` returns :class:`~.nccl_semantics.NcclSemanticsTransport`
 instead, which enforces NCCL's rules that gloo forgives (tag-blind FIFO matching, a rendezvous
 at the first exchange of each direction, device-wide syncs waiting for posted operations).
+
+The hot path is short: the process group and the peer's rank in it are looked up once per
+direction (:class:`Route`), and operations go straight to the group's ``send`` / ``recv`` -- what
+``torch.distributed.isend`` / ``irecv`` end in, without their per-call argument checks. A batch
+(:meth:`Transport.post`: the operations of one step with one peer, in the lowered order) is
+posted operation by operation, each with its own work handle. It is deliberately not coalesced
+into one NCCL group call (``batch_isend_irecv``): a coalesced batch completes as a whole, so the
+consumer of its first message would also wait for the last one, which the peer may produce a
+whole action later (Chimera's two flows share each direction); posted one by one, each consumer
+waits for its own message only, and the host cost of an NCCL ``send`` / ``recv`` is a few
+microseconds anyway.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.topology import PipelineTopology
-from megatron_chimera.schedules.lowering import Message
+from megatron_chimera.schedules.lowering import SEND, Message
 
 PROBE = -1  # Message.direction of the one-time connection probe
 
 
+class Route(NamedTuple):
+    """How this rank reaches the other end of one direction: the process group and the peer's
+    rank in it."""
+
+    group: dist.ProcessGroup
+    peer: int
+
+
 class Transport:
     """torch.distributed point-to-point operations between pipeline ranks of one replica."""
+
+    #: whether ``work.is_completed()`` turns true without a ``wait`` (NCCL; gloo: only after it)
+    reports_completion: bool
 
     def __init__(self, topology: PipelineTopology, tag_of: Any = None) -> None:
         self.topology = topology
@@ -32,22 +54,42 @@ class Transport:
         tag = tag_of or (lambda message: 0)
         # the warm-up probe (direction PROBE) uses tag 0; it precedes every message of its pair
         self.tag_of = lambda message: 0 if message.direction == PROBE else tag(message)
+        self.reports_completion = dist.is_initialized() and dist.get_backend() != "gloo"
+        self._routes: dict[tuple[int, int], Route] = {}
 
     def group(self, src: int, dst: int) -> dist.ProcessGroup | None:
         """The group a message from global rank ``src`` to ``dst`` travels on (None: default)."""
         return self.topology.p2p_group(src, dst)
 
+    def route(self, message: Message) -> Route:
+        """The route of ``message``'s direction (looked up once per direction)."""
+        key = (message.src, message.dst)
+        route = self._routes.get(key)
+        if route is None:
+            src = self.topology.to_global_rank(message.src)
+            dst = self.topology.to_global_rank(message.dst)
+            group = self.group(src, dst) or dist.group.WORLD
+            peer = dst if self.topology.global_rank == src else src
+            route = self._routes[key] = Route(group, dist.get_group_rank(group, peer))
+        return route
+
     def isend(self, tensor: torch.Tensor, message: Message) -> Any:
         """Start sending ``tensor`` (contiguous) as ``message``; returns its work handle."""
-        src = self.topology.to_global_rank(message.src)
-        dst = self.topology.to_global_rank(message.dst)
-        return dist.isend(tensor, dst=dst, tag=self.tag_of(message), group=self.group(src, dst))
+        route = self.route(message)
+        return route.group.send([tensor], route.peer, self.tag_of(message))
 
     def irecv(self, buffer: torch.Tensor, message: Message) -> Any:
         """Post the receive of ``message`` into ``buffer``; returns its work handle."""
-        src = self.topology.to_global_rank(message.src)
-        dst = self.topology.to_global_rank(message.dst)
-        return dist.irecv(buffer, src=src, tag=self.tag_of(message), group=self.group(src, dst))
+        route = self.route(message)
+        return route.group.recv([buffer], route.peer, self.tag_of(message))
+
+    def post(self, op: str, messages: Sequence[Message], tensors: Sequence[torch.Tensor],
+             ) -> list[Any]:
+        """Post ``SEND`` or ``RECV`` ``op`` of ``messages`` (one step, one peer, in the lowered
+        order) with ``tensors``, one operation each (see the module docstring for why not one
+        coalesced call); returns their work handles."""
+        post = self.isend if op == SEND else self.irecv
+        return [post(t, m) for m, t in zip(messages, tensors)]
 
     def wait(self, work: Any, message: Message) -> None:
         """Block until the posted ``work`` of ``message`` completed."""

@@ -256,6 +256,19 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: 
     return spec.build(num_ranks, num_microbatches, spec.options_type(**options))
 
 
+def parse_schedule_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name:key=value:key=value`` (the tools' ``--schedules`` entries) -> (name, options);
+    integer values become ints. ValueError for a pair that is not ``key=value``."""
+    name, *pairs = spec.split(":")
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"--schedules: option {pair!r} of {spec!r} is not key=value")
+        key, value = pair.split("=", 1)
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, options
+
+
 def all_option_flags() -> list[str]:
     """Every option flag of every schedule, once each, in registry order."""
     flags: list[str] = []

@@ -21,7 +21,7 @@ input gradient's all-reduce or reduce-scatter happens in ``B`` and ``W`` is loca
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -149,11 +149,14 @@ def deferrable_modules(module: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def defer_weight_grad(module: nn.Module, store: WeightGradStore) -> Iterator[WeightGradStore]:
+def defer_weight_grad(module: nn.Module | Sequence[nn.Module],
+                      store: WeightGradStore) -> Iterator[WeightGradStore]:
     """Within the block, backwards through ``module``'s deferrable linear layers (``Linear`` and
     the tensor-parallel linears) queue their weight gradients in ``store`` instead of computing
-    them; run ``store.flush()`` later (the W action)."""
-    linears = deferrable_modules(module)
+    them; run ``store.flush()`` later (the W action). A list of layers
+    (:func:`deferrable_modules`, kept by a caller that defers every iteration) saves walking the
+    module each time."""
+    linears = deferrable_modules(module) if isinstance(module, nn.Module) else module
     for linear in linears:
         linear.weight_grad_store = store
     try:

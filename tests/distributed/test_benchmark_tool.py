@@ -1,4 +1,5 @@
-"""tools/benchmark_schedules.py end to end on 4 ranks with millisecond emulated stages."""
+"""tools/benchmark_schedules.py (millisecond emulated stages) and tools/benchmark_overhead.py
+(zero-cost stages) end to end on 4 ranks."""
 
 from __future__ import annotations
 
@@ -15,12 +16,19 @@ pytestmark = pytest.mark.distributed
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmark_schedules.py"
 
 
-def _run_tool(rank: int, world_size: int, argv: list[str]) -> None:
-    spec = importlib.util.spec_from_file_location("benchmark_schedules", TOOL)
+OVERHEAD_TOOL = TOOL.parent / "benchmark_overhead.py"
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
-    module.main(argv)
+    return module
+
+
+def _run_tool(rank: int, world_size: int, argv: list[str]) -> None:
+    _load(TOOL).main(argv)
 
 
 @pytest.mark.timeout(120)
@@ -28,8 +36,8 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
     """Every row is written; sleeping stages cannot beat the simulated compute-only makespan."""
     out = tmp_path / "bench.json"
     argv = ["--num-microbatches", "4", "8", "--forward-ms", "2", "--backward-ms", "4",
-            "--weight-ms", "2", "--iters", "5", "--warmup", "0", "--json", str(out),
-            "--end-stage-factor", "1.5",
+            "--weight-ms", "2", "--iters", "5", "--warmup", "0", "--rounds", "2",
+            "--json", str(out), "--end-stage-factor", "1.5",
             "--schedules", "1f1b,chimera,chimera-zb,interleaved:virtual_pipeline_size=2,torch-1f1b,"
             "chimera-zb:profile=2,chimera-zb:costs=unit"]
     spawn_world(_run_tool, 4, argv, timeout_s=110)
@@ -43,9 +51,44 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
     assert all(" measured F/B/W per stage [ms]: s0 " in r["rebuild"] for r in profiled)
     for row in rows:
         assert set(row) >= {"schedule", "pipes", "concat", "D", "N", "measured_s", "simulated_s"}
-        assert row["D"] == 4
+        assert row["D"] == 4 and len(row["times_s"]) == 10  # 2 rounds of 5
         if row["schedule"].startswith("torch-"):
             assert row["simulated_s"] is None
         else:
             assert row["simulated_s"] >= row["simulated_compute_s"] > 0, row
             assert row["measured_s"] >= 0.97 * row["simulated_compute_s"], row
+    tool = _load(TOOL)
+    table = tool.format_table([tool.Row(r["schedule"], r["options"], r["D"], r["N"],
+                                        r["measured_s"], r["simulated_s"]) for r in rows], 1e-4)
+    for n in (4, 8):
+        assert f"N={n}: our best " in table and "torch's best torch-1f1b" in table
+        assert "largest measured/simulated" in table
+
+
+def _run_overhead_tool(rank: int, world_size: int, argv: list[str]) -> None:
+    _load(OVERHEAD_TOOL).main(argv)
+
+
+@pytest.mark.timeout(180)
+def test_overhead_tool_reports_ours_and_torch_per_action(tmp_path):
+    """tools/benchmark_overhead.py runs D=2 (two ranks, two waiting) and D=4 with zero-cost
+    stages and reports CPU and wall ms per action for our executor and torch's runtime, with the
+    cProfile split (no timing is asserted: speed is the benchmark's business)."""
+    out = tmp_path / "overhead.json"
+    argv = ["--sizes", "2", "4", "--num-microbatches", "4", "--iters", "2", "--rounds", "2",
+            "--warmup", "1", "--profile", "--schedules", "1f1b,chimera-zb,torch-1f1b",
+            "--json", str(out)]
+    spawn_world(_run_overhead_tool, 4, argv, timeout_s=170)
+    rows = json.loads(out.read_text())
+    assert {(r["schedule"], r["pipeline_size"]) for r in rows} == {
+        (s, d) for s in ("1f1b", "chimera-zb", "torch-1f1b") for d in (2, 4)}
+    tool = _load(OVERHEAD_TOOL)
+    for row in rows:
+        assert len(row["cpu_ms_per_action"]) == row["pipeline_size"]
+        assert min(row["cpu_ms_per_action"]) > 0 and row["wall_ms_per_action"] > 0
+        assert row["actions_per_rank"] == (3 if row["schedule"] == "chimera-zb" else 2) * 4
+        assert set(row["profile"]) == set(tool.CATEGORIES) and sum(row["profile"].values()) > 0
+    table = tool.format_rows([tool.Row(**{**r, "top": [tuple(t) for t in r["top"]]})
+                              for r in rows])
+    assert "| ours | chimera-zb | 4 |" in table and "| torch | torch-1f1b | 2 |" in table
+    assert "all but stage" in table

@@ -1,7 +1,8 @@
 """Emulated-compute stages: each action waits the configured time (single process).
 
-``time.sleep`` is replaced by a recorder, so the tests check which waits each action requests
-without depending on the machine's load.
+``time.sleep`` is replaced by a recorder on a fake clock (sleeping advances it, reading it
+barely does) and the final spin is switched off, so the tests check which waits each action
+requests without depending on the machine's load.
 """
 
 from __future__ import annotations
@@ -24,9 +25,22 @@ COSTS = EmulatedCosts(forward_s=0.02, backward_s=0.06, weight_s=0.04)
 
 @pytest.fixture
 def sleeps(monkeypatch) -> list[float]:
-    """The durations the emulated modules asked to sleep, in order."""
+    """The durations the emulated modules asked to sleep, in order (real work takes no time on
+    the fake clock, so a deadline-based sleep asks for the whole time)."""
     recorded: list[float] = []
-    monkeypatch.setattr(emulated.time, "sleep", recorded.append)
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        recorded.append(seconds)
+        now[0] += seconds
+
+    def perf_counter() -> float:
+        now[0] += 1e-12  # reading the clock takes a moment, so a spin ends
+        return now[0]
+
+    monkeypatch.setattr(emulated.time, "sleep", sleep)
+    monkeypatch.setattr(emulated.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(emulated, "SPIN_S", 0.0)
     return recorded
 
 
@@ -34,9 +48,9 @@ def test_forward_and_full_backward_wait_their_times(sleeps):
     """F waits forward_s; an ordinary backward waits the whole backward_s."""
     stage = EmulatedStage(COSTS, pre_process=True, post_process=True)
     out = stage(torch.randn(3, 2, 4))
-    assert sleeps == [COSTS.forward_s]
+    assert sleeps == [pytest.approx(COSTS.forward_s)]
     out.mean().backward()
-    assert sleeps == [COSTS.forward_s, COSTS.backward_s]
+    assert sleeps == [pytest.approx(COSTS.forward_s), pytest.approx(COSTS.backward_s)]
     assert stage.linear.weight.grad is not None
 
 
@@ -50,7 +64,7 @@ def test_split_backward_waits_input_then_weight_time(sleeps):
     assert sleeps[1:] == [pytest.approx(COSTS.input_grad_s)]
     assert stage.linear.weight.grad is None and len(store) == 1
     store.flush()
-    assert sleeps[2:] == [COSTS.weight_s]
+    assert sleeps[2:] == [pytest.approx(COSTS.weight_s)]
     assert stage.linear.weight.grad is not None
 
 
@@ -62,7 +76,7 @@ def test_torch_stage_separates_input_and_weight_gradients(sleeps):
     torch.autograd.grad(out.sum(), x, retain_graph=True)
     assert sleeps[1:] == [pytest.approx(COSTS.input_grad_s)]
     torch.autograd.grad(out.sum(), stage.weight)
-    assert sleeps[2:] == [COSTS.weight_s]
+    assert sleeps[2:] == [pytest.approx(COSTS.weight_s)]
 
 
 def test_first_torch_stage_backward_still_waits(sleeps):
@@ -76,3 +90,52 @@ def test_weight_time_cannot_exceed_backward():
     """W is part of the backward: a larger --weight-ms is rejected by name."""
     with pytest.raises(ValueError, match="--weight-ms"):
         EmulatedCosts(0.01, 0.01, 0.02)
+
+
+def test_layers_share_the_backward_and_zero_times_never_sleep(sleeps):
+    """With several layers the backward sleeps in one piece per layer that add up to the whole
+    time; a stage of zero times asks for no sleep at all."""
+    stage = EmulatedStage(COSTS, pre_process=True, post_process=True, layers=4)
+    stage(torch.randn(3, 2, 4)).mean().backward()
+    assert len(sleeps) == 5 and sum(sleeps[1:]) == pytest.approx(COSTS.backward_s)
+    free = EmulatedStage(EmulatedCosts(0.0, 0.0), pre_process=True, post_process=True, layers=4)
+    free(torch.randn(3, 2, 4)).mean().backward()
+    assert len(sleeps) == 5
+
+
+def test_real_work_is_absorbed_by_the_deadline(sleeps, monkeypatch):
+    """Time the tiny real work takes is subtracted from the sleep, not added to it: a W whose
+    gradient computation takes 15 ms sleeps weight_s - 15 ms."""
+    stage = EmulatedStage(COSTS, pre_process=True, post_process=True)
+    store = SleepingWeightGradStore()
+    out = stage(torch.randn(3, 2, 4))
+    with defer_weight_grad(stage, store):
+        out.mean().backward()
+    monkeypatch.setattr(emulated.WeightGradStore, "flush", lambda self: emulated.time.sleep(0.015))
+    store.flush()
+    assert sleeps[-2:] == [0.015, pytest.approx(COSTS.weight_s - 0.015)]
+
+
+def test_the_last_part_of_a_wait_is_spun(sleeps, monkeypatch):
+    """A wait sleeps all but SPIN_S and spins the rest (the OS wakes sleepers late); one shorter
+    than SPIN_S does not sleep at all."""
+    now = [0.0]
+    reads: list[float] = []
+
+    def perf_counter() -> float:
+        now[0] += 1e-4  # a coarse clock: the spin ends after a few dozen reads
+        reads.append(now[0])
+        return now[0]
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(emulated.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(emulated.time, "sleep", sleep)
+    monkeypatch.setattr(emulated, "SPIN_S", 0.005)
+    emulated.sleep_until(0.02)
+    assert sleeps == [pytest.approx(0.015, abs=2e-4)] and now[0] >= 0.02
+    assert len(reads) >= 0.005 / 1e-4  # it spun
+    emulated.sleep_until(now[0] + 0.003)
+    assert len(sleeps) == 1

@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ParallelConfig
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.initialize import initialize_distributed
 from megatron_chimera.pipeline.emulated import (
     EmulatedCosts,
@@ -302,7 +303,7 @@ def format_rows(rows: list[Row]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = ToolArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 8], help="pipeline sizes D")
     p.add_argument("--num-microbatches", type=int, default=32)
     p.add_argument("--schedules", default=DEFAULT_SCHEDULES,
@@ -373,4 +374,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

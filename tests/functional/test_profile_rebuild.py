@@ -36,7 +36,9 @@ def test_split_backward_profiles_rebuilds_and_matches_one_process(tmp_path):
     assert list(gain) == [3] and 0.0 <= gain[3] < 1.0
     before = scalars(tb, "schedule-predicted-iteration-before")[3]
     after = scalars(tb, "schedule-predicted-iteration-after")[3]
-    assert after <= before and gain[3] == pytest.approx(1 - after / before, rel=1e-5)
+    # TensorBoard stores float32: before/after each carry ~6e-8 relative rounding, so their
+    # difference (a small gain) is only good to ~1e-7 absolute, not relative
+    assert after <= before and gain[3] == pytest.approx(1 - after / before, abs=1e-6)
     assert all(scalars(tb, f"profiled-{k}-stage{s}")[3] > 0 for k in "FBW" for s in range(4))
     got = scalars(tb, "lm loss")  # profiling and the switch do not change the numbers
     assert got.keys() == want.keys()

@@ -125,6 +125,7 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
 
 
 ActionTimer = Callable[[Action, float], None]
+_NO_CHANGE = contextlib.nullcontext()  # the grad mode is already the one wanted (reusable)
 
 
 class _BusyTimer:
@@ -353,6 +354,9 @@ class _Iteration:
         self.executed: list[Action] = []
         self.timer = _BusyTimer(executor.device, executor._events, executor.action_timer)
         self.current: Any = None
+        transport = executor.transport  # calls that would do nothing are not made at all:
+        self.sync_point = transport.sync_point if transport.has_sync_points else None
+        self.poll_sends = self.comm.poll_sends if transport.reports_completion else None
 
     def execute(self) -> None:
         """Walk the compiled steps."""
@@ -373,13 +377,16 @@ class _Iteration:
         """One compute action; report finished stages to the gradient synchronizer. The buffers
         the previous action freed go back to the pool only now, after its sends were posted (a
         send of a view of one pins it, see :meth:`.P2PCommunicator.send`)."""
-        ex, comm = self.ex, self.comm
-        ex.transport.sync_point(step.label)
-        comm.poll_sends()
-        for message in self.releasing:
-            comm.release(message)
+        if self.sync_point is not None:
+            self.sync_point(step.label)
+        if self.poll_sends is not None:
+            self.poll_sends()
+        if self.releasing:
+            release = self.comm.release
+            for message in self.releasing:
+                release(message)
         self.releasing = step.releases
-        sync = ex.grad_sync if step.final_stage is not None else None
+        sync = self.ex.grad_sync if step.final_stage is not None else None
         if sync is not None:
             sync.final_action_begins(step.final_stage)
         kind = step.action.kind
@@ -419,7 +426,9 @@ class _Iteration:
             input_tensor.requires_grad_(not self.forward_only)
         keep_graph = not self.forward_only and not ex.recompute
         rng_state = _rng_state(ex.device) if ex.recompute and not self.forward_only else None
-        with self.timer(action), torch.set_grad_enabled(keep_graph):
+        grad_mode = (_NO_CHANGE if keep_graph == torch.is_grad_enabled()
+                     else torch.set_grad_enabled(keep_graph))
+        with self.timer(action), grad_mode:
             output, loss_func = self._run_forward(action, input_tensor)
             if action.stage == self.last_stage:
                 loss, stats = loss_func(output)

@@ -131,6 +131,9 @@ class NcclSemanticsTransport(Transport):
             time.sleep(_POLL_S)
 
     # ----------------------------------------------------------------------------- transport
+    has_sync_points = True
+    post = Transport.post_each  # through the isend / irecv below
+
     def isend(self, tensor: torch.Tensor, message: Message) -> Any:
         """Header then payload, tag 0; the first send of a direction is a rendezvous."""
         src, dst, k = self._post("send", message)

@@ -23,8 +23,7 @@ which the lowering keeps (the receiver posts in the sender's order).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -52,9 +51,9 @@ def sends_in_order(schedule: Schedule, rank: int, forward_only: bool = False) ->
     return [m for m in produced if m is not None]
 
 
-@dataclass(frozen=True)
-class MessageSpec:
-    """Shape and dtype of the messages of one direction (activations, or gradients)."""
+class MessageSpec(NamedTuple):
+    """Shape and dtype of the messages of one direction (activations, or gradients); a named
+    tuple, so that the buffer pool's lookups hash it in C."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype

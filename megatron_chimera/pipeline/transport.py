@@ -7,9 +7,10 @@ gloo backend, :func:`make_transport` returns :class:`~.nccl_semantics.NcclSemant
 instead, which enforces NCCL's rules that gloo forgives (tag-blind FIFO matching, a rendezvous
 at the first exchange of each direction, device-wide syncs waiting for posted operations).
 
-The hot path is short: the process group and the peer's rank in it are looked up once per
-direction (:class:`Route`), and operations go straight to the group's ``send`` / ``recv`` -- what
-``torch.distributed.isend`` / ``irecv`` end in, without their per-call argument checks. A batch
+The hot path is short: the process group, the peer's rank in it and the tag are worked out once
+per message (:class:`Address`, cached: an iteration's messages recur in every iteration), and
+operations go straight to the group's ``send`` / ``recv`` -- what ``torch.distributed.isend`` /
+``irecv`` end in, without their per-call argument checks. A batch
 (:meth:`Transport.post`: the operations of one step with one peer, in the lowered order) is
 posted operation by operation, each with its own work handle. It is deliberately not coalesced
 into one NCCL group call (``batch_isend_irecv``): a coalesced batch completes as a whole, so the
@@ -42,6 +43,14 @@ class Route(NamedTuple):
     peer: int
 
 
+class Address(NamedTuple):
+    """Where one message goes on the wire: its route's group and peer, and its tag."""
+
+    group: dist.ProcessGroup
+    peer: int
+    tag: int
+
+
 class Transport:
     """torch.distributed point-to-point operations between pipeline ranks of one replica."""
 
@@ -56,6 +65,7 @@ class Transport:
         self.tag_of = lambda message: 0 if message.direction == PROBE else tag(message)
         self.reports_completion = dist.is_initialized() and dist.get_backend() != "gloo"
         self._routes: dict[tuple[int, int], Route] = {}
+        self._addresses: dict[Message, Address] = {}
 
     def group(self, src: int, dst: int) -> dist.ProcessGroup | None:
         """The group a message from global rank ``src`` to ``dst`` travels on (None: default)."""
@@ -73,21 +83,42 @@ class Transport:
             route = self._routes[key] = Route(group, dist.get_group_rank(group, peer))
         return route
 
+    def address(self, message: Message) -> Address:
+        """Group, peer and tag of ``message`` (worked out once per message)."""
+        address = self._addresses.get(message)
+        if address is None:
+            route = self.route(message)
+            address = self._addresses[message] = Address(route.group, route.peer,
+                                                          self.tag_of(message))
+        return address
+
     def isend(self, tensor: torch.Tensor, message: Message) -> Any:
         """Start sending ``tensor`` (contiguous) as ``message``; returns its work handle."""
-        route = self.route(message)
-        return route.group.send([tensor], route.peer, self.tag_of(message))
+        group, peer, tag = self.address(message)
+        return group.send([tensor], peer, tag)
 
     def irecv(self, buffer: torch.Tensor, message: Message) -> Any:
         """Post the receive of ``message`` into ``buffer``; returns its work handle."""
-        route = self.route(message)
-        return route.group.recv([buffer], route.peer, self.tag_of(message))
+        group, peer, tag = self.address(message)
+        return group.recv([buffer], peer, tag)
 
     def post(self, op: str, messages: Sequence[Message], tensors: Sequence[torch.Tensor],
              ) -> list[Any]:
         """Post ``SEND`` or ``RECV`` ``op`` of ``messages`` (one step, one peer, in the lowered
         order) with ``tensors``, one operation each (see the module docstring for why not one
-        coalesced call); returns their work handles."""
+        coalesced call); returns their work handles. The loop is :meth:`isend` / :meth:`irecv`
+        inlined (the executor's hot path); :meth:`post_each` is the plain form."""
+        addresses, works = self._addresses, []
+        for message, tensor in zip(messages, tensors):
+            group, peer, tag = addresses.get(message) or self.address(message)
+            works.append(group.send([tensor], peer, tag) if op == SEND
+                         else group.recv([tensor], peer, tag))
+        return works
+
+    def post_each(self, op: str, messages: Sequence[Message], tensors: Sequence[torch.Tensor],
+                  ) -> list[Any]:
+        """:meth:`post` through :meth:`isend` / :meth:`irecv` (for transports that redefine
+        them)."""
         post = self.isend if op == SEND else self.irecv
         return [post(t, m) for m, t in zip(messages, tensors)]
 
@@ -117,6 +148,9 @@ class Transport:
 
     def begin_iteration(self) -> None:
         """An iteration starts (no-op here)."""
+
+    #: whether :meth:`sync_point` does anything (the executor skips the call when not)
+    has_sync_points = False
 
     def sync_point(self, where: str) -> None:
         """A point where a device-wide sync may happen (no-op: the real device decides)."""

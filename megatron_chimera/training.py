@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,9 +72,17 @@ from megatron_chimera.pipeline.transport import make_transport
 from megatron_chimera.preflight import check_outputs, check_resume_iteration, check_splits
 from megatron_chimera.rank_errors import run_main  # noqa: F401 - re-exported for entry scripts
 from megatron_chimera.schedules.actions import Schedule
-from megatron_chimera.schedules.costs import StageCosts
-from megatron_chimera.schedules.rebuild import RebuildReport, rebuild_for_costs
+from megatron_chimera.schedules.rebuild import RebuildReport
 from megatron_chimera.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron_chimera.training_profile import (
+    PROFILED_KEY,
+    profiled_record,
+    profiling_for,
+    rebuild_scalars,
+    resumed_rebuild,
+    save_profiled_costs,
+    time_partition,
+)
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -343,65 +349,11 @@ def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider:
     run = _Run(config, family, schedule, partition, stages, optimizer, scheduler, executor,
                eval_executor, monitor, Timers(), needed, rank, world_size, rng_state, device,
                make_executors)
-    profile_iterations = config.training.profile_iterations
-    if profile_iterations and schedule.split_backward:
-        options = parallel.schedule_options
-        run.profile = ProfileRebuild(schedule, options, profile_iterations, device,
-                                     getattr(options, "fallback", None))
-    elif profile_iterations and rank == 0:
-        print(f" --profile-iterations {profile_iterations}: {schedule.name} runs the whole "
-              f"backward, nothing to rebuild", flush=True)
-    record = saved_args.get(PROFILED_KEY)
-    if (run.profile is not None and record and not ckpt.finetune
-            and record.get("schedule") == schedule_digest(schedule)):
-        # a resume after the profiling window: the same rebuild as the saved run made (same
-        # inputs, deterministic), so the resumed iterations run the same order -- bitwise exact
-        if rank == 0:
-            print(" resuming with the per-stage costs measured before the checkpoint (no "
-                  "profiling)", flush=True)
-        report = rebuild_for_costs(schedule, run.profile.options,
-                                   StageCosts.from_dict(record["costs"]), run.profile.policy)
+    run.profile = profiling_for(config, schedule, device, verbose=rank == 0)
+    report = resumed_rebuild(run.profile, schedule, saved_args, ckpt.finetune, verbose=rank == 0)
+    if report is not None:
         apply_rebuild(run, report, state.iteration)
     return run, datasets
-
-
-PROFILED_KEY = "profiled_stage_costs"  # in a checkpoint's args: the measured costs, the schedule
-
-
-def schedule_digest(schedule: Schedule) -> str:
-    """A short fingerprint of ``schedule``'s orders (which schedule a record was made for)."""
-    return hashlib.sha256(schedule.to_json().encode()).hexdigest()[:16]
-
-
-def time_partition(config: TrainConfig, family: ModelFamily, schedule: Schedule,
-                   device: torch.device, verbose: bool) -> list[tuple[int, int]]:
-    """``--partition-method time``: time one transformer layer and the extra cost of the first
-    (embeddings) and last stage (final norm, LM head, loss) with the real classes on this rank's
-    device, average over all ranks (one all-reduce, so every rank splits alike), and balance the
-    ranks' total time over the stages each holds (both replicas for Chimera)."""
-    from megatron_chimera.tuning.costs import ModelSpec
-    from megatron_chimera.tuning.profile import MeasuredCompute
-
-    compute = MeasuredCompute(ModelSpec(config.model, family), device=str(device))
-    layer, first, last = compute.measure(config.training.micro_batch_size)
-    recompute = config.model.recompute_granularity == "full"  # the backward re-runs the forward
-    seconds = [t.forward * (2 if recompute else 1) + t.backward for t in (layer, first, last)]
-    times = torch.tensor(seconds, dtype=torch.float64, device=device)
-    dist.all_reduce(times)
-    unit = float(times[0]) / dist.get_world_size()
-    layer_s, first_s, last_s = (round(float(t) / dist.get_world_size() / unit, 3)
-                                for t in times)
-    rank_stages = [schedule.stages_of_rank(r) for r in range(schedule.num_ranks)]
-    partition = partition_layers(config.model.num_layers, schedule.num_stages, "time",
-                                 layer_times=[layer_s] * config.model.num_layers,
-                                 embedding_time=first_s, head_time=last_s,
-                                 rank_stages=rank_stages)
-    if verbose:
-        print(f" --partition-method time: layer {unit * 1e3:.3g} ms (forward + backward per "
-              f"micro-batch), first stage +{first_s:.3g} layers, last stage +{last_s:.3g} "
-              f"layers -> layers per stage {[end - start for start, end in partition]}",
-              flush=True)
-    return partition
 
 
 # ------------------------------------------------------------------------------ loop pieces
@@ -572,8 +524,7 @@ def apply_rebuild(run: _Run, report: RebuildReport, iteration: int) -> None:
     TensorBoard on the logging rank), and keep the measured costs next to the checkpoints
     (``<save>/profiled_stage_costs.json``, for ``--chimera-zb-costs @file``)."""
     run.profile = None
-    run.profiled = {"costs": report.costs.to_dict(),  # saved with the checkpoints
-                    "schedule": schedule_digest(report.before.schedule)}
+    run.profiled = profiled_record(report)  # saved with the checkpoints
     if report.changed:
         run.schedule = report.schedule
         run.executor, run.eval_executor = run.make_executors(report.schedule)
@@ -582,24 +533,9 @@ def apply_rebuild(run: _Run, report: RebuildReport, iteration: int) -> None:
             all_stages=run.needed_microbatches is None)
         if run.monitor.predicted_bubble is not None:
             run.monitor.predicted_bubble = predicted_bubble_ratio(report.schedule)
-    costs = report.costs
-    scalars = {"schedule-predicted-iteration-before": report.before.makespan,
-               "schedule-predicted-iteration-after": report.decision.chosen.makespan,
-               "schedule-predicted-gain": report.predicted_gain,
-               "schedule-rebuilt": float(report.changed),
-               "schedule-unsplit-fallback": float(report.decision.fell_back)}
-    for kind, values in (("F", costs.forward), ("B", costs.backward), ("W", costs.weight)):
-        scalars.update({f"profiled-{kind}-stage{s}": v for s, v in enumerate(values)})
-    run.monitor.log_schedule_rebuild(iteration, report.line(), scalars)
-    save_dir = run.config.checkpoint.save
-    if save_dir is not None and run.rank == 0:
-        import json
-
-        from megatron_chimera.atomic import atomic_write
-
-        os.makedirs(save_dir, exist_ok=True)
-        atomic_write(os.path.join(save_dir, "profiled_stage_costs.json"),
-                     lambda handle: json.dump(costs.to_dict(), handle, indent=1), mode="w")
+    run.monitor.log_schedule_rebuild(iteration, report.line(), rebuild_scalars(report))
+    if run.config.checkpoint.save is not None and run.rank == 0:
+        save_profiled_costs(run.config.checkpoint.save, report.costs)
 
 
 # ------------------------------------------------------------------------------ entry

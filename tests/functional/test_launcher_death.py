@@ -7,41 +7,17 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
 from megatron_chimera.process import die_with_parent
 
+from ..proc_helpers import alive, children_of
 from .launcher import ROOT, TINY
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
-
-
-def children_of(pid: int) -> list[int]:
-    """Pids whose parent is ``pid`` (from /proc/*/stat)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.timeout(240)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from ..proc_helpers import processes_mentioning
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "preprocess_data.py"
 
@@ -73,20 +75,6 @@ def test_bad_flag_is_one_line():
     assert result.returncode == 2 and len(lines) == 1 and "--tokenizer-type" in lines[0], lines
 
 
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline and int(entry) != os.getpid():
-            pids.append(int(entry))
-    return pids
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("gap", [0.0, 0.05, 0.4])
 def test_double_ctrl_c_with_workers_exits_cleanly(tmp_path, gap):
@@ -117,7 +105,7 @@ def test_double_ctrl_c_with_workers_exits_cleanly(tmp_path, gap):
     assert proc.returncode == 130, (proc.returncode, rest)
     assert lines == ["interrupted"], rest
     deadline = time.monotonic() + 10
-    while _processes_mentioning(str(prefix)) and time.monotonic() < deadline:
+    while processes_mentioning(str(prefix)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _processes_mentioning(str(prefix)), "a worker outlived the tool"
+    assert not processes_mentioning(str(prefix)), "a worker outlived the tool"
     assert not list(out_dir.iterdir()), f"left behind: {list(out_dir.iterdir())}"

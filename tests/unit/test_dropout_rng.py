@@ -16,15 +16,14 @@ from megatron_chimera.model.dropout_rng import (
 )
 from megatron_chimera.model.gpt2 import GPTModel, build_gpt_stage
 
-SEQ, BATCH, VOCAB = 16, 2, 100
+from ..model_helpers import SEQ, VOCAB, small_config
+
+BATCH = 2
 
 
 def config(**overrides) -> ModelConfig:
-    fields = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=SEQ,
-                  vocab_size=VOCAB, make_vocab_size_divisible_by=64, hidden_dropout=0.1,
-                  attention_dropout=0.1)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+    """The shared small model with dropout 0.1 (attention and hidden)."""
+    return small_config(**{"hidden_dropout": 0.1, "attention_dropout": 0.1, **overrides})
 
 
 def batch(seed: int):

@@ -8,22 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.config import ConfigError
 from megatron_chimera.model.bert import BertModel, build_bert_stage
 from megatron_chimera.model.gpt2 import GPTModel, build_gpt_stage
 from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
 from megatron_chimera.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron_chimera.tensor_parallel.weight_grad import deferrable_modules
 
-SEQ, BATCH, VOCAB = 16, 3, 100
+from ..model_helpers import SEQ, VOCAB, small_config
 
-
-def small_config(**overrides) -> ModelConfig:
-    fields = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=SEQ,
-                  vocab_size=VOCAB, make_vocab_size_divisible_by=64, hidden_dropout=0.0,
-                  attention_dropout=0.0)
-    fields.update(overrides)
-    return ModelConfig(**fields)
+BATCH = 3
 
 
 def gpt_batch(seed: int = 0):

@@ -185,9 +185,8 @@ class P2PCommunicator:
 
     def poll_sends(self) -> None:
         """Free the data of outputs whose sends completed, oldest first (one check per pending
-        send at most; never waits). A no-op where completion is known only through ``wait``."""
-        if not self.transport.reports_completion:
-            return
+        send at most; never waits). Worth calling only where ``transport.reports_completion``
+        (gloo reports completion through ``wait`` only: the executor does not call it there)."""
         sends, i = self._sends, self._polled
         while i < len(sends) and sends[i][0].is_completed():
             _, _, tensor, free = sends[i]
@@ -206,7 +205,6 @@ class P2PCommunicator:
         self._polled = 0
         for received in self._in_use.values():
             self.pool.release(received.spec, received.buffer)
-            received.pinned = False
         self._in_use.clear()
         self._by_storage.clear()
         leftover = list(self._posted) + list(self._local)

@@ -35,16 +35,8 @@ from megatron_chimera.schedules.lowering import SEND, Message
 PROBE = -1  # Message.direction of the one-time connection probe
 
 
-class Route(NamedTuple):
-    """How this rank reaches the other end of one direction: the process group and the peer's
-    rank in it."""
-
-    group: dist.ProcessGroup
-    peer: int
-
-
 class Address(NamedTuple):
-    """Where one message goes on the wire: its route's group and peer, and its tag."""
+    """Where one message goes on the wire: the process group, the peer's rank in it, the tag."""
 
     group: dist.ProcessGroup
     peer: int
@@ -64,32 +56,23 @@ class Transport:
         # the warm-up probe (direction PROBE) uses tag 0; it precedes every message of its pair
         self.tag_of = lambda message: 0 if message.direction == PROBE else tag(message)
         self.reports_completion = dist.is_initialized() and dist.get_backend() != "gloo"
-        self._routes: dict[tuple[int, int], Route] = {}
         self._addresses: dict[Message, Address] = {}
 
     def group(self, src: int, dst: int) -> dist.ProcessGroup | None:
         """The group a message from global rank ``src`` to ``dst`` travels on (None: default)."""
         return self.topology.p2p_group(src, dst)
 
-    def route(self, message: Message) -> Route:
-        """The route of ``message``'s direction (looked up once per direction)."""
-        key = (message.src, message.dst)
-        route = self._routes.get(key)
-        if route is None:
+    def address(self, message: Message) -> Address:
+        """Group, peer (its rank in the group) and tag of ``message``, worked out once per
+        message."""
+        address = self._addresses.get(message)
+        if address is None:
             src = self.topology.to_global_rank(message.src)
             dst = self.topology.to_global_rank(message.dst)
             group = self.group(src, dst) or dist.group.WORLD
             peer = dst if self.topology.global_rank == src else src
-            route = self._routes[key] = Route(group, dist.get_group_rank(group, peer))
-        return route
-
-    def address(self, message: Message) -> Address:
-        """Group, peer and tag of ``message`` (worked out once per message)."""
-        address = self._addresses.get(message)
-        if address is None:
-            route = self.route(message)
-            address = self._addresses[message] = Address(route.group, route.peer,
-                                                          self.tag_of(message))
+            address = self._addresses[message] = Address(
+                group, dist.get_group_rank(group, peer), self.tag_of(message))
         return address
 
     def isend(self, tensor: torch.Tensor, message: Message) -> Any:

@@ -32,17 +32,13 @@ from megatron_chimera.checkpointing import (
     set_rng_state,
     stage_named_parameters,
 )
-from megatron_chimera.config import ConfigError, DDPConfig, OptimizerConfig, TrainConfig
+from megatron_chimera.config import ConfigError, TrainConfig
 from megatron_chimera.data.samplers import (
     build_data_iterator,
     microbatch_first_samples,
     next_microbatches,
 )
-from megatron_chimera.distributed.grad_buffer import (
-    TIED,
-    build_grad_buffers,
-    shared_embedding_weight,
-)
+from megatron_chimera.data_parallel import build_data_parallel
 from megatron_chimera.flag_catalog import family_flag_errors
 from megatron_chimera.health import check_loss_and_grad, check_skipped
 from megatron_chimera.initialize import initialize_megatron
@@ -58,14 +54,9 @@ from megatron_chimera.monitor import (
     predicted_bubble_ratio,
 )
 from megatron_chimera.optimizer import (
-    MegatronOptimizer,
     OptimizerParamScheduler,
-    ShardGroup,
-    get_megatron_optimizer,
 )
-from megatron_chimera.optimizer.builder import InnerFactory
 from megatron_chimera.pipeline.executor import PipelineExecutor
-from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
 from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import make_transport
@@ -73,7 +64,6 @@ from megatron_chimera.preflight import check_outputs, check_resume_iteration, ch
 from megatron_chimera.rank_errors import run_main  # noqa: F401 - re-exported for entry scripts
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.rebuild import RebuildReport
-from megatron_chimera.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron_chimera.training_profile import (
     PROFILED_KEY,
     profiled_record,
@@ -140,22 +130,6 @@ def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
     return tokenizer, dataclasses.replace(config, model=model)
 
 
-def _norm_filter(stage_modules: dict[int, nn.Module]) -> Callable[[nn.Parameter], bool]:
-    """Count each stage once in the global grad norm: on its owner, tied copy with stage 0, and a
-    parameter replicated over the tensor-parallel ranks on tensor rank 0 only."""
-    counted: set[int] = set()
-    for stage, module in stage_modules.items():
-        if not parallel_state.is_stage_owner(stage):
-            continue
-        shared = shared_embedding_weight(module)
-        for param in module.parameters():
-            if param is shared and stage != 0:
-                continue
-            if param_is_not_tensor_parallel_duplicate(param):
-                counted.add(id(param))
-    return lambda param: id(param) in counted
-
-
 def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
     """Shape of every pipeline message: ``[s, b, h]``, or ``[s/T, b, h]`` (this rank's chunk of
     the sequence) under sequence parallelism."""
@@ -164,64 +138,6 @@ def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
     if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
         seq //= parallel.tensor_model_parallel_size
     return (seq, config.training.micro_batch_size, model.hidden_size)
-
-
-def _shard_groups(modules: dict[int, nn.Module]) -> dict[int | str, ShardGroup]:
-    """The distributed optimizer's shard groups: each local stage over its stage-replica group,
-    the tied embedding over the embedding group (its writers: those of the first and last
-    stage files, which both keep its entry). With tensor parallelism these groups join the ranks
-    of this rank's tensor rank, so each tensor rank's shards are sharded among its equals."""
-    rank = dist.get_rank()
-    shards: dict[int | str, ShardGroup] = {}
-    for stage in modules:
-        ranks = parallel_state.get_stage_replica_ranks(stage)
-        shards[stage] = ShardGroup(parallel_state.get_stage_replica_group(stage), len(ranks),
-                                   ranks.index(rank), (min(ranks),))
-    embedding = parallel_state.get_embedding_ranks()
-    if rank in embedding:
-        ends = (0, parallel_state.get_num_stages() - 1)
-        writers = sorted({min(parallel_state.get_stage_replica_ranks(s)) for s in ends})
-        shards[TIED] = ShardGroup(parallel_state.get_embedding_group(), len(embedding),
-                                  embedding.index(rank), tuple(writers))
-    return shards
-
-
-def build_data_parallel(optimizer_config: OptimizerConfig, ddp: DDPConfig,
-                        modules: dict[int, nn.Module], make_inner: InnerFactory | None = None
-                        ) -> tuple[GradientSynchronizer, MegatronOptimizer]:
-    """Gradient buffers, their synchronizer and the optimizer of this rank's stage modules.
-
-    The local optimizer reduces norm and found-inf over the model-replica group (each stage
-    counted on its owner); the distributed one is sharded over each stage-replica group (the
-    tied embedding over the embedding group) and reduces them over the world. Either way a
-    parameter replicated over the tensor-parallel ranks counts on tensor rank 0 only. Buckets
-    are sized for each stage-replica group; the synchronizer also sums sequence-parallel
-    gradients over the tensor-parallel group. ``make_inner`` overrides the inner optimizer
-    (tests).
-    """
-    sharded = ddp.use_distributed_optimizer
-    shards = _shard_groups(modules) if sharded else None
-    group_sizes = {s: len(parallel_state.get_stage_replica_ranks(s)) for s in modules}
-    buffers = build_grad_buffers(
-        modules, ddp.grad_reduce_in_fp32,
-        bucket_sizes={s: ddp.bucket_elements(n) for s, n in group_sizes.items()},
-        shard_counts={k: g.size for k, g in shards.items()} if shards else None,
-        param_buffers=sharded)
-    grad_sync = GradientSynchronizer.from_parallel_state(buffers, ddp.overlap_grad_reduce,
-                                                         scatter=sharded)
-    chunks = [modules[s] for s in sorted(modules)]
-    if not sharded:
-        replica_group = parallel_state.get_model_replica_group()
-        return grad_sync, get_megatron_optimizer(
-            optimizer_config, chunks, grad_norm_group=replica_group,
-            found_inf_group=replica_group, norm_param_filter=_norm_filter(modules),
-            grad_buffers=buffers, make_inner=make_inner)
-    optimizer = get_megatron_optimizer(
-        optimizer_config, chunks, grad_buffers=buffers, shards=shards,
-        world_group=dist.group.WORLD, overlap_param_gather=ddp.overlap_param_gather,
-        make_inner=make_inner)
-    optimizer.register_param_gather_hooks(modules)
-    return grad_sync, optimizer
 
 
 def _needed_microbatches(schedule, pipeline_rank: int, all_stages: bool) -> list[int] | None:

@@ -8,10 +8,10 @@ import torch
 
 from megatron_chimera import parallel_state
 from megatron_chimera.config import DDPConfig, OptimizerConfig
+from megatron_chimera.data_parallel import build_data_parallel
 from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
-from megatron_chimera.training import build_data_parallel
 
 from .toy_model import HIDDEN, MICRO_BATCH, SEQ, build_stage, forward_step, make_batch
 

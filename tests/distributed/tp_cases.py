@@ -32,6 +32,7 @@ from megatron_chimera.checkpointing import (
     stage_named_parameters,
 )
 from megatron_chimera.config import DDPConfig, ModelConfig, OptimizerConfig
+from megatron_chimera.data_parallel import build_data_parallel
 from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.optimizer import get_megatron_optimizer
 from megatron_chimera.pipeline.executor import PipelineExecutor
@@ -41,7 +42,6 @@ from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.validate import validate
 from megatron_chimera.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_chimera.tensor_parallel.utils import is_tensor_parallel
-from megatron_chimera.training import build_data_parallel
 
 from ..tp_helpers import full_state
 from .cases import run_each

@@ -137,14 +137,13 @@ def _calibrate() -> tuple[float, float]:
 
 
 GLOO_CALLS = ("send", "recv", "wait", "is_completed")  # torch._C._distributed_c10d builtins
-STAGE_FUNCTIONS = {("torch_pipelining.py", "_mse")}  # besides everything in emulated.py
 
 
 def _intrinsic(func: tuple[str, int, str]) -> str | None:
     """The category a function belongs to by itself (None: that of its callers)."""
     filename, _, name = func
     base = os.path.basename(filename)
-    if base == "emulated.py" or (base, name) in STAGE_FUNCTIONS:
+    if base == "emulated.py":  # the stages, torch's loss function included
         return "stage"
     if filename == "~":
         if "_distributed_c10d" in name and any(call in name for call in GLOO_CALLS):

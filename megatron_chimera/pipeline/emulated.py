@@ -3,7 +3,12 @@
 A forward takes ``forward_s``, a backward ``backward_s``; with split backward, B takes the
 input-gradient time ``backward_s - weight_s`` and W takes ``weight_s``. Each action does tiny real
 tensor work and waits *until its deadline*, so the work is part of the emulated time rather than
-added to it (a stage with more tiny layers is not slower), and a time of zero never waits. A wait
+added to it (a stage with more tiny layers is not slower), and a time of zero never waits. All of
+an action's real work comes before its wait -- the last stage's loss (its loss function ends the
+forward's wait) and a backward's gradient accumulation (its last wait is an engine callback at the
+end of the pass) included: on the development VM whatever follows a long wait runs cache-cold,
+10-20x slower than in a loop, which a device computing for exactly the emulated time would not
+add. A wait
 sleeps, then spins its last :data:`SPIN_S` (the OS wakes a sleeper late, a device does not finish
 late). Sleeping ranks do not compete for cores, so 8 ranks on 2 cores behave like 8 devices and
 the measured iteration time exposes the schedule plus the runtime's overheads.
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from megatron_chimera.model.linear import Linear, WeightGradStore
 from megatron_chimera.pipeline.grad_sync import Collectives
@@ -77,9 +83,12 @@ def sleep_until(deadline: float) -> None:
 
 
 class _Deadlines:
-    """The clock of one emulated action that sleeps in ``parts`` pieces (one per layer): piece
-    ``k`` ends at ``start + k/parts`` of the action's time, so the real work between the pieces
-    is absorbed instead of added."""
+    """The clock of one emulated backward that sleeps in ``parts`` pieces (one per layer): piece
+    ``k`` ends at ``start + k/parts`` of the backward's time, so the real work between the pieces
+    is absorbed instead of added. The last piece is waited at the end of the backward pass (an
+    engine callback), after the gradients of the stage's inputs are accumulated: what follows a
+    wait runs cache-cold on this VM, far slower than the work itself, so no real work of the
+    action is left after its wait."""
 
     def __init__(self, parts: int) -> None:
         self.parts = parts
@@ -88,32 +97,59 @@ class _Deadlines:
         self._done = 0
 
     def begin(self, seconds: float) -> None:
-        """The action starts now and lasts ``seconds``."""
+        """The backward starts now and lasts ``seconds``."""
         self._start, self._seconds, self._done = time.perf_counter(), seconds, 0
 
-    def next_part(self) -> None:
-        """Sleep until the end of the next piece."""
+    def node_done(self, seconds: float = 0.0) -> None:
+        """A layer's backward node ran: wait until the end of its piece (``seconds`` is unused:
+        :meth:`begin` was given the whole time)."""
         self._done += 1
-        if self._seconds > 0:
-            sleep_until(self._start + self._seconds * self._done / self.parts)
+        if self._seconds <= 0:
+            return
+        deadline = self._start + self._seconds * self._done / self.parts
+        if self._done < self.parts:
+            sleep_until(deadline)
+        else:
+            Variable._execution_engine.queue_callback(lambda: sleep_until(deadline))
+
+
+class _WaitAtBackwardEnd:
+    """The clock of a stage whose backward nodes each take ``seconds`` (torch's stages): the
+    times of the nodes one backward pass runs add up from its first node and are waited at the
+    pass's end (an engine callback), after its gradient accumulation, as :class:`_Deadlines`
+    does -- so torch's rows and ours emulate a backward alike."""
+
+    def __init__(self) -> None:
+        self._deadline: float | None = None
+
+    def node_done(self, seconds: float) -> None:
+        """A node of ``seconds`` ran in the current backward pass."""
+        if seconds <= 0:
+            return
+        if self._deadline is None:
+            self._deadline = time.perf_counter() + seconds
+            Variable._execution_engine.queue_callback(self._wait)
+        else:
+            self._deadline += seconds
+
+    def _wait(self) -> None:
+        deadline, self._deadline = self._deadline, None
+        sleep_until(deadline)
 
 
 class _SleepInBackward(torch.autograd.Function):
-    """Identity whose backward sleeps ``seconds()`` (or, given ``deadlines``, its next piece);
-    ``anchor`` keeps it in the graph at stage 0."""
+    """Identity whose backward tells ``clock`` that a node of ``seconds()`` ran (the clock
+    decides when to wait); ``anchor`` keeps it in the graph at stage 0."""
 
     @staticmethod
-    def forward(ctx, x, anchor, seconds: Callable[[], float],  # type: ignore[override]
-                deadlines: _Deadlines | None = None):
-        ctx.seconds, ctx.deadlines = seconds, deadlines
+    def forward(ctx, x, anchor, clock: _Deadlines | _WaitAtBackwardEnd,  # type: ignore[override]
+                seconds: Callable[[], float]):
+        ctx.clock, ctx.seconds = clock, seconds
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        if ctx.deadlines is not None:
-            ctx.deadlines.next_part()
-        elif ctx.seconds() > 0:
-            sleep_until(time.perf_counter() + ctx.seconds())
+        ctx.clock.node_done(ctx.seconds())
         return grad.contiguous(), None, None, None
 
 
@@ -177,6 +213,7 @@ class EmulatedStage(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(()))
         self.input_tensor: torch.Tensor | None = None
         self._backward_deadlines = _Deadlines(layers)
+        self.forward_deadline = 0.0  # when the running forward's time is over
 
     @property
     def linear(self) -> Linear:
@@ -191,18 +228,27 @@ class EmulatedStage(nn.Module):
         deferred = self.linear.weight_grad_store is not None
         return self.costs.input_grad_s if deferred else self.costs.backward_s
 
-    def forward(self, batch: torch.Tensor | None) -> torch.Tensor:
-        """The tiny layers (loss per token at the last stage), done when the forward time is."""
-        deadline = time.perf_counter() + self.costs.forward_s
+    def forward(self, batch: torch.Tensor | None, loss_follows: bool = False) -> torch.Tensor:
+        """The tiny layers (loss per token at the last stage), done when the forward time is;
+        with ``loss_follows`` the wait is left to :meth:`finish_forward`, called once the loss
+        is computed, so that the loss is inside the forward's time too."""
+        self.forward_deadline = time.perf_counter() + self.costs.forward_s
         hidden = batch if self.pre_process else self.input_tensor
         for linear in self.linears:
-            hidden = _SleepInBackward.apply(hidden, self.anchor, self._backward_seconds,
-                                            self._backward_deadlines)
+            hidden = _SleepInBackward.apply(hidden, self.anchor, self._backward_deadlines,
+                                            self._backward_seconds)
             hidden = linear(hidden)
         if self.post_process:
             hidden = hidden.pow(2).mean(dim=-1).t()
-        sleep_until(deadline)
-        return _BackwardBegins.apply(hidden, self._backward_deadlines, self._backward_seconds)
+        output = _BackwardBegins.apply(hidden, self._backward_deadlines, self._backward_seconds)
+        if not loss_follows:
+            self.finish_forward()
+        return output
+
+    def finish_forward(self) -> None:
+        """Wait until the forward's time is over (every real work of the forward done first:
+        what follows a wait on this VM runs cache-cold, far slower than the work itself)."""
+        sleep_until(self.forward_deadline)
 
 
 class _DelayedWork:
@@ -250,33 +296,57 @@ class EmulatedCollectives(Collectives):
 
 def emulated_forward_step(batch: torch.Tensor | None, model: EmulatedStage):
     """``forward_step_func`` for :class:`EmulatedStage` (loss = mean of the last stage's output)."""
-    output = model(batch)
+    output = model(batch, loss_follows=model.post_process)
 
     def loss_func(per_token: torch.Tensor):
         loss = per_token.mean()
-        return loss, {"loss": loss.detach()}
+        stats = {"loss": loss.detach()}
+        model.finish_forward()
+        return loss, stats
 
     return output, loss_func
 
 
 class EmulatedTorchStage(nn.Module):
-    """The same emulated stage for ``torch.distributed.pipelining`` (``[b, s, h]`` in and out)."""
+    """The same emulated stage for ``torch.distributed.pipelining`` (``[b, s, h]`` in and out).
 
-    def __init__(self, costs: EmulatedCosts, is_first: bool, hidden: int = 4) -> None:
+    The last stage (``is_last``) leaves the end of its forward's wait to the loss
+    (:func:`mse_then_wait`), so that the loss is inside the forward's time, as in our rows."""
+
+    def __init__(self, costs: EmulatedCosts, is_first: bool, hidden: int = 4,
+                 is_last: bool = False) -> None:
         super().__init__()
         self.costs = costs
+        self.is_last = is_last
         self.weight = nn.Parameter(torch.randn(hidden, hidden) * hidden**-0.5)
         self.anchor = nn.Parameter(torch.zeros(())) if is_first else None
+        self._clock = _WaitAtBackwardEnd()
+        self.forward_deadline = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Input-gradient and weight-gradient sleeps on separate branches, done when the forward
-        time is."""
-        deadline = time.perf_counter() + self.costs.forward_s
-        h = _SleepInBackward.apply(x, self.anchor, lambda: self.costs.input_grad_s)
-        w = _SleepInBackward.apply(self.weight, None, lambda: self.costs.weight_s)
+        time is (the last stage: when the loss is computed)."""
+        self.forward_deadline = time.perf_counter() + self.costs.forward_s
+        h = _SleepInBackward.apply(x, self.anchor, self._clock, lambda: self.costs.input_grad_s)
+        w = _SleepInBackward.apply(self.weight, None, self._clock, lambda: self.costs.weight_s)
         out = h + w.sum() * 0.0
-        sleep_until(deadline)
+        if not self.is_last:
+            self.finish_forward()
         return out
+
+    def finish_forward(self) -> None:
+        """Wait until the forward's time is over."""
+        sleep_until(self.forward_deadline)
+
+
+def mse_then_wait(last_stage: EmulatedTorchStage | None, out: torch.Tensor,
+                  target: torch.Tensor) -> torch.Tensor:
+    """torch's loss function over emulated stages: the mean squared error, then the rest of the
+    last stage's forward time (``last_stage`` is None on ranks that do not hold it)."""
+    loss = (out - target).pow(2).mean()
+    if last_stage is not None:
+        last_stage.finish_forward()
+    return loss
 
 
 def emulated_stage_costs(costs: EmulatedCosts, num_stages: int, num_ranks: int,

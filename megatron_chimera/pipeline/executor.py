@@ -469,7 +469,7 @@ class _Iteration:
                 loss = output / ex.loss_scale_divisor
                 if ex.scale_loss is not None:
                     loss = ex.scale_loss(loss)
-                loss.backward()
+                custom_backward(loss, torch.ones_like(loss))  # loss.backward() minus its checks
             else:
                 custom_backward(output, grad_output)
         if step.produces is not None:

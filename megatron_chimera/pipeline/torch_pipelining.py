@@ -9,6 +9,7 @@ for ZBV and DualPipeV) over the ranks of ``group``, and returns a :class:`TorchP
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from megatron_chimera.pipeline.emulated import (
     EmulatedCosts,
     EmulatedTorchStage,
     emulated_stage_costs,
+    mse_then_wait,
 )
 
 TORCH_SCHEDULES = ("torch-1f1b", "torch-interleaved", "torch-zbv", "torch-dualpipev")
@@ -56,10 +58,6 @@ class TorchPipeline:
             self.schedule.step(**kwargs)
 
 
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).pow(2).mean()
-
-
 def build_torch_pipeline(name: str, d: int, n: int, costs: EmulatedCosts,
                          shape: tuple[int, int, int], group: dist.ProcessGroup | None = None,
                          end_stage_factor: float = 1.0) -> TorchPipeline:
@@ -84,12 +82,15 @@ def build_torch_pipeline(name: str, d: int, n: int, costs: EmulatedCosts,
     per_stage = emulated_stage_costs(costs, num_stages, d, end_stage_factor,
                                      split=name in _SPLIT)
     example = torch.randn(*shape)
+    modules = {sid: EmulatedTorchStage(per_stage[sid], sid == 0, shape[-1],
+                                       is_last=sid == num_stages - 1) for sid in stage_ids}
     stages = [
-        PipelineStage(EmulatedTorchStage(per_stage[sid], sid == 0, shape[-1]), sid, num_stages,
-                      torch.device("cpu"), input_args=(example.clone().requires_grad_(sid > 0),),
+        PipelineStage(modules[sid], sid, num_stages, torch.device("cpu"),
+                      input_args=(example.clone().requires_grad_(sid > 0),),
                       output_args=(example.clone().requires_grad_(),), group=group)
         for sid in stage_ids
     ]
-    schedule = cls(stages[0] if cls is ts.Schedule1F1B else stages, n, loss_fn=_mse)
+    loss_fn = functools.partial(mse_then_wait, modules.get(num_stages - 1))
+    schedule = cls(stages[0] if cls is ts.Schedule1F1B else stages, n, loss_fn=loss_fn)
     inputs = torch.randn(shape[0] * n, *shape[1:])
     return TorchPipeline(name, schedule, stages, stage_ids, num_stages, n, inputs)

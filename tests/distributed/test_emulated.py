@@ -17,6 +17,8 @@ from megatron_chimera.pipeline.emulated import (
     EmulatedStage,
     EmulatedTorchStage,
     SleepingWeightGradStore,
+    emulated_forward_step,
+    mse_then_wait,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -80,10 +82,44 @@ def test_torch_stage_separates_input_and_weight_gradients(sleeps):
 
 
 def test_first_torch_stage_backward_still_waits(sleeps):
-    """Stage 0's input needs no gradient; its full backward still waits the whole backward."""
+    """Stage 0's input needs no gradient; its full backward still waits the whole backward, in
+    one wait at the end of the pass (the two branches' times add up)."""
     stage = EmulatedTorchStage(COSTS, is_first=True)
     stage(torch.randn(2, 3, 4)).sum().backward()
-    assert sorted(sleeps[1:]) == pytest.approx(sorted([COSTS.input_grad_s, COSTS.weight_s]))
+    assert sleeps[1:] == [pytest.approx(COSTS.backward_s)]
+
+
+def test_the_loss_is_inside_the_forward_time(sleeps):
+    """At the last stage the forward's wait comes after the loss (emulated_forward_step's loss
+    function waits); any other stage waits in its forward."""
+    last = EmulatedStage(COSTS, pre_process=True, post_process=True)
+    output, loss_func = emulated_forward_step(torch.randn(3, 2, 4), last)
+    assert sleeps == []
+    loss, stats = loss_func(output)
+    assert sleeps == [pytest.approx(COSTS.forward_s)] and torch.equal(stats["loss"], loss)
+    middle = EmulatedStage(COSTS, pre_process=True, post_process=False)
+    emulated_forward_step(torch.randn(3, 2, 4), middle)
+    assert sleeps[1:] == [pytest.approx(COSTS.forward_s)]
+    torch_last = EmulatedTorchStage(COSTS, is_first=False, is_last=True)
+    out = torch_last(torch.randn(2, 3, 4))
+    assert len(sleeps) == 2
+    mse_then_wait(torch_last, out, torch.zeros_like(out))
+    assert sleeps[2:] == [pytest.approx(COSTS.forward_s)]
+
+
+def test_the_backward_waits_after_its_gradient_accumulation(sleeps, monkeypatch):
+    """The last piece of a backward is waited once the pass has accumulated the gradient of the
+    stage's input (an engine callback), so no real work of B follows its wait."""
+    stage = EmulatedStage(COSTS, pre_process=False, post_process=True)
+    x = torch.randn(3, 2, 4, requires_grad=True)
+    stage.set_input_tensor(x)
+    out = stage(None)
+    seen: list[bool] = []
+    sleep = emulated.time.sleep
+    monkeypatch.setattr(emulated.time, "sleep",
+                        lambda seconds: (seen.append(x.grad is not None), sleep(seconds)))
+    out.mean().backward()
+    assert seen == [True] and sleeps[1:] == [pytest.approx(COSTS.backward_s)]
 
 
 def test_weight_time_cannot_exceed_backward():

@@ -136,6 +136,11 @@ class _WaitAtBackwardEnd:
         deadline, self._deadline = self._deadline, None
         sleep_until(deadline)
 
+    def reset(self) -> None:
+        """Forget a pass that failed before its end (its callback never ran); called by each
+        forward, which never runs inside a backward pass."""
+        self._deadline = None
+
 
 class _SleepInBackward(torch.autograd.Function):
     """Identity whose backward tells ``clock`` that a node of ``seconds()`` ran (the clock
@@ -327,6 +332,7 @@ class EmulatedTorchStage(nn.Module):
         """Input-gradient and weight-gradient sleeps on separate branches, done when the forward
         time is (the last stage: when the loss is computed)."""
         self.forward_deadline = time.perf_counter() + self.costs.forward_s
+        self._clock.reset()
         h = _SleepInBackward.apply(x, self.anchor, self._clock, lambda: self.costs.input_grad_s)
         w = _SleepInBackward.apply(self.weight, None, self._clock, lambda: self.costs.weight_s)
         out = h + w.sum() * 0.0

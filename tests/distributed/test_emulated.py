@@ -89,6 +89,20 @@ def test_first_torch_stage_backward_still_waits(sleeps):
     assert sleeps[1:] == [pytest.approx(COSTS.backward_s)]
 
 
+def test_a_failed_backward_does_not_break_the_next_one(sleeps):
+    """A backward pass that fails after a node queued its wait never runs the wait; the next
+    forward forgets it, so the next backward waits its time again."""
+    stage = EmulatedTorchStage(COSTS, is_first=False)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    handle = x.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        torch.autograd.grad(stage(x).sum(), x)
+    handle.remove()
+    del sleeps[:]
+    torch.autograd.grad(stage(x).sum(), x)
+    assert sleeps[1:] == [pytest.approx(COSTS.input_grad_s)]
+
+
 def test_the_loss_is_inside_the_forward_time(sleeps):
     """At the last stage the forward's wait comes after the loss (emulated_forward_step's loss
     function waits); any other stage waits in its forward."""

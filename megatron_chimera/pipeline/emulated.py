@@ -8,10 +8,9 @@ an action's real work comes before its wait -- the last stage's loss (its loss f
 forward's wait) and a backward's gradient accumulation (its last wait is an engine callback at the
 end of the pass) included: on the development VM whatever follows a long wait runs cache-cold,
 10-20x slower than in a loop, which a device computing for exactly the emulated time would not
-add. A wait
-sleeps, then spins its last :data:`SPIN_S` (the OS wakes a sleeper late, a device does not finish
-late). Sleeping ranks do not compete for cores, so 8 ranks on 2 cores behave like 8 devices and
-the measured iteration time exposes the schedule plus the runtime's overheads.
+add. A wait sleeps, then spins its last :data:`SPIN_S` (the OS wakes a sleeper late, a device
+does not finish late). Sleeping ranks do not compete for cores, so 8 ranks on 2 cores behave like
+8 devices and the measured iteration time exposes the schedule plus the runtime's overheads.
 
 * :class:`EmulatedStage` runs in our executor: its :class:`Linear` layers take the
   weight-gradient time through :class:`SleepingWeightGradStore` (pass it as the executor's

@@ -171,6 +171,23 @@ class _BackwardBegins(torch.autograd.Function):
         return grad, None, None
 
 
+class _TimedForward(nn.Module):
+    """A module whose forward takes ``costs.forward_s``: :meth:`start_forward` starts its clock,
+    :meth:`finish_forward` waits until the time is over (the caller does all of the forward's
+    real work in between: what follows a wait runs cache-cold on this VM)."""
+
+    costs: EmulatedCosts
+    forward_deadline = 0.0  # when the running forward's time is over
+
+    def start_forward(self) -> None:
+        """The forward starts now."""
+        self.forward_deadline = time.perf_counter() + self.costs.forward_s
+
+    def finish_forward(self) -> None:
+        """Wait until the forward's time is over."""
+        sleep_until(self.forward_deadline)
+
+
 class SleepingWeightGradStore(WeightGradStore):
     """WeightGradStore whose flush (the W action) also sleeps each queued layer's W time."""
 
@@ -191,7 +208,7 @@ class SleepingWeightGradStore(WeightGradStore):
         sleep_until(deadline)
 
 
-class EmulatedStage(nn.Module):
+class EmulatedStage(_TimedForward):
     """A pipeline stage for our executor: ``[s, b, h] -> [s, b, h]`` (the loss ``[b, s]`` last).
 
     ``layers`` tiny linear layers share the stage's times; in backward each layer's parameters
@@ -217,7 +234,6 @@ class EmulatedStage(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(()))
         self.input_tensor: torch.Tensor | None = None
         self._backward_deadlines = _Deadlines(layers)
-        self.forward_deadline = 0.0  # when the running forward's time is over
 
     @property
     def linear(self) -> Linear:
@@ -236,7 +252,7 @@ class EmulatedStage(nn.Module):
         """The tiny layers (loss per token at the last stage), done when the forward time is;
         with ``loss_follows`` the wait is left to :meth:`finish_forward`, called once the loss
         is computed, so that the loss is inside the forward's time too."""
-        self.forward_deadline = time.perf_counter() + self.costs.forward_s
+        self.start_forward()
         hidden = batch if self.pre_process else self.input_tensor
         for linear in self.linears:
             hidden = _SleepInBackward.apply(hidden, self.anchor, self._backward_deadlines,
@@ -248,11 +264,6 @@ class EmulatedStage(nn.Module):
         if not loss_follows:
             self.finish_forward()
         return output
-
-    def finish_forward(self) -> None:
-        """Wait until the forward's time is over (every real work of the forward done first:
-        what follows a wait on this VM runs cache-cold, far slower than the work itself)."""
-        sleep_until(self.forward_deadline)
 
 
 class _DelayedWork:
@@ -311,7 +322,7 @@ def emulated_forward_step(batch: torch.Tensor | None, model: EmulatedStage):
     return output, loss_func
 
 
-class EmulatedTorchStage(nn.Module):
+class EmulatedTorchStage(_TimedForward):
     """The same emulated stage for ``torch.distributed.pipelining`` (``[b, s, h]`` in and out).
 
     The last stage (``is_last``) leaves the end of its forward's wait to the loss
@@ -325,12 +336,11 @@ class EmulatedTorchStage(nn.Module):
         self.weight = nn.Parameter(torch.randn(hidden, hidden) * hidden**-0.5)
         self.anchor = nn.Parameter(torch.zeros(())) if is_first else None
         self._clock = _WaitAtBackwardEnd()
-        self.forward_deadline = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Input-gradient and weight-gradient sleeps on separate branches, done when the forward
         time is (the last stage: when the loss is computed)."""
-        self.forward_deadline = time.perf_counter() + self.costs.forward_s
+        self.start_forward()
         self._clock.reset()
         h = _SleepInBackward.apply(x, self.anchor, self._clock, lambda: self.costs.input_grad_s)
         w = _SleepInBackward.apply(self.weight, None, self._clock, lambda: self.costs.weight_s)
@@ -338,10 +348,6 @@ class EmulatedTorchStage(nn.Module):
         if not self.is_last:
             self.finish_forward()
         return out
-
-    def finish_forward(self) -> None:
-        """Wait until the forward's time is over."""
-        sleep_until(self.forward_deadline)
 
 
 def mse_then_wait(last_stage: EmulatedTorchStage | None, out: torch.Tensor,

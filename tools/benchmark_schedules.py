@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -79,6 +80,7 @@ from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
 from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
+from megatron_chimera.pipeline.trace import GapBreakdown, Timeline, TracingTransport, gap_breakdown
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import get_spec, parse_schedule_spec
@@ -114,7 +116,12 @@ class Row:
     def merged(self, later: Row) -> Row:
         """This row with the iterations of the same row measured in a later round."""
         times = self.times + later.times
-        return dataclasses.replace(self, measured_s=statistics.median(times), times=times)
+        extra = dict(self.extra)
+        if "gaps" in self.extra and "gaps" in later.extra:  # traced in both rounds
+            extra["gaps"] = GapBreakdown(*(a + b for a, b in zip(
+                dataclasses.astuple(self.extra["gaps"]), dataclasses.astuple(later.extra["gaps"]))))
+        return dataclasses.replace(self, measured_s=statistics.median(times), times=times,
+                                   extra=extra)
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -201,6 +208,28 @@ class _ReduceAtEnd:
         self.inner.finish()
 
 
+def trace_iteration(stages: dict[int, EmulatedStage], make_executor, transport,
+                    run: Any) -> GapBreakdown | None:
+    """One more iteration with every rank's timeline recorded (:mod:`.trace`): the executor
+    ``make_executor(transport, weight_grad_store_factory)`` runs it on a tracing wrapper of
+    ``transport`` (its connections kept), ``run(executor)`` runs it. Rank 0 returns the gaps of
+    every rank's timeline, the others None."""
+    timeline = Timeline()
+    for stage in stages.values():
+        stage.trace_into(timeline)
+    try:
+        traced = make_executor(TracingTransport(transport, timeline),
+                               functools.partial(SleepingWeightGradStore, timeline=timeline))
+        dist.barrier()
+        run(traced)
+    finally:
+        for stage in stages.values():
+            stage.trace_into(None)
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(timeline.events, gathered, dst=0)
+    return gap_breakdown(gathered) if gathered is not None else None
+
+
 def _grad_sync(stages: dict[int, EmulatedStage], args: argparse.Namespace, mode: str):
     """Buffers and the synchronizer of ``mode`` with the emulated link cost."""
     buffers = build_grad_buffers(stages, grad_reduce_in_fp32=True,
@@ -244,20 +273,20 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                   for s in schedule.stages_of_rank(prank)}
         grad_sync, buffers = _grad_sync(stages, args, mode)
 
-        def executor_for(sched, transport=None):
+        def executor_for(sched, transport=None, store_factory=SleepingWeightGradStore):
             return PipelineExecutor(
                 sched, PipelineTopology.from_parallel_state(), stages,
                 emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
                 torch.float32, loss_scale_divisor=n * w, grad_sync=grad_sync,
-                weight_grad_store_factory=SleepingWeightGradStore, transport=transport,
+                weight_grad_store_factory=store_factory, transport=transport,
             )
 
         executor = executor_for(schedule)
         batch = torch.randn(SEQ, MICRO_BATCH, HIDDEN)
 
-        def step() -> None:
+        def step(run_by: PipelineExecutor | None = None) -> None:
             buffers.zero_()
-            executor.run([batch] * n)
+            (run_by or executor).run([batch] * n)
 
         if profile:
             spec = get_spec(name)
@@ -273,6 +302,11 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                 print(f"{name} N={n} after {profile} profiled iterations:{report.line()}",
                       file=sys.stderr, flush=True)
         times = _timed(step, args.warmup, args.iters)
+        if args.trace:
+            gaps = trace_iteration(stages, functools.partial(executor_for, schedule),
+                                   executor.transport, step)
+            if gaps is not None:
+                extra["gaps"] = gaps
     finally:
         parallel_state.destroy_model_parallel()
     sim = simulate(schedule, cost_model(per_stage, schedule.split_backward, latency, w))
@@ -327,6 +361,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="elements per gradient bucket (an emulated layer has 20)")
     p.add_argument("--grad-reduce", default="stage",
                    help=f"comma-separated modes for our rows: {','.join(GRAD_REDUCE_MODES)}")
+    p.add_argument("--trace", action="store_true",
+                   help="after each of our rows' timed iterations, trace one more and print "
+                        "where the time between compute actions goes (pipeline/trace.py)")
     p.add_argument("--json", default=None, help="write the rows to this JSON file")
     args = p.parse_args(argv)
     args.grad_reduce = [m for m in args.grad_reduce.split(",") if m]
@@ -366,7 +403,29 @@ def format_table(rows: list[Row], latency: float) -> str:
         vs_torch = f"{best.measured_s / r.measured_s:.3f}" if best else "-"
         lines.append(f"| {r.schedule} | {opts} | {r.pipeline_size} | {r.num_microbatches} | "
                      f"{r.measured_s:.3f} | {sim} | {ratio} | {thr} | {vs_torch} |")
-    return "\n".join(lines + summary(rows) + hidden_reduction(rows))
+    return "\n".join(lines + summary(rows) + hidden_reduction(rows) + gap_table(rows))
+
+
+def gap_table(rows: list[Row]) -> list[str]:
+    """Where the time between compute actions went in the traced iterations (``--trace``)."""
+    traced = [r for r in rows if "gaps" in r.extra]
+    if not traced:
+        return []
+    lines = ["", "Between compute actions, over every rank of the traced iterations (ms, median "
+             "/ mean): a critical hop is a wait for a message posted after the receiver's "
+             "previous compute ended (flight: send posted -> wait returns; then wait returns -> "
+             "compute starts); a local gap is compute ends -> next compute starts, the input "
+             "there already.", "",
+             "| schedule | options | N | critical hops | flight | wake -> compute "
+             "| compute -> send | local gaps | local gap |", "|---" * 9 + "|"]
+    for r in traced:
+        s = r.extra["gaps"].summary()
+        cell = {k: f"{v['median_ms']:.3f} / {v['mean_ms']:.3f}" for k, v in s.items()}
+        opts = " ".join(f"{k}={v}" for k, v in r.options.items())
+        lines.append(f"| {r.schedule} | {opts} | {r.num_microbatches} | {s['hops']['count']} | "
+                     f"{cell['hops']} | {cell['wake_to_start']} | {cell['end_to_send']} | "
+                     f"{s['local_gaps']['count']} | {cell['local_gaps']} |")
+    return lines
 
 
 def _label(row: Row) -> str:
@@ -427,13 +486,14 @@ def hidden_reduction(rows: list[Row]) -> list[str]:
 def write_json(path: str, rows: list[Row]) -> None:
     """Write ``[{"schedule", "pipes", "concat", "D", "N", "measured_s", "simulated_s"}]`` (plus
     the options, ``simulated_compute_s``, the makespan without communication, and ``times_s``,
-    every measured iteration) atomically."""
+    every measured iteration; with ``--trace`` the ``gaps`` summary) atomically."""
     data = [{"schedule": r.schedule, "pipes": r.extra.get("pipes"), "concat": r.extra.get("concat"),
              "D": r.pipeline_size, "N": r.num_microbatches, "measured_s": r.measured_s,
              "simulated_s": r.simulated_s, "options": r.options,
              "simulated_compute_s": r.extra.get("simulated_compute_s"), "times_s": r.times,
              **{k: r.extra[k] for k in ("rebuild", "predicted_gain", "schedule_used")
-                if k in r.extra}} for r in rows]
+                if k in r.extra},
+             **({"gaps": r.extra["gaps"].summary()} if "gaps" in r.extra else {})} for r in rows]
     atomic_write(path, lambda f: json.dump(data, f, indent=1), mode="w")
 
 

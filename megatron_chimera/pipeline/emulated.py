@@ -35,6 +35,7 @@ from torch.autograd import Variable
 
 from megatron_chimera.model.linear import Linear, WeightGradStore
 from megatron_chimera.pipeline.grad_sync import Collectives
+from megatron_chimera.pipeline.trace import Timeline
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,12 @@ class EmulatedCosts:
                              self.weight_s * factor)
 
 
-#: the last part of every emulated wait is spun, not slept: waking from ``time.sleep`` takes the
-#: OS 0.15-0.5 ms on the 2-core development VM (up to 3 ms under load), which a device that
-#: computes for exactly the emulated time does not add (see docs/RUNTIME.md, the executor's cost)
-SPIN_S = 0.0005
+#: the last part of every emulated wait is spun, not slept: ``time.sleep`` wakes 0.1-0.2 ms late
+#: on the 2-core development VM (more under load), which a device that computes for exactly the
+#: emulated time does not add. Kept short, since a spinning rank holds one of the 2 cores that 8
+#: ranks share at the step boundaries they reach together: 0.1 ms measured 0.5-2 % closer to the
+#: simulator than 0.5 ms in every row of two alternating pairs of runs (0 ms: further again)
+SPIN_S = 0.0001
 
 
 def sleep_until(deadline: float) -> None:
@@ -91,6 +94,7 @@ class _Deadlines:
 
     def __init__(self, parts: int) -> None:
         self.parts = parts
+        self.timeline: Timeline | None = None  # records the backward's start and end if set
         self._start = 0.0
         self._seconds = 0.0
         self._done = 0
@@ -98,18 +102,24 @@ class _Deadlines:
     def begin(self, seconds: float) -> None:
         """The backward starts now and lasts ``seconds``."""
         self._start, self._seconds, self._done = time.perf_counter(), seconds, 0
+        if self.timeline is not None:
+            self.timeline.compute_starts()
 
     def node_done(self, seconds: float = 0.0) -> None:
         """A layer's backward node ran: wait until the end of its piece (``seconds`` is unused:
         :meth:`begin` was given the whole time)."""
         self._done += 1
-        if self._seconds <= 0:
-            return
         deadline = self._start + self._seconds * self._done / self.parts
         if self._done < self.parts:
-            sleep_until(deadline)
-        else:
-            Variable._execution_engine.queue_callback(lambda: sleep_until(deadline))
+            if self._seconds > 0:
+                sleep_until(deadline)
+        elif self._seconds > 0 or self.timeline is not None:
+            Variable._execution_engine.queue_callback(lambda: self._end(deadline))
+
+    def _end(self, deadline: float) -> None:
+        sleep_until(deadline)
+        if self.timeline is not None:
+            self.timeline.compute_ends()
 
 
 class _WaitAtBackwardEnd:
@@ -178,22 +188,28 @@ class _TimedForward(nn.Module):
 
     costs: EmulatedCosts
     forward_deadline = 0.0  # when the running forward's time is over
+    timeline: Timeline | None = None  # records each action's start and end if set
 
     def start_forward(self) -> None:
         """The forward starts now."""
         self.forward_deadline = time.perf_counter() + self.costs.forward_s
+        if self.timeline is not None:
+            self.timeline.compute_starts()
 
     def finish_forward(self) -> None:
         """Wait until the forward's time is over."""
         sleep_until(self.forward_deadline)
+        if self.timeline is not None:
+            self.timeline.compute_ends()
 
 
 class SleepingWeightGradStore(WeightGradStore):
     """WeightGradStore whose flush (the W action) also sleeps each queued layer's W time."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeline: Timeline | None = None) -> None:
         super().__init__()
         self._sleep_s = 0.0
+        self.timeline = timeline  # records the W's start and end if set
 
     def put(self, weight, bias, inputs, grad_output) -> None:  # noqa: D102 - see base class
         self._sleep_s += getattr(weight, "emulated_weight_seconds", 0.0)
@@ -202,10 +218,14 @@ class SleepingWeightGradStore(WeightGradStore):
     def flush(self) -> None:
         """Compute the (tiny) real gradients, then sleep until the queued weight-gradient time
         has passed."""
+        if self.timeline is not None:
+            self.timeline.compute_starts()
         deadline = time.perf_counter() + self._sleep_s
         self._sleep_s = 0.0
         super().flush()
         sleep_until(deadline)
+        if self.timeline is not None:
+            self.timeline.compute_ends()
 
 
 class EmulatedStage(_TimedForward):
@@ -239,6 +259,10 @@ class EmulatedStage(_TimedForward):
     def linear(self) -> Linear:
         """The first layer."""
         return self.linears[0]
+
+    def trace_into(self, timeline: Timeline | None) -> None:
+        """Record every forward's and backward's start and end into ``timeline`` (None: stop)."""
+        self.timeline = self._backward_deadlines.timeline = timeline
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Input activations of a non-first stage."""

@@ -420,13 +420,13 @@ class _Iteration:
 
     def _forward(self, step: Compute) -> None:
         ex, action = self.ex, step.action
-        input_tensor = None
+        keep_graph = not self.forward_only and not ex.recompute
+        rng_state = _rng_state(ex.device) if ex.recompute and not self.forward_only else None
+        input_tensor = None  # taken late: what needs no input is done before its wait
         if step.needs is not None:
             input_tensor = self.comm.take(step.needs)
             input_tensor.requires_grad_(not self.forward_only)
-        keep_graph = not self.forward_only and not ex.recompute
-        rng_state = _rng_state(ex.device) if ex.recompute and not self.forward_only else None
-        grad_mode = (_NO_CHANGE if keep_graph == torch.is_grad_enabled()
+        grad_mode = (_NO_CHANGE if keep_graph == torch.is_grad_enabled()  # sets it: enter now
                      else torch.set_grad_enabled(keep_graph))
         with self.timer(action), grad_mode:
             output, loss_func = self._run_forward(action, input_tensor)
@@ -457,11 +457,12 @@ class _Iteration:
     def _backward(self, step: Compute) -> None:
         ex, action = self.ex, step.action
         input_tensor, output, rng_state = self.saved.pop(step.key)
-        grad_output = self.comm.take(step.needs) if step.needs is not None else None
         defer = contextlib.nullcontext()
         if ex.schedule.split_backward:
             store = self.stores[step.key] = ex.weight_grad_store_factory()
             defer = defer_weight_grad(ex._linears[action.stage], store)
+        # taken last: what needs no input is done before its wait
+        grad_output = self.comm.take(step.needs) if step.needs is not None else None
         with self.timer(action), defer:
             if ex.recompute:
                 input_tensor, output = self._recompute(action, input_tensor, rng_state)

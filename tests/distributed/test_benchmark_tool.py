@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_chimera.schedules import build_schedule
+
 from .harness import spawn_world
 
 pytestmark = pytest.mark.distributed
@@ -37,7 +39,7 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
     out = tmp_path / "bench.json"
     argv = ["--num-microbatches", "4", "8", "--forward-ms", "2", "--backward-ms", "4",
             "--weight-ms", "2", "--iters", "5", "--warmup", "0", "--rounds", "2",
-            "--json", str(out), "--end-stage-factor", "1.5",
+            "--json", str(out), "--end-stage-factor", "1.5", "--trace",
             "--schedules", "1f1b,chimera,chimera-zb,interleaved:virtual_pipeline_size=2,torch-1f1b,"
             "chimera-zb:profile=2,chimera-zb:costs=unit"]
     spawn_world(_run_tool, 4, argv, timeout_s=110)
@@ -53,8 +55,9 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
         assert set(row) >= {"schedule", "pipes", "concat", "D", "N", "measured_s", "simulated_s"}
         assert row["D"] == 4 and len(row["times_s"]) == 10  # 2 rounds of 5
         if row["schedule"].startswith("torch-"):
-            assert row["simulated_s"] is None
+            assert row["simulated_s"] is None and "gaps" not in row
         else:
+            _check_gaps(row)
             assert row["simulated_s"] >= row["simulated_compute_s"] > 0, row
             assert row["measured_s"] >= 0.97 * row["simulated_compute_s"], row
     tool = _load(TOOL)
@@ -63,6 +66,20 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
     for n in (4, 8):
         assert f"N={n}: our best " in table and "torch's best torch-1f1b" in table
         assert "largest measured/simulated" in table
+
+
+def _check_gaps(row: dict) -> None:
+    """--trace: two traced iterations (one per round) split every rank's time between computes:
+    every gap but each rank's first is either a critical hop or a local gap, and nothing
+    measured on one clock is negative."""
+    gaps = row["gaps"]
+    options = {k: v for k, v in row["options"].items() if k == "virtual_pipeline_size"}
+    schedule = build_schedule(row["schedule"], 4, row["N"], **options)
+    gaps_per_iteration = sum(len(actions) - 1 for actions in schedule.actions)
+    assert gaps["hops"]["count"] + gaps["local_gaps"]["count"] == 2 * gaps_per_iteration, row
+    assert gaps["hops"]["count"] > 0 and gaps["wake_to_start"]["count"] == gaps["hops"]["count"]
+    for kind in ("hops", "wake_to_start", "end_to_send", "local_gaps"):
+        assert 0 <= gaps[kind]["median_ms"] < 50, (kind, row)
 
 
 def _run_overhead_tool(rank: int, world_size: int, argv: list[str]) -> None:

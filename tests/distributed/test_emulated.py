@@ -20,6 +20,7 @@ from megatron_chimera.pipeline.emulated import (
     emulated_forward_step,
     mse_then_wait,
 )
+from megatron_chimera.pipeline.trace import END, START, Timeline
 
 pytestmark = pytest.mark.timeout(30)
 COSTS = EmulatedCosts(forward_s=0.02, backward_s=0.06, weight_s=0.04)
@@ -189,3 +190,28 @@ def test_the_last_part_of_a_wait_is_spun(sleeps, monkeypatch):
     assert len(reads) >= 0.005 / 1e-4  # it spun
     emulated.sleep_until(now[0] + 0.003)
     assert len(sleeps) == 1
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_traced_stage_records_each_action_from_its_start_to_its_wait_end(sleeps, layers):
+    """With a timeline, F, B and W each record one start and one end, the end after the action's
+    last wait (the backward's after its gradient accumulation); without one, nothing is kept."""
+    timeline = Timeline()
+    stage = EmulatedStage(COSTS, pre_process=True, post_process=True, layers=layers)
+    stage.trace_into(timeline)
+    store = SleepingWeightGradStore(timeline=timeline)
+    out = stage(torch.randn(3, 2, 4))
+    assert [e[0] for e in timeline.events] == [START, END]
+    assert timeline.events[1][1] - timeline.events[0][1] == pytest.approx(COSTS.forward_s)
+    with defer_weight_grad(stage, store):
+        out.mean().backward()
+    store.flush()
+    kinds = [e[0] for e in timeline.events]
+    assert kinds == [START, END] * 3
+    times = [e[1] for e in timeline.events]
+    assert times == sorted(times)
+    assert times[3] - times[2] == pytest.approx(COSTS.input_grad_s)
+    assert times[5] - times[4] == pytest.approx(COSTS.weight_s)
+    stage.trace_into(None)
+    stage(torch.randn(3, 2, 4)).mean().backward()
+    assert len(timeline.events) == 6

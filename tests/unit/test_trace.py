@@ -1,0 +1,95 @@
+"""pipeline/trace.py: a traced iteration's gaps between compute actions, split by cause."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_chimera.pipeline.trace import (
+    END,
+    SENT,
+    START,
+    WAITED,
+    Timeline,
+    TracingTransport,
+    gap_breakdown,
+)
+from megatron_chimera.schedules.lowering import ACTIVATION, GRADIENT, RECV, SEND, Message
+
+A = Message(ACTIVATION, 0, 0, 0, 0, 1)  # rank 0 -> 1
+G = Message(GRADIENT, 0, 0, 0, 1, 0)  # rank 1 -> 0
+A1 = Message(ACTIVATION, 0, 1, 0, 0, 1)
+
+
+def test_a_message_sent_after_the_receivers_compute_is_a_critical_hop():
+    """Rank 1 waits from 1.0 for A, which rank 0 posts at 1.5 (0.1 after its compute ends);
+    the wait returns at 1.8 and rank 1 computes from 1.85: a hop of 0.3, then 0.05."""
+    rank0 = [(START, 0.4), (END, 1.4), (SENT, A, 1.5), (START, 1.6), (END, 2.0)]
+    rank1 = [(START, 0.0), (END, 0.9), (WAITED, A, 1.0, 1.8), (START, 1.85), (END, 2.5)]
+    gaps = gap_breakdown([rank0, rank1])
+    assert gaps.hops == [pytest.approx(0.3)]
+    assert gaps.wake_to_start == [pytest.approx(0.05)]
+    assert gaps.end_to_send == [pytest.approx(0.1)]
+    assert gaps.local_gaps == [pytest.approx(0.2)]  # rank 0: 1.4 -> 1.6, nothing waited for
+
+
+def test_a_message_sent_during_the_receivers_compute_leaves_a_local_gap():
+    """The message was posted before the receiver's compute ended: the whole time is the
+    receiver's own."""
+    rank0 = [(START, 0.0), (END, 0.5), (SENT, A, 0.6)]
+    rank1 = [(START, 0.0), (END, 1.0), (WAITED, A, 1.1, 1.12), (START, 1.2), (END, 2.0)]
+    gaps = gap_breakdown([rank0, rank1])
+    assert gaps.hops == [] and gaps.wake_to_start == []
+    assert gaps.local_gaps == [pytest.approx(0.2)]
+
+
+def test_the_last_message_waited_for_decides():
+    """Two messages before one compute, both posted after the receiver's compute ended: the one
+    whose wait returned last is the hop that delayed it (its flight from its own send)."""
+    rank0 = [(START, 0.0), (END, 1.0), (SENT, A, 1.2), (SENT, A1, 1.3)]
+    rank1 = [(START, 0.0), (END, 1.0), (WAITED, A, 1.1, 1.5), (WAITED, A1, 1.5, 1.9),
+             (START, 2.0), (END, 3.0)]
+    gaps = gap_breakdown([rank0, rank1])
+    assert gaps.hops == [pytest.approx(0.6)] and gaps.wake_to_start == [pytest.approx(0.1)]
+
+
+def test_the_first_compute_has_no_gap_and_summary_counts():
+    """Nothing before a rank's first compute counts; the summary gives count, median, mean."""
+    gaps = gap_breakdown([[(WAITED, G, 0.0, 0.5), (START, 0.6), (END, 1.0), (START, 1.1),
+                           (END, 2.0), (START, 2.4), (END, 3.0)]])
+    assert gaps.hops == [] and gaps.local_gaps == [pytest.approx(0.1), pytest.approx(0.4)]
+    summary = gaps.summary()
+    assert summary["local_gaps"]["count"] == 2
+    assert summary["local_gaps"]["median_ms"] == pytest.approx(250.0)
+    assert summary["hops"] == {"count": 0, "median_ms": 0.0, "mean_ms": 0.0}
+
+
+class _Inner:
+    """A transport stand-in: records calls, has an attribute the wrapper must pass through."""
+
+    has_sync_points = False
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def post(self, op, messages, tensors):
+        self.calls.append(("post", op, tuple(messages)))
+        return ["work"] * len(messages)
+
+    def wait(self, work, message):
+        self.calls.append(("wait", message))
+
+
+def test_tracing_transport_records_sends_and_waits_and_delegates():
+    inner, timeline = _Inner(), Timeline()
+    transport = TracingTransport(inner, timeline)
+    assert transport.post(SEND, [A, A1], [None, None]) == ["work", "work"]
+    transport.post(RECV, [G], [None])
+    transport.wait("work", G)
+    timeline.compute_starts()
+    timeline.compute_ends()
+    assert transport.has_sync_points is False  # passed through
+    assert [c[0] for c in inner.calls] == ["post", "post", "wait"]
+    kinds = [(e[0], e[1] if e[0] in (SENT, WAITED) else None) for e in timeline.events]
+    assert kinds == [(SENT, A), (SENT, A1), (WAITED, G), (START, None), (END, None)]
+    waited = timeline.events[2]
+    assert waited[2] <= waited[3] <= timeline.events[3][1] <= timeline.events[4][1]

@@ -69,8 +69,8 @@ class EmulatedCosts:
 #: the last part of every emulated wait is spun, not slept: ``time.sleep`` wakes 0.1-0.2 ms late
 #: on the 2-core development VM (more under load), which a device that computes for exactly the
 #: emulated time does not add. Kept short, since a spinning rank holds one of the 2 cores that 8
-#: ranks share at the step boundaries they reach together: 0.1 ms measured 0.5-2 % closer to the
-#: simulator than 0.5 ms in every row of two alternating pairs of runs (0 ms: further again)
+#: ranks share at the step boundaries they reach together: 0.1 ms measured 0.3-2.1 % closer to
+#: the simulator than 0.5 ms in 19 of 20 rows of two alternating pairs of runs (0 ms: further)
 SPIN_S = 0.0001
 
 

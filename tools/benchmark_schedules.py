@@ -18,7 +18,10 @@ W takes ``--weight-ms``. A schedule with k stages per rank (interleaved, V-shape
 these times per stage. ``--end-stage-factor X`` makes the model's first and last stage X times as
 heavy (embedding, LM head): the extra (X-1) x the times sits on the first and the last (chunk)
 stage of every schedule. Rows ``torch-*`` run torch.distributed.pipelining's schedules on the
-same emulated stages (no simulation).
+same emulated stages (no simulation). ``--trace`` runs one more iteration of each of our rows with
+a timeline on every rank and prints where the time between compute actions went: message flights
+the receiver waited for, the receiver's wake-up, and the executor's local gaps
+(``megatron_chimera/pipeline/trace.py``).
 
 Chimera-ZB rows: ``chimera-zb`` is built for the emulated per-stage costs (known in advance),
 ``chimera-zb:costs=unit`` for 1:1:1 (as training builds it before measuring), and

@@ -121,8 +121,7 @@ class Row:
         times = self.times + later.times
         extra = dict(self.extra)
         if "gaps" in self.extra and "gaps" in later.extra:  # traced in both rounds
-            extra["gaps"] = GapBreakdown(*(a + b for a, b in zip(
-                dataclasses.astuple(self.extra["gaps"]), dataclasses.astuple(later.extra["gaps"]))))
+            extra["gaps"] = self.extra["gaps"].merged(later.extra["gaps"])
         return dataclasses.replace(self, measured_s=statistics.median(times), times=times,
                                    extra=extra)
 

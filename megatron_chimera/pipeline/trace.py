@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from megatron_chimera.schedules.lowering import SEND, Message
@@ -91,10 +91,14 @@ class GapBreakdown:
     end_to_send: list[float] = field(default_factory=list)  # compute ends -> its send posted
     local_gaps: list[float] = field(default_factory=list)  # compute ends -> next starts
 
+    def merged(self, other: GapBreakdown) -> GapBreakdown:
+        """Both breakdowns' gaps together (traced iterations of the same configuration)."""
+        return GapBreakdown(*(getattr(self, f.name) + getattr(other, f.name)
+                              for f in fields(self)))
+
     def summary(self) -> dict[str, dict[str, float]]:
         """Count, median and mean (ms) of each kind."""
-        return {name: _stats(getattr(self, name))
-                for name in ("hops", "wake_to_start", "end_to_send", "local_gaps")}
+        return {f.name: _stats(getattr(self, f.name)) for f in fields(self)}
 
 
 def gap_breakdown(timelines: Sequence[Sequence[Event]]) -> GapBreakdown:

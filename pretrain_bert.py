@@ -25,8 +25,7 @@ from megatron_chimera.data.masking import word_start_table
 from megatron_chimera.data.samplers import batch_to_device
 from megatron_chimera.model.bert import BertModel
 from megatron_chimera.model.family import BERT
-from megatron_chimera.rank_errors import run_main
-from megatron_chimera.training import pretrain_from_flags
+from megatron_chimera.training import pretrain_from_flags, run_main
 
 # Special ids of bare --mock-data (a NullTokenizer has no [CLS]/[SEP]/[MASK]/[PAD]).
 MOCK_PAD, MOCK_CLS, MOCK_SEP, MOCK_MASK = 0, 1, 2, 3

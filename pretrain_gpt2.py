@@ -25,8 +25,7 @@ from megatron_chimera.data.samplers import batch_to_device
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
-from megatron_chimera.rank_errors import run_main
-from megatron_chimera.training import pretrain_from_flags
+from megatron_chimera.training import pretrain_from_flags, run_main
 
 
 def model_provider(config: ModelConfig, seed: int, pre_process: bool = True,

@@ -16,9 +16,9 @@ from megatron_chimera.distributed.grad_buffer import (
     build_grad_buffers,
     shared_embedding_weight,
 )
+from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.optimizer import MegatronOptimizer, ShardGroup, get_megatron_optimizer
 from megatron_chimera.optimizer.builder import InnerFactory
-from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
 from megatron_chimera.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
 

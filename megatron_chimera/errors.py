@@ -6,7 +6,7 @@ other exception is a bug and keeps its traceback. ``--debug-tracebacks`` on the 
 ``MEGATRON_CHIMERA_TRACEBACKS=1`` in the environment, shows the traceback of every error.
 
 Torch-free (base layer): the tools use :func:`run_tool`; the entry scripts use the rank-aware
-``megatron_chimera.rank_errors.run_main`` built on these pieces.
+``megatron_chimera.training.rank_errors.run_main`` built on these pieces.
 """
 
 from __future__ import annotations

@@ -49,7 +49,6 @@ import torch.distributed as dist
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ParallelConfig
 from megatron_chimera.errors import ToolArgumentParser, run_tool
-from megatron_chimera.initialize import initialize_distributed
 from megatron_chimera.pipeline.emulated import (
     EmulatedCosts,
     EmulatedStage,
@@ -61,6 +60,7 @@ from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.registry import parse_schedule_spec
+from megatron_chimera.training.initialize import initialize_distributed
 
 DEFAULT_SCHEDULES = ("1f1b,interleaved:virtual_pipeline_size=2,chimera,chimera-zb,"
                      "torch-1f1b,torch-interleaved,torch-zbv")

@@ -68,8 +68,8 @@ from megatron_chimera import parallel_state
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError, ParallelConfig
 from megatron_chimera.distributed.grad_buffer import build_grad_buffers
+from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.errors import ToolArgumentParser, run_tool
-from megatron_chimera.initialize import initialize_distributed
 from megatron_chimera.pipeline.emulated import (
     EmulatedCollectives,
     EmulatedCosts,
@@ -79,7 +79,6 @@ from megatron_chimera.pipeline.emulated import (
     emulated_stage_costs,
 )
 from megatron_chimera.pipeline.executor import PipelineExecutor
-from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
 from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
@@ -89,6 +88,7 @@ from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import get_spec, parse_schedule_spec
 from megatron_chimera.schedules.simulate import CostModel, simulate
 from megatron_chimera.schedules.validate import validate
+from megatron_chimera.training.initialize import initialize_distributed
 
 DEFAULT_SCHEDULES = (
     "gpipe,1f1b,interleaved:virtual_pipeline_size=2,chimera,chimera:concat=direct,"

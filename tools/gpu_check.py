@@ -33,7 +33,7 @@ import torch
 from benchmark_layer import matmul_peak_tflops, model_flops_per_step, time_training_step
 
 from megatron_chimera.atomic import atomic_write_text
-from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from megatron_chimera.checkpoint.checkpointing import StageSlice, load_checkpoint, save_checkpoint
 from megatron_chimera.config import ModelConfig, OptimizerConfig
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.model.family import GPT2

@@ -1,7 +1,7 @@
 """``import_hf`` and ``export_hf``: Hugging Face directories <-> our layout-independent checkpoints.
 
 An import builds the whole model once, loads the mapped weights into it (strictly: every tensor
-used, every parameter filled) and writes it with :func:`~megatron_chimera.checkpointing.
+used, every parameter filled) and writes it with :func:`~megatron_chimera.checkpoint.checkpointing.
 save_checkpoint` as a *release* checkpoint at iteration 0: ``--load`` then starts training from it
 with a fresh optimizer under any D, pipes and W. The checkpoint records the model's arguments, the
 family and the tokenizer, so the tools and ``export_hf`` need nothing else. An export loads the
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from megatron_chimera.checkpointing import StageSlice, read_tracker, save_checkpoint
+from megatron_chimera.checkpoint.checkpointing import StageSlice, read_tracker, save_checkpoint
 from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,

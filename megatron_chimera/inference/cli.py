@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from megatron_chimera.atomic import atomic_write
-from megatron_chimera.checkpointing import CheckpointError
+from megatron_chimera.checkpoint.checkpointing import CheckpointError
 from megatron_chimera.config import ConfigError
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, MegatronTokenizer
 from megatron_chimera.errors import run_tool

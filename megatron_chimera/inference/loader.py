@@ -15,12 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_chimera.checkpoint_args import read_common, saved_data_config, saved_model_config
-from megatron_chimera.checkpointing import (
+from megatron_chimera.checkpoint.checkpointing import (
     CheckpointError,
     StageSlice,
     checkpoint_dir,
     load_checkpoint,
+)
+from megatron_chimera.checkpoint.saved_args import (
+    read_common,
+    saved_data_config,
+    saved_model_config,
 )
 from megatron_chimera.config import ConfigError, DataConfig, ModelConfig
 from megatron_chimera.data.tokenizers import MegatronTokenizer, build_tokenizer

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from megatron_chimera.distributed.grad_sync import Collectives
 from megatron_chimera.model.linear import Linear, WeightGradStore
-from megatron_chimera.pipeline.grad_sync import Collectives
 from megatron_chimera.pipeline.trace import Timeline
 
 

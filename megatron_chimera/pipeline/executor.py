@@ -54,9 +54,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
-from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
 from megatron_chimera.pipeline.p2p import (
     P2PCommunicator,
     deallocate_output_tensor,

@@ -4,7 +4,7 @@ Under sequence parallelism the LayerNorm weights and biases (and row-parallel bi
 head transform) see only this rank's sequence chunk, so each rank's gradient is partial: they
 carry ``sequence_parallel = True`` and their gradients are summed over the tensor-parallel group
 once per iteration (Megatron's ``_allreduce_layernorm_grads``). The runtime does it in one place:
-:class:`~megatron_chimera.pipeline.grad_sync.GradientSynchronizer` sums a bucket's
+:class:`~megatron_chimera.distributed.grad_sync.GradientSynchronizer` sums a bucket's
 sequence-parallel gradients (``main_grad``, their views of the gradient buffer) over the
 tensor-parallel group right before it starts the bucket's data-parallel reduction, so the
 all-reduce or reduce-scatter over the stage-replica group carries the full gradient, with or

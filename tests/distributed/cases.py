@@ -17,8 +17,8 @@ import torch
 from megatron_chimera import parallel_state
 from megatron_chimera.config import ConfigError, DDPConfig, OptimizerConfig
 from megatron_chimera.data_parallel import build_data_parallel
+from megatron_chimera.distributed.grad_sync import assert_replicas_identical, broadcast_stage_params
 from megatron_chimera.pipeline.executor import PipelineExecutor
-from megatron_chimera.pipeline.grad_sync import assert_replicas_identical, broadcast_stage_params
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import SCHEDULES, build_schedule
 from megatron_chimera.schedules.actions import FORWARD, Schedule

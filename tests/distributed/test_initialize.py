@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_chimera.config import ConfigError, ParallelConfig
-from megatron_chimera.initialize import initialize_distributed
+from megatron_chimera.training.initialize import initialize_distributed
 
 pytestmark = pytest.mark.timeout(30)
 

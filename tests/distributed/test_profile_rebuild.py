@@ -30,6 +30,7 @@ W = (0.006, 0.005, 0.005, 0.007)
 def _profile_and_rebuild(rank: int, world_size: int) -> None:
     from megatron_chimera import parallel_state
     from megatron_chimera.distributed.grad_buffer import build_grad_buffers
+    from megatron_chimera.distributed.grad_sync import GradientSynchronizer
     from megatron_chimera.pipeline.emulated import (
         EmulatedCosts,
         EmulatedStage,
@@ -37,7 +38,6 @@ def _profile_and_rebuild(rank: int, world_size: int) -> None:
         emulated_forward_step,
     )
     from megatron_chimera.pipeline.executor import PipelineExecutor
-    from megatron_chimera.pipeline.grad_sync import GradientSynchronizer
     from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
     from megatron_chimera.pipeline.topology import PipelineTopology
     from megatron_chimera.schedules import build_schedule

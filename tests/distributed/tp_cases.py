@@ -22,7 +22,7 @@ import torch.distributed as dist
 import pretrain_bert
 import pretrain_gpt2
 from megatron_chimera import parallel_state
-from megatron_chimera.checkpointing import (
+from megatron_chimera.checkpoint.checkpointing import (
     StageSlice,
     checkpoint_dir,
     global_name,
@@ -33,10 +33,10 @@ from megatron_chimera.checkpointing import (
 )
 from megatron_chimera.config import DDPConfig, ModelConfig, OptimizerConfig
 from megatron_chimera.data_parallel import build_data_parallel
+from megatron_chimera.distributed.grad_sync import assert_replicas_identical
 from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.optimizer import get_megatron_optimizer
 from megatron_chimera.pipeline.executor import PipelineExecutor
-from megatron_chimera.pipeline.grad_sync import assert_replicas_identical
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.validate import validate

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from megatron_chimera.arguments import parse_args
 from megatron_chimera.config import ConfigError
+from megatron_chimera.training.arguments import parse_args
 
 BASE = (
     "--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -130,8 +130,8 @@ def test_data_path_prefix_must_exist(tmp_path):
 
 
 def test_chimera_max_inflight_reaches_the_split_backward_schedule():
-    from megatron_chimera.config_checks import build_schedule_for
     from megatron_chimera.schedules.simulate import simulate
+    from megatron_chimera.training.config_checks import build_schedule_for
 
     config = parse("--pipeline-model-parallel-size 4 --chimera-pipes 2 --chimera-split-backward "
                    "--chimera-max-inflight 3", world_size=4)
@@ -207,7 +207,7 @@ def test_stage_costs_file_and_time_partition_accepted(tmp_path):
 
 
 def test_profile_iterations_help_names_the_default():
-    from megatron_chimera.arguments import DEFAULT_PROFILE_ITERATIONS
-    from megatron_chimera.flag_catalog import HELP
+    from megatron_chimera.training.arguments import DEFAULT_PROFILE_ITERATIONS
+    from megatron_chimera.training.flag_catalog import HELP
 
     assert f"(default {DEFAULT_PROFILE_ITERATIONS}," in HELP["profile_iterations"]

@@ -209,7 +209,7 @@ def test_cli_rejects_bad_input(capsys):
 ])
 def test_generated_flags_parse_into_the_same_layout(layout):
     """The command's flags go through the framework's own parser to the chosen layout."""
-    from megatron_chimera.arguments import parse_args
+    from megatron_chimera.training.arguments import parse_args
     from megatron_chimera.tuning.command import pretrain_flags
 
     spec = ModelSpec(ModelConfig(num_layers=16, hidden_size=64, num_attention_heads=4,

@@ -6,21 +6,21 @@ import dataclasses
 
 import pytest
 
-from megatron_chimera.arguments import parse_args
-from megatron_chimera.checkpoint_args import (
-    CheckpointArgsError,
-    check_checkpoint_args,
-    checkpoint_args_mismatches,
-)
-from megatron_chimera.checkpointing import (
+from megatron_chimera.checkpoint.checkpointing import (
     CheckpointError,
     StageSlice,
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_chimera.checkpoint.saved_args import (
+    CheckpointArgsError,
+    check_checkpoint_args,
+    checkpoint_args_mismatches,
+)
 from megatron_chimera.config import ConfigError
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
+from megatron_chimera.training.arguments import parse_args
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
         "--micro-batch-size 1 --lr 1e-3 --train-iters 2 --mock-data --vocab-size 500").split()

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from megatron_chimera.checkpointing import (
+from megatron_chimera.checkpoint.checkpointing import (
     TRACKER_FILENAME,
     CheckpointError,
     StageSlice,
@@ -66,7 +66,7 @@ def train_step(stages, optimizer, scheduler, step):
 
 
 def global_state(stages):
-    from megatron_chimera.checkpointing import global_name
+    from megatron_chimera.checkpoint.checkpointing import global_name
 
     out = {}
     for st in stages:
@@ -158,7 +158,7 @@ CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {test_dir!r})
     from test_checkpointing import build
-    from megatron_chimera.checkpointing import save_checkpoint
+    from megatron_chimera.checkpoint.checkpointing import save_checkpoint
     root = sys.argv[1]
     stages, opt, sched = build([(0, 4)])
     save_checkpoint(root, 1, stages, [(0, 4)], opt, sched, rank=0, world_size=1,

@@ -162,13 +162,13 @@ def test_ngram_length_distribution():
 
 def test_mock_bert_whole_words_and_provider_flag(tmp_path):
     import pretrain_bert
-    from megatron_chimera.arguments import parse_args
+    from megatron_chimera.training.arguments import parse_args
 
     vocab = write_wordpiece_vocab(str(tmp_path))
     base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 24 "
             "--micro-batch-size 2 --lr 1e-3 --train-iters 2 --mock-data "
             f"--tokenizer-type BertWordPieceLowerCase --vocab-file {vocab}").split()
-    from megatron_chimera.training import build_tokenizer_for
+    from megatron_chimera.training.training import build_tokenizer_for
 
     for extra, whole in (([], True), (["--no-whole-word-masking"], False),
                          (["--masking-max-ngram", "1"], True)):

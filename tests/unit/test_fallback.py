@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_chimera.arguments import parse_args_and_schedule
 from megatron_chimera.config import ConfigError
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.cost_grid import grid_point
@@ -14,6 +13,7 @@ from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_sche
 from megatron_chimera.schedules.rebuild import rebuild_for_costs
 from megatron_chimera.schedules.registry import ChimeraZBOptions, ZBH1Options
 from megatron_chimera.schedules.simulate import simulate
+from megatron_chimera.training.arguments import parse_args_and_schedule
 
 SMALL_W = StageCosts.uniform(1.0, 0.5, 0.125, 8)  # B/F 0.5, W/B 0.25: splitting gains little
 BASE = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "

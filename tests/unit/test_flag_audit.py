@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_chimera import flag_catalog
-from megatron_chimera.arguments import build_parser, parse_args
 from megatron_chimera.config import ConfigError
 from megatron_chimera.schedules.registry import all_option_flags, flag_dest
+from megatron_chimera.training import flag_catalog
+from megatron_chimera.training.arguments import build_parser, parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "gen_flags_doc.py"
@@ -65,7 +65,8 @@ def test_every_parsed_flag_is_read_somewhere():
     consumes it while parsing (``args.dest``), or it is an always-on Megatron flag."""
     tool = _tool()
     sources = _library_sources()
-    arguments = (ROOT / "megatron_chimera" / "arguments.py").read_text(encoding="utf-8")
+    arguments = (ROOT / "megatron_chimera" / "training" / "arguments.py").read_text(
+        encoding="utf-8")
     unread = []
     for action in _actions():
         dest = action.dest
@@ -151,7 +152,7 @@ def test_entry_scripts_reject_with_one_line(script, flags, message, capsys, monk
     import signal
     import sys
 
-    from megatron_chimera import rank_errors
+    from megatron_chimera.training import rank_errors
 
     module = importlib.import_module(script)
     from megatron_chimera.training import run_main

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from megatron_chimera.arguments import parse_args
 from megatron_chimera.errors import UserError
-from megatron_chimera.health import (
+from megatron_chimera.training.arguments import parse_args
+from megatron_chimera.training.health import (
     NonFiniteError,
     TrainingStalledError,
     check_loss_and_grad,

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_chimera.checkpoint_args import check_model_matches_checkpoint
-from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from megatron_chimera.checkpoint.checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from megatron_chimera.checkpoint.saved_args import check_model_matches_checkpoint
 from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,

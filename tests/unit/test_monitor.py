@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from megatron_chimera.arguments import parse_args
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.model.family import BERT, GPT2
 from megatron_chimera.model.flops import training_flops
-from megatron_chimera.monitor import (
+from megatron_chimera.schedules import build_schedule
+from megatron_chimera.training.arguments import parse_args
+from megatron_chimera.training.monitor import (
     IterationStats,
     Timers,
     TrainingMonitor,
     measured_bubble_ratio,
     predicted_bubble_ratio,
 )
-from megatron_chimera.schedules import build_schedule
 
 
 def test_gpt_flops_match_megatron_formula():
@@ -163,7 +163,7 @@ def test_timers_and_memory_to_tensorboard(tmp_path):
 
 
 def test_memory_stats_on_cpu():
-    from megatron_chimera.monitor import gather_memory_stats, memory_stats
+    from megatron_chimera.training.monitor import gather_memory_stats, memory_stats
 
     stats = memory_stats()
     assert set(stats) == {"mem-rss-bytes", "mem-max-rss-bytes"}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_chimera.checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from megatron_chimera.checkpoint.checkpointing import StageSlice, load_checkpoint, save_checkpoint
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.model.gpt2 import GPTModel

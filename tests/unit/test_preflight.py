@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from megatron_chimera.arguments import parse_args
 from megatron_chimera.config import ConfigError
 from megatron_chimera.model.family import GPT2
-from megatron_chimera.preflight import (
+from megatron_chimera.training.arguments import parse_args
+from megatron_chimera.training.preflight import (
     PreflightError,
     check_resume_iteration,
     check_save_dir,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from megatron_chimera.checkpoint_args import model_flags
+from megatron_chimera.checkpoint.saved_args import model_flags
 from megatron_chimera.errors import ToolArgumentParser
 from megatron_chimera.hf.convert import export_hf, import_hf
 from megatron_chimera.inference.cli import run_cli

@@ -20,12 +20,12 @@ from megatron_chimera.config import (
 )
 from megatron_chimera.data.dataset_utils import parse_data_paths, parse_split
 from megatron_chimera.data.tokenizers import check_tokenizer_args
-from megatron_chimera.initialize import check_backend
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_schedule
 from megatron_chimera.schedules.registry import get_spec
 from megatron_chimera.schedules.validate import validate as validate_schedule
+from megatron_chimera.training.initialize import check_backend
 
 
 def never_slower_than_unsplit(schedule: Schedule, options: object) -> Schedule:

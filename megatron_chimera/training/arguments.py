@@ -29,13 +29,13 @@ from megatron_chimera.config import (
     TrainConfig,
     TrainingConfig,
 )
-from megatron_chimera.config_checks import build_schedule_for, validate
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES
 from megatron_chimera.errors import DEBUG_FLAG
-from megatron_chimera.flag_catalog import apply_help, refused_flag_message
 from megatron_chimera.model.document_attention import IMPLEMENTATIONS as DOCUMENT_ATTENTIONS
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
+from megatron_chimera.training.config_checks import build_schedule_for, validate
+from megatron_chimera.training.flag_catalog import apply_help, refused_flag_message
 
 __all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
            "build_schedule_for"]

@@ -36,7 +36,7 @@ from megatron_chimera.errors import (
     tracebacks_requested,
     user_error_in,
 )
-from megatron_chimera.process import die_with_parent, launched_by_torchrun
+from megatron_chimera.training.process import die_with_parent, launched_by_torchrun
 
 _CLAIM_KEY = "megatron_chimera/error_claims"
 _FIRST_KEY = "megatron_chimera/first_error_rank"
@@ -165,7 +165,7 @@ def _raise_terminated(signum, frame) -> None:  # noqa: ARG001 - signal handler s
 def run_main(main: Callable[[], None]) -> None:
     """Run an entry script's ``main``; on any failure report it once (see the module docstring)
     and exit non-zero. Under torchrun the process also dies with its launcher
-    (:func:`~megatron_chimera.process.die_with_parent`)."""
+    (:func:`~megatron_chimera.training.process.die_with_parent`)."""
     if launched_by_torchrun():
         die_with_parent()
     if threading.current_thread() is threading.main_thread():

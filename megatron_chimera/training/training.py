@@ -20,9 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_chimera import parallel_state
-from megatron_chimera.arguments import build_schedule_for, parse_args_and_schedule
-from megatron_chimera.checkpoint_args import check_checkpoint_args
-from megatron_chimera.checkpointing import (
+from megatron_chimera.checkpoint.checkpointing import (
     StageSlice,
     checkpoint_dir,
     get_rng_state,
@@ -32,6 +30,7 @@ from megatron_chimera.checkpointing import (
     set_rng_state,
     stage_named_parameters,
 )
+from megatron_chimera.checkpoint.saved_args import check_checkpoint_args
 from megatron_chimera.config import ConfigError, TrainConfig
 from megatron_chimera.data.samplers import (
     build_data_iterator,
@@ -39,20 +38,10 @@ from megatron_chimera.data.samplers import (
     next_microbatches,
 )
 from megatron_chimera.data_parallel import build_data_parallel
-from megatron_chimera.flag_catalog import family_flag_errors
-from megatron_chimera.health import check_loss_and_grad, check_skipped
-from megatron_chimera.initialize import initialize_megatron
 from megatron_chimera.model.dropout_rng import KeyedMicrobatch, keyed_forward_step, microbatch_key
 from megatron_chimera.model.family import GPT2, ModelFamily
 from megatron_chimera.model.flops import training_flops
 from megatron_chimera.model.partition import partition_layers
-from megatron_chimera.monitor import (
-    IterationStats,
-    Timers,
-    TrainingMonitor,
-    gather_memory_stats,
-    predicted_bubble_ratio,
-)
 from megatron_chimera.optimizer import (
     OptimizerParamScheduler,
 )
@@ -60,11 +49,13 @@ from megatron_chimera.pipeline.executor import PipelineExecutor
 from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import make_transport
-from megatron_chimera.preflight import check_outputs, check_resume_iteration, check_splits
-from megatron_chimera.rank_errors import run_main  # noqa: F401 - re-exported for entry scripts
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.rebuild import RebuildReport
-from megatron_chimera.training_profile import (
+from megatron_chimera.training.arguments import build_schedule_for, parse_args_and_schedule
+from megatron_chimera.training.flag_catalog import family_flag_errors
+from megatron_chimera.training.health import check_loss_and_grad, check_skipped
+from megatron_chimera.training.initialize import initialize_megatron
+from megatron_chimera.training.measured_costs import (
     PROFILED_KEY,
     profiled_record,
     profiling_for,
@@ -73,6 +64,14 @@ from megatron_chimera.training_profile import (
     save_profiled_costs,
     time_partition,
 )
+from megatron_chimera.training.monitor import (
+    IterationStats,
+    Timers,
+    TrainingMonitor,
+    gather_memory_stats,
+    predicted_bubble_ratio,
+)
+from megatron_chimera.training.preflight import check_outputs, check_resume_iteration, check_splits
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]

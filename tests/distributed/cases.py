@@ -23,8 +23,8 @@ from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import SCHEDULES, build_schedule
 from megatron_chimera.schedules.actions import FORWARD, Schedule
 from megatron_chimera.schedules.validate import validate
+from tests.helpers.schedules import with_weight_actions
 
-from ..schedule_helpers import with_weight_actions
 from .toy_model import (
     HIDDEN,
     MICRO_BATCH,
@@ -161,8 +161,8 @@ BUCKET_ELEMENTS = 40  # about one toy layer (72 elements) per bucket
 # Megatron's data-parallel flags: overlapped bucketed reduction (tiny buckets, so stages have
 # several) x the distributed optimizer (with the background parameter all-gather when reduction
 # overlaps too). The third flag, --accumulate-allreduce-grads-in-fp32, is on in every variant:
-# for these fp32 models it leaves the buffers fp32 either way (tests/unit/test_grad_buffer.py
-# checks that, and what it changes for 16-bit models).
+# for these fp32 models it leaves the buffers fp32 either way
+# (tests/unit/distributed/test_grad_buffer.py checks that, and what it changes for 16-bit models).
 DDP_VARIANTS = tuple(
     DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
               bucket_size=BUCKET_ELEMENTS if overlap else None,

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from megatron_chimera.schedules import build_schedule
+from tests.helpers import REPO_ROOT
 
 from .harness import spawn_world
 
 pytestmark = pytest.mark.distributed
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "benchmark_schedules.py"
+TOOL = REPO_ROOT / "tools" / "benchmark_schedules.py"
 
 
 OVERHEAD_TOOL = TOOL.parent / "benchmark_overhead.py"

@@ -24,8 +24,8 @@ from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.actions import FORWARD
 from megatron_chimera.schedules.lowering import RECV
+from tests.helpers.schedules import with_weight_actions
 
-from ..schedule_helpers import with_weight_actions
 from .harness import spawn_world
 
 pytestmark = pytest.mark.distributed

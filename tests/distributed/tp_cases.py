@@ -42,8 +42,8 @@ from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.validate import validate
 from megatron_chimera.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron_chimera.tensor_parallel.utils import is_tensor_parallel
+from tests.helpers.tensor_parallel import full_state
 
-from ..tp_helpers import full_state
 from .cases import run_each
 
 STEPS = 3

@@ -11,8 +11,9 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
+from tests.helpers import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 
 # A tiny GPT/BERT: 8 layers, hidden 64, seq 32, vocab ~512, dropout off so layouts agree.
 TINY = (

@@ -8,13 +8,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_chimera.schedules.simulate import simulate
+from tests.helpers import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 DEMOS = ("demo_schedule", "demo_model", "demo_performance")
 
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import REPO_ROOT
+
+REPO = REPO_ROOT
 SCRIPTS = sorted((REPO / "examples").glob("*.sh")) + sorted(
     (REPO / "examples" / "slurm").glob("*.sbatch")
 )

@@ -16,7 +16,7 @@ from megatron_chimera.data.gpt_dataset import MockGPTDataset
 from megatron_chimera.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_chimera.data.tokenizers import build_tokenizer
 from megatron_chimera.inference.loader import load_model
-from tests.hf_models import reload_gpt2, save_gpt2
+from tests.helpers.hf_models import reload_gpt2, save_gpt2
 
 from .launcher import launch, scalars
 

@@ -12,8 +12,8 @@ import pytest
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
 from megatron_chimera.training.process import die_with_parent
+from tests.helpers.processes import alive, children_of
 
-from ..proc_helpers import alive, children_of
 from .launcher import ROOT, TINY
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow,

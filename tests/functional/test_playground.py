@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +16,9 @@ from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.plot import text_chart
 from megatron_chimera.schedules.simulate import CostModel, simulate
+from tests.helpers import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 sys.path.insert(0, str(ROOT / "tools"))
 import chimera_playground as playground  # noqa: E402
 

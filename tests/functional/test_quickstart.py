@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
+from tests.helpers import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = REPO_ROOT
 
 
 def _run_quickstart(out_dir: Path) -> str:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "megatron_chimera"
+from tests.helpers import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "megatron_chimera"
 
 # Each module belongs to one layer; a layer may import itself and the layers listed for it.
 # the driver: the training/ and checkpoint/ packages, and the data-parallel builder

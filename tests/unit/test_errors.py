@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,8 +15,9 @@ from megatron_chimera.errors import (
     one_line,
     user_error_in,
 )
+from tests.helpers import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 pytestmark = pytest.mark.timeout(120)
 
 SCRIPT = """

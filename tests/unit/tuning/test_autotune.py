@@ -1,0 +1,319 @@
+"""Autotuner: memory filter, the best of a hand-checked space, branch and bound, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+
+import pytest
+
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.tuning.autotune import JSON_KEYS, SearchSpace, autotune, enumerate_layouts
+from megatron_chimera.tuning.command import pretrain_flags
+from megatron_chimera.tuning.costs import ModelSpec, StagePiece
+from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile
+from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingLayout
+from tests.helpers import REPO_ROOT
+
+ROOT = REPO_ROOT
+FREE = LinkProfile(alpha_s=0.0, bandwidth_gbps=math.inf)
+ZERO_COMM = HardwareProfile("zero-comm", 10.0, 20.0, 0.5, 16.0, 8, FREE, FREE)
+
+
+class PerLayerCompute:
+    """Forward = B x layers of the stage seconds; backward twice that (+1 forward recomputed)."""
+
+    def stage_times(self, piece: StagePiece, micro_batch: int, recompute: bool) -> StageTimes:
+        forward = float(micro_batch * piece.num_layers)
+        return StageTimes(forward, 2 * forward + (forward if recompute else 0.0), 0.0)
+
+
+def gpt(num_layers: int = 8) -> ModelSpec:
+    return ModelSpec(ModelConfig(num_layers=num_layers, hidden_size=64, num_attention_heads=4,
+                                 seq_length=32, vocab_size=500), "gpt2")
+
+
+def hand_space(distributed_optimizer: tuple[bool, ...] = (False,)) -> SearchSpace:
+    return SearchSpace(num_gpus=4, global_batch_size=8, num_layers=8,
+                       schedules=("gpipe", "1f1b", "chimera"), micro_batch_sizes=(2,),
+                       recompute=(False,), option_values=(("pipes", (2,)),),
+                       partition_methods=("uniform",),
+                       distributed_optimizer=distributed_optimizer)
+
+
+# Hand-checked iteration times (forward F = B x layers per stage, backward 2F, no communication):
+# D=2 (W=2, N=2, F=8):  GPipe / 1F1B (N+D-1) 3F = 72;  Chimera basic unit (5D-4) F = 48
+# D=4 (W=1, N=4, F=4):  GPipe / 1F1B (N+D-1) 3F = 84;  Chimera basic unit (5D-4) F = 64
+HAND_TIMES = {("gpipe", 2): 72.0, ("1f1b", 2): 72.0, ("chimera", 2): 48.0,
+              ("gpipe", 4): 84.0, ("1f1b", 4): 84.0, ("chimera", 4): 64.0}
+
+
+def test_enumeration_of_the_hand_space():
+    layouts = list(enumerate_layouts(hand_space()))
+    assert {(layout.schedule, layout.D, layout.W, layout.B, layout.N) for layout in layouts} == {
+        (s, D, 4 // D, 2, 8 // (4 // D * 2)) for s, D in HAND_TIMES}
+
+
+def test_picks_the_best_of_a_hand_checked_space():
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    result = autotune(model, hand_space(), memory_limit_bytes=10**12)
+    times = {(p.layout.schedule, p.layout.D): p.iteration_s for p in result.ranked}
+    assert times == pytest.approx(HAND_TIMES)
+    assert (result.best.layout.schedule, result.best.layout.D) == ("chimera", 2)
+    assert result.best.samples_per_s == pytest.approx(8 / 48.0)
+    assert [p.samples_per_s for p in result.ranked] == sorted(
+        (p.samples_per_s for p in result.ranked), reverse=True)
+
+
+def test_drops_layouts_over_the_memory_limit():
+    """Chimera at D=2 holds the whole model twice per rank: below its peak it must drop out and
+    the best fitting layout (Chimera at D=4) win."""
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    chimera2 = TrainingLayout.of("chimera", 2, 2, 2, 2, pipes=2)
+    limit = max(m.total_bytes for m in model.memory(chimera2)) - 1
+    others = [layout for layout in enumerate_layouts(hand_space()) if layout != chimera2]
+    assert all(max(m.total_bytes for m in model.memory(o)) <= limit for o in others)
+    result = autotune(model, hand_space(), memory_limit_bytes=limit)
+    assert [layout for layout, _ in result.over_memory] == [chimera2]
+    assert all(p.peak_memory_bytes <= limit for p in result.ranked)
+    assert (result.best.layout.schedule, result.best.layout.D) == ("chimera", 4)
+    assert result.best.iteration_s == pytest.approx(64.0)
+    with pytest.raises(ConfigError, match="no layout fits"):
+        _ = autotune(model, hand_space(), memory_limit_bytes=1).best
+
+
+def test_the_distributed_optimizer_lets_chimera_fit_where_its_replicas_did_not():
+    """Chimera D=2 over its limit (two stage replicas per rank) fits once its optimizer state is
+    sharded over its stage-replica groups, and wins again; where every layout fits, the plain
+    layouts rank first (the sharded ones pay an exposed parameter all-gather)."""
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    chimera2 = TrainingLayout.of("chimera", 2, 2, 2, 2, pipes=2)
+    sharded = TrainingLayout.of("chimera", 2, 2, 2, 2, distributed_optimizer=True, pipes=2)
+    peak = max(m.total_bytes for m in model.memory(chimera2))
+    assert max(m.total_bytes for m in model.memory(sharded)) < peak
+    assert "--use-distributed-optimizer" in pretrain_flags(gpt(), sharded)
+    space = hand_space(distributed_optimizer=(False, True))
+    assert sharded in list(enumerate_layouts(space))
+    # 1F1B/GPipe at D=4, W=1 have one-rank stage-replica groups: no sharded variant
+    assert TrainingLayout("1f1b", 4, 1, 2, 4, distributed_optimizer=True) not in list(
+        enumerate_layouts(space))
+    result = autotune(model, space, memory_limit_bytes=peak - 1)
+    assert [layout for layout, _ in result.over_memory] == [chimera2]
+    assert result.best.layout == sharded and result.best.iteration_s == pytest.approx(48.0)
+
+
+def test_recomputation_is_tried_only_when_the_plain_layout_does_not_fit():
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    space = SearchSpace(num_gpus=4, global_batch_size=32, num_layers=8, schedules=("gpipe",),
+                        micro_batch_sizes=(4,), recompute=(False, True),
+                        partition_methods=("uniform",), distributed_optimizer=(False,))
+    plain = TrainingLayout("gpipe", 2, 2, 4, 4)
+    peak_plain = max(m.total_bytes for m in model.memory(plain))
+    loose = autotune(model, space, memory_limit_bytes=10**12)
+    assert not any(p.layout.recompute for p in loose.ranked) and loose.dominated == 2
+    tight = autotune(model, space, memory_limit_bytes=peak_plain - 1)
+    recomputing = [p.layout for p in tight.ranked if p.layout.recompute]
+    assert TrainingLayout("gpipe", 2, 2, 4, 4, recompute=True) in recomputing
+
+
+def test_branch_and_bound_keeps_the_exhaustive_top_rows():
+    spec = ModelSpec(ModelConfig(num_layers=16, hidden_size=256, num_attention_heads=8,
+                                 seq_length=128, vocab_size=1000), "bert")
+    space = SearchSpace(num_gpus=8, global_batch_size=64, num_layers=16,
+                        schedules=("gpipe", "1f1b", "interleaved", "chimera", "zb-h1"))
+    limit = 2 * 2**30
+    full = autotune(PerformanceModel(spec, PRESETS["a100"]), space, limit)
+    fast = autotune(PerformanceModel(spec, PRESETS["a100"]), space, limit, keep=5)
+    assert fast.pruned > 0
+    assert [p.iteration_s for p in fast.ranked[:5]] == [p.iteration_s for p in full.ranked[:5]]
+    exhaustive = {p.layout: p.iteration_s for p in full.ranked}
+    assert all(exhaustive[p.layout] == p.iteration_s for p in fast.ranked)
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("autotune_cli", ROOT / "tools" / "autotune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_cli_done_when_command_prints_table_and_command(capsys):
+    rc = _cli().main(["--model", "bert", "--num-layers", "48", "--hidden-size", "1024",
+                      "--num-attention-heads", "16", "--seq-length", "128", "--num-gpus", "32",
+                      "--global-batch-size", "512", "--hardware", "p100", "--top", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "samples/s" in out and "peak mem [GiB]" in out
+    assert "torchrun --nnodes 32 --nproc-per-node 1" in out and "pretrain_bert.py" in out
+    assert "--pipeline-model-parallel-size" in out and "--global-batch-size 512" in out
+
+
+def test_cli_json_records(tmp_path, capsys):
+    path = tmp_path / "ranked.json"
+    rc = _cli().main(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "32", "--vocab-size", "500", "--num-gpus", "4",
+                      "--global-batch-size", "16", "--hardware", "h100", "--bf16",
+                      "--exhaustive", "--json", str(path)])
+    assert rc == 0
+    records = json.loads(path.read_text())
+    assert records and all(tuple(r) == JSON_KEYS for r in records)
+    rates = [r["samples_per_s"] for r in records]
+    assert rates == sorted(rates, reverse=True)
+    assert all(r["D"] * r["W"] == 4 and r["B"] * r["N"] * r["W"] == 16 for r in records)
+    assert "--bf16" in capsys.readouterr().out
+
+
+def test_cli_stage_costs_feed_chimera_zb_costs(tmp_path, capsys):
+    """--stage-costs-json writes the best layout's per-stage F, B, W, p2p; --chimera-zb-costs
+    @file reads it as it is, and its figures are the performance model's."""
+    from megatron_chimera.schedules.costs import parse_costs
+
+    path = tmp_path / "costs.json"
+    rc = _cli().main(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "32", "--vocab-size", "500", "--num-gpus", "4",
+                      "--global-batch-size", "16", "--hardware", "h100", "--schedules",
+                      "chimera-zb", "--stage-costs-json", str(path)])
+    assert rc == 0 and f"--chimera-zb-costs @{path}" in capsys.readouterr().out
+    costs = parse_costs(f"@{path}")
+    record = json.loads(path.read_text())
+    assert costs.num_stages == int(record["layout"].split(" D=")[1].split()[0])
+    # the end stages carry the embedding and the LM head: heavier than a middle one
+    if costs.num_stages > 2:
+        assert costs.forward[-1] > costs.forward[1] and costs.backward[-1] > costs.backward[1]
+    assert costs.p2p > 0
+
+
+def test_cli_rejects_bad_input(capsys):
+    cli = _cli()
+    base = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--num-gpus", "4", "--global-batch-size", "16"]
+    assert cli.main(base + ["--hardware", "v100"]) == 2
+    assert "--hardware" in capsys.readouterr().err
+    assert cli.main(base[:5] + ["6"] + base[6:]) == 2  # 64 hidden not divisible by 6 heads
+    assert "--num-attention-heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", [
+    TrainingLayout.of("chimera", 4, 2, 2, 8, True, partition="parameters", pipes=2,
+                      concat="direct"),
+    TrainingLayout.of("interleaved", 4, 2, 1, 8, virtual_pipeline_size=2),
+    TrainingLayout.of("chimera-zb", 4, 2, 1, 8, pipes=4),
+    TrainingLayout("1f1b", 4, 1, 4, 2),
+    TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True, pipes=2),
+    TrainingLayout("1f1b", 2, 2, 2, 4, T=4),
+    TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True,
+                      distributed_optimizer=True, pipes=2),
+])
+def test_generated_flags_parse_into_the_same_layout(layout):
+    """The command's flags go through the framework's own parser to the chosen layout."""
+    from megatron_chimera.training.arguments import parse_args
+    from megatron_chimera.tuning.command import pretrain_flags
+
+    spec = ModelSpec(ModelConfig(num_layers=16, hidden_size=64, num_attention_heads=4,
+                                 seq_length=32, vocab_size=500), "gpt2")
+    argv = pretrain_flags(spec, layout) + ["--mock-data", "--train-iters", "10", "--lr", "1e-4",
+                                           "--vocab-size", "500"]
+    config = parse_args(argv, world_size=layout.num_gpus)
+    parallel = config.parallel
+    assert (parallel.pipeline_model_parallel_size, parallel.data_parallel_size,
+            parallel.tensor_model_parallel_size) == (layout.D, layout.W, layout.T)
+    assert config.model.sequence_parallel == layout.sequence_parallel
+    assert parallel.pipeline_schedule == layout.schedule
+    assert config.training.micro_batch_size == layout.B
+    assert config.training.num_microbatches == layout.N
+    assert config.training.partition_method == layout.partition
+    assert (config.model.recompute_granularity == "full") == layout.recompute
+    assert parallel.schedule_options == layout.options
+    assert config.ddp.use_distributed_optimizer == layout.distributed_optimizer
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+def test_tensor_parallel_sizes_are_searched_and_reach_the_command(capsys):
+    """With T allowed, the space holds T x W x D = P layouts (sequence parallel), T must divide
+    the heads, and the chosen command carries T."""
+    space = SearchSpace(num_gpus=8, global_batch_size=16, num_layers=8, schedules=("1f1b",),
+                        micro_batch_sizes=(2,), recompute=(False,),
+                        partition_methods=("uniform",), tensor_parallel_sizes=(1, 2, 8))
+    layouts = list(enumerate_layouts(space))
+    assert {(lay.T, lay.D, lay.W) for lay in layouts} == {(1, 2, 4), (1, 4, 2), (1, 8, 1),
+                                                          (2, 2, 2), (2, 4, 1)}
+    assert all(lay.sequence_parallel == (lay.T > 1) for lay in layouts)
+    result = autotune(PerformanceModel(gpt(), PRESETS["a100"]), dataclasses.replace(
+        space, tensor_parallel_sizes=(1, 2, 8), num_gpus=16), 10**12)
+    assert any(lay.T == 8 and "--num-attention-heads 4 is not divisible" in why
+               for lay, why in result.invalid)
+    rc = _cli().main(["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "32", "--vocab-size", "500", "--num-gpus", "8",
+                      "--global-batch-size", "16", "--hardware", "a100", "--bf16",
+                      "--tensor-model-parallel-sizes", "2", "--schedules", "1f1b"])
+    assert rc == 0
+    command = capsys.readouterr().out.replace(" \\\n    ", " ")
+    assert "--tensor-model-parallel-size 2 --sequence-parallel" in command
+
+
+def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
+    """Per rank, T = 2 holds about half the weights and activations; its stage times are half
+    the compute (at the efficiency of half-width matrices) plus the tensor-parallel collectives,
+    which vanish on a free link."""
+    spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                                 seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
+    one = TrainingLayout("1f1b", 4, 1, 2, 8)
+    two = dataclasses.replace(one, T=2, sequence_parallel=True)
+    flat = dataclasses.replace(PRESETS["a100"], half_efficiency_tokens=0.0)  # no size effect
+    model = PerformanceModel(spec, flat)
+    m1, m2 = (max(m.total_bytes for m in model.memory(lay)) for lay in (one, two))
+    assert 0.45 < m2 / m1 < 0.6
+    piece = model.partition(one)[1]
+    t1, t2 = model.stage_times(one, piece), model.stage_times(two, piece)
+    assert t2.weight == pytest.approx(t1.weight / 2)
+    assert t2.forward > t1.forward / 2 and t2.backward > t1.backward / 2
+    free = PerformanceModel(spec, dataclasses.replace(flat, intra_node=FREE))
+    t_free = free.stage_times(two, piece)
+    assert t_free.forward == pytest.approx(t1.forward / 2)
+    # the a100 preset's efficiency m / (m + 512) at m = B s = 1024 tokens vs 512 for half-width
+    sized = PerformanceModel(spec, PRESETS["a100"])
+    ratio = sized.stage_times(two, piece).weight / sized.stage_times(one, piece).weight
+    assert ratio == pytest.approx((1024 / 1536) / (512 / 1024) / 2)
+    # 2 layers x (2 all-gathers + 2 reduce-scatters of one [s, b, h] bf16 activation) forward
+    link = flat.intra_node
+    activation = 512 * 2 * 1024 * 2
+    one_collective = link.alpha_s + activation / 2 * link.beta_s_per_byte
+    assert t2.forward - t1.forward / 2 == pytest.approx(2 * 4 * one_collective)
+    # sequence parallelism halves the pipeline messages
+    assert model.cost_model(two).activation_bytes == model.cost_model(one).activation_bytes / 2
+
+
+def test_tensor_parallelism_and_the_distributed_optimizer_combine():
+    """Both dimensions are searched together, and per tensor rank the distributed optimizer
+    shards that rank's parameters over its stage-replica group (2 pipes x W ranks, whatever T):
+    the T = 2 shard's gradient buffers are about half of T = 1's, its optimizer state 1 / (2 W)
+    of the unsharded one's, the reduction a reduce-scatter (half)."""
+    spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
+                                 seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
+    model = PerformanceModel(spec, PRESETS["a100"])
+    space = SearchSpace(num_gpus=8, global_batch_size=16, num_layers=8, schedules=("chimera",),
+                        micro_batch_sizes=(2,), recompute=(False,),
+                        option_values=(("pipes", (2,)),), partition_methods=("uniform",),
+                        tensor_parallel_sizes=(1, 2))
+    layouts = set(enumerate_layouts(space))
+    layout = TrainingLayout.of("chimera", 2, 2, 2, 4, T=2, sequence_parallel=True,
+                               distributed_optimizer=True, pipes=2, concat="direct")
+    plain = dataclasses.replace(layout, distributed_optimizer=False)
+    assert layout in layouts and plain in layouts
+    one = TrainingLayout.of("chimera", 2, 4, 2, 2, distributed_optimizer=True, pipes=2)
+    assert one in layouts
+    sharded2, plain2, sharded1 = (model.memory(lay)[0] for lay in (layout, plain, one))
+    # the state of a stage is spread over its T x 2 x W holders: 2 x 2 x 2 = 1 x 2 x 4 ranks
+    assert sharded2.optimizer_bytes == pytest.approx(sharded1.optimizer_bytes, rel=0.02)
+    assert 0.45 < sharded2.grad_bytes / sharded1.grad_bytes < 0.55
+    # stage-replica groups: 2 pipes x W = 2 ranks at T = 2 (the tied embedding: 2 x 2 holders)
+    assert sharded2.optimizer_bytes < plain2.optimizer_bytes / 2 * 1.01
+    assert sharded2.grad_bytes == plain2.grad_bytes
+    halves = zip(model.cost_model(layout).grad_bytes, model.cost_model(plain).grad_bytes)
+    assert all(a == pytest.approx(b / 2) for a, b in halves)
+    flags = " ".join(pretrain_flags(spec, layout))
+    assert "--tensor-model-parallel-size 2 --sequence-parallel" in flags
+    assert "--use-distributed-optimizer" in flags

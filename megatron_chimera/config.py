@@ -7,13 +7,13 @@ them as arguments and never read a global args object. Field names follow Megatr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_chimera.errors import UserError
+from megatron_chimera.errors import ConfigError  # noqa: F401 - re-exported: the flags' error
+from megatron_chimera.layout import ParallelLayout, pad_vocab_size
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --params-dtype
 
@@ -23,18 +23,6 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --p
 GELU_VARIANTS = ("megatron", "tanh", "erf")
 
 
-class ConfigError(UserError, ValueError):
-    """An inconsistent or invalid setting; the message names the offending flag (exit code 2)."""
-
-    exit_code = 2
-
-
-def pad_vocab_size(
-    vocab_size: int, make_vocab_size_divisible_by: int, tensor_parallel: int = 1
-) -> int:
-    """Megatron's padded vocabulary: round up to a multiple of divisible_by x tensor-parallel."""
-    multiple = make_vocab_size_divisible_by * tensor_parallel
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 @dataclass(frozen=True)
@@ -103,7 +91,8 @@ class ModelConfig:
         """Megatron's padded vocabulary with ``tensor_parallel`` ranks: a multiple of
         ``make_vocab_size_divisible_by x T`` (the rows beyond :attr:`padded_vocab_size` are zero
         and never used)."""
-        return pad_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, tensor_parallel)
+        return ParallelLayout(tensor=tensor_parallel).padded_vocab_size(
+            self.vocab_size, self.make_vocab_size_divisible_by)
 
     @property
     def dtype_bytes(self) -> int:
@@ -136,13 +125,15 @@ class ParallelConfig:
     allow_cpu_training: bool = False  # gloo on a machine with CUDA devices is deliberate
 
     @property
+    def layout(self) -> ParallelLayout:
+        """The T x W x D layout (the one owner of every size rule and of the rank order)."""
+        return ParallelLayout(self.tensor_model_parallel_size, self.data_parallel_size,
+                              self.pipeline_model_parallel_size)
+
+    @property
     def world_size(self) -> int:
         """Total ranks: T x W x D."""
-        return (
-            self.data_parallel_size
-            * self.pipeline_model_parallel_size
-            * self.tensor_model_parallel_size
-        )
+        return self.layout.world_size
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,12 @@ class UserError(Exception):
     exit_code = 1
 
 
+class ConfigError(UserError, ValueError):
+    """An inconsistent or invalid setting; the message names the offending flag (exit code 2)."""
+
+    exit_code = 2
+
+
 class InputFileError(UserError, ValueError):
     """Unusable content in an input file (text, JSON, tokens); the message names file and line."""
 

@@ -1,11 +1,26 @@
-"""Megatron's rank layout as plain arithmetic (torch-free; shared by parallel_state and tuning).
+"""The parallel layout: one owner of world = T x W x D, of every size T must divide, of Megatron's
+rank order and of which ranks each group joins (torchtitan's ``ParallelDims``, torch-free).
 
-``global rank = (pipeline_rank x W + data_parallel_rank) x T + tensor_rank``: tensor-parallel
-ranks are innermost (consecutive ranks, so a node holds a whole tensor-parallel group), then
-data-parallel replicas, then pipeline ranks.
+:class:`ParallelLayout` is built once from the flags (``ParallelConfig.layout``) or from the
+world (:meth:`ParallelLayout.from_world`); ``parallel_state`` creates its groups from it, the
+config checks, the cost model and the model ask it. Rank order (Megatron's)::
+
+    global rank = (pipeline_rank x W + data_parallel_rank) x T + tensor_rank
+
+tensor-parallel ranks innermost (consecutive ranks, so a node holds a whole tensor-parallel
+group), then data-parallel replicas, then pipeline ranks. A *placement* (``Schedule.placement``:
+``placement[pipe][stage]`` = pipeline rank) says which pipeline ranks hold which stage; the
+stage-replica and embedding groups follow from it.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_chimera.errors import ConfigError
 
 
 def global_rank(pipeline_rank: int, data_parallel_rank: int, data_parallel_size: int,
@@ -20,3 +35,124 @@ def rank_coordinates(rank: int, data_parallel_size: int,
     replica, tensor_rank = divmod(rank, tensor_size)
     pipeline_rank, data_parallel_rank = divmod(replica, data_parallel_size)
     return pipeline_rank, data_parallel_rank, tensor_rank
+
+
+def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,
+                   tensor_parallel: int = 1) -> int:
+    """Megatron's padded vocabulary: round up to a multiple of divisible_by x tensor-parallel."""
+    multiple = make_vocab_size_divisible_by * tensor_parallel
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """T tensor-parallel ranks per stage, W data-parallel replicas, D pipeline ranks."""
+
+    tensor: int = 1
+    data: int = 1
+    pipeline: int = 1
+
+    @classmethod
+    def from_world(cls, world_size: int, tensor: int = 1, pipeline: int = 1) -> ParallelLayout:
+        """W = world / (T x D); ConfigError naming the flags when they do not divide the world."""
+        if tensor < 1 or pipeline < 1 or world_size % (pipeline * tensor):
+            raise ConfigError(
+                f"--tensor-model-parallel-size {tensor} x --pipeline-model-parallel-size "
+                f"{pipeline} does not divide the world size {world_size} "
+                f"(world = tensor x data-parallel x pipeline size)")
+        return cls(tensor, world_size // (pipeline * tensor), pipeline)
+
+    @property
+    def world_size(self) -> int:
+        """T x W x D."""
+        return self.tensor * self.data * self.pipeline
+
+    def check_world(self, world_size: int) -> None:
+        """ConfigError when the layout does not fill a world of ``world_size`` ranks."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"--tensor-model-parallel-size {self.tensor} x --pipeline-model-parallel-size "
+                f"{self.pipeline} x data-parallel {self.data} != world size {world_size}")
+
+    # ------------------------------------------------------------------ what T must divide
+    def split(self, size: int, flag: str) -> int:
+        """``size / T`` (one tensor rank's share); ConfigError naming ``flag`` when T does not
+        divide it."""
+        if size % self.tensor:
+            raise ConfigError(f"{flag} {size} is not divisible by --tensor-model-parallel-size "
+                              f"{self.tensor}")
+        return size // self.tensor
+
+    def check_model(self, model: Any, sequence_parallel: bool | None = None) -> None:
+        """Every size of ``model`` (a ``ModelConfig``) that T must divide: attention heads,
+        query groups, hidden and MLP sizes, and the sequence under ``--sequence-parallel``
+        (which needs T > 1). ``sequence_parallel`` defaults to the model's flag."""
+        if sequence_parallel is None:
+            sequence_parallel = model.sequence_parallel
+        if sequence_parallel and self.tensor == 1:
+            raise ConfigError("--sequence-parallel requires --tensor-model-parallel-size > 1 (it "
+                              "splits the sequence over the tensor-parallel ranks)")
+        sizes = [("--num-attention-heads", model.num_attention_heads)]
+        query_groups = getattr(model, "num_query_groups", None)
+        if query_groups is not None:
+            sizes.append(("--num-query-groups", query_groups))
+        sizes += [("--hidden-size", model.hidden_size), ("--ffn-hidden-size", model.ffn_size)]
+        for flag, size in sizes:
+            self.split(size, flag)
+        if sequence_parallel and model.seq_length % self.tensor:
+            raise ConfigError(f"--seq-length {model.seq_length} is not divisible by "
+                              f"--tensor-model-parallel-size {self.tensor} (--sequence-parallel "
+                              f"splits the sequence)")
+
+    def padded_vocab_size(self, vocab_size: int, make_vocab_size_divisible_by: int) -> int:
+        """The vocabulary padded for T ranks (a multiple of divisible_by x T)."""
+        return pad_vocab_size(vocab_size, make_vocab_size_divisible_by, self.tensor)
+
+    # ------------------------------------------------------------------ ranks
+    def global_rank(self, pipeline_rank: int, data_parallel_rank: int = 0,
+                    tensor_rank: int = 0) -> int:
+        """Global rank of ``(pipeline_rank, data_parallel_rank, tensor_rank)``."""
+        return global_rank(pipeline_rank, data_parallel_rank, self.data, tensor_rank,
+                           self.tensor)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(pipeline_rank, data_parallel_rank, tensor_rank)`` of a global rank."""
+        return rank_coordinates(rank, self.data, self.tensor)
+
+    # ------------------------------------------------------------------ groups
+    def pipeline_ranks(self, data_parallel_rank: int, tensor_rank: int) -> list[int]:
+        """The D ranks of one data-parallel replica and tensor rank, by pipeline rank."""
+        return [self.global_rank(p, data_parallel_rank, tensor_rank)
+                for p in range(self.pipeline)]
+
+    def data_parallel_ranks(self, pipeline_rank: int, tensor_rank: int) -> list[int]:
+        """The W ranks of one pipeline rank and tensor rank (Megatron's data-parallel group)."""
+        return [self.global_rank(pipeline_rank, w, tensor_rank) for w in range(self.data)]
+
+    def tensor_ranks(self, pipeline_rank: int, data_parallel_rank: int) -> list[int]:
+        """The T ranks of one pipeline rank and data-parallel replica."""
+        return [self.global_rank(pipeline_rank, data_parallel_rank, t)
+                for t in range(self.tensor)]
+
+    def model_parallel_ranks(self, data_parallel_rank: int) -> list[int]:
+        """Tensor x pipeline ranks of one data-parallel replica: one whole model."""
+        return [self.global_rank(p, data_parallel_rank, t)
+                for p in range(self.pipeline) for t in range(self.tensor)]
+
+    def replica_ranks(self, pipeline_ranks: Iterable[int], tensor_rank: int) -> list[int]:
+        """Every rank of ``tensor_rank`` on the given pipeline ranks, in every data-parallel
+        replica (ordered by pipeline rank, then replica)."""
+        return [self.global_rank(p, w, tensor_rank)
+                for p in sorted(set(pipeline_ranks)) for w in range(self.data)]
+
+    def stage_replica_ranks(self, placement: Sequence[Sequence[int]], stage: int,
+                            tensor_rank: int) -> list[int]:
+        """Holders of ``stage``'s shard ``tensor_rank``: every pipe, every data-parallel replica
+        (where its gradients are reduced and the distributed optimizer shards it)."""
+        return self.replica_ranks((pipe[stage] for pipe in placement), tensor_rank)
+
+    def embedding_ranks(self, placement: Sequence[Sequence[int]], tensor_rank: int) -> list[int]:
+        """Holders of the first or last stage of any pipe (the tied word embedding's copies)."""
+        last = len(placement[0]) - 1
+        return self.replica_ranks((pipe[s] for pipe in placement for s in (0, last)),
+                                  tensor_rank)

@@ -55,7 +55,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_chimera.config import ConfigError
-from megatron_chimera.layout import global_rank, rank_coordinates
+from megatron_chimera.layout import ParallelLayout
 
 NCCL_SEMANTICS_ENV = "MEGATRON_CHIMERA_NCCL_SEMANTICS"
 
@@ -70,9 +70,7 @@ def nccl_semantics_requested() -> bool:
 class _ModelParallelState:
     """Everything ``initialize_model_parallel`` computes for this rank."""
 
-    pipeline_size: int
-    data_parallel_size: int
-    tensor_size: int
+    layout: ParallelLayout
     num_stages: int
     placement: list[list[int]]
     rank: int
@@ -99,7 +97,7 @@ class _ModelParallelState:
         """Global rank of a pipeline rank (default: this rank's data-parallel and tensor rank)."""
         dp = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
         t = self.tensor_rank if tensor_rank is None else tensor_rank
-        return global_rank(pipeline_rank, dp, self.data_parallel_size, t, self.tensor_size)
+        return self.layout.global_rank(pipeline_rank, dp, t)
 
 
 _STATE: _ModelParallelState | None = None
@@ -128,20 +126,6 @@ def _validate_placement(placement: list[list[int]], num_stages: int, pipeline_si
                 f"--pipeline-model-parallel-size={pipeline_size}: pipe {pipe} places stages on "
                 f"pipeline ranks {bad} outside 0..{pipeline_size - 1}"
             )
-
-
-def _layout_sizes(world: int, pipeline_size: int, tensor_size: int) -> int:
-    """W = world / (T x D); ConfigError naming the flag when the sizes do not divide the world."""
-    if tensor_size < 1 or world % tensor_size:
-        raise ConfigError(
-            f"--tensor-model-parallel-size={tensor_size} must divide the world size {world}")
-    if pipeline_size < 1 or world % (pipeline_size * tensor_size):
-        raise ConfigError(
-            f"--pipeline-model-parallel-size={pipeline_size} x --tensor-model-parallel-size="
-            f"{tensor_size} must divide the world size {world} "
-            f"(world = tensor x data-parallel x pipeline size)"
-        )
-    return world // (pipeline_size * tensor_size)
 
 
 def initialize_model_parallel(
@@ -173,12 +157,12 @@ def initialize_model_parallel(
         )
     if _STATE is not None:
         raise RuntimeError("model parallel groups are already initialized; destroy them first")
-    world = dist.get_world_size()
-    d, t_size = pipeline_model_parallel_size, tensor_model_parallel_size
-    w = _layout_sizes(world, d, t_size)
+    layout = ParallelLayout.from_world(dist.get_world_size(), tensor_model_parallel_size,
+                                       pipeline_model_parallel_size)
+    d, w, t_size = layout.pipeline, layout.data, layout.tensor
     _validate_placement(placement, num_stages, d)
     rank = dist.get_rank()
-    pipeline_rank, data_parallel_rank, tensor_rank = rank_coordinates(rank, w, t_size)
+    pipeline_rank, data_parallel_rank, tensor_rank = layout.coordinates(rank)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     created: list[dist.ProcessGroup] = []
     known: dict[tuple, dist.ProcessGroup | None] = {}
@@ -193,11 +177,8 @@ def initialize_model_parallel(
                 created.append(group)
         return known[key]
 
-    def g(p: int, dp: int, t: int) -> int:
-        return global_rank(p, dp, w, t, t_size)
-
     state = _ModelParallelState(
-        pipeline_size=d, data_parallel_size=w, tensor_size=t_size, num_stages=num_stages,
+        layout=layout, num_stages=num_stages,
         placement=[list(p) for p in placement], rank=rank, pipeline_rank=pipeline_rank,
         data_parallel_rank=data_parallel_rank, tensor_rank=tensor_rank,
     )
@@ -210,27 +191,25 @@ def initialize_model_parallel(
 
     for dp in range(w):
         for t in range(t_size):
-            keep([g(p, dp, t) for p in range(d)], "pipeline")
+            keep(layout.pipeline_ranks(dp, t), "pipeline")
     for p in range(d):
         for t in range(t_size):
-            keep([g(p, dp, t) for dp in range(w)], "data_parallel")
+            keep(layout.data_parallel_ranks(p, t), "data_parallel")
     for p in range(d):
         for dp in range(w):
-            keep([g(p, dp, t) for t in range(t_size)], "tensor")
+            keep(layout.tensor_ranks(p, dp), "tensor")
     for dp in range(w):
-        keep([g(p, dp, t) for p in range(d) for t in range(t_size)], "model_parallel")
+        keep(layout.model_parallel_ranks(dp), "model_parallel")
     for stage in range(num_stages):
-        holders = sorted({pipe[stage] for pipe in placement})
         for t in range(t_size):
-            ranks = [g(p, dp, t) for p in holders for dp in range(w)]
+            ranks = layout.stage_replica_ranks(placement, stage, t)
             group = new_group(ranks)
             if t == tensor_rank:
                 state.stage_replica_ranks[stage] = ranks
             if group is not None:
                 state.stage_replica_groups[stage] = group
-    holders = sorted({pipe[s] for pipe in placement for s in (0, num_stages - 1)})
     for t in range(t_size):
-        ranks = [g(p, dp, t) for p in holders for dp in range(w)]
+        ranks = layout.embedding_ranks(placement, t)
         group = new_group(ranks)
         if t == tensor_rank:
             state.embedding_ranks, state.embedding_group = ranks, group
@@ -240,7 +219,7 @@ def initialize_model_parallel(
         for src, dst in _neighbour_directions(placement):
             for dp in range(w):
                 for t in range(t_size):
-                    ranks = [g(src, dp, t), g(dst, dp, t)]
+                    ranks = [layout.global_rank(src, dp, t), layout.global_rank(dst, dp, t)]
                     group = new_group(ranks, purpose=f"p2p {src}->{dst}")
                     if group is not None:
                         state.p2p_groups[(ranks[0], ranks[1])] = group
@@ -273,12 +252,18 @@ def model_parallel_is_initialized() -> bool:
     return _STATE is not None
 
 
+def get_parallel_layout() -> ParallelLayout:
+    """The T x W x D layout of the initialised groups (T = W = D = 1 before
+    ``initialize_model_parallel``: a model built without groups is the whole model)."""
+    return _STATE.layout if _STATE is not None else ParallelLayout()
+
+
 # ---------------------------------------------------------------- Megatron getters
 # Megatron-core's public parallel_state API (same names and meanings), for user code and tools
 # written against Megatron; the framework itself reads the Chimera getters below.
 def get_pipeline_model_parallel_world_size() -> int:
     """D: number of pipeline ranks."""
-    return _state().pipeline_size
+    return _state().layout.pipeline
 
 
 def get_pipeline_model_parallel_rank() -> int:
@@ -293,7 +278,7 @@ def get_pipeline_model_parallel_group() -> dist.ProcessGroup:
 
 def get_data_parallel_world_size() -> int:
     """W: number of data-parallel replicas of the whole pipeline."""
-    return _state().data_parallel_size
+    return _state().layout.data
 
 
 def get_data_parallel_rank() -> int:
@@ -310,7 +295,7 @@ def get_data_parallel_group() -> dist.ProcessGroup:
 def get_tensor_model_parallel_world_size() -> int:
     """T: tensor-parallel ranks per stage (1 before ``initialize_model_parallel``: a model built
     without groups is the whole model on one process)."""
-    return _STATE.tensor_size if _STATE is not None else 1
+    return _STATE.layout.tensor if _STATE is not None else 1
 
 
 def get_tensor_model_parallel_rank() -> int:

@@ -40,11 +40,14 @@ from megatron_chimera.model.presets import (
 from megatron_chimera.schedules import SCHEDULE_NAMES
 from megatron_chimera.schedules.chimera import CONCAT_NAMES
 from megatron_chimera.schedules.cli import add_size_and_cost_arguments
-from megatron_chimera.schedules.registry import add_schedule_arguments, schedule_name_from
+from megatron_chimera.schedules.registry import (
+    SPLIT_BACKWARD_SCHEDULES,
+    add_schedule_arguments,
+    schedule_name_from,
+)
 from megatron_chimera.tuning.playground import (
     PARTITION_CHOICES,
     SECTIONS,
-    SPLIT_SCHEDULES,
     Settings,
     run_section,
 )
@@ -127,7 +130,7 @@ def ask_costs(s: Settings, read: Callable[[str], str]) -> Settings:
     """Forward, whole backward and weight-gradient costs."""
     f = ask("forward cost", s.forward_cost, non_negative_float, read)
     b = ask("backward cost (input + weight gradient)", s.backward_cost, non_negative_float, read)
-    w_default = s.weight_cost or (b / 2 if s.schedule in SPLIT_SCHEDULES else 0.0)
+    w_default = s.weight_cost or (b / 2 if s.schedule in SPLIT_BACKWARD_SCHEDULES else 0.0)
     w = ask("weight-gradient part of the backward (0 = no split; chimera-zb, zb-h1 need > 0)",
             w_default, non_negative_float, read)
     return dataclasses.replace(s, forward_cost=f, backward_cost=b, weight_cost=w)

@@ -42,6 +42,7 @@ from megatron_chimera.config import (
     TrainConfig,
     pad_vocab_size,
 )
+from megatron_chimera.model.flags import model_flags
 
 
 class CheckpointArgsError(CheckpointError, ConfigError):
@@ -203,23 +204,3 @@ def saved_model_config(common: dict[str, Any], source: str) -> ModelConfig:
 def saved_data_config(common: dict[str, Any]) -> DataConfig:
     """The DataConfig (tokenizer settings) a checkpoint was written with (defaults if none)."""
     return _build(DataConfig, (common.get("args") or {}).get("data"))
-
-
-def model_flags(model: ModelConfig) -> list[str]:
-    """Training flags that build exactly ``model`` (the tokenizer gives the vocabulary)."""
-    flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
-             "--num-attention-heads", str(model.num_attention_heads),
-             "--max-position-embeddings", str(model.max_positions)]
-    if model.ffn_size != 4 * model.hidden_size:
-        flags += ["--ffn-hidden-size", str(model.ffn_size)]
-    if model.make_vocab_size_divisible_by != ModelConfig.make_vocab_size_divisible_by:
-        flags += ["--make-vocab-size-divisible-by", str(model.make_vocab_size_divisible_by)]
-    if model.layernorm_epsilon != ModelConfig.layernorm_epsilon:
-        flags += ["--layernorm-epsilon", repr(model.layernorm_epsilon)]
-    if model.gelu != ModelConfig.gelu:
-        flags += ["--gelu", model.gelu]
-    if model.untie_embeddings_and_output_weights:
-        flags.append("--untie-embeddings-and-output-weights")
-    if not model.bert_binary_head:
-        flags.append("--bert-no-binary-head")
-    return flags

@@ -19,7 +19,8 @@ import os
 import re
 from abc import ABC, abstractmethod
 
-from megatron_chimera.config import ConfigError, pad_vocab_size
+from megatron_chimera.config import ConfigError
+from megatron_chimera.layout import pad_vocab_size
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",

@@ -156,11 +156,8 @@ class CoreAttention(nn.Module):
 
 
 def _tensor_parallel_size(size: int, flag: str) -> int:
-    """``size / T``; ConfigError naming ``flag`` when T does not divide it."""
-    world = parallel_state.get_tensor_model_parallel_world_size()
-    if size % world:
-        raise ConfigError(f"{flag} {size} is not divisible by --tensor-model-parallel-size {world}")
-    return size // world
+    """``size / T`` (the layout's rule); ConfigError naming ``flag`` when T does not divide it."""
+    return parallel_state.get_parallel_layout().split(size, flag)
 
 
 class ParallelAttention(nn.Module):

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 from megatron_chimera.schedules.lowering import (
     Comm,
     LoweredSchedule,
@@ -91,7 +91,7 @@ def _key(action: Action) -> Key:
 
 def _final_gradient_actions(schedule: Schedule, rank: int) -> dict[int, int]:
     """Index of ``rank``'s last B (last W when split) per stage -> that stage."""
-    kind = WEIGHT if schedule.split_backward else BACKWARD
+    kind = schedule.release_kind
     last: dict[int, int] = {}
     for i, action in enumerate(schedule.actions[rank]):
         if action.kind == kind:
@@ -102,7 +102,7 @@ def _final_gradient_actions(schedule: Schedule, rank: int) -> dict[int, int]:
 def _releases(schedule: Schedule, rank: int, action: Action, forward_only: bool,
               ) -> tuple[Message, ...]:
     """Received buffers of ``action``'s triple that are free once ``action`` is over."""
-    ends = WEIGHT if schedule.split_backward else BACKWARD
+    ends = schedule.release_kind
     if forward_only or action.kind != ends:
         return ()
     p, s, m = _key(action)

@@ -126,6 +126,13 @@ class Schedule:
 
     # ------------------------------------------------------------------ derived views
     @property
+    def release_kind(self) -> str:
+        """The action that ends a micro-batch's work on a stage (its activations and received
+        buffers are free after it; its last one per stage makes the gradients final): W with a
+        split backward, else B."""
+        return WEIGHT if self.split_backward else BACKWARD
+
+    @property
     def microbatches_per_pipe(self) -> int:
         """Number of micro-batches each pipe processes (N / P)."""
         return self.num_microbatches // self.num_pipes

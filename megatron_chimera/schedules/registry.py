@@ -141,6 +141,8 @@ class ScheduleSpec:
     # canonical form of a search variant at (D, N), or None when it duplicates another
     canonical: Callable[[Any, int, int], Any] = _as_given
     max_search_ranks: int | None = None  # the autotuner skips larger D (slow generator)
+    # its schedules split the backward into B (input gradient) and W (weight gradient)
+    split_backward: bool = False
 
     def option_fields(self) -> tuple[Field, ...]:
         """The options dataclass's fields (each with its flag metadata)."""
@@ -227,12 +229,13 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                      summary="Chimera: 2f bidirectional pipes", canonical=_same_for_n_equal_d),
         ScheduleSpec("chimera-zb", chimera_zb, ChimeraZBOptions,
                      summary="Chimera with split backward, W fills the bubbles",
-                     max_search_ranks=16),
+                     max_search_ranks=16, split_backward=True),
         ScheduleSpec("zb-h1", zb_h1, ZBH1Options,
-                     summary="ZB-H1: 1F1B with delayed weight gradients"),
+                     summary="ZB-H1: 1F1B with delayed weight gradients", split_backward=True),
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
+SPLIT_BACKWARD_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.split_backward)
 
 
 def get_spec(name: str) -> ScheduleSpec:

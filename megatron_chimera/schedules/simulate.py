@@ -146,7 +146,7 @@ def peak_inflight(schedule: Schedule, stage_bytes: Sequence[int] | None = None) 
     With ``stage_bytes`` each activation counts its stage's bytes instead of one (the memory
     model's activation peak).
     """
-    release = WEIGHT if schedule.split_backward else BACKWARD
+    release = schedule.release_kind
     peaks = []
     for rank_actions in schedule.actions:
         live = peak = 0
@@ -206,7 +206,7 @@ def _allreduces(
     schedule: Schedule, costs: CostModel, events: list[Event]
 ) -> list[AllReduceEvent]:
     """Eager stage all-reduces in descending stage order, one at a time per rank."""
-    release = WEIGHT if schedule.split_backward else BACKWARD
+    release = schedule.release_kind
     last_grad: dict[tuple[int, int], float] = {}
     for e in events:
         if e.kind == release:

@@ -31,9 +31,14 @@ from megatron_chimera.config import (
 )
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES
 from megatron_chimera.errors import DEBUG_FLAG
+from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.model.document_attention import IMPLEMENTATIONS as DOCUMENT_ATTENTIONS
 from megatron_chimera.schedules.actions import Schedule
-from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
+from megatron_chimera.schedules.registry import (
+    SPLIT_BACKWARD_SCHEDULES,
+    add_schedule_arguments,
+    spec_and_options_from,
+)
 from megatron_chimera.training.config_checks import build_schedule_for, validate
 from megatron_chimera.training.flag_catalog import apply_help, refused_flag_message
 
@@ -41,7 +46,6 @@ __all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
            "build_schedule_for"]
 
 PARTITION_METHODS = ("uniform", "parameters", "time")
-SPLIT_BACKWARD_SCHEDULES = ("chimera-zb", "zb-h1")
 DEFAULT_PROFILE_ITERATIONS = 3  # the first is a warm-up, the other two are measured
 
 
@@ -277,14 +281,9 @@ def _build_config(
     _check_positive(args)
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")
-    pipeline_size, tensor_size = args.pipeline_model_parallel_size, args.tensor_model_parallel_size
-    if world_size % (pipeline_size * tensor_size):
-        raise ConfigError(
-            f"--tensor-model-parallel-size {tensor_size} x --pipeline-model-parallel-size "
-            f"{pipeline_size} does not divide the world size {world_size} "
-            f"(world = tensor x data-parallel x pipeline size)"
-        )
-    data_parallel = world_size // (pipeline_size * tensor_size)
+    pipeline_size = args.pipeline_model_parallel_size
+    data_parallel = ParallelLayout.from_world(world_size, args.tensor_model_parallel_size,
+                                              pipeline_size).data
     global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
     if global_batch % (args.micro_batch_size * data_parallel):
         raise ConfigError(

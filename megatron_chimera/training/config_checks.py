@@ -78,14 +78,9 @@ def build_schedule_for(config: TrainConfig) -> Schedule:
 def validate(config: TrainConfig, world_size: int) -> Schedule:
     """Cross-flag consistency checks (no process group needed); returns the run's schedule."""
     parallel = config.parallel
-    if parallel.world_size != world_size:
-        raise ConfigError(
-            f"--tensor-model-parallel-size {parallel.tensor_model_parallel_size} x "
-            f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} x "
-            f"data-parallel {parallel.data_parallel_size} != world size {world_size}"
-        )
+    parallel.layout.check_world(world_size)
     _validate_model(config.model)
-    _validate_tensor_parallel(config.model, parallel.tensor_model_parallel_size)
+    parallel.layout.check_model(config.model)
     schedule = build_schedule_for(config)
     _validate_data(config.data)
     _validate_checkpoint(config.checkpoint)
@@ -115,26 +110,6 @@ def _validate_model(model: ModelConfig) -> None:
         raise ConfigError("--recompute-method requires --recompute-num-layers")
     if model.recompute_num_layers is not None and method is None:
         raise ConfigError("--recompute-num-layers requires --recompute-method")
-
-
-def _validate_tensor_parallel(model: ModelConfig, tensor_size: int) -> None:
-    """What T must divide (heads, hidden and MLP sizes; the sequence under
-    ``--sequence-parallel``), and ``--sequence-parallel`` needs T > 1."""
-    if model.sequence_parallel and tensor_size == 1:
-        raise ConfigError("--sequence-parallel requires --tensor-model-parallel-size > 1 (it "
-                          "splits the sequence over the tensor-parallel ranks)")
-    if tensor_size == 1:
-        return
-    for flag, size in (("--num-attention-heads", model.num_attention_heads),
-                       ("--hidden-size", model.hidden_size),
-                       ("--ffn-hidden-size", model.ffn_size)):
-        if size % tensor_size:
-            raise ConfigError(f"{flag} {size} is not divisible by --tensor-model-parallel-size "
-                              f"{tensor_size}")
-    if model.sequence_parallel and model.seq_length % tensor_size:
-        raise ConfigError(f"--seq-length {model.seq_length} is not divisible by "
-                          f"--tensor-model-parallel-size {tensor_size} (--sequence-parallel "
-                          f"splits the sequence)")
 
 
 def _validate_data(data: DataConfig) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_chimera.config import ConfigError
+from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.schedules.registry import SCHEDULE_NAMES, ScheduleSpec, get_spec
 from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingLayout
 
@@ -111,7 +112,7 @@ def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
     for T in space.tensor_sizes():
         sequence_parallel = space.sequence_parallel and T > 1
         for D in space.pipeline_sizes(T):
-            W = space.num_gpus // (T * D)
+            W = ParallelLayout.from_world(space.num_gpus, T, D).data
             for B in space.micro_batches_for(W):
                 N = space.global_batch_size // (W * B)
                 for spec in specs:

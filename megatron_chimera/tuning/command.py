@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from megatron_chimera.model.flags import model_flags
 from megatron_chimera.tuning.costs import ModelSpec
 from megatron_chimera.tuning.perf_model import TrainingLayout
 
@@ -26,19 +27,7 @@ def _launcher(num_gpus: int, gpus_per_node: int) -> list[str]:
 def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
     """Megatron flags of the model and of ``layout`` (sizes, schedule, batch, precision)."""
     cfg = spec.config
-    flags = ["--num-layers", str(cfg.num_layers), "--hidden-size", str(cfg.hidden_size),
-             "--num-attention-heads", str(cfg.num_attention_heads),
-             "--seq-length", str(cfg.seq_length)]
-    if cfg.max_position_embeddings is not None:
-        flags += ["--max-position-embeddings", str(cfg.max_position_embeddings)]
-    if cfg.ffn_hidden_size is not None:
-        flags += ["--ffn-hidden-size", str(cfg.ffn_hidden_size)]
-    if cfg.untie_embeddings_and_output_weights:
-        flags.append("--untie-embeddings-and-output-weights")
-    if spec.family.sentence_heads and not cfg.bert_binary_head:
-        flags.append("--bert-no-binary-head")
-    if not cfg.masked_softmax_fusion:
-        flags.append("--no-masked-softmax-fusion")
+    flags = model_flags(cfg, seq_length=cfg.seq_length)
     if layout.T > 1:
         flags += ["--tensor-model-parallel-size", str(layout.T)]
         if layout.sequence_parallel:

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.config import ModelConfig
+from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.model import flops
 from megatron_chimera.model.family import ModelFamily, get_family
 from megatron_chimera.model.partition import partition_layers
@@ -102,17 +103,9 @@ def activation_message_bytes(spec: ModelSpec, micro_batch: int, tensor_parallel:
 
 
 def check_tensor_parallel(spec: ModelSpec, tensor_parallel: int, sequence_parallel: bool) -> None:
-    """ConfigError when T does not divide the heads, hidden and MLP sizes (or the sequence under
-    sequence parallelism), as the training flags' check."""
-    cfg = spec.config
-    sizes = [("--num-attention-heads", cfg.num_attention_heads),
-             ("--hidden-size", cfg.hidden_size), ("--ffn-hidden-size", cfg.ffn_size)]
-    if sequence_parallel:
-        sizes.append(("--seq-length", cfg.seq_length))
-    for flag, size in sizes:
-        if size % tensor_parallel:
-            raise ConfigError(f"{flag} {size} is not divisible by --tensor-model-parallel-size "
-                              f"{tensor_parallel}")
+    """ConfigError when T does not divide the model's sizes (the layout's rule, as the training
+    flags' check)."""
+    ParallelLayout(tensor=tensor_parallel).check_model(spec.config, sequence_parallel)
 
 
 def ring_collective_seconds(num_bytes: float, ranks: int, link: LinkProfile,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron_chimera.config import ConfigError
-from megatron_chimera.layout import global_rank
+from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.model.memory import bytes_per_parameter
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
@@ -250,7 +250,7 @@ class PerformanceModel:
 
     def _global_rank(self, layout: TrainingLayout, pipeline_rank: int, replica: int = 0) -> int:
         """Global rank of a pipeline rank in data-parallel replica ``replica``, tensor rank 0."""
-        return global_rank(pipeline_rank, replica, layout.W, 0, layout.T)
+        return ParallelLayout(layout.T, layout.W, layout.D).global_rank(pipeline_rank, replica)
 
     def tensor_parallel_link(self, layout: TrainingLayout) -> LinkProfile:
         """The link of a tensor-parallel group (T consecutive global ranks)."""

@@ -26,7 +26,6 @@ from megatron_chimera.tuning.costs import ModelSpec, pieces_of
 from megatron_chimera.tuning.memory import rank_memory
 
 SECTIONS = ("schedule", "compare", "partition", "autotune")
-SPLIT_SCHEDULES = ("chimera-zb", "zb-h1")
 PARTITION_CHOICES = ("uniform", "parameters")
 GIB = 2**30
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from megatron_chimera.checkpoint.saved_args import model_flags
 from megatron_chimera.errors import ToolArgumentParser
 from megatron_chimera.hf.convert import export_hf, import_hf
 from megatron_chimera.inference.cli import run_cli
+from megatron_chimera.model.flags import model_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _print_import(result, save: str) -> None:
     config = result.model_config
     script = result.family.entry_point
-    flags = [*model_flags(config), "--seq-length", str(config.max_positions)]
+    flags = model_flags(config, seq_length=config.max_positions)
     tok = result.tokenizer
     if tok.tokenizer_type is not None:
         flags += ["--tokenizer-type", tok.tokenizer_type, "--vocab-file", tok.vocab_file]

@@ -1,0 +1,33 @@
+"""The one writer from a model configuration to the training flags that build it (for the
+autotuner's torchrun command, the checkpoint-mismatch hint and the converters' printed command),
+so every place that prints a command spells the model the same way."""
+
+from __future__ import annotations
+
+from megatron_chimera.config import ModelConfig
+
+
+def model_flags(model: ModelConfig, seq_length: int | None = None) -> list[str]:
+    """Flags that build exactly ``model`` (the tokenizer gives the vocabulary): its shape, and
+    every model setting that differs from its default; ``--seq-length`` when given (a run's
+    choice, not the model's)."""
+    flags = ["--num-layers", str(model.num_layers), "--hidden-size", str(model.hidden_size),
+             "--num-attention-heads", str(model.num_attention_heads)]
+    if seq_length is not None:
+        flags += ["--seq-length", str(seq_length)]
+    flags += ["--max-position-embeddings", str(model.max_positions)]
+    if model.ffn_size != 4 * model.hidden_size:
+        flags += ["--ffn-hidden-size", str(model.ffn_size)]
+    if model.make_vocab_size_divisible_by != ModelConfig.make_vocab_size_divisible_by:
+        flags += ["--make-vocab-size-divisible-by", str(model.make_vocab_size_divisible_by)]
+    if model.layernorm_epsilon != ModelConfig.layernorm_epsilon:
+        flags += ["--layernorm-epsilon", repr(model.layernorm_epsilon)]
+    if model.gelu != ModelConfig.gelu:
+        flags += ["--gelu", model.gelu]
+    if model.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    if not model.bert_binary_head:
+        flags.append("--bert-no-binary-head")
+    if not model.masked_softmax_fusion:
+        flags.append("--no-masked-softmax-fusion")
+    return flags

@@ -55,7 +55,7 @@ from megatron_chimera.pipeline.emulated import (
     SleepingWeightGradStore,
     emulated_forward_step,
 )
-from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
 from megatron_chimera.schedules import build_schedule
@@ -94,9 +94,10 @@ def ours(name: str, options: dict[str, Any], d: int, n: int,
     stages = {s: EmulatedStage(ZERO, s == 0, s == schedule.num_stages - 1, HIDDEN, s)
               for s in schedule.stages_of_rank(rank)}
     topology = PipelineTopology(pipeline_rank=rank, p2p_group=lambda src, dst: group)
-    executor = PipelineExecutor(schedule, topology, stages, emulated_forward_step,
-                                (SEQ, MICRO_BATCH, HIDDEN), torch.float32, loss_scale_divisor=n,
-                                weight_grad_store_factory=SleepingWeightGradStore)
+    executor = PipelineExecutor(
+        schedule, topology,
+        StageWork(stages, emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32),
+        Gradients(loss_scale_divisor=n, weight_grad_store_factory=SleepingWeightGradStore))
     batches = [torch.randn(SEQ, MICRO_BATCH, HIDDEN)] * n
 
     def step() -> None:

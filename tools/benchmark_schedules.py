@@ -70,6 +70,7 @@ from megatron_chimera.config import ConfigError, ParallelConfig
 from megatron_chimera.distributed.grad_buffer import build_grad_buffers
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.errors import ToolArgumentParser, run_tool
+from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.pipeline.emulated import (
     EmulatedCollectives,
     EmulatedCosts,
@@ -78,14 +79,18 @@ from megatron_chimera.pipeline.emulated import (
     emulated_forward_step,
     emulated_stage_costs,
 )
-from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
 from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
 from megatron_chimera.pipeline.trace import GapBreakdown, Timeline, TracingTransport, gap_breakdown
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.costs import StageCosts
-from megatron_chimera.schedules.registry import get_spec, parse_schedule_spec
+from megatron_chimera.schedules.registry import (
+    SPLIT_BACKWARD_SCHEDULES,
+    get_spec,
+    parse_schedule_spec,
+)
 from megatron_chimera.schedules.simulate import CostModel, simulate
 from megatron_chimera.schedules.validate import validate
 from megatron_chimera.training.initialize import initialize_distributed
@@ -249,9 +254,9 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     """Measure our executor on schedule ``name`` (gradients reduced as ``mode`` says) and
     simulate the same costs."""
     options = dict(options)
-    if ("costs" in options or "profile" in options) and name not in ("chimera-zb", "zb-h1"):
-        raise ConfigError(f"--schedules: costs= and profile= apply to chimera-zb and zb-h1, "
-                          f"not {name}")
+    if ("costs" in options or "profile" in options) and not get_spec(name).split_backward:
+        raise ConfigError(f"--schedules: costs= and profile= apply to "
+                          f"{', '.join(SPLIT_BACKWARD_SCHEDULES)}, not {name}")
     profile = int(options.pop("profile", 0))
     cost_source = options.pop("costs", "unit" if profile else "known")
     if cost_source not in ("unit", "known") or (profile and cost_source != "unit"):
@@ -264,7 +269,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
         options["costs"] = split_costs(per_stage)
     schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
     validate(schedule)
-    w = dist.get_world_size() // d
+    w = ParallelLayout.from_world(dist.get_world_size(), pipeline=d).data
     parallel_state.initialize_model_parallel(d, schedule.placement, schedule.num_stages,
                                              timeout=timedelta(minutes=5))
     extra: dict[str, Any] = {}
@@ -277,11 +282,12 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
 
         def executor_for(sched, transport=None, store_factory=SleepingWeightGradStore):
             return PipelineExecutor(
-                sched, PipelineTopology.from_parallel_state(), stages,
-                emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
-                torch.float32, loss_scale_divisor=n * w, grad_sync=grad_sync,
-                weight_grad_store_factory=store_factory, transport=transport,
-            )
+                sched, PipelineTopology.from_parallel_state(),
+                StageWork(stages, emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
+                          torch.float32),
+                Gradients(loss_scale_divisor=n * w, grad_sync=grad_sync,
+                          weight_grad_store_factory=store_factory),
+                transport=transport)
 
         executor = executor_for(schedule)
         batch = torch.randn(SEQ, MICRO_BATCH, HIDDEN)
@@ -505,10 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     d = args.pipeline_model_parallel_size or world
-    if d < 1 or world % d:
-        raise ConfigError(f"--pipeline-model-parallel-size {d} must divide the world size {world}")
+    layout = ParallelLayout.from_world(world, pipeline=d)
     initialize_distributed(ParallelConfig(
-        pipeline_model_parallel_size=d, data_parallel_size=world // d, distributed_backend="gloo"
+        pipeline_model_parallel_size=d, data_parallel_size=layout.data, distributed_backend="gloo"
     ))
     costs = EmulatedCosts(args.forward_ms / 1e3, args.backward_ms / 1e3, args.weight_ms / 1e3)
     latency = measure_p2p_latency()

@@ -33,7 +33,12 @@ import torch
 from benchmark_layer import matmul_peak_tflops, model_flops_per_step, time_training_step
 
 from megatron_chimera.atomic import atomic_write_text
-from megatron_chimera.checkpoint.checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from megatron_chimera.checkpoint.checkpointing import (
+    CheckpointContents,
+    StageSlice,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_chimera.config import ModelConfig, OptimizerConfig
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.model.family import GPT2
@@ -143,8 +148,8 @@ def check_resume(report: Report, device: torch.device) -> None:
     steps(model, opt, range(3))
     with tempfile.TemporaryDirectory() as root:
         stage = StageSlice(0, (0, 2), model)
-        save_checkpoint(root, 3, [stage], [(0, 2)], opt, None, rank=0, world_size=1,
-                        consumed_train_samples=0)
+        save_checkpoint(root, CheckpointContents(3, [stage], [(0, 2)], optimizer=opt), rank=0,
+                        world_size=1)
         model, opt = build()
         load_checkpoint(root, [StageSlice(0, (0, 2), model)], 1, opt, None, rank=0,
                         world_size=1)

@@ -28,7 +28,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,26 @@ class StageSlice:
     # this rank writes the stage's file: the lowest rank holding its shard (with tensor
     # parallelism every rank of the writing tensor-parallel group joins in; tensor rank 0 writes)
     writer: bool = True
+
+
+@dataclass(frozen=True)
+class CheckpointContents:
+    """What one rank contributes to checkpoint ``iteration``: its stage slices, every stage's
+    layer range (the manifest), the optimizer (its state saved when ``save_optim``) and the LR
+    scheduler (None: not saved), the progress counters and the run's arguments. ``release``
+    marks weights from elsewhere (Megatron's release checkpoint, e.g. an imported Hugging Face
+    model): ``--load`` starts from them at iteration 0 with a fresh optimizer."""
+
+    iteration: int
+    stages: list[StageSlice]
+    partition: list[tuple[int, int]]
+    optimizer: Any | None = None
+    scheduler: Any | None = None
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    args: dict[str, Any] | None = None
+    save_optim: bool = True
+    release: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,32 +198,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- save
-def save_checkpoint(
-    root: str,
-    iteration: int,
-    stages: Iterable[StageSlice],
-    partition: list[tuple[int, int]],
-    optimizer: Any | None,
-    opt_param_scheduler: Any | None,
-    *,
-    rank: int,
-    world_size: int,
-    consumed_train_samples: int,
-    consumed_valid_samples: int = 0,
-    args: dict[str, Any] | None = None,
-    save_optim: bool = True,
-    barrier: Callable[[], None] | None = None,
-    release: bool = False,
-) -> str:
-    """Collectively write iteration ``iteration`` under ``root``; every rank must call it.
-
-    ``partition`` lists the global layer range of every stage (the manifest); each stage's file is
-    written by its ``writer`` rank, RNG states by every rank, ``common.pt`` by rank 0.
-    ``release`` marks weights from elsewhere (Megatron's release checkpoint, e.g. an imported
-    Hugging Face model): ``--load`` starts from them at iteration 0 with a fresh optimizer.
+def save_checkpoint(root: str, contents: CheckpointContents, *, rank: int, world_size: int,
+                    barrier: Callable[[], None] | None = None) -> str:
+    """Collectively write ``contents`` (iteration ``contents.iteration``) under ``root``; every
+    rank must call it. Each stage's file is written by its ``writer`` rank, RNG states by every
+    rank, ``common.pt`` by rank 0; the directory is published once every part is written.
     """
     barrier = barrier or (lambda: None)
-    stages = list(stages)
+    stages, optimizer, iteration = list(contents.stages), contents.optimizer, contents.iteration
     final = checkpoint_dir(root, iteration)
     staging = final + ".staging"
     if rank == 0:
@@ -213,7 +215,7 @@ def save_checkpoint(
     barrier()
     if optimizer is not None:
         optimizer.finish_param_sync()  # the weights saved are the updated ones
-    optimizer = optimizer if save_optim else None
+    optimizer = optimizer if contents.save_optim else None
     optim_states = (optimizer.param_state_to_save(
         [(st.stage, stage_named_parameters(st), st.writer) for st in stages])
         if optimizer is not None else {})
@@ -241,14 +243,15 @@ def save_checkpoint(
         common = {
             "checkpoint_version": CHECKPOINT_VERSION,
             "iteration": iteration,
-            "release": release,
+            "release": contents.release,
             "world_size": world_size,
-            "args": args or {},
-            "consumed_train_samples": consumed_train_samples,
-            "consumed_valid_samples": consumed_valid_samples,
-            "stages": [{"layer_range": list(r), "file": stage_filename(r)} for r in partition],
-            "opt_param_scheduler": (opt_param_scheduler.state_dict()
-                                    if opt_param_scheduler is not None else None),
+            "args": contents.args or {},
+            "consumed_train_samples": contents.consumed_train_samples,
+            "consumed_valid_samples": contents.consumed_valid_samples,
+            "stages": [{"layer_range": list(r), "file": stage_filename(r)}
+                       for r in contents.partition],
+            "opt_param_scheduler": (contents.scheduler.state_dict()
+                                    if contents.scheduler is not None else None),
             "optimizer": optimizer.common_state() if optimizer is not None else None,
         }
         atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME))

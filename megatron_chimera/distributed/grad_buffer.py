@@ -19,12 +19,25 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 # elements each shard of a padded bucket is rounded up to (aligned collectives on GPUs)
 SHARD_ALIGNMENT = 64
 
 GradReadyCallback = Callable[[nn.Parameter], None]
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The ranks a stage (or the tied embedding) is sharded over: the process group (None: no
+    communication, for accounting), its size, this rank's index in it, and the global ranks
+    that write its checkpoint entries."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    writers: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)

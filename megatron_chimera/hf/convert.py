@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from megatron_chimera.checkpoint.checkpointing import StageSlice, read_tracker, save_checkpoint
+from megatron_chimera.checkpoint.checkpointing import (
+    CheckpointContents,
+    StageSlice,
+    read_tracker,
+    save_checkpoint,
+)
+from megatron_chimera.checkpoint.tokenizer_record import TokenizerSettings
 from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,
@@ -43,11 +49,7 @@ from megatron_chimera.hf.hf_dir import (
     safetensors_bytes,
     write_dir,
 )
-from megatron_chimera.hf.tokenizer_files import (
-    TokenizerSettings,
-    export_tokenizer,
-    import_tokenizer,
-)
+from megatron_chimera.hf.tokenizer_files import export_tokenizer, import_tokenizer
 from megatron_chimera.inference.loader import LoadedModel, build_model, load_model, load_tokenizer
 from megatron_chimera.model.family import BERT, GPT2, ModelFamily
 
@@ -165,10 +167,10 @@ def import_hf(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
     provenance = {"hf_dir": os.path.abspath(hf_dir), "model_type": hf.model_type,
                   "weights": os.path.basename(weights_file)}
     layers = (0, model_config.num_layers)
-    path = save_checkpoint(save, 0, [StageSlice(0, layers, model)], [layers], None, None,
-                           rank=0, world_size=1, consumed_train_samples=0,
-                           args=_checkpoint_args(model_config, tokenizer, family, provenance),
-                           save_optim=False, release=True)
+    path = save_checkpoint(save, CheckpointContents(0, [StageSlice(0, layers, model)], [layers],
+                                                    args=_checkpoint_args(model_config, tokenizer,
+                                                    family, provenance), save_optim=False,
+                                                    release=True), rank=0, world_size=1)
     agreement = None
     if verify and max_position_embeddings is None:
         agreement = compare_with_transformers(model, family, model_config, hf_dir)

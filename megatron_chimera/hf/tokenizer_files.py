@@ -11,26 +11,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 from megatron_chimera.atomic import atomic_write
+from megatron_chimera.checkpoint.tokenizer_record import (
+    TOKENIZER_DIR,
+    TokenizerSettings,
+    resolve_file,
+)
 from megatron_chimera.config import DataConfig
 from megatron_chimera.hf.common import HFError
 from megatron_chimera.model.family import BERT, GPT2, ModelFamily
 
-TOKENIZER_DIR = "tokenizer"
 GPT2_FILES = ("vocab.json", "merges.txt")
 WORDPIECE_FILE = "vocab.txt"
 EOT = "<|endoftext|>"
-
-
-@dataclass(frozen=True)
-class TokenizerSettings:
-    """The ``--tokenizer-type`` / ``--vocab-file`` / ``--merge-file`` a checkpoint records."""
-
-    tokenizer_type: str | None = None
-    vocab_file: str | None = None
-    merge_file: str | None = None
 
 
 def _copy(src: str, dst_dir: str) -> str:
@@ -64,17 +58,6 @@ def import_tokenizer(hf_dir: str, save_root: str, family: ModelFamily) -> Tokeni
         kind = "BertWordPieceLowerCase" if _lower_case(hf_dir) else "BertWordPieceCase"
         return TokenizerSettings(kind, _copy(os.path.join(hf_dir, WORDPIECE_FILE), target))
     return TokenizerSettings()
-
-
-def resolve_file(path: str | None, ckpt_root: str) -> str | None:
-    """A recorded tokenizer path, or its copy in ``<ckpt_root>/tokenizer/`` when the checkpoint
-    was moved (None when neither exists)."""
-    if path is None:
-        return None
-    if os.path.isfile(path):
-        return path
-    moved = os.path.join(ckpt_root, TOKENIZER_DIR, os.path.basename(path))
-    return moved if os.path.isfile(moved) else None
 
 
 def export_tokenizer(data: DataConfig, ckpt_root: str,

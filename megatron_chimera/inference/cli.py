@@ -10,12 +10,10 @@ from typing import Any
 import torch
 
 from megatron_chimera.atomic import atomic_write
-from megatron_chimera.checkpoint.checkpointing import CheckpointError
+from megatron_chimera.checkpoint.tokenizer_record import TokenizerSettings
 from megatron_chimera.config import ConfigError
 from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, MegatronTokenizer
-from megatron_chimera.errors import run_tool
-from megatron_chimera.hf.common import HFError
-from megatron_chimera.hf.tokenizer_files import TokenizerSettings
+from megatron_chimera.errors import UserError, run_tool
 from megatron_chimera.inference.loader import LoadedModel, load_model, load_tokenizer
 from megatron_chimera.model.family import GPT2
 
@@ -62,13 +60,13 @@ def write_json(path: str, obj: Any) -> None:
 
 def run_cli(main: Callable[[], None]) -> None:
     """Run a checkpoint tool's ``main`` through :func:`~megatron_chimera.errors.run_tool` (one
-    ``error:`` line, Ctrl-C, ``--debug-tracebacks``); a configuration, checkpoint or Hugging Face
-    error -- the tool's input -- exits with code 2."""
+    ``error:`` line, Ctrl-C, ``--debug-tracebacks``); a user error -- the tool's input: a
+    configuration, a checkpoint, a Hugging Face directory -- exits with code 2."""
 
     def checked() -> None:
         try:
             main()
-        except (ConfigError, CheckpointError, HFError) as exc:
+        except UserError as exc:
             exc.exit_code = 2  # the tools' contract: a bad --load / --hf-dir is a usage error
             raise
 

@@ -26,9 +26,9 @@ from megatron_chimera.checkpoint.saved_args import (
     saved_data_config,
     saved_model_config,
 )
+from megatron_chimera.checkpoint.tokenizer_record import TokenizerSettings, resolve_file
 from megatron_chimera.config import ConfigError, DataConfig, ModelConfig
 from megatron_chimera.data.tokenizers import MegatronTokenizer, build_tokenizer
-from megatron_chimera.hf.tokenizer_files import TokenizerSettings, resolve_file
 from megatron_chimera.model.bert import BertModel
 from megatron_chimera.model.family import BERT, FAMILIES, GPT2, ModelFamily
 from megatron_chimera.model.gpt2 import GPTModel

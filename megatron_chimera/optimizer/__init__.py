@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from megatron_chimera.optimizer.builder import get_megatron_optimizer, get_param_groups
-from megatron_chimera.optimizer.distributed_optimizer import DistributedOptimizer, ShardGroup
+from megatron_chimera.distributed.grad_buffer import ShardGroup
+from megatron_chimera.optimizer.builder import (
+    get_data_parallel_optimizer,
+    get_megatron_optimizer,
+    get_param_groups,
+)
+from megatron_chimera.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron_chimera.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -26,6 +31,7 @@ __all__ = [
     "MegatronOptimizer",
     "OptimizerParamScheduler",
     "ShardGroup",
+    "get_data_parallel_optimizer",
     "get_megatron_optimizer",
     "get_param_groups",
 ]

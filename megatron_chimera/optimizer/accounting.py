@@ -16,9 +16,8 @@ import torch
 from torch import nn
 
 from megatron_chimera.config import OptimizerConfig
-from megatron_chimera.distributed.grad_buffer import build_grad_buffers
+from megatron_chimera.distributed.grad_buffer import ShardGroup, build_grad_buffers
 from megatron_chimera.optimizer.builder import get_megatron_optimizer
-from megatron_chimera.optimizer.distributed_optimizer import ShardGroup
 from megatron_chimera.optimizer.param_state import is_elementwise
 
 

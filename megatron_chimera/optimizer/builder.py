@@ -6,12 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megatron_chimera.config import ConfigError, OptimizerConfig
-from megatron_chimera.distributed.grad_buffer import ModelGradBuffers
+from megatron_chimera.distributed.data_parallel import DataParallel
+from megatron_chimera.distributed.grad_buffer import ModelGradBuffers, ShardGroup
 from megatron_chimera.model.fused import FusedBackend, get_fused_backend
-from megatron_chimera.optimizer.distributed_optimizer import DistributedOptimizer, ShardGroup
+from megatron_chimera.optimizer.distributed_optimizer import DistributedOptimizer
 from megatron_chimera.optimizer.grad_scaler import (
     ConstantGradScaler,
     DynamicGradScaler,
@@ -140,6 +142,26 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list[nn.Module
                _grad_scaler(config), backend, grad_norm_group=grad_norm_group,
                found_inf_group=found_inf_group, norm_param_filter=norm_param_filter,
                log_num_zeros_in_grad=log_num_zeros_in_grad, grad_buffers=grad_buffers)
+
+
+def get_data_parallel_optimizer(config: OptimizerConfig, data_parallel: DataParallel,
+                                make_inner: InnerFactory | None = None) -> MegatronOptimizer:
+    """The optimizer of a rank's stage modules over their data-parallel state: local (norm and
+    found-inf reduced over the model-replica group, each stage counted on its owner) or
+    distributed (sharded over each stage-replica group, the tied embedding over the embedding
+    group, reduced over the world). Either way a parameter replicated over the tensor-parallel
+    ranks counts on tensor rank 0 only. ``make_inner`` overrides the inner optimizer (tests)."""
+    dp = data_parallel
+    chunks = [dp.modules[s] for s in sorted(dp.modules)]
+    if dp.shards is None:
+        return get_megatron_optimizer(
+            config, chunks, grad_norm_group=dp.replica_group, found_inf_group=dp.replica_group,
+            norm_param_filter=dp.norm_filter, grad_buffers=dp.buffers, make_inner=make_inner)
+    optimizer = get_megatron_optimizer(
+        config, chunks, grad_buffers=dp.buffers, shards=dp.shards, world_group=dist.group.WORLD,
+        overlap_param_gather=dp.overlap_param_gather, make_inner=make_inner)
+    optimizer.register_param_gather_hooks(dp.modules)
+    return optimizer
 
 
 def _main_param(param: nn.Parameter) -> nn.Parameter:

@@ -35,7 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_chimera.distributed.grad_buffer import TIED, GradBuffer, ModelGradBuffers
+from megatron_chimera.distributed.grad_buffer import (
+    TIED,
+    GradBuffer,
+    ModelGradBuffers,
+    ShardGroup,
+)
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.optimizer.grad_scaler import MegatronGradScaler
 from megatron_chimera.optimizer.kernels import multi_tensor_scale_
@@ -51,18 +56,6 @@ from megatron_chimera.optimizer.param_state import (
 from megatron_chimera.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
 
 InnerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class ShardGroup:
-    """The ranks a stage (or the tied embedding) is sharded over: the process group (None: no
-    communication, for accounting), its size, this rank's index in it, and the global ranks
-    that write its checkpoint entries."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-    writers: tuple[int, ...] = (0,)
 
 
 Unit = int | str  # a stage id, or TIED

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_chimera.distributed.data_parallel import NormFilter
 from megatron_chimera.distributed.grad_buffer import ModelGradBuffers
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.optimizer.clip_grads import clip_grads_, count_zeros, get_grad_norm
@@ -41,7 +42,6 @@ from megatron_chimera.optimizer.param_state import (
     to_host,
 )
 
-NormFilter = Callable[[nn.Parameter], bool]
 # Megatron's ``timers(name)`` -> an object with start() / stop()
 TimersLike = Callable[[str], Any]
 

@@ -1,11 +1,19 @@
 """The pipeline runtime: runs a rank's schedule (IR) with real stage modules over torch.distributed.
 
+* :mod:`.executor` -- one executor for every schedule (F, B, W actions); :func:`~.executor.
+  make_transport` picks the transport.
+* :mod:`.program` -- a rank's lowered list compiled once into the steps the executor runs.
+* :mod:`.p2p` -- the receives and sends of an iteration, pooled receive buffers.
+* :mod:`.transport` -- how messages move (torch.distributed); :mod:`.nccl_semantics` -- the same
+  under NCCL's rules on gloo, for the tests.
 * :mod:`.topology` -- where this rank sits (pipeline rank, data-parallel rank, peers' global ranks
   and p2p groups), injected into the executor.
-* :mod:`.p2p` -- the messages of an iteration (derived from the schedule's dependency rule) and
-  their posting.
-* :mod:`.executor` -- one executor for every schedule (F, B, W actions).
-* :mod:`.grad_sync` -- eager, globally ordered gradient reduction over stage replicas.
 * :mod:`.failures` -- first-failure reporting through the c10d store.
-* :mod:`.emulated` -- stages that sleep instead of computing, for benchmarks.
+* :mod:`.profiler` / :mod:`.profile_rebuild` -- measured F, B, W per stage and the schedule
+  rebuilt from them.
+* :mod:`.trace` -- where a traced iteration's time goes between compute actions.
+* :mod:`.emulated` -- stages that wait instead of computing, for benchmarks;
+  :mod:`.torch_pipelining` -- torch's schedules on them, for comparison.
+
+Gradient reduction over the stage replicas lives in :mod:`megatron_chimera.distributed`.
 """

@@ -56,7 +56,9 @@ from torch.autograd import Variable
 
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
+from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
+from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
 from megatron_chimera.pipeline.p2p import (
     P2PCommunicator,
     deallocate_output_tensor,
@@ -64,7 +66,7 @@ from megatron_chimera.pipeline.p2p import (
 )
 from megatron_chimera.pipeline.program import Compute, Post, Program, compile_program
 from megatron_chimera.pipeline.topology import PipelineTopology
-from megatron_chimera.pipeline.transport import Transport, make_transport
+from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
@@ -81,8 +83,9 @@ from megatron_chimera.tensor_parallel.random import restored_tracker_states
 from megatron_chimera.tensor_parallel.weight_grad import deferrable_modules
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
-__all__ = ["PipelineExecutor", "PipelineFailure", "IterationResult", "GatheredIteration",
-           "ForwardStepFunc", "ActionTimer", "deallocate_output_tensor", "custom_backward"]
+__all__ = ["PipelineExecutor", "StageWork", "Gradients", "ExecutorPolicy", "PipelineFailure",
+           "IterationResult", "GatheredIteration", "ForwardStepFunc", "ActionTimer",
+           "make_transport", "deallocate_output_tensor", "custom_backward"]
 
 
 class SavedForward(NamedTuple):
@@ -125,6 +128,14 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
 
 
 ActionTimer = Callable[[Action, float], None]
+
+
+def make_transport(topology: PipelineTopology, tag_of: Any = None) -> Transport:
+    """The transport of this process: NCCL semantics on gloo when the test harness asks for them
+    (``MEGATRON_CHIMERA_NCCL_SEMANTICS=1``), else plain."""
+    if nccl_semantics_requested() and dist.is_initialized() and dist.get_backend() == "gloo":
+        return NcclSemanticsTransport(topology)
+    return Transport(topology, tag_of)
 _NO_CHANGE = contextlib.nullcontext()  # the grad mode is already the one wanted (reusable)
 
 
@@ -191,77 +202,103 @@ def _as_float_dict(stats: dict[str, Any]) -> dict[str, float]:
             for k, v in stats.items()}
 
 
+@dataclass(frozen=True)
+class StageWork:
+    """What the executor runs: this rank's stage ``modules`` (every stage it holds, one module
+    per stage, shared by the pipes that visit it), the ``forward_step_func``, the shape and
+    dtype of every p2p message (``[seq, micro_batch, hidden]``) on ``device``, and whether B
+    re-runs the forward from the stage input (``recompute``)."""
+
+    modules: dict[int, nn.Module]
+    forward_step_func: ForwardStepFunc
+    tensor_shape: Sequence[int]
+    dtype: torch.dtype
+    device: torch.device | str = "cpu"
+    recompute: bool = False
+
+
+@dataclass(frozen=True)
+class Gradients:
+    """The training side of an executor: each micro-batch loss is divided by
+    ``loss_scale_divisor`` (``N x W``) before its backward; ``grad_sync`` reduces the gradients
+    (None: evaluation only); ``scale_loss`` is the fp16 grad scaler's hook;
+    ``weight_grad_store_factory`` makes the store of each split backward (W)."""
+
+    loss_scale_divisor: float = 1.0
+    grad_sync: GradientSynchronizer | None = None
+    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
+    weight_grad_store_factory: Callable[[], WeightGradStore] = WeightGradStore
+
+
+@dataclass(frozen=True)
+class ExecutorPolicy:
+    """How the lists run: ``recv_lookahead`` is how many compute actions early a receive is
+    posted when NCCL's rules allow it; ``deallocate_outputs`` frees a sent activation's storage;
+    ``warm_up`` connects every direction before the first iteration; ``safe_posting=False``
+    ignores NCCL's rules (only to show that tests catch it)."""
+
+    recv_lookahead: int = DEFAULT_LOOKAHEAD
+    deallocate_outputs: bool = True
+    warm_up: bool = True
+    safe_posting: bool = True
+
+
 class PipelineExecutor:
     """Executes this rank's lowered list of ``schedule`` for one iteration at a time.
 
-    ``topology`` says where this rank sits; ``stage_modules`` maps every stage this rank holds to
-    its module (one module per stage, shared by the pipes that visit it); ``tensor_shape`` and
-    ``dtype`` describe every p2p message (``[seq, micro_batch, hidden]``);
-    ``loss_scale_divisor`` is ``N x W``; ``grad_sync`` is None for evaluation-only use;
-    ``scale_loss`` is the fp16 grad scaler's hook; ``recompute`` keeps only stage inputs and
-    re-runs the forward at B; ``weight_grad_store_factory`` makes the store of each split
-    backward (W); ``transport`` moves the messages (default: :func:`make_transport`);
-    ``recv_lookahead`` is how many compute actions early a receive is posted when NCCL's rules
-    allow it; ``safe_posting=False`` ignores those rules (only to show that tests catch it);
-    ``action_timer(action, seconds)``, when set (it may be set or cleared between iterations),
-    receives the compute time of every F, B and W -- compute only, never a SEND, a RECV or a
-    wait for a message (the profiler's hook, :mod:`~megatron_chimera.pipeline.profiler`); on
-    CUDA the iteration's times are then read at its end (one device sync per timed iteration).
+    ``topology`` says where this rank sits, ``work`` what it runs (:class:`StageWork`),
+    ``gradients`` how losses and gradients are treated (:class:`Gradients`; the default suits
+    evaluation), ``policy`` how the lists are posted (:class:`ExecutorPolicy`); ``transport``
+    moves the messages (default: :func:`make_transport`). ``action_timer(action, seconds)``,
+    when set (it may be set or cleared between iterations), receives the compute time of every
+    F, B and W -- compute only, never a SEND, a RECV or a wait for a message (the profiler's
+    hook, :mod:`~megatron_chimera.pipeline.profiler`); on CUDA the iteration's times are then
+    read at its end (one device sync per timed iteration).
     """
 
     def __init__(
         self,
         schedule: Schedule,
         topology: PipelineTopology,
-        stage_modules: dict[int, nn.Module],
-        forward_step_func: ForwardStepFunc,
-        tensor_shape: Sequence[int],
-        dtype: torch.dtype,
-        loss_scale_divisor: float,
-        grad_sync: GradientSynchronizer | None = None,
-        device: torch.device | str = "cpu",
-        recompute: bool = False,
-        scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        recv_lookahead: int = DEFAULT_LOOKAHEAD,
-        deallocate_outputs: bool = True,
-        weight_grad_store_factory: Callable[[], WeightGradStore] = WeightGradStore,
+        work: StageWork,
+        gradients: Gradients = Gradients(),
+        policy: ExecutorPolicy = ExecutorPolicy(),
         transport: Transport | None = None,
-        warm_up: bool = True,
-        safe_posting: bool = True,
         action_timer: ActionTimer | None = None,
     ) -> None:
         pipeline_rank = topology.pipeline_rank
-        missing = set(schedule.stages_of_rank(pipeline_rank)) - set(stage_modules)
+        missing = set(schedule.stages_of_rank(pipeline_rank)) - set(work.modules)
         if missing:
             raise ValueError(f"pipeline rank {pipeline_rank} lacks stage modules {sorted(missing)}")
         self.schedule = schedule
         self.topology = topology
         self.pipeline_rank = pipeline_rank
-        self.stage_modules = stage_modules
-        self.forward_step_func = forward_step_func
-        self.tensor_shape = tuple(tensor_shape)
-        self.dtype = dtype
-        self.loss_scale_divisor = float(loss_scale_divisor)
-        self.grad_sync = grad_sync
-        self.device = torch.device(device)
-        self.recompute = recompute
-        self.scale_loss = scale_loss
-        self.deallocate_outputs = deallocate_outputs and not recompute
-        self.weight_grad_store_factory = weight_grad_store_factory
+        self.stage_modules = work.modules
+        self.forward_step_func = work.forward_step_func
+        self.tensor_shape = tuple(work.tensor_shape)
+        self.dtype = work.dtype
+        self.device = torch.device(work.device)
+        self.recompute = work.recompute
+        self.loss_scale_divisor = float(gradients.loss_scale_divisor)
+        self.grad_sync = gradients.grad_sync
+        self.scale_loss = gradients.scale_loss
+        self.weight_grad_store_factory = gradients.weight_grad_store_factory
+        self.deallocate_outputs = policy.deallocate_outputs and not work.recompute
         self.transport = transport or make_transport(
             topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
-        self.lowered = {mode: lower(schedule, mode, recv_lookahead, safe_posting)
+        safe_posting = policy.safe_posting
+        self.lowered = {mode: lower(schedule, mode, policy.recv_lookahead, safe_posting)
                         for mode in (False, True)}
         if safe_posting:
             for lowered in self.lowered.values():
                 validate_lowered(lowered, ranks=[pipeline_rank])
         self.programs: dict[bool, Program] = {
             mode: compile_program(lowered, pipeline_rank) for mode, lowered in self.lowered.items()}
-        self.comm = P2PCommunicator(self.transport, uniform_specs(self.tensor_shape, dtype),
+        self.comm = P2PCommunicator(self.transport, uniform_specs(self.tensor_shape, self.dtype),
                                     self.device)
-        self._linears = {s: deferrable_modules(m) for s, m in stage_modules.items()}
+        self._linears = {s: deferrable_modules(m) for s, m in work.modules.items()}
         self._events: list[Any] = []  # CUDA events of the busy timers, reused
-        self._connected = not warm_up
+        self._connected = not policy.warm_up
         self.action_timer = action_timer
 
     def connect(self) -> None:

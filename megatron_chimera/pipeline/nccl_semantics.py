@@ -20,7 +20,7 @@ Who has posted what is published in the c10d store (per direction: sends and rec
 every wait has a short deadline (``MEGATRON_CHIMERA_NCCL_SEMANTICS_TIMEOUT``, default 10 s), after
 which the wait fails with a deadlock report naming this rank, its operation, and what the peer
 is doing. Enable with ``MEGATRON_CHIMERA_NCCL_SEMANTICS=1`` (see
-:func:`~.transport.make_transport`).
+:func:`~.executor.make_transport`).
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
 :class:`Transport` posts the sends and receives of a lowered schedule, connects each direction
 once before the first iteration, and offers :meth:`Transport.sync_point` where a device-wide
 sync could happen. With the environment variable ``MEGATRON_CHIMERA_NCCL_SEMANTICS=1`` on the
-gloo backend, :func:`make_transport` returns :class:`~.nccl_semantics.NcclSemanticsTransport`
-instead, which enforces NCCL's rules that gloo forgives (tag-blind FIFO matching, a rendezvous
-at the first exchange of each direction, device-wide syncs waiting for posted operations).
+gloo backend, :func:`~.executor.make_transport` returns
+:class:`~.nccl_semantics.NcclSemanticsTransport` instead, which enforces NCCL's rules that gloo
+forgives (tag-blind FIFO matching, a rendezvous at the first exchange of each direction,
+device-wide syncs waiting for posted operations).
 
 The hot path is short: the process group, the peer's rank in it and the tag are worked out once
 per message (:class:`Address`, cached: an iteration's messages recur in every iteration), and
@@ -28,7 +29,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules.lowering import SEND, Message
 
@@ -144,11 +144,3 @@ def _device() -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
-
-def make_transport(topology: PipelineTopology, tag_of: Any = None) -> Transport:
-    """The transport of this process: NCCL semantics on gloo when requested, else plain."""
-    if nccl_semantics_requested() and dist.is_initialized() and dist.get_backend() == "gloo":
-        from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
-
-        return NcclSemanticsTransport(topology)
-    return Transport(topology, tag_of)

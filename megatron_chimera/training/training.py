@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,34 +20,19 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.checkpointing import (
-    StageSlice,
-    checkpoint_dir,
-    get_rng_state,
-    load_checkpoint,
-    read_tracker,
+    CheckpointContents,
     save_checkpoint,
     set_rng_state,
     stage_named_parameters,
 )
-from megatron_chimera.checkpoint.saved_args import check_checkpoint_args
 from megatron_chimera.config import ConfigError, TrainConfig
 from megatron_chimera.data.samplers import (
     build_data_iterator,
     microbatch_first_samples,
     next_microbatches,
 )
-from megatron_chimera.data_parallel import build_data_parallel
-from megatron_chimera.model.dropout_rng import KeyedMicrobatch, keyed_forward_step, microbatch_key
+from megatron_chimera.model.dropout_rng import KeyedMicrobatch, microbatch_key
 from megatron_chimera.model.family import GPT2, ModelFamily
-from megatron_chimera.model.flops import training_flops
-from megatron_chimera.model.partition import partition_layers
-from megatron_chimera.optimizer import (
-    OptimizerParamScheduler,
-)
-from megatron_chimera.pipeline.executor import PipelineExecutor
-from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
-from megatron_chimera.pipeline.topology import PipelineTopology
-from megatron_chimera.pipeline.transport import make_transport
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.rebuild import RebuildReport
 from megatron_chimera.training.arguments import build_schedule_for, parse_args_and_schedule
@@ -62,59 +46,24 @@ from megatron_chimera.training.measured_costs import (
     rebuild_scalars,
     resumed_rebuild,
     save_profiled_costs,
-    time_partition,
 )
 from megatron_chimera.training.monitor import (
     IterationStats,
-    Timers,
-    TrainingMonitor,
     gather_memory_stats,
     predicted_bubble_ratio,
 )
-from megatron_chimera.training.preflight import check_outputs, check_resume_iteration, check_splits
-
-ModelProvider = Callable[..., nn.Module]
-DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
-
-
-@dataclass
-class TrainState:
-    """Progress counters of a run (restored from checkpoints)."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    last_saved_iteration: int | None = None
-    consecutive_skipped: int = 0
+from megatron_chimera.training.preflight import check_outputs, check_splits
+from megatron_chimera.training.setup import (
+    DatasetsProvider,
+    ModelProvider,
+    Run,
+    TrainState,
+    build_datasets,
+    needed_microbatches,
+    setup_run,
+)
 
 
-@dataclass
-class _Run:
-    """Everything ``pretrain`` builds for the loop."""
-
-    config: TrainConfig
-    family: ModelFamily
-    schedule: Schedule
-    partition: list[tuple[int, int]]
-    stages: list[StageSlice]
-    optimizer: Any
-    scheduler: OptimizerParamScheduler
-    executor: PipelineExecutor
-    eval_executor: PipelineExecutor
-    monitor: TrainingMonitor
-    timers: Timers
-    needed_microbatches: list[int] | None
-    rank: int
-    world_size: int
-    rng_state: dict[str, Any] | None = None  # seeded or restored state, re-applied before the loop
-    device: torch.device | None = None
-    # executors of a (rebuilt) schedule: lowered, validated, sharing the run's connections
-    make_executors: Callable[[Schedule], tuple[PipelineExecutor, PipelineExecutor]] | None = None
-    profile: ProfileRebuild | None = None
-    profiled: dict[str, Any] | None = None  # measured costs and the schedule they rebuilt
-
-
-# ------------------------------------------------------------------------------ setup
 def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
     """The run's tokenizer (NullTokenizer over ``--vocab-size`` for bare ``--mock-data``) and the
     config with the model's vocabulary set to the tokenizer's."""
@@ -129,148 +78,6 @@ def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
     return tokenizer, dataclasses.replace(config, model=model)
 
 
-def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
-    """Shape of every pipeline message: ``[s, b, h]``, or ``[s/T, b, h]`` (this rank's chunk of
-    the sequence) under sequence parallelism."""
-    model, parallel = config.model, config.parallel
-    seq = model.seq_length
-    if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
-        seq //= parallel.tensor_model_parallel_size
-    return (seq, config.training.micro_batch_size, model.hidden_size)
-
-
-def _needed_microbatches(schedule, pipeline_rank: int, all_stages: bool) -> list[int] | None:
-    """Micro-batches whose first or last stage this rank holds (None: every one)."""
-    if all_stages:
-        return None
-    last = schedule.num_stages - 1
-    pipes = {pipe for pipe, stage in schedule.replicas_of_rank(pipeline_rank)
-             if stage in (0, last)}
-    return [m for p in sorted(pipes) for m in schedule.microbatches_of_pipe(p)]
-
-
-def _train_valid_test_num_samples(config: TrainConfig) -> list[int]:
-    """Megatron's sample counts: train, and ``eval_iters`` per evaluation for valid and test."""
-    training = config.training
-    iters = training.total_train_iters
-    evals = (iters // training.eval_interval + 1) * training.eval_iters
-    return [iters * training.global_batch_size, evals * training.global_batch_size,
-            training.eval_iters * training.global_batch_size]
-
-
-def _setup(train_valid_test_datasets_provider: DatasetsProvider, model_provider: ModelProvider,
-           forward_step_func: Callable, config: TrainConfig, family: ModelFamily,
-           schedule: Schedule, state: TrainState) -> tuple[_Run, tuple[Any, Any, Any]]:
-    parallel = config.parallel
-    device = initialize_megatron(config.parallel, schedule, config.training.seed)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
-    if rank == 0 and "replaces" in schedule.meta:
-        print(f" running {schedule.describe()} instead of {schedule.meta['replaces']}",
-              flush=True)
-    if config.training.partition_method == "time":
-        partition = time_partition(config, family, schedule, device, rank == 0)
-    else:
-        partition = partition_layers(config.model.num_layers, schedule.num_stages,
-                                     config.training.partition_method, config=config.model,
-                                     family=family)
-    last = schedule.num_stages - 1
-    modules: dict[int, nn.Module] = {}
-    for stage in schedule.stages_of_rank(pipeline_rank):
-        module = model_provider(pre_process=stage == 0, post_process=stage == last,
-                                layer_range=partition[stage], stage=stage)
-        modules[stage] = module.to(device)
-    stages = [StageSlice(s, partition[s], m,
-                         writer=rank == min(parallel_state.get_stage_replica_ranks(s)))
-              for s, m in sorted(modules.items())]
-    grad_sync, optimizer = build_data_parallel(config.optimizer, config.ddp, modules)
-    train_samples = config.training.total_train_iters * config.training.global_batch_size
-    scheduler = OptimizerParamScheduler.from_config(optimizer, config.optimizer, train_samples)
-
-    ckpt = config.checkpoint
-    saved_args: dict[str, Any] = {}  # the loaded checkpoint's arguments (as checked)
-
-    def check_args(args: dict[str, Any], path: str) -> None:
-        check_checkpoint_args(config, args, path, family=family)
-        saved_args.update(args)
-
-    if ckpt.load is not None:
-        saved_iteration = read_tracker(ckpt.load)
-        if saved_iteration is not None and not ckpt.finetune:
-            check_resume_iteration(saved_iteration, config, checkpoint_dir(ckpt.load,
-                                                                           saved_iteration))
-        loaded = load_checkpoint(
-            ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
-            world_size=world_size, load_optim=not ckpt.no_load_optim,
-            load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune,
-            check_args=check_args)
-        if loaded is not None:
-            state.iteration = loaded.iteration
-            state.consumed_train_samples = loaded.consumed_train_samples
-            state.consumed_valid_samples = loaded.consumed_valid_samples
-            if rank == 0:
-                print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration}",
-                      flush=True)
-        elif rank == 0:
-            print(f" no checkpoint in {ckpt.load} (no tracker file): training from scratch",
-                  flush=True)
-    rng_state = get_rng_state()  # seeded, or restored from the checkpoint
-    # Megatron's pattern: rank 0 builds the dataset index caches (atomically, once); after the
-    # barrier every other rank finds them on disk and only memory-maps them.
-    num_samples = _train_valid_test_num_samples(config)
-    datasets = train_valid_test_datasets_provider(num_samples) if rank == 0 else None
-    dist.barrier()
-    if rank != 0:
-        datasets = train_valid_test_datasets_provider(num_samples)
-
-    model, training = config.model, config.training
-    topology = PipelineTopology.from_parallel_state()
-    transport = make_transport(  # shared: both executors talk over the same connections
-        topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
-    common = dict(
-        schedule=schedule, topology=topology, transport=transport, stage_modules=modules,
-        forward_step_func=keyed_forward_step(forward_step_func, device),
-        tensor_shape=p2p_tensor_shape(config),
-        dtype=model.torch_dtype,
-        loss_scale_divisor=training.num_microbatches * parallel.data_parallel_size,
-        device=device)
-
-    shared = {(schedule.num_pipes, schedule.num_microbatches): transport}
-
-    def make_executors(schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
-        """Both executors of ``schedule`` (each lowers and validates it). They share the
-        transport of the running schedule, so its connections stay and only a direction it
-        never used is connected, in the one global order, before the first iteration (message
-        tags depend on the pipes and N: other ones get their own transport). They share the
-        one gradient synchronizer too: it depends on the buffers, not on the order."""
-        sizes = (schedule.num_pipes, schedule.num_microbatches)
-        if sizes not in shared:
-            shared[sizes] = make_transport(topology, lambda m: m.tag(*sizes))
-        kwargs = dict(common, schedule=schedule, transport=shared[sizes])
-        train_executor = PipelineExecutor(**kwargs, grad_sync=grad_sync,
-                                          scale_loss=optimizer.scale_loss)
-        return train_executor, PipelineExecutor(**kwargs)
-
-    executor, eval_executor = make_executors(schedule)
-    logging_rank = world_size - 1  # where the executor gathers losses and busy times
-    flops = training_flops(model, family, training.global_batch_size)
-    predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
-    monitor = TrainingMonitor.create(config, flops, world_size, predicted,
-                                     enabled=rank == logging_rank)
-    # BERT's padding mask and GPT's document mask (--reset-attention-mask) reach every stage
-    needed = _needed_microbatches(schedule, pipeline_rank,
-                                  all_stages=family.every_stage_reads_batch
-                                  or config.data.reset_attention_mask)
-    run = _Run(config, family, schedule, partition, stages, optimizer, scheduler, executor,
-               eval_executor, monitor, Timers(), needed, rank, world_size, rng_state, device,
-               make_executors)
-    run.profile = profiling_for(config, schedule, device, verbose=rank == 0)
-    report = resumed_rebuild(run.profile, schedule, saved_args, ckpt.finetune, verbose=rank == 0)
-    if report is not None:
-        apply_rebuild(run, report, state.iteration)
-    return run, datasets
-
-
 # ------------------------------------------------------------------------------ loop pieces
 def _average_losses(losses: list[dict[str, float]]) -> dict[str, float]:
     if not losses:
@@ -278,7 +85,7 @@ def _average_losses(losses: list[dict[str, float]]) -> dict[str, float]:
     return {name: sum(d[name] for d in losses) / len(losses) for name in losses[0]}
 
 
-def keyed_microbatches(run: _Run, batches: list[Any], consumed_samples: int) -> list[Any]:
+def keyed_microbatches(run: Run, batches: list[Any], consumed_samples: int) -> list[Any]:
     """Each micro-batch with its keyed-dropout key (from the global index of its first sample)."""
     training = run.config.training
     firsts = microbatch_first_samples(
@@ -288,7 +95,7 @@ def keyed_microbatches(run: _Run, batches: list[Any], consumed_samples: int) -> 
             for first, batch in zip(firsts, batches)]
 
 
-def train_step(run: _Run, data_iterator, consumed_samples: int | None = None,
+def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
                iteration: int | None = None) -> tuple[Any, bool, float | None, float]:
     """One iteration: schedule, gradient sync, optimizer and LR step; ``consumed_samples`` (the
     samples before this iteration) keys the dropout masks (see ``model/dropout_rng.py``);
@@ -322,7 +129,7 @@ def train_step(run: _Run, data_iterator, consumed_samples: int | None = None,
     return result, not update_successful, grad_norm, result.iteration_seconds
 
 
-def evaluate(run: _Run, data_iterator, num_iters: int) -> dict[str, float]:
+def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
     """Average of the forward-only losses over ``num_iters`` iterations (on the logging rank)."""
     losses: list[dict[str, float]] = []
     for module in (s.module for s in run.stages):
@@ -340,7 +147,7 @@ def evaluate(run: _Run, data_iterator, num_iters: int) -> dict[str, float]:
     return _average_losses(losses)
 
 
-def _evaluate_and_log(run: _Run, prefix: str, data_iterator, state: TrainState) -> None:
+def _evaluate_and_log(run: Run, prefix: str, data_iterator, state: TrainState) -> None:
     if data_iterator is None or run.config.training.eval_iters == 0:
         return
     losses = evaluate(run, data_iterator, run.config.training.eval_iters)
@@ -350,28 +157,28 @@ def _evaluate_and_log(run: _Run, prefix: str, data_iterator, state: TrainState) 
     run.monitor.log_evaluation(prefix, state.iteration, state.consumed_train_samples, losses)
 
 
-def save(run: _Run, state: TrainState) -> None:
+def save(run: Run, state: TrainState) -> None:
     """Collective checkpoint of the current iteration under ``--save``."""
     ckpt = run.config.checkpoint
     if ckpt.save is None or state.last_saved_iteration == state.iteration:
         return
     run.timers("save-checkpoint").start()
-    path = save_checkpoint(
-        ckpt.save, state.iteration, run.stages, run.partition, run.optimizer, run.scheduler,
-        rank=run.rank, world_size=run.world_size,
+    contents = CheckpointContents(
+        state.iteration, run.stages, run.partition, run.optimizer, run.scheduler,
         consumed_train_samples=state.consumed_train_samples,
         consumed_valid_samples=state.consumed_valid_samples,
         args={**dataclasses.asdict(run.config), "model_family": run.family.name,
               **({PROFILED_KEY: run.profiled} if run.profiled else {})},
-        save_optim=not ckpt.no_save_optim,
-        barrier=dist.barrier)
+        save_optim=not ckpt.no_save_optim)
+    path = save_checkpoint(ckpt.save, contents, rank=run.rank, world_size=run.world_size,
+                           barrier=dist.barrier)
     run.timers("save-checkpoint").stop()
     state.last_saved_iteration = state.iteration
     if run.rank == 0:
         print(f" saved checkpoint {path} at iteration {state.iteration}", flush=True)
 
 
-def _report(run: _Run, pending: list[tuple[IterationStats, Any]]) -> None:
+def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     """Gather the losses and busy times of the pending iterations (one collective, every rank)
     and hand each iteration to the monitor in order (log line, TensorBoard)."""
     if not pending:
@@ -384,7 +191,7 @@ def _report(run: _Run, pending: list[tuple[IterationStats, Any]]) -> None:
     pending.clear()
 
 
-def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
+def train(run: Run, state: TrainState, train_iterator, valid_iterator) -> None:
     """The training loop: steps, logging, evaluation, checkpoint cadence, exit interval.
 
     Losses and busy times stay on the device until the next log iteration (or the end), when
@@ -434,7 +241,7 @@ def train(run: _Run, state: TrainState, train_iterator, valid_iterator) -> None:
             return
 
 
-def apply_rebuild(run: _Run, report: RebuildReport, iteration: int) -> None:
+def apply_rebuild(run: Run, report: RebuildReport, iteration: int) -> None:
     """Run the rebuilt schedule from the next iteration on, log the switch (stdout line and
     TensorBoard on the logging rank), and keep the measured costs next to the checkpoints
     (``<save>/profiled_stage_costs.json``, for ``--chimera-zb-costs @file``)."""
@@ -442,8 +249,8 @@ def apply_rebuild(run: _Run, report: RebuildReport, iteration: int) -> None:
     run.profiled = profiled_record(report)  # saved with the checkpoints
     if report.changed:
         run.schedule = report.schedule
-        run.executor, run.eval_executor = run.make_executors(report.schedule)
-        run.needed_microbatches = _needed_microbatches(  # same placement: the same stages
+        run.executor, run.eval_executor = run.executors(report.schedule)
+        run.needed_microbatches = needed_microbatches(  # same placement: the same stages
             report.schedule, parallel_state.get_pipeline_model_parallel_rank(),
             all_stages=run.needed_microbatches is None)
         if run.monitor.predicted_bubble is not None:
@@ -474,9 +281,15 @@ def pretrain(
     if schedule is None:
         schedule = build_schedule_for(config)
     check_outputs(config, family)  # every rank, before any process group: fail in seconds
-    run, (train_ds, valid_ds, test_ds) = _setup(
-        train_valid_test_datasets_provider, model_provider, forward_step_func, config,
-        family, schedule, state)
+    device = initialize_megatron(config.parallel, schedule, config.training.seed)
+    run, saved_args = setup_run(config, family, schedule, model_provider, forward_step_func,
+                                state, device)
+    train_ds, valid_ds, test_ds = build_datasets(train_valid_test_datasets_provider, config)
+    run.profile = profiling_for(config, schedule, device, verbose=run.rank == 0)
+    report = resumed_rebuild(run.profile, schedule, saved_args, config.checkpoint.finetune,
+                             verbose=run.rank == 0)
+    if report is not None:
+        apply_rebuild(run, report, state.iteration)
     training = config.training
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()

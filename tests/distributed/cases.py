@@ -16,9 +16,10 @@ import torch
 
 from megatron_chimera import parallel_state
 from megatron_chimera.config import ConfigError, DDPConfig, OptimizerConfig
-from megatron_chimera.data_parallel import build_data_parallel
+from megatron_chimera.distributed.data_parallel import build_data_parallel
 from megatron_chimera.distributed.grad_sync import assert_replicas_identical, broadcast_stage_params
-from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.optimizer import get_data_parallel_optimizer
+from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import SCHEDULES, build_schedule
 from megatron_chimera.schedules.actions import FORWARD, Schedule
@@ -186,10 +187,11 @@ def build_training(case: Case, schedule: Schedule, prank: int, ddp: DDPConfig):
     stages = {s: build_stage(s, schedule.num_stages) for s in schedule.stages_of_rank(prank)}
     config = OptimizerConfig(optimizer=case.optimizer, clip_grad=0.0, weight_decay=0.0)
     make = make_optimizer(case.optimizer)
-    grad_sync, optimizer = build_data_parallel(
-        config, ddp, stages,
+    data_parallel = build_data_parallel(ddp, stages)
+    optimizer = get_data_parallel_optimizer(
+        config, data_parallel,
         make_inner=lambda groups: make([p for g in groups for p in g["params"]]))
-    return stages, grad_sync, optimizer
+    return stages, data_parallel.grad_sync, optimizer
 
 
 def _check_sharding(stages, grad_sync, optimizer, ddp: DDPConfig, case: Case) -> None:
@@ -250,11 +252,11 @@ def _train_and_check(rank: int, world_size: int, case: Case, schedule: Schedule,
     # look, to the NCCL-semantics mode's 10 s deadlines, like a peer that never arrives
     torch.distributed.barrier()
     executor = PipelineExecutor(
-        schedule, PipelineTopology.from_parallel_state(), stages,
-        forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
-        loss_scale_divisor=n * w, grad_sync=grad_sync, recompute=case.recompute,
-        scale_loss=(lambda loss: loss * case.loss_scale) if case.loss_scale else None,
-    )
+        schedule, PipelineTopology.from_parallel_state(),
+        StageWork(stages, forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
+                  recompute=case.recompute),
+        Gradients(loss_scale_divisor=n * w, grad_sync=grad_sync,
+                  scale_loss=(lambda loss: loss * case.loss_scale) if case.loss_scale else None))
     results = []
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
@@ -334,11 +336,10 @@ def run_failing_rank(rank: int, world_size: int, failing_rank: int) -> None:
         return forward_step(batch, model)
 
     executor = PipelineExecutor(
-        schedule, PipelineTopology.from_parallel_state(), stages,
-        flaky_forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
-        loss_scale_divisor=8, grad_sync=build_data_parallel(
-            OptimizerConfig(optimizer="sgd"), DDPConfig(), stages)[0],
-    )
+        schedule, PipelineTopology.from_parallel_state(),
+        StageWork(stages, flaky_forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32),
+        Gradients(loss_scale_divisor=8,
+                  grad_sync=build_data_parallel(DDPConfig(), stages).grad_sync))
     executor.run([make_batch(0, 0, m) for m in range(8)])
 
 
@@ -417,14 +418,16 @@ def _train_with_dropout(rank: int, schedule: Schedule, recompute: bool) -> list[
     prank = parallel_state.get_pipeline_model_parallel_rank()
     stages = {s: build_stage(s, schedule.num_stages, dropout=0.3)
               for s in schedule.stages_of_rank(prank)}
-    grad_sync, optimizer = build_data_parallel(
-        OptimizerConfig(optimizer="sgd", clip_grad=0.0, weight_decay=0.0), DDPConfig(), stages,
+    data_parallel = build_data_parallel(DDPConfig(), stages)
+    grad_sync = data_parallel.grad_sync
+    optimizer = get_data_parallel_optimizer(
+        OptimizerConfig(optimizer="sgd", clip_grad=0.0, weight_decay=0.0), data_parallel,
         make_inner=lambda groups: SGD([p for g in groups for p in g["params"]]))
     executor = PipelineExecutor(
-        schedule, PipelineTopology.from_parallel_state(), stages,
-        forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
-        loss_scale_divisor=schedule.num_microbatches, grad_sync=grad_sync, recompute=recompute,
-    )
+        schedule, PipelineTopology.from_parallel_state(),
+        StageWork(stages, forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
+                  recompute=recompute),
+        Gradients(loss_scale_divisor=schedule.num_microbatches, grad_sync=grad_sync))
     torch.manual_seed(1234 + rank)
     for step in range(2):
         optimizer.zero_grad()

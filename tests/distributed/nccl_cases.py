@@ -7,9 +7,14 @@ import datetime
 import torch
 
 from megatron_chimera import parallel_state
-from megatron_chimera.config import DDPConfig, OptimizerConfig
-from megatron_chimera.data_parallel import build_data_parallel
-from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.config import DDPConfig
+from megatron_chimera.distributed.data_parallel import build_data_parallel
+from megatron_chimera.pipeline.executor import (
+    ExecutorPolicy,
+    Gradients,
+    PipelineExecutor,
+    StageWork,
+)
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
 
@@ -28,11 +33,11 @@ def run_unprotected(rank: int, world_size: int, schedule_name: str, num_microbat
         stages = {s: build_stage(s, schedule.num_stages)
                   for s in schedule.stages_of_rank(prank)}
         executor = PipelineExecutor(
-            schedule, PipelineTopology.from_parallel_state(), stages, forward_step,
-            (SEQ, MICRO_BATCH, HIDDEN), torch.float32, loss_scale_divisor=num_microbatches,
-            grad_sync=build_data_parallel(OptimizerConfig(), DDPConfig(), stages)[0],
-            warm_up=warm_up,
-            safe_posting=safe_posting)
+            schedule, PipelineTopology.from_parallel_state(),
+            StageWork(stages, forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32),
+            Gradients(loss_scale_divisor=num_microbatches,
+                      grad_sync=build_data_parallel(DDPConfig(), stages).grad_sync),
+            policy=ExecutorPolicy(warm_up=warm_up, safe_posting=safe_posting))
         for step in range(2):
             executor.run([make_batch(step, 0, m) for m in range(num_microbatches)])
     finally:

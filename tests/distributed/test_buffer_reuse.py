@@ -19,7 +19,7 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.model.linear import Linear
-from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.actions import FORWARD
@@ -95,9 +95,10 @@ def run_chain(rank: int, world_size: int, name: str, n: int, options: dict,
     try:
         prank = parallel_state.get_pipeline_model_parallel_rank()
         stages = {s: ChainStage(s, schedule.num_stages) for s in schedule.stages_of_rank(prank)}
-        executor = PipelineExecutor(schedule, PipelineTopology.from_parallel_state(), stages,
-                                    _forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
-                                    loss_scale_divisor=n)
+        executor = PipelineExecutor(
+            schedule, PipelineTopology.from_parallel_state(),
+            StageWork(stages, _forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32),
+            Gradients(loss_scale_divisor=n))
         allocated: list[int] = []  # receive buffers the pool created, after each iteration
         for step in range(2):
             for module in stages.values():

@@ -37,7 +37,7 @@ def _profile_and_rebuild(rank: int, world_size: int) -> None:
         SleepingWeightGradStore,
         emulated_forward_step,
     )
-    from megatron_chimera.pipeline.executor import PipelineExecutor
+    from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
     from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
     from megatron_chimera.pipeline.topology import PipelineTopology
     from megatron_chimera.schedules import build_schedule
@@ -53,12 +53,12 @@ def _profile_and_rebuild(rank: int, world_size: int) -> None:
     grad_sync = GradientSynchronizer.from_parallel_state(build_grad_buffers(stages, True))
 
     def executor_for(sched, transport=None, train=True):
-        return PipelineExecutor(sched, PipelineTopology.from_parallel_state(), stages,
-                                emulated_forward_step, (8, 2, 4), torch.float32,
-                                loss_scale_divisor=8,
-                                grad_sync=grad_sync if train else None,
-                                weight_grad_store_factory=SleepingWeightGradStore,
-                                transport=transport)
+        return PipelineExecutor(
+            sched, PipelineTopology.from_parallel_state(),
+            StageWork(stages, emulated_forward_step, (8, 2, 4), torch.float32),
+            Gradients(loss_scale_divisor=8, grad_sync=grad_sync if train else None,
+                      weight_grad_store_factory=SleepingWeightGradStore),
+            transport=transport)
 
     executor = executor_for(schedule)
     profile = ProfileRebuild(schedule, ChimeraZBOptions(), iterations=2)

@@ -23,6 +23,7 @@ import pretrain_bert
 import pretrain_gpt2
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.checkpointing import (
+    CheckpointContents,
     StageSlice,
     checkpoint_dir,
     global_name,
@@ -32,11 +33,11 @@ from megatron_chimera.checkpoint.checkpointing import (
     stage_named_parameters,
 )
 from megatron_chimera.config import DDPConfig, ModelConfig, OptimizerConfig
-from megatron_chimera.data_parallel import build_data_parallel
+from megatron_chimera.distributed.data_parallel import build_data_parallel
 from megatron_chimera.distributed.grad_sync import assert_replicas_identical
 from megatron_chimera.model.partition import partition_layers
-from megatron_chimera.optimizer import get_megatron_optimizer
-from megatron_chimera.pipeline.executor import PipelineExecutor
+from megatron_chimera.optimizer import get_data_parallel_optimizer, get_megatron_optimizer
+from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.validate import validate
@@ -189,17 +190,21 @@ def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = Fal
     modules = {s: entry.model_provider(config, SEED, pre_process=s == 0, post_process=s == last,
                                        layer_range=partition[s], stage=s)
                for s in schedule.stages_of_rank(prank)}
-    grad_sync, optimizer = build_data_parallel(optimizer_config, case.ddp, modules)
+    data_parallel = build_data_parallel(case.ddp, modules)
+    grad_sync = data_parallel.grad_sync
+    optimizer = get_data_parallel_optimizer(optimizer_config, data_parallel)
     if case.ddp.use_distributed_optimizer:  # the flag took effect: this rank holds a shard
         held = sum(p.numel() for m in modules.values() for p in m.parameters())
         if sum(m.numel() for m in optimizer.main_params) >= held:
             raise AssertionError("the distributed optimizer holds every parameter")
     seq = SEQ // case.tensor_size if case.sequence_parallel else SEQ
     executor = PipelineExecutor(
-        schedule, PipelineTopology.from_parallel_state(), modules, entry.forward_step,
-        (seq, MICRO_BATCH, config.hidden_size), torch.float32,
-        loss_scale_divisor=case.num_microbatches * parallel_state.get_data_parallel_world_size(),
-        grad_sync=grad_sync, recompute=recompute, scale_loss=optimizer.scale_loss)
+        schedule, PipelineTopology.from_parallel_state(),
+        StageWork(modules, entry.forward_step, (seq, MICRO_BATCH, config.hidden_size),
+                  torch.float32, recompute=recompute),
+        Gradients(loss_scale_divisor=case.num_microbatches
+                  * parallel_state.get_data_parallel_world_size(),
+                  grad_sync=grad_sync, scale_loss=optimizer.scale_loss))
     return modules, optimizer, executor, partition
 
 
@@ -385,8 +390,9 @@ def _layout_run(case: TPCase, config: ModelConfig, steps: int, root_in: str | No
             executor.run([make_batch(case.family, step, dp, m)
                           for m in range(case.num_microbatches)])
             optimizer.step()
-        save_checkpoint(root_out, 1, stages, partition, optimizer, None, rank=rank,
-                        world_size=world, consumed_train_samples=0, barrier=dist.barrier)
+        save_checkpoint(root_out, CheckpointContents(1, stages, partition, optimizer=optimizer),
+                        rank=rank, world_size=world,
+                                                     barrier=dist.barrier)
         return {"loaded": loaded, "saved": _local_state(optimizer, stages)}
     finally:
         parallel_state.destroy_model_parallel()

@@ -14,9 +14,11 @@ from tests.helpers import REPO_ROOT
 PACKAGE = REPO_ROOT / "megatron_chimera"
 
 # Each module belongs to one layer; a layer may import itself and the layers listed for it.
-# the driver: the training/ and checkpoint/ packages, and the data-parallel builder
-DRIVER_MODULES = ("training", "checkpoint", "data_parallel")
+# The package root holds only the base modules and parallel_state; everything else is a package.
 BASE_MODULES = ("__init__", "config", "atomic", "layout", "errors")
+ROOT_MODULES = BASE_MODULES + ("parallel_state",)
+_BELOW_CHECKPOINT = {"base", "schedules", "parallel_state", "tensor_parallel", "model", "data",
+                     "distributed", "optimizer"}
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
     "schedules": {"base"},
@@ -25,16 +27,18 @@ ALLOWED: dict[str, set[str]] = {
     "tensor_parallel": {"base", "parallel_state"},
     "model": {"base", "parallel_state", "tensor_parallel"},
     "data": {"base"},
+    # gradient buffers and their reduction (Megatron-core's distributed/)
     "distributed": {"base", "model", "parallel_state", "tensor_parallel"},
     "optimizer": {"base", "model", "parallel_state", "tensor_parallel", "distributed"},
     "tuning": {"base", "schedules", "model"},
     "pipeline": {"base", "schedules", "parallel_state", "tensor_parallel", "model",
                  "distributed"},
-    "driver": {"base", "schedules", "parallel_state", "tensor_parallel", "model", "data",
-               "optimizer", "tuning", "pipeline", "distributed"},
-    # Hugging Face interop and one-process inference: tools' library code, above the driver
-    "hf": {"base", "model", "data", "driver", "inference"},
-    "inference": {"base", "model", "data", "driver", "hf"},
+    "checkpoint": _BELOW_CHECKPOINT,
+    # the driver: the loop, arguments, initialisation, monitor
+    "training": _BELOW_CHECKPOINT | {"tuning", "pipeline", "checkpoint"},
+    # one-process inference, then Hugging Face interop on top of it: tools' library code
+    "inference": {"base", "model", "data", "checkpoint"},
+    "hf": {"base", "model", "data", "checkpoint", "inference"},
 }
 
 
@@ -45,8 +49,6 @@ def layer_of(module: str) -> str:
     top = parts[1] if len(parts) > 1 else "__init__"
     if top in BASE_MODULES:
         return "base"
-    if top in DRIVER_MODULES:
-        return "driver"
     if top in ALLOWED:
         return top
     raise AssertionError(f"{module}: no layer assigned (add it to tests/unit/test_architecture.py "
@@ -121,8 +123,89 @@ def test_the_walker_sees_relative_and_function_level_imports(tmp_path):
     assert edges == [("megatron_chimera.schedules", "megatron_chimera.schedules.probe"),
                      ("megatron_chimera.schedules.probe", "megatron_chimera.pipeline"),
                      ("megatron_chimera.schedules.probe", "megatron_chimera.training")]
-    assert [layer_of(t) for _, t in edges[1:]] == ["pipeline", "driver"]
-    assert not {"pipeline", "driver"} & ALLOWED["schedules"]
+    assert [layer_of(t) for _, t in edges[1:]] == ["pipeline", "training"]
+    assert not {"pipeline", "training"} & ALLOWED["schedules"]
+
+
+def module_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (a name imported from a module resolves to that
+    module; importing a package is importing its ``__init__``)."""
+    modules = {module_name(path, package) for path in package.rglob("*.py")}
+
+    def resolve(target: str) -> str:
+        while target not in modules and "." in target:
+            target = target.rsplit(".", 1)[0]
+        return target
+
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for source, _, target in all_edges(package):
+        target = resolve(target)
+        if target != source:
+            graph[source].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected set of more than one module (each contains a circle)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_circle():
+    """No module reaches itself through imports (package re-exports included)."""
+    cycles = import_cycles(module_graph())
+    assert not cycles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_circle_check_can_fail(tmp_path):
+    """A circle planted in a copy of the layout (through a package's re-export) is found."""
+    package = tmp_path / "megatron_chimera"
+    (package / "pipeline").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "pipeline" / "__init__.py").write_text("from .a import f\n")
+    (package / "pipeline" / "a.py").write_text("def f():\n    from .b import g\n    return g\n")
+    (package / "pipeline" / "b.py").write_text("from megatron_chimera.pipeline import f\n")
+    assert import_cycles(module_graph(package)) == [
+        ["megatron_chimera.pipeline", "megatron_chimera.pipeline.a",
+         "megatron_chimera.pipeline.b"]]
+
+
+def test_the_layers_form_no_circle():
+    """The table itself is a hierarchy: no two layers may import each other (directly or not)."""
+    assert not import_cycles({layer: set(allowed) for layer, allowed in ALLOWED.items()})
+
+
+def test_the_package_root_holds_only_the_base_modules():
+    """Everything but the base modules and parallel_state lives in a package of its concern."""
+    loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ROOT_MODULES)
+    assert not loose, f"modules at the package root: {loose}"
+    assert len(list(PACKAGE.glob("*.py"))) <= 6
 
 
 @pytest.mark.timeout(120)

@@ -12,6 +12,7 @@ import torch
 
 from megatron_chimera.checkpoint.checkpointing import (
     TRACKER_FILENAME,
+    CheckpointContents,
     CheckpointError,
     StageSlice,
     checkpoint_dir,
@@ -79,8 +80,9 @@ def test_resume_whole_model_is_exact(tmp_path):
     stages, opt, sched = build([(0, 4)])
     for step in range(2):
         train_step(stages, opt, sched, step)
-    save_checkpoint(str(tmp_path), 2, stages, [(0, 4)], opt, sched, rank=0, world_size=1,
-                    consumed_train_samples=4)
+    save_checkpoint(str(tmp_path), CheckpointContents(2, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched, consumed_train_samples=4),
+                    rank=0, world_size=1)
     assert read_tracker(str(tmp_path)) == 2
     train_step(stages, opt, sched, 2)
     expected = global_state(stages)
@@ -98,8 +100,9 @@ def test_resume_whole_model_is_exact(tmp_path):
 def test_whole_model_checkpoint_loads_into_two_stages(tmp_path):
     stages, opt, sched = build([(0, 4)])
     train_step(stages, opt, sched, 0)
-    save_checkpoint(str(tmp_path), 1, stages, [(0, 4)], opt, sched, rank=0, world_size=1,
-                    consumed_train_samples=2)
+    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched, consumed_train_samples=2),
+                    rank=0, world_size=1)
     train_step(stages, opt, sched, 1)
     expected = global_state(stages)
 
@@ -117,8 +120,9 @@ def test_whole_model_checkpoint_loads_into_two_stages(tmp_path):
 def test_two_stage_checkpoint_loads_into_other_split(tmp_path):
     stages, opt, sched = build([(0, 2), (2, 4)])
     train_step(stages, opt, sched, 0)
-    save_checkpoint(str(tmp_path), 1, stages, [(0, 2), (2, 4)], opt, sched, rank=0,
-                    world_size=1, consumed_train_samples=2)
+    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 2), (2, 4)], optimizer=opt,
+                                                      scheduler=sched, consumed_train_samples=2),
+                    rank=0, world_size=1)
     names = sorted(os.listdir(checkpoint_dir(str(tmp_path), 1)))
     assert names == ["common.pt", "layers_000-002.pt", "layers_002-004.pt", "rng"]
     other, opt2, sched2 = build([(0, 1), (1, 4)], seed=5)
@@ -131,8 +135,8 @@ def test_two_stage_checkpoint_loads_into_other_split(tmp_path):
 
 def test_corrupt_file_is_named(tmp_path):
     stages, opt, sched = build([(0, 4)])
-    save_checkpoint(str(tmp_path), 1, stages, [(0, 4)], opt, sched, rank=0, world_size=1,
-                    consumed_train_samples=0)
+    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched), rank=0, world_size=1)
     target = os.path.join(checkpoint_dir(str(tmp_path), 1), "layers_000-004.pt")
     data = open(target, "rb").read()
     open(target, "wb").write(data[: len(data) // 2])
@@ -142,8 +146,9 @@ def test_corrupt_file_is_named(tmp_path):
 
 def test_no_save_optim_requires_no_load_optim(tmp_path):
     stages, opt, sched = build([(0, 4)])
-    save_checkpoint(str(tmp_path), 1, stages, [(0, 4)], opt, sched, rank=0, world_size=1,
-                    consumed_train_samples=0, save_optim=False)
+    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched, save_optim=False), rank=0,
+                    world_size=1)
     with pytest.raises(CheckpointError, match="--no-load-optim"):
         load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
     loaded = load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1,
@@ -158,19 +163,19 @@ CRASH_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {test_dir!r})
     from test_checkpointing import build
-    from megatron_chimera.checkpoint.checkpointing import save_checkpoint
+    from megatron_chimera.checkpoint.checkpointing import CheckpointContents, save_checkpoint
     root = sys.argv[1]
     stages, opt, sched = build([(0, 4)])
-    save_checkpoint(root, 1, stages, [(0, 4)], opt, sched, rank=0, world_size=1,
-                    consumed_train_samples=1)
+    save_checkpoint(root, CheckpointContents(1, stages, [(0, 4)], opt, sched, 1), rank=0,
+                    world_size=1)
     real_replace = os.replace
     def dying_replace(src, dst):
         if "iter_0000002" in str(dst) and str(dst).endswith("{victim}"):
             os.kill(os.getpid(), signal.SIGKILL)  # killed between writing and renaming
         return real_replace(src, dst)
     os.replace = dying_replace
-    save_checkpoint(root, 2, stages, [(0, 4)], opt, sched, rank=0, world_size=1,
-                    consumed_train_samples=2)
+    save_checkpoint(root, CheckpointContents(2, stages, [(0, 4)], opt, sched, 2), rank=0,
+                    world_size=1)
 """)
 
 

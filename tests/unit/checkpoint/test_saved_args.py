@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_chimera.checkpoint.checkpointing import (
+    CheckpointContents,
     CheckpointError,
     StageSlice,
     load_checkpoint,
@@ -68,9 +69,10 @@ def test_every_mismatch_in_one_error():
 def test_a_4_layer_checkpoint_does_not_load_into_2_layers(tmp_path):
     four, two = config(), config("--num-layers", "2")
     model4 = GPTModel(dataclasses.replace(four.model, vocab_size=500))
-    save_checkpoint(str(tmp_path), 1, [StageSlice(0, (0, 4), model4)], [(0, 4)], None, None,
-                    rank=0, world_size=1, consumed_train_samples=1,
-                    args=dataclasses.asdict(four), save_optim=False)
+    save_checkpoint(str(tmp_path), CheckpointContents(1, [StageSlice(0, (0, 4), model4)], [(0, 4)],
+                                                      consumed_train_samples=1,
+                                                      args=dataclasses.asdict(four),
+                                                      save_optim=False), rank=0, world_size=1)
     model2 = GPTModel(dataclasses.replace(two.model, vocab_size=500))
     stage = [StageSlice(0, (0, 2), model2)]
     # the shapes fit: without the check this loads silently

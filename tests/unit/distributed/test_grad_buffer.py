@@ -9,10 +9,11 @@ from torch import nn
 from megatron_chimera.distributed.grad_buffer import (
     SHARD_ALIGNMENT,
     GradBuffer,
+    ShardGroup,
     build_grad_buffers,
     plan_layout,
 )
-from megatron_chimera.optimizer.distributed_optimizer import ShardGroup, _fragments_of
+from megatron_chimera.optimizer.distributed_optimizer import _fragments_of
 
 
 @pytest.mark.parametrize("bucket_size", [None, 1, 50, 120, 10_000])

@@ -13,7 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_chimera.checkpoint.checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from megatron_chimera.checkpoint.checkpointing import (
+    CheckpointContents,
+    StageSlice,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_chimera.checkpoint.saved_args import check_model_matches_checkpoint
 from megatron_chimera.config import (
     CheckpointConfig,
@@ -176,9 +181,9 @@ def write_our_checkpoint(path, family: str, model_config: ModelConfig,
     from tests.helpers.hf_models import perturb_
     model = perturb_(build_model(FAMILY[family], model_config), seed, std=0.1)
     layers = (0, model_config.num_layers)
-    save_checkpoint(str(path), 5, [StageSlice(0, layers, model)], [layers], None, None, rank=0,
-                    world_size=1, consumed_train_samples=0, args=train_config(model_config, data),
-                    save_optim=False)
+    save_checkpoint(str(path), CheckpointContents(5, [StageSlice(0, layers, model)], [layers],
+                                                  args=train_config(model_config, data),
+                                                  save_optim=False), rank=0, world_size=1)
     return model
 
 

@@ -16,7 +16,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_chimera.checkpoint.checkpointing import StageSlice, load_checkpoint, save_checkpoint
+from megatron_chimera.checkpoint.checkpointing import (
+    CheckpointContents,
+    StageSlice,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.model.gpt2 import GPTModel
@@ -90,8 +95,8 @@ def train(model, optimizer, steps: range) -> None:
 
 def save(root, model, optimizer, iteration: int) -> None:
     stage = StageSlice(0, (0, CONFIG.num_layers), model)
-    save_checkpoint(str(root), iteration, [stage], [(0, CONFIG.num_layers)], optimizer, None,
-                    rank=0, world_size=1, consumed_train_samples=0)
+    save_checkpoint(str(root), CheckpointContents(iteration, [stage], [(0, CONFIG.num_layers)],
+                                                  optimizer=optimizer), rank=0, world_size=1)
 
 
 def resume(root, kind: str):

@@ -1,28 +1,52 @@
 """What data parallelism builds for a rank's stage modules: the gradient buffers, the
-synchronizer that reduces them over each stage-replica group, and the optimizer (local, or
-distributed over those groups), with the global grad norm counting every parameter once."""
+synchronizer that reduces them over each stage-replica group, the distributed optimizer's shard
+groups, and which parameters count in the global grad norm (every parameter once).
+
+The optimizer over them is built by :func:`megatron_chimera.optimizer.get_data_parallel_optimizer`
+(Megatron-core's split: buffers and their reduction in ``distributed/``, optimizers in
+``optimizer/``)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
 
 from megatron_chimera import parallel_state
-from megatron_chimera.config import DDPConfig, OptimizerConfig
+from megatron_chimera.config import DDPConfig
 from megatron_chimera.distributed.grad_buffer import (
     TIED,
+    ModelGradBuffers,
+    ShardGroup,
     build_grad_buffers,
     shared_embedding_weight,
 )
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
-from megatron_chimera.optimizer import MegatronOptimizer, ShardGroup, get_megatron_optimizer
-from megatron_chimera.optimizer.builder import InnerFactory
 from megatron_chimera.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+NormFilter = Callable[[nn.Parameter], bool]
 
-def _norm_filter(stage_modules: dict[int, nn.Module]) -> Callable[[nn.Parameter], bool]:
+
+@dataclass
+class DataParallel:
+    """A rank's data-parallel state: its stage ``modules``, their gradient ``buffers`` and
+    ``grad_sync``; ``shards`` (the distributed optimizer's groups: each stage over its
+    stage-replica group, the tied embedding over the embedding group) or None for the local
+    optimizer, which counts each parameter in the norm where ``norm_filter`` says so and reduces
+    over ``replica_group``; ``overlap_param_gather`` as ``--overlap-param-gather``."""
+
+    modules: dict[int, nn.Module]
+    buffers: ModelGradBuffers
+    grad_sync: GradientSynchronizer
+    shards: dict[int | str, ShardGroup] | None
+    norm_filter: NormFilter | None
+    replica_group: dist.ProcessGroup | None
+    overlap_param_gather: bool = False
+
+
+def _norm_filter(stage_modules: dict[int, nn.Module]) -> NormFilter:
     """Count each stage once in the global grad norm: on its owner, tied copy with stage 0, and a
     parameter replicated over the tensor-parallel ranks on tensor rank 0 only."""
     counted: set[int] = set()
@@ -58,18 +82,12 @@ def _shard_groups(modules: dict[int, nn.Module]) -> dict[int | str, ShardGroup]:
     return shards
 
 
-def build_data_parallel(optimizer_config: OptimizerConfig, ddp: DDPConfig,
-                        modules: dict[int, nn.Module], make_inner: InnerFactory | None = None
-                        ) -> tuple[GradientSynchronizer, MegatronOptimizer]:
-    """Gradient buffers, their synchronizer and the optimizer of this rank's stage modules.
+def build_data_parallel(ddp: DDPConfig, modules: dict[int, nn.Module]) -> DataParallel:
+    """Gradient buffers, their synchronizer and the shard groups of this rank's stage modules.
 
-    The local optimizer reduces norm and found-inf over the model-replica group (each stage
-    counted on its owner); the distributed one is sharded over each stage-replica group (the
-    tied embedding over the embedding group) and reduces them over the world. Either way a
-    parameter replicated over the tensor-parallel ranks counts on tensor rank 0 only. Buckets
-    are sized for each stage-replica group; the synchronizer also sums sequence-parallel
-    gradients over the tensor-parallel group. ``make_inner`` overrides the inner optimizer
-    (tests).
+    Buckets are sized for each stage-replica group; the synchronizer also sums
+    sequence-parallel gradients over the tensor-parallel group. With the distributed optimizer
+    the buffers are padded for the shard groups and parameters move into parameter buffers.
     """
     sharded = ddp.use_distributed_optimizer
     shards = _shard_groups(modules) if sharded else None
@@ -81,16 +99,8 @@ def build_data_parallel(optimizer_config: OptimizerConfig, ddp: DDPConfig,
         param_buffers=sharded)
     grad_sync = GradientSynchronizer.from_parallel_state(buffers, ddp.overlap_grad_reduce,
                                                          scatter=sharded)
-    chunks = [modules[s] for s in sorted(modules)]
-    if not sharded:
-        replica_group = parallel_state.get_model_replica_group()
-        return grad_sync, get_megatron_optimizer(
-            optimizer_config, chunks, grad_norm_group=replica_group,
-            found_inf_group=replica_group, norm_param_filter=_norm_filter(modules),
-            grad_buffers=buffers, make_inner=make_inner)
-    optimizer = get_megatron_optimizer(
-        optimizer_config, chunks, grad_buffers=buffers, shards=shards,
-        world_group=dist.group.WORLD, overlap_param_gather=ddp.overlap_param_gather,
-        make_inner=make_inner)
-    optimizer.register_param_gather_hooks(modules)
-    return grad_sync, optimizer
+    if sharded:
+        return DataParallel(modules, buffers, grad_sync, shards, None, None,
+                            ddp.overlap_param_gather)
+    return DataParallel(modules, buffers, grad_sync, None, _norm_filter(modules),
+                        parallel_state.get_model_replica_group())

@@ -1,0 +1,264 @@
+"""The named steps that build a training run, each a small function: the stage modules of this
+rank, the data-parallel state and optimizer, the checkpoint to resume from, the datasets, the
+executors of a schedule and the monitor. :func:`setup_run` calls them in order and returns the
+:class:`Run` the loop (:mod:`.training`) works on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_chimera import parallel_state
+from megatron_chimera.checkpoint.checkpointing import (
+    StageSlice,
+    checkpoint_dir,
+    get_rng_state,
+    load_checkpoint,
+    read_tracker,
+)
+from megatron_chimera.checkpoint.saved_args import check_checkpoint_args
+from megatron_chimera.config import TrainConfig
+from megatron_chimera.distributed.data_parallel import build_data_parallel
+from megatron_chimera.distributed.grad_sync import GradientSynchronizer
+from megatron_chimera.model.dropout_rng import keyed_forward_step
+from megatron_chimera.model.family import ModelFamily
+from megatron_chimera.model.flops import training_flops
+from megatron_chimera.model.partition import partition_layers
+from megatron_chimera.optimizer import OptimizerParamScheduler, get_data_parallel_optimizer
+from megatron_chimera.pipeline.executor import (
+    Gradients,
+    PipelineExecutor,
+    StageWork,
+    make_transport,
+)
+from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
+from megatron_chimera.pipeline.topology import PipelineTopology
+from megatron_chimera.pipeline.transport import Transport
+from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.training.measured_costs import time_partition
+from megatron_chimera.training.monitor import Timers, TrainingMonitor, predicted_bubble_ratio
+from megatron_chimera.training.preflight import check_resume_iteration
+
+ModelProvider = Callable[..., nn.Module]
+DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
+
+
+@dataclass
+class TrainState:
+    """Progress counters of a run (restored from checkpoints)."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    last_saved_iteration: int | None = None
+    consecutive_skipped: int = 0
+
+
+@dataclass
+class Run:
+    """Everything the loop works on: the configuration, the schedule and this rank's stages,
+    optimizer and executors, the monitor, which micro-batches this rank reads (None: all), the
+    RNG state to start from, and the profile-guided rebuild's state."""
+
+    config: TrainConfig
+    family: ModelFamily
+    schedule: Schedule
+    partition: list[tuple[int, int]]
+    stages: list[StageSlice]
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+    executors: ExecutorFactory
+    executor: PipelineExecutor
+    eval_executor: PipelineExecutor
+    monitor: TrainingMonitor
+    timers: Timers
+    needed_microbatches: list[int] | None
+    rank: int
+    world_size: int
+    rng_state: dict[str, Any] | None = None  # seeded or restored state, re-applied before the loop
+    device: torch.device | None = None
+    profile: ProfileRebuild | None = None
+    profiled: dict[str, Any] | None = None  # measured costs and the schedule they rebuilt
+
+
+def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
+    """Shape of every pipeline message: ``[s, b, h]``, or ``[s/T, b, h]`` (this rank's chunk of
+    the sequence) under sequence parallelism."""
+    model, parallel = config.model, config.parallel
+    seq = model.seq_length
+    if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
+        seq //= parallel.tensor_model_parallel_size
+    return (seq, config.training.micro_batch_size, model.hidden_size)
+
+
+def needed_microbatches(schedule: Schedule, pipeline_rank: int,
+                        all_stages: bool) -> list[int] | None:
+    """Micro-batches whose first or last stage this rank holds (None: every one)."""
+    if all_stages:
+        return None
+    last = schedule.num_stages - 1
+    pipes = {pipe for pipe, stage in schedule.replicas_of_rank(pipeline_rank)
+             if stage in (0, last)}
+    return [m for p in sorted(pipes) for m in schedule.microbatches_of_pipe(p)]
+
+
+def train_valid_test_num_samples(config: TrainConfig) -> list[int]:
+    """Megatron's sample counts: train, and ``eval_iters`` per evaluation for valid and test."""
+    training = config.training
+    iters = training.total_train_iters
+    evals = (iters // training.eval_interval + 1) * training.eval_iters
+    return [iters * training.global_batch_size, evals * training.global_batch_size,
+            training.eval_iters * training.global_batch_size]
+
+
+# ------------------------------------------------------------------------------ the steps
+def build_stages(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+                 model_provider: ModelProvider, device: torch.device
+                 ) -> tuple[list[tuple[int, int]], list[StageSlice]]:
+    """The layer partition and this rank's stage modules (on ``device``); each stage's lowest
+    replica rank writes its checkpoint file."""
+    rank = dist.get_rank()
+    if config.training.partition_method == "time":
+        partition = time_partition(config, family, schedule, device, rank == 0)
+    else:
+        partition = partition_layers(config.model.num_layers, schedule.num_stages,
+                                     config.training.partition_method, config=config.model,
+                                     family=family)
+    last = schedule.num_stages - 1
+    stages = []
+    for stage in sorted(schedule.stages_of_rank(parallel_state.get_pipeline_model_parallel_rank())):
+        module = model_provider(pre_process=stage == 0, post_process=stage == last,
+                                layer_range=partition[stage], stage=stage).to(device)
+        writer = rank == min(parallel_state.get_stage_replica_ranks(stage))
+        stages.append(StageSlice(stage, partition[stage], module, writer=writer))
+    return partition, stages
+
+
+def build_optimizer(config: TrainConfig, stages: list[StageSlice]
+                    ) -> tuple[GradientSynchronizer, Any, OptimizerParamScheduler]:
+    """The gradient synchronizer, the optimizer over this rank's stages and the LR schedule."""
+    data_parallel = build_data_parallel(config.ddp, {s.stage: s.module for s in stages})
+    optimizer = get_data_parallel_optimizer(config.optimizer, data_parallel)
+    train_samples = config.training.total_train_iters * config.training.global_batch_size
+    scheduler = OptimizerParamScheduler.from_config(optimizer, config.optimizer, train_samples)
+    return data_parallel.grad_sync, optimizer, scheduler
+
+
+def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+               stages: list[StageSlice], optimizer: Any, scheduler: OptimizerParamScheduler,
+               state: TrainState) -> dict[str, Any]:
+    """Resume from ``--load`` when it holds a checkpoint (its model arguments checked against
+    this run); returns the loaded checkpoint's arguments (empty when nothing was loaded)."""
+    ckpt = config.checkpoint
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    saved_args: dict[str, Any] = {}
+    if ckpt.load is None:
+        return saved_args
+
+    def check_args(args: dict[str, Any], path: str) -> None:
+        check_checkpoint_args(config, args, path, family=family)
+        saved_args.update(args)
+
+    saved_iteration = read_tracker(ckpt.load)
+    if saved_iteration is not None and not ckpt.finetune:
+        check_resume_iteration(saved_iteration, config, checkpoint_dir(ckpt.load, saved_iteration))
+    loaded = load_checkpoint(
+        ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
+        world_size=world_size, load_optim=not ckpt.no_load_optim,
+        load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune, check_args=check_args)
+    if loaded is not None:
+        state.iteration = loaded.iteration
+        state.consumed_train_samples = loaded.consumed_train_samples
+        state.consumed_valid_samples = loaded.consumed_valid_samples
+        if rank == 0:
+            print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration}", flush=True)
+    elif rank == 0:
+        print(f" no checkpoint in {ckpt.load} (no tracker file): training from scratch",
+              flush=True)
+    return saved_args
+
+
+def build_datasets(provider: DatasetsProvider, config: TrainConfig) -> tuple[Any, Any, Any]:
+    """(train, valid, test) datasets. Megatron's pattern: rank 0 builds the dataset index
+    caches (atomically, once); after the barrier every other rank finds them on disk and only
+    memory-maps them."""
+    num_samples = train_valid_test_num_samples(config)
+    rank = dist.get_rank()
+    datasets = provider(num_samples) if rank == 0 else None
+    dist.barrier()
+    return provider(num_samples) if rank != 0 else datasets
+
+
+class ExecutorFactory:
+    """Both executors (training, evaluation) of any schedule of this run; each lowers and
+    validates it. They share the transport of the running schedule, so its connections stay
+    and only a direction it never used is connected, in the one global order, before the first
+    iteration (message tags depend on the pipes and N: other ones get their own transport).
+    They share the one gradient synchronizer too: it depends on the buffers, not on the
+    order."""
+
+    def __init__(self, config: TrainConfig, stages: list[StageSlice],
+                 forward_step_func: Callable, grad_sync: GradientSynchronizer,
+                 optimizer: Any, device: torch.device) -> None:
+        self.topology = PipelineTopology.from_parallel_state()
+        model = config.model
+        self.work = StageWork({s.stage: s.module for s in stages},
+                              keyed_forward_step(forward_step_func, device),
+                              p2p_tensor_shape(config), model.torch_dtype, device)
+        divisor = config.training.num_microbatches * config.parallel.data_parallel_size
+        self.train_gradients = Gradients(divisor, grad_sync, optimizer.scale_loss)
+        self.eval_gradients = Gradients(divisor)
+        self.transports: dict[tuple[int, int], Transport] = {}
+
+    def __call__(self, schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
+        sizes = (schedule.num_pipes, schedule.num_microbatches)
+        if sizes not in self.transports:
+            self.transports[sizes] = make_transport(self.topology, lambda m: m.tag(*sizes))
+        transport = self.transports[sizes]
+        return (PipelineExecutor(schedule, self.topology, self.work, self.train_gradients,
+                                 transport=transport),
+                PipelineExecutor(schedule, self.topology, self.work, self.eval_gradients,
+                                 transport=transport))
+
+
+def build_monitor(config: TrainConfig, family: ModelFamily, schedule: Schedule
+                  ) -> TrainingMonitor:
+    """The log lines and TensorBoard writer, on the logging rank (the last: where the executor
+    gathers losses and busy times)."""
+    world_size = dist.get_world_size()
+    flops = training_flops(config.model, family, config.training.global_batch_size)
+    predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
+    return TrainingMonitor.create(config, flops, world_size, predicted,
+                                  enabled=dist.get_rank() == world_size - 1)
+
+
+def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+              model_provider: ModelProvider, forward_step_func: Callable,
+              state: TrainState, device: torch.device) -> tuple[Run, dict[str, Any]]:
+    """Stages, optimizer, the resumed state, executors and monitor of this rank (after the
+    process groups exist); returns the run and the loaded checkpoint's arguments."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and "replaces" in schedule.meta:
+        print(f" running {schedule.describe()} instead of {schedule.meta['replaces']}",
+              flush=True)
+    partition, stages = build_stages(config, family, schedule, model_provider, device)
+    grad_sync, optimizer, scheduler = build_optimizer(config, stages)
+    saved_args = load_state(config, family, schedule, stages, optimizer, scheduler, state)
+    rng_state = get_rng_state()  # seeded, or restored from the checkpoint
+    executors = ExecutorFactory(config, stages, forward_step_func, grad_sync, optimizer, device)
+    executor, eval_executor = executors(schedule)
+    # BERT's padding mask and GPT's document mask (--reset-attention-mask) reach every stage
+    needed = needed_microbatches(schedule, parallel_state.get_pipeline_model_parallel_rank(),
+                                 all_stages=family.every_stage_reads_batch
+                                 or config.data.reset_attention_mask)
+    run = Run(config, family, schedule, partition, stages, optimizer, scheduler, executors,
+              executor, eval_executor, build_monitor(config, family, schedule), Timers(),
+              needed, rank, world_size, rng_state, device)
+    return run, saved_args
+

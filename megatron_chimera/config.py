@@ -230,6 +230,10 @@ class TrainingConfig:
     eval_interval: int = 1000
     eval_iters: int = 100
     exit_interval: int | None = None
+    # save and exit once the job's wall clock passes this many minutes (agreed across ranks)
+    exit_duration_in_mins: float | None = None
+    # SIGTERM to any rank: save at the next iteration boundary and exit 0
+    exit_signal_handler: bool = False
     seed: int = 1234
     partition_method: str = "uniform"  # uniform | parameters | time (measured, per rank)
     # split-backward schedules: time F/B/W during the first K iterations, then rebuild the

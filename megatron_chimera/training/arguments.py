@@ -130,6 +130,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
@@ -331,7 +333,8 @@ def _check_positive(args: argparse.Namespace) -> None:
                 "pipeline_model_parallel_size", "tensor_model_parallel_size", "ffn_hidden_size",
                 "chimera_max_inflight",
                 "max_position_embeddings", "make_vocab_size_divisible_by", "log_interval",
-                "eval_interval", "save_interval", "exit_interval", "vocab_size",
+                "eval_interval", "save_interval", "exit_interval", "exit_duration_in_mins",
+                "vocab_size",
                 "num_layers_per_virtual_pipeline_stage", "chimera_pipes",
                 "num_virtual_stages_per_pipeline_rank", "ddp_bucket_size",
                 "recompute_num_layers", "loss_scale_window", "hysteresis",

@@ -81,6 +81,11 @@ HELP: dict[str, str] = {
     "train_iters": "iterations to train",
     "train_samples": "samples to train (instead of --train-iters)",
     "exit_interval": "save and exit after this many iterations",
+    "exit_duration_in_mins": "save and exit (status 0) at the first iteration boundary after "
+                             "the job has run this many minutes (wall clock from the earliest "
+                             "rank's start, agreed across ranks)",
+    "exit_signal_handler": "on SIGTERM to any rank (scancel, preemption, torchrun): save at the "
+                           "next iteration boundary (the ranks agree) and exit 0",
     "eval_interval": "validate every this many iterations",
     "eval_iters": "iterations per validation / test evaluation",
     "seed": "random seed (weights, dropout, data order)",
@@ -239,8 +244,6 @@ REFUSED: dict[str, str] = {
                                       "rank (--sequence-parallel splits it)",
     "--context-parallel-size": "context parallelism is not implemented",
     "--model-parallel-size": "removed in Megatron-LM: use --tensor-model-parallel-size",
-    "--exit-duration-in-mins": "not implemented (use --exit-interval)",
-    "--exit-signal-handler": "not implemented (use --exit-interval)",
     "--dataloader-type": "only Megatron's default single (sequential, resumable) sampler",
     "--no-gradient-accumulation-fusion": "there is no fused weight-gradient accumulation "
                                          "kernel to turn off; drop the flag",

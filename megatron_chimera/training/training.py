@@ -9,8 +9,10 @@ schedule is in use.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +38,7 @@ from megatron_chimera.model.family import GPT2, ModelFamily
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.rebuild import RebuildReport
 from megatron_chimera.training.arguments import build_schedule_for, parse_args_and_schedule
+from megatron_chimera.training.exit_conditions import ExitCheck, SignalFlag, agreed_start_time
 from megatron_chimera.training.flag_catalog import family_flag_errors
 from megatron_chimera.training.health import check_loss_and_grad, check_skipped
 from megatron_chimera.training.initialize import initialize_megatron
@@ -191,12 +194,15 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     pending.clear()
 
 
-def train(run: Run, state: TrainState, train_iterator, valid_iterator) -> None:
-    """The training loop: steps, logging, evaluation, checkpoint cadence, exit interval.
+def train(run: Run, state: TrainState, train_iterator, valid_iterator,
+          exits: ExitCheck | None = None) -> str | None:
+    """The training loop: steps, logging, evaluation, checkpoint cadence, early exits
+    (``exits``: exit interval, SIGTERM, wall clock); returns why it stopped early, if it did.
 
     Losses and busy times stay on the device until the next log iteration (or the end), when
     one collective brings every pending iteration's figures to the logging rank.
     """
+    exits = exits or ExitCheck(run.config.training, time.time())
     training, ckpt, log = run.config.training, run.config.checkpoint, run.config.logging
     total = training.total_train_iters
     pending: list[tuple[IterationStats, Any]] = []
@@ -233,12 +239,14 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator) -> None:
             _evaluate_and_log(run, "validation", valid_iterator, state)
         if ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
             save(run, state)
-        if training.exit_interval and state.iteration % training.exit_interval == 0:
+        reason = exits.reason(state.iteration)
+        if reason is not None:
             _report(run, pending)
             save(run, state)
             if run.rank == 0:
-                print(f" exiting program at iteration {state.iteration}", flush=True)
-            return
+                print(f" {reason}", flush=True)
+            return reason
+    return None
 
 
 def apply_rebuild(run: Run, report: RebuildReport, iteration: int) -> None:
@@ -268,6 +276,7 @@ def pretrain(
     config: TrainConfig,
     family: ModelFamily = GPT2,
     schedule: Schedule | None = None,
+    start_time: float | None = None,
 ) -> TrainState:
     """Megatron's ``pretrain``: set up, train, final validation and test evaluation, save.
 
@@ -275,13 +284,35 @@ def pretrain(
     ``train_valid_test_datasets_provider([train, valid, test] sample counts)`` returns datasets;
     ``forward_step_func(batch, model) -> (output, loss_func)`` as the executor contract says;
     ``family`` is the model family (GPT-2 or BERT); ``schedule`` the validated schedule of the
-    run (built from ``config`` when not given).
+    run (built from ``config`` when not given); ``start_time`` the job's start (``time.time()``,
+    default now) for ``--exit-duration-in-mins``. With ``--exit-signal-handler`` a SIGTERM from
+    here on is only recorded: the loop saves and returns at the next iteration boundary.
     """
+    start_time = time.time() if start_time is None else start_time
+    watch = (SignalFlag() if config.training.exit_signal_handler
+             else contextlib.nullcontext())
+    with watch as signals:
+        return _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func,
+                         config, family, schedule or build_schedule_for(config),
+                         (start_time, signals))
+
+
+def _exit_check(config: TrainConfig, device: torch.device, start_time: float,
+                signals: SignalFlag | None) -> ExitCheck:
+    training = config.training
+    if training.exit_duration_in_mins is not None:  # a collective: every rank
+        start_time = agreed_start_time(start_time, device)
+    return ExitCheck(training, start_time, signals, device)
+
+
+def _pretrain(train_valid_test_datasets_provider: DatasetsProvider,
+              model_provider: ModelProvider, forward_step_func: Callable, config: TrainConfig,
+              family: ModelFamily, schedule: Schedule,
+              clock: tuple[float, SignalFlag | None]) -> TrainState:
     state = TrainState()
-    if schedule is None:
-        schedule = build_schedule_for(config)
     check_outputs(config, family)  # every rank, before any process group: fail in seconds
     device = initialize_megatron(config.parallel, schedule, config.training.seed)
+    exits = _exit_check(config, device, *clock)
     run, saved_args = setup_run(config, family, schedule, model_provider, forward_step_func,
                                 state, device)
     train_ds, valid_ds, test_ds = build_datasets(train_valid_test_datasets_provider, config)
@@ -309,7 +340,7 @@ def pretrain(
     valid_iterator = iterator(valid_ds, state.consumed_valid_samples)
     if run.rng_state is not None:  # nothing drawn since the restore reaches the first iteration
         set_rng_state(run.rng_state)
-    train(run, state, train_iterator, valid_iterator)
+    train(run, state, train_iterator, valid_iterator, exits)
     if state.iteration >= training.total_train_iters:
         if training.eval_iters and training.total_train_iters % training.eval_interval:
             _evaluate_and_log(run, "validation end of training", valid_iterator, state)
@@ -336,6 +367,7 @@ def pretrain_from_flags(
     The datasets provider gets ``(config, tokenizer, num_samples)``, the model provider
     ``(config.model, seed, ...)``; ``forward_step_for(tokenizer)`` gives the forward step.
     """
+    start_time = time.time()
     config, schedule = parse_args_and_schedule(argv)
     for message in family_flag_errors(config, family):
         raise ConfigError(message)
@@ -347,4 +379,5 @@ def pretrain_from_flags(
         config,
         family=family,
         schedule=schedule,
+        start_time=start_time,
     )

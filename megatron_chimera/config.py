@@ -263,6 +263,8 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    # a --load without a checkpoint is an error instead of training from scratch
+    exit_on_missing_checkpoint: bool = False
 
 
 @dataclass(frozen=True)

@@ -204,3 +204,20 @@ def saved_model_config(common: dict[str, Any], source: str) -> ModelConfig:
 def saved_data_config(common: dict[str, Any]) -> DataConfig:
     """The DataConfig (tokenizer settings) a checkpoint was written with (defaults if none)."""
     return _build(DataConfig, (common.get("args") or {}).get("data"))
+
+
+def saved_run_flags(common: dict[str, Any]) -> list[str]:
+    """Megatron's ``--use-checkpoint-args``: the flags that build the checkpoint's model (its
+    shape and model settings, ``--seq-length``) and its tokenizer type and ``--vocab-size``, to
+    be parsed ahead of the command line (whose values then win). Empty when it records none."""
+    args = common.get("args") or {}
+    if not args.get("model"):
+        return []
+    model = _build(ModelConfig, args["model"])
+    flags = model_flags(model, seq_length=model.seq_length)
+    data = saved_data_config(common)
+    if data.tokenizer_type is not None:
+        flags += ["--tokenizer-type", data.tokenizer_type]
+    if data.vocab_size is not None:
+        flags += ["--vocab-size", str(data.vocab_size)]
+    return flags

@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Sequence
 
+from megatron_chimera.checkpoint.saved_args import read_common, saved_run_flags
 from megatron_chimera.config import (
     GELU_VARIANTS,
     CheckpointConfig,
@@ -198,6 +200,8 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--use-checkpoint-args", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
@@ -267,11 +271,30 @@ def parse_args_and_schedule(
     parser = build_parser(extra_args_provider)
     if defaults:
         parser.set_defaults(**defaults)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.use_checkpoint_args:
+        args = parser.parse_args([*_checkpoint_flags(args), *argv])
     extra_names = sorted(_known_flags(parser) - _known_flags(base_parser))
     extra = tuple((name, getattr(args, name)) for name in extra_names)
     config = _build_config(args, world_size, extra)
     return config, validate(config, world_size)
+
+
+def _checkpoint_flags(args: argparse.Namespace) -> list[str]:
+    """``--use-checkpoint-args``: the model flags of ``--load``'s latest checkpoint (the command
+    line, parsed after them, wins); none when it holds no checkpoint (a note, or the error of
+    ``--exit-on-missing-checkpoint``)."""
+    if args.load is None:
+        raise ConfigError("--use-checkpoint-args requires --load")
+    if not os.path.isdir(args.load):
+        raise ConfigError(f"--load directory {args.load} does not exist")
+    common = read_common(args.load)
+    flags = saved_run_flags(common) if common is not None else []
+    if not flags and not args.exit_on_missing_checkpoint and os.environ.get("RANK", "0") == "0":
+        print(f" --use-checkpoint-args: no checkpoint arguments in {args.load}; using the "
+              "command line's", flush=True)
+    return flags
 
 
 def _build_config(

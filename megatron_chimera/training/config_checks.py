@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from megatron_chimera.checkpoint.checkpointing import TRACKER_FILENAME, read_tracker
 from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,
@@ -138,6 +139,13 @@ def _validate_checkpoint(checkpoint: CheckpointConfig) -> None:
         raise ConfigError(f"--load directory {checkpoint.load} does not exist")
     if checkpoint.finetune and checkpoint.load is None:
         raise ConfigError("--finetune requires --load")
+    if checkpoint.exit_on_missing_checkpoint:
+        if checkpoint.load is None:
+            raise ConfigError("--exit-on-missing-checkpoint requires --load")
+        if read_tracker(checkpoint.load) is None:
+            raise ConfigError(
+                f"--load {checkpoint.load} holds no checkpoint (no {TRACKER_FILENAME}) and "
+                "--exit-on-missing-checkpoint is set: not training from scratch")
     if checkpoint.save_interval is not None and checkpoint.save is None:
         raise ConfigError("--save-interval requires --save")
 

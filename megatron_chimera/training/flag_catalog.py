@@ -146,6 +146,13 @@ HELP: dict[str, str] = {
     "no_load_optim": "do not load the optimizer state",
     "no_load_rng": "do not restore the random-number generator states",
     "finetune": "load weights only and start at iteration 0",
+    "use_checkpoint_args": "take the model flags (shape, model settings, --seq-length, "
+                           "--tokenizer-type, --vocab-size) from --load's checkpoint; flags "
+                           "given on the command line win (the parallel layout is never taken: "
+                           "any layout loads)",
+    "exit_on_missing_checkpoint": "a --load directory without a checkpoint is an error (exit "
+                                  "code 2, before any process group) instead of training from "
+                                  "scratch",
     # logging
     "log_interval": "print the log line every this many iterations",
     "tensorboard_dir": "write TensorBoard scalars here",
@@ -177,6 +184,8 @@ CONSUMED_WHILE_PARSING: dict[str, str] = {
     "lr_warmup_iters": "`optimizer.lr_warmup_samples` = iterations x global batch",
     "num_layers_per_virtual_pipeline_stage": "`parallel.schedule_options` (virtual stages per "
                                              "rank = layers / (chunk layers x D))",
+    "use_checkpoint_args": "the checkpoint's model flags, parsed ahead of the command line "
+                           "(`checkpoint.saved_args.saved_run_flags`)",
 }
 
 # Parsed flags that no configuration field holds: who reads them instead (the tests check that
@@ -254,9 +263,6 @@ REFUSED: dict[str, str] = {
     "--warmup": "removed in Megatron-LM: use --lr-warmup-fraction / --lr-warmup-iters",
     "--no-save-rng": "the RNG states are always saved (--no-load-rng skips loading them)",
     "--no-initialization": "weights are always initialised before loading",
-    "--use-checkpoint-args": "checkpoints are resumed under the flags given (any layout)",
-    "--exit-on-missing-checkpoint": "not implemented: a --load without a checkpoint starts "
-                                    "from scratch with a message",
     "--ckpt-format": "one checkpoint format (Megatron's layout, one file per stage)",
     "--use-dist-ckpt": "one checkpoint format (Megatron's layout, one file per stage)",
     "--fp32-residual-connection": "the residual stream is kept in the parameter dtype",

@@ -6,7 +6,8 @@ One chain of runs shares the reference: the uninterrupted run; a run SIGTERMed u
 (launcher and workers signalled, as ``scancel`` does) at iteration k1; its resume, stopped by a
 wall-clock limit below its start-up time at iteration k2 (ranks started by hand, so each
 rank's exit status is seen); the resume of that to the end. The losses of the three pieces are
-those of the reference, bit for bit (same layout, no dropout: resume is exact).
+those of the reference, bit for bit (same layout, no dropout: resume is exact). The last
+resume gives no model flags: ``--use-checkpoint-args`` takes them from the checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import pytest
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
 from tests.helpers.processes import alive, children_of
 
-from .launcher import ROOT, TINY, launch_ranks, scalars, train
+from .launcher import ROOT, TINY, launch, launch_ranks, scalars, train
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -32,7 +33,22 @@ ITERS = 100
 FLAGS = [*TINY, "--num-layers", "4", "--hidden-size", "32", "--log-interval", "1",
          "--train-iters", str(ITERS), "--pipeline-model-parallel-size", "4",
          "--chimera-pipes", "2"]
+MODEL_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+               "--max-position-embeddings", "--vocab-size")
 _ITERATION = re.compile(r" iteration\s+(\d+)/")
+
+
+def without_model_flags(flags: list[str]) -> list[str]:
+    """``flags`` less the model's (each a flag and its value)."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in MODEL_FLAGS:
+            skip = True
+        else:
+            out.append(flag)
+    return out
 
 
 def tracker(checkpoint: Path) -> int:
@@ -108,8 +124,12 @@ def test_sigterm_and_wall_clock_exits_save_and_resume_exactly(tmp_path):
     second = scalars(tmp_path / "tb-2", "lm loss")
     assert second == {k: reference[k] for k in range(k1 + 1, k2 + 1)}
 
-    # 3. the rest
-    train("pretrain_gpt2.py", [*FLAGS, "--load", str(ckpt), "--save", str(tmp_path / "end")], 4,
-          tmp_path / "tb-3")
+    # 3. the rest, the model flags taken from the checkpoint (--use-checkpoint-args)
+    rest = [*without_model_flags(FLAGS), "--use-checkpoint-args", "--exit-on-missing-checkpoint"]
+    assert "--num-layers" not in rest
+    result = launch("pretrain_gpt2.py", [*rest, "--load", str(ckpt), "--save",
+                                         str(tmp_path / "end"), "--tensorboard-dir",
+                                         str(tmp_path / "tb-3")], 4)
+    assert result.returncode == 0, result.stderr[-3000:]
     third = scalars(tmp_path / "tb-3", "lm loss")
     assert third == {k: reference[k] for k in range(k2 + 1, ITERS + 1)}

@@ -56,7 +56,8 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
     else:
         datasets = build_train_valid_test_datasets(
             data.data_path, data.split, num_samples, seq_length, seed,
-            cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size)
+            cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size,
+            split_paths=data.split_data_paths)
     options = ltor_options(config, tokenizer)
     return tuple(None if d is None else GPTSampleDataset(d, options) for d in datasets)
 

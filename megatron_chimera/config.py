@@ -199,6 +199,10 @@ class DataConfig:
 
     data_path: tuple[str, ...] | None = None  # Megatron's [weight] prefix list, as given
     split: str = "969, 30, 1"
+    # per-split files (--train-data-path ...; each a [weight] prefix list), instead of data_path
+    train_data_path: tuple[str, ...] | None = None
+    valid_data_path: tuple[str, ...] | None = None
+    test_data_path: tuple[str, ...] | None = None
     tokenizer_type: str | None = None
     tokenizer_model: str | None = None
     vocab_file: str | None = None
@@ -216,6 +220,12 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+
+    @property
+    def split_data_paths(self) -> tuple[tuple[str, ...] | None, ...] | None:
+        """(train, valid, test) per-split paths, or None when the run uses ``data_path``."""
+        paths = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        return paths if any(p is not None for p in paths) else None
 
 
 @dataclass(frozen=True)

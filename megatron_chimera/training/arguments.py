@@ -172,7 +172,10 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--split", default=None)
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-impl", choices=("mmap", "infer"), default="mmap")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
@@ -323,13 +326,30 @@ def _build_config(
         parallel=_pick(ParallelConfig, args, data_parallel_size=data_parallel,
                        pipeline_schedule=schedule, schedule_options=options),
         optimizer=_optimizer_config(args, global_batch),
-        data=_pick(DataConfig, args, data_path=tuple(args.data_path) if args.data_path else None),
+        data=_data_config(args),
         training=_training_config(args, global_batch, num_microbatches),
         checkpoint=_pick(CheckpointConfig, args),
         logging=_pick(LoggingConfig, args),
         ddp=_ddp_config(args),
         extra=extra,
     )
+
+
+def _data_config(args: argparse.Namespace) -> DataConfig:
+    """``--data-path`` with ``--split`` (default 969,30,1), or the per-split paths: never both."""
+    per_split = {f"--{name}-data-path": getattr(args, f"{name}_data_path")
+                 for name in ("train", "valid", "test")}
+    given = [flag for flag, value in per_split.items() if value is not None]
+    if given and args.data_path is not None:
+        raise ConfigError(f"{given[0]} and --data-path are mutually exclusive (per-split files "
+                          "or one corpus split by --split)")
+    if given and args.split is not None:
+        raise ConfigError(f"--split applies to --data-path, not to {given[0]} (each per-split "
+                          "path is one whole split)")
+    return _pick(DataConfig, args, split=args.split or DataConfig.split,
+                 **{name: tuple(getattr(args, name)) if getattr(args, name) is not None else None
+                    for name in ("data_path", "train_data_path", "valid_data_path",
+                                 "test_data_path")})
 
 
 def _ddp_config(args: argparse.Namespace) -> DDPConfig:

@@ -19,7 +19,7 @@ from megatron_chimera.config import (
     ModelConfig,
     TrainConfig,
 )
-from megatron_chimera.data.dataset_utils import parse_data_paths, parse_split
+from megatron_chimera.data.dataset_utils import SPLIT_NAMES, parse_data_paths, parse_split
 from megatron_chimera.data.tokenizers import check_tokenizer_args
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
@@ -113,20 +113,32 @@ def _validate_model(model: ModelConfig) -> None:
         raise ConfigError("--recompute-num-layers requires --recompute-method")
 
 
+def _check_data_files(paths: tuple[str, ...] | None, flag: str) -> None:
+    """Each prefix of ``paths`` (``flag``'s value) has its .bin and .idx: else one error."""
+    if paths is None:
+        return
+    prefixes, _ = parse_data_paths(paths, flag)
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ConfigError(f"{flag}: {prefix + suffix} does not exist")
+
+
 def _validate_data(data: DataConfig) -> None:
-    if not data.mock_data and not data.data_path:
-        raise ConfigError("--data-path is required unless --mock-data is given")
-    if data.data_path and not data.mock_data:
-        prefixes, _ = parse_data_paths(data.data_path)
-        for prefix in prefixes:
-            for suffix in (".bin", ".idx"):
-                if not os.path.isfile(prefix + suffix):
-                    raise ConfigError(f"--data-path: {prefix + suffix} does not exist")
+    per_split = data.split_data_paths
+    if not data.mock_data and not data.data_path and per_split is None:
+        raise ConfigError("--data-path (or --train-data-path / --valid-data-path / "
+                          "--test-data-path) is required unless --mock-data is given")
+    if not data.mock_data:
+        _check_data_files(data.data_path, "--data-path")
+        for name, paths in zip(SPLIT_NAMES, per_split or ()):
+            _check_data_files(paths, f"--{name}-data-path")
     parse_split(data.split)
     tokenizer = data.tokenizer_type
     if tokenizer is None:
         if not data.mock_data:
-            raise ConfigError("--tokenizer-type is required with --data-path")
+            source = "--data-path" if data.data_path else "per-split data paths"
+            raise ConfigError(f"--tokenizer-type is required with {source}")
         if data.vocab_size is None:
             raise ConfigError("--mock-data without --tokenizer-type requires --vocab-size")
         return

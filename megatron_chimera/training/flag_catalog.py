@@ -118,7 +118,13 @@ HELP: dict[str, str] = {
     "hysteresis": "overflows tolerated before the scale halves",
     # data
     "data_path": "dataset prefix, or weight prefix pairs to blend",
-    "split": "train, valid, test proportions, e.g. 969,30,1",
+    "split": "train, valid, test proportions of --data-path, e.g. 969,30,1 (the default)",
+    "train_data_path": "training data: every document of a prefix, or weight prefix pairs to "
+                       "blend (instead of --data-path / --split)",
+    "valid_data_path": "validation data: a prefix or weight prefix pairs (instead of "
+                       "--data-path / --split)",
+    "test_data_path": "test data: a prefix or weight prefix pairs (instead of --data-path / "
+                      "--split)",
     "mock_data": "deterministic synthetic samples instead of --data-path",
     "data_impl": "indexed dataset implementation: mmap (Megatron's MMIDIDX, the only one)",
     "tokenizer_type": "Megatron tokenizer name",
@@ -280,12 +286,6 @@ REFUSED: dict[str, str] = {
     "--standalone-embedding-stage": "not implemented (--partition-method parameters balances "
                                     "the embedding instead)",
     "--skip-train": "not implemented",
-    "--train-data-path": "per-split data paths are not implemented: use --data-path with "
-                         "--split",
-    "--valid-data-path": "per-split data paths are not implemented: use --data-path with "
-                         "--split",
-    "--test-data-path": "per-split data paths are not implemented: use --data-path with "
-                        "--split",
     "--retriever-seq-length": "retrieval (ICT / Retro) models only",
     "--sample-rate": "not implemented",
     "--mmap-warmup": "not implemented",

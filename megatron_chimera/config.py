@@ -288,6 +288,10 @@ class LoggingConfig:
     log_memory_to_tensorboard: bool = False
     tensorboard_log_interval: int = 1
     log_bubble_ratio: bool = True
+    # Weights & Biases (training/scalar_writers.py): the same scalars as TensorBoard
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None  # default <save>/wandb
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_sche
 from megatron_chimera.schedules.registry import get_spec
 from megatron_chimera.schedules.validate import validate as validate_schedule
 from megatron_chimera.training.initialize import check_backend
+from megatron_chimera.training.scalar_writers import check_wandb_flags
 
 
 def never_slower_than_unsplit(schedule: Schedule, options: object) -> Schedule:
@@ -86,6 +87,7 @@ def validate(config: TrainConfig, world_size: int) -> Schedule:
     _validate_data(config.data)
     _validate_checkpoint(config.checkpoint)
     _validate_logging(config.logging)
+    check_wandb_flags(config.logging, config.checkpoint.save)
     _validate_attention(config.model, config.data)
     check_backend(parallel)
     return schedule

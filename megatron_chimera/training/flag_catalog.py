@@ -170,6 +170,11 @@ HELP: dict[str, str] = {
                                  "every rank in TensorBoard",
     "log_validation_ppl_to_tensorboard": "validation perplexity in TensorBoard (always written)",
     "log_batch_size_to_tensorboard": "global batch size in TensorBoard (always written)",
+    "wandb_project": "Weights & Biases project: the logging rank writes the TensorBoard "
+                     "scalars there too (needs --wandb-exp-name and the wandb package; "
+                     "WANDB_MODE=offline works without a network)",
+    "wandb_exp_name": "Weights & Biases run name (with --wandb-project)",
+    "wandb_save_dir": "directory of the W&B files (default <--save>/wandb)",
     "debug_tracebacks": "print the traceback of every error (also: MEGATRON_CHIMERA_TRACEBACKS=1)",
 }
 
@@ -316,6 +321,7 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--no-log-learnig-rate-to-tensorboard", "--no-log-loss-scale-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
     "--log-world-size-to-tensorboard", "--log-throughput", "--log-progress",
+    "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
     # regularization
     "--attention-dropout", "--hidden-dropout", "--weight-decay", "--start-weight-decay",
     "--end-weight-decay", "--weight-decay-incr-style", "--clip-grad", "--adam-beta1",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_chimera.config import TrainConfig
+from megatron_chimera.training.scalar_writers import create_writer
 
 # Megatron's timer names written with --log-timers-to-tensorboard (as "<name>-time"), in its
 # order; "interval-time" (the whole iteration) is the "iteration-time" scalar.
@@ -189,12 +190,9 @@ class TrainingMonitor:
     @classmethod
     def create(cls, config: TrainConfig, flops_per_iteration: float, world_size: int,
                predicted_bubble: float | None, enabled: bool) -> TrainingMonitor:
-        """Build the monitor and, with ``--tensorboard-dir`` on the logging rank, its writer."""
-        writer = None
-        if enabled and config.logging.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(log_dir=config.logging.tensorboard_dir, max_queue=1000)
+        """Build the monitor and, on the logging rank, its writer (TensorBoard with
+        ``--tensorboard-dir``, Weights & Biases with ``--wandb-project``)."""
+        writer = create_writer(config) if enabled else None
         return cls(config, flops_per_iteration, world_size, predicted_bubble, enabled, writer)
 
     # ---------------------------------------------------------------- training iterations
@@ -340,7 +338,7 @@ class TrainingMonitor:
         return line
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer."""
+        """Flush and close the writers (TensorBoard, W&B)."""
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()

@@ -254,12 +254,65 @@ class TrainingConfig:
     # stop after this many skipped iterations in a row (0: no bound)
     max_consecutive_skipped_iterations: int = 100
 
+    # --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START by
+    # INCREMENT over the first SAMPLES samples (Megatron's ramp; needs --train-samples)
+    rampup_batch_size: tuple[int, int, int] | None = None
+
     @property
     def total_train_iters(self) -> int:
-        """Iterations to run: ``--train-iters`` or ``--train-samples`` / global batch."""
+        """Iterations to run: ``--train-iters``, or ``--train-samples`` / global batch (the
+        ramp-up's iterations counted as Megatron does: the ramp, then the constant batch)."""
         if self.train_iters is not None:
             return self.train_iters
-        return (self.train_samples or 0) // self.global_batch_size
+        if self.rampup_batch_size is None:
+            return (self.train_samples or 0) // self.global_batch_size
+        iterations, consumed = self._rampup_phase()
+        return iterations + ((self.train_samples or 0) - consumed) // self.global_batch_size
+
+    @property
+    def total_train_samples(self) -> int:
+        """The samples all iterations consume (datasets and the LR schedule are sized by it)."""
+        if self.rampup_batch_size is None:
+            return self.total_train_iters * self.global_batch_size
+        iterations, consumed = self._rampup_phase()
+        return consumed + (self.total_train_iters - iterations) * self.global_batch_size
+
+    def _rampup_phase(self) -> tuple[int, int]:
+        """(iterations, samples) of the ramp: Megatron counts every iteration that starts at
+        or before SAMPLES consumed samples."""
+        assert self.rampup_batch_size is not None
+        iterations = consumed = 0
+        while consumed <= self.rampup_batch_size[2]:
+            consumed += self.global_batch_at(consumed)
+            iterations += 1
+        return iterations, consumed
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the iteration that starts after ``consumed_samples`` samples:
+        START + INCREMENT x (consumed / (SAMPLES / increments)) during the ramp (Megatron's
+        rule), the full ``global_batch_size`` after it."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        start, increment, samples = self.rampup_batch_size
+        increments = (self.global_batch_size - start) // increment
+        if consumed_samples > samples or increments == 0:
+            return self.global_batch_size
+        steps = int(consumed_samples / (samples / increments))
+        return min(start + steps * increment, self.global_batch_size)
+
+    def num_microbatches_at(self, consumed_samples: int) -> int:
+        """N of the iteration that starts after ``consumed_samples`` samples."""
+        per_microbatch = self.global_batch_size // self.num_microbatches  # micro batch x W
+        return self.global_batch_at(consumed_samples) // per_microbatch
+
+    def microbatch_counts(self) -> list[int]:
+        """Every N the run uses, the final one last (one schedule each)."""
+        if self.rampup_batch_size is None:
+            return [self.num_microbatches]
+        start, increment, _ = self.rampup_batch_size
+        per_microbatch = self.global_batch_size // self.num_microbatches
+        return [batch // per_microbatch
+                for batch in range(start, self.global_batch_size + 1, increment)]
 
 
 @dataclass(frozen=True)

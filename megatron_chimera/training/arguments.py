@@ -129,6 +129,8 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"))
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None)
@@ -322,6 +324,7 @@ def _build_config(
             f"{args.micro_batch_size} x data-parallel size {data_parallel}"
         )
     num_microbatches = global_batch // (args.micro_batch_size * data_parallel)
+    _check_rampup(args, global_batch, args.micro_batch_size * data_parallel)
     schedule, options = _schedule(args, pipeline_size)
     args.profile_iterations = _profile_iterations(args, schedule, global_batch)
     return TrainConfig(
@@ -353,6 +356,30 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
                  **{name: tuple(getattr(args, name)) if getattr(args, name) is not None else None
                     for name in ("data_path", "train_data_path", "valid_data_path",
                                  "test_data_path")})
+
+
+def _check_rampup(args: argparse.Namespace, global_batch: int, per_microbatch: int) -> None:
+    """``--rampup-batch-size START INCREMENT SAMPLES``: Megatron's conditions, and every batch
+    of the ramp a whole number of micro-batches (micro batch x data-parallel size)."""
+    if args.rampup_batch_size is None:
+        return
+    start, increment, samples = args.rampup_batch_size
+    flag = f"--rampup-batch-size {start} {increment} {samples}"
+    if args.train_samples is None:
+        raise ConfigError(f"{flag} needs --train-samples (the ramp is in samples; Megatron "
+                          "refuses it with --train-iters)")
+    if start <= 0 or increment <= 0 or samples <= 0:
+        raise ConfigError(f"{flag}: START, INCREMENT and SAMPLES must be positive")
+    if start > global_batch or (global_batch - start) % increment:
+        raise ConfigError(f"{flag}: --global-batch-size {global_batch} must be START plus a "
+                          "whole number of INCREMENTs")
+    if start % per_microbatch or increment % per_microbatch:
+        raise ConfigError(f"{flag}: START and INCREMENT must be multiples of --micro-batch-size "
+                          f"x data-parallel size = {per_microbatch}")
+    if args.profile_iterations:
+        raise ConfigError(f"{flag} and --profile-iterations {args.profile_iterations} exclude "
+                          "each other (the rebuild is made for one number of micro-batches; "
+                          "give --chimera-zb-costs instead)")
 
 
 def _ddp_config(args: argparse.Namespace) -> DDPConfig:
@@ -441,7 +468,8 @@ def _profile_iterations(args: argparse.Namespace, schedule: str, global_batch: i
     total = args.train_iters if args.train_iters is not None else \
         (args.train_samples or 0) // global_batch
     if given is None:
-        if schedule not in SPLIT_BACKWARD_SCHEDULES or args.chimera_zb_costs is not None:
+        if (schedule not in SPLIT_BACKWARD_SCHEDULES or args.chimera_zb_costs is not None
+                or args.rampup_batch_size is not None):
             return 0
         return max(0, min(DEFAULT_PROFILE_ITERATIONS, total - 1))
     if given < 0:
@@ -513,6 +541,7 @@ def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerC
 def _training_config(
     args: argparse.Namespace, global_batch: int, num_microbatches: int
 ) -> TrainingConfig:
+    ramp = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     return _pick(TrainingConfig, args, global_batch_size=global_batch,
-                 num_microbatches=num_microbatches)
+                 num_microbatches=num_microbatches, rampup_batch_size=ramp)
 

@@ -8,6 +8,7 @@ has one owner: data paths and splits are checked by the dataset builders' own pa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from megatron_chimera.checkpoint.checkpointing import TRACKER_FILENAME, read_tracker
@@ -77,6 +78,23 @@ def build_schedule_for(config: TrainConfig) -> Schedule:
     return schedule
 
 
+def schedule_for_microbatches(config: TrainConfig, num_microbatches: int) -> Schedule:
+    """:func:`build_schedule_for` with ``num_microbatches`` micro-batches (one step of
+    ``--rampup-batch-size``)."""
+    training = dataclasses.replace(config.training, num_microbatches=num_microbatches)
+    return build_schedule_for(dataclasses.replace(config, training=training))
+
+
+def _validate_rampup(config: TrainConfig) -> None:
+    """Every N of the batch-size ramp must make a valid schedule (built once each here)."""
+    for n in config.training.microbatch_counts()[:-1]:
+        try:
+            schedule_for_microbatches(config, n)
+        except ConfigError as exc:
+            raise ConfigError(f"--rampup-batch-size: the ramp's {n} micro-batches per "
+                              f"iteration: {exc}") from None
+
+
 def validate(config: TrainConfig, world_size: int) -> Schedule:
     """Cross-flag consistency checks (no process group needed); returns the run's schedule."""
     parallel = config.parallel
@@ -84,6 +102,7 @@ def validate(config: TrainConfig, world_size: int) -> Schedule:
     _validate_model(config.model)
     parallel.layout.check_model(config.model)
     schedule = build_schedule_for(config)
+    _validate_rampup(config)
     _validate_data(config.data)
     _validate_checkpoint(config.checkpoint)
     _validate_logging(config.logging)

@@ -78,6 +78,10 @@ HELP: dict[str, str] = {
     # training
     "micro_batch_size": "samples per micro-batch",
     "global_batch_size": "samples per iteration (default micro batch x data-parallel size)",
+    "rampup_batch_size": "START INCREMENT SAMPLES: the global batch grows from START by "
+                         "INCREMENT over the first SAMPLES samples to --global-batch-size "
+                         "(needs --train-samples; one schedule per number of micro-batches, "
+                         "built once; no --profile-iterations)",
     "train_iters": "iterations to train",
     "train_samples": "samples to train (instead of --train-iters)",
     "exit_interval": "save and exit after this many iterations",
@@ -254,8 +258,6 @@ REFUSED: dict[str, str] = {
     "--end-weight-decay": "weight decay is constant (no increment schedule)",
     "--weight-decay-incr-style": "weight decay is constant (no increment schedule)",
     "--batch-size": "removed in Megatron-LM: use --micro-batch-size",
-    "--rampup-batch-size": "batch-size ramp-up is not implemented (the schedule is built for "
-                           "one number of micro-batches)",
     "--recompute-activations": "use --recompute-granularity selective",
     "--checkpoint-activations": "removed in Megatron-LM: use --recompute-granularity full "
                                 "--recompute-method uniform --recompute-num-layers 1",

@@ -165,6 +165,7 @@ class IterationStats:
     busy_seconds: list[float] = field(default_factory=list)
     timers: dict[str, float] = field(default_factory=dict)
     memory: list[dict[str, float]] | None = None  # per rank (--log-memory-to-tensorboard)
+    batch_size: int | None = None  # this iteration's global batch (None: --global-batch-size)
 
 
 class TrainingMonitor:
@@ -223,20 +224,25 @@ class TrainingMonitor:
         self._window, self._skipped_in_window, self._nan_in_window = [], 0, 0
         return line
 
-    def _rates(self, seconds: float) -> tuple[float, float, float]:
-        """TFLOP/s per GPU, samples/s and tokens/s for one iteration of ``seconds``."""
+    def _batch(self, stats: IterationStats) -> int:
+        return stats.batch_size or self.config.training.global_batch_size
+
+    def _rates(self, seconds: float, batch: int) -> tuple[float, float, float]:
+        """TFLOP/s per GPU, samples/s and tokens/s for one iteration of ``seconds`` on
+        ``batch`` samples."""
         if seconds <= 0:
             return 0.0, 0.0, 0.0
-        batch = self.config.training.global_batch_size
-        tflops = self.flops_per_iteration / (seconds * self.world_size * 1e12)
+        flops = self.flops_per_iteration * batch / self.config.training.global_batch_size
+        tflops = flops / (seconds * self.world_size * 1e12)
         return tflops, batch / seconds, batch * self.config.model.seq_length / seconds
 
     def _write_tensorboard(self, stats: IterationStats) -> None:
         it, samples = stats.iteration, stats.consumed_samples
         w = self.writer
-        tflops, samples_per_s, tokens_per_s = self._rates(stats.iteration_seconds)
+        tflops, samples_per_s, tokens_per_s = self._rates(stats.iteration_seconds,
+                                                          self._batch(stats))
         self._scalar("learning-rate", stats.learning_rate, it, samples)
-        self._scalar("batch-size", self.config.training.global_batch_size, it, samples)
+        self._scalar("batch-size", self._batch(stats), it, samples)
         for name, value in stats.losses.items():
             self._scalar(name, value, it, samples)
         self._scalar("loss-scale", stats.loss_scale, it, samples)
@@ -271,7 +277,7 @@ class TrainingMonitor:
         window = self._window
         seconds = (sum(s.iteration_seconds for s in window) / len(window) if window
                    else stats.iteration_seconds)
-        tflops, samples_per_s, tokens_per_s = self._rates(seconds)
+        tflops, samples_per_s, tokens_per_s = self._rates(seconds, self._batch(stats))
         train_iters = self.config.training.total_train_iters
         parts = [
             f" iteration {stats.iteration:8d}/{train_iters:8d}",
@@ -282,7 +288,7 @@ class TrainingMonitor:
             parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f}")
         parts += [
             f" learning rate: {stats.learning_rate:.6E}",
-            f" global batch size: {self.config.training.global_batch_size:5d}",
+            f" global batch size: {self._batch(stats):5d}",
         ]
         for name in stats.losses:
             values = [s.losses[name] for s in window]

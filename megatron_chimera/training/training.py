@@ -38,6 +38,7 @@ from megatron_chimera.model.family import GPT2, ModelFamily
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.rebuild import RebuildReport
 from megatron_chimera.training.arguments import build_schedule_for, parse_args_and_schedule
+from megatron_chimera.training.config_checks import schedule_for_microbatches
 from megatron_chimera.training.exit_conditions import ExitCheck, SignalFlag, agreed_start_time
 from megatron_chimera.training.flag_catalog import family_flag_errors
 from megatron_chimera.training.health import check_loss_and_grad, check_skipped
@@ -98,6 +99,29 @@ def keyed_microbatches(run: Run, batches: list[Any], consumed_samples: int) -> l
             for first, batch in zip(firsts, batches)]
 
 
+def current_batch_size(run: Run) -> int:
+    """The global batch of the running schedule (smaller during ``--rampup-batch-size``)."""
+    training = run.config.training
+    return run.schedule.num_microbatches * (training.global_batch_size
+                                            // training.num_microbatches)
+
+
+def use_microbatches(run: Run, num_microbatches: int) -> None:
+    """Train with ``num_microbatches`` per iteration from now on (``--rampup-batch-size``):
+    each N's schedule, executor and read micro-batches are built on first use and kept."""
+    current = run.schedule.num_microbatches
+    if num_microbatches == current:
+        return
+    run.by_microbatches[current] = (run.schedule, run.executor, run.needed_microbatches)
+    if num_microbatches not in run.by_microbatches:
+        schedule = schedule_for_microbatches(run.config, num_microbatches)
+        needed = needed_microbatches(schedule, parallel_state.get_pipeline_model_parallel_rank(),
+                                     all_stages=run.needed_microbatches is None)
+        run.by_microbatches[num_microbatches] = (
+            schedule, run.executors.train_executor(schedule), needed)
+    run.schedule, run.executor, run.needed_microbatches = run.by_microbatches[num_microbatches]
+
+
 def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
                iteration: int | None = None) -> tuple[Any, bool, float | None, float]:
     """One iteration: schedule, gradient sync, optimizer and LR step; ``consumed_samples`` (the
@@ -107,7 +131,7 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     Returns (executor result, skipped, grad norm, pipeline seconds).
     """
     run.timers("batch-generator").start()
-    batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
+    batches = next_microbatches(data_iterator, run.schedule.num_microbatches,
                                 run.needed_microbatches)
     run.timers("batch-generator").stop()
     if consumed_samples is not None:
@@ -128,7 +152,7 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     update_successful, grad_norm, _ = run.optimizer.step(timers=detail)
     run.timers("optimizer").stop()
     if update_successful:
-        run.scheduler.step(run.config.training.global_batch_size)
+        run.scheduler.step(current_batch_size(run))
     return result, not update_successful, grad_norm, result.iteration_seconds
 
 
@@ -141,7 +165,7 @@ def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
     with torch.no_grad():
         for _ in range(num_iters):
             batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
-                                        run.needed_microbatches)
+                                        run.eval_needed_microbatches)
             results.append(run.eval_executor.run(batches, forward_only=True))
     for module in (s.module for s in run.stages):
         module.train()
@@ -209,6 +233,8 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
     while state.iteration < total:
         if run.profile is not None:
             run.profile.start_iteration(run.executor)
+        use_microbatches(run, training.num_microbatches_at(state.consumed_train_samples))
+        batch_size = current_batch_size(run)
         run.timers("interval-time").start()
         result, skipped, grad_norm, pipeline_seconds = train_step(
             run, train_iterator, state.consumed_train_samples, state.iteration + 1)
@@ -219,7 +245,7 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
             report = run.profile.finish_iteration(run.executor)
             if report is not None:
                 apply_rebuild(run, report, state.iteration)
-        state.consumed_train_samples += training.global_batch_size
+        state.consumed_train_samples += batch_size
         timers = run.timers.elapsed_all()
         memory = None  # a collective: every rank, on the iterations TensorBoard is written
         if (log.log_memory_to_tensorboard and log.tensorboard_dir
@@ -227,7 +253,7 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
             memory = gather_memory_stats(run.world_size - 1)
         pending.append((IterationStats(
             iteration=state.iteration, consumed_samples=state.consumed_train_samples,
-            losses={}, learning_rate=run.scheduler.get_lr(),
+            batch_size=batch_size, losses={}, learning_rate=run.scheduler.get_lr(),
             loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
             iteration_seconds=timers.get("interval-time", pipeline_seconds),
             pipeline_seconds=pipeline_seconds, timers=timers, memory=memory), result))
@@ -261,6 +287,7 @@ def apply_rebuild(run: Run, report: RebuildReport, iteration: int) -> None:
         run.needed_microbatches = needed_microbatches(  # same placement: the same stages
             report.schedule, parallel_state.get_pipeline_model_parallel_rank(),
             all_stages=run.needed_microbatches is None)
+        run.eval_needed_microbatches = run.needed_microbatches
         if run.monitor.predicted_bubble is not None:
             run.monitor.predicted_bubble = predicted_bubble_ratio(report.schedule)
     run.monitor.log_schedule_rebuild(iteration, report.line(), rebuild_scalars(report))

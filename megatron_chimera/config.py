@@ -176,6 +176,8 @@ class DDPConfig:
     parameters and optimizer state over each stage-replica group (ZeRO-1).
     ``overlap_param_gather``: all-gather the updated parameters in the background, waiting for
     a stage's parameters before its first forward of the next iteration.
+    ``gradient_accumulation_fusion``: weight gradients computed straight into ``main_grad``
+    (``--no-gradient-accumulation-fusion`` turns it off; see ``tensor_parallel.weight_grad``).
     """
 
     grad_reduce_in_fp32: bool = False
@@ -183,6 +185,7 @@ class DDPConfig:
     bucket_size: int | None = None
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    gradient_accumulation_fusion: bool = True
 
     def bucket_elements(self, group_size: int) -> int | None:
         """Elements per bucket for a reducing group of ``group_size`` ranks (None: whole)."""

@@ -43,6 +43,7 @@ from megatron_chimera.distributed.grad_buffer import (
     local_shared_copies,
     shared_embedding_weight,
 )
+from megatron_chimera.tensor_parallel.collectives import reduce_scatter_single
 from megatron_chimera.tensor_parallel.grads import (
     allreduce_sequence_parallel_grads,
     is_sequence_parallel,
@@ -68,7 +69,7 @@ class Collectives:
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor,
                        group: dist.ProcessGroup) -> dist.Work:
         """SUM reduce-scatter of ``tensor`` into this rank's ``output`` slice."""
-        return dist.reduce_scatter_single(output, tensor, group=group, async_op=True)
+        return reduce_scatter_single(output, tensor, group=group, async_op=True)
 
 
 @dataclass

@@ -16,11 +16,23 @@ hangs off the module, not a global, so backward threads and several stage replic
 cannot mix up their queues. Tensor-parallel
 communication runs in separate autograd functions around this one (:mod:`.mappings`), so the
 input gradient's all-reduce or reduce-scatter happens in ``B`` and ``W`` is local.
+
+**Gradient-accumulation fusion** (Megatron's, on unless ``--no-gradient-accumulation-fusion``): a
+weight whose gradient buffer marked it (``weight.fuse_wgrad_accumulation``) gets its gradient
+computed straight into ``weight.main_grad`` -- Apex's ``wgrad_gemm_accum_fp32`` when its CUDA
+extension is importable (half-precision inputs, fp32 accumulation in the GEMM), else one
+``addmm_`` into ``main_grad`` when the dtypes agree -- instead of materialising it and adding it
+in the buffer's post-accumulate hook. The backward then hands autograd a zero
+placeholder and sets ``weight.grad_added_to_main_grad``, which tells the hook to skip the add
+(its readiness callback still fires, so overlapped reductions see the parameter as final). The
+deferred ``W`` of split-backward schedules accumulates the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -54,7 +66,9 @@ class WeightGradStore:
         ``.grad``), free inputs."""
         with torch.no_grad():
             for weight, bias, inputs, grad_output in self._pending:
-                if weight is not None:
+                if weight is not None and fuses_weight_grad(weight):
+                    accumulate_weight_grad_(weight, inputs, grad_output)
+                elif weight is not None:
                     _accumulate(weight, _weight_grad(inputs, grad_output))
                 if bias is not None:
                     _accumulate(bias, _bias_grad(grad_output))
@@ -70,6 +84,44 @@ def _bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     return grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
 
 
+@functools.cache
+def apex_wgrad_kernel():
+    """Apex's ``fused_weight_gradient_mlp_cuda`` extension, or None when it (or CUDA) is
+    missing (the PyPI package called ``apex`` is an unrelated project and has no such module)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return importlib.import_module("fused_weight_gradient_mlp_cuda")
+    except ImportError:
+        return None
+
+
+def fuses_weight_grad(weight: nn.Parameter) -> bool:
+    """True when ``weight``'s gradient is accumulated straight into its ``main_grad``."""
+    return (getattr(weight, "fuse_wgrad_accumulation", False)
+            and getattr(weight, "main_grad", None) is not None)
+
+
+def accumulate_weight_grad_(weight: nn.Parameter, inputs: torch.Tensor,
+                            grad_output: torch.Tensor) -> None:
+    """``weight.main_grad += grad_output^T @ inputs`` without a separate gradient tensor where a
+    kernel allows: Apex's fp32-accumulating GEMM for half-precision inputs into an fp32 buffer,
+    ``addmm_`` when the dtypes agree, else (no Apex, mixed dtypes) the product then the add."""
+    main_grad = weight.main_grad
+    flat_in = inputs.reshape(-1, inputs.shape[-1])
+    flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+    kernel = apex_wgrad_kernel()
+    if main_grad.dtype == flat_in.dtype:
+        main_grad.addmm_(flat_grad.t(), flat_in)
+    elif (kernel is not None and main_grad.dtype == torch.float32 and flat_in.is_cuda
+          and flat_in.dtype in (torch.float16, torch.bfloat16)):
+        fused = (kernel.wgrad_gemm_accum_fp32 if flat_in.dtype == torch.bfloat16
+                 else kernel.wgrad_gemm_accum_fp16)
+        fused(flat_in.contiguous(), flat_grad.contiguous(), main_grad)
+    else:
+        main_grad.add_(flat_grad.t().matmul(flat_in))
+
+
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
     """Add ``grad`` into the parameter's gradient buffer (``main_grad``, see
     :mod:`megatron_chimera.distributed.grad_buffer`) when it has one, else into ``.grad``."""
@@ -82,6 +134,19 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
         param.grad = grad
     else:
         param.grad.add_(grad)
+
+
+def _weight_grad_or_placeholder(weight: nn.Parameter, inputs: torch.Tensor,
+                                grad_output: torch.Tensor) -> torch.Tensor:
+    """The weight gradient for autograd, or -- with gradient-accumulation fusion -- the gradient
+    already added to ``main_grad`` and a zero placeholder that the buffer's hook discards
+    (``grad_added_to_main_grad``); zeros, not uninitialised memory, so that a ``.grad`` an fp32
+    optimizer left aliasing ``main_grad`` is added nothing when autograd accumulates into it."""
+    if not fuses_weight_grad(weight):
+        return _weight_grad(inputs, grad_output)
+    accumulate_weight_grad_(weight, inputs, grad_output)
+    weight.grad_added_to_main_grad = True
+    return torch.zeros_like(weight)
 
 
 class LinearWithDeferrableWeightGrad(torch.autograd.Function):
@@ -106,7 +171,9 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
         if store is not None:
             store.put(ctx.module.weight, bias, inputs, grad_output)
             return grad_input, None, None, None
-        grad_weight = _weight_grad(inputs, grad_output) if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = _weight_grad_or_placeholder(ctx.module.weight, inputs, grad_output)
         grad_bias = _bias_grad(grad_output) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias, None
 

@@ -118,6 +118,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="all-gather updated parameters in the background; each stage waits "
                         "before its first forward (needs --use-distributed-optimizer)")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion",
+                   help="materialise each weight gradient and add it into the gradient buffer "
+                        "in a hook, instead of computing it straight into main_grad")
     g.add_argument("--allow-cpu-training", action="store_true",
                    help="with --distributed-backend gloo on a machine with CUDA devices: train "
                         "on the CPU on purpose (refused otherwise)")
@@ -315,7 +319,8 @@ def _ddp_config(args: argparse.Namespace) -> DDPConfig:
                      overlap_grad_reduce=args.overlap_grad_reduce,
                      bucket_size=args.ddp_bucket_size,
                      use_distributed_optimizer=args.use_distributed_optimizer,
-                     overlap_param_gather=args.overlap_param_gather)
+                     overlap_param_gather=args.overlap_param_gather,
+                     gradient_accumulation_fusion=args.gradient_accumulation_fusion)
 
 
 def _pick(cls: type, args: argparse.Namespace, **overrides: object):

@@ -242,8 +242,6 @@ REFUSED: dict[str, str] = {
     "--exit-duration-in-mins": "not implemented (use --exit-interval)",
     "--exit-signal-handler": "not implemented (use --exit-interval)",
     "--dataloader-type": "only Megatron's default single (sequential, resumable) sampler",
-    "--no-gradient-accumulation-fusion": "there is no fused weight-gradient accumulation "
-                                         "kernel to turn off; drop the flag",
     "--no-persist-layer-norm": "there is no persistent layer-norm kernel to turn off; drop "
                                "the flag",
     "--data-parallel-random-init": "data-parallel replicas always start identical",

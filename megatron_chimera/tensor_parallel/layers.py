@@ -4,7 +4,8 @@
   rank t holds ``A_t`` and computes ``Y_t``; ``gather_output`` all-gathers ``Y``.
 * :class:`RowParallelLinear` -- ``A`` split by rows (input features): rank t computes
   ``X_t A_t`` and the partial sums are all-reduced (or reduce-scattered along the sequence under
-  sequence parallelism); ``input_is_parallel`` says ``X`` arrives already split.
+  sequence parallelism); ``input_is_parallel`` says ``X`` arrives already split. With T = 1 the
+  bias is added inside the matmul (there is nothing to reduce first).
 * :class:`VocabParallelEmbedding` -- the (padded) vocabulary split over the ranks.
 
 Both linears compute through :class:`~.weight_grad.LinearWithDeferrableWeightGrad` with the
@@ -125,6 +126,9 @@ class RowParallelLinear(nn.Module):
         """``[s, b, in/T] (or in) -> ([s(/T), b, out], bias or None)``."""
         input_parallel = (input_ if self.input_is_parallel
                           else scatter_to_tensor_model_parallel_region(input_))
+        if _world() == 1 and not self.skip_bias_add:
+            # nothing to reduce: the bias goes into the matmul (one kernel, one autograd node)
+            return linear_with_deferrable_weight_grad(input_parallel, self, self.bias), None
         output_parallel = linear_with_deferrable_weight_grad(input_parallel, self, None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)

@@ -275,6 +275,8 @@ class LoggingConfig:
     log_memory_to_tensorboard: bool = False
     tensorboard_log_interval: int = 1
     log_bubble_ratio: bool = True
+    # --timing-log-level: >= 1 synchronises the device in every timer (training/monitor.py)
+    timing_log_level: int = 0
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,11 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=(0, 1, 2),
+                   help="0: timers record CUDA events, read at logging iterations (no device "
+                        "sync inside the step); 1 or 2: every timer synchronises the device at "
+                        "start and stop (Megatron's accurate per-part timers; the same set of "
+                        "timers at both levels)")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")

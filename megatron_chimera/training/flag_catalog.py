@@ -217,9 +217,9 @@ REFUSED: dict[str, str] = {
     "--embedding-weights-in-fp32": "embeddings are kept in the parameter dtype",
     "--log-params-norm": "the parameter norm is not computed",
     "--log-num-zeros-in-grad": "zero-gradient counting is not wired to the log line",
-    "--timing-log-level": "one fixed set of timers (no levels); see --log-timers-to-tensorboard",
     "--timing-log-option": "timers are those of the logging rank (no min/max over ranks)",
-    "--no-barrier-with-level-1-timing": "there are no level-1 timers",
+    "--no-barrier-with-level-1-timing": "timers never add a barrier across ranks (level 1 "
+                                        "synchronises the device only)",
     "--tensorboard-queue-size": "the TensorBoard writer queue is fixed (1000)",
     "--no-log-learnig-rate-to-tensorboard": "the learning rate is always written",
     "--no-log-loss-scale-to-tensorboard": "the loss scale is always written",

@@ -184,6 +184,8 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     if not pending:
         return
     gathered = run.executor.gather([result for _, result in pending])
+    for stats, _ in pending:  # the iteration's timer events are complete by now
+        stats.resolve_timers()
     for (stats, _), figures in zip(pending, gathered or []):
         stats.losses = _average_losses(figures.losses)
         stats.busy_seconds = figures.busy_seconds_per_rank
@@ -214,7 +216,7 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator) -> None:
             if report is not None:
                 apply_rebuild(run, report, state.iteration)
         state.consumed_train_samples += training.global_batch_size
-        timers = run.timers.elapsed_all()
+        readings = run.timers.take_all()  # resolved at the logging iteration (no sync now)
         memory = None  # a collective: every rank, on the iterations TensorBoard is written
         if (log.log_memory_to_tensorboard and log.tensorboard_dir
                 and state.iteration % log.tensorboard_log_interval == 0):
@@ -223,8 +225,8 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator) -> None:
             iteration=state.iteration, consumed_samples=state.consumed_train_samples,
             losses={}, learning_rate=run.scheduler.get_lr(),
             loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
-            iteration_seconds=timers.get("interval-time", pipeline_seconds),
-            pipeline_seconds=pipeline_seconds, timers=timers, memory=memory), result))
+            iteration_seconds=pipeline_seconds, pipeline_seconds=pipeline_seconds,
+            timer_readings=readings, memory=memory), result))
         if state.iteration % log.log_interval == 0 or state.iteration == total:
             _report(run, pending)
         check_skipped(state.consecutive_skipped, training.max_consecutive_skipped_iterations,

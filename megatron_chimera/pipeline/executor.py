@@ -32,8 +32,8 @@ convention) in one collective, at log intervals.
 The host's cost per action is kept small: each rank's lowered list is compiled once per mode
 (:mod:`.program`: messages, labels, buffer lifetimes, batches), receive buffers come from a pool
 and are reused once nothing reads them (:class:`~.p2p.BufferPool`), the busy timer is two clock
-reads (CPU) or two recorded events from a reused pool (CUDA), and completed sends are polled at
-most once per action and only where the backend reports completion without a wait.
+reads (CPU) or two recorded events from a reused pool (CUDA), and a sent tensor is let go as soon
+as its send is posted (the backend holds it until sent; an activation keeps only its ``grad_fn``).
 
 Failures: an exception on any rank is recorded in the c10d store before it propagates; a rank
 whose communication then fails raises :class:`~.failures.PipelineFailure` naming the rank that
@@ -393,7 +393,6 @@ class _Iteration:
         self.current: Any = None
         transport = executor.transport  # calls that would do nothing are not made at all:
         self.sync_point = transport.sync_point if transport.has_sync_points else None
-        self.poll_sends = self.comm.poll_sends if transport.reports_completion else None
 
     def execute(self) -> None:
         """Walk the compiled steps."""
@@ -416,8 +415,6 @@ class _Iteration:
         send of a view of one pins it, see :meth:`.P2PCommunicator.send`)."""
         if self.sync_point is not None:
             self.sync_point(step.label)
-        if self.poll_sends is not None:
-            self.poll_sends()
         if self.releasing:
             release = self.comm.release
             for message in self.releasing:

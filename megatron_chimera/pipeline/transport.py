@@ -130,6 +130,9 @@ class Transport:
 
     #: whether :meth:`sync_point` does anything (the executor skips the call when not)
     has_sync_points = False
+    #: called with (group, label) for every gradient collective the iteration issues, where a
+    #: transport models what a device-wide sync waits for (None: nothing to model)
+    collective_issued = None
 
     def sync_point(self, where: str) -> None:
         """A point where a device-wide sync may happen (no-op: the real device decides)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,12 @@ from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.rebuild import RebuildReport
 from megatron_chimera.training.arguments import build_schedule_for, parse_args_and_schedule
 from megatron_chimera.training.flag_catalog import family_flag_errors
-from megatron_chimera.training.health import check_loss_and_grad, check_skipped
+from megatron_chimera.training.health import (
+    check_loss_and_grad,
+    check_skipped,
+    grad_norm_covers_gradients,
+    raise_nonfinite_grad_norm,
+)
 from megatron_chimera.training.initialize import initialize_megatron
 from megatron_chimera.training.measured_costs import (
     PROFILED_KEY,
@@ -113,20 +119,30 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     run.timers("forward-backward").start()
     result = run.executor.run(batches)
     run.timers("forward-backward").stop()
-    if iteration is not None and run.config.training.check_for_nan_in_loss_and_grad:
-        check_loss_and_grad(
-            iteration, result.local_losses,
-            [(name, p) for stage in run.stages for name, p in stage_named_parameters(stage)
-             .items()], check_grads=not run.config.optimizer.fp16,
-            device=run.device or torch.device("cpu"))
+    nan_check = iteration is not None and run.config.training.check_for_nan_in_loss_and_grad
+    folded = nan_check and grad_norm_covers_gradients(run.config.optimizer)
+    if nan_check and not folded:
+        _check_nan(run, iteration, result)
     run.timers("optimizer").start()
     # the optimizer's own timers add device syncs: only when they are written
     detail = run.timers if run.config.logging.log_timers_to_tensorboard else None
     update_successful, grad_norm, _ = run.optimizer.step(timers=detail)
     run.timers("optimizer").stop()
+    if folded and grad_norm is not None and not math.isfinite(grad_norm):
+        _check_nan(run, iteration, result)  # names the rank and the value, then raises
+        raise_nonfinite_grad_norm(iteration, grad_norm)
     if update_successful:
         run.scheduler.step(run.config.training.global_batch_size)
     return result, not update_successful, grad_norm, result.iteration_seconds
+
+
+def _check_nan(run: Run, iteration: int, result: Any) -> None:
+    """Every rank: the NaN/Inf check of its losses and (fp32/bf16) gradients (a collective)."""
+    check_loss_and_grad(
+        iteration, result.local_losses,
+        [(name, p) for stage in run.stages for name, p in stage_named_parameters(stage)
+         .items()], check_grads=not run.config.optimizer.fp16,
+        device=run.device or torch.device("cpu"))
 
 
 def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:

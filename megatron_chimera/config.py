@@ -69,6 +69,9 @@ class ModelConfig:
     # --sequence-parallel: LayerNorm / dropout regions split along the sequence over the
     # tensor-parallel ranks (a no-op with --tensor-model-parallel-size 1)
     sequence_parallel: bool = False
+    # the input-gradient all-reduce of column-parallel layers overlapped with their weight
+    # gradient (--no-async-tensor-model-parallel-allreduce turns it off)
+    async_tensor_model_parallel_allreduce: bool = True
 
     @property
     def ffn_size(self) -> int:

@@ -161,7 +161,8 @@ class TransformerLanguageModel(nn.Module):
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, tensor_parallel_vocab_size(config), bias=False,
                 gather_output=False, sequence_parallel=uses_sequence_parallel(config),
-                dtype=config.torch_dtype)
+                dtype=config.torch_dtype,
+                async_allreduce=config.async_tensor_model_parallel_allreduce)
             self.output_layer.weight.master_size = config.padded_vocab_size
             init_linear_(self.output_layer, config.init_method_std,
                          make_generator(seed, OUTPUT_LAYER_KEY))

@@ -36,6 +36,7 @@ import importlib
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -153,26 +154,36 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
     """y = x W^T + b, with a backward that can hand the weight gradient to a WeightGradStore."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, bias, module):  # type: ignore[override]
+    def forward(ctx, inputs, weight, bias, module, dgrad_group=None):  # type: ignore[override]
         ctx.save_for_backward(inputs, weight)
         ctx.has_bias = bias is not None
         ctx.module = module
+        ctx.dgrad_group = dgrad_group
         return torch.nn.functional.linear(inputs, weight, bias)  # one addmm with a bias
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         inputs, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        reducing = None
+        if grad_input is not None and ctx.dgrad_group is not None:
+            # Megatron's async all-reduce: the input gradient travels over the tensor-parallel
+            # group while this rank computes (or queues) the weight gradient
+            reducing = dist.all_reduce(grad_input, group=ctx.dgrad_group, async_op=True)
         store: WeightGradStore | None = ctx.module.weight_grad_store
         bias = ctx.module.bias if ctx.has_bias else None
+        grad_weight = grad_bias = None
         if store is not None:
             store.put(ctx.module.weight, bias, inputs, grad_output)
-            return grad_input, None, None, None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = _weight_grad_or_placeholder(ctx.module.weight, inputs, grad_output)
-        grad_bias = _bias_grad(grad_output) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_input, grad_weight, grad_bias, None
+        else:
+            if ctx.needs_input_grad[1]:
+                grad_weight = _weight_grad_or_placeholder(ctx.module.weight, inputs,
+                                                          grad_output)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = _bias_grad(grad_output)
+        if reducing is not None:
+            reducing.wait()
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 class BiasAddWithDeferrableGrad(torch.autograd.Function):
@@ -200,10 +211,14 @@ def bias_add_with_deferrable_grad(inputs: torch.Tensor, module: nn.Module) -> to
 
 
 def linear_with_deferrable_weight_grad(inputs: torch.Tensor, module: nn.Module,
-                                       bias: torch.Tensor | None) -> torch.Tensor:
+                                       bias: torch.Tensor | None,
+                                       dgrad_group: dist.ProcessGroup | None = None
+                                       ) -> torch.Tensor:
     """``inputs @ module.weight^T (+ bias)`` through :class:`LinearWithDeferrableWeightGrad`;
-    ``bias`` must be ``module.bias`` or None (then the caller adds it)."""
-    return LinearWithDeferrableWeightGrad.apply(inputs, module.weight, bias, module)
+    ``bias`` must be ``module.bias`` or None (then the caller adds it). ``dgrad_group``: sum the
+    input gradient over this group, asynchronously, overlapped with the weight gradient (a
+    column-parallel layer's replicated input)."""
+    return LinearWithDeferrableWeightGrad.apply(inputs, module.weight, bias, module, dgrad_group)
 
 
 def deferrable_modules(module: nn.Module) -> list[nn.Module]:

@@ -93,7 +93,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",
+                   dest="async_tensor_model_parallel_allreduce")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     add_schedule_arguments(g)

@@ -57,8 +57,10 @@ HELP: dict[str, str] = {
                                   "split over T ranks (world = T x W x D)",
     "sequence_parallel": "with T > 1: LayerNorm / dropout regions split along the sequence over "
                          "the tensor-parallel ranks; pipeline messages are [s/T, b, h]",
-    "no_async_tensor_model_parallel_allreduce": "accepted: the tensor-parallel all-reduce of "
-                                                "input gradients is never overlapped here",
+    "async_tensor_model_parallel_allreduce": "T > 1: sum a column-parallel layer's input "
+                                             "gradient synchronously after its backward instead "
+                                             "of asynchronously, overlapped with its weight "
+                                             "gradient",
     "no_scatter_gather_tensors_in_pipeline": "accepted: pipeline messages are never split over "
                                              "the tensor-parallel ranks (--sequence-parallel "
                                              "sends 1/T of the bytes)",
@@ -184,9 +186,6 @@ READ_OUTSIDE_CONFIG: dict[str, tuple[str, str]] = {
 # Megatron flags accepted because what they ask for always holds here (nothing to configure).
 ALWAYS_ON: dict[str, str] = {
     "data_impl": "always mmap (Megatron's MMIDIDX files; `infer` finds the same)",
-    "no_async_tensor_model_parallel_allreduce": "the input-gradient all-reduce of a "
-                                                "column-parallel layer is never overlapped with "
-                                                "its weight gradient",
     "no_scatter_gather_tensors_in_pipeline": "pipeline messages are never split over the "
                                              "tensor-parallel ranks (whole [s, b, h]; [s/T, b, h] "
                                              "chunks with --sequence-parallel)",

@@ -122,7 +122,7 @@ def _linear_case(kind: str, options: dict, deferred: bool) -> None:
 
 LINEAR_CASES = [
     ("column", {"gather_output": True}), ("column", {"gather_output": False}),
-    ("column", {"skip_bias_add": True}),
+    ("column", {"skip_bias_add": True}), ("column", {"async_allreduce": False}),
     ("column", {"sequence_parallel": True}),
     ("row", {"input_is_parallel": False}), ("row", {"input_is_parallel": True}),
     ("row", {"input_is_parallel": True, "skip_bias_add": True}),

@@ -69,6 +69,9 @@ class ModelConfig:
     # --sequence-parallel: LayerNorm / dropout regions split along the sequence over the
     # tensor-parallel ranks (a no-op with --tensor-model-parallel-size 1)
     sequence_parallel: bool = False
+    # the input-gradient all-reduce of column-parallel layers overlapped with their weight
+    # gradient (--no-async-tensor-model-parallel-allreduce turns it off)
+    async_tensor_model_parallel_allreduce: bool = True
 
     @property
     def ffn_size(self) -> int:
@@ -176,6 +179,8 @@ class DDPConfig:
     parameters and optimizer state over each stage-replica group (ZeRO-1).
     ``overlap_param_gather``: all-gather the updated parameters in the background, waiting for
     a stage's parameters before its first forward of the next iteration.
+    ``gradient_accumulation_fusion``: weight gradients computed straight into ``main_grad``
+    (``--no-gradient-accumulation-fusion`` turns it off; see ``tensor_parallel.weight_grad``).
     """
 
     grad_reduce_in_fp32: bool = False
@@ -183,6 +188,7 @@ class DDPConfig:
     bucket_size: int | None = None
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    gradient_accumulation_fusion: bool = True
 
     def bucket_elements(self, group_size: int) -> int | None:
         """Elements per bucket for a reducing group of ``group_size`` ranks (None: whole)."""
@@ -345,6 +351,8 @@ class LoggingConfig:
     wandb_project: str | None = None
     wandb_exp_name: str | None = None
     wandb_save_dir: str | None = None  # default <save>/wandb
+    # --timing-log-level: >= 1 synchronises the device in every timer (training/monitor.py)
+    timing_log_level: int = 0
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,8 @@ class TransformerLanguageModel(nn.Module):
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, tensor_parallel_vocab_size(config), bias=False,
                 gather_output=False, sequence_parallel=uses_sequence_parallel(config),
-                dtype=config.torch_dtype)
+                dtype=config.torch_dtype,
+                async_allreduce=config.async_tensor_model_parallel_allreduce)
             self.output_layer.weight.master_size = config.padded_vocab_size
             init_linear_(self.output_layer, config.init_method_std,
                          make_generator(seed, OUTPUT_LAYER_KEY))
@@ -214,39 +215,47 @@ class MegatronModule(nn.Module):
             return self.word_embeddings.weight
         return None
 
-    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[s(/T), b, h]`` -> logits ``[b, s, V/T]`` of this rank's range of the padded
-        vocabulary (``[b, s, V]`` with T = 1; padding masked)."""
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s(/T), b, h]`` -> logits ``[s, b, V/T]`` of this rank's range of the padded
+        vocabulary, as the matmul leaves them (no transpose; padding masked in place)."""
         if self.tied:
             logits = parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
                                         uses_sequence_parallel(self.config))
         else:
             logits, _ = self.language_model.output_layer(hidden)
-        return mask_padded_vocab(logits.transpose(0, 1).contiguous(), self.config.vocab_size)
+        return mask_padded_vocab_(logits, self.config.vocab_size)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s(/T), b, h]`` -> logits ``[b, s, V/T]`` (batch first, for generation and
+        evaluation; the training loss reads :meth:`lm_logits` without the transpose)."""
+        return self.lm_logits(hidden).transpose(0, 1).contiguous()
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Set the logits of the vocabulary padding columns (ids >= ``vocab_size``) to -inf, so ids no
-    tokenizer produces never take probability mass, in the loss or in sampling; their gradients
-    are zero. ``logits`` are this tensor-parallel rank's vocabulary range."""
+def mask_padded_vocab_(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set the logits of the vocabulary padding columns (ids >= ``vocab_size``) to -inf, in
+    place (``logits`` is the output layer's fresh result: no copy), so ids no tokenizer produces
+    never take probability mass, in the loss or in sampling; their gradients are zero.
+    ``logits`` are this tensor-parallel rank's vocabulary range."""
     local = logits.shape[-1]
     first = parallel_state.get_tensor_model_parallel_rank() * local
-    if first + local <= vocab_size:
-        return logits
-    is_padding = torch.arange(first, first + local, device=logits.device) >= vocab_size
-    return logits.masked_fill(is_padding, float("-inf"))
+    if first + local > vocab_size:
+        logits[..., max(vocab_size - first, 0):].fill_(float("-inf"))
+    return logits
 
 
 def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """fp32 cross-entropy ``[b, s]`` of logits ``[b, s, V]`` (padding columns are -inf); with
-    T > 1 the logits are this rank's vocabulary range and the loss is vocabulary-parallel."""
-    b, s, v = logits.shape
+    """fp32 cross-entropy ``[b, s]`` of logits ``[s, b, V]`` (as the output layer leaves them;
+    padding columns -inf) against ``labels`` ``[b, s]``; with T > 1 the logits are this rank's
+    vocabulary range and the loss is vocabulary-parallel. Only the ``[s, b]`` targets and losses
+    are transposed, never the logits."""
+    s, b, v = logits.shape
     if labels.shape != (b, s):
         raise ValueError(f"labels shape {tuple(labels.shape)} != logits' [b, s] {(b, s)}")
+    target = labels.t()
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        return vocab_parallel_cross_entropy(logits, labels)
-    return F.cross_entropy(logits.float().view(b * s, v), labels.reshape(b * s),
-                           reduction="none").view(b, s)
+        return vocab_parallel_cross_entropy(logits, target).t()
+    return F.cross_entropy(logits.float().view(s * b, v), target.reshape(s * b),
+                           reduction="none").view(s, b).t()
 
 
 def resolve_layer_range(config: ModelConfig,

@@ -177,7 +177,7 @@ class ParallelAttention(nn.Module):
         sequence_parallel = uses_sequence_parallel(config)
         self.query_key_value = ColumnParallelLinear(
             h, 3 * h, gather_output=False, sequence_parallel=sequence_parallel,
-            dtype=config.torch_dtype)
+            dtype=config.torch_dtype, async_allreduce=config.async_tensor_model_parallel_allreduce)
         self.core_attention = CoreAttention(config, layer_number, causal)
         self.dense = RowParallelLinear(
             h, h, input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
@@ -212,7 +212,8 @@ class ParallelMLP(nn.Module):
         _tensor_parallel_size(f, "--ffn-hidden-size")
         sequence_parallel = uses_sequence_parallel(config)
         self.dense_h_to_4h = ColumnParallelLinear(
-            h, f, gather_output=False, sequence_parallel=sequence_parallel, dtype=dtype)
+            h, f, gather_output=False, sequence_parallel=sequence_parallel, dtype=dtype,
+            async_allreduce=config.async_tensor_model_parallel_allreduce)
         self.dense_4h_to_h = RowParallelLinear(
             f, h, input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
             sequence_parallel=sequence_parallel, dtype=dtype)

@@ -95,7 +95,8 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",
+                   dest="async_tensor_model_parallel_allreduce")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     add_schedule_arguments(g)
@@ -120,6 +121,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="all-gather updated parameters in the background; each stage waits "
                         "before its first forward (needs --use-distributed-optimizer)")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion",
+                   help="materialise each weight gradient and add it into the gradient buffer "
+                        "in a hook, instead of computing it straight into main_grad")
     g.add_argument("--allow-cpu-training", action="store_true",
                    help="with --distributed-backend gloo on a machine with CUDA devices: train "
                         "on the CPU on purpose (refused otherwise)")
@@ -213,6 +218,11 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=(0, 1, 2),
+                   help="0: timers record CUDA events, read at logging iterations (no device "
+                        "sync inside the step); 1 or 2: every timer synchronises the device at "
+                        "start and stop (Megatron's accurate per-part timers; the same set of "
+                        "timers at both levels)")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
@@ -390,7 +400,8 @@ def _ddp_config(args: argparse.Namespace) -> DDPConfig:
                      overlap_grad_reduce=args.overlap_grad_reduce,
                      bucket_size=args.ddp_bucket_size,
                      use_distributed_optimizer=args.use_distributed_optimizer,
-                     overlap_param_gather=args.overlap_param_gather)
+                     overlap_param_gather=args.overlap_param_gather,
+                     gradient_accumulation_fusion=args.gradient_accumulation_fusion)
 
 
 def _pick(cls: type, args: argparse.Namespace, **overrides: object):

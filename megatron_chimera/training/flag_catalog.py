@@ -57,8 +57,10 @@ HELP: dict[str, str] = {
                                   "split over T ranks (world = T x W x D)",
     "sequence_parallel": "with T > 1: LayerNorm / dropout regions split along the sequence over "
                          "the tensor-parallel ranks; pipeline messages are [s/T, b, h]",
-    "no_async_tensor_model_parallel_allreduce": "accepted: the tensor-parallel all-reduce of "
-                                                "input gradients is never overlapped here",
+    "async_tensor_model_parallel_allreduce": "T > 1: sum a column-parallel layer's input "
+                                             "gradient synchronously after its backward instead "
+                                             "of asynchronously, overlapped with its weight "
+                                             "gradient",
     "no_scatter_gather_tensors_in_pipeline": "accepted: pipeline messages are never split over "
                                              "the tensor-parallel ranks (--sequence-parallel "
                                              "sends 1/T of the bytes)",
@@ -213,9 +215,6 @@ READ_OUTSIDE_CONFIG: dict[str, tuple[str, str]] = {
 # Megatron flags accepted because what they ask for always holds here (nothing to configure).
 ALWAYS_ON: dict[str, str] = {
     "data_impl": "always mmap (Megatron's MMIDIDX files; `infer` finds the same)",
-    "no_async_tensor_model_parallel_allreduce": "the input-gradient all-reduce of a "
-                                                "column-parallel layer is never overlapped with "
-                                                "its weight gradient",
     "no_scatter_gather_tensors_in_pipeline": "pipeline messages are never split over the "
                                              "tensor-parallel ranks (whole [s, b, h]; [s/T, b, h] "
                                              "chunks with --sequence-parallel)",
@@ -246,9 +245,9 @@ REFUSED: dict[str, str] = {
     "--embedding-weights-in-fp32": "embeddings are kept in the parameter dtype",
     "--log-params-norm": "the parameter norm is not computed",
     "--log-num-zeros-in-grad": "zero-gradient counting is not wired to the log line",
-    "--timing-log-level": "one fixed set of timers (no levels); see --log-timers-to-tensorboard",
     "--timing-log-option": "timers are those of the logging rank (no min/max over ranks)",
-    "--no-barrier-with-level-1-timing": "there are no level-1 timers",
+    "--no-barrier-with-level-1-timing": "timers never add a barrier across ranks (level 1 "
+                                        "synchronises the device only)",
     "--tensorboard-queue-size": "the TensorBoard writer queue is fixed (1000)",
     "--no-log-learnig-rate-to-tensorboard": "the learning rate is always written",
     "--no-log-loss-scale-to-tensorboard": "the loss scale is always written",
@@ -267,8 +266,6 @@ REFUSED: dict[str, str] = {
     "--context-parallel-size": "context parallelism is not implemented",
     "--model-parallel-size": "removed in Megatron-LM: use --tensor-model-parallel-size",
     "--dataloader-type": "only Megatron's default single (sequential, resumable) sampler",
-    "--no-gradient-accumulation-fusion": "there is no fused weight-gradient accumulation "
-                                         "kernel to turn off; drop the flag",
     "--no-persist-layer-norm": "there is no persistent layer-norm kernel to turn off; drop "
                                "the flag",
     "--data-parallel-random-init": "data-parallel replicas always start identical",

@@ -271,7 +271,8 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
                                  all_stages=family.every_stage_reads_batch
                                  or config.data.reset_attention_mask)
     run = Run(config, family, schedule, partition, stages, optimizer, scheduler, executors,
-              executor, eval_executor, build_monitor(config, family, schedule), Timers(),
+              executor, eval_executor, build_monitor(config, family, schedule),
+              Timers(config.logging.timing_log_level),
               needed, rank, world_size, rng_state, device, eval_needed_microbatches=needed)
     return run, saved_args
 

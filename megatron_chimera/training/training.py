@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +42,12 @@ from megatron_chimera.training.arguments import build_schedule_for, parse_args_a
 from megatron_chimera.training.config_checks import schedule_for_microbatches
 from megatron_chimera.training.exit_conditions import ExitCheck, SignalFlag, agreed_start_time
 from megatron_chimera.training.flag_catalog import family_flag_errors
-from megatron_chimera.training.health import check_loss_and_grad, check_skipped
+from megatron_chimera.training.health import (
+    check_loss_and_grad,
+    check_skipped,
+    grad_norm_covers_gradients,
+    raise_nonfinite_grad_norm,
+)
 from megatron_chimera.training.initialize import initialize_megatron
 from megatron_chimera.training.measured_costs import (
     PROFILED_KEY,
@@ -140,20 +146,30 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     run.timers("forward-backward").start()
     result = run.executor.run(batches)
     run.timers("forward-backward").stop()
-    if iteration is not None and run.config.training.check_for_nan_in_loss_and_grad:
-        check_loss_and_grad(
-            iteration, result.local_losses,
-            [(name, p) for stage in run.stages for name, p in stage_named_parameters(stage)
-             .items()], check_grads=not run.config.optimizer.fp16,
-            device=run.device or torch.device("cpu"))
+    nan_check = iteration is not None and run.config.training.check_for_nan_in_loss_and_grad
+    folded = nan_check and grad_norm_covers_gradients(run.config.optimizer)
+    if nan_check and not folded:
+        _check_nan(run, iteration, result)
     run.timers("optimizer").start()
     # the optimizer's own timers add device syncs: only when they are written
     detail = run.timers if run.config.logging.log_timers_to_tensorboard else None
     update_successful, grad_norm, _ = run.optimizer.step(timers=detail)
     run.timers("optimizer").stop()
+    if folded and grad_norm is not None and not math.isfinite(grad_norm):
+        _check_nan(run, iteration, result)  # names the rank and the value, then raises
+        raise_nonfinite_grad_norm(iteration, grad_norm)
     if update_successful:
         run.scheduler.step(current_batch_size(run))
     return result, not update_successful, grad_norm, result.iteration_seconds
+
+
+def _check_nan(run: Run, iteration: int, result: Any) -> None:
+    """Every rank: the NaN/Inf check of its losses and (fp32/bf16) gradients (a collective)."""
+    check_loss_and_grad(
+        iteration, result.local_losses,
+        [(name, p) for stage in run.stages for name, p in stage_named_parameters(stage)
+         .items()], check_grads=not run.config.optimizer.fp16,
+        device=run.device or torch.device("cpu"))
 
 
 def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
@@ -211,6 +227,8 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     if not pending:
         return
     gathered = run.executor.gather([result for _, result in pending])
+    for stats, _ in pending:  # the iteration's timer events are complete by now
+        stats.resolve_timers()
     for (stats, _), figures in zip(pending, gathered or []):
         stats.losses = _average_losses(figures.losses)
         stats.busy_seconds = figures.busy_seconds_per_rank
@@ -246,7 +264,7 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
             if report is not None:
                 apply_rebuild(run, report, state.iteration)
         state.consumed_train_samples += batch_size
-        timers = run.timers.elapsed_all()
+        readings = run.timers.take_all()  # resolved at the logging iteration (no sync now)
         memory = None  # a collective: every rank, on the iterations TensorBoard is written
         if (log.log_memory_to_tensorboard and log.tensorboard_dir
                 and state.iteration % log.tensorboard_log_interval == 0):
@@ -255,8 +273,8 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
             iteration=state.iteration, consumed_samples=state.consumed_train_samples,
             batch_size=batch_size, losses={}, learning_rate=run.scheduler.get_lr(),
             loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
-            iteration_seconds=timers.get("interval-time", pipeline_seconds),
-            pipeline_seconds=pipeline_seconds, timers=timers, memory=memory), result))
+            iteration_seconds=pipeline_seconds, pipeline_seconds=pipeline_seconds,
+            timer_readings=readings, memory=memory), result))
         if state.iteration % log.log_interval == 0 or state.iteration == total:
             _report(run, pending)
         check_skipped(state.consecutive_skipped, training.max_consecutive_skipped_iterations,

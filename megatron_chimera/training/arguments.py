@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 
 from megatron_chimera.config import (
     GELU_VARIANTS,
+    NORMALIZATIONS,
+    POSITION_EMBEDDING_TYPES,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -85,8 +87,28 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-apex", action="store_true",
                    help="use torch-native kernels even when NVIDIA Apex is importable")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    _add_architecture_args(g)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
+    """Today's decoders (Megatron's flags and defaults): normalisation, SwiGLU, head sizes,
+    grouped-query attention, biases, position embeddings."""
+    g.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=None, dest="norm_epsilon")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -336,7 +358,7 @@ def _check_positive(args: argparse.Namespace) -> None:
                 "num_virtual_stages_per_pipeline_rank", "ddp_bucket_size",
                 "recompute_num_layers", "loss_scale_window", "hysteresis",
                 "tensorboard_log_interval", "lr_decay_iters", "lr_decay_samples",
-                "masking_max_ngram")
+                "masking_max_ngram", "kv_channels", "num_query_groups")
     for name in positive:
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -412,7 +434,27 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     use_apex = False if args.no_apex else None
     # The vocabulary is known only once the tokenizer is built (pretrain replaces it).
     return _pick(ModelConfig, args, params_dtype=params_dtype, use_apex=use_apex,
-                 vocab_size=args.vocab_size or ModelConfig.vocab_size)
+                 vocab_size=args.vocab_size or ModelConfig.vocab_size,
+                 num_query_groups=_query_groups(args), layernorm_epsilon=_norm_epsilon(args))
+
+
+def _query_groups(args: argparse.Namespace) -> int | None:
+    """``--num-query-groups`` (Megatron's default 1) with ``--group-query-attention``, else None
+    (one key/value head per attention head)."""
+    if not args.group_query_attention:
+        if args.num_query_groups is not None:
+            raise ConfigError("--num-query-groups requires --group-query-attention")
+        return None
+    return 1 if args.num_query_groups is None else args.num_query_groups
+
+
+def _norm_epsilon(args: argparse.Namespace) -> float:
+    """``--norm-epsilon`` (Megatron's current name) or ``--layernorm-epsilon`` (its older one)."""
+    if args.norm_epsilon is None:
+        return args.layernorm_epsilon
+    if args.layernorm_epsilon != ModelConfig.layernorm_epsilon:
+        raise ConfigError("give --norm-epsilon or --layernorm-epsilon, not both")
+    return args.norm_epsilon
 
 
 def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerConfig:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from .harness import spawn_world
-from .tp_cases import LLAMA_MODEL, TPCase, run_tp_cases
+from .tp_cases import LLAMA_MODEL, TPCase, run_checkpoint_round_trip, run_tp_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -34,3 +34,11 @@ def world_4() -> list[TPCase]:
 @pytest.mark.timeout(300)
 def test_llama_shaped_model_in_every_layout():
     spawn_world(run_tp_cases, 4, world_4(), timeout_s=280)
+
+
+@pytest.mark.timeout(300)
+def test_llama_checkpoint_round_trip_across_tensor_parallel_sizes(tmp_path):
+    """T=2 D=4 Chimera saves (strided gate+up shards joined into the full tensor), T=1 loads and
+    saves the same full tensors, T=2 gets its shards back."""
+    spawn_world(run_checkpoint_round_trip, 8, "gpt2", str(tmp_path), LLAMA_MODEL,
+                timeout_s=280)

@@ -425,16 +425,19 @@ def _assert_states_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
             raise AssertionError(f"{what}: {name} differs")
 
 
-def run_checkpoint_round_trip(rank: int, world_size: int, family: str, root: str) -> None:
+def run_checkpoint_round_trip(rank: int, world_size: int, family: str, root: str,
+                              model: tuple[tuple[str, Any], ...] = ()) -> None:
     """T=2 D=4 Chimera trains 2 steps (Adam) and saves; T=1 D=2 1F1B (W=4) loads it and saves
     again at once; T=2 D=4 Chimera loads that. The two checkpoints are bitwise the same full
     tensors (weights and Adam state), T=1 loads exactly the saved full tensors, and T=2 gets
-    back exactly the shards it saved."""
+    back exactly the shards it saved. ``model``: ModelConfig overrides (e.g. LLAMA_MODEL, whose
+    fused gate+up shards are strided)."""
     import os
 
-    config_case = TPCase(family, "chimera", 2, 4, 4, (("pipes", 2),), untied=family == "gpt2")
+    config_case = TPCase(family, "chimera", 2, 4, 4, (("pipes", 2),), untied=family == "gpt2",
+                         model=model)
     config = config_case.model_config()
-    one = TPCase(family, "1f1b", 1, 2, 4, untied=config_case.untied)
+    one = TPCase(family, "1f1b", 1, 2, 4, untied=config_case.untied, model=model)
     first, second = os.path.join(root, "t2"), os.path.join(root, "t1")
     t2 = _layout_run(config_case, config, 2, None, first)
     t1 = _layout_run(one, config, 0, first, second)

@@ -25,6 +25,10 @@ def model_flags(model: ModelConfig, seq_length: int | None = None) -> list[str]:
     if model.gelu != ModelConfig.gelu:
         flags += ["--gelu", model.gelu]
     flags += architecture_flags(model)
+    for flag, field in (("--hidden-dropout", "hidden_dropout"),
+                        ("--attention-dropout", "attention_dropout")):
+        if getattr(model, field) != getattr(ModelConfig, field):
+            flags += [flag, repr(getattr(model, field))]
     if model.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
     if not model.bert_binary_head:

@@ -45,7 +45,7 @@ from megatron_chimera.training.config_checks import build_schedule_for, validate
 from megatron_chimera.training.flag_catalog import apply_help, refused_flag_message
 
 __all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
-           "build_schedule_for"]
+           "build_schedule_for", "add_architecture_arguments", "architecture_fields"]
 
 PARTITION_METHODS = ("uniform", "parameters", "time")
 DEFAULT_PROFILE_ITERATIONS = 3  # the first is a warm-up, the other two are measured
@@ -87,12 +87,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-apex", action="store_true",
                    help="use torch-native kernels even when NVIDIA Apex is importable")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    _add_architecture_args(g)
+    add_architecture_arguments(g)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
 
-def _add_architecture_args(g: argparse._ArgumentGroup) -> None:
+def add_architecture_arguments(g: argparse._ActionsContainer) -> None:
     """Today's decoders (Megatron's flags and defaults): normalisation, SwiGLU, head sizes,
     grouped-query attention, biases, position embeddings."""
     g.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm")
@@ -435,7 +435,13 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     # The vocabulary is known only once the tokenizer is built (pretrain replaces it).
     return _pick(ModelConfig, args, params_dtype=params_dtype, use_apex=use_apex,
                  vocab_size=args.vocab_size or ModelConfig.vocab_size,
-                 num_query_groups=_query_groups(args), layernorm_epsilon=_norm_epsilon(args))
+                 **architecture_fields(args))
+
+
+def architecture_fields(args: argparse.Namespace) -> dict[str, object]:
+    """ModelConfig fields of :func:`add_architecture_arguments`' flags that are not read by
+    name: the query groups and the norm epsilon (either spelling)."""
+    return {"num_query_groups": _query_groups(args), "layernorm_epsilon": _norm_epsilon(args)}
 
 
 def _query_groups(args: argparse.Namespace) -> int | None:
@@ -450,9 +456,10 @@ def _query_groups(args: argparse.Namespace) -> int | None:
 
 def _norm_epsilon(args: argparse.Namespace) -> float:
     """``--norm-epsilon`` (Megatron's current name) or ``--layernorm-epsilon`` (its older one)."""
+    older = getattr(args, "layernorm_epsilon", ModelConfig.layernorm_epsilon)
     if args.norm_epsilon is None:
-        return args.layernorm_epsilon
-    if args.layernorm_epsilon != ModelConfig.layernorm_epsilon:
+        return older
+    if older != ModelConfig.layernorm_epsilon:
         raise ConfigError("give --norm-epsilon or --layernorm-epsilon, not both")
     return args.norm_epsilon
 

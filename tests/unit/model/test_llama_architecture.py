@@ -237,3 +237,63 @@ def test_half_precision_runs_close_to_fp32(dtype):
                    for p in model.parameters())
         losses[precision] = loss.item()
     assert abs(losses[dtype] - losses["fp32"]) < 2e-2 * losses["fp32"]
+
+
+def test_flop_count_equals_torch_flop_counter():
+    """model/flops.py's forward count of a Llama-shaped model (GQA's smaller K/V, SwiGLU's three
+    matrices, the untied head over the padded vocabulary) equals what torch's FLOP counter sees
+    in the unfused forward (every matmul)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_chimera.model.family import GPT2
+    from megatron_chimera.model.flops import stage_forward_flops
+
+    config = small_config(**LLAMA_FLAGS, kv_channels=16, masked_softmax_fusion=False)
+    model = GPTModel(config).eval()
+    ids = torch.randint(0, 64, (2, config.seq_length))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(ids, torch.arange(config.seq_length).expand(2, -1))
+    weights, attention = stage_forward_flops(config, GPT2, config.num_layers, True, 2)
+    assert weights + attention == counter.get_total_flops()
+
+
+@pytest.mark.parametrize("overrides", [LLAMA_FLAGS, {**LLAMA_FLAGS, "add_qkv_bias": True,
+                                                     "kv_channels": 16},
+                                       {**LLAMA_FLAGS, "normalization": "LayerNorm",
+                                        "add_bias_linear": True}])
+def test_parameter_count_equals_the_model(overrides):
+    from megatron_chimera.model.family import GPT2
+    from megatron_chimera.model.partition import count_parameters
+
+    config = small_config(**overrides)
+    assert count_parameters(config, GPT2) == sum(p.numel() for p in GPTModel(config).parameters())
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(masked_softmax_fusion=False), dict(masked_softmax_fusion=False, params_dtype="bf16"),
+    dict(masked_softmax_fusion=True, attention_dropout=0.0, params_dtype="bf16"),
+])
+def test_memory_estimates_match_measured_bytes(overrides):
+    """The memory model's per-stage figures for a Llama-shaped model (SwiGLU keeps gate and up;
+    no position table; RMSNorm) against the tensors autograd really saves (within 10 %, as for
+    GPT-2)."""
+    import functools
+
+    from megatron_chimera.model.family import GPT2
+    from megatron_chimera.model.memory import estimate_stage_memory
+    from tests.unit.model.test_partition import measured_activation_bytes, run_stage, small
+
+    config = small(**{**LLAMA_FLAGS, "ffn_hidden_size": 176, **overrides})
+    partition = [(0, 2), (2, 4)]
+    estimates = estimate_stage_memory(config, GPT2, partition, micro_batch_size=2,
+                                      device_type="cpu")
+    for stage in (0, 1):
+        module = build_gpt_stage(config, partition, stage)
+        estimate = estimates[stage]
+        assert estimate.param_bytes == sum(p.numel() * config.torch_dtype.itemsize
+                                           for p in module.parameters())
+        module.set_input_tensor(torch.randn(32, 2, 64, dtype=config.torch_dtype))
+        measured = measured_activation_bytes(
+            module, functools.partial(run_stage, module, GPT2, stage == 0))
+        assert abs(estimate.activation_bytes / measured - 1) < 0.10, (stage, measured,
+                                                                       estimate.activation_bytes)

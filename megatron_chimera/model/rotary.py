@@ -72,6 +72,7 @@ class RotaryEmbedding:
 
     def __init__(self, config: ModelConfig) -> None:
         self.inv_freq = inverse_frequencies(config)
+        self.max_positions = max(config.max_positions, config.seq_length)
         self._tables: dict[torch.device, RotaryTables] = {}
 
     def _table(self, length: int, device: torch.device) -> RotaryTables:
@@ -90,9 +91,10 @@ class RotaryEmbedding:
         if position_ids is None:
             table = self._table(seq_length, device)
             return RotaryTables(table.cos[:seq_length], table.sin[:seq_length])
-        # the table grows to the longest sequence; positions never exceed it (they restart
-        # at each document under --reset-position-ids)
-        table = self._table(max(seq_length, position_ids.shape[-1]), device)
+        # gathered from a table of every position the model takes (no host sync on the ids):
+        # training positions stay below the sequence length, generation's below
+        # --max-position-embeddings
+        table = self._table(max(seq_length, self.max_positions), device)
         return RotaryTables(table.cos[position_ids].unsqueeze(1),
                             table.sin[position_ids].unsqueeze(1))
 

@@ -196,10 +196,10 @@ class ParallelAttention(nn.Module):
             sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
 
-    def _split_qkv(self, qkv: torch.Tensor, rotary: RotaryTables | None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[s, b, groups x (heads/g + 2) x d]`` -> query, key, value ``[b, heads, s, d]``
-        (keys and values repeated for each query head of their group), RoPE applied."""
+    def query_key_value_heads(self, qkv: torch.Tensor, rotary: RotaryTables | None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[s, b, groups x (heads/g + 2) x d]`` -> query ``[b, heads, s, d]``, key and value
+        ``[b, groups, s, d]`` (this rank's), RoPE applied to query and key."""
         s, b, _ = qkv.shape
         d, per_group = self.head_dim, self.heads_per_group
         qkv = qkv.view(s, b, self.num_groups, (per_group + 2) * d)
@@ -209,10 +209,15 @@ class ParallelAttention(nn.Module):
         if rotary is not None:
             query = apply_rotary_pos_emb(query, rotary)
             key = apply_rotary_pos_emb(key, rotary)
-        if per_group > 1:
-            key = key.repeat_interleave(per_group, dim=1)
-            value = value.repeat_interleave(per_group, dim=1)
         return query, key, value
+
+    def repeat_key_value(self, key: torch.Tensor, value: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[b, groups, t, d]`` repeated for each query head of their group."""
+        if self.heads_per_group == 1:
+            return key, value
+        return (key.repeat_interleave(self.heads_per_group, dim=1),
+                value.repeat_interleave(self.heads_per_group, dim=1))
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask,
                 rotary: RotaryTables | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -222,7 +227,8 @@ class ParallelAttention(nn.Module):
         ``--no-bias-dropout-fusion``, else None (already added)."""
         qkv, _ = self.query_key_value(hidden)
         s, b, _ = qkv.shape
-        query, key, value = self._split_qkv(qkv, rotary)
+        query, key, value = self.query_key_value_heads(qkv, rotary)
+        key, value = self.repeat_key_value(key, value)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             context = checkpoint(with_current_stream(self.core_attention), query, key, value,
                                  mask)

@@ -137,7 +137,8 @@ HELP: dict[str, str] = {
     "mock_data": "deterministic synthetic samples instead of --data-path",
     "data_impl": "indexed dataset implementation: mmap (Megatron's MMIDIDX, the only one)",
     "tokenizer_type": "Megatron tokenizer name",
-    "tokenizer_model": "SentencePiece model file",
+    "tokenizer_model": "SentencePiece model file, or HuggingFaceTokenizer's local directory "
+                       "(tokenizer.json, tokenizer_config.json; nothing is downloaded)",
     "vocab_file": "GPT-2 vocab.json or WordPiece vocab.txt",
     "merge_file": "GPT-2 merges.txt",
     "vocab_size": "vocabulary of the NullTokenizer / bare --mock-data",

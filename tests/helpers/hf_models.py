@@ -134,3 +134,34 @@ def llama_model(model_type: str = "llama", seed: int = 0, **overrides) -> object
     config._attn_implementation = "eager"
     model = getattr(transformers, LLAMA_FAMILY[model_type][1])(config)
     return perturb_(model, seed)
+
+
+def write_fast_tokenizer(folder: Path, vocab_size: int = 100) -> object:
+    """A ``transformers`` fast tokenizer (byte-level BPE trained on a tiny corpus, ``<s>`` as
+    BOS added to every text, ``</s>`` as EOS) saved with ``save_pretrained``; returns it."""
+    from tokenizers import ByteLevelBPETokenizer, processors
+
+    bpe = ByteLevelBPETokenizer()
+    corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
+    bpe.train_from_iterator(corpus * 4, vocab_size=vocab_size, min_frequency=1,
+                            special_tokens=["<s>", "</s>"], show_progress=False)
+    fast = bpe._tokenizer  # noqa: SLF001 - the tokenizers object transformers wraps
+    fast.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                        special_tokens=[("<s>", 0)])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<s>",
+                                                     eos_token="</s>")
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def save_llama(folder: Path, model_type: str = "llama", seed: int = 0, tokenizer: bool = True,
+               **overrides) -> object:
+    """Save a random ``*ForCausalLM`` of :func:`llama_model` (and a fast tokenizer) to
+    ``folder``; return it reloaded with eager attention."""
+    model = llama_model(model_type, seed, **overrides)
+    model.save_pretrained(folder)
+    if tokenizer:
+        write_fast_tokenizer(folder, model.config.vocab_size)
+    cls = getattr(transformers, LLAMA_FAMILY[model_type][1])
+    return cls.from_pretrained(folder, attn_implementation="eager").eval()

@@ -335,7 +335,8 @@ def test_cli_llama_8b_on_64_gpus_prints_a_command_with_the_architecture_flags(ca
     for flag in ("--normalization RMSNorm", "--swiglu", "--group-query-attention "
                  "--num-query-groups 8", "--disable-bias-linear", "--position-embedding-type rope",
                  "--rotary-base 500000", "--use-rope-scaling", "--ffn-hidden-size 14336",
-                 "--untie-embeddings-and-output-weights", "--hidden-dropout 0.0"):
+                 "--untie-embeddings-and-output-weights", "--hidden-dropout 0.0",
+                 "--tokenizer-type HuggingFaceTokenizer --tokenizer-model $TOKENIZER_DIR"):
         assert flag in command, flag
     words = command.split()
     argv = words[words.index("pretrain_gpt2.py") + 1:words.index("--data-path")]

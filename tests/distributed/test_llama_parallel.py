@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 
 from .harness import spawn_world
-from .tp_cases import LLAMA_MODEL, TPCase, run_checkpoint_round_trip, run_tp_cases
+from .tp_cases import (
+    LLAMA_MODEL,
+    TPCase,
+    run_checkpoint_round_trip,
+    run_recompute_replays_tensor_parallel_dropout,
+    run_tp_cases,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -42,3 +48,11 @@ def test_llama_checkpoint_round_trip_across_tensor_parallel_sizes(tmp_path):
     saves the same full tensors, T=2 gets its shards back."""
     spawn_world(run_checkpoint_round_trip, 8, "gpt2", str(tmp_path), LLAMA_MODEL,
                 timeout_s=280)
+
+
+@pytest.mark.timeout(200)
+def test_llama_recomputation_replays_keyed_dropout():
+    """With dropout (attention probabilities of the grouped heads, sequence-parallel residuals),
+    executor, full and selective recomputation give the stored run's weights bitwise."""
+    spawn_world(run_recompute_replays_tensor_parallel_dropout, 4, "gpt2", LLAMA_MODEL,
+                timeout_s=180)

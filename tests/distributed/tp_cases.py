@@ -323,12 +323,13 @@ def _train_with_dropout(case: TPCase, schedule, recompute: bool,
     return [p.detach().clone() for s in sorted(modules) for p in modules[s].parameters()]
 
 
-def run_recompute_replays_tensor_parallel_dropout(rank: int, world_size: int,
-                                                  family: str) -> None:
+def run_recompute_replays_tensor_parallel_dropout(rank: int, world_size: int, family: str,
+                                                  model: tuple[tuple[str, Any], ...] = ()
+                                                  ) -> None:
     """Dropout inside and outside tensor-parallel regions (sequence parallel): recomputing the
     stage (the executor) or the layers (``--recompute-granularity full``) replays both random
     streams, so the weights equal the stored-activation run bitwise."""
-    case = TPCase(family, "chimera", 2, 2, 4, sequence_parallel=True)
+    case = TPCase(family, "chimera", 2, 2, 4, sequence_parallel=True, model=model)
     schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches)
     _init_groups(case, schedule)
     try:

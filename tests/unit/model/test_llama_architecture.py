@@ -297,3 +297,19 @@ def test_memory_estimates_match_measured_bytes(overrides):
             module, functools.partial(run_stage, module, GPT2, stage == 0))
         assert abs(estimate.activation_bytes / measured - 1) < 0.10, (stage, measured,
                                                                        estimate.activation_bytes)
+
+
+def test_fused_and_unfused_paths_agree():
+    """SDPA vs the unfused softmax (grouped heads, RoPE), and the output biases left to the
+    unfused bias-dropout-add (every linear with a bias): same logits within fp32 rounding."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(6))
+    positions = torch.arange(16).expand(2, 16)
+    outputs = []
+    for overrides in (dict(), dict(masked_softmax_fusion=False, bias_dropout_fusion=False)):
+        config = small_config(**{**LLAMA_FLAGS, "add_bias_linear": True}, **overrides)
+        model = GPTModel(config, seed=2).eval()
+        with torch.no_grad():
+            for p in model.parameters():  # non-zero biases
+                p.add_(0.05)
+            outputs.append(model(ids, positions))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)

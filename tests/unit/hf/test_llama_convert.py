@@ -104,3 +104,22 @@ def test_unsupported_rope_scaling_refused(tmp_path):
                rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(HFError, match="rope_scaling type 'linear'"):
         import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+
+
+def test_training_flags_must_match_the_imported_architecture(imported):
+    import dataclasses
+
+    from megatron_chimera.checkpoint.saved_args import check_model_matches_checkpoint
+    from megatron_chimera.config import ConfigError
+
+    _, _, result, root = imported
+    good = result.model_config
+    check_model_matches_checkpoint(str(root / "ckpt"), good)
+    for change, flag in ((dict(num_query_groups=None), "--num-query-groups"),
+                         (dict(swiglu=False), "--swiglu"),
+                         (dict(normalization="LayerNorm"), "--normalization"),
+                         (dict(position_embedding_type="learned_absolute"),
+                          "--position-embedding-type"),
+                         (dict(rotary_base=12345), "--rotary-base")):
+        with pytest.raises(ConfigError, match=flag):
+            check_model_matches_checkpoint(str(root / "ckpt"), dataclasses.replace(good, **change))

@@ -123,3 +123,16 @@ def test_training_flags_must_match_the_imported_architecture(imported):
                          (dict(rotary_base=12345), "--rotary-base")):
         with pytest.raises(ConfigError, match=flag):
             check_model_matches_checkpoint(str(root / "ckpt"), dataclasses.replace(good, **change))
+
+
+def test_export_refuses_a_model_transformers_has_no_architecture_for():
+    from megatron_chimera.config import ModelConfig
+    from megatron_chimera.hf import gpt2
+
+    odd = ModelConfig(normalization="RMSNorm")  # learned positions with RMSNorm: neither family
+    with pytest.raises(HFError, match="neither GPT-2-shaped"):
+        gpt2.state_to_hf({}, odd)
+    with pytest.raises(HFError, match="not LlamaForCausalLM-shaped"):
+        from megatron_chimera.hf import llama
+
+        llama.hf_config_dict(ModelConfig(position_embedding_type="rope"), "llama", None)

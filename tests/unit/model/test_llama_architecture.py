@@ -317,11 +317,13 @@ def test_fused_and_unfused_paths_agree():
 
 def test_no_position_embedding_type_none():
     """``--position-embedding-type none``: no table, no rotation; only the causal mask orders the
-    tokens, so swapping two earlier tokens leaves a later one's logits unchanged."""
-    model = GPTModel(small_config(position_embedding_type="none")).eval()
+    tokens: in one layer, swapping two earlier tokens leaves a later one's logits unchanged
+    (its attention sees the same set of keys)."""
+    model = GPTModel(small_config(position_embedding_type="none", num_layers=1)).eval()
     assert model.language_model.embedding.position_embeddings is None
     assert model.language_model.encoder.rotary is None
     ids = torch.tensor([[3, 4, 5, 6]])
     swapped = torch.tensor([[4, 3, 5, 6]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids, None)[:, 3], model(swapped, None)[:, 3])
+        assert not torch.allclose(model(ids, None)[:, 1], model(swapped, None)[:, 1])

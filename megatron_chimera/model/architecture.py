@@ -22,6 +22,11 @@ def check_architecture(config: ModelConfig) -> None:
                           f"got {config.position_embedding_type!r}")
     _check_heads(config)
     _check_rotary(config)
+    if config.swiglu:
+        for flag, unused in (("--gelu", config.gelu != ModelConfig.gelu),
+                             ("--no-bias-gelu-fusion", not config.bias_gelu_fusion)):
+            if unused:
+                raise ConfigError(f"{flag} has no effect with --swiglu (the MLP has no GeLU)")
 
 
 def _check_heads(config: ModelConfig) -> None:

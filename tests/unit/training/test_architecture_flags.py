@@ -66,6 +66,8 @@ def _canonical(model):
     (["--norm-epsilon", "1e-6", "--layernorm-epsilon", "1e-6"], "not both"),
     (["--kv-channels", "0"], "--kv-channels must be positive"),
     (["--rotary-interleaved"], "--rotary-interleaved is not supported"),
+    (["--swiglu", "--gelu", "erf"], "--gelu has no effect with --swiglu"),
+    (["--swiglu", "--no-bias-gelu-fusion"], "--no-bias-gelu-fusion has no effect"),
 ])
 def test_refused_combinations(flags, message):
     with pytest.raises(ConfigError, match=message):

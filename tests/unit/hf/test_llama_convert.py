@@ -136,3 +136,24 @@ def test_export_refuses_a_model_transformers_has_no_architecture_for():
         from megatron_chimera.hf import llama
 
         llama.hf_config_dict(ModelConfig(position_embedding_type="rope"), "llama", None)
+
+
+def test_perplexity_equals_transformers(imported):
+    """tools/evaluate.py's sliding-window perplexity of the imported model equals transformers'
+    per-token negative log-likelihoods (each token with the context its window gives it)."""
+    import torch.nn.functional as F
+
+    from megatron_chimera.inference.evaluation import perplexity, sliding_windows
+
+    _, hf, _, root = imported
+    model = load_model(str(root / "ckpt")).model
+    stream = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(3)).tolist()
+    result = perplexity(model, stream, 8, 3, batch_size=2)
+    expected = 0.0
+    for win in sliding_windows(len(stream), 8, 3):
+        for t in range(win.first_target, win.end):
+            with torch.no_grad():
+                logits = hf(input_ids=torch.tensor([stream[win.begin:t]])).logits[0, -1]
+            expected -= float(F.log_softmax(logits.double(), -1)[stream[t]])
+    assert result["tokens_scored"] == 29
+    assert abs(result["nll_sum"] - expected) <= 1e-4 * 29

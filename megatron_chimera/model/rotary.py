@@ -26,8 +26,8 @@ LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
 
 
 class RotaryTables(NamedTuple):
-    """cos and sin of the rotation angles, ``[s, rot]`` (shared by the batch) or ``[b, 1, s, rot]``
-    (per-sample positions), fp32; they broadcast against ``[b, heads, s, head_dim]``."""
+    """cos and sin of the rotation angles (computed in fp32), ``[s, rot]`` (shared by the batch) or
+    ``[b, 1, s, rot]`` (per-sample positions); they broadcast against ``[b, heads, s, head_dim]``."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -86,17 +86,19 @@ class RotaryEmbedding:
         return table
 
     def tables(self, seq_length: int, position_ids: torch.Tensor | None,
-               device: torch.device) -> RotaryTables:
-        """The tables for positions ``0..seq_length-1``, or for ``position_ids`` ``[b, s]``."""
+               device: torch.device, dtype: torch.dtype = torch.float32) -> RotaryTables:
+        """The tables for positions ``0..seq_length-1``, or for ``position_ids`` ``[b, s]``, in
+        ``dtype`` (the activations': cast once per micro-batch, not per layer)."""
         if position_ids is None:
             table = self._table(seq_length, device)
-            return RotaryTables(table.cos[:seq_length], table.sin[:seq_length])
+            return RotaryTables(table.cos[:seq_length].to(dtype),
+                                table.sin[:seq_length].to(dtype))
         # gathered from a table of every position the model takes (no host sync on the ids):
         # training positions stay below the sequence length, generation's below
         # --max-position-embeddings
         table = self._table(max(seq_length, self.max_positions), device)
-        return RotaryTables(table.cos[position_ids].unsqueeze(1),
-                            table.sin[position_ids].unsqueeze(1))
+        return RotaryTables(table.cos[position_ids].unsqueeze(1).to(dtype),
+                            table.sin[position_ids].unsqueeze(1).to(dtype))
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:

@@ -359,7 +359,7 @@ class ParallelTransformer(nn.Module):
             return None
         seq = hidden.shape[0] * (parallel_state.get_tensor_model_parallel_world_size()
                                  if self.sequence_parallel else 1)
-        return self.rotary.tables(seq, position_ids, hidden.device)
+        return self.rotary.tables(seq, position_ids, hidden.device, hidden.dtype)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:

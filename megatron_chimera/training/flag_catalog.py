@@ -183,7 +183,7 @@ FAMILY: dict[str, str] = {
     "swiglu": "gpt2", "num_query_groups": "gpt2", "add_bias_linear": "gpt2",
     "add_qkv_bias": "gpt2", "position_embedding_type": "gpt2", "rotary_base": "gpt2",
     "rotary_percent": "gpt2", "use_rope_scaling": "gpt2", "rope_scaling_factor": "gpt2",
-    "normalization": "gpt2", "kv_channels": "gpt2", "group_query_attention": "gpt2",
+    "normalization": "gpt2", "kv_channels": "gpt2",
     "mask_prob": "bert", "short_seq_prob": "bert", "whole_word_masking": "bert",
     "masking_max_ngram": "bert", "bert_binary_head": "bert",
 }

@@ -21,8 +21,8 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --p
 # GeLU in BERT's LM head (Megatron-LM's default); "tanh" = tanh approximation everywhere (Megatron's
 # --openai-gelu, Hugging Face's gelu_new); "erf" = exact erf GeLU everywhere (Hugging Face's gelu).
 GELU_VARIANTS = ("megatron", "tanh", "erf")
-
-
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")  # --normalization (Megatron's spelling)
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")  # --position-embedding-type
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,55 @@ class ModelConfig:
     # the input-gradient all-reduce of column-parallel layers overlapped with their weight
     # gradient (--no-async-tensor-model-parallel-allreduce turns it off)
     async_tensor_model_parallel_allreduce: bool = True
+    # today's decoders (Megatron's flags): normalisation, gated MLP, attention and positions
+    normalization: str = "LayerNorm"  # one of NORMALIZATIONS
+    swiglu: bool = False  # MLP: silu(x W_gate) * (x W_up) from one fused [gate; up] projection
+    kv_channels: int | None = None  # head dimension (default hidden / heads)
+    num_query_groups: int | None = None  # grouped-query attention's K/V heads (None: one per head)
+    add_bias_linear: bool = True  # --disable-bias-linear turns every transformer bias off
+    add_qkv_bias: bool = False  # the QKV bias even with --disable-bias-linear (Qwen2)
+    position_embedding_type: str = "learned_absolute"  # one of POSITION_EMBEDDING_TYPES
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0  # fraction of the head dimension RoPE rotates
+    use_rope_scaling: bool = False  # Llama-3's frequency scaling (--rope-scaling-factor)
+    rope_scaling_factor: float = 8.0
 
     @property
     def ffn_size(self) -> int:
-        """Hidden size of the MLP (``--ffn-hidden-size``, default 4h)."""
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """Hidden size of the MLP (``--ffn-hidden-size``; default 4h, or with ``--swiglu``
+        Megatron's 2/3 of it rounded down to a multiple of 64)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head (``--kv-channels``, default hidden / heads)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``--num-query-groups`` with grouped-query attention, else one per
+        attention head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Output features of the fused QKV projection: the query heads plus a key and a value
+        head per query group."""
+        return (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether the QKV projection has a bias (``add_bias_linear`` or ``--add-qkv-bias``)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def learned_positions(self) -> bool:
+        """Whether the model holds learned absolute position embeddings."""
+        return self.position_embedding_type == "learned_absolute"
 
     @property
     def max_positions(self) -> int:

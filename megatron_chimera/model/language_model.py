@@ -80,16 +80,20 @@ def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_para
 
 
 class Embedding(nn.Module):
-    """Word + learned position (+ token type) embeddings and dropout; output ``[s, b, h]``."""
+    """Word + learned position (+ token type) embeddings and dropout; output ``[s, b, h]``. With
+    ``--position-embedding-type rope`` or ``none`` there are no position embeddings (RoPE acts
+    in the attention)."""
 
     def __init__(self, config: ModelConfig, num_tokentypes: int, seed: int) -> None:
         super().__init__()
         std, dtype = config.init_method_std, config.torch_dtype
         self.word_embeddings = word_embeddings(config, seed)
-        self.position_embeddings = skip_init(nn.Embedding, config.max_positions,
-                                             config.hidden_size, dtype=dtype)
-        init_normal_(self.position_embeddings.weight, std,
-                     make_generator(seed, POSITION_EMBEDDINGS_KEY))
+        self.position_embeddings = None
+        if config.learned_positions:
+            self.position_embeddings = skip_init(nn.Embedding, config.max_positions,
+                                                 config.hidden_size, dtype=dtype)
+            init_normal_(self.position_embeddings.weight, std,
+                         make_generator(seed, POSITION_EMBEDDINGS_KEY))
         self.tokentype_embeddings = None
         if num_tokentypes > 0:
             self.tokentype_embeddings = skip_init(nn.Embedding, num_tokentypes,
@@ -103,11 +107,13 @@ class Embedding(nn.Module):
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, s]`` token ids -> ``[s, b, h]`` embeddings (``[s/T, b, h]``, this rank's chunk
         of the sequence, under sequence parallelism)."""
-        if input_ids.shape[1] > self.position_embeddings.num_embeddings:
-            raise ValueError(
-                f"sequence length {input_ids.shape[1]} exceeds --max-position-embeddings "
-                f"{self.position_embeddings.num_embeddings}")
-        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        embeddings = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            if input_ids.shape[1] > self.position_embeddings.num_embeddings:
+                raise ValueError(
+                    f"sequence length {input_ids.shape[1]} exceeds --max-position-embeddings "
+                    f"{self.position_embeddings.num_embeddings}")
+            embeddings = embeddings + self.position_embeddings(position_ids)
         if self.tokentype_embeddings is not None:
             if tokentype_ids is None:
                 raise ValueError("this model has token-type embeddings: pass tokentype_ids")
@@ -174,7 +180,8 @@ class TransformerLanguageModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
                 mask: AttentionMask,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states ``[s, b, h]`` after this stage's layers (and the final layer norm)."""
+        """Hidden states ``[s, b, h]`` after this stage's layers (and the final layer norm);
+        ``position_ids`` also place the rotary embedding of every stage (None: ``0..s-1``)."""
         if self.pre_process:
             seed_site(current_stream(), EMBEDDING_SITE)
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)
@@ -182,7 +189,7 @@ class TransformerLanguageModel(nn.Module):
             if self.input_tensor is None:
                 raise RuntimeError("non-first stage: call set_input_tensor() before forward()")
             hidden = self.input_tensor
-        return self.encoder(hidden, mask)
+        return self.encoder(hidden, mask, position_ids)
 
 
 class MegatronModule(nn.Module):

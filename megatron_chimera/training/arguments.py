@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from megatron_chimera.checkpoint.saved_args import read_common, saved_run_flags
 from megatron_chimera.config import (
     GELU_VARIANTS,
+    NORMALIZATIONS,
+    POSITION_EMBEDDING_TYPES,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -45,7 +47,7 @@ from megatron_chimera.training.config_checks import build_schedule_for, validate
 from megatron_chimera.training.flag_catalog import apply_help, refused_flag_message
 
 __all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
-           "build_schedule_for"]
+           "build_schedule_for", "add_architecture_arguments", "architecture_fields"]
 
 PARTITION_METHODS = ("uniform", "parameters", "time")
 DEFAULT_PROFILE_ITERATIONS = 3  # the first is a warm-up, the other two are measured
@@ -87,8 +89,28 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-apex", action="store_true",
                    help="use torch-native kernels even when NVIDIA Apex is importable")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    add_architecture_arguments(g)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def add_architecture_arguments(g: argparse._ActionsContainer) -> None:
+    """Today's decoders (Megatron's flags and defaults): normalisation, SwiGLU, head sizes,
+    grouped-query attention, biases, position embeddings."""
+    g.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=None, dest="norm_epsilon")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -423,7 +445,7 @@ def _check_positive(args: argparse.Namespace) -> None:
                 "num_virtual_stages_per_pipeline_rank", "ddp_bucket_size",
                 "recompute_num_layers", "loss_scale_window", "hysteresis",
                 "tensorboard_log_interval", "lr_decay_iters", "lr_decay_samples",
-                "masking_max_ngram")
+                "masking_max_ngram", "kv_channels", "num_query_groups")
     for name in positive:
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -500,7 +522,34 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     use_apex = False if args.no_apex else None
     # The vocabulary is known only once the tokenizer is built (pretrain replaces it).
     return _pick(ModelConfig, args, params_dtype=params_dtype, use_apex=use_apex,
-                 vocab_size=args.vocab_size or ModelConfig.vocab_size)
+                 vocab_size=args.vocab_size or ModelConfig.vocab_size,
+                 **architecture_fields(args))
+
+
+def architecture_fields(args: argparse.Namespace) -> dict[str, object]:
+    """ModelConfig fields of :func:`add_architecture_arguments`' flags that are not read by
+    name: the query groups and the norm epsilon (either spelling)."""
+    return {"num_query_groups": _query_groups(args), "layernorm_epsilon": _norm_epsilon(args)}
+
+
+def _query_groups(args: argparse.Namespace) -> int | None:
+    """``--num-query-groups`` (Megatron's default 1) with ``--group-query-attention``, else None
+    (one key/value head per attention head)."""
+    if not args.group_query_attention:
+        if args.num_query_groups is not None:
+            raise ConfigError("--num-query-groups requires --group-query-attention")
+        return None
+    return 1 if args.num_query_groups is None else args.num_query_groups
+
+
+def _norm_epsilon(args: argparse.Namespace) -> float:
+    """``--norm-epsilon`` (Megatron's current name) or ``--layernorm-epsilon`` (its older one)."""
+    older = getattr(args, "layernorm_epsilon", ModelConfig.layernorm_epsilon)
+    if args.norm_epsilon is None:
+        return older
+    if older != ModelConfig.layernorm_epsilon:
+        raise ConfigError("give --norm-epsilon or --layernorm-epsilon, not both")
+    return args.norm_epsilon
 
 
 def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerConfig:

@@ -22,6 +22,7 @@ from megatron_chimera.config import (
 )
 from megatron_chimera.data.dataset_utils import SPLIT_NAMES, parse_data_paths, parse_split
 from megatron_chimera.data.tokenizers import check_tokenizer_args
+from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_schedule
@@ -113,16 +114,12 @@ def validate(config: TrainConfig, world_size: int) -> Schedule:
 
 
 def _validate_model(model: ModelConfig) -> None:
-    if model.seq_length > model.max_positions:
+    if model.learned_positions and model.seq_length > model.max_positions:
         raise ConfigError(
             f"--seq-length {model.seq_length} exceeds --max-position-embeddings "
             f"{model.max_position_embeddings}"
         )
-    if model.hidden_size % model.num_attention_heads:
-        raise ConfigError(
-            f"--hidden-size {model.hidden_size} is not divisible by --num-attention-heads "
-            f"{model.num_attention_heads}"
-        )
+    check_architecture(model)
     granularity, method = model.recompute_granularity, model.recompute_method
     if granularity == "full" and method is None:
         raise ConfigError("--recompute-granularity full requires --recompute-method")

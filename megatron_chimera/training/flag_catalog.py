@@ -20,7 +20,8 @@ HELP: dict[str, str] = {
     # network size / model
     "num_layers": "number of transformer layers",
     "hidden_size": "transformer hidden size h",
-    "ffn_hidden_size": "MLP hidden size (default 4h)",
+    "ffn_hidden_size": "MLP hidden size (default 4h; with --swiglu 8h/3 rounded down to a "
+                       "multiple of 64)",
     "num_attention_heads": "attention heads (h must be divisible by them)",
     "seq_length": "tokens per sample",
     "max_position_embeddings": "learned position embeddings (default --seq-length)",
@@ -29,7 +30,26 @@ HELP: dict[str, str] = {
     "attention_dropout": "dropout on the attention probabilities",
     "init_method_std": "std of the normal weight initialisation (output layers scaled by "
                        "1/sqrt(2L))",
-    "layernorm_epsilon": "layer-norm epsilon",
+    "layernorm_epsilon": "epsilon of the layer norms (LayerNorm or RMSNorm; Megatron's older "
+                         "name of --norm-epsilon)",
+    "norm_epsilon": "epsilon of the layer norms (LayerNorm or RMSNorm; default 1e-5)",
+    "normalization": "the layer norms: LayerNorm or RMSNorm (weight only)",
+    "swiglu": "GPT: SwiGLU MLP, silu(x W_gate) * (x W_up) from one fused [gate; up] projection "
+              "(each tensor rank holds matching halves)",
+    "kv_channels": "channels per attention head (default hidden size / attention heads)",
+    "group_query_attention": "GPT: grouped-query attention (--num-query-groups key/value heads, "
+                             "divided over the tensor-parallel ranks)",
+    "num_query_groups": "GPT: key/value heads with --group-query-attention (default 1); must "
+                        "divide the attention heads, T must divide it",
+    "add_bias_linear": "GPT: no biases in the transformer's linear layers (QKV, dense, MLP)",
+    "add_qkv_bias": "GPT: a QKV bias even with --disable-bias-linear (Qwen2)",
+    "position_embedding_type": "GPT: learned_absolute (learned table), rope (rotary, in the "
+                               "attention; positions follow --reset-position-ids) or none",
+    "rotary_base": "RoPE: base of the rotation frequencies",
+    "rotary_percent": "RoPE: fraction of each head's channels rotated",
+    "use_rope_scaling": "RoPE: Llama 3.1's frequency scaling (low/high frequency factors 1 and "
+                        "4, original context 8192)",
+    "rope_scaling_factor": "RoPE: the factor of --use-rope-scaling",
     "untie_embeddings_and_output_weights": "GPT: separate output layer instead of the tied "
                                            "word embedding",
     "attention_softmax_in_fp32": "unfused attention: softmax in fp32 (the fused kernels "
@@ -134,7 +154,8 @@ HELP: dict[str, str] = {
     "mock_data": "deterministic synthetic samples instead of --data-path",
     "data_impl": "indexed dataset implementation: mmap (Megatron's MMIDIDX, the only one)",
     "tokenizer_type": "Megatron tokenizer name",
-    "tokenizer_model": "SentencePiece model file",
+    "tokenizer_model": "SentencePiece model file, or HuggingFaceTokenizer's local directory "
+                       "(tokenizer.json, tokenizer_config.json; nothing is downloaded)",
     "vocab_file": "GPT-2 vocab.json or WordPiece vocab.txt",
     "merge_file": "GPT-2 merges.txt",
     "vocab_size": "vocabulary of the NullTokenizer / bare --mock-data",
@@ -188,6 +209,10 @@ HELP: dict[str, str] = {
 FAMILY: dict[str, str] = {
     "reset_position_ids": "gpt2", "reset_attention_mask": "gpt2", "eod_mask_loss": "gpt2",
     "document_attention": "gpt2", "untie_embeddings_and_output_weights": "gpt2",
+    "swiglu": "gpt2", "num_query_groups": "gpt2", "add_bias_linear": "gpt2",
+    "add_qkv_bias": "gpt2", "position_embedding_type": "gpt2", "rotary_base": "gpt2",
+    "rotary_percent": "gpt2", "use_rope_scaling": "gpt2", "rope_scaling_factor": "gpt2",
+    "normalization": "gpt2", "kv_channels": "gpt2",
     "mask_prob": "bert", "short_seq_prob": "bert", "whole_word_masking": "bert",
     "masking_max_ngram": "bert", "bert_binary_head": "bert",
 }
@@ -196,6 +221,8 @@ FAMILY: dict[str, str] = {
 CONSUMED_WHILE_PARSING: dict[str, str] = {
     "accumulate_allreduce_grads_in_fp32": "`ddp.grad_reduce_in_fp32` (also set by --bf16)",
     "ddp_bucket_size": "`ddp.bucket_size`",
+    "group_query_attention": "`model.num_query_groups` (None without it)",
+    "norm_epsilon": "`model.layernorm_epsilon`",
     "no_apex": "`model.use_apex`, `optimizer.use_apex` = False",
     "lr_decay_iters": "`optimizer.lr_decay_samples` = iterations x global batch",
     "lr_warmup_iters": "`optimizer.lr_warmup_samples` = iterations x global batch",
@@ -223,7 +250,7 @@ ALWAYS_ON: dict[str, str] = {
 }
 
 _ENC_DEC = "encoder-decoder (T5) models only; this framework pretrains GPT-2 and BERT"
-_ARCH = "GPT-2/BERT architecture only (learned absolute positions, pre-LN LayerNorm, GeLU MLP)"
+_ARCH = "pre-norm transformers only (GeLU or SwiGLU MLP, LayerNorm or RMSNorm)"
 _TE = "no Transformer Engine / FP8: the local implementation is the only one"
 
 # Megatron-LM GPT/BERT pretraining flags (23.06's network-size, regularization, training,
@@ -233,13 +260,14 @@ REFUSED: dict[str, str] = {
     "--encoder-num-layers": _ENC_DEC, "--decoder-num-layers": _ENC_DEC,
     "--encoder-seq-length": _ENC_DEC, "--decoder-seq-length": _ENC_DEC,
     "--pipeline-model-parallel-split-rank": _ENC_DEC, "--vocab-extra-ids": _ENC_DEC,
-    "--kv-channels": "the head dimension is always hidden size / attention heads",
-    "--use-rotary-position-embeddings": _ARCH, "--rotary-percent": _ARCH,
-    "--no-position-embedding": _ARCH, "--position-embedding-type": _ARCH,
+    "--use-rotary-position-embeddings": "older spelling: use --position-embedding-type rope",
+    "--no-position-embedding": "older spelling: use --position-embedding-type none",
     "--apply-layernorm-1p": _ARCH, "--apply-residual-connection-post-layernorm": _ARCH,
-    "--normalization": _ARCH, "--openai-gelu": _ARCH, "--squared-relu": _ARCH,
-    "--swiglu": _ARCH, "--disable-bias-linear": _ARCH,
-    "--group-query-attention": _ARCH, "--num-query-groups": _ARCH,
+    "--openai-gelu": "use --gelu tanh", "--squared-relu": _ARCH,
+    "--rotary-interleaved": "RoPE uses the rotate-half convention only (Megatron's and "
+                            "transformers' default)",
+    "--rotary-seq-len-interpolation-factor": "RoPE position interpolation is not implemented "
+                                             "(--use-rope-scaling is Llama 3.1's)",
     "--num-experts": "mixture of experts is not implemented",
     "--onnx-safe": "no ONNX export",
     "--embedding-weights-in-fp32": "embeddings are kept in the parameter dtype",
@@ -312,7 +340,9 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--onnx-safe", "--bert-no-binary-head", "--num-experts",
     "--untie-embeddings-and-output-weights", "--embedding-weights-in-fp32",
     "--position-embedding-type", "--normalization", "--group-query-attention",
-    "--num-query-groups",
+    "--num-query-groups", "--norm-epsilon", "--add-qkv-bias", "--rotary-base",
+    "--use-rope-scaling", "--rope-scaling-factor", "--rotary-interleaved",
+    "--rotary-seq-len-interpolation-factor",
     # logging
     "--log-params-norm", "--log-num-zeros-in-grad", "--timing-log-level",
     "--no-barrier-with-level-1-timing", "--timing-log-option", "--tensorboard-log-interval",

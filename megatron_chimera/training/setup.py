@@ -266,10 +266,13 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     rng_state = get_rng_state()  # seeded, or restored from the checkpoint
     executors = ExecutorFactory(config, stages, forward_step_func, grad_sync, optimizer, device)
     executor, eval_executor = executors(schedule)
-    # BERT's padding mask and GPT's document mask (--reset-attention-mask) reach every stage
+    # BERT's padding mask, GPT's document mask (--reset-attention-mask) and the per-document
+    # rotary positions (--reset-position-ids with RoPE) reach every stage
+    rotary_positions = (config.data.reset_position_ids
+                        and config.model.position_embedding_type == "rope")
     needed = needed_microbatches(schedule, parallel_state.get_pipeline_model_parallel_rank(),
                                  all_stages=family.every_stage_reads_batch
-                                 or config.data.reset_attention_mask)
+                                 or config.data.reset_attention_mask or rotary_positions)
     run = Run(config, family, schedule, partition, stages, optimizer, scheduler, executors,
               executor, eval_executor, build_monitor(config, family, schedule),
               Timers(config.logging.timing_log_level),

@@ -25,6 +25,7 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.config import GELU_VARIANTS, ConfigError, ModelConfig
+from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.document_attention import DocumentMask, document_attention
 from megatron_chimera.model.dropout_rng import (
     current_stream,
@@ -34,7 +35,6 @@ from megatron_chimera.model.dropout_rng import (
     seed_site,
     with_current_stream,
 )
-from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.fused import (
     FusedBackend,
     LayerNorm,

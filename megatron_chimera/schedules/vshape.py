@@ -72,9 +72,15 @@ def _check_sizes(name: str, num_ranks: int, num_microbatches: int, pipes: int) -
 
 def chunk_costs(costs: StageCosts | Sequence[float], num_stages: int) -> StageCosts:
     """Per-chunk costs: ``(F, B, W)`` (or one-stage costs) per L/D layers, halved for a chunk
-    (the p2p time kept); per-stage costs as given (one entry per chunk)."""
-    if isinstance(costs, StageCosts) and costs.num_stages == num_stages:
-        return split_costs(costs, num_stages)
+    (the p2p time kept); per-stage costs recut to the chunks (D stages: each halved; one entry
+    per chunk: as given)."""
+    if isinstance(costs, StageCosts) and costs.num_stages > 1:
+        try:
+            return costs.for_stages(num_stages)
+        except ValueError:
+            raise ValueError(f"--chimera-zb-costs: per-stage costs need {num_stages} entries "
+                             f"(one per chunk) or {num_stages // CHUNKS}, got "
+                             f"{costs.num_stages}") from None
     whole = split_costs(costs, num_stages)
     return replace(whole.scaled(STAGE_SIZE), p2p=whole.p2p)
 

@@ -141,7 +141,7 @@ def _v_split(name: str, placement: list[list[int]], num_microbatches: int,
         name=name, num_ranks=num_ranks, num_stages=num_stages, num_pipes=pipes,
         num_microbatches=num_microbatches, placement=placement, actions=result.actions,
         split_backward=True,
-        meta={"activation_cap": cap * STAGE_SIZE, "max_inflight": cap,
+        meta={"activation_cap": cap * STAGE_SIZE,
               "costs": meta_costs(stage_costs), "model_makespan": result.makespan,
               "lower_bound": bound, "priority": variant},
     )

@@ -125,7 +125,8 @@ def decide(split: Prediction, costs: StageCosts, policy: str | None = None,
         raise ValueError(f"--chimera-zb-fallback must be one of {POLICIES}, got {policy!r}")
     assert split.schedule is not None, "the split schedule must be built"
     sched = split.schedule
-    cap = sched.meta.get("activation_cap") or max(peak_activations(sched))
+    cap = (sched.meta.get("activation_cap") or sched.meta.get("max_inflight")
+           or max(peak_activations(sched)))
     candidates = []
     for name, options in alternatives or unsplit_alternatives(sched.num_pipes, sched.name):
         p = predict(name, options, sched.num_ranks, sched.num_microbatches, costs)

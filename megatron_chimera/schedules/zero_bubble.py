@@ -364,7 +364,6 @@ def chimera_zb(
         split_backward=True,
         meta={
             "max_inflight": cap,
-            "activation_cap": cap,
             "costs": meta_costs(stage_costs),
             "model_makespan": result.makespan,
             "lower_bound": bound,

@@ -165,6 +165,17 @@ class ScheduleSpec:
     max_search_ranks: int | None = None  # the autotuner skips larger D (slow generator)
     # its schedules split the backward into B (input gradient) and W (weight gradient)
     split_backward: bool = False
+    chunks: int = 1  # model chunks per rank per pipe (V-shaped: 2), D x chunks stages
+    fixed_pipes: int = 1  # pipes when no option says (BitPipe: 2)
+
+    def stages_per_rank(self, options: Any = None) -> int:
+        """Model stages per pipeline rank and pipe: the schedule has D x this many stages
+        (interleaved: its virtual pipeline size; V-shaped: 2; else 1)."""
+        return getattr(options, "virtual_pipeline_size", None) or self.chunks
+
+    def pipes(self, options: Any = None) -> int:
+        """Pipes of the schedule (``--chimera-pipes`` where it has the option)."""
+        return getattr(options, "pipes", None) or self.fixed_pipes
 
     def option_fields(self) -> tuple[Field, ...]:
         """The options dataclass's fields (each with its flag metadata)."""
@@ -259,16 +270,16 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                      summary="ZB-H1: 1F1B with delayed weight gradients", split_backward=True),
         ScheduleSpec("zbv", zbv, VShapeOptions,
                      summary="zero-bubble V: one V-shaped pipe, split backward, one weight copy",
-                     max_search_ranks=16, split_backward=True),
+                     max_search_ranks=16, split_backward=True, chunks=2),
         ScheduleSpec("v-half", v_half, VShapeOptions,
                      summary="V-Half: one V-shaped pipe at about half 1F1B's activations",
-                     max_search_ranks=16, split_backward=True),
+                     max_search_ranks=16, split_backward=True, chunks=2),
         ScheduleSpec("bitpipe", bitpipe,
                      summary="BitPipe: two opposite V-shaped pipes (4 half chunks per rank)",
-                     max_search_ranks=16),
+                     max_search_ranks=16, chunks=2, fixed_pipes=2),
         ScheduleSpec("bitpipe-zb", bitpipe_zb, VShapeOptions,
                      summary="BitPipe with a cost-aware B/W split (as Chimera-ZB)",
-                     max_search_ranks=16, split_backward=True),
+                     max_search_ranks=16, split_backward=True, chunks=2, fixed_pipes=2),
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)

@@ -174,3 +174,27 @@ def test_capped_at_5_and_orderings(table):
         for n in (8, 32):
             assert (rows[("bitpipe-zb", n, costs, 8.0)]["makespan"]
                     <= rows[("bitpipe", n, costs, 8.0)]["makespan"])
+
+
+@pytest.mark.parametrize("name", ["zbv", "bitpipe-zb"])
+def test_rebuild_from_measured_chunk_costs_and_never_slower(name):
+    """Measured per-chunk costs (one entry per stage of the V schedule) rebuild the order; the
+    decision never predicts a slower iteration than the running one, and unsplit schedules on
+    another placement are only reported."""
+    from megatron_chimera.schedules.rebuild import rebuild_for_costs
+
+    running = build_schedule(name, 4, 8)
+    skew = [1.0 + 0.5 * (s in (0, 7)) for s in range(8)]  # heavy first and last chunk
+    measured = StageCosts(tuple(0.5 * x for x in skew), tuple(0.75 * x for x in skew),
+                          tuple(0.25 * x for x in skew))
+    report = rebuild_for_costs(running, VShapeOptions(), measured)
+    validate(report.schedule)
+    assert report.schedule.placement == running.placement
+    assert report.decision.chosen.makespan <= report.before.makespan + 1e-9
+    for p in report.decision.alternatives:
+        if p.name == "bitpipe":  # BitPipe-ZB's unsplit alternative runs on the same placement
+            assert p.usable and p.makespan >= report.decision.chosen.makespan - 1e-9
+        else:
+            assert p.note, p.label  # 1F1B and Chimera: other placements
+    assert ("bitpipe" in [p.name for p in report.decision.alternatives]) == (name == "bitpipe-zb")
+    assert "predicted iteration" in report.line()

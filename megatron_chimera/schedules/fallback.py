@@ -14,9 +14,10 @@ the same :class:`~.costs.StageCosts` and picks the fastest, following the policy
 An alternative never needs more memory: one whose peak of live activations on a rank exceeds
 the split schedule's cap (``--pipeline-activation-cap`` / ``--chimera-max-inflight``, else the
 split order's own peak; in units of one micro-batch's activations on L/D layers) may not
-replace it (weight copies are not compared: ZB-H1 may fall back to Chimera's two). BitPipe-ZB also meets unsplit BitPipe. ``same_placement=True`` (a running job, whose process groups and stage modules are
-built for the split schedule's placement) also requires the same placement. Such alternatives
-are still predicted and reported, with the reason. Torch-free.
+replace it (weight copies are not compared: ZB-H1 may fall back to Chimera's two).
+BitPipe-ZB also meets unsplit BitPipe. ``same_placement=True`` (a running job, whose process
+groups and stage modules are built for the split schedule's placement) also requires the same
+placement. Such alternatives are still predicted and reported, with the reason. Torch-free.
 """
 
 from __future__ import annotations

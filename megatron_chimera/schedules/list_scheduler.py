@@ -320,7 +320,8 @@ class _ListScheduler:
 
     def run(self) -> ListResult:
         """Simulate until every action has run; raise :class:`CapDeadlock` if stuck."""
-        total = (3 if self.split_backward else 2) * self.num_stages * sum(len(m) for m in self.pipe_microbatches)
+        kinds = 3 if self.split_backward else 2
+        total = kinds * self.num_stages * sum(len(m) for m in self.pipe_microbatches)
         free_at = [0.0] * self.num_ranks
         started = 0
         order: list[list[Action]] = [[] for _ in range(self.num_ranks)]

@@ -406,7 +406,8 @@ def options_dict(options: Any) -> dict[str, Any]:
 
 __all__ = [
     "ScheduleSpec", "SCHEDULES", "SCHEDULE_NAMES", "NoOptions", "ChimeraOptions",
-    "ChimeraZBOptions", "ZBH1Options", "InterleavedOptions", "VShapeOptions", "FALLBACKS", "parse_costs",
+    "ChimeraZBOptions", "ZBH1Options", "InterleavedOptions", "VShapeOptions", "FALLBACKS",
+    "parse_costs",
     "get_spec", "build_schedule", "all_option_flags",
     "add_schedule_arguments", "schedule_name_from", "spec_and_options_from", "options_dict",
     "flag_dest", "option",

@@ -91,37 +91,37 @@ def zbv_order(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
     then (F0 while any is left, B0, W0, F1, B1, W1) until chunk 1 has caught up; then r times
     (B0, B1) with their W's held back, D-r times (B0, W0), and the held-back W's, chunk 1's
     first."""
-    d, n = num_ranks, num_microbatches
-    orders = []
-    for r in range(d):
-        stage = (r, 2 * d - 1 - r)
-        count = {(k, c): 0 for k in (FORWARD, BACKWARD, WEIGHT) for c in (0, 1)}
-        order: list[Action] = []
+    return [_zbv_rank_order(num_ranks, num_microbatches, r) for r in range(num_ranks)]
 
-        def run(*steps: tuple[str, int]) -> None:
-            for kind, c in steps:
-                order.append(Action(kind, 0, stage[c], count[(kind, c)]))
-                count[(kind, c)] += 1
 
-        for _ in range(2 * (d - r) - 1):
+def _zbv_rank_order(d: int, n: int, r: int) -> list[Action]:
+    stage = (r, 2 * d - 1 - r)
+    count = {(k, c): 0 for k in (FORWARD, BACKWARD, WEIGHT) for c in (0, 1)}
+    order: list[Action] = []
+
+    def run(*steps: tuple[str, int]) -> None:
+        for kind, c in steps:
+            order.append(Action(kind, 0, stage[c], count[(kind, c)]))
+            count[(kind, c)] += 1
+
+    for _ in range(2 * (d - r) - 1):
+        run((FORWARD, 0))
+    for _ in range(r):
+        run((FORWARD, 1), (FORWARD, 0))
+    for _ in range(d - r):
+        run((FORWARD, 1), (BACKWARD, 1), (WEIGHT, 1))
+    while count[(FORWARD, 1)] < count[(FORWARD, 0)] or count[(FORWARD, 0)] < n:
+        if count[(FORWARD, 0)] < n:
             run((FORWARD, 0))
-        for _ in range(r):
-            run((FORWARD, 1), (FORWARD, 0))
-        for _ in range(d - r):
-            run((FORWARD, 1), (BACKWARD, 1), (WEIGHT, 1))
-        while count[(FORWARD, 1)] < count[(FORWARD, 0)] or count[(FORWARD, 0)] < n:
-            if count[(FORWARD, 0)] < n:
-                run((FORWARD, 0))
-            run((BACKWARD, 0), (WEIGHT, 0), (FORWARD, 1), (BACKWARD, 1), (WEIGHT, 1))
-        for _ in range(r):
-            run((BACKWARD, 0), (BACKWARD, 1))
-        for _ in range(d - r):
-            run((BACKWARD, 0), (WEIGHT, 0))
-        for c in (1, 0):
-            while count[(WEIGHT, c)] < count[(BACKWARD, c)]:
-                run((WEIGHT, c))
-        orders.append(order)
-    return orders
+        run((BACKWARD, 0), (WEIGHT, 0), (FORWARD, 1), (BACKWARD, 1), (WEIGHT, 1))
+    for _ in range(r):
+        run((BACKWARD, 0), (BACKWARD, 1))
+    for _ in range(d - r):
+        run((BACKWARD, 0), (WEIGHT, 0))
+    for c in (1, 0):
+        while count[(WEIGHT, c)] < count[(BACKWARD, c)]:
+            run((WEIGHT, c))
+    return order
 
 
 def _v_split(name: str, placement: list[list[int]], num_microbatches: int,

@@ -1,14 +1,15 @@
 """The anchor table: every schedule at every memory budget, beside the anchors' published figures.
 
-D=8, N in {8, 32}, F:B:W in {1:1:1, 1:2:1, 1:1.5:0.5} (times of one micro-batch on L/D layers;
-a V chunk costs half), activation caps {8, 5} (units of one micro-batch's activations on L/D
-layers, a half-size chunk 0.5; 8 = 1F1B). Per cap, every split-backward schedule is built for the
-costs under that cap (``--pipeline-activation-cap``), and every unsplit one whose peak fits the
-cap is listed as it is. A row holds the simulated makespan (units of F), bubble ratio, peak
-activations, weight copies (units of L/D layers) and point-to-point messages per iteration (one
-message: one micro-batch's activation or gradient at a stage boundary; a V turn's local hand-off
-is none). ``p2p`` > 0 charges each message that time, in the generators' costs and in the
-simulation. ``anchor-*`` rows are the figures issue 30 quotes (the anchors' own schedulers run
+D=8, N in {8, 32}, F:B:W in {1:1:1, 1:2:1, 1:1.5:0.5} (times of one micro-batch on L/D layers; a V
+chunk costs half), activation caps {8, 5} (units of one micro-batch's activations on L/D layers, a
+half-size chunk 0.5; 8 = 1F1B). Per cap, every split-backward schedule is built for the costs under
+that cap (``--pipeline-activation-cap``), and every unsplit one whose peak fits the cap is listed as
+it is -- Chimera once per concatenation, backward halving included (2N half-size micro-batches: half
+the cost and half the activation each). A row holds the simulated makespan (units of F), bubble
+ratio, peak activations, weight copies (units of L/D layers) and point-to-point messages per
+iteration (one message: one micro-batch's activation or gradient at a stage boundary; a V turn's
+local hand-off is none). ``p2p`` > 0 charges each message that time, in the generators' costs and in
+the simulation. ``anchor-*`` rows are the figures issue 30 quotes (the anchors' own schedulers run
 in our simulator, p2p = 0). Torch-free.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.chimera import chimera_backward_halving
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.lowering import produced_message
 from megatron_chimera.schedules.registry import SCHEDULES, get_spec
@@ -62,16 +64,17 @@ def p2p_messages(schedule: Schedule) -> int:
 
 def _row(schedule: Schedule, name: str, label: str, num_microbatches: int,
          costs: Sequence[float], cap: float, p2p: float) -> dict[str, Any]:
-    f, b, w = costs
+    fraction = schedule.meta.get("microbatch_fraction", 1.0)  # backward halving: 0.5
+    f, b, w = (c * fraction for c in costs)
     stage_costs = StageCosts.uniform(f, b, w, schedule.num_ranks, p2p)
     model = stage_costs.for_stages(schedule.num_stages).cost_model(schedule.split_backward)
     result = simulate(schedule, model)
     return {"D": schedule.num_ranks, "N": num_microbatches, "costs": costs_label(costs),
             "cap": cap, "p2p": p2p, "schedule": label, "name": name,
             "makespan": result.makespan, "bubble": result.bubble_ratio,
-            "peak_activations": max(peak_activations(schedule)),
+            "peak_activations": max(peak_activations(schedule)) * fraction,
             "weight_copies": max(model_copies(schedule)),
-            "p2p_messages": p2p_messages(schedule)}
+            "p2p_messages": p2p_messages(schedule) * fraction}  # full-size ones
 
 
 def _variants(name: str, num_ranks: int, num_microbatches: int) -> Iterable[tuple[str, Any]]:
@@ -104,6 +107,15 @@ def rows_at(num_ranks: int, num_microbatches: int, costs: Sequence[float], cap: 
             row = _row(schedule, name, label, num_microbatches, costs, cap, p2p)
             if row["peak_activations"] <= cap + 1e-9:
                 rows.append(row)
+    if names is None or "chimera" in names:
+        try:
+            halving = chimera_backward_halving(num_ranks, num_microbatches)
+        except ValueError:
+            return rows
+        row = _row(halving, "chimera", "chimera/backward-halving", num_microbatches, costs, cap,
+                   p2p)
+        if row["peak_activations"] <= cap + 1e-9:
+            rows.append(row)
     return rows
 
 
@@ -165,5 +177,5 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
             any_row = next(iter(mine.values()))
             messages = any_row["p2p_messages"]
             out.append(f"  {label:<30}{''.join(cells)} | {any_row['peak_activations']:g} | "
-                       f"{any_row['weight_copies']:g} | {'—' if messages is None else messages}")
+                       f"{any_row['weight_copies']:g} | {'—' if messages is None else f'{messages:g}'}")
     return "\n".join(out).lstrip("\n")

@@ -170,6 +170,10 @@ def test_capped_at_5_and_orderings(table):
                                       ("zbv", "anchor-zbv", 8.0)):
                 assert rows[(mine, n, costs, cap)]["makespan"] == rows[(anchor, n, costs, cap)][
                     "makespan"], (mine, n, costs, cap)
+        # backward halving (the paper's third concatenation, half-size micro-batches) beats
+        # direct concatenation within 1F1B's memory
+        assert (rows[("chimera/backward-halving", 32, costs, 8.0)]["makespan"]
+                < rows[("chimera/direct", 32, costs, 8.0)]["makespan"])
         # the split orders never lose to the unsplit ones at the same memory
         for n in (8, 32):
             assert (rows[("bitpipe-zb", n, costs, 8.0)]["makespan"]

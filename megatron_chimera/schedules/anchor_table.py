@@ -176,6 +176,7 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
                     cells.append(f"{r['makespan']:g}{bubble}".rjust(14))
             any_row = next(iter(mine.values()))
             messages = any_row["p2p_messages"]
+            sent = "—" if messages is None else f"{messages:g}"
             out.append(f"  {label:<30}{''.join(cells)} | {any_row['peak_activations']:g} | "
-                       f"{any_row['weight_copies']:g} | {'—' if messages is None else f'{messages:g}'}")
+                       f"{any_row['weight_copies']:g} | {sent}")
     return "\n".join(out).lstrip("\n")

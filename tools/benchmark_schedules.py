@@ -23,7 +23,8 @@ a timeline on every rank and prints where the time between compute actions went:
 the receiver waited for, the receiver's wake-up, and the executor's local gaps
 (``megatron_chimera/pipeline/trace.py``).
 
-Chimera-ZB rows: ``chimera-zb`` is built for the emulated per-stage costs (known in advance),
+Split-backward rows (Chimera-ZB; alike ZB-H1, ZBV, V-Half, BitPipe-ZB): ``chimera-zb`` is built
+for the emulated per-stage costs (known in advance),
 ``chimera-zb:costs=unit`` for 1:1:1 (as training builds it before measuring), and
 ``chimera-zb:profile=K`` starts from the 1:1:1 order, times F/B/W per stage in K iterations with
 the executor's profiler, rebuilds the order for the measured costs (as training does) and then
@@ -98,8 +99,8 @@ from megatron_chimera.training.initialize import initialize_distributed
 DEFAULT_SCHEDULES = (
     "gpipe,1f1b,interleaved:virtual_pipeline_size=2,chimera,chimera:concat=direct,"
     "chimera:concat=forward-doubling,chimera:pipes=4,zb-h1,chimera-zb:costs=unit,"
-    "chimera-zb:profile=3,chimera-zb,chimera-zb:pipes=4,torch-1f1b,torch-interleaved,torch-zbv,"
-    "torch-dualpipev"
+    "chimera-zb:profile=3,chimera-zb,chimera-zb:pipes=4,zbv,v-half,bitpipe,bitpipe-zb:costs=unit,"
+    "bitpipe-zb:profile=3,bitpipe-zb,torch-1f1b,torch-interleaved,torch-zbv,torch-dualpipev"
 )
 SEQ, MICRO_BATCH, HIDDEN = 8, 2, 4
 

@@ -16,6 +16,13 @@ for measured costs (the true ones off by up to ``--measurement-noise``) and for 
 of ZB-H1, 1F1B and Chimera, the lower bound, and the schedule the framework would choose::
 
     python tools/compare_schedules.py -D 8 -N 32 --cost-grid --json grid.json
+
+``--anchor-table`` prints issue 30's table (``megatron_chimera/schedules/anchor_table.py``): D=8,
+N in {8, 32}, F:B:W in {1:1:1, 1:2:1, 1:1.5:0.5}, activation caps {8, 5}, every schedule (the
+split-backward ones built for each cost and cap), beside the anchors' published figures, once
+with free point-to-point messages and once at 0.1 F per message::
+
+    python tools/compare_schedules.py --anchor-table --json anchors.json
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import json
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.errors import ToolArgumentParser, run_tool
+from megatron_chimera.schedules.anchor_table import anchor_table, format_rows
 from megatron_chimera.schedules.cli import add_size_and_cost_arguments, check_costs, sizes
 from megatron_chimera.schedules.compare import compare, format_table
 from megatron_chimera.schedules.cost_grid import cost_grid, format_grid
@@ -68,6 +76,22 @@ def run_cost_grid(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return 0
 
 
+def run_anchor_table(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--anchor-table``: print (and write) the anchor table; only --json and --schedules."""
+    defaults = parser.parse_args([])
+    given = [k for k, v in vars(args).items()
+             if k not in ("anchor_table", "json", "schedules") and v != getattr(defaults, k)]
+    if given:
+        parser.error(f"--anchor-table sets the sizes, costs and caps itself; drop "
+                     f"{' '.join('--' + k.replace('_', '-') for k in given)}")
+    rows = anchor_table(names=args.schedules)
+    print(format_rows(rows))
+    if args.json:
+        atomic_write(args.json, lambda handle: json.dump(rows, handle, indent=1), mode="w")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, compare the schedules, print the table and optionally write JSON."""
     parser = ToolArgumentParser(description=__doc__.split("\n")[0])
@@ -85,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     grid.add_argument("--end-stage-factor", type=float, default=1.0,
                       help="--cost-grid: first and last stage cost this many times a middle one")
     grid.add_argument("--seed", type=int, default=0, help="--cost-grid: measurement error seed")
+    parser.add_argument("--anchor-table", action="store_true",
+                        help="print issue 30's table: D=8, N 8 and 32, three F:B:W, caps 8 and "
+                             "5, p2p 0 and 0.1 F, beside the anchors' published figures")
     args = parser.parse_args(argv)
+    if args.anchor_table:
+        return run_anchor_table(args, parser)
     if args.pipeline_schedule is not None or args.chimera_split_backward:
         parser.error("choose schedules with --schedules (every schedule is compared)")
     if args.cost_grid:

@@ -31,7 +31,7 @@ BACKWARD = "B"
 WEIGHT = "W"
 KINDS = (FORWARD, BACKWARD, WEIGHT)
 # generator metadata short enough for titles and log lines (the rest stays in ``meta``)
-DESCRIBED_META = ("concat", "virtual_pipeline_size", "max_inflight")
+DESCRIBED_META = ("concat", "virtual_pipeline_size", "max_inflight", "activation_cap")
 
 
 class _ActionFields(NamedTuple):

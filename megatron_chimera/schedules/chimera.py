@@ -44,9 +44,13 @@ N > D: ``k = N/D`` units, unit ``u`` holding local micro-batches ``[u*D/(2f), (u
   it is ``2N + D/f - 2`` (no intermediate bubbles), and no rank ever holds more than ``D``
   activations. Both figures are what the simulator measures; the tests pin them.
 
-Backward halving (paper §3.5) is not offered: it runs backwards on half-size micro-batches, so
-the data path would need two micro-batch sizes per iteration; its exact order is not published;
-and slot-merge already removes the junction bubbles it targets, within D x M_a memory.
+* ``backward-halving`` (paper §3.5; IR and simulator only, :func:`chimera_backward_halving`):
+  halve the micro-batch so that a backward costs what a forward does, and order the 2N half-size
+  micro-batches by forward doubling: a forward slot runs two half micro-batches (one full one's
+  forward), a backward slot one. Up to 2D half-size activations (D full ones) in flight. Not a
+  ``--chimera-concat`` choice: the data path has one micro-batch size per iteration, so training
+  would need ``--micro-batch-size`` halved, which changes the job; the anchor table
+  (:mod:`.anchor_table`) simulates it with half the costs and half the activation per micro-batch.
 """
 
 from __future__ import annotations
@@ -161,6 +165,19 @@ def _phase_orders(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
             order.append(Action(kind, pipe, stage, pipe * per_pipe + i))
         orders.append(order)
     return orders
+
+
+def chimera_backward_halving(num_ranks: int, num_microbatches: int) -> Schedule:
+    """Backward halving (module docstring): N micro-batches as 2N half-size ones in forward
+    doubling's order; ``meta["microbatch_fraction"] = 0.5`` tells the simulation's callers to
+    halve each action's cost and activation (N a positive multiple of D, two pipes)."""
+    check_chimera_ranks_and_pipes(num_ranks, 2, "Chimera")
+    if num_microbatches < num_ranks or num_microbatches % num_ranks:
+        raise ValueError(f"--num-microbatches must be a positive multiple of {num_ranks} for "
+                         f"Chimera with backward halving, got {num_microbatches}")
+    schedule = chimera(num_ranks, 2 * num_microbatches, 2, CONCAT_FORWARD_DOUBLING)
+    schedule.meta.update(concat="backward-halving", microbatch_fraction=0.5)
+    return schedule
 
 
 def chimera(

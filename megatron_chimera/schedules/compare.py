@@ -15,7 +15,7 @@ from typing import Any
 from megatron_chimera.schedules.actions import DESCRIBED_META
 from megatron_chimera.schedules.cli import cost_model, options_for, schedule_from_args, sizes
 from megatron_chimera.schedules.registry import SCHEDULE_NAMES, get_spec
-from megatron_chimera.schedules.simulate import simulate
+from megatron_chimera.schedules.simulate import model_copies, simulate
 from megatron_chimera.schedules.validate import validate
 
 
@@ -34,7 +34,8 @@ def compare(args: Any, names: Sequence[str] | None = None) -> list[dict[str, Any
     """Simulate every schedule variant; one dict per row.
 
     Peak in-flight activations are in units of M_a of one of D stages (an interleaved chunk
-    holds 1/v of a stage, so its count is divided by v).
+    holds 1/v of a stage, so its count is divided by v); weight copies likewise in units of one
+    of D stages (interleaved and ZBV 1, Chimera and BitPipe 2).
     """
     rows = []
     for name in names or SCHEDULE_NAMES:
@@ -58,7 +59,7 @@ def compare(args: Any, names: Sequence[str] | None = None) -> list[dict[str, Any
                 makespan=result.makespan,
                 bubble_ratio=result.bubble_ratio,
                 peak_inflight=[int(p) if float(p).is_integer() else p for p in peaks],
-                weight_copies=result.weight_copies,
+                weight_copies=[int(c) if c.is_integer() else c for c in model_copies(schedule)],
             )
             rows.append(row)
     return rows
@@ -70,7 +71,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
               "weight copies per rank")
     lines = [(r["schedule"], r["variant"], f"{r['makespan']:g}", f"{r['bubble_ratio']:.3f}",
               " ".join(f"{p:g}" for p in r["peak_inflight"]),
-              " ".join(map(str, r["weight_copies"])))
+              " ".join(f"{c:g}" for c in r["weight_copies"]))
              for r in rows if "error" not in r]
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
               for i, h in enumerate(header)]

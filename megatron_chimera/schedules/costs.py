@@ -103,6 +103,27 @@ class StageCosts:
         """Per-kind (``F``, ``B``, ``W``) per-stage times."""
         return {FORWARD: self.forward, BACKWARD: self.backward, WEIGHT: self.weight}
 
+    def for_stages(self, num_stages: int) -> StageCosts:
+        """The same model cut into ``num_stages`` equal stages: consecutive stages summed (a V
+        schedule's 2D chunks -> D stages) or each stage split evenly (D -> 2D chunks)."""
+        n = self.num_stages
+        if num_stages == n:
+            return self
+        if n % num_stages == 0:
+            k = n // num_stages
+
+            def regroup(values: tuple[float, ...]) -> tuple[float, ...]:
+                return tuple(sum(values[i * k:(i + 1) * k]) for i in range(num_stages))
+        elif num_stages % n == 0:
+            k = num_stages // n
+
+            def regroup(values: tuple[float, ...]) -> tuple[float, ...]:
+                return tuple(v / k for v in values for _ in range(k))
+        else:
+            raise ValueError(f"{FLAG}: costs of {n} stages cannot be cut into {num_stages}")
+        return StageCosts(regroup(self.forward), regroup(self.backward), regroup(self.weight),
+                          self.p2p)
+
     def is_uniform(self) -> bool:
         """Whether every stage has the same F, B and W."""
         return all(len(set(v)) == 1 for v in (self.forward, self.backward, self.weight))

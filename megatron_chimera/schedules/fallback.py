@@ -12,10 +12,12 @@ the same :class:`~.costs.StageCosts` and picks the fastest, following the policy
   is predicted faster, :class:`FallbackRefused` (a ValueError) says so with the figures.
 
 An alternative never needs more memory: one whose peak of live activations on a rank exceeds
-the split schedule's cap (``--chimera-max-inflight``, else the split order's own peak) may not
-replace it. ``same_placement=True`` (a running job, whose process groups and stage modules are
-built for the split schedule's placement) also requires the same placement. Such alternatives
-are still predicted and reported, with the reason. Torch-free.
+the split schedule's cap (``--pipeline-activation-cap`` / ``--chimera-max-inflight``, else the
+split order's own peak; in units of one micro-batch's activations on L/D layers) may not
+replace it (weight copies are not compared: ZB-H1 may fall back to Chimera's two).
+BitPipe-ZB also meets unsplit BitPipe. ``same_placement=True`` (a running job, whose process
+groups and stage modules are built for the split schedule's placement) also requires the same
+placement. Such alternatives are still predicted and reported, with the reason. Torch-free.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from megatron_chimera.errors import UserError
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import FALLBACKS, ChimeraOptions, NoOptions, get_spec
-from megatron_chimera.schedules.simulate import peak_inflight, simulate
+from megatron_chimera.schedules.simulate import peak_activations, simulate
 from megatron_chimera.schedules.validate import validate
 
 POLICIES = FALLBACKS  # the choices of --chimera-zb-fallback
@@ -82,10 +84,12 @@ class Decision:
         return " | ".join(one(p) for p in (self.split, *self.alternatives))
 
 
-def unsplit_alternatives(num_pipes: int) -> list[tuple[str, Any]]:
-    """1F1B and Chimera (its default concatenation) with ``num_pipes`` pipes (2 for one pipe)."""
+def unsplit_alternatives(num_pipes: int, name: str = "") -> list[tuple[str, Any]]:
+    """1F1B and Chimera (its default concatenation) with ``num_pipes`` pipes (2 for one pipe),
+    and BitPipe for BitPipe-ZB (``name``: the split schedule)."""
     pipes = num_pipes if num_pipes > 1 else 2
-    return [("1f1b", NoOptions()), ("chimera", ChimeraOptions(pipes=pipes))]
+    extra = [("bitpipe", NoOptions())] if name == "bitpipe-zb" else []
+    return [("1f1b", NoOptions()), ("chimera", ChimeraOptions(pipes=pipes))] + extra
 
 
 def predict(name: str, options: Any, num_ranks: int, num_microbatches: int,
@@ -103,8 +107,9 @@ def predict(name: str, options: Any, num_ranks: int, num_microbatches: int,
 
 def of_schedule(schedule: Schedule, costs: StageCosts, label: str | None = None,
                 name: str | None = None, options: Any = None) -> Prediction:
-    """A built schedule's simulated iteration time under ``costs``."""
-    makespan = simulate(schedule, costs.cost_model(schedule.split_backward)).makespan
+    """A built schedule's simulated iteration time under ``costs`` (recut to its stages)."""
+    stage_costs = costs.for_stages(schedule.num_stages)
+    makespan = simulate(schedule, stage_costs.cost_model(schedule.split_backward)).makespan
     return Prediction(label or schedule.name, name or schedule.name, options, schedule, makespan)
 
 
@@ -121,13 +126,14 @@ def decide(split: Prediction, costs: StageCosts, policy: str | None = None,
         raise ValueError(f"--chimera-zb-fallback must be one of {POLICIES}, got {policy!r}")
     assert split.schedule is not None, "the split schedule must be built"
     sched = split.schedule
-    cap = sched.meta.get("max_inflight") or max(peak_inflight(sched))
+    cap = (sched.meta.get("activation_cap") or sched.meta.get("max_inflight")
+           or max(peak_activations(sched)))
     candidates = []
-    for name, options in alternatives or unsplit_alternatives(sched.num_pipes):
+    for name, options in alternatives or unsplit_alternatives(sched.num_pipes, sched.name):
         p = predict(name, options, sched.num_ranks, sched.num_microbatches, costs)
         note = ""
-        if p.schedule is not None and max(peak_inflight(p.schedule)) > cap:
-            note = f"needs {max(peak_inflight(p.schedule))} live activations > {cap}"
+        if p.schedule is not None and max(peak_activations(p.schedule)) > cap + 1e-9:
+            note = f"needs {max(peak_activations(p.schedule)):g} live activations > {cap:g}"
         elif same_placement and p.schedule is not None and p.schedule.placement != sched.placement:
             note = "other placement: needs a restart"
         if note:

@@ -16,6 +16,9 @@ Dependencies are the schedules' one rule (:func:`~.actions.input_of`, walked for
 :func:`~.actions.consumers`). In addition every (pipe, stage) runs its forwards in micro-batch
 order, so point-to-point channels stay FIFO.
 An activation is in flight from the start of its F to the end of its W.
+
+``split_backward=False`` schedules an unsplit pipeline the same way (no W; B is the whole
+backward, costed as the costs' B, and releases the activation).
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class _ListScheduler:
         costs: StageCosts | Sequence[float],
         caps: Sequence[int],
         priority: Priority,
+        split_backward: bool = True,
     ) -> None:
         if priority.guard not in GUARDS:
             raise ValueError(f"unknown guard {priority.guard!r}; choose from {GUARDS}")
@@ -95,6 +99,8 @@ class _ListScheduler:
         self.costs = StageCosts.of(costs, self.num_stages)
         self.cost = self.costs.durations()  # kind -> per-stage time
         self.priority = priority
+        self.split_backward = split_backward
+        self.release = WEIGHT if split_backward else BACKWARD  # frees an activation
         # a guard that reads other ranks' state may unblock a forward when anything changes
         self.global_guard = priority.guard in ("safe", "reserve") or (
             priority.guard == "quota" and priority.quota_overbook != 0)
@@ -149,13 +155,13 @@ class _ListScheduler:
     def _finish(self, a: Action, t: float) -> None:
         rank = self.placement[a.pipe][a.stage]
         self.dirty.add(rank)
-        for nxt in consumers(a, self.num_stages, split_backward=True):
+        for nxt in consumers(a, self.num_stages, self.split_backward):
             if self.costs.p2p and self.placement[nxt.pipe][nxt.stage] != rank:
                 self._arrival_seq += 1
                 heapq.heappush(self.arrivals, (t + self.costs.p2p, self._arrival_seq, nxt))
             else:
                 self._arrive(nxt)
-        if a.kind != WEIGHT:
+        if a.kind != self.release:
             return
         self.live[rank] -= 1
         self.replica_live[(a.pipe, a.stage)] -= 1
@@ -314,7 +320,8 @@ class _ListScheduler:
 
     def run(self) -> ListResult:
         """Simulate until every action has run; raise :class:`CapDeadlock` if stuck."""
-        total = 3 * self.num_stages * sum(len(m) for m in self.pipe_microbatches)
+        kinds = 3 if self.split_backward else 2
+        total = kinds * self.num_stages * sum(len(m) for m in self.pipe_microbatches)
         free_at = [0.0] * self.num_ranks
         started = 0
         order: list[list[Action]] = [[] for _ in range(self.num_ranks)]
@@ -392,12 +399,15 @@ def list_schedule(
     costs: StageCosts | Sequence[float],
     caps: Sequence[int],
     priority: Priority,
+    split_backward: bool = True,
 ) -> ListResult:
     """Greedy non-delay list schedule of all F/B/W actions; raises :class:`CapDeadlock`.
 
     ``placement[pipe][stage] -> rank``; ``pipe_microbatches[pipe]`` lists the pipe's global
     micro-batch ids in injection order; ``costs`` are per-stage F, B, W times and the p2p
     message time (:class:`~.costs.StageCosts`) or (F, B, W) for every stage; ``caps[rank]``
-    bounds the activations alive on a rank at once.
+    bounds the activations alive on a rank at once. ``split_backward=False``: F and whole B
+    only (B costs the costs' B).
     """
-    return _ListScheduler(placement, pipe_microbatches, costs, caps, priority).run()
+    return _ListScheduler(placement, pipe_microbatches, costs, caps, priority,
+                          split_backward).run()

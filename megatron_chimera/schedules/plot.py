@@ -16,17 +16,18 @@ _TEXT_FILL = {FORWARD: "-", BACKWARD: "=", WEIGHT: "~"}
 
 
 def _lane(schedule: Schedule, pipe: int, stage: int) -> int:
-    """What a box's colour and label prefix tell apart: the pipe, or the model chunk when one
-    pipe has more stages than ranks (interleaved 1F1B)."""
-    if schedule.num_pipes == 1 and schedule.num_stages > schedule.num_ranks:
-        return stage // schedule.num_ranks
-    return pipe
+    """What a box's colour and label prefix tell apart: the pipe, the model chunk when a pipe
+    has more stages than ranks (interleaved 1F1B, a V pipe's way down and back up), or both
+    (BitPipe: pipe x chunks + chunk)."""
+    chunks = max(1, schedule.num_stages // schedule.num_ranks)
+    return pipe * chunks + stage // schedule.num_ranks
 
 
 def _lane_name(schedule: Schedule) -> str | None:
+    chunked = schedule.num_stages > schedule.num_ranks
     if schedule.num_pipes > 1:
-        return "pipe"
-    return "chunk" if schedule.num_stages > schedule.num_ranks else None
+        return "pipe-chunk" if chunked else "pipe"
+    return "chunk" if chunked else None
 
 
 def chart_title(schedule: Schedule, result: SimResult) -> str:

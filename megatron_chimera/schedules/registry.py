@@ -29,7 +29,8 @@ from megatron_chimera.schedules.costs import StageCosts, costs_text, parse_costs
 from megatron_chimera.schedules.gpipe import gpipe
 from megatron_chimera.schedules.interleaved import interleaved
 from megatron_chimera.schedules.one_f_one_b import one_f_one_b
-from megatron_chimera.schedules.zero_bubble import chimera_zb, zb_h1
+from megatron_chimera.schedules.vshape import bitpipe, bitpipe_zb, v_half, zbv
+from megatron_chimera.schedules.zero_bubble import CAP_FLAG, chimera_zb, zb_h1
 
 
 def option(default: Any, flag: str, help: str, *, parse: Callable[[str], Any] | None = None,
@@ -70,7 +71,8 @@ Costs = tuple[float, float, float] | StageCosts | None
 
 def _costs_option() -> Any:
     return option(
-        None, "--chimera-zb-costs", "split backward (chimera-zb, zb-h1): the F,B,W times the "
+        None, "--chimera-zb-costs", "split backward (chimera-zb, zb-h1, zbv, v-half, "
+        "bitpipe-zb): the F,B,W times the "
         "order is built for: F,B,W (every stage), F,B,W;F,B,W;... (per stage) or @file.json "
         "with per-stage lists (default: 1,1,1, then measured, see --profile-iterations)",
         parse=parse_costs)
@@ -82,6 +84,13 @@ def _fallback_option() -> Any:
         "the best unsplit schedule (1F1B, Chimera slot-merge) under the costs, 'unsplit' "
         "(default) runs that one instead; 'refuse' stops with the figures (Chimera-ZB forced)",
         choices=FALLBACKS, generator=False)
+
+
+def _cap_option() -> Any:
+    return option(
+        None, CAP_FLAG, "split backward: cap on live activations per rank, in units of one "
+        "micro-batch's activations on L/D layers (a half-size V chunk counts 0.5; default: the "
+        "schedule's own, D, or D/2+1 for v-half)", parse=float)
 
 
 @dataclass(frozen=True)
@@ -96,12 +105,25 @@ class ChimeraZBOptions:
         "(default D)", parse=int)
     costs: Costs = _costs_option()
     fallback: str | None = _fallback_option()
+    activation_cap: float | None = _cap_option()
 
 
 @dataclass(frozen=True)
 class ZBH1Options:
-    """ZB-H1: the costs its order is built for (none: the closed form) and the fallback policy."""
+    """ZB-H1: the costs its order is built for (none: the closed form), the fallback policy and
+    the activation cap."""
 
+    costs: Costs = _costs_option()
+    fallback: str | None = _fallback_option()
+    activation_cap: float | None = _cap_option()
+
+
+@dataclass(frozen=True)
+class VShapeOptions:
+    """ZBV, V-Half, BitPipe-ZB: the activation cap, the costs the order is built for and the
+    fallback policy."""
+
+    activation_cap: float | None = _cap_option()
     costs: Costs = _costs_option()
     fallback: str | None = _fallback_option()
 
@@ -143,6 +165,17 @@ class ScheduleSpec:
     max_search_ranks: int | None = None  # the autotuner skips larger D (slow generator)
     # its schedules split the backward into B (input gradient) and W (weight gradient)
     split_backward: bool = False
+    chunks: int = 1  # model chunks per rank per pipe (V-shaped: 2), D x chunks stages
+    fixed_pipes: int = 1  # pipes when no option says (BitPipe: 2)
+
+    def stages_per_rank(self, options: Any = None) -> int:
+        """Model stages per pipeline rank and pipe: the schedule has D x this many stages
+        (interleaved: its virtual pipeline size; V-shaped: 2; else 1)."""
+        return getattr(options, "virtual_pipeline_size", None) or self.chunks
+
+    def pipes(self, options: Any = None) -> int:
+        """Pipes of the schedule (``--chimera-pipes`` where it has the option)."""
+        return getattr(options, "pipes", None) or self.fixed_pipes
 
     def option_fields(self) -> tuple[Field, ...]:
         """The options dataclass's fields (each with its flag metadata)."""
@@ -215,7 +248,10 @@ class ScheduleSpec:
             if f.name in ("pipes", "costs") or not f.metadata["generator"]:
                 continue
             if value is not None and value != f.default:
-                parts.append(f"v{value}" if f.name == "virtual_pipeline_size" else str(value))
+                if f.name == "virtual_pipeline_size":
+                    parts.append(f"v{value}")
+                else:
+                    parts.append(f"cap{value:g}" if f.name == "activation_cap" else str(value))
         return "/".join(parts)
 
 
@@ -232,6 +268,18 @@ SCHEDULES: dict[str, ScheduleSpec] = {
                      max_search_ranks=16, split_backward=True),
         ScheduleSpec("zb-h1", zb_h1, ZBH1Options,
                      summary="ZB-H1: 1F1B with delayed weight gradients", split_backward=True),
+        ScheduleSpec("zbv", zbv, VShapeOptions,
+                     summary="zero-bubble V: one V-shaped pipe, split backward, one weight copy",
+                     max_search_ranks=16, split_backward=True, chunks=2),
+        ScheduleSpec("v-half", v_half, VShapeOptions,
+                     summary="V-Half: one V-shaped pipe at about half 1F1B's activations",
+                     max_search_ranks=16, split_backward=True, chunks=2),
+        ScheduleSpec("bitpipe", bitpipe,
+                     summary="BitPipe: two opposite V-shaped pipes (4 half chunks per rank)",
+                     max_search_ranks=16, chunks=2, fixed_pipes=2),
+        ScheduleSpec("bitpipe-zb", bitpipe_zb, VShapeOptions,
+                     summary="BitPipe with a cost-aware B/W split (as Chimera-ZB)",
+                     max_search_ranks=16, split_backward=True, chunks=2, fixed_pipes=2),
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
@@ -358,7 +406,8 @@ def options_dict(options: Any) -> dict[str, Any]:
 
 __all__ = [
     "ScheduleSpec", "SCHEDULES", "SCHEDULE_NAMES", "NoOptions", "ChimeraOptions",
-    "ChimeraZBOptions", "ZBH1Options", "InterleavedOptions", "FALLBACKS", "parse_costs",
+    "ChimeraZBOptions", "ZBH1Options", "InterleavedOptions", "VShapeOptions", "FALLBACKS",
+    "parse_costs",
     "get_spec", "build_schedule", "all_option_flags",
     "add_schedule_arguments", "schedule_name_from", "spec_and_options_from", "options_dict",
     "flag_dest", "option",

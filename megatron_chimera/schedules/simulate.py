@@ -160,6 +160,26 @@ def peak_inflight(schedule: Schedule, stage_bytes: Sequence[int] | None = None) 
     return peaks
 
 
+def stage_size(schedule: Schedule) -> float:
+    """A stage's layers in units of L/D (1; an interleaved or V chunk 1/v), assuming an even
+    partition: the unit of activation memory and weight copies."""
+    return schedule.num_ranks / schedule.num_stages
+
+
+def peak_activations(schedule: Schedule) -> list[float]:
+    """Per rank, the peak of live activations in units of one micro-batch's activations on L/D
+    layers (1F1B: D on its first rank; a half-size V chunk counts 0.5)."""
+    unit = stage_size(schedule)
+    return [p * unit for p in peak_inflight(schedule)]
+
+
+def model_copies(schedule: Schedule) -> list[float]:
+    """Per rank, the weights it holds in units of L/D layers (Chimera and BitPipe 2, 1F1B,
+    interleaved and ZBV 1)."""
+    unit = stage_size(schedule)
+    return [c * unit for c in schedule.weight_copies()]
+
+
 def _durations(schedule: Schedule, costs: CostModel) -> dict[str, list[float]]:
     n = schedule.num_stages
     fwd = costs.per_stage("forward_cost", n)

@@ -63,7 +63,25 @@ def _check_chimera_zb_sizes(num_ranks: int, num_microbatches: int, pipes: int) -
         )
 
 
-def _stage_costs(costs: StageCosts | Sequence[float], num_stages: int) -> StageCosts:
+CAP_FLAG = "--pipeline-activation-cap"
+
+
+def chunk_cap(activation_cap: float, stage_size: float, need: int) -> int:
+    """The cap on live activations per rank in the schedule's own stages: ``activation_cap``
+    is in units of one micro-batch's activations on L/D layers, a stage holds ``stage_size`` of
+    them (a half-size V chunk 0.5). ValueError naming the flag below ``need`` stages (what one
+    micro-batch keeps alive on a rank of its path)."""
+    if not activation_cap > 0:
+        raise ValueError(f"{CAP_FLAG} must be > 0, got {activation_cap}")
+    cap = int(activation_cap / stage_size + 1e-9)
+    if cap < need:
+        raise ValueError(f"{CAP_FLAG} must be at least {need * stage_size:g} (one micro-batch's "
+                         f"activations on a rank of its path), got {activation_cap:g}")
+    return cap
+
+
+def split_costs(costs: StageCosts | Sequence[float], num_stages: int) -> StageCosts:
+    """``costs`` as per-stage StageCosts (ValueError naming ``--chimera-zb-costs``)."""
     try:
         return StageCosts.of(costs, num_stages)
     except (TypeError, ValueError) as exc:
@@ -71,7 +89,7 @@ def _stage_costs(costs: StageCosts | Sequence[float], num_stages: int) -> StageC
                          f"times F,B,W or per-stage costs: {exc}") from None
 
 
-def _meta_costs(costs: StageCosts) -> list[float] | dict:
+def meta_costs(costs: StageCosts) -> list[float] | dict:
     """``schedule.meta["costs"]``: ``[F, B, W]`` for uniform costs without p2p, else the dict."""
     if costs.is_uniform() and not costs.p2p:
         return [costs.forward[0], costs.backward[0], costs.weight[0]]
@@ -93,7 +111,7 @@ def makespan_lower_bound(
     micro-batch's F-B chain through every stage plus its last W.
     """
     num_stages = len(placement[0])
-    c = _stage_costs(costs, num_stages)
+    c = split_costs(costs, num_stages)
     f, b, w, p2p = c.forward, c.backward, c.weight, c.p2p
     first_input = [float("inf")] * num_ranks
     tail = [float("inf")] * num_ranks
@@ -191,20 +209,30 @@ class _Search:
             self.best = (result, label)
 
     def seed(self, label: str, unsplit_order: list[list[Action]]) -> None:
-        """An unsplit order as a split one: W right after B, and W filling the waits."""
+        """An unsplit order as a split one: W right after B, and W filling the waits. A split
+        order (with W's) is also tried as given, then as the unsplit order of its F's and B's."""
         placement, _, costs = self.args
         if self.done:
             return
-        adjacent = split_adjacent(unsplit_order)
-        peaks = [peak_live(order) for order in adjacent]
-        if any(peak > cap for peak, cap in zip(peaks, self.caps)):
+        if any(a.kind == WEIGHT for actions in unsplit_order for a in actions):
+            self._offer_order(label, unsplit_order)
+            unsplit_order = [[a for a in actions if a.kind != WEIGHT] for actions in unsplit_order]
+        if not self._offer_order(label, split_adjacent(unsplit_order)):
             return  # W-fill only delays W's: it would need even more live activations
-        start = replay(adjacent, placement, costs)
-        durations = costs.durations()
-        makespan = max(t + durations[a.kind][a.stage] for a, t in start.items())
-        self.offer(ListResult(adjacent, start, makespan, peaks), f"seed:{label}")
         self.offer(fill_weights(unsplit_order, placement, costs, self.caps),
                    f"seed:{label}+W-fill")
+
+    def _offer_order(self, label: str, order: list[list[Action]]) -> bool:
+        """Offer a split order as it is (False, not offered, if it exceeds a cap)."""
+        placement, _, costs = self.args
+        peaks = [peak_live(actions) for actions in order]
+        if any(peak > cap for peak, cap in zip(peaks, self.caps)):
+            return False
+        start = replay(order, placement, costs)
+        durations = costs.durations()
+        makespan = max(t + durations[a.kind][a.stage] for a, t in start.items())
+        self.offer(ListResult(order, start, makespan, peaks), f"seed:{label}")
+        return True
 
     def evaluate(self, priority: Priority) -> float:
         """Makespan of ``priority`` (inf if it deadlocks, or if the search is over)."""
@@ -229,7 +257,7 @@ class _Search:
         return result.makespan
 
 
-def _best_order(
+def best_order(
     placement: list[list[int]],
     pipe_microbatches: list[list[int]],
     costs: StageCosts,
@@ -267,7 +295,7 @@ def _best_order(
 
 
 @contextlib.contextmanager
-def _no_cyclic_gc() -> Iterator[None]:
+def no_cyclic_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector: a search allocates millions of tuples (no cycles, so
     reference counting frees them) and the collector's passes over them cost ~40% at D=64."""
     enabled = gc.isenabled()
@@ -301,10 +329,12 @@ def chimera_zb(
     pipes: int = 2,
     max_inflight: int | None = None,
     costs: StageCosts | Sequence[float] = DEFAULT_COSTS,
+    activation_cap: float | None = None,
 ) -> Schedule:
     """Chimera with split backward: 2f bidirectional pipes whose W actions fill the bubbles.
 
-    At most ``max_inflight`` (default D) activations per rank are alive at once (F to W).
+    At most ``max_inflight`` (default D) activations per rank are alive at once (F to W), and
+    at most ``activation_cap`` (``--pipeline-activation-cap``) when given.
     ``costs`` are the per-stage F, B, W (and p2p) times the order is optimised for
     (:class:`~.costs.StageCosts`), or ``(F, B, W)`` for every stage.
     """
@@ -312,15 +342,17 @@ def chimera_zb(
     cap = num_ranks if max_inflight is None else max_inflight
     if cap < 1:
         raise ValueError(f"--chimera-max-inflight must be >= 1, got {cap}")
-    stage_costs = _stage_costs(costs, num_ranks)
+    if activation_cap is not None:
+        cap = min(cap, chunk_cap(activation_cap, 1.0, 1))
+    stage_costs = split_costs(costs, num_ranks)
     placement = chimera_placement(num_ranks, pipes)
     per_pipe = num_microbatches // pipes
     pipe_microbatches = [list(range(p * per_pipe, (p + 1) * per_pipe)) for p in range(pipes)]
     bound = makespan_lower_bound(placement, per_pipe, stage_costs, num_ranks)
-    with _no_cyclic_gc():
+    with no_cyclic_gc():
         seeds = _chimera_seeds(num_ranks, num_microbatches, pipes, cap)
-        result, variant = _best_order(placement, pipe_microbatches, stage_costs,
-                                      [cap] * num_ranks, bound, seeds)
+        result, variant = best_order(placement, pipe_microbatches, stage_costs,
+                                     [cap] * num_ranks, bound, seeds)
     return Schedule(
         name="chimera-zb",
         num_ranks=num_ranks,
@@ -332,7 +364,7 @@ def chimera_zb(
         split_backward=True,
         meta={
             "max_inflight": cap,
-            "costs": _meta_costs(stage_costs),
+            "costs": meta_costs(stage_costs),
             "model_makespan": result.makespan,
             "lower_bound": bound,
             "priority": variant,
@@ -368,34 +400,45 @@ def _zb_h1_order(num_ranks: int, num_microbatches: int) -> list[list[Action]]:
 
 
 def zb_h1(num_ranks: int, num_microbatches: int,
-          costs: StageCosts | Sequence[float] | None = None) -> Schedule:
+          costs: StageCosts | Sequence[float] | None = None,
+          activation_cap: float | None = None) -> Schedule:
     """ZB-H1: 1F1B with B/W split; rank i delays its W's by i steps to fill the cool-down.
 
     Rank i warms up with D-1-i forwards like 1F1B, then runs (F, B) pairs, adding a W after each
     pair once i B's are pending, then drains (B, W) and the remaining W's. With ``costs``
     (per-stage F, B, W and p2p, or ``(F, B, W)``) the list scheduler also orders the pipe under
     those costs with each rank's peak of live activations capped at the closed form's, and the
-    order with the shorter makespan under the costs is kept (the closed form on ties).
+    order with the shorter makespan under the costs is kept (the closed form on ties). With
+    ``activation_cap`` (``--pipeline-activation-cap``) the caps are at most that, and the closed
+    form competes only where it fits.
     """
     order = _zb_h1_order(num_ranks, num_microbatches)
     schedule = single_pipe("zb-h1", num_ranks, num_microbatches, order.__getitem__,
                            split_backward=True)
-    if costs is None:
-        return schedule
-    stage_costs = _stage_costs(costs, num_ranks)
-    placement = schedule.placement
     caps = [max(1, peak_live(actions)) for actions in order]
+    closed_fits = True
+    if activation_cap is not None:
+        limit = chunk_cap(activation_cap, 1.0, 1)
+        closed_fits = max(caps) <= limit
+        caps = [min(cap, limit) for cap in caps]
+        schedule.meta["activation_cap"] = limit
+    if costs is None and closed_fits:
+        return schedule
+    stage_costs = split_costs(DEFAULT_COSTS if costs is None else costs, num_ranks)
+    placement = schedule.placement
     bound = makespan_lower_bound(placement, num_microbatches, stage_costs, num_ranks)
-    start = replay(order, placement, stage_costs)
-    closed = max(t + stage_costs.durations()[a.kind][a.stage] for a, t in start.items())
-    schedule.meta.update(costs=_meta_costs(stage_costs), model_makespan=closed,
+    closed = float("inf")
+    if closed_fits:
+        start = replay(order, placement, stage_costs)
+        closed = max(t + stage_costs.durations()[a.kind][a.stage] for a, t in start.items())
+    schedule.meta.update(costs=meta_costs(stage_costs), model_makespan=closed,
                          lower_bound=bound, priority="closed-form")
     if closed <= bound + 1e-9:
         return schedule
-    with _no_cyclic_gc():
+    with no_cyclic_gc():
         seeds = [("1f1b", one_f_one_b(num_ranks, num_microbatches).actions)]
-        result, variant = _best_order(placement, [list(range(num_microbatches))], stage_costs,
-                                      caps, bound, seeds, SINGLE_PIPE_GUARDS)
+        result, variant = best_order(placement, [list(range(num_microbatches))], stage_costs,
+                                     caps, bound, seeds, SINGLE_PIPE_GUARDS)
     if result.makespan < closed - 1e-9:
         schedule.actions = result.actions
         schedule.meta.update(model_makespan=result.makespan, priority=variant)

@@ -101,8 +101,7 @@ class SearchSpace:
 def _variants(space: SearchSpace, spec: ScheduleSpec, D: int, N: int) -> Iterator[Any]:
     """The schedule's option sets (the registry's search values) that fit the model's layers."""
     for options in spec.variants(D, N, dict(space.option_values)):
-        virtual = getattr(options, "virtual_pipeline_size", 1)
-        if space.num_layers % (D * virtual) == 0:
+        if space.num_layers % (D * spec.stages_per_rank(options)) == 0:
             yield options
 
 

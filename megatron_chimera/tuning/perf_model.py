@@ -89,13 +89,13 @@ class TrainingLayout:
 
     @property
     def pipes(self) -> int:
-        """Pipes of the schedule (2f for Chimera, else 1)."""
-        return getattr(self.options, "pipes", 1)
+        """Pipes of the schedule (2f for Chimera, 2 for BitPipe, else 1)."""
+        return self.spec.pipes(self.options)
 
     @property
     def virtual(self) -> int:
-        """Model chunks per rank (interleaved), else 1."""
-        return getattr(self.options, "virtual_pipeline_size", 1)
+        """Model chunks per rank and pipe (interleaved: v; V-shaped: 2), else 1."""
+        return self.spec.stages_per_rank(self.options)
 
     @property
     def global_batch_size(self) -> int:
@@ -104,7 +104,7 @@ class TrainingLayout:
 
     @property
     def num_stages(self) -> int:
-        """Model stages: D, or D x v for the interleaved schedule."""
+        """Model stages: D, or D x v for the interleaved and V-shaped schedules."""
         return self.D * self.virtual
 
     def build_schedule(self) -> Schedule:

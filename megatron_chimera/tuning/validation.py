@@ -7,6 +7,7 @@ are compared with the measured medians (``tools/validate_perf_model.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 
@@ -44,15 +45,27 @@ def emulated_model(D: int, compute: EmulatedCompute, link: LinkProfile) -> Perfo
                             device_type="cpu")
 
 
-def layout_of_row(row: dict) -> TrainingLayout:
-    """The layout a benchmark row ran (W = 1, B = 1)."""
-    fields = {f.name for f in get_spec(row["schedule"]).option_fields()}
-    options = {k: v for k, v in (row.get("options") or {}).items() if k in fields}
+def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingLayout:
+    """The layout a benchmark row ran (W = 1, B = 1).
+
+    The row's ``costs`` option names what a split-backward order was built for: ``unit`` (the
+    generator's default 1,1,1), else (known, or rebuilt for the measured ones after
+    ``profile=K``) the emulated stage costs, which ``model`` supplies.
+    """
+    spec = get_spec(row["schedule"])
+    fields = {f.name for f in spec.option_fields()}
+    given = row.get("options") or {}
+    options = {k: v for k, v in given.items() if k in fields and k != "costs"}
     if "pipes" in fields and row.get("pipes"):
         options.setdefault("pipes", row["pipes"])
     if "concat" in fields and row.get("concat") in CONCAT_NAMES:  # the basic unit has none
         options.setdefault("concat", row["concat"])
-    return TrainingLayout.of(row["schedule"], row["D"], 1, 1, row["N"], **options)
+    layout = TrainingLayout.of(row["schedule"], row["D"], 1, 1, row["N"], **options)
+    if model is not None and spec.split_backward and given.get("costs") != "unit":
+        costs = dataclasses.replace(model.stage_costs(layout), p2p=0.0)
+        layout = dataclasses.replace(layout, options=dataclasses.replace(layout.options,
+                                                                         costs=costs))
+    return layout
 
 
 def compare(rows: list[dict], compute: EmulatedCompute, link: LinkProfile) -> list[dict]:
@@ -61,8 +74,9 @@ def compare(rows: list[dict], compute: EmulatedCompute, link: LinkProfile) -> li
     for row in rows:
         if row.get("measured_s") is None or row["schedule"].startswith("torch-"):
             continue
-        layout = layout_of_row(row)
-        predicted = emulated_model(layout.D, compute, link).predict(layout).iteration_s
+        model = emulated_model(row["D"], compute, link)
+        layout = layout_of_row(row, model)
+        predicted = model.predict(layout).iteration_s
         result.append({"layout": layout.describe(), "measured_s": row["measured_s"],
                        "predicted_s": predicted,
                        "relative_error": abs(predicted - row["measured_s"]) / row["measured_s"]})

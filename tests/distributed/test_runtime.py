@@ -76,6 +76,16 @@ WORLD_4 = [*common_cases(4), Case("chimera", 2, 4, DIRECT), Case("gpipe", 2, 3),
 WORLD_2 = [*common_cases(2)]
 
 
+# V-shaped pipelines (the turn a local hand-off): D=4 (W=1) and D=2 x W=2, each in one data-parallel
+# flag combination but the first
+WORLD_4_V = [
+    Case("zbv", 4, 8), Case("v-half", 4, 8, all_ddp_variants=False),
+    Case("bitpipe", 4, 8, all_ddp_variants=False), Case("bitpipe-zb", 4, 8, all_ddp_variants=False),
+    Case("bitpipe-zb", 2, 4), Case("zbv", 2, 3, all_ddp_variants=False),
+    Case("bitpipe", 2, 4, recompute=True, all_ddp_variants=False),
+]
+
+
 def _available(cases: list[Case]) -> list[Case]:
     return [c for c in cases if c.available()]
 
@@ -93,6 +103,13 @@ def test_exact_world_of_4():
     spawn_world(run_cases, 4, _available(WORLD_4), timeout_s=280)
 
 
+@pytest.mark.timeout(300)
+def test_exact_v_shaped_world_of_4():
+    """ZBV, V-Half, BitPipe, BitPipe-ZB at D=4 and D=2 x W=2 give the single-process losses
+    and weights."""
+    spawn_world(run_cases, 4, _available(WORLD_4_V), timeout_s=280)
+
+
 @pytest.mark.timeout(150)
 def test_exact_world_of_2():
     """D=2 (W=1)."""
@@ -101,7 +118,7 @@ def test_exact_world_of_2():
 
 def test_required_schedules_are_registered():
     """The exactness tests above cover every schedule and concatenation the runtime must run."""
-    missing = [c.name for c in WORLD_8 + WORLD_4 + WORLD_2 if not c.available()]
+    missing = [c.name for c in WORLD_8 + WORLD_4 + WORLD_2 + WORLD_4_V if not c.available()]
     assert not missing, f"schedules not available (their exactness is untested): {missing}"
     assert {"gpipe", "1f1b", "interleaved", "chimera", "chimera-zb", "zb-h1"} <= set(
         SCHEDULES

@@ -47,6 +47,18 @@ def world_8(family: str) -> list[TPCase]:
     ]
 
 
+def world_4_v(family: str) -> list[TPCase]:
+    """T=2 x D=2 on V-shaped chunks: ZBV, and BitPipe-ZB with sequence parallelism."""
+    return [TPCase(family, "zbv", 2, 2, 4),
+            TPCase(family, "bitpipe-zb", 2, 2, 4, sequence_parallel=True)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_parallel_v_shaped_world_of_4(family):
+    spawn_world(run_tp_cases, 4, world_4_v(family), timeout_s=280)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tensor_parallel_world_of_4(family):

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_chimera.schedules.registry import SPLIT_BACKWARD_SCHEDULES
+
 from .launcher import scalars, train
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
@@ -32,6 +34,8 @@ SCHEDULES = {
     "chimera": ["--pipeline-schedule", "chimera", "--chimera-pipes", "2"],
     "chimera-zb": ["--pipeline-schedule", "chimera-zb", "--chimera-pipes", "2"],
     "zb-h1": ["--pipeline-schedule", "zb-h1"],
+    "zbv": ["--pipeline-schedule", "zbv"],
+    "bitpipe-zb": ["--pipeline-schedule", "bitpipe-zb"],
 }
 
 
@@ -70,7 +74,7 @@ def test_resume_with_dropout_is_bitwise_exact(schedule, tmp_path):
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]
     assert not different, f"{schedule}: weights at iteration 6 differ: {different}"
-    if schedule in ("chimera-zb", "zb-h1"):  # profiled, rebuilt after 3; the resume reused it
+    if schedule in SPLIT_BACKWARD_SCHEDULES:  # profiled, rebuilt after 3; the resume reused it
         record = common_args(ckpt_a, 3)["profiled_stage_costs"]
         assert record["costs"]["F"] and common_args(ckpt_b, 6)["profiled_stage_costs"] == record
 
@@ -98,3 +102,17 @@ def test_dropout_agrees_across_layouts_and_resume_changes_layout(tmp_path):
         assert abs(straight[step] - one[step]) <= RTOL * abs(one[step]), (step, straight, one)
     for step in (4, 5, 6):
         assert abs(resumed[step] - one[step]) <= RTOL * abs(one[step]), (step, resumed, one)
+
+
+@pytest.mark.timeout(300)
+def test_resume_across_schedules_onto_v_shaped_chunks(tmp_path):
+    # A Chimera-ZB checkpoint (2 stages of 2 layers) resumed by BitPipe-ZB (4 half-size chunks of
+    # 1 layer, two opposite V pipes) continues the same curve up to float summation order.
+    flags = ["--pipeline-model-parallel-size", "2", *SCHEDULES["chimera-zb"]]
+    straight, resumed, _, _ = straight_then_resume(
+        tmp_path, 2, flags, resume_flags=["--pipeline-model-parallel-size", "2",
+                                          *SCHEDULES["bitpipe-zb"]])
+    assert sorted(resumed) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert abs(resumed[step] - straight[step]) <= RTOL * abs(straight[step]), (
+            step, straight, resumed)

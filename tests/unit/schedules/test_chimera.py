@@ -8,7 +8,7 @@ import pytest
 
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.chimera import CONCAT_NAMES, DEFAULT_CONCAT, chimera
-from megatron_chimera.schedules.simulate import CostModel, simulate
+from megatron_chimera.schedules.simulate import CostModel, peak_inflight, simulate
 from megatron_chimera.schedules.validate import validate
 from tests.helpers.schedules import with_weight_actions
 
@@ -226,3 +226,18 @@ def test_split_backward_puts_each_w_right_after_its_b():
     assert split_result.busy == plain_result.busy
     # the input gradient (B = 1) reaches the previous stage before the W runs
     assert split_result.makespan <= plain_result.makespan
+
+
+def test_backward_halving_is_forward_doubling_on_half_size_microbatches():
+    from megatron_chimera.schedules.chimera import chimera_backward_halving
+
+    sched = chimera_backward_halving(4, 8)
+    validate(sched)
+    assert sched.num_microbatches == 16 and sched.meta["microbatch_fraction"] == 0.5
+    assert sched.actions == chimera(4, 16, concat="forward-doubling").actions
+    # half-size micro-batches: at backward = 2 x forward a backward slot takes a forward's time
+    result = simulate(sched, CostModel(0.5, 1.0))
+    assert result.makespan < simulate(chimera(4, 8, concat="direct"), CostModel(1.0, 2.0)).makespan
+    assert max(peak_inflight(sched)) * 0.5 <= 4  # D full-size activations
+    with pytest.raises(ValueError, match="backward halving"):
+        chimera_backward_halving(4, 6)

@@ -29,7 +29,10 @@ CASES = [
     ("chimera", 4, 8, {"concat": "direct"}), ("chimera", 4, 8, {"concat": "forward-doubling"}),
     ("chimera", 8, 16, {}), ("chimera", 8, 16, {"pipes": 4}), ("chimera", 8, 32, {}),
     ("chimera-zb", 4, 8, {}), ("chimera-zb", 8, 16, {"pipes": 4}), ("chimera-zb", 8, 32, {}),
-    ("zb-h1", 4, 8, {}),
+    ("zb-h1", 4, 8, {}), ("zb-h1", 4, 8, {"activation_cap": 2}),
+    ("zbv", 4, 8, {}), ("zbv", 4, 3, {}), ("v-half", 4, 8, {}), ("v-half", 8, 16, {}),
+    ("bitpipe", 4, 8, {}), ("bitpipe", 2, 4, {}), ("bitpipe-zb", 4, 8, {}),
+    ("bitpipe-zb", 8, 16, {"activation_cap": 5}),
 ]
 
 

@@ -34,7 +34,8 @@ def test_every_schedule_builds_with_its_defaults_and_validates():
         schedule = spec.build(4, 8)
         validate(schedule)
         assert schedule.name == name
-        assert schedule.split_backward == (name in ("chimera-zb", "zb-h1"))
+        assert schedule.split_backward == (
+            name in ("chimera-zb", "zb-h1", "zbv", "v-half", "bitpipe-zb"))
 
 
 def test_flags_select_schedule_and_typed_options():

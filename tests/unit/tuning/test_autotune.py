@@ -348,3 +348,22 @@ def test_cli_llama_8b_on_64_gpus_prints_a_command_with_the_architecture_flags(ca
         want.num_query_groups, want.ffn_size, want.rotary_base, want.normalization)
     assert (got.swiglu, got.add_bias_linear, got.use_rope_scaling, got.hidden_dropout) == (
         want.swiglu, want.add_bias_linear, want.use_rope_scaling, want.hidden_dropout)
+
+
+def test_v_shaped_schedules_are_searched_with_their_chunks_and_weight_copies():
+    """ZBV and BitPipe-ZB cut the model into 2D chunks; BitPipe holds two weight copies per rank,
+    ZBV one, so under a memory limit between them only ZBV (and the single-copy 1F1B) fit."""
+    space = dataclasses.replace(hand_space(), schedules=("1f1b", "zbv", "bitpipe-zb"),
+                                option_values=())
+    layouts = [layout for layout in enumerate_layouts(space) if layout.D == 2]
+    assert {(layout.schedule, layout.num_stages, layout.pipes) for layout in layouts} == {
+        ("1f1b", 2, 1), ("zbv", 4, 1), ("bitpipe-zb", 4, 2)}
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    weights = {layout.schedule: max(m.weight_bytes for m in model.memory(layout))
+               for layout in layouts}
+    assert weights["bitpipe-zb"] > 1.5 * weights["zbv"]
+    limit = max(max(m.total_bytes for m in model.memory(layout)) for layout in layouts
+                if layout.schedule != "bitpipe-zb")
+    result = autotune(model, dataclasses.replace(space, num_gpus=2), memory_limit_bytes=limit)
+    assert {p.layout.schedule for p in result.ranked} == {"1f1b", "zbv"}
+    assert [layout.schedule for layout, _ in result.over_memory] == ["bitpipe-zb"]

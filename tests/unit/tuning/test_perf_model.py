@@ -199,6 +199,25 @@ def test_emulated_compute_prediction_is_the_simulator_with_the_benchmark_costs()
         assert predicted == pytest.approx(expected.makespan, rel=1e-12)
 
 
+@pytest.mark.parametrize("name", ["chimera-zb", "bitpipe-zb", "zbv"])
+def test_benchmark_rows_of_split_schedules_compare_without_crashing(name):
+    """``costs=unit`` rows are predicted with the order the generator builds for 1,1,1, the
+    others with the order built for the emulated costs (what the benchmark ran)."""
+    from megatron_chimera.tuning.validation import EmulatedCompute, compare
+
+    link = LinkProfile(0.0, math.inf)
+    compute = EmulatedCompute(0.02, 0.05, 0.01)  # F : B : W = 1 : 2 : 0.5
+    rows = [{"schedule": name, "D": 4, "N": 8, "options": {"costs": "unit"}, "measured_s": 1.0},
+            {"schedule": name, "D": 4, "N": 8, "options": {}, "measured_s": 1.0}]
+    unit, known = compare(rows, compute, link)
+    built = build_schedule(name, 4, 8)
+    chunk = 4 / built.num_stages  # a V chunk pays half of a rank's costs
+    model = CostModel(0.02 * chunk, 0.05 * chunk, 0.01 * chunk)
+    assert unit["predicted_s"] == pytest.approx(simulate(built, model).makespan, rel=1e-9)
+    for_costs = build_schedule(name, 4, 8, costs=(0.02, 0.04, 0.01))
+    assert known["predicted_s"] == pytest.approx(simulate(for_costs, model).makespan, rel=1e-9)
+
+
 def test_measured_compute_times_the_real_classes():
     from megatron_chimera.tuning.profile import MeasuredCompute
 

@@ -29,7 +29,7 @@ from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.dropout_rng import keyed_forward_step
 from megatron_chimera.model.family import ModelFamily
 from megatron_chimera.model.flops import training_flops
-from megatron_chimera.model.partition import partition_layers
+from megatron_chimera.model.stage_layout import stage_partition
 from megatron_chimera.optimizer import OptimizerParamScheduler, get_data_parallel_optimizer
 from megatron_chimera.pipeline.executor import (
     Gradients,
@@ -127,9 +127,10 @@ def build_stages(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     if config.training.partition_method == "time":
         partition = time_partition(config, family, schedule, device, rank == 0)
     else:
-        partition = partition_layers(config.model.num_layers, schedule.num_stages,
-                                     config.training.partition_method, config=config.model,
-                                     family=family)
+        partition = stage_partition(config.training.layer_split,
+                                    config.training.partition_method, config.model, family,
+                                    schedule.num_stages,
+                                    config.parallel.pipeline_model_parallel_size)
     last = schedule.num_stages - 1
     stages = []
     for stage in sorted(schedule.stages_of_rank(parallel_state.get_pipeline_model_parallel_rank())):

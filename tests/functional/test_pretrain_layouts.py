@@ -19,6 +19,9 @@ RTOL = 1e-5
 GPT_LAYOUTS = {
     "1f1b-D4": (4, ["--pipeline-model-parallel-size", "4"]),
     "chimera-D4": (4, ["--pipeline-model-parallel-size", "4", "--chimera-pipes", "2"]),
+    # uneven stages (3, 2, 2, 1 layers; the mirror pipe holds the same stages)
+    "chimera-D4-layout": (4, ["--pipeline-model-parallel-size", "4", "--chimera-pipes", "2",
+                              "--pipeline-model-parallel-layout", "Et*3|t*2|t*2|tL"]),
     "chimera-D4-W2": (8, ["--pipeline-model-parallel-size", "4", "--chimera-pipes", "2"]),
     "chimera-D8-4pipes": (8, ["--pipeline-model-parallel-size", "8", "--chimera-pipes", "4"]),
 }

@@ -29,7 +29,7 @@ from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.dropout_rng import keyed_forward_step
 from megatron_chimera.model.family import ModelFamily
 from megatron_chimera.model.flops import training_flops
-from megatron_chimera.model.stage_layout import stage_partition
+from megatron_chimera.model.stage_layout import format_layout, stage_partition
 from megatron_chimera.optimizer import OptimizerParamScheduler, get_data_parallel_optimizer
 from megatron_chimera.pipeline.executor import (
     Gradients,
@@ -131,6 +131,9 @@ def build_stages(config: TrainConfig, family: ModelFamily, schedule: Schedule,
                                     config.training.partition_method, config.model, family,
                                     schedule.num_stages,
                                     config.parallel.pipeline_model_parallel_size)
+    if rank == 0:
+        print(f" pipeline stages: {format_layout(partition)} (layers per stage "
+              f"{[end - start for start, end in partition]})", flush=True)
     last = schedule.num_stages - 1
     stages = []
     for stage in sorted(schedule.stages_of_rank(parallel_state.get_pipeline_model_parallel_rank())):

@@ -47,6 +47,9 @@ def test_gpt_layouts_match_one_process(layout, gpt_reference, layout_curves, tmp
     losses = layout_curves[layout] = scalars(tmp_path, "lm loss")
     assert_close(losses, gpt_reference, RTOL, layout)
     assert "bubble ratio predicted:" in result.stdout and "bubble ratio measured:" in result.stdout
+    if "--pipeline-model-parallel-layout" in flags:  # the stages were built as the layout says
+        layout = flags[flags.index("--pipeline-model-parallel-layout") + 1]
+        assert f"pipeline stages: {layout} (layers per stage [3, 2, 2, 1])" in result.stdout
     measured = scalars(tmp_path, "bubble-ratio")
     assert all(0.0 <= v < 1.0 for v in measured.values())
 

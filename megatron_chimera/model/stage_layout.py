@@ -31,6 +31,12 @@ _REPEAT_GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")
 _REPEAT_SYMBOL = re.compile(r"([EtLm|])\*(\d+)")
 
 
+def is_layout(text: str) -> bool:
+    """Whether ``text`` is a layout string (it names the embedding) rather than a
+    ``--partition-method`` name."""
+    return "E" in text
+
+
 def expand_layout(text: str) -> list[str]:
     """The stages of a layout string, each as its symbols (``"Et*2|tL"`` -> ``["Ett", "tL"]``);
     ConfigError naming the flag on a symbol or bracket it cannot read."""

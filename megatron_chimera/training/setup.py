@@ -231,13 +231,18 @@ class ExecutorFactory:
                                  transport=transport))
 
 
-def build_monitor(config: TrainConfig, family: ModelFamily, schedule: Schedule
-                  ) -> TrainingMonitor:
+def build_monitor(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+                  partition: list[tuple[int, int]]) -> TrainingMonitor:
     """The log lines and TensorBoard writer, on the logging rank (the last: where the executor
-    gathers losses and busy times)."""
+    gathers losses and busy times). With uneven stages asked for (a layout, first/last layers)
+    the predicted bubble costs each stage by its layers."""
     world_size = dist.get_world_size()
     flops = training_flops(config.model, family, config.training.global_batch_size)
-    predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
+    predicted = None
+    if config.logging.log_bubble_ratio:
+        layers = [float(end - start) for start, end in partition]
+        predicted = (predicted_bubble_ratio(schedule, layers, [2 * n for n in layers])
+                     if config.training.layer_split.given else predicted_bubble_ratio(schedule))
     return TrainingMonitor.create(config, flops, world_size, predicted,
                                   enabled=dist.get_rank() == world_size - 1)
 
@@ -262,7 +267,8 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
                                  all_stages=family.every_stage_reads_batch
                                  or config.data.reset_attention_mask)
     run = Run(config, family, schedule, partition, stages, optimizer, scheduler, executors,
-              executor, eval_executor, build_monitor(config, family, schedule), Timers(),
+              executor, eval_executor, build_monitor(config, family, schedule, partition),
+              Timers(),
               needed, rank, world_size, rng_state, device)
     return run, saved_args
 

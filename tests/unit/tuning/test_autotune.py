@@ -224,7 +224,17 @@ def test_generated_flags_parse_into_the_same_layout(layout):
     assert parallel.pipeline_schedule == layout.schedule
     assert config.training.micro_batch_size == layout.B
     assert config.training.num_microbatches == layout.N
-    assert config.training.partition_method == layout.partition
+    # the proposed stages reach the run: a layout string for a balanced split
+    from megatron_chimera.model.family import get_family
+    from megatron_chimera.model.stage_layout import stage_partition
+    from megatron_chimera.tuning.costs import partition_stages
+
+    built = stage_partition(config.training.layer_split, config.training.partition_method,
+                            config.model, get_family("gpt2"), layout.num_stages, layout.D)
+    assert built == [p.layer_range for p in partition_stages(spec, layout.num_stages,
+                                                             layout.partition)]
+    assert (config.training.layer_split.pipeline_model_parallel_layout is None) == \
+        (layout.partition == "uniform")
     assert (config.model.recompute_granularity == "full") == layout.recompute
     assert parallel.schedule_options == layout.options
     assert config.ddp.use_distributed_optimizer == layout.distributed_optimizer
@@ -317,3 +327,21 @@ def test_tensor_parallelism_and_the_distributed_optimizer_combine():
     flags = " ".join(pretrain_flags(spec, layout))
     assert "--tensor-model-parallel-size 2 --sequence-parallel" in flags
     assert "--use-distributed-optimizer" in flags
+
+
+def test_layout_strings_are_searched_with_their_stage_count():
+    """A --pipeline-model-parallel-layout candidate: costed with its uneven stages, only at the
+    stage count it describes, and proposed in the command as the layout string."""
+    layout_string = "Et*5|t|t|tL"
+    space = dataclasses.replace(hand_space(), partition_methods=("uniform", layout_string))
+    layouts = list(enumerate_layouts(space))
+    uneven = [lay for lay in layouts if lay.partition == layout_string]
+    assert uneven and {lay.D for lay in uneven} == {4}
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    for lay in uneven:
+        even = dataclasses.replace(lay, partition="uniform")
+        assert [p.num_layers for p in model.partition(lay)] == [5, 1, 1, 1]
+        # per-layer costs: the 5-layer stage alone works N x 3F = 4 x 30 > 84 (the even split)
+        assert model.predict(lay).iteration_s > model.predict(even).iteration_s
+        flags = pretrain_flags(gpt(), lay)
+        assert flags[flags.index("--pipeline-model-parallel-layout") + 1] == layout_string

@@ -291,6 +291,7 @@ class LoggingConfig:
     log_memory_to_tensorboard: bool = False
     tensorboard_log_interval: int = 1
     log_bubble_ratio: bool = True
+    pipeline_trace: str | None = None  # write the measured timeline (Chrome / Perfetto JSON)
 
 
 @dataclass(frozen=True)

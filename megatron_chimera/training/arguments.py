@@ -211,6 +211,7 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--pipeline-trace", default=None, metavar="FILE")
     g.add_argument(DEBUG_FLAG, action="store_true")
 
 

@@ -164,6 +164,10 @@ HELP: dict[str, str] = {
                                  "every rank in TensorBoard",
     "log_validation_ppl_to_tensorboard": "validation perplexity in TensorBoard (always written)",
     "log_batch_size_to_tensorboard": "global batch size in TensorBoard (always written)",
+    "pipeline_trace": "write the measured per-rank timeline of two iterations (after a warm-up "
+                      "one) to FILE as a Chrome / Perfetto trace: compute actions, sends, "
+                      "waits for messages, gradient reductions, optimizer step "
+                      "(tools/plot_schedule.py --measured FILE draws it)",
     "debug_tracebacks": "print the traceback of every error (also: MEGATRON_CHIMERA_TRACEBACKS=1)",
 }
 

@@ -31,6 +31,7 @@ from megatron_chimera.model.family import ModelFamily
 from megatron_chimera.model.flops import training_flops
 from megatron_chimera.model.stage_layout import format_layout, stage_partition
 from megatron_chimera.optimizer import OptimizerParamScheduler, get_data_parallel_optimizer
+from megatron_chimera.pipeline.chrome_trace import PipelineTrace, traced_iterations
 from megatron_chimera.pipeline.executor import (
     Gradients,
     PipelineExecutor,
@@ -85,6 +86,7 @@ class Run:
     device: torch.device | None = None
     profile: ProfileRebuild | None = None
     profiled: dict[str, Any] | None = None  # measured costs and the schedule they rebuilt
+    trace: PipelineTrace | None = None  # --pipeline-trace
 
 
 def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
@@ -270,5 +272,20 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
               executor, eval_executor, build_monitor(config, family, schedule, partition),
               Timers(),
               needed, rank, world_size, rng_state, device)
+    run.trace = build_trace(config, state, device)
     return run, saved_args
+
+
+def build_trace(config: TrainConfig, state: TrainState, device: torch.device
+                ) -> PipelineTrace | None:
+    """The recorder of ``--pipeline-trace`` (None without it): two iterations after a warm-up."""
+    path = config.logging.pipeline_trace
+    if path is None:
+        return None
+    place = {"pipeline_rank": parallel_state.get_pipeline_model_parallel_rank(),
+             "data_parallel_rank": parallel_state.get_data_parallel_rank(),
+             "tensor_rank": parallel_state.get_tensor_model_parallel_rank()}
+    place["place"] = ", ".join(f"{k.split('_')[0]} {v}" for k, v in place.items())
+    iterations = traced_iterations(state.iteration, config.training.total_train_iters)
+    return PipelineTrace(path, iterations, dist.get_rank(), device, place)
 

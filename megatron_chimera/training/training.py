@@ -9,6 +9,7 @@ schedule is in use.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -110,6 +111,9 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     if consumed_samples is not None:
         batches = keyed_microbatches(run, batches, consumed_samples)
     run.optimizer.zero_grad()
+    trace = run.trace if run.trace is not None and iteration is not None else None
+    if trace is not None:
+        trace.begin(run.executor, iteration)
     run.timers("forward-backward").start()
     result = run.executor.run(batches)
     run.timers("forward-backward").stop()
@@ -122,10 +126,13 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     run.timers("optimizer").start()
     # the optimizer's own timers add device syncs: only when they are written
     detail = run.timers if run.config.logging.log_timers_to_tensorboard else None
-    update_successful, grad_norm, _ = run.optimizer.step(timers=detail)
+    with trace.region("optimizer step", "optimizer") if trace else contextlib.nullcontext():
+        update_successful, grad_norm, _ = run.optimizer.step(timers=detail)
     run.timers("optimizer").stop()
     if update_successful:
         run.scheduler.step(run.config.training.global_batch_size)
+    if trace is not None:
+        trace.end()
     return result, not update_successful, grad_norm, result.iteration_seconds
 
 

@@ -97,3 +97,12 @@ def test_tracing_transport_records_sends_and_waits_and_delegates():
     assert kinds == [(SENT, A), (SENT, A1), (WAITED, G), (START, None), (END, None)]
     waited = timeline.events[2]
     assert waited[2] <= waited[3] <= timeline.events[3][1] <= timeline.events[4][1]
+
+
+def test_traced_iterations_follow_one_warm_up():
+    from megatron_chimera.pipeline.chrome_trace import traced_iterations
+
+    assert traced_iterations(0, 20) == range(2, 4)
+    assert traced_iterations(10, 20) == range(12, 14)  # resumed at iteration 10
+    assert traced_iterations(0, 2) == range(1, 3)  # too short for a warm-up
+    assert traced_iterations(0, 1) == range(1, 2)

@@ -43,6 +43,7 @@ from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.training.measured_costs import time_partition
+from megatron_chimera.training.memory_report import MemoryFigures, MemoryReport, predicted_memory
 from megatron_chimera.training.monitor import Timers, TrainingMonitor, predicted_bubble_ratio
 from megatron_chimera.training.preflight import check_resume_iteration
 
@@ -87,6 +88,7 @@ class Run:
     profile: ProfileRebuild | None = None
     profiled: dict[str, Any] | None = None  # measured costs and the schedule they rebuilt
     trace: PipelineTrace | None = None  # --pipeline-trace
+    memory: MemoryReport | None = None  # the per-rank memory report after the first iteration
 
 
 def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
@@ -273,7 +275,22 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
               Timers(),
               needed, rank, world_size, rng_state, device)
     run.trace = build_trace(config, state, device)
+    run.memory = build_memory_report(config, family, schedule, partition, state, device)
     return run, saved_args
+
+
+def build_memory_report(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+                        partition: list[tuple[int, int]], state: TrainState,
+                        device: torch.device) -> MemoryReport:
+    """The memory report of the run's first iteration, with every rank's prediction (zeros, and
+    a line saying why, when the model cannot be costed)."""
+    try:
+        predicted = predicted_memory(config, family, schedule, partition, device.type)
+    except (ValueError, KeyError) as exc:
+        if dist.get_rank() == 0:
+            print(f" memory prediction unavailable: {exc}", flush=True)
+        predicted = [MemoryFigures(0, 0, 0, 0, 0, 0)] * schedule.num_ranks
+    return MemoryReport(state.iteration + 1, predicted)
 
 
 def build_trace(config: TrainConfig, state: TrainState, device: torch.device

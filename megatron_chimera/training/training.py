@@ -96,6 +96,9 @@ def keyed_microbatches(run: Run, batches: list[Any], consumed_samples: int) -> l
             for first, batch in zip(firsts, batches)]
 
 
+_NO_METER = contextlib.nullcontext()
+
+
 def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
                iteration: int | None = None) -> tuple[Any, bool, float | None, float]:
     """One iteration: schedule, gradient sync, optimizer and LR step; ``consumed_samples`` (the
@@ -115,7 +118,9 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     if trace is not None:
         trace.begin(run.executor, iteration)
     run.timers("forward-backward").start()
-    result = run.executor.run(batches)
+    meter = run.memory.meter(run.stages, iteration) if run.memory and iteration else _NO_METER
+    with meter:
+        result = run.executor.run(batches)
     run.timers("forward-backward").stop()
     if iteration is not None and run.config.training.check_for_nan_in_loss_and_grad:
         check_loss_and_grad(
@@ -133,6 +138,8 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
         run.scheduler.step(run.config.training.global_batch_size)
     if trace is not None:
         trace.end()
+    if run.memory is not None and iteration is not None:
+        run.memory.report(run, iteration)
     return result, not update_successful, grad_norm, result.iteration_seconds
 
 

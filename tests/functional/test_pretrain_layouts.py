@@ -54,6 +54,7 @@ def test_gpt_layouts_match_one_process(layout, gpt_reference, layout_curves, tmp
         layout = flags[flags.index("--pipeline-model-parallel-layout") + 1]
         assert f"pipeline stages: {layout} (layers per stage [3, 2, 2, 1])" in result.stdout
         check_pipeline_trace(trace, nproc)
+        check_memory_report(result.stdout, tmp_path, nproc)
     measured = scalars(tmp_path, "bubble-ratio")
     assert all(0.0 <= v < 1.0 for v in measured.values())
 
@@ -134,3 +135,22 @@ def check_pipeline_trace(path, world_size: int) -> None:
     out = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "plot_schedule.py"),
                           "--measured", str(path)], capture_output=True, text=True, check=True)
     assert "measured (ms):" in out.stdout and "rank  3 |" in out.stdout
+
+
+def check_memory_report(stdout: str, tensorboard_dir, world_size: int) -> None:
+    """One memory line per rank in the log and TensorBoard, predicted beside measured: weights,
+    gradients and optimizer state are exact counts (equal to 1%), the receive buffers the same
+    number of messages, the saved activations within 10% (the activation model is Korthikanti
+    et al.'s formula; the measurement counts every storage saved for backward)."""
+    lines = [line for line in stdout.splitlines() if "] memory (MB) predicted:" in line]
+    assert len(lines) == world_size, lines
+    def figure(rank: int, side: str, kind: str) -> float:
+        return scalars(tensorboard_dir, f"memory/rank-{rank}/{side}-{kind}-MB")[1]
+
+    for rank in range(world_size):
+        for kind, rtol in (("weights", 0.01), ("grads", 0.01), ("optimizer", 0.01),
+                           ("buffers", 1e-9), ("activations", 0.10)):
+            predicted = figure(rank, "predicted", kind)
+            measured = figure(rank, "measured", kind)
+            assert measured > 0 and abs(predicted - measured) <= rtol * measured, (
+                rank, kind, predicted, measured)

@@ -315,6 +315,7 @@ class PipelineExecutor:
         self._connected = not policy.warm_up
         self.action_timer = action_timer
         self.tracer: Any = None  # set for a traced iteration (:mod:`.chrome_trace`)
+        self.active: _Iteration | None = None  # the running iteration (read by :mod:`.hang`)
 
     def connect(self) -> None:
         """Exchange one tiny message in every direction of the schedule that the transport has
@@ -335,7 +336,7 @@ class PipelineExecutor:
                 f"expected {self.schedule.num_microbatches} micro-batches, got {len(microbatches)}"
             )
         start = time.perf_counter()
-        run = _Iteration(self, microbatches, self.programs[forward_only])
+        run = self.active = _Iteration(self, microbatches, self.programs[forward_only])
         try:
             self.connect()
             self.transport.begin_iteration()
@@ -354,6 +355,8 @@ class PipelineExecutor:
                 run.timer.total()  # the action timer / tracer get this iteration's times now
         except Exception as exc:
             raise self._failure(exc, run.current) from exc
+        finally:
+            self.active = None
         return IterationResult(local_losses=run.losses, busy=run.timer,
                                iteration_seconds=time.perf_counter() - start,
                                executed=run.executed, p2p_bytes_sent=self.comm.bytes_sent)

@@ -81,6 +81,7 @@ class NcclSemanticsTransport(Transport):
         self.syncing = False
         self.counts: dict[tuple[str, int, int], int] = {}  # (op, src, dst) -> posted so far
         self.pending: list[tuple[str, int, int, int, str]] = []  # op, src, dst, k, label
+        self.awaiting: tuple[int, str] | None = None  # (peer, why) while waiting for a peer
         self._where("started")
 
     # ----------------------------------------------------------------------------- bookkeeping
@@ -119,6 +120,7 @@ class NcclSemanticsTransport(Transport):
         peer = dst if counterpart == "recv" else src
         self._where(why)
         deadline = time.monotonic() + self.timeout_s
+        self.awaiting = (peer, why)  # read by the hang watch (pipeline/hang.py)
         while self._posted_by_peer(counterpart, src, dst) < k:
             first = first_failure(wait_seconds=0.0)
             if first is not None:
@@ -129,6 +131,7 @@ class NcclSemanticsTransport(Transport):
                     f"rank {peer} to post its {counterpart} #{k} of {src}->{dst}; rank {peer} is "
                     f"at: {self._peer_where(peer)}")
             time.sleep(_POLL_S)
+        self.awaiting = None
 
     # ----------------------------------------------------------------------------- transport
     has_sync_points = True

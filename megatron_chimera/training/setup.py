@@ -38,6 +38,7 @@ from megatron_chimera.pipeline.executor import (
     StageWork,
     make_transport,
 )
+from megatron_chimera.pipeline.hang import HangWatch
 from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
@@ -89,6 +90,7 @@ class Run:
     profiled: dict[str, Any] | None = None  # measured costs and the schedule they rebuilt
     trace: PipelineTrace | None = None  # --pipeline-trace
     memory: MemoryReport | None = None  # the per-rank memory report after the first iteration
+    hang_watch: HangWatch | None = None  # who waits for whom when an iteration stops moving
 
 
 def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
@@ -276,6 +278,9 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
               needed, rank, world_size, rng_state, device)
     run.trace = build_trace(config, state, device)
     run.memory = build_memory_report(config, family, schedule, partition, state, device)
+    # before the backend's own timeout error: 80% of --distributed-timeout-minutes
+    threshold = 0.8 * 60 * config.parallel.distributed_timeout_minutes
+    run.hang_watch = HangWatch(lambda: run.executor, threshold).start()
     return run, saved_args
 
 

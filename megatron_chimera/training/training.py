@@ -99,6 +99,11 @@ def keyed_microbatches(run: Run, batches: list[Any], consumed_samples: int) -> l
 _NO_METER = contextlib.nullcontext()
 
 
+def _watched(run: Run, section: str):
+    """The hang watch armed for ``section`` (a no-op without one)."""
+    return run.hang_watch.watching(section) if run.hang_watch is not None else _NO_METER
+
+
 def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
                iteration: int | None = None) -> tuple[Any, bool, float | None, float]:
     """One iteration: schedule, gradient sync, optimizer and LR step; ``consumed_samples`` (the
@@ -197,7 +202,8 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     and hand each iteration to the monitor in order (log line, TensorBoard)."""
     if not pending:
         return
-    gathered = run.executor.gather([result for _, result in pending])
+    with _watched(run, "gathering the losses to the logging rank (collective)"):
+        gathered = run.executor.gather([result for _, result in pending])
     for (stats, _), figures in zip(pending, gathered or []):
         stats.losses = _average_losses(figures.losses)
         stats.busy_seconds = figures.busy_seconds_per_rank
@@ -218,8 +224,10 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator) -> None:
         if run.profile is not None:
             run.profile.start_iteration(run.executor)
         run.timers("interval-time").start()
-        result, skipped, grad_norm, pipeline_seconds = train_step(
-            run, train_iterator, state.consumed_train_samples, state.iteration + 1)
+        with _watched(run, f"iteration {state.iteration + 1} outside the pipeline (collectives: "
+                           f"gradient norm, NaN check, optimizer)"):
+            result, skipped, grad_norm, pipeline_seconds = train_step(
+                run, train_iterator, state.consumed_train_samples, state.iteration + 1)
         run.timers("interval-time").stop()
         state.iteration += 1
         state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
@@ -330,6 +338,8 @@ def pretrain(
         save(run, state)
         _evaluate_and_log(run, "test end of training", iterator(test_ds, 0), state)
     run.optimizer.finish_param_sync()  # no collective may be in flight at teardown
+    if run.hang_watch is not None:
+        run.hang_watch.stop()
     run.monitor.close()
     dist.barrier()
     parallel_state.destroy_model_parallel()

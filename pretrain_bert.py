@@ -66,7 +66,8 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
     return build_train_valid_test_datasets(
         data.data_path, data.split, num_samples, seq_length, seed, tokenizer.vocab_size, cls_id,
         sep_id, mask_id, pad_id, short_seq_prob=data.short_seq_prob, binary_head=binary_head,
-        cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size, **masking)
+        cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size,
+        split_paths=data.split_data_paths, **masking)
 
 
 def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tensor):

@@ -56,7 +56,8 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
     else:
         datasets = build_train_valid_test_datasets(
             data.data_path, data.split, num_samples, seq_length, seed,
-            cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size)
+            cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size,
+            split_paths=data.split_data_paths)
     options = ltor_options(config, tokenizer)
     return tuple(None if d is None else GPTSampleDataset(d, options) for d in datasets)
 
@@ -69,13 +70,20 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach()}
 
 
+def reads_positions(model: GPTModel) -> bool:
+    """Whether this stage reads the position ids: the first stage, and every stage with RoPE
+    (whose positions restart at each document under --reset-position-ids)."""
+    return model.pre_process or model.config.position_embedding_type == "rope"
+
+
 def batch_fields(model: GPTModel) -> list[str]:
-    """The micro-batch fields a stage reads: tokens and positions at the first stage, labels and
-    the loss mask at the last, the document ids (--reset-attention-mask) everywhere."""
+    """The micro-batch fields a stage reads: tokens and positions at the first stage (positions
+    at every stage with RoPE), labels and the loss mask at the last, the document ids
+    (--reset-attention-mask) everywhere."""
     fields = ["document_ids"]
     if model.pre_process or model.post_process:
         fields.append("text")
-    if model.pre_process:
+    if reads_positions(model):
         fields.append("position_ids")
     if model.post_process:
         fields.append("loss_mask")
@@ -93,7 +101,7 @@ def forward_step(batch, model: GPTModel):
     tokens, labels, loss_mask, document_ids, position_ids = get_batch(batch)
     mask = None if document_ids is None else DocumentMask(document_ids, device)
     output = model(tokens if model.pre_process else None,
-                   position_ids if model.pre_process else None,
+                   position_ids if reads_positions(model) else None,
                    attention_mask=mask,
                    labels=labels if model.post_process else None)
     return output, functools.partial(loss_func, loss_mask)

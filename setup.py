@@ -19,6 +19,9 @@ setup(
     extras_require={
         # Hugging Face interchange (tools/checkpoint/convert.py) (pinned: the tested versions)
         "hf": ["transformers==5.23.0", "safetensors==0.8.0"],
-        "test": ["pytest", "pytest-timeout", "ruff", "transformers==5.23.0", "safetensors==0.8.0"],
+        # Weights & Biases logging (--wandb-project)
+        "wandb": ["wandb==0.23.1"],
+        "test": ["pytest", "pytest-timeout", "ruff", "transformers==5.23.0", "safetensors==0.8.0",
+                 "wandb==0.23.1"],
     },
 )

@@ -21,8 +21,8 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --p
 # GeLU in BERT's LM head (Megatron-LM's default); "tanh" = tanh approximation everywhere (Megatron's
 # --openai-gelu, Hugging Face's gelu_new); "erf" = exact erf GeLU everywhere (Hugging Face's gelu).
 GELU_VARIANTS = ("megatron", "tanh", "erf")
-
-
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")  # --normalization (Megatron's spelling)
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")  # --position-embedding-type
 
 
 @dataclass(frozen=True)
@@ -69,11 +69,58 @@ class ModelConfig:
     # --sequence-parallel: LayerNorm / dropout regions split along the sequence over the
     # tensor-parallel ranks (a no-op with --tensor-model-parallel-size 1)
     sequence_parallel: bool = False
+    # the input-gradient all-reduce of column-parallel layers overlapped with their weight
+    # gradient (--no-async-tensor-model-parallel-allreduce turns it off)
+    async_tensor_model_parallel_allreduce: bool = True
+    # today's decoders (Megatron's flags): normalisation, gated MLP, attention and positions
+    normalization: str = "LayerNorm"  # one of NORMALIZATIONS
+    swiglu: bool = False  # MLP: silu(x W_gate) * (x W_up) from one fused [gate; up] projection
+    kv_channels: int | None = None  # head dimension (default hidden / heads)
+    num_query_groups: int | None = None  # grouped-query attention's K/V heads (None: one per head)
+    add_bias_linear: bool = True  # --disable-bias-linear turns every transformer bias off
+    add_qkv_bias: bool = False  # the QKV bias even with --disable-bias-linear (Qwen2)
+    position_embedding_type: str = "learned_absolute"  # one of POSITION_EMBEDDING_TYPES
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0  # fraction of the head dimension RoPE rotates
+    use_rope_scaling: bool = False  # Llama-3's frequency scaling (--rope-scaling-factor)
+    rope_scaling_factor: float = 8.0
 
     @property
     def ffn_size(self) -> int:
-        """Hidden size of the MLP (``--ffn-hidden-size``, default 4h)."""
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """Hidden size of the MLP (``--ffn-hidden-size``; default 4h, or with ``--swiglu``
+        Megatron's 2/3 of it rounded down to a multiple of 64)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head (``--kv-channels``, default hidden / heads)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``--num-query-groups`` with grouped-query attention, else one per
+        attention head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Output features of the fused QKV projection: the query heads plus a key and a value
+        head per query group."""
+        return (self.num_attention_heads + 2 * self.query_groups) * self.head_dim
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether the QKV projection has a bias (``add_bias_linear`` or ``--add-qkv-bias``)."""
+        return self.add_bias_linear or self.add_qkv_bias
+
+    @property
+    def learned_positions(self) -> bool:
+        """Whether the model holds learned absolute position embeddings."""
+        return self.position_embedding_type == "learned_absolute"
 
     @property
     def max_positions(self) -> int:
@@ -176,6 +223,8 @@ class DDPConfig:
     parameters and optimizer state over each stage-replica group (ZeRO-1).
     ``overlap_param_gather``: all-gather the updated parameters in the background, waiting for
     a stage's parameters before its first forward of the next iteration.
+    ``gradient_accumulation_fusion``: weight gradients computed straight into ``main_grad``
+    (``--no-gradient-accumulation-fusion`` turns it off; see ``tensor_parallel.weight_grad``).
     """
 
     grad_reduce_in_fp32: bool = False
@@ -183,6 +232,7 @@ class DDPConfig:
     bucket_size: int | None = None
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
+    gradient_accumulation_fusion: bool = True
 
     def bucket_elements(self, group_size: int) -> int | None:
         """Elements per bucket for a reducing group of ``group_size`` ranks (None: whole)."""
@@ -199,6 +249,10 @@ class DataConfig:
 
     data_path: tuple[str, ...] | None = None  # Megatron's [weight] prefix list, as given
     split: str = "969, 30, 1"
+    # per-split files (--train-data-path ...; each a [weight] prefix list), instead of data_path
+    train_data_path: tuple[str, ...] | None = None
+    valid_data_path: tuple[str, ...] | None = None
+    test_data_path: tuple[str, ...] | None = None
     tokenizer_type: str | None = None
     tokenizer_model: str | None = None
     vocab_file: str | None = None
@@ -216,6 +270,12 @@ class DataConfig:
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
+
+    @property
+    def split_data_paths(self) -> tuple[tuple[str, ...] | None, ...] | None:
+        """(train, valid, test) per-split paths, or None when the run uses ``data_path``."""
+        paths = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        return paths if any(p is not None for p in paths) else None
 
 
 @dataclass(frozen=True)
@@ -248,6 +308,10 @@ class TrainingConfig:
     eval_interval: int = 1000
     eval_iters: int = 100
     exit_interval: int | None = None
+    # save and exit once the job's wall clock passes this many minutes (agreed across ranks)
+    exit_duration_in_mins: float | None = None
+    # SIGTERM to any rank: save at the next iteration boundary and exit 0
+    exit_signal_handler: bool = False
     seed: int = 1234
     partition_method: str = "uniform"  # uniform | parameters | time (measured, per rank)
     layer_split: LayerSplit = LayerSplit()  # uneven stages by Megatron's flags (else the method)
@@ -259,12 +323,65 @@ class TrainingConfig:
     # stop after this many skipped iterations in a row (0: no bound)
     max_consecutive_skipped_iterations: int = 100
 
+    # --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START by
+    # INCREMENT over the first SAMPLES samples (Megatron's ramp; needs --train-samples)
+    rampup_batch_size: tuple[int, int, int] | None = None
+
     @property
     def total_train_iters(self) -> int:
-        """Iterations to run: ``--train-iters`` or ``--train-samples`` / global batch."""
+        """Iterations to run: ``--train-iters``, or ``--train-samples`` / global batch (the
+        ramp-up's iterations counted as Megatron does: the ramp, then the constant batch)."""
         if self.train_iters is not None:
             return self.train_iters
-        return (self.train_samples or 0) // self.global_batch_size
+        if self.rampup_batch_size is None:
+            return (self.train_samples or 0) // self.global_batch_size
+        iterations, consumed = self._rampup_phase()
+        return iterations + ((self.train_samples or 0) - consumed) // self.global_batch_size
+
+    @property
+    def total_train_samples(self) -> int:
+        """The samples all iterations consume (datasets and the LR schedule are sized by it)."""
+        if self.rampup_batch_size is None:
+            return self.total_train_iters * self.global_batch_size
+        iterations, consumed = self._rampup_phase()
+        return consumed + (self.total_train_iters - iterations) * self.global_batch_size
+
+    def _rampup_phase(self) -> tuple[int, int]:
+        """(iterations, samples) of the ramp: Megatron counts every iteration that starts at
+        or before SAMPLES consumed samples."""
+        assert self.rampup_batch_size is not None
+        iterations = consumed = 0
+        while consumed <= self.rampup_batch_size[2]:
+            consumed += self.global_batch_at(consumed)
+            iterations += 1
+        return iterations, consumed
+
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the iteration that starts after ``consumed_samples`` samples:
+        START + INCREMENT x (consumed / (SAMPLES / increments)) during the ramp (Megatron's
+        rule), the full ``global_batch_size`` after it."""
+        if self.rampup_batch_size is None:
+            return self.global_batch_size
+        start, increment, samples = self.rampup_batch_size
+        increments = (self.global_batch_size - start) // increment
+        if consumed_samples > samples or increments == 0:
+            return self.global_batch_size
+        steps = int(consumed_samples / (samples / increments))
+        return min(start + steps * increment, self.global_batch_size)
+
+    def num_microbatches_at(self, consumed_samples: int) -> int:
+        """N of the iteration that starts after ``consumed_samples`` samples."""
+        per_microbatch = self.global_batch_size // self.num_microbatches  # micro batch x W
+        return self.global_batch_at(consumed_samples) // per_microbatch
+
+    def microbatch_counts(self) -> list[int]:
+        """Every N the run uses, the final one last (one schedule each)."""
+        if self.rampup_batch_size is None:
+            return [self.num_microbatches]
+        start, increment, _ = self.rampup_batch_size
+        per_microbatch = self.global_batch_size // self.num_microbatches
+        return [batch // per_microbatch
+                for batch in range(start, self.global_batch_size + 1, increment)]
 
 
 @dataclass(frozen=True)
@@ -278,6 +395,8 @@ class CheckpointConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    # a --load without a checkpoint is an error instead of training from scratch
+    exit_on_missing_checkpoint: bool = False
 
 
 @dataclass(frozen=True)
@@ -292,6 +411,12 @@ class LoggingConfig:
     tensorboard_log_interval: int = 1
     log_bubble_ratio: bool = True
     pipeline_trace: str | None = None  # write the measured timeline (Chrome / Perfetto JSON)
+    # Weights & Biases (training/scalar_writers.py): the same scalars as TensorBoard
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None  # default <save>/wandb
+    # --timing-log-level: >= 1 synchronises the device in every timer (training/monitor.py)
+    timing_log_level: int = 0
 
 
 @dataclass(frozen=True)

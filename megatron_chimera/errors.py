@@ -50,6 +50,10 @@ class UsageError(UserError):
     exit_code = 2
 
 
+class ScheduleError(ValueError):
+    """A schedule that is malformed, incomplete or would deadlock (``schedules.validate``)."""
+
+
 class StoppedByPeer(Exception):
     """This rank stops because rank ``rank`` found a problem (and reports it itself)."""
 

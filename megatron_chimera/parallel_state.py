@@ -52,6 +52,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from megatron_chimera.config import ConfigError
@@ -91,6 +92,7 @@ class _ModelParallelState:
     embedding_ranks: list[int] = field(default_factory=list)
     p2p_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     all_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    collective_groups: list[dist.ProcessGroup] = field(default_factory=list)
 
     def to_global(self, pipeline_rank: int, data_parallel_rank: int | None = None,
                   tensor_rank: int | None = None) -> int:
@@ -165,6 +167,7 @@ def initialize_model_parallel(
     pipeline_rank, data_parallel_rank, tensor_rank = layout.coordinates(rank)
     kwargs = {"timeout": timeout} if timeout is not None else {}
     created: list[dist.ProcessGroup] = []
+    collective: list[dist.ProcessGroup] = []  # in the one global creation order
     known: dict[tuple, dist.ProcessGroup | None] = {}
 
     def new_group(ranks: list[int], purpose: str = "collective") -> dist.ProcessGroup | None:
@@ -175,6 +178,8 @@ def initialize_model_parallel(
             known[key] = group if rank in ranks else None
             if rank in ranks:
                 created.append(group)
+                if purpose == "collective":
+                    collective.append(group)
         return known[key]
 
     state = _ModelParallelState(
@@ -224,6 +229,7 @@ def initialize_model_parallel(
                     if group is not None:
                         state.p2p_groups[(ranks[0], ranks[1])] = group
     state.all_groups = created
+    state.collective_groups = collective
     _STATE = state
 
 
@@ -245,6 +251,20 @@ def destroy_model_parallel() -> None:
     for group in _STATE.all_groups:
         dist.destroy_process_group(group)
     _STATE = None
+
+
+def connect_communicators(device: torch.device) -> int:
+    """One tiny all-reduce on every collective group of this rank (tensor, pipeline,
+    data-parallel, model-parallel, stage-replica, embedding), in the global order the groups
+    were created in, so every communicator exists before the first iteration instead of being
+    set up lazily mid-backward (NCCL creates a communicator collectively on first use; in one
+    global order no two ranks can wait on each other's). Point-to-point directions are warmed
+    by the pipeline transport. Returns the number of groups connected."""
+    groups = _state().collective_groups
+    probe = torch.zeros(1, device=device)
+    for group in groups:
+        dist.all_reduce(probe, group=group)
+    return len(groups)
 
 
 def model_parallel_is_initialized() -> bool:

@@ -18,6 +18,7 @@ on this machine; ``--measure-p2p`` replaces the network profile by a measured pi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -25,6 +26,9 @@ from pathlib import Path
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.errors import ToolArgumentParser, run_tool
+from megatron_chimera.model.architecture import check_architecture
+from megatron_chimera.model.presets import MODEL_PRESETS
+from megatron_chimera.training.arguments import add_architecture_arguments, architecture_fields
 from megatron_chimera.tuning.autotune import (
     DEFAULT_SCHEDULES,
     SearchSpace,
@@ -57,10 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = ToolArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     g = p.add_argument_group("model (as pretrain_gpt2.py / pretrain_bert.py)")
     g.add_argument("--model", choices=("gpt2", "bert"), default="gpt2")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--preset", choices=tuple(MODEL_PRESETS), default=None,
+                   help="a named model (its family, sizes and architecture; --seq-length may "
+                        "override its sequence); replaces the size flags")
+    g.add_argument("--num-layers", type=int, default=None, help="required without --preset")
+    g.add_argument("--hidden-size", type=int, default=None, help="required without --preset")
+    g.add_argument("--num-attention-heads", type=int, default=None,
+                   help="required without --preset")
+    g.add_argument("--seq-length", type=int, default=None, help="required without --preset")
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--ffn-hidden-size", type=int, default=None)
     g.add_argument("--vocab-size", type=int, default=None,
@@ -72,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="masked_softmax_fusion",
                    help="unfused attention: the [s, s] scores are kept for the backward "
                    "(as the paper's 2021 implementation)")
+    add_architecture_arguments(g)
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true")
     precision.add_argument("--bf16", action="store_true")
@@ -123,15 +132,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SIZES = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+def _precision(args: argparse.Namespace) -> str:
+    return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+
+
+def preset_spec(args: argparse.Namespace) -> ModelSpec:
+    """ModelSpec of ``--preset`` (``--seq-length`` and the precision flags may be given)."""
+    given = [f for f in SIZES[:3] if getattr(args, f) is not None]
+    if given:
+        raise ConfigError(f"--{given[0].replace('_', '-')} applies only without --preset (the "
+                          f"preset {args.preset} fixes the sizes)")
+    family, config = MODEL_PRESETS[args.preset]
+    config = dataclasses.replace(config, params_dtype=_precision(args),
+                                 seq_length=args.seq_length or config.seq_length)
+    return ModelSpec(config, family)
+
+
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    """ModelSpec from the model flags."""
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_gpus",
-                 "global_batch_size", "make_vocab_size_divisible_by"):
+    """ModelSpec from ``--preset`` or the model flags."""
+    for flag in ("num_gpus", "global_batch_size", "make_vocab_size_divisible_by"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive")
-    if args.hidden_size % args.num_attention_heads:
-        raise ConfigError(f"--hidden-size {args.hidden_size} is not divisible by "
-                          f"--num-attention-heads {args.num_attention_heads}")
+    if args.preset is not None:
+        return preset_spec(args)
+    for flag in SIZES:
+        if getattr(args, flag) is None:
+            raise ConfigError(f"--{flag.replace('_', '-')} is required (or give --preset)")
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         raise ConfigError("--seq-length exceeds --max-position-embeddings")
     if args.model == "bert" and args.untie_embeddings_and_output_weights:
@@ -144,9 +175,14 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         bert_binary_head=args.bert_binary_head,
-        masked_softmax_fusion=args.masked_softmax_fusion,
-        params_dtype="fp16" if args.fp16 else "bf16" if args.bf16 else "fp32",
+        masked_softmax_fusion=args.masked_softmax_fusion, params_dtype=_precision(args),
+        normalization=args.normalization, swiglu=args.swiglu, kv_channels=args.kv_channels,
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent, use_rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor, **architecture_fields(args),
     )
+    check_architecture(config)
     return ModelSpec(config, args.model)
 
 
@@ -184,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         model = PerformanceModel(spec, hardware, compute=compute, p2p_link=p2p_link)
         choices = {"both": (False, True), "on": (True,), "off": (False,)}
         recompute = choices[args.recompute]
-        space = SearchSpace(args.num_gpus, args.global_batch_size, args.num_layers,
+        cfg = spec.config
+        space = SearchSpace(args.num_gpus, args.global_batch_size, cfg.num_layers,
                             schedules=args.schedules, micro_batch_sizes=args.micro_batch_sizes,
                             recompute=recompute,
                             option_values=(("pipes", args.chimera_pipes),),
@@ -196,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         limit = int(memory_gb * GB * args.memory_headroom)
         result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)
         over = sorted(result.over_memory, key=lambda lp: lp[1])[: args.show_over_memory]
-        print(f"{spec.family.title}: {args.num_layers} layers, hidden {args.hidden_size}, "
-              f"{args.num_attention_heads} heads, seq {args.seq_length}, "
+        print(f"{spec.family.title}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+              f"{cfg.num_attention_heads} heads, seq {cfg.seq_length}, "
               f"{spec.config.params_dtype}; {args.num_gpus} x {hardware.name} "
               f"({memory_gb:g} GB, limit {limit / 2**30:.2f} GiB); global batch "
               f"{args.global_batch_size}")

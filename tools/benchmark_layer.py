@@ -12,6 +12,15 @@ On a GPU it runs bf16 at the issue's shapes (hidden 1280 / 20 heads / seq 632 an
 
     python tools/benchmark_layer.py                  # auto: GPU shapes on CUDA, tiny on CPU
     python tools/benchmark_layer.py --output out.json
+
+``--host-overhead`` instead measures the host (Python and dispatch) time of one transformer layer,
+forward and backward, at tiny host-bound shapes (fp32 on the CPU), against a plain eager torch
+layer of the same math (``nn.LayerNorm``, ``nn.Linear``, SDPA, tanh GeLU, dropout, residuals).
+Ours runs as in training: keyed dropout, gradient buffers with their hooks and
+gradient-accumulation fusion, T = 1. It prints both per-layer times and their ratios (JSON keys
+``forward_ratio``, ``backward_ratio`` with ``--json FILE``)::
+
+    python tools/benchmark_layer.py --host-overhead --json host.json
 """
 
 from __future__ import annotations
@@ -22,10 +31,14 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ModelConfig, OptimizerConfig
+from megatron_chimera.distributed.grad_buffer import build_grad_buffers
 from megatron_chimera.errors import ToolArgumentParser, run_tool
+from megatron_chimera.model.dropout_rng import dropout_stream
 from megatron_chimera.model.flops import layer_forward_flops
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.optimizer import get_megatron_optimizer
@@ -97,6 +110,77 @@ def time_training_step(config: ModelConfig, batch: int, device: torch.device, st
     return sorted(times)[len(times) // 2]
 
 
+class PlainLayer(nn.Module):
+    """The same pre-LN layer in plain eager torch: the host-overhead baseline."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h] -> [s, b, h]``."""
+        s, b, h = x.shape
+        qkv = self.qkv(self.ln1(x)).view(s, b, self.heads, 3 * h // self.heads)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in qkv.split(h // self.heads, dim=-1))
+        p = self.dropout if self.training else 0.0
+        context = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        context = context.permute(2, 0, 1, 3).reshape(s, b, h)
+        x = x + F.dropout(self.proj(context), p, self.training)
+        mlp = self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+        return x + F.dropout(mlp, p, self.training)
+
+
+def _median_per_layer(step, layers: int, steps: int, warmup: int) -> tuple[float, float]:
+    """Median forward and backward seconds per layer of ``step()`` -> (output, grad)."""
+    forward, backward = [], []
+    for i in range(warmup + steps):
+        start = time.perf_counter()
+        output, grad = step()
+        middle = time.perf_counter()
+        output.backward(grad)
+        end = time.perf_counter()
+        if i >= warmup:
+            forward.append((middle - start) / layers)
+            backward.append((end - middle) / layers)
+    return sorted(forward)[len(forward) // 2], sorted(backward)[len(backward) // 2]
+
+
+def host_overhead(layers: int, steps: int, warmup: int, hidden: int = 32, heads: int = 2,
+                  seq: int = 4, batch: int = 1, dropout: float = 0.1) -> dict[str, float]:
+    """Per-layer forward/backward seconds of our layer stack and the plain one (CPU, fp32)."""
+    torch.set_num_threads(1)
+    config = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                         seq_length=seq, hidden_dropout=dropout, attention_dropout=dropout)
+    ours = GPTModel(config, pre_process=False, post_process=False)
+    buffers = build_grad_buffers({0: ours}, grad_reduce_in_fp32=False,
+                                 fuse_wgrad_accumulation=True)
+    plain = nn.Sequential(*(PlainLayer(hidden, heads, dropout) for _ in range(layers)))
+    shape = (seq, batch, hidden)
+    x = torch.randn(shape, requires_grad=True)
+    grad = torch.randn(shape)
+    keys = iter(range(1 << 30))
+
+    def ours_step():
+        ours.set_input_tensor(x)
+        with dropout_stream(next(keys)):
+            return ours(None, None), grad
+
+    def plain_step():
+        return plain(x), grad
+
+    result = {}
+    for name, step in (("ours", ours_step), ("plain", plain_step)):
+        result[f"{name}_forward_us"], result[f"{name}_backward_us"] = (
+            1e6 * t for t in _median_per_layer(step, layers, steps, warmup))
+    buffers.remove_hooks()
+    result["forward_ratio"] = result["ours_forward_us"] / result["plain_forward_us"]
+    result["backward_ratio"] = result["ours_backward_us"] / result["plain_backward_us"]
+    return result
+
+
 def run(args: argparse.Namespace) -> tuple[float, list[Result]]:
     """Measure the peak, then every shape on the fused and unfused paths."""
     device = torch.device(args.device if args.device != "auto"
@@ -133,7 +217,13 @@ def main() -> None:
     parser.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak")
     parser.add_argument("--no-apex", action="store_true", help="force torch-native kernels")
     parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument("--host-overhead", action="store_true",
+                        help="host time per layer against a plain eager layer (CPU, tiny)")
+    parser.add_argument("--json", default=None, help="--host-overhead: write the figures here")
     args = parser.parse_args()
+    if args.host_overhead:
+        _print_host_overhead(args)
+        return
     peak, results = run(args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {device}; measured matmul peak {peak:.1f} TFLOP/s")
@@ -143,6 +233,18 @@ def main() -> None:
     if args.output:
         payload = {"device": device, "peak_tflops": peak, "results": [vars(r) for r in results]}
         atomic_write(args.output, lambda handle: json.dump(payload, handle, indent=2), mode="w")
+
+
+def _print_host_overhead(args: argparse.Namespace) -> None:
+    figures = host_overhead(args.num_layers, max(args.steps, 50), args.warmup)
+    print("| layer | forward us | backward us |\n|---|---|---|")
+    for name in ("ours", "plain"):
+        print(f"| {name} | {figures[name + '_forward_us']:.1f} | "
+              f"{figures[name + '_backward_us']:.1f} |")
+    print(f"forward ratio {figures['forward_ratio']:.2f}, "
+          f"backward ratio {figures['backward_ratio']:.2f} (target <= 1.2)")
+    if args.json:
+        atomic_write(args.json, lambda handle: json.dump(figures, handle, indent=2), mode="w")
 
 
 if __name__ == "__main__":

@@ -132,7 +132,8 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="language of the sentence splitter (only english)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--tokenizer-model", type=str, default=None, help="SentencePiece model")
+    group.add_argument("--tokenizer-model", type=str, default=None,
+                       help="SentencePiece model, or HuggingFaceTokenizer's local directory")
     group.add_argument("--vocab-file", type=str, default=None)
     group.add_argument("--merge-file", type=str, default=None, help="BPE merges (GPT-2)")
     group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary")

@@ -14,7 +14,9 @@ arguments saved with the checkpoint are compared with the run's, and every diffe
 in one error (a :class:`CheckpointArgsError`, exit code 2). As Megatron: the layers, hidden size,
 heads, position embeddings, padded vocabulary and tokenizer type; beyond Megatron (whose loader
 catches some of them as shape errors): the model family (GPT-2 / BERT), the FFN size, untied
-output layer, BERT's token types and binary head, the layer-norm epsilon and the GeLU form.
+output layer, BERT's token types and binary head, the layer-norm epsilon and the GeLU form, and
+the decoder architecture (normalisation, SwiGLU, head dimension, query groups, biases, position
+embeddings and RoPE's base, percent and scaling).
 Everything else may change: the layout (D, pipes, W, schedule, T) -- checkpoints are
 layout-independent -- and training settings (dropout, learning rate, precision, sequence length
 up to the position embeddings). Unlike Megatron, ``--finetune`` is checked too: fine-tuning
@@ -62,7 +64,9 @@ def _get(key: str) -> Callable[[dict[str, Any]], Any]:
 def _ffn(model: dict[str, Any]) -> Any:
     if "hidden_size" not in model:
         return _MISSING
-    return model.get("ffn_hidden_size") or 4 * model["hidden_size"]
+    if model.get("ffn_hidden_size"):
+        return model["ffn_hidden_size"]
+    return ModelConfig(hidden_size=model["hidden_size"], swiglu=bool(model.get("swiglu"))).ffn_size
 
 
 def _positions(model: dict[str, Any]) -> Any:
@@ -93,6 +97,19 @@ MODEL_ARGS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "bert_binary_head": ("--bert-no-binary-head", _get("bert_binary_head")),
     "layernorm_epsilon": ("--layernorm-epsilon", _get("layernorm_epsilon")),
     "gelu": ("--gelu", _get("gelu")),
+    # today's decoders (older checkpoints record none of these: not compared)
+    "normalization": ("--normalization", _get("normalization")),
+    "swiglu": ("--swiglu", _get("swiglu")),
+    "kv_channels": ("--kv-channels", _get("kv_channels")),
+    "num_query_groups": ("--group-query-attention --num-query-groups",
+                         _get("num_query_groups")),
+    "add_bias_linear": ("--disable-bias-linear", _get("add_bias_linear")),
+    "add_qkv_bias": ("--add-qkv-bias", _get("add_qkv_bias")),
+    "position_embedding_type": ("--position-embedding-type", _get("position_embedding_type")),
+    "rotary_base": ("--rotary-base", _get("rotary_base")),
+    "rotary_percent": ("--rotary-percent", _get("rotary_percent")),
+    "use_rope_scaling": ("--use-rope-scaling", _get("use_rope_scaling")),
+    "rope_scaling_factor": ("--rope-scaling-factor", _get("rope_scaling_factor")),
 }
 FAMILY_KEY = "model_family"
 TOKENIZER_KEY = "tokenizer_type"
@@ -204,3 +221,20 @@ def saved_model_config(common: dict[str, Any], source: str) -> ModelConfig:
 def saved_data_config(common: dict[str, Any]) -> DataConfig:
     """The DataConfig (tokenizer settings) a checkpoint was written with (defaults if none)."""
     return _build(DataConfig, (common.get("args") or {}).get("data"))
+
+
+def saved_run_flags(common: dict[str, Any]) -> list[str]:
+    """Megatron's ``--use-checkpoint-args``: the flags that build the checkpoint's model (its
+    shape and model settings, ``--seq-length``) and its tokenizer type and ``--vocab-size``, to
+    be parsed ahead of the command line (whose values then win). Empty when it records none."""
+    args = common.get("args") or {}
+    if not args.get("model"):
+        return []
+    model = _build(ModelConfig, args["model"])
+    flags = model_flags(model, seq_length=model.seq_length)
+    data = saved_data_config(common)
+    if data.tokenizer_type is not None:
+        flags += ["--tokenizer-type", data.tokenizer_type]
+    if data.vocab_size is not None:
+        flags += ["--vocab-size", str(data.vocab_size)]
+    return flags

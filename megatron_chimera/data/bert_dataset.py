@@ -236,36 +236,51 @@ class MockBertDataset(torch.utils.data.Dataset):
 
 
 def build_train_valid_test_datasets(
-    data_prefix: Sequence[str], splits_string: str, train_valid_test_num_samples: Sequence[int],
-    seq_length: int, seed: int, vocab_size: int, cls_id: int, sep_id: int, mask_id: int,
-    pad_id: int, masked_lm_prob: float = 0.15, short_seq_prob: float = 0.1,
-    binary_head: bool = True, cache_dir: str | None = None, build_cache: bool = True,
-    word_starts: np.ndarray | None = None, max_ngram: int = 3,
+    data_prefix: Sequence[str] | None, splits_string: str,
+    train_valid_test_num_samples: Sequence[int], seq_length: int, seed: int, vocab_size: int,
+    cls_id: int, sep_id: int, mask_id: int, pad_id: int, masked_lm_prob: float = 0.15,
+    short_seq_prob: float = 0.1, binary_head: bool = True, cache_dir: str | None = None,
+    build_cache: bool = True, word_starts: np.ndarray | None = None, max_ngram: int = 3,
     embedding_size: int | None = None,
+    split_paths: Sequence[Sequence[str] | None] | None = None,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
-    """(train, valid, test) BERT datasets; the split is over documents, as Megatron's.
+    """(train, valid, test) BERT datasets; the split is over documents, as Megatron's, or with
+    ``split_paths`` (``--train-data-path`` ...) each split is every document of its own files.
     ``word_starts`` / ``max_ngram``: whole-word and n-gram masking (:mod:`.masking`). An empty
     dataset, or one with a token id ``>= embedding_size`` (padded vocabulary), is an error."""
-    from megatron_chimera.data.blended_dataset import blend_split_datasets
+    from megatron_chimera.data.blended_dataset import (
+        blend_split_datasets,
+        build_per_split_datasets,
+    )
 
+    def build(name: str, prefix: str, indexed: MMapIndexedDataset, documents: range,
+              num_samples: int) -> BertDataset:
+        return BertDataset(
+            name, prefix, indexed, documents, num_samples, seq_length, seed, vocab_size, cls_id,
+            sep_id, mask_id, pad_id, masked_lm_prob, short_seq_prob, binary_head, cache_dir,
+            build_cache, word_starts, max_ngram)
+
+    def opened(prefix: str) -> MMapIndexedDataset:
+        return open_checked_dataset(prefix, embedding_size, cache_dir, build_cache)
+
+    if split_paths is not None:
+        def whole(name: str, prefix: str, num_samples: int) -> BertDataset:
+            indexed = opened(prefix)
+            return build(name, prefix, indexed, range(0, indexed.num_documents), num_samples)
+
+        return build_per_split_datasets(split_paths, train_valid_test_num_samples, whole,
+                                        cache_dir, build_cache, name_prefix="bert_")
     prefixes, weights = parse_data_paths(data_prefix)
     counts = ([train_valid_test_num_samples] if weights is None
               else blended_num_samples(weights, train_valid_test_num_samples))
     built = []
     for prefix, num_samples in zip(prefixes, counts):
-        indexed = open_checked_dataset(prefix, embedding_size, cache_dir, build_cache)
+        indexed = opened(prefix)
         bounds = get_train_valid_test_split(splits_string, indexed.num_documents)
-        splits = []
-        for i, name in enumerate(SPLIT_NAMES):
-            if bounds[i + 1] <= bounds[i] or num_samples[i] <= 0:
-                splits.append(None)
-                continue
-            splits.append(BertDataset(
-                name, prefix, indexed, range(bounds[i], bounds[i + 1]), num_samples[i],
-                seq_length, seed, vocab_size, cls_id, sep_id, mask_id, pad_id, masked_lm_prob,
-                short_seq_prob, binary_head, cache_dir, build_cache, word_starts, max_ngram,
-            ))
-        built.append(splits)
+        built.append([
+            build(name, prefix, indexed, range(bounds[i], bounds[i + 1]), num_samples[i])
+            if bounds[i + 1] > bounds[i] and num_samples[i] > 0 else None
+            for i, name in enumerate(SPLIT_NAMES)])
     return blend_split_datasets(built, weights, train_valid_test_num_samples, prefixes[0],
                                 cache_dir, build_cache, name_prefix="bert_")
 

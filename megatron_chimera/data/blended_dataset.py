@@ -8,15 +8,17 @@ dataset follows the weights as closely as whole samples allow. The indices are c
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from megatron_chimera.data.dataset_utils import (
     SPLIT_NAMES,
+    blended_num_samples,
     cache_prefix,
     load_npy,
+    parse_data_paths,
     save_npy_atomic,
 )
 
@@ -117,4 +119,42 @@ def blend_split_datasets(
             cache_dir=cache_dir or os.path.dirname(os.path.abspath(data_prefix)),
             build_cache=build_cache,
         ))
+    return tuple(result)
+
+
+def split_flag(index: int) -> str:
+    """``--train-data-path``, ``--valid-data-path`` or ``--test-data-path``."""
+    return f"--{SPLIT_NAMES[index]}-data-path"
+
+
+def build_per_split_datasets(
+    split_paths: Sequence[Sequence[str] | None],
+    train_valid_test_num_samples: Sequence[int],
+    build_whole: Callable[[str, str, int], torch.utils.data.Dataset],
+    cache_dir: str | None,
+    build_cache: bool,
+    name_prefix: str = "",
+) -> tuple[torch.utils.data.Dataset | None, ...]:
+    """Megatron's ``--train-data-path`` / ``--valid-data-path`` / ``--test-data-path``: split
+    ``i`` from every document of its own prefix, or a :class:`BlendedDataset` of its weighted
+    prefixes (``ceil(n w 1.005)`` samples each, as ``--data-path``); None for a split without
+    a path or without requested samples. ``build_whole(split name, prefix, samples)`` builds
+    one prefix's dataset over all its documents."""
+    result: list[torch.utils.data.Dataset | None] = []
+    for i, (name, paths) in enumerate(zip(SPLIT_NAMES, split_paths)):
+        size = train_valid_test_num_samples[i]
+        if not paths or size <= 0:
+            result.append(None)
+            continue
+        prefixes, weights = parse_data_paths(paths, split_flag(i))
+        counts = [size] if weights is None else [c[0] for c in blended_num_samples(weights,
+                                                                                      [size])]
+        parts = [build_whole(name, prefix, count) for prefix, count in zip(prefixes, counts)]
+        if weights is None:
+            result.append(parts[0])
+            continue
+        result.append(BlendedDataset(
+            parts, weights, size, name=f"{name_prefix}{name}_per_split",
+            cache_dir=cache_dir or os.path.dirname(os.path.abspath(prefixes[0])),
+            build_cache=build_cache))
     return tuple(result)

@@ -21,16 +21,18 @@ from megatron_chimera.data.indexed_dataset import (
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def parse_data_paths(data_path: Sequence[str]) -> tuple[list[str], list[float] | None]:
-    """``--data-path p`` or ``w1 p1 w2 p2 ...`` -> (prefixes, normalised weights or None)."""
+def parse_data_paths(data_path: Sequence[str], flag: str = "--data-path"
+                     ) -> tuple[list[str], list[float] | None]:
+    """``--data-path p`` or ``w1 p1 w2 p2 ...`` -> (prefixes, normalised weights or None);
+    ``flag`` (``--data-path``, ``--train-data-path``, ...) is the one the errors name."""
     items = list(data_path)
     if not items:
-        raise ConfigError("--data-path is empty")
+        raise ConfigError(f"{flag} is empty")
     if len(items) == 1:
         return items, None
     if len(items) % 2:
         raise ConfigError(
-            "--data-path takes one prefix or weight-prefix pairs (w1 p1 w2 p2 ...), "
+            f"{flag} takes one prefix or weight-prefix pairs (w1 p1 w2 p2 ...), "
             f"got {len(items)} items"
         )
     weights, prefixes = [], []
@@ -39,15 +41,15 @@ def parse_data_paths(data_path: Sequence[str]) -> tuple[list[str], list[float] |
             value = float(weight)
         except ValueError:
             raise ConfigError(
-                f"--data-path: weight {weight!r} (before {prefix}) is not a number"
+                f"{flag}: weight {weight!r} (before {prefix}) is not a number"
             ) from None
         if value < 0 or not math.isfinite(value):
-            raise ConfigError(f"--data-path: weight {weight} must be a finite number >= 0")
+            raise ConfigError(f"{flag}: weight {weight} must be a finite number >= 0")
         weights.append(value)
         prefixes.append(prefix)
     total = sum(weights)
     if total <= 0:
-        raise ConfigError("--data-path: the weights sum to 0")
+        raise ConfigError(f"{flag}: the weights sum to 0")
     return prefixes, [w / total for w in weights]
 
 

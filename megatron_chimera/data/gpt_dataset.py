@@ -224,7 +224,7 @@ def _build_split_datasets(
 
 
 def build_train_valid_test_datasets(
-    data_prefix: Sequence[str],
+    data_prefix: Sequence[str] | None,
     splits_string: str,
     train_valid_test_num_samples: Sequence[int],
     seq_length: int,
@@ -232,13 +232,28 @@ def build_train_valid_test_datasets(
     cache_dir: str | None = None,
     build_cache: bool = True,
     embedding_size: int | None = None,
+    split_paths: Sequence[Sequence[str] | None] | None = None,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
-    """(train, valid, test) GPT datasets from ``--data-path`` (one prefix or weighted prefixes).
+    """(train, valid, test) GPT datasets from ``--data-path`` (one prefix or weighted prefixes)
+    split by ``--split``, or with ``split_paths`` (``--train-data-path`` ...) each split from
+    its own files (``data_prefix`` and ``splits_string`` unused).
 
     A split with no documents or no requested samples is ``None``. An empty dataset, or one
     with a token id ``>= embedding_size`` (the model's padded vocabulary), is an error.
     """
-    from megatron_chimera.data.blended_dataset import blend_split_datasets
+    from megatron_chimera.data.blended_dataset import (
+        blend_split_datasets,
+        build_per_split_datasets,
+    )
+
+    if split_paths is not None:
+        def whole(name: str, prefix: str, num_samples: int) -> GPTDataset:
+            indexed = open_checked_dataset(prefix, embedding_size, cache_dir, build_cache)
+            return GPTDataset(name, prefix, indexed, np.arange(len(indexed), dtype=np.int32),
+                              num_samples, seq_length, seed, cache_dir, build_cache)
+
+        return build_per_split_datasets(split_paths, train_valid_test_num_samples, whole,
+                                        cache_dir, build_cache)
 
     prefixes, weights = parse_data_paths(data_prefix)
     counts = ([train_valid_test_num_samples] if weights is None

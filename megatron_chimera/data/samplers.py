@@ -13,6 +13,7 @@ executor hands pipe ``p`` the block ``[p * N / P, (p + 1) * N / P)`` of these ``
 from __future__ import annotations
 
 import itertools
+import signal
 from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
@@ -109,7 +110,15 @@ def build_pretraining_data_loader(
         dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_samples,
         pin_memory=torch.cuda.is_available(), persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(consumed_samples),
+        worker_init_fn=ignore_sigterm,
     )
+
+
+def ignore_sigterm(worker_id: int = 0) -> None:  # noqa: ARG001 - worker_init_fn signature
+    """A data worker ignores SIGTERM (``scancel`` signals every process of the job): it ends
+    with the training process, which may catch SIGTERM to save first (--exit-signal-handler),
+    instead of dying and failing the process's next batch."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def build_data_iterator(

@@ -10,6 +10,10 @@ Megatron's ``tools/preprocess_data.py`` decode the same way here:
   pieces when the model has none) are appended after the model's pieces; eod = ``<EOD>``.
 * ``GPTSentencePieceTokenizer``: a SentencePiece model as is; eod = the model's eos id.
 * ``NullTokenizer``: text is whitespace-separated integer ids; eod = ``vocab_size``.
+* ``HuggingFaceTokenizer``: ``--tokenizer-model DIR``, a local directory ``AutoTokenizer``
+  reads (a fast tokenizer's ``tokenizer.json`` and ``tokenizer_config.json``: Llama, Mistral,
+  Qwen2); ids as ``tokenizer(text).input_ids`` (its BOS included, as Megatron's wrapper);
+  vocab_size = ``len(tokenizer)``; eod = its eos id.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
     "NullTokenizer",
+    "HuggingFaceTokenizer",
 )
 
 
@@ -89,6 +94,16 @@ def _require_file(path: str | None, flag: str, tokenizer_type: str) -> str:
         raise ConfigError(f"{flag} is required for --tokenizer-type {tokenizer_type}")
     if not os.path.isfile(path):
         raise ConfigError(f"{flag} {path}: file not found")
+    return path
+
+
+def _require_directory(path: str | None, tokenizer_type: str) -> str:
+    """A local tokenizer directory (nothing is downloaded: a hub name is refused)."""
+    if path is None:
+        raise ConfigError(f"--tokenizer-model is required for --tokenizer-type {tokenizer_type}")
+    if not os.path.isdir(path):
+        raise ConfigError(f"--tokenizer-model {path}: not a directory (a local copy of the "
+                          "tokenizer, e.g. written by save_pretrained; nothing is downloaded)")
     return path
 
 
@@ -303,6 +318,37 @@ class GPTSentencePieceTokenizer(MegatronTokenizer):
         return pad if pad >= 0 else self._sp.eos_id()
 
 
+class HuggingFaceTokenizer(MegatronTokenizer):
+    """A ``transformers`` tokenizer from a local directory (Megatron's ``HuggingFaceTokenizer``:
+    its own special tokens, eod = eos)."""
+
+    def __init__(self, directory: str) -> None:
+        import transformers
+
+        self._tokenizer = transformers.AutoTokenizer.from_pretrained(directory,
+                                                                     local_files_only=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokenizer)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer(text).input_ids)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in ids])
+
+    @property
+    def eod(self) -> int:
+        eos = self._tokenizer.eos_token_id
+        return self._missing("an eos token") if eos is None else int(eos)
+
+    @property
+    def pad(self) -> int:
+        pad = self._tokenizer.pad_token_id
+        return self.eod if pad is None else int(pad)
+
+
 def _sentencepiece_pieces(sp) -> list[tuple[str, bool]]:
     """``(piece, ordinary)`` of a SentencePiece model's ids."""
     return [(sp.id_to_piece(i), not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i)))
@@ -364,6 +410,7 @@ REQUIRED_FILES: dict[str, tuple[str, ...]] = {
     "SentencePieceTokenizer": ("tokenizer_model",),
     "GPTSentencePieceTokenizer": ("tokenizer_model",),
     "NullTokenizer": (),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
 }
 
 
@@ -377,6 +424,9 @@ def check_tokenizer_args(tokenizer_type: str, tokenizer_model: str | None = None
                           + ", ".join(TOKENIZER_TYPES))
     paths = {"tokenizer_model": tokenizer_model, "vocab_file": vocab_file,
              "merge_file": merge_file}
+    if tokenizer_type == "HuggingFaceTokenizer":
+        _require_directory(tokenizer_model, tokenizer_type)
+        return
     for name in REQUIRED_FILES[tokenizer_type]:
         _require_file(paths[name], "--" + name.replace("_", "-"), tokenizer_type)
     if tokenizer_type == "NullTokenizer" and (vocab_size is None or vocab_size <= 0):
@@ -400,6 +450,8 @@ def _build(
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "GPTSentencePieceTokenizer":
         return GPTSentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
     return NullTokenizer(vocab_size)
 
 

@@ -96,7 +96,7 @@ def build_data_parallel(ddp: DDPConfig, modules: dict[int, nn.Module]) -> DataPa
         modules, ddp.grad_reduce_in_fp32,
         bucket_sizes={s: ddp.bucket_elements(n) for s, n in group_sizes.items()},
         shard_counts={k: g.size for k, g in shards.items()} if shards else None,
-        param_buffers=sharded)
+        param_buffers=sharded, fuse_wgrad_accumulation=ddp.gradient_accumulation_fusion)
     grad_sync = GradientSynchronizer.from_parallel_state(buffers, ddp.overlap_grad_reduce,
                                                          scatter=sharded)
     if sharded:

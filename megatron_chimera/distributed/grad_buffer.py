@@ -211,7 +211,9 @@ class ModelGradBuffers:
         grad = param.grad
         if grad is None:
             return
-        if grad.data_ptr() != param.main_grad.data_ptr():  # else autograd added in place
+        if getattr(param, "grad_added_to_main_grad", False):  # gradient-accumulation fusion
+            param.grad_added_to_main_grad = False
+        elif grad.data_ptr() != param.main_grad.data_ptr():  # else autograd added in place
             param.main_grad.add_(grad)
         param.grad = None
         if self._on_ready is not None:
@@ -264,13 +266,18 @@ TIED = "tied"  # key of the tied embedding in ``shard_counts`` (its embedding-gr
 def build_grad_buffers(stage_modules: dict[int, nn.Module], grad_reduce_in_fp32: bool,
                        bucket_sizes: dict[int, int | None] | None = None,
                        shard_counts: dict[int | str, int] | None = None,
-                       param_buffers: bool = False) -> ModelGradBuffers:
+                       param_buffers: bool = False,
+                       fuse_wgrad_accumulation: bool = False) -> ModelGradBuffers:
     """Buffers for every stage module of this rank, one for the tied embedding, and hooks.
 
     ``bucket_sizes[stage]``: elements per bucket (default None: one bucket per buffer).
     ``shard_counts[stage]``: ranks the stage is sharded over (distributed optimizer; default 1),
     ``shard_counts[TIED]`` those the tied embedding is sharded over.
     ``param_buffers``: move sharded parameters into flat buffers (the all-gather target).
+    ``fuse_wgrad_accumulation``: mark the stage buffers' parameters so that the deferrable
+    linears compute their weight gradients straight into ``main_grad`` (gradient-accumulation
+    fusion, see ``tensor_parallel.weight_grad``); never the tied embedding, whose copies take
+    gradients from two uses in one backward.
     """
     shard_counts = shard_counts or {}
     bucket_sizes = bucket_sizes or {}
@@ -295,6 +302,9 @@ def build_grad_buffers(stage_modules: dict[int, nn.Module], grad_reduce_in_fp32:
         for copy in copies[1:]:  # identical values: one gradient and one storage for all
             copy.main_grad = copies[0].main_grad
             copy.data = copies[0].data
+    for buffer in (b for per_stage in stages.values() for b in per_stage):
+        for param in buffer.params:
+            param.fuse_wgrad_accumulation = fuse_wgrad_accumulation
     tied_stages = {s for s, m in stage_modules.items() if shared_embedding_weight(m) is not None}
     buffers = ModelGradBuffers(stages, tied, copies, tied_stages)
     buffers.register_hooks()

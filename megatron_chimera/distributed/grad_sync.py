@@ -8,7 +8,9 @@ optimizer a SUM reduce-scatter that leaves each rank its own shard.
 
 A bucket is ready once its gradients are final: with ``overlap_grad_reduce``, as soon as every
 parameter of the bucket received its gradient in the stage's last backward on this rank (the
-executor announces that action); otherwise when that action is over. Buckets are issued in one
+executor announces that action); otherwise when that action is over and its sends are posted
+(the executor reports it before the next action). Where collectives are issued is part of the
+schedule validator's device-sync check (``schedules.sync_check``). Buckets are issued in one
 global order -- descending stage id, then bucket order, the tied embedding last -- and a bucket
 is issued only when every bucket before it has been, so two groups over the same ranks can never
 be entered in different orders (Chimera's eager, descending-stage reduction).
@@ -29,6 +31,7 @@ layout, so they reach every bucket at the same point, in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +46,7 @@ from megatron_chimera.distributed.grad_buffer import (
     local_shared_copies,
     shared_embedding_weight,
 )
+from megatron_chimera.tensor_parallel.collectives import reduce_scatter_single
 from megatron_chimera.tensor_parallel.grads import (
     allreduce_sequence_parallel_grads,
     is_sequence_parallel,
@@ -68,7 +72,12 @@ class Collectives:
     def reduce_scatter(self, output: torch.Tensor, tensor: torch.Tensor,
                        group: dist.ProcessGroup) -> dist.Work:
         """SUM reduce-scatter of ``tensor`` into this rank's ``output`` slice."""
-        return dist.reduce_scatter_single(output, tensor, group=group, async_op=True)
+        return reduce_scatter_single(output, tensor, group=group, async_op=True)
+
+
+# told of every collective the synchronizer issues: (group, label); the NCCL-semantics test
+# transport uses it to make a device-wide sync wait for the group (pipeline/nccl_semantics.py)
+CollectiveWatcher = Callable[[dist.ProcessGroup, str], None]
 
 
 @dataclass
@@ -88,9 +97,9 @@ class _Item:
     ready: bool = False
     work: dist.Work | None = None
 
-    def issue(self, collectives: Collectives) -> None:
+    def issue(self, collectives: Collectives, watcher: CollectiveWatcher | None = None) -> None:
         """Sum the bucket's sequence-parallel gradients over the tensor-parallel group, then
-        start its collective (nothing to do on a group of one)."""
+        start its collective (nothing to do on a group of one) and tell ``watcher``."""
         allreduce_sequence_parallel_grads(self.sequence_parallel, self.tensor_group)
         if _group_size(self.group) <= 1:
             return
@@ -102,6 +111,9 @@ class _Item:
                                                    self.group)
         else:
             self.work = collectives.all_reduce(grads, self.group)
+        if watcher is not None:
+            what = "embedding" if self.stage is None else f"stage {self.stage}"
+            watcher(self.group, f"reduction of {what} bucket {self.bucket.start}")
 
 
 class GradientSynchronizer:
@@ -139,6 +151,7 @@ class GradientSynchronizer:
         self._final: set[int] = set()
         self._done: set[int] = set()
         self._next = 0
+        self._watcher: CollectiveWatcher | None = None
         buffers.set_ready_callback(self._grad_ready if overlap_grad_reduce else None)
 
     @classmethod
@@ -155,8 +168,10 @@ class GradientSynchronizer:
         """Collectives per iteration (buckets plus the tied embedding)."""
         return len(self._items)
 
-    def start_iteration(self) -> None:
-        """Forget the previous iteration's progress (the buffers are zeroed by the optimizer)."""
+    def start_iteration(self, watcher: CollectiveWatcher | None = None) -> None:
+        """Forget the previous iteration's progress (the buffers are zeroed by the optimizer);
+        ``watcher`` hears of every collective this iteration issues."""
+        self._watcher = watcher
         self._final.clear()
         self._done.clear()
         self._next = 0
@@ -179,7 +194,7 @@ class GradientSynchronizer:
         item.waiting.discard(index)
         if not item.waiting:
             item.ready = True
-            self._issue_ready()
+            self._issue_ready(between_actions=False)
 
     def stage_done(self, stage: int) -> None:
         """This rank finished every backward of ``stage``: its buckets are ready."""
@@ -192,15 +207,23 @@ class GradientSynchronizer:
             self._tied.ready = True
         self._issue_ready()
 
-    def _issue_ready(self) -> None:
+    def _issue_ready(self, between_actions: bool = True) -> None:
+        """Issue the ready items in the global order. The tied embedding's only between two
+        actions: issued from inside a stage's last backward (after that stage's last bucket),
+        a device-wide sync later in the same action would wait for the embedding group's other
+        end, which may need this action's output (the schedule validator's collective check
+        finds this on the interleaved schedule)."""
         while self._next < len(self._items) and self._items[self._next].ready:
-            self._items[self._next].issue(self.collectives)
+            item = self._items[self._next]
+            if item is self._tied and not between_actions:
+                return
+            item.issue(self.collectives, self._watcher)
             self._next += 1
 
     def finish(self) -> None:
         """Issue what is left (in order) and wait for every collective."""
         for item in self._items[self._next:]:
-            item.issue(self.collectives)
+            item.issue(self.collectives, self._watcher)
         self._next = len(self._items)
         for item in self._items:
             if item.work is not None:

@@ -38,7 +38,7 @@ from megatron_chimera.config import (
     TrainingConfig,
 )
 from megatron_chimera.data.tokenizers import build_tokenizer
-from megatron_chimera.hf import bert, gpt2
+from megatron_chimera.hf import bert, gpt2, llama
 from megatron_chimera.hf.common import HFError
 from megatron_chimera.hf.hf_dir import (
     CONFIG_FILE,
@@ -53,7 +53,10 @@ from megatron_chimera.hf.tokenizer_files import export_tokenizer, import_tokeniz
 from megatron_chimera.inference.loader import LoadedModel, build_model, load_model, load_tokenizer
 from megatron_chimera.model.family import BERT, GPT2, ModelFamily
 
-FAMILY_OF_MODEL_TYPE = {gpt2.MODEL_TYPE: GPT2, bert.MODEL_TYPE: BERT}
+FAMILY_OF_MODEL_TYPE = {gpt2.MODEL_TYPE: GPT2, bert.MODEL_TYPE: BERT,
+                        **{model_type: GPT2 for model_type in llama.ARCHITECTURES}}
+CONFIG_CLASSES = {gpt2.MODEL_TYPE: "GPT2Config", bert.MODEL_TYPE: "MegatronBertConfig",
+                  "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,8 @@ class ExportResult:
     agreement: Agreement | None = None
 
 
-def read_hf_config(hf_dir: str) -> tuple[str, Any]:
-    """The family (GPT-2 or BERT) and the ``transformers`` config object of ``hf_dir``."""
+def read_hf_config(hf_dir: str) -> tuple[ModelFamily, Any]:
+    """The family (GPT or BERT) and the ``transformers`` config object of ``hf_dir``."""
     raw = read_config(hf_dir)
     model_type = raw["model_type"]
     if model_type not in FAMILY_OF_MODEL_TYPE:
@@ -98,7 +101,7 @@ def read_hf_config(hf_dir: str) -> tuple[str, Any]:
                       f"supported (one of {', '.join(FAMILY_OF_MODEL_TYPE)})")
     transformers = require_transformers()
     family = FAMILY_OF_MODEL_TYPE[model_type]
-    cls = transformers.GPT2Config if family is GPT2 else transformers.MegatronBertConfig
+    cls = getattr(transformers, CONFIG_CLASSES[model_type])
     try:
         return family, cls.from_dict(raw)
     except (TypeError, ValueError) as exc:
@@ -109,7 +112,7 @@ def _checkpoint_args(model: ModelConfig, tokenizer: TokenizerSettings, family: M
                      provenance: dict[str, Any]) -> dict[str, Any]:
     """The argument record of an imported checkpoint (the same shape training saves)."""
     data = DataConfig(tokenizer_type=tokenizer.tokenizer_type, vocab_file=tokenizer.vocab_file,
-                      merge_file=tokenizer.merge_file)
+                      merge_file=tokenizer.merge_file, tokenizer_model=tokenizer.tokenizer_model)
     config = TrainConfig(model=model, parallel=ParallelConfig(), optimizer=OptimizerConfig(),
                          data=data, training=TrainingConfig(), checkpoint=CheckpointConfig(),
                          logging=LoggingConfig())
@@ -122,10 +125,12 @@ def _checkpoint_args(model: ModelConfig, tokenizer: TokenizerSettings, family: M
 def _tokenizer_notes(tokenizer: TokenizerSettings, model: ModelConfig, hf_dir: str) -> list[str]:
     """Check the copied tokenizer against the model's vocabulary."""
     if tokenizer.tokenizer_type is None:
-        return [f"{hf_dir} has no GPT-2 BPE (vocab.json + merges.txt) or WordPiece (vocab.txt) "
-                "files: the checkpoint has no tokenizer (pass --tokenizer-type ... to the tools)"]
+        return [f"{hf_dir} has no GPT-2 BPE (vocab.json + merges.txt), WordPiece (vocab.txt) or "
+                "fast tokenizer (tokenizer.json) files: the checkpoint has no tokenizer (pass "
+                "--tokenizer-type ... to the tools)"]
     built = build_tokenizer(tokenizer.tokenizer_type, vocab_file=tokenizer.vocab_file,
-                            merge_file=tokenizer.merge_file)
+                            merge_file=tokenizer.merge_file,
+                            tokenizer_model=tokenizer.tokenizer_model)
     if built.vocab_size > model.vocab_size:
         return [f"the tokenizer has {built.vocab_size} ids (Megatron's {tokenizer.tokenizer_type} "
                 f"included), the model {model.vocab_size}: training with it needs a padded "
@@ -148,7 +153,11 @@ def import_hf(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
     family, hf = read_hf_config(hf_dir)
     tensors, weights_file = read_weights(hf_dir)
     config_path = os.path.join(hf_dir, CONFIG_FILE)
-    if family is GPT2:
+    if hf.model_type in llama.ARCHITECTURES:
+        model_config = llama.model_config_from_hf(hf, config_path, make_vocab_size_divisible_by,
+                                                  max_position_embeddings)
+        state = llama.state_from_hf(tensors, model_config, weights_file)
+    elif family is GPT2:
         model_config = gpt2.model_config_from_hf(hf, config_path, make_vocab_size_divisible_by,
                                                  max_position_embeddings)
         state = gpt2.state_from_hf(tensors, model_config, weights_file)
@@ -162,7 +171,7 @@ def import_hf(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
         raise HFError(f"{weights_file}: the weights do not fit {config_path} ({exc})") from None
-    tokenizer = import_tokenizer(hf_dir, save, family)
+    tokenizer = import_tokenizer(hf_dir, save, family, prefer_fast=hf.model_type != "gpt2")
     notes = _tokenizer_notes(tokenizer, model_config, hf_dir)
     provenance = {"hf_dir": os.path.abspath(hf_dir), "model_type": hf.model_type,
                   "weights": os.path.basename(weights_file)}
@@ -185,15 +194,39 @@ def _special_id(loaded: LoadedModel, name: str) -> int | None:
         return None
 
 
+def llama_model_type(loaded: LoadedModel, model_type: str | None) -> str | None:
+    """The Hugging Face architecture a GPT checkpoint exports as: None for GPT-2 (learned
+    positions), else ``model_type`` when given, the imported model's type, or ``qwen2`` with a
+    QKV bias and ``llama`` without."""
+    config = loaded.model_config
+    if config.position_embedding_type != "rope" and model_type is None:
+        return None
+    if model_type is not None:
+        if model_type not in llama.ARCHITECTURES:
+            raise HFError(f"--model-type {model_type!r}: choose one of "
+                          f"{', '.join(llama.ARCHITECTURES)}")
+        return model_type
+    imported = ((loaded.common.get("args") or {}).get("imported_from") or {}).get("model_type")
+    if imported in llama.ARCHITECTURES:
+        return imported
+    return "qwen2" if config.add_qkv_bias else "llama"
+
+
 def export_hf(load: str, hf_dir: str, overwrite: bool = False,
-              verify: bool = True) -> ExportResult:
-    """Write the checkpoint under ``load`` as a ``from_pretrained`` directory ``hf_dir``."""
+              verify: bool = True, model_type: str | None = None) -> ExportResult:
+    """Write the checkpoint under ``load`` as a ``from_pretrained`` directory ``hf_dir``
+    (``model_type``: llama, mistral or qwen2 for a RoPE model; default as imported)."""
     transformers = require_transformers()
     loaded = load_model(load, "cpu", params_dtype="fp32")
     config = loaded.model_config
     state = {k: v.detach() for k, v in loaded.model.state_dict().items()}
     notes: list[str] = []
-    if loaded.family is GPT2:
+    decoder = llama_model_type(loaded, model_type) if loaded.family is GPT2 else None
+    if decoder is not None:
+        tensors = llama.state_to_hf(state, config)
+        cls = getattr(transformers, CONFIG_CLASSES[decoder])
+        hf_config = cls(**llama.hf_config_dict(config, decoder, _special_id(loaded, "eod")))
+    elif loaded.family is GPT2:
         tensors = gpt2.state_to_hf(state, config)
         hf_config = transformers.GPT2Config(**gpt2.hf_config_dict(
             config, _special_id(loaded, "eod")))
@@ -225,7 +258,9 @@ def compare_with_transformers(model: torch.nn.Module, family: ModelFamily, confi
     was_training = model.training
     model.eval()
     if family is GPT2:
-        hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, attn_implementation="eager")
+        cls = (transformers.GPT2LMHeadModel if config.learned_positions
+               else transformers.AutoModelForCausalLM)
+        hf = cls.from_pretrained(hf_dir, attn_implementation="eager")
         ours = model(tokens, torch.arange(seq).expand(batch, seq))
         theirs = hf.eval()(input_ids=tokens).logits
     else:

@@ -116,8 +116,22 @@ def _take_head(src: TensorSource, wte: torch.Tensor, config: ModelConfig,
                 "lm_head.weight differs from wte.weight but tie_word_embeddings is true")
 
 
+def check_exportable(config: ModelConfig) -> None:
+    """HFError when ``config`` is not GPT-2's architecture (LayerNorm, GeLU MLP with biases,
+    learned positions, one key/value head per head of size hidden / heads)."""
+    gpt2_shaped = (config.normalization == "LayerNorm" and not config.swiglu
+                   and config.add_bias_linear and config.num_query_groups is None
+                   and config.kv_channels in (None, config.hidden_size // config.num_attention_heads)
+                   and config.learned_positions)
+    if not gpt2_shaped:
+        raise HFError("export-hf: the checkpoint's model is neither GPT-2-shaped (LayerNorm, GeLU "
+                      "MLP with biases, learned positions, no query groups) nor a RoPE decoder "
+                      "(Llama, Mistral, Qwen2): transformers has no architecture for it")
+
+
 def state_to_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """A ``GPT2LMHeadModel`` state dict from our whole-model state dict (vocabulary unpadded)."""
+    check_exportable(config)
     heads, vocab = config.num_attention_heads, config.vocab_size
     out = {"transformer.wte.weight": trim_vocab_rows(state[_EMB + "word_embeddings.weight"],
                                                      vocab),

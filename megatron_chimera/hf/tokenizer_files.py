@@ -1,8 +1,9 @@
 """Tokenizer files between a Hugging Face directory and a checkpoint.
 
 Import copies GPT-2 BPE (``vocab.json`` + ``merges.txt``) or WordPiece (``vocab.txt``) files into
-``<checkpoint>/tokenizer/`` and records the matching ``--tokenizer-type`` in the checkpoint's
-arguments; export writes the files of a GPT-2 BPE or WordPiece tokenizer with a
+``<checkpoint>/tokenizer/`` (a Llama / Mistral / Qwen2 fast tokenizer's files into
+``<checkpoint>/tokenizer/huggingface/``, as ``HuggingFaceTokenizer``) and records the matching
+``--tokenizer-type`` in the checkpoint's arguments; export writes the files of a GPT-2 BPE or WordPiece tokenizer with a
 ``tokenizer_config.json`` that ``AutoTokenizer.from_pretrained`` reads. Other tokenizers
 (SentencePiece, NullTokenizer) have no Hugging Face GPT-2 / BERT form and are not exported.
 """
@@ -25,6 +26,11 @@ from megatron_chimera.model.family import BERT, GPT2, ModelFamily
 GPT2_FILES = ("vocab.json", "merges.txt")
 WORDPIECE_FILE = "vocab.txt"
 EOT = "<|endoftext|>"
+FAST_TOKENIZER_FILE = "tokenizer.json"
+# the files of a transformers tokenizer directory that travel with a checkpoint
+HF_TOKENIZER_FILES = (FAST_TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
+                      "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+HF_TOKENIZER_DIR = "huggingface"  # under <checkpoint>/tokenizer/
 
 
 def _copy(src: str, dst_dir: str) -> str:
@@ -48,9 +54,19 @@ def _lower_case(hf_dir: str) -> bool:
         raise HFError(f"{path}: not valid JSON ({exc})") from None
 
 
-def import_tokenizer(hf_dir: str, save_root: str, family: ModelFamily) -> TokenizerSettings:
-    """Copy the family's tokenizer files (if ``hf_dir`` has them) into the checkpoint."""
+def import_tokenizer(hf_dir: str, save_root: str, family: ModelFamily,
+                     prefer_fast: bool = False) -> TokenizerSettings:
+    """Copy the family's tokenizer files (if ``hf_dir`` has them) into the checkpoint;
+    ``prefer_fast`` (Llama, Mistral, Qwen2): a fast tokenizer's files first, as
+    ``HuggingFaceTokenizer`` in ``<checkpoint>/tokenizer/huggingface/``."""
     target = os.path.join(save_root, TOKENIZER_DIR)
+    if prefer_fast and os.path.isfile(os.path.join(hf_dir, FAST_TOKENIZER_FILE)):
+        directory = os.path.join(target, HF_TOKENIZER_DIR)
+        for name in HF_TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(hf_dir, name)):
+                _copy(os.path.join(hf_dir, name), directory)
+        return TokenizerSettings("HuggingFaceTokenizer",
+                                 tokenizer_model=os.path.abspath(directory))
     if family is GPT2 and all(os.path.isfile(os.path.join(hf_dir, f)) for f in GPT2_FILES):
         vocab, merges = (_copy(os.path.join(hf_dir, f), target) for f in GPT2_FILES)
         return TokenizerSettings("GPT2BPETokenizer", vocab, merges)
@@ -65,6 +81,12 @@ def export_tokenizer(data: DataConfig, ckpt_root: str,
     """Hugging Face tokenizer files for the checkpoint's tokenizer, and a note when there are
     none (another tokenizer type, or its files are gone)."""
     kind = data.tokenizer_type
+    if kind == "HuggingFaceTokenizer":
+        directory = resolve_file(data.tokenizer_model, ckpt_root)
+        if directory is None or not os.path.isdir(directory):
+            return {}, f"tokenizer directory {data.tokenizer_model} not found"
+        return {name: _read(os.path.join(directory, name)) for name in HF_TOKENIZER_FILES
+                if os.path.isfile(os.path.join(directory, name))}, None
     vocab = resolve_file(data.vocab_file, ckpt_root)
     if kind == "GPT2BPETokenizer":
         merges = resolve_file(data.merge_file, ckpt_root)

@@ -44,7 +44,8 @@ def load_gpt(args: argparse.Namespace, tool: str) -> tuple[LoadedModel, Megatron
                           "needs a GPT (left-to-right) model")
     override = None
     if args.tokenizer_type is not None:
-        override = TokenizerSettings(args.tokenizer_type, args.vocab_file, args.merge_file)
+        override = TokenizerSettings(args.tokenizer_type, args.vocab_file, args.merge_file,
+                                     args.tokenizer_model)
     else:
         for flag in ("vocab_file", "merge_file", "tokenizer_model"):
             if getattr(args, flag) is not None:

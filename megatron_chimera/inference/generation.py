@@ -1,7 +1,8 @@
 """Autoregressive text generation from a GPT model on one device, with a KV cache.
 
-The prompt is run once (prefill), storing every layer's keys and values; each new token then runs
-one position through the layers, attending to the cache. The layers' own modules (layer norms,
+The prompt is run once (prefill), storing every layer's keys and values (the key/value heads
+only, RoPE applied, with grouped-query attention one per group); each new token then runs one
+position through the layers, attending to the cache. The layers' own modules (layer norms,
 ``query_key_value``, ``dense``, MLP, the tied or untied head with its padded-vocabulary mask) are
 reused, so the cached path computes what ``GPTModel.forward`` computes (a test holds them equal).
 Next-token choice: greedy (argmax), or sampling with temperature, then top-k, then top-p (nucleus),
@@ -38,7 +39,8 @@ class SamplingParams:
 
 
 class KVCache:
-    """Per-layer keys and values ``[b, heads, t, head_dim]`` of the positions run so far."""
+    """Per-layer keys and values ``[b, kv heads, t, head_dim]`` of the positions run so far (the
+    key/value heads only: one per query group with grouped-query attention)."""
 
     def __init__(self, num_layers: int) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
@@ -74,15 +76,15 @@ def forward_cached(model: GPTModel, tokens: torch.Tensor, cache: KVCache) -> tor
     lm = model.language_model
     positions = torch.arange(start, start + s, device=tokens.device).expand(b, s)
     hidden = lm.embedding(tokens, positions)  # [s, b, h]
+    rotary = lm.encoder.rotary_tables(hidden, positions)
     # query i (absolute position start + i) may attend to keys 0 .. start + i
     allowed = (torch.arange(start + s, device=tokens.device)[None, :]
                <= torch.arange(start, start + s, device=tokens.device)[:, None])
     for index, layer in enumerate(lm.encoder.layers):
         attention = layer.self_attention
         qkv, _ = attention.query_key_value(layer.input_layernorm(hidden))
-        qkv = qkv.view(s, b, attention.num_heads, 3 * attention.head_dim)
-        query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(attention.head_dim, -1))
-        key, value = cache.extend(index, key, value)
+        query, key, value = attention.query_key_value_heads(qkv, rotary)
+        key, value = attention.repeat_key_value(*cache.extend(index, key, value))
         context = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed)
         context = context.permute(2, 0, 1, 3).reshape(s, b, -1)
         hidden = _residual(hidden, attention.dense(context))
@@ -131,7 +133,7 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, params: Sa
     ``stop_token``, which is not returned)."""
     if not prompt:
         raise ValueError("the prompt must have at least one token")
-    limit = model.language_model.embedding.position_embeddings.num_embeddings
+    limit = model.config.max_positions
     if len(prompt) + max_new_tokens > limit:
         raise ConfigError(f"--max-new-tokens {max_new_tokens}: prompt ({len(prompt)} tokens) plus "
                           f"new tokens exceed the model's {limit} positions")

@@ -14,7 +14,7 @@ from megatron_chimera.model.fused import FusedBackend, gelu, get_fused_backend
 from megatron_chimera.model.language_model import (
     MegatronModule,
     TransformerLanguageModel,
-    mask_padded_vocab,
+    mask_padded_vocab_,
     parallel_lm_logits,
     per_token_cross_entropy,
     resolve_layer_range,
@@ -67,13 +67,16 @@ class BertLMHead(nn.Module):
         self.tanh_gelu = config.gelu == "tanh"
         self.vocab_size = config.vocab_size
 
-    def forward(self, hidden: torch.Tensor, word_embeddings_weight: torch.Tensor) -> torch.Tensor:
-        """``[s(/T), b, h]`` -> logits ``[b, s, V/T]``."""
+    def forward(self, hidden: torch.Tensor, word_embeddings_weight: torch.Tensor,
+                batch_first: bool = True) -> torch.Tensor:
+        """``[s(/T), b, h]`` -> logits ``[b, s, V/T]`` (``[s, b, V/T]``, the matmul's layout,
+        without ``batch_first``: what the training loss reads)."""
         hidden = self.dense(hidden)
         hidden = self.layernorm(gelu(hidden) if self.tanh_gelu else F.gelu(hidden))
         logits = parallel_lm_logits(hidden, word_embeddings_weight, self.sequence_parallel,
                                     self.bias)
-        return mask_padded_vocab(logits.transpose(0, 1).contiguous(), self.vocab_size)
+        logits = mask_padded_vocab_(logits, self.vocab_size)
+        return logits.transpose(0, 1).contiguous() if batch_first else logits
 
 
 class BertModel(MegatronModule):
@@ -122,10 +125,11 @@ class BertModel(MegatronModule):
         sop_logits = None
         if self.binary_head is not None:
             sop_logits = self.binary_head(self.language_model.pooler(hidden))
-        lm_logits = self.lm_head(hidden, self.shared_embedding_or_output_weight())
+        weight = self.shared_embedding_or_output_weight()
         if lm_labels is None:
-            return lm_logits, sop_logits
-        return per_token_cross_entropy(lm_logits, lm_labels), sop_logits
+            return self.lm_head(hidden, weight), sop_logits
+        return (per_token_cross_entropy(self.lm_head(hidden, weight, batch_first=False),
+                                        lm_labels), sop_logits)
 
 
 def build_bert_stage(config: ModelConfig, partition: list[tuple[int, int]], stage: int,

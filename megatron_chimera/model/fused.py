@@ -113,6 +113,22 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (``--normalization RMSNorm``): ``weight * x / rms(x)``, the statistic
+    in fp32 and the product in the input's dtype (as Megatron and transformers); no bias."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` over its last dimension."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
 # --------------------------------------------------------------------------- element-wise
 def gelu(x: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """GeLU with the tanh approximation (Megatron's ``bias_gelu``; the bias comes from ``Linear``).
@@ -122,6 +138,12 @@ def gelu(x: torch.Tensor, fused: bool = True) -> torch.Tensor:
     if fused:
         return F.gelu(x, approximate="tanh")
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate | up]`` along the last dimension (Megatron's order)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,

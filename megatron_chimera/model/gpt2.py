@@ -47,10 +47,9 @@ class GPTModel(MegatronModule):
         hidden = self.language_model(input_ids, position_ids, attention_mask)
         if not self.post_process:
             return hidden
-        logits = self.output_logits(hidden)
         if labels is None:
-            return logits
-        return per_token_cross_entropy(logits, labels)
+            return self.output_logits(hidden)
+        return per_token_cross_entropy(self.lm_logits(hidden), labels)
 
 
 def build_gpt_stage(config: ModelConfig, partition: list[tuple[int, int]], stage: int,

@@ -80,16 +80,20 @@ def parallel_lm_logits(hidden: torch.Tensor, weight: torch.Tensor, sequence_para
 
 
 class Embedding(nn.Module):
-    """Word + learned position (+ token type) embeddings and dropout; output ``[s, b, h]``."""
+    """Word + learned position (+ token type) embeddings and dropout; output ``[s, b, h]``. With
+    ``--position-embedding-type rope`` or ``none`` there are no position embeddings (RoPE acts
+    in the attention)."""
 
     def __init__(self, config: ModelConfig, num_tokentypes: int, seed: int) -> None:
         super().__init__()
         std, dtype = config.init_method_std, config.torch_dtype
         self.word_embeddings = word_embeddings(config, seed)
-        self.position_embeddings = skip_init(nn.Embedding, config.max_positions,
-                                             config.hidden_size, dtype=dtype)
-        init_normal_(self.position_embeddings.weight, std,
-                     make_generator(seed, POSITION_EMBEDDINGS_KEY))
+        self.position_embeddings = None
+        if config.learned_positions:
+            self.position_embeddings = skip_init(nn.Embedding, config.max_positions,
+                                                 config.hidden_size, dtype=dtype)
+            init_normal_(self.position_embeddings.weight, std,
+                         make_generator(seed, POSITION_EMBEDDINGS_KEY))
         self.tokentype_embeddings = None
         if num_tokentypes > 0:
             self.tokentype_embeddings = skip_init(nn.Embedding, num_tokentypes,
@@ -103,11 +107,13 @@ class Embedding(nn.Module):
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``[b, s]`` token ids -> ``[s, b, h]`` embeddings (``[s/T, b, h]``, this rank's chunk
         of the sequence, under sequence parallelism)."""
-        if input_ids.shape[1] > self.position_embeddings.num_embeddings:
-            raise ValueError(
-                f"sequence length {input_ids.shape[1]} exceeds --max-position-embeddings "
-                f"{self.position_embeddings.num_embeddings}")
-        embeddings = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        embeddings = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            if input_ids.shape[1] > self.position_embeddings.num_embeddings:
+                raise ValueError(
+                    f"sequence length {input_ids.shape[1]} exceeds --max-position-embeddings "
+                    f"{self.position_embeddings.num_embeddings}")
+            embeddings = embeddings + self.position_embeddings(position_ids)
         if self.tokentype_embeddings is not None:
             if tokentype_ids is None:
                 raise ValueError("this model has token-type embeddings: pass tokentype_ids")
@@ -161,7 +167,8 @@ class TransformerLanguageModel(nn.Module):
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, tensor_parallel_vocab_size(config), bias=False,
                 gather_output=False, sequence_parallel=uses_sequence_parallel(config),
-                dtype=config.torch_dtype)
+                dtype=config.torch_dtype,
+                async_allreduce=config.async_tensor_model_parallel_allreduce)
             self.output_layer.weight.master_size = config.padded_vocab_size
             init_linear_(self.output_layer, config.init_method_std,
                          make_generator(seed, OUTPUT_LAYER_KEY))
@@ -173,7 +180,8 @@ class TransformerLanguageModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
                 mask: AttentionMask,
                 tokentype_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states ``[s, b, h]`` after this stage's layers (and the final layer norm)."""
+        """Hidden states ``[s, b, h]`` after this stage's layers (and the final layer norm);
+        ``position_ids`` also place the rotary embedding of every stage (None: ``0..s-1``)."""
         if self.pre_process:
             seed_site(current_stream(), EMBEDDING_SITE)
             hidden = self.embedding(input_ids, position_ids, tokentype_ids)
@@ -181,7 +189,7 @@ class TransformerLanguageModel(nn.Module):
             if self.input_tensor is None:
                 raise RuntimeError("non-first stage: call set_input_tensor() before forward()")
             hidden = self.input_tensor
-        return self.encoder(hidden, mask)
+        return self.encoder(hidden, mask, position_ids)
 
 
 class MegatronModule(nn.Module):
@@ -214,39 +222,47 @@ class MegatronModule(nn.Module):
             return self.word_embeddings.weight
         return None
 
-    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[s(/T), b, h]`` -> logits ``[b, s, V/T]`` of this rank's range of the padded
-        vocabulary (``[b, s, V]`` with T = 1; padding masked)."""
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s(/T), b, h]`` -> logits ``[s, b, V/T]`` of this rank's range of the padded
+        vocabulary, as the matmul leaves them (no transpose; padding masked in place)."""
         if self.tied:
             logits = parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
                                         uses_sequence_parallel(self.config))
         else:
             logits, _ = self.language_model.output_layer(hidden)
-        return mask_padded_vocab(logits.transpose(0, 1).contiguous(), self.config.vocab_size)
+        return mask_padded_vocab_(logits, self.config.vocab_size)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[s(/T), b, h]`` -> logits ``[b, s, V/T]`` (batch first, for generation and
+        evaluation; the training loss reads :meth:`lm_logits` without the transpose)."""
+        return self.lm_logits(hidden).transpose(0, 1).contiguous()
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Set the logits of the vocabulary padding columns (ids >= ``vocab_size``) to -inf, so ids no
-    tokenizer produces never take probability mass, in the loss or in sampling; their gradients
-    are zero. ``logits`` are this tensor-parallel rank's vocabulary range."""
+def mask_padded_vocab_(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set the logits of the vocabulary padding columns (ids >= ``vocab_size``) to -inf, in
+    place (``logits`` is the output layer's fresh result: no copy), so ids no tokenizer produces
+    never take probability mass, in the loss or in sampling; their gradients are zero.
+    ``logits`` are this tensor-parallel rank's vocabulary range."""
     local = logits.shape[-1]
     first = parallel_state.get_tensor_model_parallel_rank() * local
-    if first + local <= vocab_size:
-        return logits
-    is_padding = torch.arange(first, first + local, device=logits.device) >= vocab_size
-    return logits.masked_fill(is_padding, float("-inf"))
+    if first + local > vocab_size:
+        logits[..., max(vocab_size - first, 0):].fill_(float("-inf"))
+    return logits
 
 
 def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """fp32 cross-entropy ``[b, s]`` of logits ``[b, s, V]`` (padding columns are -inf); with
-    T > 1 the logits are this rank's vocabulary range and the loss is vocabulary-parallel."""
-    b, s, v = logits.shape
+    """fp32 cross-entropy ``[b, s]`` of logits ``[s, b, V]`` (as the output layer leaves them;
+    padding columns -inf) against ``labels`` ``[b, s]``; with T > 1 the logits are this rank's
+    vocabulary range and the loss is vocabulary-parallel. Only the ``[s, b]`` targets and losses
+    are transposed, never the logits."""
+    s, b, v = logits.shape
     if labels.shape != (b, s):
         raise ValueError(f"labels shape {tuple(labels.shape)} != logits' [b, s] {(b, s)}")
+    target = labels.t()
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        return vocab_parallel_cross_entropy(logits, labels)
-    return F.cross_entropy(logits.float().view(b * s, v), labels.reshape(b * s),
-                           reduction="none").view(b, s)
+        return vocab_parallel_cross_entropy(logits, target).t()
+    return F.cross_entropy(logits.float().view(s * b, v), target.reshape(s * b),
+                           reduction="none").view(s, b).t()
 
 
 def resolve_layer_range(config: ModelConfig,

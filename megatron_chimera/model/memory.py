@@ -34,8 +34,9 @@ The first stage adds the embedding dropout mask and token/position indices; the 
 final layer norm, the head's saved inputs and the fp32 log-probabilities of the loss (``4*s*b*V``).
 
 Tensor parallelism (T ranks; Korthikanti et al.'s ``sbh(10 + 24/T)``): the ``12*sbh*B`` bytes
-inside the tensor-parallel regions (QKV, attention, MLP inner activations) and the attention core
-are divided by T; the two LayerNorm inputs and dropout masks (``2*sbh*B + masks``) and the inputs
+inside the tensor-parallel regions (QKV, attention, MLP inner activations; in general
+:func:`tensor_parallel_elements`: SwiGLU keeps gate and up, ``--kv-channels`` changes the
+attention width) and the attention core are divided by T; the two LayerNorm inputs and dropout masks (``2*sbh*B + masks``) and the inputs
 of the two column-parallel linears (``2*sbh*B``) are whole on every rank. Sequence parallelism
 divides the LayerNorm inputs and masks by T too; the column-parallel linears keep their
 all-gathered input for the (deferrable) weight gradient, so those ``2*sbh*B`` stay whole (Megatron
@@ -117,19 +118,37 @@ def layer_activation_bytes(config: ModelConfig, micro_batch_size: int,
     if recompute == "full":
         return sbh * width // chunks
     hidden_masks = 2 * sbh * mask if config.hidden_dropout > 0 else 0
-    residual = (2 * sbh * width + hidden_masks) // chunks  # LayerNorm inputs, dropout masks
-    total = residual + 2 * sbh * width + 12 * sbh * width // t
+    norms = 2 * sbh * norm_bytes_per_element(config)
+    residual = (norms + hidden_masks) // chunks  # the two norms' saved inputs, dropout masks
+    total = residual + 2 * sbh * width + tensor_parallel_elements(config) * s * b * width // t
     if recompute == "selective":
         return total
     if recompute is not None:
         raise ConfigError(
             f"--recompute-granularity must be 'selective' or 'full', got {recompute!r}")
     if config.masked_softmax_fusion:  # fused kernel: output and log-sum-exp, no s x s tensors
-        return total + (sbh * width + 4 * a * s * b) // t
+        return total + (s * b * config.num_attention_heads * config.head_dim * width
+                        + 4 * a * s * b) // t
     scores = a * s * s * b
     if config.attention_dropout > 0:
         return total + scores * (2 * width + mask) // t
     return total + scores * width // t
+
+
+def tensor_parallel_elements(config: ModelConfig) -> int:
+    """Elements per token a layer saves inside its tensor-parallel regions: query, key and value
+    as the attention core sees them (keys and values repeated per query head) and the dense
+    input (``4 x heads x head_dim``), the MLP's activation input and the second linear's input
+    (``2f``; SwiGLU: gate and up, silu(gate) and the product, ``4f``): ``12h`` for GPT-2."""
+    attention = 4 * config.num_attention_heads * config.head_dim
+    return attention + (4 if config.swiglu else 2) * config.ffn_size
+
+
+def norm_bytes_per_element(config: ModelConfig) -> int:
+    """Bytes a layer norm saves per element of its input: the input (LayerNorm), or with
+    RMSNorm the fp32 input its statistic uses and the normalised output the weight multiplies."""
+    width = DTYPE_BYTES[config.params_dtype]
+    return width if config.normalization == "LayerNorm" else 4 + width
 
 
 def embedding_activation_bytes(config: ModelConfig, micro_batch_size: int,
@@ -153,7 +172,8 @@ def head_activation_bytes(config: ModelConfig, family: ModelFamily,
     chunks = _sequence_chunks(tensor_parallel, sequence_parallel)
     vocab = config.tensor_parallel_vocab_size(tensor_parallel) // tensor_parallel
     # the logits' input (all-gathered under sequence parallelism) is whole
-    return (chunked * s * b * h * width // chunks + s * b * h * width
+    norm = s * b * h * norm_bytes_per_element(config)
+    return ((norm + (chunked - 1) * s * b * h * width) // chunks + s * b * h * width
             + 4 * s * b * vocab)
 
 

@@ -24,12 +24,23 @@ from megatron_chimera.model.family import GPT2, ModelFamily
 PARTITION_METHODS = ("uniform", "parameters", "time")
 
 # --------------------------------------------------------------------------- parameter counts
+def norm_parameters(config: ModelConfig) -> int:
+    """Parameters of one layer norm: weight and bias (LayerNorm) or weight only (RMSNorm)."""
+    return config.hidden_size * (1 if config.normalization == "RMSNorm" else 2)
+
+
 def layer_parameters(config: ModelConfig, tensor_parallel: int = 1) -> int:
-    """Parameters of one transformer layer (on one of ``tensor_parallel`` ranks): QKV, dense,
-    two MLP linears (with biases), two LNs."""
+    """Parameters of one transformer layer (on one of ``tensor_parallel`` ranks): QKV (query
+    heads plus a key and value head per query group), dense, the MLP's linears (SwiGLU's fused
+    gate and up), their biases unless disabled, two norms."""
     h, f, t = config.hidden_size, config.ffn_size, tensor_parallel
-    split = (3 * h * h + 3 * h) + h * h + (2 * h * f + f)  # column-parallel with biases, rows
-    return split // t + h + h + 4 * h  # + row-parallel biases (dense, 4h_to_h) + two LNs
+    bias = int(config.add_bias_linear)
+    gated = 2 if config.swiglu else 1
+    qkv = h * config.qkv_size + config.qkv_size * int(config.has_qkv_bias)
+    dense = config.num_attention_heads * config.head_dim * h
+    mlp = gated * f * (h + bias) + f * h
+    split = qkv + dense + mlp  # column-parallel with their biases, row-parallel weights
+    return split // t + 2 * bias * h + 2 * norm_parameters(config)  # + row biases, norms
 
 
 def _vocab_rows(config: ModelConfig, tensor_parallel: int) -> int:
@@ -41,7 +52,8 @@ def embedding_parameters(config: ModelConfig, family: ModelFamily,
                          tensor_parallel: int = 1) -> int:
     """Word (padded vocabulary, this rank's rows), position and (BERT) token-type embeddings."""
     h = config.hidden_size
-    count = (_vocab_rows(config, tensor_parallel) + config.max_positions) * h
+    positions = config.max_positions if config.learned_positions else 0
+    count = (_vocab_rows(config, tensor_parallel) + positions) * h
     if family.sentence_heads:
         count += bert_num_tokentypes(config) * h
     return count
@@ -52,7 +64,7 @@ def head_parameters(config: ModelConfig, family: ModelFamily, num_stages: int = 
     """Parameters of the last stage beyond its layers: final layer norm, output layer or tied
     embedding copy (only when the last stage is not the first), BERT's pooler and heads."""
     h, v = config.hidden_size, _vocab_rows(config, tensor_parallel)
-    count = 2 * h  # final layer norm
+    count = norm_parameters(config)  # final layer norm
     tied = family.always_tied or not config.untie_embeddings_and_output_weights
     if not tied:
         count += v * h

@@ -19,6 +19,16 @@ PAPER_CONFIGS: dict[str, ModelConfig] = {
                            seq_length=632, vocab_size=50257,
                            untie_embeddings_and_output_weights=True),
 }
+# Llama-3.1-shaped decoders (Megatron's flags: RMSNorm, SwiGLU, 8 query groups, no biases, RoPE
+# base 500000 with Llama 3.1's scaling, untied head, vocabulary 128256)
+_LLAMA3 = dict(seq_length=8192, vocab_size=128256, normalization="RMSNorm", swiglu=True,
+               num_query_groups=8, add_bias_linear=False, position_embedding_type="rope",
+               rotary_base=500000, use_rope_scaling=True, untie_embeddings_and_output_weights=True,
+               hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02)
+LLAMA3_8B = ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                        ffn_hidden_size=14336, **_LLAMA3)
+LLAMA3_70B = ModelConfig(num_layers=80, hidden_size=8192, num_attention_heads=64,
+                         ffn_hidden_size=28672, **_LLAMA3)
 # name -> (family, configuration); "custom" takes its sizes from flags
 MODEL_PRESETS: dict[str, tuple[ModelFamily, ModelConfig]] = {
     "gpt2-small": (GPT2, ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
@@ -27,6 +37,8 @@ MODEL_PRESETS: dict[str, tuple[ModelFamily, ModelConfig]] = {
                                       seq_length=1024, vocab_size=50257)),
     "bert-48": (BERT, PAPER_CONFIGS["bert-48"]),
     "gpt2-64": (GPT2, PAPER_CONFIGS["gpt2-64"]),
+    "llama3-8b": (GPT2, LLAMA3_8B),
+    "llama3-70b": (GPT2, LLAMA3_70B),
 }
 MODEL_NAMES = (*MODEL_PRESETS, "custom")
 SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")

@@ -34,14 +34,18 @@ from megatron_chimera.model.dropout_rng import (
     seed_site,
     with_current_stream,
 )
+from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.fused import (
     FusedBackend,
     LayerNorm,
+    RMSNorm,
     attention,
     bias_dropout_add,
     gelu,
+    swiglu,
     warn_once,
 )
+from megatron_chimera.model.rotary import RotaryEmbedding, RotaryTables, apply_rotary_pos_emb
 from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
 from megatron_chimera.tensor_parallel import (
     ColumnParallelLinear,
@@ -95,10 +99,16 @@ def tensor_parallel_rng(split: bool, site: str) -> contextlib.AbstractContextMan
     return keyed_site(stream, f"{site}:tensor-rank:{rank}")
 
 
-def sequence_parallel_layer_norm(config: ModelConfig, backend: FusedBackend) -> LayerNorm:
-    """A LayerNorm of the residual stream; its parameters are marked ``sequence_parallel``
-    (partial gradients per rank) when the model runs sequence parallel."""
-    norm = LayerNorm(config.hidden_size, config.layernorm_epsilon, backend, config.torch_dtype)
+def sequence_parallel_layer_norm(config: ModelConfig, backend: FusedBackend
+                                 ) -> LayerNorm | RMSNorm:
+    """A norm of the residual stream (``--normalization``: LayerNorm or RMSNorm); its parameters
+    are marked ``sequence_parallel`` (partial gradients per rank) when the model runs sequence
+    parallel."""
+    if config.normalization == "RMSNorm":
+        norm = RMSNorm(config.hidden_size, config.layernorm_epsilon, config.torch_dtype)
+    else:
+        norm = LayerNorm(config.hidden_size, config.layernorm_epsilon, backend,
+                         config.torch_dtype)
     mark_sequence_parallel(norm, uses_sequence_parallel(config))
     return norm
 
@@ -161,38 +171,65 @@ def _tensor_parallel_size(size: int, flag: str) -> int:
 
 
 class ParallelAttention(nn.Module):
-    """Self-attention: ``query_key_value`` projection (column-parallel: this rank's heads), core
-    attention, output ``dense`` (row-parallel)."""
+    """Self-attention: ``query_key_value`` projection (column-parallel: this rank's query groups),
+    rotary embedding, core attention, output ``dense`` (row-parallel). With grouped-query
+    attention (``--num-query-groups g``) each group of ``heads / g`` query heads shares one key
+    and one value head; T divides the groups."""
 
     def __init__(self, config: ModelConfig, layer_number: int, causal: bool) -> None:
         super().__init__()
-        h = config.hidden_size
-        if h % config.num_attention_heads:
-            raise ConfigError(
-                f"--hidden-size {h} must be divisible by --num-attention-heads "
-                f"{config.num_attention_heads}")
+        check_architecture(config)
+        h, d = config.hidden_size, config.head_dim
         self.num_heads = _tensor_parallel_size(config.num_attention_heads,
                                                "--num-attention-heads")
-        self.head_dim = h // config.num_attention_heads
+        self.num_groups = _tensor_parallel_size(config.query_groups, "--num-query-groups")
+        self.heads_per_group = config.num_attention_heads // config.query_groups
+        self.head_dim = d
         sequence_parallel = uses_sequence_parallel(config)
         self.query_key_value = ColumnParallelLinear(
-            h, 3 * h, gather_output=False, sequence_parallel=sequence_parallel,
-            dtype=config.torch_dtype)
+            h, config.qkv_size, bias=config.has_qkv_bias, gather_output=False,
+            sequence_parallel=sequence_parallel, dtype=config.torch_dtype,
+            async_allreduce=config.async_tensor_model_parallel_allreduce)
         self.core_attention = CoreAttention(config, layer_number, causal)
         self.dense = RowParallelLinear(
-            h, h, input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
+            config.num_attention_heads * d, h, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
             sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
 
-    def forward(self, hidden: torch.Tensor, mask: AttentionMask
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[s(/T), b, h] -> ([s(/T), b, h], bias)``; QKV laid out per head as ``[q | k | v]``
-        (Megatron), this rank's heads. ``bias`` is the output bias left for bias-dropout-add with
+    def query_key_value_heads(self, qkv: torch.Tensor, rotary: RotaryTables | None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[s, b, groups x (heads/g + 2) x d]`` -> query ``[b, heads, s, d]``, key and value
+        ``[b, groups, s, d]`` (this rank's), RoPE applied to query and key."""
+        s, b, _ = qkv.shape
+        d, per_group = self.head_dim, self.heads_per_group
+        qkv = qkv.view(s, b, self.num_groups, (per_group + 2) * d)
+        query, key, value = qkv.split([per_group * d, d, d], dim=-1)
+        query = query.reshape(s, b, self.num_heads, d).permute(1, 2, 0, 3)
+        key, value = (t.permute(1, 2, 0, 3) for t in (key, value))
+        if rotary is not None:
+            query = apply_rotary_pos_emb(query, rotary)
+            key = apply_rotary_pos_emb(key, rotary)
+        return query, key, value
+
+    def repeat_key_value(self, key: torch.Tensor, value: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[b, groups, t, d]`` repeated for each query head of their group."""
+        if self.heads_per_group == 1:
+            return key, value
+        return (key.repeat_interleave(self.heads_per_group, dim=1),
+                value.repeat_interleave(self.heads_per_group, dim=1))
+
+    def forward(self, hidden: torch.Tensor, mask: AttentionMask,
+                rotary: RotaryTables | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[s(/T), b, h] -> ([s(/T), b, h], bias)``; QKV laid out per query group as
+        ``[q_1 .. q_(heads/g) | k | v]`` (Megatron; ``[q | k | v]`` per head without groups),
+        this rank's groups. ``bias`` is the output bias left for bias-dropout-add with
         ``--no-bias-dropout-fusion``, else None (already added)."""
         qkv, _ = self.query_key_value(hidden)
         s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.num_heads, 3 * self.head_dim)
-        query, key, value = (t.permute(1, 2, 0, 3) for t in qkv.split(self.head_dim, dim=-1))
+        query, key, value = self.query_key_value_heads(qkv, rotary)
+        key, value = self.repeat_key_value(key, value)
         if self.recompute_core and self.training and torch.is_grad_enabled():
             context = checkpoint(with_current_stream(self.core_attention), query, key, value,
                                  mask)
@@ -204,17 +241,24 @@ class ParallelAttention(nn.Module):
 
 class ParallelMLP(nn.Module):
     """``dense_h_to_4h`` (column-parallel) -> GeLU (tanh approximation, or exact with ``--gelu
-    erf``) -> ``dense_4h_to_h`` (row-parallel)."""
+    erf``) -> ``dense_4h_to_h`` (row-parallel). With ``--swiglu`` ``dense_h_to_4h`` is the fused
+    ``[gate; up]`` projection (2 x ffn outputs, partition stride 2: each tensor rank holds the
+    matching halves of gate and up) and the activation ``silu(gate) * up``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, f, dtype = config.hidden_size, config.ffn_size, config.torch_dtype
         _tensor_parallel_size(f, "--ffn-hidden-size")
         sequence_parallel = uses_sequence_parallel(config)
+        self.swiglu = config.swiglu
+        gated = 2 if config.swiglu else 1
         self.dense_h_to_4h = ColumnParallelLinear(
-            h, f, gather_output=False, sequence_parallel=sequence_parallel, dtype=dtype)
+            h, gated * f, bias=config.add_bias_linear, gather_output=False,
+            sequence_parallel=sequence_parallel, stride=gated, dtype=dtype,
+            async_allreduce=config.async_tensor_model_parallel_allreduce)
         self.dense_4h_to_h = RowParallelLinear(
-            f, h, input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
+            f, h, bias=config.add_bias_linear, input_is_parallel=True,
+            skip_bias_add=not config.bias_dropout_fusion,
             sequence_parallel=sequence_parallel, dtype=dtype)
         self.fused_gelu = config.bias_gelu_fusion
         if config.gelu not in GELU_VARIANTS:
@@ -225,7 +269,12 @@ class ParallelMLP(nn.Module):
         """``[s(/T), b, h] -> ([s(/T), b, h], bias)`` (bias as in
         :meth:`ParallelAttention.forward`)."""
         hidden, _ = self.dense_h_to_4h(hidden)
-        intermediate = F.gelu(hidden) if self.exact_gelu else gelu(hidden, fused=self.fused_gelu)
+        if self.swiglu:
+            intermediate = swiglu(hidden)
+        elif self.exact_gelu:
+            intermediate = F.gelu(hidden)
+        else:
+            intermediate = gelu(hidden, fused=self.fused_gelu)
         return self.dense_4h_to_h(intermediate)
 
 
@@ -253,9 +302,10 @@ class ParallelTransformerLayer(nn.Module):
         init_linear_(self.mlp.dense_h_to_4h, std, generator)
         init_linear_(self.mlp.dense_4h_to_h, out_std, generator)
 
-    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, mask: AttentionMask,
+                rotary: RotaryTables | None = None) -> torch.Tensor:
         """``[s(/T), b, h] -> [s(/T), b, h]``: attention and MLP blocks, each with a residual."""
-        attention_out, bias = self.self_attention(self.input_layernorm(hidden), mask)
+        attention_out, bias = self.self_attention(self.input_layernorm(hidden), mask, rotary)
         split = self.sequence_parallel and self.training and self.hidden_dropout > 0
         site = layer_site(self.layer_number)
         with tensor_parallel_rng(split, f"{site}:attention-residual"):
@@ -287,33 +337,50 @@ class ParallelTransformer(nn.Module):
             for i in range(end - start))
         self.final_layernorm = (
             sequence_parallel_layer_norm(config, backend) if post_process else None)
+        self.rotary = (RotaryEmbedding(config) if config.position_embedding_type == "rope"
+                       else None)
+        self.sequence_parallel = uses_sequence_parallel(config)
 
-    def _run(self, first: int, last: int, stream: int | None):
-        # ``stream`` (the keyed-dropout micro-batch, captured at the forward) is part of the
-        # closure, so a recomputation in the backward reseeds every layer exactly as the forward.
+    def _run(self, first: int, last: int, stream: int | None, rotary: RotaryTables | None):
+        # ``stream`` (the keyed-dropout micro-batch, captured at the forward) and the rotary
+        # tables are part of the closure, so a recomputation in the backward reseeds and rotates
+        # every layer exactly as the forward.
         def run_layers(hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
             with in_stream(stream):
                 for layer in self.layers[first:last]:
                     seed_site(stream, layer_site(layer.layer_number))
-                    hidden = layer(hidden, mask)
+                    hidden = layer(hidden, mask, rotary)
             return hidden
         return run_layers
 
-    def forward(self, hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        """Run this stage's layers on ``[s(/T), b, h]``."""
+    def rotary_tables(self, hidden: torch.Tensor,
+                      position_ids: torch.Tensor | None) -> RotaryTables | None:
+        """The RoPE tables of this micro-batch (None without RoPE): positions ``0..s-1``, or
+        ``position_ids`` ``[b, s]`` when given (``--reset-position-ids``)."""
+        if self.rotary is None:
+            return None
+        seq = hidden.shape[0] * (parallel_state.get_tensor_model_parallel_world_size()
+                                 if self.sequence_parallel else 1)
+        return self.rotary.tables(seq, position_ids, hidden.device, hidden.dtype)
+
+    def forward(self, hidden: torch.Tensor, mask: AttentionMask,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage's layers on ``[s(/T), b, h]``; ``position_ids`` ``[b, s]`` (or None:
+        ``0..s-1``) place the rotary embedding."""
         n = len(self.layers)
         stream = current_stream()
+        rotary = self.rotary_tables(hidden, position_ids)
         full = (self.recompute_granularity == "full" and self.training
                 and torch.is_grad_enabled())
         if not full:
-            hidden = self._run(0, n, stream)(hidden, mask)
+            hidden = self._run(0, n, stream, rotary)(hidden, mask)
         elif self.recompute_method == "uniform":
             for first in range(0, n, self.recompute_num_layers):
                 last = min(first + self.recompute_num_layers, n)
-                hidden = checkpoint(self._run(first, last, stream), hidden, mask)
+                hidden = checkpoint(self._run(first, last, stream, rotary), hidden, mask)
         else:  # block: the first recompute_num_layers layers of this stage, one at a time
             for i in range(n):
-                run = self._run(i, i + 1, stream)
+                run = self._run(i, i + 1, stream, rotary)
                 if i < self.recompute_num_layers:
                     hidden = checkpoint(run, hidden, mask)
                 else:

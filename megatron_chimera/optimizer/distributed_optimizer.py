@@ -53,6 +53,7 @@ from megatron_chimera.optimizer.param_state import (
     own_copy,
     to_host,
 )
+from megatron_chimera.tensor_parallel.collectives import all_gather_single
 from megatron_chimera.tensor_parallel.utils import param_is_not_tensor_parallel_duplicate
 
 InnerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
@@ -191,7 +192,7 @@ class DistributedOptimizer(MegatronOptimizer):
             for buffer in buffers:
                 for bucket in buffer.buckets:
                     lo, hi = bucket.shard(shard.size, shard.rank)
-                    works.append(dist.all_gather_single(
+                    works.append(all_gather_single(
                         buffer.param_data[bucket.start:bucket.end], buffer.param_data[lo:hi],
                         group=shard.group, async_op=True))
             self._pending[unit] = works

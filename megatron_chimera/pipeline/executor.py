@@ -32,8 +32,8 @@ convention) in one collective, at log intervals.
 The host's cost per action is kept small: each rank's lowered list is compiled once per mode
 (:mod:`.program`: messages, labels, buffer lifetimes, batches), receive buffers come from a pool
 and are reused once nothing reads them (:class:`~.p2p.BufferPool`), the busy timer is two clock
-reads (CPU) or two recorded events from a reused pool (CUDA), and completed sends are polled at
-most once per action and only where the backend reports completion without a wait.
+reads (CPU) or two recorded events from a reused pool (CUDA), and a sent tensor is let go as soon
+as its send is posted (the backend holds it until sent; an activation keeps only its ``grad_fn``).
 
 Failures: an exception on any rank is recorded in the c10d store before it propagates; a rank
 whose communication then fails raises :class:`~.failures.PipelineFailure` naming the rank that
@@ -342,7 +342,7 @@ class PipelineExecutor:
             self.transport.begin_iteration()
             self.comm.begin_iteration()
             if self.grad_sync is not None and not forward_only:
-                self.grad_sync.start_iteration()
+                self.grad_sync.start_iteration(self.transport.collective_issued)
             run.execute()
             self.comm.finish()
             if self.grad_sync is not None and not forward_only:
@@ -414,9 +414,9 @@ class _Iteration:
         self.timer = _BusyTimer(executor.device, executor._events, executor.action_timer,
                                 executor.tracer)
         self.current: Any = None
+        self.stage_done: int | None = None  # a finished stage not yet reported (see _compute)
         transport = executor.transport  # calls that would do nothing are not made at all:
         self.sync_point = transport.sync_point if transport.has_sync_points else None
-        self.poll_sends = self.comm.poll_sends if transport.reports_completion else None
 
     def execute(self) -> None:
         """Walk the compiled steps."""
@@ -431,16 +431,18 @@ class _Iteration:
                     comm.post_recvs(step.messages)
             else:
                 self._compute(step)
+        if self.stage_done is not None:
+            self._report_stage_done()
         self.current = None
 
     def _compute(self, step: Compute) -> None:
         """One compute action; report finished stages to the gradient synchronizer. The buffers
         the previous action freed go back to the pool only now, after its sends were posted (a
         send of a view of one pins it, see :meth:`.P2PCommunicator.send`)."""
+        if self.stage_done is not None:
+            self._report_stage_done()
         if self.sync_point is not None:
             self.sync_point(step.label)
-        if self.poll_sends is not None:
-            self.poll_sends()
         if self.releasing:
             release = self.comm.release
             for message in self.releasing:
@@ -457,12 +459,20 @@ class _Iteration:
         else:
             self._weight(step)
         self.executed.append(step.action)
-        if sync is not None:
-            launched = time.perf_counter()
-            sync.stage_done(step.final_stage)
-            if self.ex.tracer is not None:
-                self.ex.tracer.span(f"reduce stage {step.final_stage}: launch", "grad-reduction",
-                                    launched, time.perf_counter(), stage=step.final_stage)
+        if sync is not None:  # reported after this action's sends are posted
+            self.stage_done = step.final_stage
+
+    def _report_stage_done(self) -> None:
+        """Tell the gradient synchronizer that the previous action finished a stage: its
+        remaining buckets (and the tied embedding's) are issued now, after that action's sends,
+        as the validator's collective check assumes."""
+        launched = time.perf_counter()
+        stage = self.stage_done
+        self.ex.grad_sync.stage_done(stage)
+        self.stage_done = None
+        if self.ex.tracer is not None:
+            self.ex.tracer.span(f"reduce stage {stage}: launch", "grad-reduction", launched,
+                                time.perf_counter(), stage=stage)
 
     def _send(self, message: Message) -> None:
         output = self.outbox.pop(message)

@@ -9,10 +9,12 @@ gloo forgives three things NCCL does not; :class:`NcclSemanticsTransport` takes 
    until the receiver has posted its first receive of that direction, and vice versa.
 3. **A posted operation sits on the device**: a device-wide sync (the allocator's free-and-retry
    on OOM, ``empty_cache``, ``synchronize``) waits until every posted send and receive of this
-   rank is matched by its peer. :meth:`sync_point` -- called before every compute action --
-   waits exactly so. It models one rank syncing while the others run: in each iteration one
-   rank, in turn, syncs at every point (two simultaneous syncs, e.g. two OOMs at once, are out
-   of scope; NCCL's watchdog timeout bounds them). The static check
+   rank is matched by its peer, and every gradient collective it issued (stage-replica and
+   embedding reductions, :meth:`collective_issued`) is issued by every member of its group.
+   :meth:`sync_point` -- called before every compute action -- waits exactly so. It models
+   one rank syncing while the others run: in each iteration one rank, in turn, syncs at every
+   point (two simultaneous syncs, e.g. two OOMs at once, are out of scope; NCCL's watchdog
+   timeout bounds them). The static check
    (:func:`~megatron_chimera.schedules.validate.validate_lowered`) covers every rank and point
    exhaustively; this one tests the executor that runs the lists.
 
@@ -82,6 +84,8 @@ class NcclSemanticsTransport(Transport):
         self.counts: dict[tuple[str, int, int], int] = {}  # (op, src, dst) -> posted so far
         self.pending: list[tuple[str, int, int, int, str]] = []  # op, src, dst, k, label
         self.awaiting: tuple[int, str] | None = None  # (peer, why) while waiting for a peer
+        # issued gradient collectives: group name, its global ranks, count k, label
+        self.pending_collectives: list[tuple[str, list[int], int, str]] = []
         self._where("started")
 
     # ----------------------------------------------------------------------------- bookkeeping
@@ -132,6 +136,33 @@ class NcclSemanticsTransport(Transport):
                     f"at: {self._peer_where(peer)}")
             time.sleep(_POLL_S)
         self.awaiting = None
+
+    # ---------------------------------------------------------------------------- collectives
+    def collective_issued(self, group: dist.ProcessGroup, label: str) -> None:
+        """This rank issued a gradient collective on ``group``: count it in the store (per
+        group and rank, over the whole run, whichever transport is running) and remember it
+        for this rank's next sync point."""
+        me = self.topology.global_rank
+        k = self.store.add(f"ncclsem/coll/{group.group_name}/{me}", 1)
+        members = dist.get_process_group_ranks(group)
+        self.pending_collectives.append((group.group_name, members, k, label))
+
+    def _await_collective(self, name: str, members: list[int], k: int, why: str) -> None:
+        """Wait until every member of group ``name`` issued its ``k``-th collective on it."""
+        me = self.topology.global_rank
+        deadline = time.monotonic() + self.timeout_s
+        for member in members:
+            key = f"ncclsem/coll/{name}/{member}"
+            while self.store.add(key, 0) < k:
+                first = first_failure(wait_seconds=0.0)
+                if first is not None:
+                    raise PipelineFailure(f"{first}; rank {me} stopped while it {why}")
+                if time.monotonic() > deadline:
+                    raise NcclDeadlock(
+                        f"NCCL-semantics deadlock: rank {me} {why}, waiting {self.timeout_s:g} s "
+                        f"for rank {member} to issue collective #{k} of its group {members}; "
+                        f"rank {member} is at: {self._peer_where(member)}")
+                time.sleep(_POLL_S)
 
     # ----------------------------------------------------------------------------- transport
     has_sync_points = True
@@ -185,6 +216,7 @@ class NcclSemanticsTransport(Transport):
         world = dist.get_world_size()
         self.syncing = (self.epoch + self.iteration) % world == self.topology.global_rank
         self.iteration += 1
+        self.pending_collectives.clear()  # the last iteration waited for all of them
 
     def sync_point(self, where: str) -> None:
         """A device-wide sync here (on the syncing rank of this iteration): wait until every
@@ -198,4 +230,8 @@ class NcclSemanticsTransport(Transport):
             self._await(counterpart, src, dst, k,
                         f"syncs the device before {where} while it {label}")
         self.pending.clear()
+        for name, members, k, label in self.pending_collectives:
+            self._await_collective(name, members, k,
+                                   f"syncs the device before {where} after it issued the {label}")
+        self.pending_collectives.clear()
         self._where(f"runs {where}")

@@ -8,10 +8,12 @@ again; :class:`P2PCommunicator` keeps the buffers and work handles in between:
   the message's direction from the configuration, no handshake) and posts the receives (one batch,
   :meth:`.transport.Transport.post`); ``take(m)`` waits for one and returns it;
   ``release(m)`` gives its buffer back to the pool once the program says nothing reads it.
-* ``send(m, tensor)`` posts a send; with ``free_when_sent`` the tensor's data is freed once the
-  send completed (Megatron's ``deallocate_output_tensor``), checked once per compute action and
-  only where the backend reports completion without a wait (NCCL; gloo reports it through
-  ``wait`` only); :meth:`finish` waits for every send at the end of the iteration.
+* ``send(m, tensor)`` posts a send and keeps nothing of the tensor but the work handle: the
+  backend holds the data until the send completed (NCCL stashes it on its stream, gloo in its
+  work object), as Megatron's ``deallocate_output_tensor`` right after ``isend`` relies on. With
+  ``free_when_sent`` (activations, whose ``grad_fn`` the backward still needs) the output's data
+  is freed at once; a sent gradient is simply dropped by its last holder. :meth:`finish` waits
+  for every send at the end of the iteration.
 * A message between two stages on the same rank is handed over locally (``put_local``).
 
 A buffer a pending send still reads (an output that is a view of the stage input) is given back
@@ -112,8 +114,7 @@ class P2PCommunicator:
         self._in_use: dict[Message, _Received] = {}  # taken, not yet released
         self._by_storage: dict[int, Message] = {}  # data pointer of a buffer in use -> message
         self._local: dict[Message, torch.Tensor] = {}
-        self._sends: list[tuple[Any, Message, torch.Tensor, bool]] = []  # work, msg, data, free
-        self._polled = 0  # sends before this index are known complete
+        self._sends: list[tuple[Any, Message]] = []  # posted sends: work handle, message
         self.waiting: Message | None = None  # the message a take() waits for (hang forensics)
         self.bytes_sent = 0  # payload bytes of this iteration's sends (local hand-overs excluded)
 
@@ -127,7 +128,6 @@ class P2PCommunicator:
             self._by_storage.clear()
             self._sends.clear()
             self._local.clear()
-            self._polled = 0
 
     # ------------------------------------------------------------------------ receiving
     def post_recvs(self, messages: Sequence[Message]) -> None:
@@ -184,28 +184,17 @@ class P2PCommunicator:
             self._in_use[aliased].pinned = True
         (work,) = self.transport.post(SEND, (message,), (payload,))
         self.bytes_sent += payload.numel() * payload.element_size()
-        self._sends.append((work, message, tensor, free_when_sent))
-
-    def poll_sends(self) -> None:
-        """Free the data of outputs whose sends completed, oldest first (one check per pending
-        send at most; never waits). Worth calling only where ``transport.reports_completion``
-        (gloo reports completion through ``wait`` only: the executor does not call it there)."""
-        sends, i = self._sends, self._polled
-        while i < len(sends) and sends[i][0].is_completed():
-            _, _, tensor, free = sends[i]
-            if free:
-                deallocate_output_tensor(tensor)
-            i += 1
-        self._polled = i
+        self._sends.append((work, message))
+        if free_when_sent:  # the work holds the data until sent; the graph keeps grad_fn only
+            deallocate_output_tensor(tensor)
 
     # ------------------------------------------------------------------------ iteration end
     def finish(self) -> None:
         """Wait for every send of the iteration and give every buffer back; every posted
         receive must have been consumed."""
-        for work, message, _, _ in self._sends:
+        for work, message in self._sends:
             self.transport.wait(work, message)
         self._sends.clear()
-        self._polled = 0
         for received in self._in_use.values():
             self.pool.release(received.spec, received.buffer)
         self._in_use.clear()

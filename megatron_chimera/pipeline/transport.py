@@ -46,16 +46,12 @@ class Address(NamedTuple):
 class Transport:
     """torch.distributed point-to-point operations between pipeline ranks of one replica."""
 
-    #: whether ``work.is_completed()`` turns true without a ``wait`` (NCCL; gloo: only after it)
-    reports_completion: bool
-
     def __init__(self, topology: PipelineTopology, tag_of: Any = None) -> None:
         self.topology = topology
         self.connected: set[tuple[int, int]] = set()  # directions (pipeline ranks) warmed up
         tag = tag_of or (lambda message: 0)
         # the warm-up probe (direction PROBE) uses tag 0; it precedes every message of its pair
         self.tag_of = lambda message: 0 if message.direction == PROBE else tag(message)
-        self.reports_completion = dist.is_initialized() and dist.get_backend() != "gloo"
         self._addresses: dict[Message, Address] = {}
 
     def group(self, src: int, dst: int) -> dist.ProcessGroup | None:
@@ -134,6 +130,9 @@ class Transport:
 
     #: whether :meth:`sync_point` does anything (the executor skips the call when not)
     has_sync_points = False
+    #: called with (group, label) for every gradient collective the iteration issues, where a
+    #: transport models what a device-wide sync waits for (None: nothing to model)
+    collective_issued = None
 
     def sync_point(self, where: str) -> None:
         """A point where a device-wide sync may happen (no-op: the real device decides)."""

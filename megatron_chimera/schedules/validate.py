@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from megatron_chimera.errors import ScheduleError
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, input_of
 from megatron_chimera.schedules.lowering import (
     RECV,
@@ -29,11 +30,8 @@ from megatron_chimera.schedules.lowering import (
     needed_message,
     produced_message,
 )
+from megatron_chimera.schedules.sync_check import check_sync_anywhere, gradient_collectives
 from megatron_chimera.schedules.walk import run_in_order, stalled
-
-
-class ScheduleError(ValueError):
-    """A schedule that is malformed, incomplete or would deadlock."""
 
 
 def dependency(schedule: Schedule, action: Action) -> Action | None:
@@ -207,96 +205,19 @@ def _check_messages(lowered: LoweredSchedule) -> None:
         raise ScheduleError(f"directions {sorted(missing)} carry messages but are not connected")
 
 
-class _Execution:
-    """The lowered lists under NCCL's host semantics: posting a send or receive never blocks
-    (connections are set up beforehand); a compute action waits until the SEND of each input
-    it receives has been posted."""
-
-    def __init__(self, lowered: LoweredSchedule) -> None:
-        self.lists = lowered.lists
-        self.where: dict[tuple[str, Message], tuple[int, int]] = {}
-        for rank, ops in enumerate(self.lists):
-            for index, op in enumerate(ops):
-                if isinstance(op, Comm):
-                    self.where[(op.op, op.message)] = (rank, index)
-        s = lowered.schedule
-        # per rank and index: the (rank, index) of the SEND a compute action waits for
-        self.waits: list[list[tuple[int, int] | None]] = []
-        for ops in self.lists:
-            row: list[tuple[int, int] | None] = []
-            for op in ops:
-                needed = None if isinstance(op, Comm) else needed_message(s, op)
-                row.append(self.where.get((SEND, needed)) if needed is not None else None)
-            self.waits.append(row)
-
-    def runnable(self, heads: list[int], rank: int) -> bool:
-        """Whether ``rank``'s next operation can run now."""
-        wait = self.waits[rank][heads[rank]]
-        return wait is None or heads[wait[0]] > wait[1]
-
-    def advance(self, heads: list[int], frozen: int | None = None) -> None:
-        """Run every rank but ``frozen`` as far as it can."""
-        progress = True
-        while progress:
-            progress = False
-            for rank, ops in enumerate(self.lists):
-                if rank == frozen:
-                    continue
-                while heads[rank] < len(ops) and self.runnable(heads, rank):
-                    heads[rank] += 1
-                    progress = True
-
-    def unmatched(self, heads: list[int], rank: int) -> list[str]:
-        """``rank``'s posted operations whose counterpart no other rank has posted yet."""
-        pending = []
-        for op in self.lists[rank][:heads[rank]]:
-            if isinstance(op, Comm):
-                peer, index = self.where[(RECV if op.op == SEND else SEND, op.message)]
-                if heads[peer] <= index:
-                    pending.append(f"{op.short()} (rank {peer} stopped at index {heads[peer]})")
-        return pending
-
-
-def _check_sync_anywhere(lowered: LoweredSchedule, ranks: Sequence[int] | None = None) -> None:
-    """NCCL: a posted send or receive sits on the device until its peer posts the counterpart,
-    and a device-wide sync (the allocator's free-and-retry on OOM, ``empty_cache``) waits for
-    it. For each rank and each point of its list, stop the rank there, let the others run, and
-    require every operation it posted to be matched -- or that sync would hang."""
-    execution = _Execution(lowered)
-    heads = [0] * len(lowered.lists)
-    execution.advance(heads)
-    if any(h < len(ops) for h, ops in zip(heads, lowered.lists)):
-        stuck = [f"rank {r} at {lowered.lists[r][h].short()}" for r, h in enumerate(heads)
-                 if h < len(lowered.lists[r])]
-        raise ScheduleError("the lowered lists deadlock: " + "; ".join(stuck))
-    for rank in range(len(lowered.lists)) if ranks is None else ranks:
-        heads = [0] * len(lowered.lists)
-        ops = lowered.lists[rank]
-        while True:
-            execution.advance(heads, frozen=rank)
-            pending = execution.unmatched(heads, rank)
-            if pending:
-                at = ops[heads[rank]].short() if heads[rank] < len(ops) else "the end"
-                raise ScheduleError(
-                    f"a device-wide sync on rank {rank} before {at} (index {heads[rank]}) would "
-                    f"hang: posted {', '.join(pending)} need(s) this rank's later work")
-            if heads[rank] == len(ops):
-                break
-            if not execution.runnable(heads, rank):
-                raise ScheduleError(f"rank {rank} cannot run {ops[heads[rank]].short()}")
-            heads[rank] += 1
-
-
 def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = None) -> None:
     """Raise :class:`ScheduleError` unless the lowered lists keep NCCL's rules: the compute
     lists are the schedule's, every message is sent after its producer and received before its
     consumer, per pair in one order (tags ignored), every direction is connected (warmed up in
-    one global order), and a device-wide sync on any rank at any point cannot hang (checked for
-    ``ranks``, default all: a rank of a job checks its own list)."""
+    one global order), and a device-wide sync on any rank at any point cannot hang -- on a
+    pending send or receive, or, in training, on a gradient collective of the stage-replica or
+    embedding groups (:mod:`.sync_check`; checked for ``ranks``, default all: a rank of a job
+    checks its own list)."""
     for rank, actions in enumerate(lowered.compute_lists()):
         expected = iteration_actions(lowered.schedule, rank, lowered.forward_only)
         if actions != expected:
             raise ScheduleError(f"rank {rank}: the lowered compute order differs from the "
                                 f"schedule's")
     _check_messages(lowered)
-    _check_sync_anywhere(lowered, ranks)
+    collectives = None if lowered.forward_only else gradient_collectives(lowered.schedule)
+    check_sync_anywhere(lowered, ranks, collectives)

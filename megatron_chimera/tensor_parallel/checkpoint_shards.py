@@ -20,7 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_chimera import parallel_state
-from megatron_chimera.tensor_parallel.utils import is_tensor_parallel, master_shape, shard_of_master
+from megatron_chimera.tensor_parallel.utils import (
+    is_tensor_parallel,
+    join_shards,
+    master_shape,
+    shard_of_master,
+)
 
 ModelState = dict[str, torch.Tensor]
 OptimizerState = dict[str, dict[str, Any]]
@@ -88,8 +93,7 @@ def join_tensor_parallel_state(model: ModelState, optimizer: OptimizerState | No
     optimizer = {n: dict(entry) for n, entry in optimizer.items()} if optimizer else optimizer
     for (name, key), shards in zip(keys, gathered):
         param = params[name]
-        dim = param.partition_dim
-        full = torch.cat(shards, dim=dim).narrow(dim, 0, param.master_size).clone()
+        full = join_shards(param, shards).clone()
         if key is None:
             model[name] = full
         else:

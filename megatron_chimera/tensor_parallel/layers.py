@@ -4,7 +4,8 @@
   rank t holds ``A_t`` and computes ``Y_t``; ``gather_output`` all-gathers ``Y``.
 * :class:`RowParallelLinear` -- ``A`` split by rows (input features): rank t computes
   ``X_t A_t`` and the partial sums are all-reduced (or reduce-scattered along the sequence under
-  sequence parallelism); ``input_is_parallel`` says ``X`` arrives already split.
+  sequence parallelism); ``input_is_parallel`` says ``X`` arrives already split. With T = 1 the
+  bias is added inside the matmul (there is nothing to reduce first).
 * :class:`VocabParallelEmbedding` -- the (padded) vocabulary split over the ranks.
 
 Both linears compute through :class:`~.weight_grad.LinearWithDeferrableWeightGrad` with the
@@ -49,20 +50,23 @@ def _world() -> int:
 class ColumnParallelLinear(nn.Module):
     """Linear layer split along its output features; ``forward`` returns ``(output, bias)``.
 
-    The input is replicated over the tensor-parallel ranks (its gradient is all-reduced), or with
-    ``sequence_parallel`` split along the sequence (all-gathered forward, gradient
-    reduce-scattered). ``gather_output`` all-gathers the output features; ``skip_bias_add``
-    returns the bias (this rank's shard) for the caller to add.
+    The input is replicated over the tensor-parallel ranks (its gradient is all-reduced --
+    asynchronously, overlapped with the weight gradient, unless ``async_allreduce`` is off:
+    Megatron's ``--no-async-tensor-model-parallel-allreduce``), or with ``sequence_parallel``
+    split along the sequence (all-gathered forward, gradient reduce-scattered).
+    ``gather_output`` all-gathers the output features; ``skip_bias_add`` returns the bias (this
+    rank's shard) for the caller to add.
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True,
                  gather_output: bool = False, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, stride: int = 1,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, async_allreduce: bool = True) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = divide(output_size, _world(), "output size")
         self.gather_output = gather_output
+        self.async_allreduce = async_allreduce
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and _world() > 1
         if self.sequence_parallel and gather_output:
@@ -78,12 +82,16 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s(/T), b, in] -> ([s, b, out/T] or [s, b, out] gathered, bias or None)``."""
+        bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
             input_parallel = gather_from_sequence_parallel_region(input_)
+            output = linear_with_deferrable_weight_grad(input_parallel, self, bias)
+        elif self.async_allreduce and _world() > 1:  # the input-gradient all-reduce inside
+            output = linear_with_deferrable_weight_grad(
+                input_, self, bias, parallel_state.get_tensor_model_parallel_group())
         else:
             input_parallel = copy_to_tensor_model_parallel_region(input_)
-        bias = None if self.skip_bias_add else self.bias
-        output = linear_with_deferrable_weight_grad(input_parallel, self, bias)
+            output = linear_with_deferrable_weight_grad(input_parallel, self, bias)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output)
         return output, (self.bias if self.skip_bias_add else None)
@@ -125,6 +133,9 @@ class RowParallelLinear(nn.Module):
         """``[s, b, in/T] (or in) -> ([s(/T), b, out], bias or None)``."""
         input_parallel = (input_ if self.input_is_parallel
                           else scatter_to_tensor_model_parallel_region(input_))
+        if _world() == 1 and not self.skip_bias_add:
+            # nothing to reduce: the bias goes into the matmul (one kernel, one autograd node)
+            return linear_with_deferrable_weight_grad(input_parallel, self, self.bias), None
         output_parallel = linear_with_deferrable_weight_grad(input_parallel, self, None)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output_parallel)

@@ -1,6 +1,7 @@
 """Autograd-aware communication at tensor-parallel boundaries (Megatron-core's mappings).
 
-Each function is an identity with T = 1. Tensor-parallel regions split the last dimension
+Each function returns its input unchanged with T = 1, without an autograd node (no host cost
+per layer). Tensor-parallel regions split the last dimension
 (hidden features, heads, vocabulary); sequence-parallel regions split the first (the sequence of
 ``[s, b, h]`` activations):
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera import parallel_state
+from megatron_chimera.tensor_parallel.collectives import all_gather_single, reduce_scatter_single
 from megatron_chimera.tensor_parallel.utils import split_tensor_along_dim
 
 
@@ -53,11 +55,13 @@ def _split_last(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_last(tensor: torch.Tensor) -> torch.Tensor:
-    if _world() == 1:
+    """All-gather along the last dimension: one single-tensor collective into ``[T, ...]``,
+    then the ranks' chunks moved next to each other (one copy, as ``cat`` would make)."""
+    world = _world()
+    if world == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(_world())]
-    dist.all_gather(parts, tensor.contiguous(), group=_group())
-    return torch.cat(parts, dim=-1).contiguous()
+    gathered = _gather_first(tensor.unsqueeze(0))  # [T, *shape]
+    return gathered.movedim(0, -2).reshape(*tensor.shape[:-1], tensor.shape[-1] * world)
 
 
 def _split_first(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,7 +77,7 @@ def _gather_first(tensor: torch.Tensor) -> torch.Tensor:
     shape = list(tensor.shape)
     shape[0] *= _world()
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_single(out, tensor.contiguous(), group=_group())
+    all_gather_single(out, tensor.contiguous(), group=_group())
     return out
 
 
@@ -86,7 +90,7 @@ def _reduce_scatter_first(tensor: torch.Tensor) -> torch.Tensor:
                          f"size {_world()}")
     shape[0] //= _world()
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-    dist.reduce_scatter_single(out, tensor.contiguous(), group=_group())
+    reduce_scatter_single(out, tensor.contiguous(), group=_group())
     return out
 
 
@@ -165,26 +169,36 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient (the input of a column-parallel layer)."""
+    if _world() == 1:
+        return input_
     return _CopyToModelParallelRegion.apply(input_)
 
 
 def reduce_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """All-reduce forward (the partial sums of a row-parallel layer); identity backward."""
+    if _world() == 1:
+        return input_
     return _ReduceFromModelParallelRegion.apply(input_)
 
 
 def scatter_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """This rank's chunk of the last dimension; the gradient is all-gathered back."""
+    if _world() == 1:
+        return input_
     return _ScatterToModelParallelRegion.apply(input_)
 
 
 def gather_from_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """All-gather along the last dimension; the gradient keeps this rank's chunk."""
+    if _world() == 1:
+        return input_
     return _GatherFromModelParallelRegion.apply(input_)
 
 
 def scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """This rank's chunk of the sequence (first) dimension; the gradient is all-gathered."""
+    if _world() == 1:
+        return input_
     return _ScatterToSequenceParallelRegion.apply(input_)
 
 
@@ -194,10 +208,14 @@ def gather_from_sequence_parallel_region(input_: torch.Tensor,
     """All-gather along the sequence; the gradient is reduce-scattered (each rank's output
     gradient is partial), or only split when ``tensor_parallel_output_grad`` is False (the
     consumer computed the same thing on every rank)."""
+    if _world() == 1:
+        return input_
     return _GatherFromSequenceParallelRegion.apply(input_, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor) -> torch.Tensor:
     """Sum the partial outputs of a row-parallel layer and keep this rank's sequence chunk; the
     gradient is all-gathered."""
+    if _world() == 1:
+        return input_
     return _ReduceScatterToSequenceParallelRegion.apply(input_)

@@ -87,7 +87,23 @@ def shard_of_master(param: torch.Tensor, master: torch.Tensor, rank: int | None 
     world = (parallel_state.get_tensor_model_parallel_world_size()
              if world_size is None else world_size)
     dim, local = param.partition_dim, param.shape[param.partition_dim]
+    stride = getattr(param, "partition_stride", 1)
+    if stride > 1:  # the master is `stride` blocks, each split over the ranks (fused gate+up)
+        blocks = master.chunk(stride, dim=dim)
+        part = local // stride
+        return torch.cat([b.narrow(dim, rank * part, part) for b in blocks], dim=dim)
     return pad_along(master, dim, local * world).narrow(dim, rank * local, local)
+
+
+def join_shards(param: torch.Tensor, shards: list[torch.Tensor]) -> torch.Tensor:
+    """The full tensor of ``param`` from its T ``shards`` (in tensor-rank order): the inverse of
+    :func:`shard_of_master`, padding rows cut to ``master_size``."""
+    dim = param.partition_dim
+    stride = getattr(param, "partition_stride", 1)
+    if stride > 1:
+        pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+        return torch.cat([p[i] for i in range(stride) for p in pieces], dim=dim)
+    return torch.cat(shards, dim=dim).narrow(dim, 0, param.master_size)
 
 
 def pad_along(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -16,14 +16,27 @@ hangs off the module, not a global, so backward threads and several stage replic
 cannot mix up their queues. Tensor-parallel
 communication runs in separate autograd functions around this one (:mod:`.mappings`), so the
 input gradient's all-reduce or reduce-scatter happens in ``B`` and ``W`` is local.
+
+**Gradient-accumulation fusion** (Megatron's, on unless ``--no-gradient-accumulation-fusion``): a
+weight whose gradient buffer marked it (``weight.fuse_wgrad_accumulation``) gets its gradient
+computed straight into ``weight.main_grad`` -- Apex's ``wgrad_gemm_accum_fp32`` when its CUDA
+extension is importable (half-precision inputs, fp32 accumulation in the GEMM), else one
+``addmm_`` into ``main_grad`` when the dtypes agree -- instead of materialising it and adding it
+in the buffer's post-accumulate hook. The backward then hands autograd a zero
+placeholder and sets ``weight.grad_added_to_main_grad``, which tells the hook to skip the add
+(its readiness callback still fires, so overlapped reductions see the parameter as final). The
+deferred ``W`` of split-backward schedules accumulates the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -54,7 +67,9 @@ class WeightGradStore:
         ``.grad``), free inputs."""
         with torch.no_grad():
             for weight, bias, inputs, grad_output in self._pending:
-                if weight is not None:
+                if weight is not None and fuses_weight_grad(weight):
+                    accumulate_weight_grad_(weight, inputs, grad_output)
+                elif weight is not None:
                     _accumulate(weight, _weight_grad(inputs, grad_output))
                 if bias is not None:
                     _accumulate(bias, _bias_grad(grad_output))
@@ -68,6 +83,44 @@ def _weight_grad(inputs: torch.Tensor, grad_output: torch.Tensor) -> torch.Tenso
 
 def _bias_grad(grad_output: torch.Tensor) -> torch.Tensor:
     return grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+
+
+@functools.cache
+def apex_wgrad_kernel():
+    """Apex's ``fused_weight_gradient_mlp_cuda`` extension, or None when it (or CUDA) is
+    missing (the PyPI package called ``apex`` is an unrelated project and has no such module)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return importlib.import_module("fused_weight_gradient_mlp_cuda")
+    except ImportError:
+        return None
+
+
+def fuses_weight_grad(weight: nn.Parameter) -> bool:
+    """True when ``weight``'s gradient is accumulated straight into its ``main_grad``."""
+    return (getattr(weight, "fuse_wgrad_accumulation", False)
+            and getattr(weight, "main_grad", None) is not None)
+
+
+def accumulate_weight_grad_(weight: nn.Parameter, inputs: torch.Tensor,
+                            grad_output: torch.Tensor) -> None:
+    """``weight.main_grad += grad_output^T @ inputs`` without a separate gradient tensor where a
+    kernel allows: Apex's fp32-accumulating GEMM for half-precision inputs into an fp32 buffer,
+    ``addmm_`` when the dtypes agree, else (no Apex, mixed dtypes) the product then the add."""
+    main_grad = weight.main_grad
+    flat_in = inputs.reshape(-1, inputs.shape[-1])
+    flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+    kernel = apex_wgrad_kernel()
+    if main_grad.dtype == flat_in.dtype:
+        main_grad.addmm_(flat_grad.t(), flat_in)
+    elif (kernel is not None and main_grad.dtype == torch.float32 and flat_in.is_cuda
+          and flat_in.dtype in (torch.float16, torch.bfloat16)):
+        fused = (kernel.wgrad_gemm_accum_fp32 if flat_in.dtype == torch.bfloat16
+                 else kernel.wgrad_gemm_accum_fp16)
+        fused(flat_in.contiguous(), flat_grad.contiguous(), main_grad)
+    else:
+        main_grad.add_(flat_grad.t().matmul(flat_in))
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -84,31 +137,53 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+def _weight_grad_or_placeholder(weight: nn.Parameter, inputs: torch.Tensor,
+                                grad_output: torch.Tensor) -> torch.Tensor:
+    """The weight gradient for autograd, or -- with gradient-accumulation fusion -- the gradient
+    already added to ``main_grad`` and a zero placeholder that the buffer's hook discards
+    (``grad_added_to_main_grad``); zeros, not uninitialised memory, so that a ``.grad`` an fp32
+    optimizer left aliasing ``main_grad`` is added nothing when autograd accumulates into it."""
+    if not fuses_weight_grad(weight):
+        return _weight_grad(inputs, grad_output)
+    accumulate_weight_grad_(weight, inputs, grad_output)
+    weight.grad_added_to_main_grad = True
+    return torch.zeros_like(weight)
+
+
 class LinearWithDeferrableWeightGrad(torch.autograd.Function):
     """y = x W^T + b, with a backward that can hand the weight gradient to a WeightGradStore."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, bias, module):  # type: ignore[override]
+    def forward(ctx, inputs, weight, bias, module, dgrad_group=None):  # type: ignore[override]
         ctx.save_for_backward(inputs, weight)
         ctx.has_bias = bias is not None
         ctx.module = module
-        output = inputs.matmul(weight.t())
-        if bias is not None:
-            output = output + bias
-        return output
+        ctx.dgrad_group = dgrad_group
+        return torch.nn.functional.linear(inputs, weight, bias)  # one addmm with a bias
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         inputs, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        reducing = None
+        if grad_input is not None and ctx.dgrad_group is not None:
+            # Megatron's async all-reduce: the input gradient travels over the tensor-parallel
+            # group while this rank computes (or queues) the weight gradient
+            reducing = dist.all_reduce(grad_input, group=ctx.dgrad_group, async_op=True)
         store: WeightGradStore | None = ctx.module.weight_grad_store
         bias = ctx.module.bias if ctx.has_bias else None
+        grad_weight = grad_bias = None
         if store is not None:
             store.put(ctx.module.weight, bias, inputs, grad_output)
-            return grad_input, None, None, None
-        grad_weight = _weight_grad(inputs, grad_output) if ctx.needs_input_grad[1] else None
-        grad_bias = _bias_grad(grad_output) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_input, grad_weight, grad_bias, None
+        else:
+            if ctx.needs_input_grad[1]:
+                grad_weight = _weight_grad_or_placeholder(ctx.module.weight, inputs,
+                                                          grad_output)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                grad_bias = _bias_grad(grad_output)
+        if reducing is not None:
+            reducing.wait()
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 class BiasAddWithDeferrableGrad(torch.autograd.Function):
@@ -136,10 +211,14 @@ def bias_add_with_deferrable_grad(inputs: torch.Tensor, module: nn.Module) -> to
 
 
 def linear_with_deferrable_weight_grad(inputs: torch.Tensor, module: nn.Module,
-                                       bias: torch.Tensor | None) -> torch.Tensor:
+                                       bias: torch.Tensor | None,
+                                       dgrad_group: dist.ProcessGroup | None = None
+                                       ) -> torch.Tensor:
     """``inputs @ module.weight^T (+ bias)`` through :class:`LinearWithDeferrableWeightGrad`;
-    ``bias`` must be ``module.bias`` or None (then the caller adds it)."""
-    return LinearWithDeferrableWeightGrad.apply(inputs, module.weight, bias, module)
+    ``bias`` must be ``module.bias`` or None (then the caller adds it). ``dgrad_group``: sum the
+    input gradient over this group, asynchronously, overlapped with the weight gradient (a
+    column-parallel layer's replicated input)."""
+    return LinearWithDeferrableWeightGrad.apply(inputs, module.weight, bias, module, dgrad_group)
 
 
 def deferrable_modules(module: nn.Module) -> list[nn.Module]:

@@ -7,6 +7,8 @@ training loop, its monitor, health checks and per-rank error reporting.
 * :mod:`.initialize` -- torch.distributed, the process groups, the seeds.
 * :mod:`.setup` -- the named steps that build a run: stages, optimizer, checkpoint, executors.
 * :mod:`.training` -- ``pretrain``: the loop, evaluation, checkpoint cadence.
+* :mod:`.exit_conditions` -- early exits agreed by the ranks: --exit-interval,
+  --exit-signal-handler (SIGTERM), --exit-duration-in-mins.
 * :mod:`.measured_costs` -- profile-guided pieces: ``--partition-method time``, the measured
   stage costs kept in checkpoints, the schedule rebuilt from them.
 * :mod:`.monitor` -- log lines, TensorBoard, timers. :mod:`.health` -- NaN/Inf and skipped

@@ -14,10 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Sequence
 
+from megatron_chimera.checkpoint.saved_args import read_common, saved_run_flags
 from megatron_chimera.config import (
     GELU_VARIANTS,
+    NORMALIZATIONS,
+    POSITION_EMBEDDING_TYPES,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -44,7 +48,7 @@ from megatron_chimera.training.config_checks import build_schedule_for, validate
 from megatron_chimera.training.flag_catalog import apply_help, refused_flag_message
 
 __all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
-           "build_schedule_for"]
+           "build_schedule_for", "add_architecture_arguments", "architecture_fields"]
 
 PARTITION_METHODS = ("uniform", "parameters", "time")
 DEFAULT_PROFILE_ITERATIONS = 3  # the first is a warm-up, the other two are measured
@@ -86,15 +90,36 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-apex", action="store_true",
                    help="use torch-native kernels even when NVIDIA Apex is importable")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    add_architecture_arguments(g)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def add_architecture_arguments(g: argparse._ActionsContainer) -> None:
+    """Today's decoders (Megatron's flags and defaults): normalisation, SwiGLU, head sizes,
+    grouped-query attention, biases, position embeddings."""
+    g.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=None, dest="norm_epsilon")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES,
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_true")
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",
+                   dest="async_tensor_model_parallel_allreduce")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_true")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     add_schedule_arguments(g)
@@ -124,6 +149,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="all-gather updated parameters in the background; each stage waits "
                         "before its first forward (needs --use-distributed-optimizer)")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion",
+                   help="materialise each weight gradient and add it into the gradient buffer "
+                        "in a hook, instead of computing it straight into main_grad")
     g.add_argument("--allow-cpu-training", action="store_true",
                    help="with --distributed-backend gloo on a machine with CUDA devices: train "
                         "on the CPU on purpose (refused otherwise)")
@@ -133,9 +162,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"))
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
@@ -174,7 +207,10 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--data-path", nargs="*", default=None)
-    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--split", default=None)
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-impl", choices=("mmap", "infer"), default="mmap")
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
@@ -202,16 +238,26 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true")
+    g.add_argument("--use-checkpoint-args", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=(0, 1, 2),
+                   help="0: timers record CUDA events, read at logging iterations (no device "
+                        "sync inside the step); 1 or 2: every timer synchronises the device at "
+                        "start and stop (Megatron's accurate per-part timers; the same set of "
+                        "timers at both levels)")
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
     g.add_argument("--pipeline-trace", default=None, metavar="FILE")
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
     g.add_argument(DEBUG_FLAG, action="store_true")
 
 
@@ -272,11 +318,30 @@ def parse_args_and_schedule(
     parser = build_parser(extra_args_provider)
     if defaults:
         parser.set_defaults(**defaults)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.use_checkpoint_args:
+        args = parser.parse_args([*_checkpoint_flags(args), *argv])
     extra_names = sorted(_known_flags(parser) - _known_flags(base_parser))
     extra = tuple((name, getattr(args, name)) for name in extra_names)
     config = _build_config(args, world_size, extra)
     return config, validate(config, world_size)
+
+
+def _checkpoint_flags(args: argparse.Namespace) -> list[str]:
+    """``--use-checkpoint-args``: the model flags of ``--load``'s latest checkpoint (the command
+    line, parsed after them, wins); none when it holds no checkpoint (a note, or the error of
+    ``--exit-on-missing-checkpoint``)."""
+    if args.load is None:
+        raise ConfigError("--use-checkpoint-args requires --load")
+    if not os.path.isdir(args.load):
+        raise ConfigError(f"--load directory {args.load} does not exist")
+    common = read_common(args.load)
+    flags = saved_run_flags(common) if common is not None else []
+    if not flags and not args.exit_on_missing_checkpoint and os.environ.get("RANK", "0") == "0":
+        print(f" --use-checkpoint-args: no checkpoint arguments in {args.load}; using the "
+              "command line's", flush=True)
+    return flags
 
 
 def _build_config(
@@ -298,6 +363,7 @@ def _build_config(
             f"{args.micro_batch_size} x data-parallel size {data_parallel}"
         )
     num_microbatches = global_batch // (args.micro_batch_size * data_parallel)
+    _check_rampup(args, global_batch, args.micro_batch_size * data_parallel)
     schedule, options = _schedule(args, pipeline_size)
     args.profile_iterations = _profile_iterations(args, schedule, global_batch)
     return TrainConfig(
@@ -305,13 +371,54 @@ def _build_config(
         parallel=_pick(ParallelConfig, args, data_parallel_size=data_parallel,
                        pipeline_schedule=schedule, schedule_options=options),
         optimizer=_optimizer_config(args, global_batch),
-        data=_pick(DataConfig, args, data_path=tuple(args.data_path) if args.data_path else None),
+        data=_data_config(args),
         training=_training_config(args, global_batch, num_microbatches),
         checkpoint=_pick(CheckpointConfig, args),
         logging=_pick(LoggingConfig, args),
         ddp=_ddp_config(args),
         extra=extra,
     )
+
+
+def _data_config(args: argparse.Namespace) -> DataConfig:
+    """``--data-path`` with ``--split`` (default 969,30,1), or the per-split paths: never both."""
+    per_split = {f"--{name}-data-path": getattr(args, f"{name}_data_path")
+                 for name in ("train", "valid", "test")}
+    given = [flag for flag, value in per_split.items() if value is not None]
+    if given and args.data_path is not None:
+        raise ConfigError(f"{given[0]} and --data-path are mutually exclusive (per-split files "
+                          "or one corpus split by --split)")
+    if given and args.split is not None:
+        raise ConfigError(f"--split applies to --data-path, not to {given[0]} (each per-split "
+                          "path is one whole split)")
+    return _pick(DataConfig, args, split=args.split or DataConfig.split,
+                 **{name: tuple(getattr(args, name)) if getattr(args, name) is not None else None
+                    for name in ("data_path", "train_data_path", "valid_data_path",
+                                 "test_data_path")})
+
+
+def _check_rampup(args: argparse.Namespace, global_batch: int, per_microbatch: int) -> None:
+    """``--rampup-batch-size START INCREMENT SAMPLES``: Megatron's conditions, and every batch
+    of the ramp a whole number of micro-batches (micro batch x data-parallel size)."""
+    if args.rampup_batch_size is None:
+        return
+    start, increment, samples = args.rampup_batch_size
+    flag = f"--rampup-batch-size {start} {increment} {samples}"
+    if args.train_samples is None:
+        raise ConfigError(f"{flag} needs --train-samples (the ramp is in samples; Megatron "
+                          "refuses it with --train-iters)")
+    if start <= 0 or increment <= 0 or samples <= 0:
+        raise ConfigError(f"{flag}: START, INCREMENT and SAMPLES must be positive")
+    if start > global_batch or (global_batch - start) % increment:
+        raise ConfigError(f"{flag}: --global-batch-size {global_batch} must be START plus a "
+                          "whole number of INCREMENTs")
+    if start % per_microbatch or increment % per_microbatch:
+        raise ConfigError(f"{flag}: START and INCREMENT must be multiples of --micro-batch-size "
+                          f"x data-parallel size = {per_microbatch}")
+    if args.profile_iterations:
+        raise ConfigError(f"{flag} and --profile-iterations {args.profile_iterations} exclude "
+                          "each other (the rebuild is made for one number of micro-batches; "
+                          "give --chimera-zb-costs instead)")
 
 
 def _ddp_config(args: argparse.Namespace) -> DDPConfig:
@@ -322,7 +429,8 @@ def _ddp_config(args: argparse.Namespace) -> DDPConfig:
                      overlap_grad_reduce=args.overlap_grad_reduce,
                      bucket_size=args.ddp_bucket_size,
                      use_distributed_optimizer=args.use_distributed_optimizer,
-                     overlap_param_gather=args.overlap_param_gather)
+                     overlap_param_gather=args.overlap_param_gather,
+                     gradient_accumulation_fusion=args.gradient_accumulation_fusion)
 
 
 def _pick(cls: type, args: argparse.Namespace, **overrides: object):
@@ -338,12 +446,13 @@ def _check_positive(args: argparse.Namespace) -> None:
                 "pipeline_model_parallel_size", "tensor_model_parallel_size", "ffn_hidden_size",
                 "chimera_max_inflight",
                 "max_position_embeddings", "make_vocab_size_divisible_by", "log_interval",
-                "eval_interval", "save_interval", "exit_interval", "vocab_size",
+                "eval_interval", "save_interval", "exit_interval", "exit_duration_in_mins",
+                "vocab_size",
                 "num_layers_per_virtual_pipeline_stage", "chimera_pipes",
                 "num_virtual_stages_per_pipeline_rank", "ddp_bucket_size",
                 "recompute_num_layers", "loss_scale_window", "hysteresis",
                 "tensorboard_log_interval", "lr_decay_iters", "lr_decay_samples",
-                "masking_max_ngram")
+                "masking_max_ngram", "kv_channels", "num_query_groups")
     for name in positive:
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -399,7 +508,8 @@ def _profile_iterations(args: argparse.Namespace, schedule: str, global_batch: i
     total = args.train_iters if args.train_iters is not None else \
         (args.train_samples or 0) // global_batch
     if given is None:
-        if schedule not in SPLIT_BACKWARD_SCHEDULES or args.chimera_zb_costs is not None:
+        if (schedule not in SPLIT_BACKWARD_SCHEDULES or args.chimera_zb_costs is not None
+                or args.rampup_batch_size is not None):
             return 0
         return max(0, min(DEFAULT_PROFILE_ITERATIONS, total - 1))
     if given < 0:
@@ -419,7 +529,34 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     use_apex = False if args.no_apex else None
     # The vocabulary is known only once the tokenizer is built (pretrain replaces it).
     return _pick(ModelConfig, args, params_dtype=params_dtype, use_apex=use_apex,
-                 vocab_size=args.vocab_size or ModelConfig.vocab_size)
+                 vocab_size=args.vocab_size or ModelConfig.vocab_size,
+                 **architecture_fields(args))
+
+
+def architecture_fields(args: argparse.Namespace) -> dict[str, object]:
+    """ModelConfig fields of :func:`add_architecture_arguments`' flags that are not read by
+    name: the query groups and the norm epsilon (either spelling)."""
+    return {"num_query_groups": _query_groups(args), "layernorm_epsilon": _norm_epsilon(args)}
+
+
+def _query_groups(args: argparse.Namespace) -> int | None:
+    """``--num-query-groups`` (Megatron's default 1) with ``--group-query-attention``, else None
+    (one key/value head per attention head)."""
+    if not args.group_query_attention:
+        if args.num_query_groups is not None:
+            raise ConfigError("--num-query-groups requires --group-query-attention")
+        return None
+    return 1 if args.num_query_groups is None else args.num_query_groups
+
+
+def _norm_epsilon(args: argparse.Namespace) -> float:
+    """``--norm-epsilon`` (Megatron's current name) or ``--layernorm-epsilon`` (its older one)."""
+    older = getattr(args, "layernorm_epsilon", ModelConfig.layernorm_epsilon)
+    if args.norm_epsilon is None:
+        return older
+    if older != ModelConfig.layernorm_epsilon:
+        raise ConfigError("give --norm-epsilon or --layernorm-epsilon, not both")
+    return args.norm_epsilon
 
 
 def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerConfig:
@@ -471,8 +608,10 @@ def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerC
 def _training_config(
     args: argparse.Namespace, global_batch: int, num_microbatches: int
 ) -> TrainingConfig:
+    ramp = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     return _pick(TrainingConfig, args, global_batch_size=global_batch,
-                 num_microbatches=num_microbatches, layer_split=_layer_split(args))
+                 num_microbatches=num_microbatches, rampup_batch_size=ramp,
+                 layer_split=_layer_split(args))
 
 
 def _layer_split(args: argparse.Namespace) -> LayerSplit:

@@ -8,8 +8,10 @@ has one owner: data paths and splits are checked by the dataset builders' own pa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+from megatron_chimera.checkpoint.checkpointing import TRACKER_FILENAME, read_tracker
 from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,
@@ -18,8 +20,9 @@ from megatron_chimera.config import (
     ModelConfig,
     TrainConfig,
 )
-from megatron_chimera.data.dataset_utils import parse_data_paths, parse_split
+from megatron_chimera.data.dataset_utils import SPLIT_NAMES, parse_data_paths, parse_split
 from megatron_chimera.data.tokenizers import check_tokenizer_args
+from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.stage_layout import split_partition
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
@@ -27,6 +30,7 @@ from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_sche
 from megatron_chimera.schedules.registry import get_spec
 from megatron_chimera.schedules.validate import validate as validate_schedule
 from megatron_chimera.training.initialize import check_backend
+from megatron_chimera.training.scalar_writers import check_wandb_flags
 
 
 def never_slower_than_unsplit(schedule: Schedule, options: object) -> Schedule:
@@ -78,6 +82,23 @@ def build_schedule_for(config: TrainConfig) -> Schedule:
     return schedule
 
 
+def schedule_for_microbatches(config: TrainConfig, num_microbatches: int) -> Schedule:
+    """:func:`build_schedule_for` with ``num_microbatches`` micro-batches (one step of
+    ``--rampup-batch-size``)."""
+    training = dataclasses.replace(config.training, num_microbatches=num_microbatches)
+    return build_schedule_for(dataclasses.replace(config, training=training))
+
+
+def _validate_rampup(config: TrainConfig) -> None:
+    """Every N of the batch-size ramp must make a valid schedule (built once each here)."""
+    for n in config.training.microbatch_counts()[:-1]:
+        try:
+            schedule_for_microbatches(config, n)
+        except ConfigError as exc:
+            raise ConfigError(f"--rampup-batch-size: the ramp's {n} micro-batches per "
+                              f"iteration: {exc}") from None
+
+
 def validate(config: TrainConfig, world_size: int) -> Schedule:
     """Cross-flag consistency checks (no process group needed); returns the run's schedule."""
     parallel = config.parallel
@@ -85,25 +106,23 @@ def validate(config: TrainConfig, world_size: int) -> Schedule:
     _validate_model(config.model)
     parallel.layout.check_model(config.model)
     schedule = build_schedule_for(config)
+    _validate_rampup(config)
     _validate_data(config.data)
     _validate_checkpoint(config.checkpoint)
     _validate_logging(config.logging)
+    check_wandb_flags(config.logging, config.checkpoint.save)
     _validate_attention(config.model, config.data)
     check_backend(parallel)
     return schedule
 
 
 def _validate_model(model: ModelConfig) -> None:
-    if model.seq_length > model.max_positions:
+    if model.learned_positions and model.seq_length > model.max_positions:
         raise ConfigError(
             f"--seq-length {model.seq_length} exceeds --max-position-embeddings "
             f"{model.max_position_embeddings}"
         )
-    if model.hidden_size % model.num_attention_heads:
-        raise ConfigError(
-            f"--hidden-size {model.hidden_size} is not divisible by --num-attention-heads "
-            f"{model.num_attention_heads}"
-        )
+    check_architecture(model)
     granularity, method = model.recompute_granularity, model.recompute_method
     if granularity == "full" and method is None:
         raise ConfigError("--recompute-granularity full requires --recompute-method")
@@ -115,20 +134,32 @@ def _validate_model(model: ModelConfig) -> None:
         raise ConfigError("--recompute-num-layers requires --recompute-method")
 
 
+def _check_data_files(paths: tuple[str, ...] | None, flag: str) -> None:
+    """Each prefix of ``paths`` (``flag``'s value) has its .bin and .idx: else one error."""
+    if paths is None:
+        return
+    prefixes, _ = parse_data_paths(paths, flag)
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ConfigError(f"{flag}: {prefix + suffix} does not exist")
+
+
 def _validate_data(data: DataConfig) -> None:
-    if not data.mock_data and not data.data_path:
-        raise ConfigError("--data-path is required unless --mock-data is given")
-    if data.data_path and not data.mock_data:
-        prefixes, _ = parse_data_paths(data.data_path)
-        for prefix in prefixes:
-            for suffix in (".bin", ".idx"):
-                if not os.path.isfile(prefix + suffix):
-                    raise ConfigError(f"--data-path: {prefix + suffix} does not exist")
+    per_split = data.split_data_paths
+    if not data.mock_data and not data.data_path and per_split is None:
+        raise ConfigError("--data-path (or --train-data-path / --valid-data-path / "
+                          "--test-data-path) is required unless --mock-data is given")
+    if not data.mock_data:
+        _check_data_files(data.data_path, "--data-path")
+        for name, paths in zip(SPLIT_NAMES, per_split or ()):
+            _check_data_files(paths, f"--{name}-data-path")
     parse_split(data.split)
     tokenizer = data.tokenizer_type
     if tokenizer is None:
         if not data.mock_data:
-            raise ConfigError("--tokenizer-type is required with --data-path")
+            source = "--data-path" if data.data_path else "per-split data paths"
+            raise ConfigError(f"--tokenizer-type is required with {source}")
         if data.vocab_size is None:
             raise ConfigError("--mock-data without --tokenizer-type requires --vocab-size")
         return
@@ -141,6 +172,13 @@ def _validate_checkpoint(checkpoint: CheckpointConfig) -> None:
         raise ConfigError(f"--load directory {checkpoint.load} does not exist")
     if checkpoint.finetune and checkpoint.load is None:
         raise ConfigError("--finetune requires --load")
+    if checkpoint.exit_on_missing_checkpoint:
+        if checkpoint.load is None:
+            raise ConfigError("--exit-on-missing-checkpoint requires --load")
+        if read_tracker(checkpoint.load) is None:
+            raise ConfigError(
+                f"--load {checkpoint.load} holds no checkpoint (no {TRACKER_FILENAME}) and "
+                "--exit-on-missing-checkpoint is set: not training from scratch")
     if checkpoint.save_interval is not None and checkpoint.save is None:
         raise ConfigError("--save-interval requires --save")
 

@@ -20,7 +20,8 @@ HELP: dict[str, str] = {
     # network size / model
     "num_layers": "number of transformer layers",
     "hidden_size": "transformer hidden size h",
-    "ffn_hidden_size": "MLP hidden size (default 4h)",
+    "ffn_hidden_size": "MLP hidden size (default 4h; with --swiglu 8h/3 rounded down to a "
+                       "multiple of 64)",
     "num_attention_heads": "attention heads (h must be divisible by them)",
     "seq_length": "tokens per sample",
     "max_position_embeddings": "learned position embeddings (default --seq-length)",
@@ -29,7 +30,26 @@ HELP: dict[str, str] = {
     "attention_dropout": "dropout on the attention probabilities",
     "init_method_std": "std of the normal weight initialisation (output layers scaled by "
                        "1/sqrt(2L))",
-    "layernorm_epsilon": "layer-norm epsilon",
+    "layernorm_epsilon": "epsilon of the layer norms (LayerNorm or RMSNorm; Megatron's older "
+                         "name of --norm-epsilon)",
+    "norm_epsilon": "epsilon of the layer norms (LayerNorm or RMSNorm; default 1e-5)",
+    "normalization": "the layer norms: LayerNorm or RMSNorm (weight only)",
+    "swiglu": "GPT: SwiGLU MLP, silu(x W_gate) * (x W_up) from one fused [gate; up] projection "
+              "(each tensor rank holds matching halves)",
+    "kv_channels": "channels per attention head (default hidden size / attention heads)",
+    "group_query_attention": "GPT: grouped-query attention (--num-query-groups key/value heads, "
+                             "divided over the tensor-parallel ranks)",
+    "num_query_groups": "GPT: key/value heads with --group-query-attention (default 1); must "
+                        "divide the attention heads, T must divide it",
+    "add_bias_linear": "GPT: no biases in the transformer's linear layers (QKV, dense, MLP)",
+    "add_qkv_bias": "GPT: a QKV bias even with --disable-bias-linear (Qwen2)",
+    "position_embedding_type": "GPT: learned_absolute (learned table), rope (rotary, in the "
+                               "attention; positions follow --reset-position-ids) or none",
+    "rotary_base": "RoPE: base of the rotation frequencies",
+    "rotary_percent": "RoPE: fraction of each head's channels rotated",
+    "use_rope_scaling": "RoPE: Llama 3.1's frequency scaling (low/high frequency factors 1 and "
+                        "4, original context 8192)",
+    "rope_scaling_factor": "RoPE: the factor of --use-rope-scaling",
     "untie_embeddings_and_output_weights": "GPT: separate output layer instead of the tied "
                                            "word embedding",
     "attention_softmax_in_fp32": "unfused attention: softmax in fp32 (the fused kernels "
@@ -57,8 +77,10 @@ HELP: dict[str, str] = {
                                   "split over T ranks (world = T x W x D)",
     "sequence_parallel": "with T > 1: LayerNorm / dropout regions split along the sequence over "
                          "the tensor-parallel ranks; pipeline messages are [s/T, b, h]",
-    "no_async_tensor_model_parallel_allreduce": "accepted: the tensor-parallel all-reduce of "
-                                                "input gradients is never overlapped here",
+    "async_tensor_model_parallel_allreduce": "T > 1: sum a column-parallel layer's input "
+                                             "gradient synchronously after its backward instead "
+                                             "of asynchronously, overlapped with its weight "
+                                             "gradient",
     "no_scatter_gather_tensors_in_pipeline": "accepted: pipeline messages are never split over "
                                              "the tensor-parallel ranks (--sequence-parallel "
                                              "sends 1/T of the bytes)",
@@ -90,9 +112,18 @@ HELP: dict[str, str] = {
     # training
     "micro_batch_size": "samples per micro-batch",
     "global_batch_size": "samples per iteration (default micro batch x data-parallel size)",
+    "rampup_batch_size": "START INCREMENT SAMPLES: the global batch grows from START by "
+                         "INCREMENT over the first SAMPLES samples to --global-batch-size "
+                         "(needs --train-samples; one schedule per number of micro-batches, "
+                         "built once; no --profile-iterations)",
     "train_iters": "iterations to train",
     "train_samples": "samples to train (instead of --train-iters)",
     "exit_interval": "save and exit after this many iterations",
+    "exit_duration_in_mins": "save and exit (status 0) at the first iteration boundary after "
+                             "the job has run this many minutes (wall clock from the earliest "
+                             "rank's start, agreed across ranks)",
+    "exit_signal_handler": "on SIGTERM to any rank (scancel, preemption, torchrun): save at the "
+                           "next iteration boundary (the ranks agree) and exit 0",
     "eval_interval": "validate every this many iterations",
     "eval_iters": "iterations per validation / test evaluation",
     "seed": "random seed (weights, dropout, data order)",
@@ -125,11 +156,18 @@ HELP: dict[str, str] = {
     "hysteresis": "overflows tolerated before the scale halves",
     # data
     "data_path": "dataset prefix, or weight prefix pairs to blend",
-    "split": "train, valid, test proportions, e.g. 969,30,1",
+    "split": "train, valid, test proportions of --data-path, e.g. 969,30,1 (the default)",
+    "train_data_path": "training data: every document of a prefix, or weight prefix pairs to "
+                       "blend (instead of --data-path / --split)",
+    "valid_data_path": "validation data: a prefix or weight prefix pairs (instead of "
+                       "--data-path / --split)",
+    "test_data_path": "test data: a prefix or weight prefix pairs (instead of --data-path / "
+                      "--split)",
     "mock_data": "deterministic synthetic samples instead of --data-path",
     "data_impl": "indexed dataset implementation: mmap (Megatron's MMIDIDX, the only one)",
     "tokenizer_type": "Megatron tokenizer name",
-    "tokenizer_model": "SentencePiece model file",
+    "tokenizer_model": "SentencePiece model file, or HuggingFaceTokenizer's local directory "
+                       "(tokenizer.json, tokenizer_config.json; nothing is downloaded)",
     "vocab_file": "GPT-2 vocab.json or WordPiece vocab.txt",
     "merge_file": "GPT-2 merges.txt",
     "vocab_size": "vocabulary of the NullTokenizer / bare --mock-data",
@@ -153,6 +191,13 @@ HELP: dict[str, str] = {
     "no_load_optim": "do not load the optimizer state",
     "no_load_rng": "do not restore the random-number generator states",
     "finetune": "load weights only and start at iteration 0",
+    "use_checkpoint_args": "take the model flags (shape, model settings, --seq-length, "
+                           "--tokenizer-type, --vocab-size) from --load's checkpoint; flags "
+                           "given on the command line win (the parallel layout is never taken: "
+                           "any layout loads)",
+    "exit_on_missing_checkpoint": "a --load directory without a checkpoint is an error (exit "
+                                  "code 2, before any process group) instead of training from "
+                                  "scratch",
     # logging
     "log_interval": "print the log line every this many iterations",
     "tensorboard_dir": "write TensorBoard scalars here",
@@ -168,6 +213,11 @@ HELP: dict[str, str] = {
                       "one) to FILE as a Chrome / Perfetto trace: compute actions, sends, "
                       "waits for messages, gradient reductions, optimizer step "
                       "(tools/plot_schedule.py --measured FILE draws it)",
+    "wandb_project": "Weights & Biases project: the logging rank writes the TensorBoard "
+                     "scalars there too (needs --wandb-exp-name and the wandb package; "
+                     "WANDB_MODE=offline works without a network)",
+    "wandb_exp_name": "Weights & Biases run name (with --wandb-project)",
+    "wandb_save_dir": "directory of the W&B files (default <--save>/wandb)",
     "debug_tracebacks": "print the traceback of every error (also: MEGATRON_CHIMERA_TRACEBACKS=1)",
 }
 
@@ -175,6 +225,10 @@ HELP: dict[str, str] = {
 FAMILY: dict[str, str] = {
     "reset_position_ids": "gpt2", "reset_attention_mask": "gpt2", "eod_mask_loss": "gpt2",
     "document_attention": "gpt2", "untie_embeddings_and_output_weights": "gpt2",
+    "swiglu": "gpt2", "num_query_groups": "gpt2", "add_bias_linear": "gpt2",
+    "add_qkv_bias": "gpt2", "position_embedding_type": "gpt2", "rotary_base": "gpt2",
+    "rotary_percent": "gpt2", "use_rope_scaling": "gpt2", "rope_scaling_factor": "gpt2",
+    "normalization": "gpt2", "kv_channels": "gpt2",
     "mask_prob": "bert", "short_seq_prob": "bert", "whole_word_masking": "bert",
     "masking_max_ngram": "bert", "bert_binary_head": "bert",
 }
@@ -183,6 +237,8 @@ FAMILY: dict[str, str] = {
 CONSUMED_WHILE_PARSING: dict[str, str] = {
     "accumulate_allreduce_grads_in_fp32": "`ddp.grad_reduce_in_fp32` (also set by --bf16)",
     "ddp_bucket_size": "`ddp.bucket_size`",
+    "group_query_attention": "`model.num_query_groups` (None without it)",
+    "norm_epsilon": "`model.layernorm_epsilon`",
     "no_apex": "`model.use_apex`, `optimizer.use_apex` = False",
     "lr_decay_iters": "`optimizer.lr_decay_samples` = iterations x global batch",
     "lr_warmup_iters": "`optimizer.lr_warmup_samples` = iterations x global batch",
@@ -192,6 +248,8 @@ CONSUMED_WHILE_PARSING: dict[str, str] = {
         "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
         "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
         "account_for_loss_in_pipeline_split")},
+    "use_checkpoint_args": "the checkpoint's model flags, parsed ahead of the command line "
+                           "(`checkpoint.saved_args.saved_run_flags`)",
 }
 
 # Parsed flags that no configuration field holds: who reads them instead (the tests check that
@@ -204,9 +262,6 @@ READ_OUTSIDE_CONFIG: dict[str, tuple[str, str]] = {
 # Megatron flags accepted because what they ask for always holds here (nothing to configure).
 ALWAYS_ON: dict[str, str] = {
     "data_impl": "always mmap (Megatron's MMIDIDX files; `infer` finds the same)",
-    "no_async_tensor_model_parallel_allreduce": "the input-gradient all-reduce of a "
-                                                "column-parallel layer is never overlapped with "
-                                                "its weight gradient",
     "no_scatter_gather_tensors_in_pipeline": "pipeline messages are never split over the "
                                              "tensor-parallel ranks (whole [s, b, h]; [s/T, b, h] "
                                              "chunks with --sequence-parallel)",
@@ -215,7 +270,7 @@ ALWAYS_ON: dict[str, str] = {
 }
 
 _ENC_DEC = "encoder-decoder (T5) models only; this framework pretrains GPT-2 and BERT"
-_ARCH = "GPT-2/BERT architecture only (learned absolute positions, pre-LN LayerNorm, GeLU MLP)"
+_ARCH = "pre-norm transformers only (GeLU or SwiGLU MLP, LayerNorm or RMSNorm)"
 _TE = "no Transformer Engine / FP8: the local implementation is the only one"
 
 # Megatron-LM GPT/BERT pretraining flags (23.06's network-size, regularization, training,
@@ -225,21 +280,22 @@ REFUSED: dict[str, str] = {
     "--encoder-num-layers": _ENC_DEC, "--decoder-num-layers": _ENC_DEC,
     "--encoder-seq-length": _ENC_DEC, "--decoder-seq-length": _ENC_DEC,
     "--pipeline-model-parallel-split-rank": _ENC_DEC, "--vocab-extra-ids": _ENC_DEC,
-    "--kv-channels": "the head dimension is always hidden size / attention heads",
-    "--use-rotary-position-embeddings": _ARCH, "--rotary-percent": _ARCH,
-    "--no-position-embedding": _ARCH, "--position-embedding-type": _ARCH,
+    "--use-rotary-position-embeddings": "older spelling: use --position-embedding-type rope",
+    "--no-position-embedding": "older spelling: use --position-embedding-type none",
     "--apply-layernorm-1p": _ARCH, "--apply-residual-connection-post-layernorm": _ARCH,
-    "--normalization": _ARCH, "--openai-gelu": _ARCH, "--squared-relu": _ARCH,
-    "--swiglu": _ARCH, "--disable-bias-linear": _ARCH,
-    "--group-query-attention": _ARCH, "--num-query-groups": _ARCH,
+    "--openai-gelu": "use --gelu tanh", "--squared-relu": _ARCH,
+    "--rotary-interleaved": "RoPE uses the rotate-half convention only (Megatron's and "
+                            "transformers' default)",
+    "--rotary-seq-len-interpolation-factor": "RoPE position interpolation is not implemented "
+                                             "(--use-rope-scaling is Llama 3.1's)",
     "--num-experts": "mixture of experts is not implemented",
     "--onnx-safe": "no ONNX export",
     "--embedding-weights-in-fp32": "embeddings are kept in the parameter dtype",
     "--log-params-norm": "the parameter norm is not computed",
     "--log-num-zeros-in-grad": "zero-gradient counting is not wired to the log line",
-    "--timing-log-level": "one fixed set of timers (no levels); see --log-timers-to-tensorboard",
     "--timing-log-option": "timers are those of the logging rank (no min/max over ranks)",
-    "--no-barrier-with-level-1-timing": "there are no level-1 timers",
+    "--no-barrier-with-level-1-timing": "timers never add a barrier across ranks (level 1 "
+                                        "synchronises the device only)",
     "--tensorboard-queue-size": "the TensorBoard writer queue is fixed (1000)",
     "--no-log-learnig-rate-to-tensorboard": "the learning rate is always written",
     "--no-log-loss-scale-to-tensorboard": "the loss scale is always written",
@@ -249,8 +305,6 @@ REFUSED: dict[str, str] = {
     "--end-weight-decay": "weight decay is constant (no increment schedule)",
     "--weight-decay-incr-style": "weight decay is constant (no increment schedule)",
     "--batch-size": "removed in Megatron-LM: use --micro-batch-size",
-    "--rampup-batch-size": "batch-size ramp-up is not implemented (the schedule is built for "
-                           "one number of micro-batches)",
     "--recompute-activations": "use --recompute-granularity selective",
     "--checkpoint-activations": "removed in Megatron-LM: use --recompute-granularity full "
                                 "--recompute-method uniform --recompute-num-layers 1",
@@ -259,11 +313,7 @@ REFUSED: dict[str, str] = {
                                       "rank (--sequence-parallel splits it)",
     "--context-parallel-size": "context parallelism is not implemented",
     "--model-parallel-size": "removed in Megatron-LM: use --tensor-model-parallel-size",
-    "--exit-duration-in-mins": "not implemented (use --exit-interval)",
-    "--exit-signal-handler": "not implemented (use --exit-interval)",
     "--dataloader-type": "only Megatron's default single (sequential, resumable) sampler",
-    "--no-gradient-accumulation-fusion": "there is no fused weight-gradient accumulation "
-                                         "kernel to turn off; drop the flag",
     "--no-persist-layer-norm": "there is no persistent layer-norm kernel to turn off; drop "
                                "the flag",
     "--data-parallel-random-init": "data-parallel replicas always start identical",
@@ -271,9 +321,6 @@ REFUSED: dict[str, str] = {
     "--warmup": "removed in Megatron-LM: use --lr-warmup-fraction / --lr-warmup-iters",
     "--no-save-rng": "the RNG states are always saved (--no-load-rng skips loading them)",
     "--no-initialization": "weights are always initialised before loading",
-    "--use-checkpoint-args": "checkpoints are resumed under the flags given (any layout)",
-    "--exit-on-missing-checkpoint": "not implemented: a --load without a checkpoint starts "
-                                    "from scratch with a message",
     "--ckpt-format": "one checkpoint format (Megatron's layout, one file per stage)",
     "--use-dist-ckpt": "one checkpoint format (Megatron's layout, one file per stage)",
     "--fp32-residual-connection": "the residual stream is kept in the parameter dtype",
@@ -291,12 +338,6 @@ REFUSED: dict[str, str] = {
     "--standalone-embedding-stage": "not implemented (--partition-method parameters balances "
                                     "the embedding instead)",
     "--skip-train": "not implemented",
-    "--train-data-path": "per-split data paths are not implemented: use --data-path with "
-                         "--split",
-    "--valid-data-path": "per-split data paths are not implemented: use --data-path with "
-                         "--split",
-    "--test-data-path": "per-split data paths are not implemented: use --data-path with "
-                        "--split",
     "--retriever-seq-length": "retrieval (ICT / Retro) models only",
     "--sample-rate": "not implemented",
     "--mmap-warmup": "not implemented",
@@ -319,7 +360,9 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--onnx-safe", "--bert-no-binary-head", "--num-experts",
     "--untie-embeddings-and-output-weights", "--embedding-weights-in-fp32",
     "--position-embedding-type", "--normalization", "--group-query-attention",
-    "--num-query-groups",
+    "--num-query-groups", "--norm-epsilon", "--add-qkv-bias", "--rotary-base",
+    "--use-rope-scaling", "--rope-scaling-factor", "--rotary-interleaved",
+    "--rotary-seq-len-interpolation-factor",
     # logging
     "--log-params-norm", "--log-num-zeros-in-grad", "--timing-log-level",
     "--no-barrier-with-level-1-timing", "--timing-log-option", "--tensorboard-log-interval",
@@ -327,6 +370,7 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--no-log-learnig-rate-to-tensorboard", "--no-log-loss-scale-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
     "--log-world-size-to-tensorboard", "--log-throughput", "--log-progress",
+    "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
     # regularization
     "--attention-dropout", "--hidden-dropout", "--weight-decay", "--start-weight-decay",
     "--end-weight-decay", "--weight-decay-incr-style", "--clip-grad", "--adam-beta1",

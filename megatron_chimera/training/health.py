@@ -10,6 +10,15 @@ stay device tensors (the executor's ``local_losses``): the finiteness test runs 
 the all-reduce's result is the iteration's one host sync for it; the message is built only on
 the rank that found the problem.
 
+With gradient clipping on (``--clip-grad`` > 0) and no fp16 loss scaler, the optimizer computes
+the global gradient norm anyway (model-parallel all-reduce and host read included), and a NaN or
+Inf in any gradient -- or in a loss, through its backward -- makes that norm non-finite on every
+rank: the check is then folded into it (:func:`grad_norm_covers_gradients`), costing nothing while
+the run is healthy; only a non-finite norm runs the per-value search above, to name the rank and
+the value (the optimizer has skipped that step). A non-finite loss whose gradient is finite
+(impossible through a loss's own backward, short of a zero-weight NaN) is the one case only the
+unfolded check sees.
+
 ``--max-consecutive-skipped-iterations K`` (default 100, 0: no bound): a run whose optimizer
 skips K iterations in a row (fp16 gradients overflowing at every loss scale, or non-finite
 gradients with the check off) stops with an error. Dynamic loss scaling from 2^32 needs at most
@@ -134,6 +143,25 @@ def check_loss_and_grad(iteration: int, local_losses: dict[int, dict[str, Any]],
     raise NonFiniteError(
         f"iteration {iteration}: {problem} on rank {rank} ({NAN_FLAG}: the run diverged; "
         "lower --lr or check the data, or pass --no-check-for-nan-in-loss-and-grad)")
+
+
+def grad_norm_covers_gradients(optimizer) -> bool:
+    """Whether the optimizer's global gradient norm stands in for the per-value NaN/Inf search
+    (``optimizer``: the run's optimizer config): clipping computes it, and only without an fp16
+    loss scaler (whose overflow steps have no norm)."""
+    return optimizer.clip_grad > 0.0 and not optimizer.fp16
+
+
+def raise_nonfinite_grad_norm(iteration: int, grad_norm: float) -> None:
+    """Every rank sees the same non-finite global norm: rank 0 reports it, the others stop
+    naming rank 0 (when the per-value search did not name a rank first)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank != 0:
+        raise StoppedByPeer(0, "found a NaN/Inf")
+    raise NonFiniteError(
+        f"iteration {iteration}: the global gradient norm is {grad_norm} on rank 0 ({NAN_FLAG}: "
+        "the run diverged; lower --lr or check the data, or pass "
+        "--no-check-for-nan-in-loss-and-grad)")
 
 
 def check_skipped(consecutive: int, bound: int, iteration: int, loss_scale: float) -> None:

@@ -106,8 +106,9 @@ def set_random_seed(seed: int) -> None:
 
 
 def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -> torch.device:
-    """Distributed start-up, model-parallel groups for ``schedule``'s placement, and seeding;
-    returns this rank's device."""
+    """Distributed start-up, model-parallel groups for ``schedule``'s placement (every
+    communicator connected before the first iteration), and seeding; returns this rank's
+    device."""
     device = initialize_distributed(config)
     if schedule.num_ranks != config.pipeline_model_parallel_size:
         raise ConfigError(
@@ -119,5 +120,6 @@ def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -
         config.tensor_model_parallel_size,
         timeout=timedelta(minutes=config.distributed_timeout_minutes),
     )
+    parallel_state.connect_communicators(device)
     set_random_seed(seed)
     return device

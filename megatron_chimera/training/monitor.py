@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from megatron_chimera.config import TrainConfig
+from megatron_chimera.training.scalar_writers import create_writer
 
 # Megatron's timer names written with --log-timers-to-tensorboard (as "<name>-time"), in its
 # order; "interval-time" (the whole iteration) is the "iteration-time" scalar.
@@ -31,53 +33,135 @@ TENSORBOARD_TIMERS = (
 
 # ---------------------------------------------------------------------------------- timers
 class _Timer:
-    """Accumulating wall-clock timer (synchronises CUDA so device work is counted)."""
+    """Accumulating timer of one name.
 
-    def __init__(self) -> None:
+    ``sync`` (``--timing-log-level`` >= 1, Megatron's accurate timers): the device is synchronised
+    at start and stop and the host clock read, so each figure includes the device work queued in
+    the interval. Otherwise, on CUDA, start and stop only record CUDA events on the current
+    stream -- no device-wide sync inside the step, so communication and computation keep
+    overlapping -- and the seconds are read from the events when :meth:`elapsed` is called (at the
+    logging iteration, whose report waits for the device anyway). On the CPU both are the host
+    clock. ``event_factory`` makes the events (a test passes stand-ins).
+    """
+
+    def __init__(self, sync: bool = True, event_factory: Callable[[], Any] | None = None) -> None:
         self._elapsed = 0.0
         self._start: float | None = None
+        self._sync = sync
+        self._event_factory = event_factory
+        self._events: list[tuple[Any, Any]] = []
+        self._start_event: Any = None
+
+    def _use_events(self) -> bool:
+        return not self._sync and (self._event_factory is not None or _cuda_active())
+
+    def _event(self) -> Any:
+        if self._event_factory is not None:
+            return self._event_factory()
+        return torch.cuda.Event(enable_timing=True)
 
     def start(self) -> None:
         """Start (must be stopped)."""
-        if self._start is not None:
+        if self._start is not None or self._start_event is not None:
             raise RuntimeError("timer already started")
-        _synchronize()
+        if self._use_events():
+            self._start_event = self._event()
+            self._start_event.record()
+            return
+        if self._sync:
+            _synchronize()
         self._start = time.perf_counter()
 
     def stop(self) -> None:
         """Stop and accumulate."""
+        if self._start_event is not None:
+            end = self._event()
+            end.record()
+            self._events.append((self._start_event, end))
+            self._start_event = None
+            return
         if self._start is None:
             raise RuntimeError("timer is not started")
-        _synchronize()
+        if self._sync:
+            _synchronize()
         self._elapsed += time.perf_counter() - self._start
         self._start = None
 
     def elapsed(self, reset: bool = True) -> float:
-        """Accumulated seconds (of stopped intervals); reset to zero by default."""
+        """Accumulated seconds (of stopped intervals); reset to zero by default. Event-timed
+        intervals are resolved here (waiting for their end events only)."""
+        self._elapsed += _event_seconds(self._events)
+        self._events = []
         value = self._elapsed
         if reset:
             self._elapsed = 0.0
         return value
 
+    def take(self) -> TimerReading:
+        """The accumulated interval, unresolved (no wait for events), and reset."""
+        reading = TimerReading(self._elapsed, self._events)
+        self._elapsed, self._events = 0.0, []
+        return reading
+
+
+def _event_seconds(events: list[tuple[Any, Any]]) -> float:
+    total = 0.0
+    for start, end in events:
+        end.synchronize()
+        total += start.elapsed_time(end) / 1000.0
+    return total
+
+
+@dataclass
+class TimerReading:
+    """One timer's figure for one iteration: host seconds plus event pairs still to be read."""
+
+    host_seconds: float
+    events: list[tuple[Any, Any]]
+
+    def seconds(self) -> float:
+        """The figure in seconds (waits for the events' completion)."""
+        return self.host_seconds + _event_seconds(self.events)
+
+
+def _cuda_active() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
 
 def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_active():
         torch.cuda.synchronize()
 
 
 class Timers:
-    """Named timers as Megatron's ``timers('forward-backward').start()``."""
+    """Named timers as Megatron's ``timers('forward-backward').start()``.
 
-    def __init__(self) -> None:
+    ``timing_log_level`` (Megatron's ``--timing-log-level``, default 0): at 1 or more every timer
+    synchronises the device at start and stop (accurate per-part figures, at the cost of the
+    overlap); at 0 none does (CUDA events on GPUs, read at the logging iteration).
+    """
+
+    def __init__(self, timing_log_level: int = 0,
+                 event_factory: Callable[[], Any] | None = None) -> None:
+        self.timing_log_level = timing_log_level
+        self._event_factory = event_factory
         self._timers: dict[str, _Timer] = {}
 
     def __call__(self, name: str) -> _Timer:
         """The timer called ``name`` (created on first use)."""
-        return self._timers.setdefault(name, _Timer())
+        timer = self._timers.get(name)
+        if timer is None:
+            timer = self._timers[name] = _Timer(self.timing_log_level >= 1, self._event_factory)
+        return timer
 
     def elapsed_all(self, reset: bool = True) -> dict[str, float]:
         """Seconds of every timer."""
         return {name: t.elapsed(reset) for name, t in self._timers.items()}
+
+    def take_all(self) -> dict[str, TimerReading]:
+        """Every timer's reading, unresolved, and reset: the training loop keeps an
+        iteration's readings until its logging iteration resolves them (no wait before)."""
+        return {name: t.take() for name, t in self._timers.items()}
 
 
 # ---------------------------------------------------------------------------------- formulas
@@ -164,6 +248,17 @@ class IterationStats:
     busy_seconds: list[float] = field(default_factory=list)
     timers: dict[str, float] = field(default_factory=dict)
     memory: list[dict[str, float]] | None = None  # per rank (--log-memory-to-tensorboard)
+    batch_size: int | None = None  # this iteration's global batch (None: --global-batch-size)
+    timer_readings: dict[str, TimerReading] | None = None  # until :meth:`resolve_timers`
+
+    def resolve_timers(self) -> None:
+        """Turn the iteration's timer readings into seconds (``timers``); the iteration time
+        is the ``interval-time`` timer's when there is one."""
+        if self.timer_readings is None:
+            return
+        self.timers = {name: r.seconds() for name, r in self.timer_readings.items()}
+        self.timer_readings = None
+        self.iteration_seconds = self.timers.get("interval-time", self.iteration_seconds)
 
 
 class TrainingMonitor:
@@ -189,12 +284,9 @@ class TrainingMonitor:
     @classmethod
     def create(cls, config: TrainConfig, flops_per_iteration: float, world_size: int,
                predicted_bubble: float | None, enabled: bool) -> TrainingMonitor:
-        """Build the monitor and, with ``--tensorboard-dir`` on the logging rank, its writer."""
-        writer = None
-        if enabled and config.logging.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(log_dir=config.logging.tensorboard_dir, max_queue=1000)
+        """Build the monitor and, on the logging rank, its writer (TensorBoard with
+        ``--tensorboard-dir``, Weights & Biases with ``--wandb-project``)."""
+        writer = create_writer(config) if enabled else None
         return cls(config, flops_per_iteration, world_size, predicted_bubble, enabled, writer)
 
     # ---------------------------------------------------------------- training iterations
@@ -225,20 +317,25 @@ class TrainingMonitor:
         self._window, self._skipped_in_window, self._nan_in_window = [], 0, 0
         return line
 
-    def _rates(self, seconds: float) -> tuple[float, float, float]:
-        """TFLOP/s per GPU, samples/s and tokens/s for one iteration of ``seconds``."""
+    def _batch(self, stats: IterationStats) -> int:
+        return stats.batch_size or self.config.training.global_batch_size
+
+    def _rates(self, seconds: float, batch: int) -> tuple[float, float, float]:
+        """TFLOP/s per GPU, samples/s and tokens/s for one iteration of ``seconds`` on
+        ``batch`` samples."""
         if seconds <= 0:
             return 0.0, 0.0, 0.0
-        batch = self.config.training.global_batch_size
-        tflops = self.flops_per_iteration / (seconds * self.world_size * 1e12)
+        flops = self.flops_per_iteration * batch / self.config.training.global_batch_size
+        tflops = flops / (seconds * self.world_size * 1e12)
         return tflops, batch / seconds, batch * self.config.model.seq_length / seconds
 
     def _write_tensorboard(self, stats: IterationStats) -> None:
         it, samples = stats.iteration, stats.consumed_samples
         w = self.writer
-        tflops, samples_per_s, tokens_per_s = self._rates(stats.iteration_seconds)
+        tflops, samples_per_s, tokens_per_s = self._rates(stats.iteration_seconds,
+                                                          self._batch(stats))
         self._scalar("learning-rate", stats.learning_rate, it, samples)
-        self._scalar("batch-size", self.config.training.global_batch_size, it, samples)
+        self._scalar("batch-size", self._batch(stats), it, samples)
         for name, value in stats.losses.items():
             self._scalar(name, value, it, samples)
         self._scalar("loss-scale", stats.loss_scale, it, samples)
@@ -273,7 +370,7 @@ class TrainingMonitor:
         window = self._window
         seconds = (sum(s.iteration_seconds for s in window) / len(window) if window
                    else stats.iteration_seconds)
-        tflops, samples_per_s, tokens_per_s = self._rates(seconds)
+        tflops, samples_per_s, tokens_per_s = self._rates(seconds, self._batch(stats))
         train_iters = self.config.training.total_train_iters
         parts = [
             f" iteration {stats.iteration:8d}/{train_iters:8d}",
@@ -284,7 +381,7 @@ class TrainingMonitor:
             parts.append(f" throughput per GPU (TFLOP/s/GPU): {tflops:.3f}")
         parts += [
             f" learning rate: {stats.learning_rate:.6E}",
-            f" global batch size: {self.config.training.global_batch_size:5d}",
+            f" global batch size: {self._batch(stats):5d}",
         ]
         for name in stats.losses:
             values = [s.losses[name] for s in window]
@@ -352,7 +449,7 @@ class TrainingMonitor:
         return line
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer."""
+        """Flush and close the writers (TensorBoard, W&B)."""
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()

@@ -100,16 +100,26 @@ def check_resume_iteration(iteration: int, config: TrainConfig, path: str) -> No
             f"train further (or --finetune to restart the count)")
 
 
+def _data_source(data) -> str:
+    """The flags that name the run's data, for messages."""
+    if data.mock_data:
+        return "--mock-data"
+    if data.split_data_paths is not None:
+        return " ".join(f"--{name}-data-path {' '.join(paths)}" for name, paths in
+                        zip(("train", "valid", "test"), data.split_data_paths) if paths)
+    return f"--data-path {' '.join(data.data_path)} --split {data.split}"
+
+
 def check_splits(config: TrainConfig, train_ds, valid_ds, test_ds, remaining_iters: int,
                  warn: Callable[[str], None] | None) -> None:
     """Fail on an empty training split (when iterations remain); warn (``warn``, on one rank)
     about requested evaluation that has no data."""
     data, training = config.data, config.training
-    source = (f"--data-path {' '.join(data.data_path)} --split {data.split}"
-              if data.data_path else "--mock-data")
+    source = _data_source(data)
     if remaining_iters > 0 and (train_ds is None or len(train_ds) == 0):
-        raise PreflightError(f"{source}: the training split is empty (no documents); "
-                             "change --split or check the data")
+        fix = ("give --train-data-path" if data.split_data_paths and not data.mock_data
+               else "change --split or check the data")
+        raise PreflightError(f"{source}: the training split is empty (no documents); {fix}")
     if warn is None or training.eval_iters == 0:
         return
     if valid_ds is None and training.eval_interval:

@@ -7,7 +7,7 @@ executors of a schedule and the monitor. :func:`setup_run` calls them in order a
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,6 +91,11 @@ class Run:
     trace: PipelineTrace | None = None  # --pipeline-trace
     memory: MemoryReport | None = None  # the per-rank memory report after the first iteration
     hang_watch: HangWatch | None = None  # who waits for whom when an iteration stops moving
+    # the evaluation's micro-batches (its schedule keeps the full batch during a ramp-up)
+    eval_needed_microbatches: list[int] | None = None
+    # --rampup-batch-size: each N's training schedule, executor and read micro-batches, kept
+    by_microbatches: dict[int, tuple[Schedule, PipelineExecutor, list[int] | None]] = \
+        field(default_factory=dict)
 
 
 def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
@@ -119,7 +124,7 @@ def train_valid_test_num_samples(config: TrainConfig) -> list[int]:
     training = config.training
     iters = training.total_train_iters
     evals = (iters // training.eval_interval + 1) * training.eval_iters
-    return [iters * training.global_batch_size, evals * training.global_batch_size,
+    return [training.total_train_samples, evals * training.global_batch_size,
             training.eval_iters * training.global_batch_size]
 
 
@@ -155,7 +160,7 @@ def build_optimizer(config: TrainConfig, stages: list[StageSlice]
     """The gradient synchronizer, the optimizer over this rank's stages and the LR schedule."""
     data_parallel = build_data_parallel(config.ddp, {s.stage: s.module for s in stages})
     optimizer = get_data_parallel_optimizer(config.optimizer, data_parallel)
-    train_samples = config.training.total_train_iters * config.training.global_batch_size
+    train_samples = config.training.total_train_samples
     scheduler = OptimizerParamScheduler.from_config(optimizer, config.optimizer, train_samples)
     return data_parallel.grad_sync, optimizer, scheduler
 
@@ -221,20 +226,28 @@ class ExecutorFactory:
         self.work = StageWork({s.stage: s.module for s in stages},
                               keyed_forward_step(forward_step_func, device),
                               p2p_tensor_shape(config), model.torch_dtype, device)
-        divisor = config.training.num_microbatches * config.parallel.data_parallel_size
-        self.train_gradients = Gradients(divisor, grad_sync, optimizer.scale_loss)
-        self.eval_gradients = Gradients(divisor)
+        self.data_parallel_size = config.parallel.data_parallel_size
+        self.grad_sync, self.scale_loss = grad_sync, optimizer.scale_loss
         self.transports: dict[tuple[int, int], Transport] = {}
 
-    def __call__(self, schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
+    def _transport(self, schedule: Schedule) -> Transport:
         sizes = (schedule.num_pipes, schedule.num_microbatches)
         if sizes not in self.transports:
             self.transports[sizes] = make_transport(self.topology, lambda m: m.tag(*sizes))
-        transport = self.transports[sizes]
-        return (PipelineExecutor(schedule, self.topology, self.work, self.train_gradients,
-                                 transport=transport),
-                PipelineExecutor(schedule, self.topology, self.work, self.eval_gradients,
-                                 transport=transport))
+        return self.transports[sizes]
+
+    def train_executor(self, schedule: Schedule) -> PipelineExecutor:
+        """The training executor of ``schedule`` (losses divided by its N x W)."""
+        divisor = schedule.num_microbatches * self.data_parallel_size
+        return PipelineExecutor(schedule, self.topology, self.work,
+                                Gradients(divisor, self.grad_sync, self.scale_loss),
+                                transport=self._transport(schedule))
+
+    def __call__(self, schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
+        divisor = schedule.num_microbatches * self.data_parallel_size
+        return (self.train_executor(schedule),
+                PipelineExecutor(schedule, self.topology, self.work, Gradients(divisor),
+                                 transport=self._transport(schedule)))
 
 
 def build_monitor(config: TrainConfig, family: ModelFamily, schedule: Schedule,
@@ -268,14 +281,17 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     rng_state = get_rng_state()  # seeded, or restored from the checkpoint
     executors = ExecutorFactory(config, stages, forward_step_func, grad_sync, optimizer, device)
     executor, eval_executor = executors(schedule)
-    # BERT's padding mask and GPT's document mask (--reset-attention-mask) reach every stage
+    # BERT's padding mask, GPT's document mask (--reset-attention-mask) and the per-document
+    # rotary positions (--reset-position-ids with RoPE) reach every stage
+    rotary_positions = (config.data.reset_position_ids
+                        and config.model.position_embedding_type == "rope")
     needed = needed_microbatches(schedule, parallel_state.get_pipeline_model_parallel_rank(),
                                  all_stages=family.every_stage_reads_batch
-                                 or config.data.reset_attention_mask)
+                                 or config.data.reset_attention_mask or rotary_positions)
     run = Run(config, family, schedule, partition, stages, optimizer, scheduler, executors,
               executor, eval_executor, build_monitor(config, family, schedule, partition),
-              Timers(),
-              needed, rank, world_size, rng_state, device)
+              Timers(config.logging.timing_log_level),
+              needed, rank, world_size, rng_state, device, eval_needed_microbatches=needed)
     run.trace = build_trace(config, state, device)
     run.memory = build_memory_report(config, family, schedule, partition, state, device)
     # before the backend's own timeout error: 80% of --distributed-timeout-minutes

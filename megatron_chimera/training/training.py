@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,8 +39,15 @@ from megatron_chimera.model.family import GPT2, ModelFamily
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.rebuild import RebuildReport
 from megatron_chimera.training.arguments import build_schedule_for, parse_args_and_schedule
+from megatron_chimera.training.config_checks import schedule_for_microbatches
+from megatron_chimera.training.exit_conditions import ExitCheck, SignalFlag, agreed_start_time
 from megatron_chimera.training.flag_catalog import family_flag_errors
-from megatron_chimera.training.health import check_loss_and_grad, check_skipped
+from megatron_chimera.training.health import (
+    check_loss_and_grad,
+    check_skipped,
+    grad_norm_covers_gradients,
+    raise_nonfinite_grad_norm,
+)
 from megatron_chimera.training.initialize import initialize_megatron
 from megatron_chimera.training.measured_costs import (
     PROFILED_KEY,
@@ -102,6 +111,27 @@ _NO_METER = contextlib.nullcontext()
 def _watched(run: Run, section: str):
     """The hang watch armed for ``section`` (a no-op without one)."""
     return run.hang_watch.watching(section) if run.hang_watch is not None else _NO_METER
+def current_batch_size(run: Run) -> int:
+    """The global batch of the running schedule (smaller during ``--rampup-batch-size``)."""
+    training = run.config.training
+    return run.schedule.num_microbatches * (training.global_batch_size
+                                            // training.num_microbatches)
+
+
+def use_microbatches(run: Run, num_microbatches: int) -> None:
+    """Train with ``num_microbatches`` per iteration from now on (``--rampup-batch-size``):
+    each N's schedule, executor and read micro-batches are built on first use and kept."""
+    current = run.schedule.num_microbatches
+    if num_microbatches == current:
+        return
+    run.by_microbatches[current] = (run.schedule, run.executor, run.needed_microbatches)
+    if num_microbatches not in run.by_microbatches:
+        schedule = schedule_for_microbatches(run.config, num_microbatches)
+        needed = needed_microbatches(schedule, parallel_state.get_pipeline_model_parallel_rank(),
+                                     all_stages=run.needed_microbatches is None)
+        run.by_microbatches[num_microbatches] = (
+            schedule, run.executors.train_executor(schedule), needed)
+    run.schedule, run.executor, run.needed_microbatches = run.by_microbatches[num_microbatches]
 
 
 def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
@@ -113,7 +143,7 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     Returns (executor result, skipped, grad norm, pipeline seconds).
     """
     run.timers("batch-generator").start()
-    batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
+    batches = next_microbatches(data_iterator, run.schedule.num_microbatches,
                                 run.needed_microbatches)
     run.timers("batch-generator").stop()
     if consumed_samples is not None:
@@ -127,25 +157,35 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     with meter:
         result = run.executor.run(batches)
     run.timers("forward-backward").stop()
-    if iteration is not None and run.config.training.check_for_nan_in_loss_and_grad:
-        check_loss_and_grad(
-            iteration, result.local_losses,
-            [(name, p) for stage in run.stages for name, p in stage_named_parameters(stage)
-             .items()], check_grads=not run.config.optimizer.fp16,
-            device=run.device or torch.device("cpu"))
+    nan_check = iteration is not None and run.config.training.check_for_nan_in_loss_and_grad
+    folded = nan_check and grad_norm_covers_gradients(run.config.optimizer)
+    if nan_check and not folded:
+        _check_nan(run, iteration, result)
     run.timers("optimizer").start()
     # the optimizer's own timers add device syncs: only when they are written
     detail = run.timers if run.config.logging.log_timers_to_tensorboard else None
     with trace.region("optimizer step", "optimizer") if trace else contextlib.nullcontext():
         update_successful, grad_norm, _ = run.optimizer.step(timers=detail)
     run.timers("optimizer").stop()
+    if folded and grad_norm is not None and not math.isfinite(grad_norm):
+        _check_nan(run, iteration, result)  # names the rank and the value, then raises
+        raise_nonfinite_grad_norm(iteration, grad_norm)
     if update_successful:
-        run.scheduler.step(run.config.training.global_batch_size)
+        run.scheduler.step(current_batch_size(run))
     if trace is not None:
         trace.end()
     if run.memory is not None and iteration is not None:
         run.memory.report(run, iteration)
     return result, not update_successful, grad_norm, result.iteration_seconds
+
+
+def _check_nan(run: Run, iteration: int, result: Any) -> None:
+    """Every rank: the NaN/Inf check of its losses and (fp32/bf16) gradients (a collective)."""
+    check_loss_and_grad(
+        iteration, result.local_losses,
+        [(name, p) for stage in run.stages for name, p in stage_named_parameters(stage)
+         .items()], check_grads=not run.config.optimizer.fp16,
+        device=run.device or torch.device("cpu"))
 
 
 def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
@@ -157,7 +197,7 @@ def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
     with torch.no_grad():
         for _ in range(num_iters):
             batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
-                                        run.needed_microbatches)
+                                        run.eval_needed_microbatches)
             results.append(run.eval_executor.run(batches, forward_only=True))
     for module in (s.module for s in run.stages):
         module.train()
@@ -204,6 +244,8 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
         return
     with _watched(run, "gathering the losses to the logging rank (collective)"):
         gathered = run.executor.gather([result for _, result in pending])
+    for stats, _ in pending:  # the iteration's timer events are complete by now
+        stats.resolve_timers()
     for (stats, _), figures in zip(pending, gathered or []):
         stats.losses = _average_losses(figures.losses)
         stats.busy_seconds = figures.busy_seconds_per_rank
@@ -211,18 +253,23 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     pending.clear()
 
 
-def train(run: Run, state: TrainState, train_iterator, valid_iterator) -> None:
-    """The training loop: steps, logging, evaluation, checkpoint cadence, exit interval.
+def train(run: Run, state: TrainState, train_iterator, valid_iterator,
+          exits: ExitCheck | None = None) -> str | None:
+    """The training loop: steps, logging, evaluation, checkpoint cadence, early exits
+    (``exits``: exit interval, SIGTERM, wall clock); returns why it stopped early, if it did.
 
     Losses and busy times stay on the device until the next log iteration (or the end), when
     one collective brings every pending iteration's figures to the logging rank.
     """
+    exits = exits or ExitCheck(run.config.training, time.time())
     training, ckpt, log = run.config.training, run.config.checkpoint, run.config.logging
     total = training.total_train_iters
     pending: list[tuple[IterationStats, Any]] = []
     while state.iteration < total:
         if run.profile is not None:
             run.profile.start_iteration(run.executor)
+        use_microbatches(run, training.num_microbatches_at(state.consumed_train_samples))
+        batch_size = current_batch_size(run)
         run.timers("interval-time").start()
         with _watched(run, f"iteration {state.iteration + 1} outside the pipeline (collectives: "
                            f"gradient norm, NaN check, optimizer)"):
@@ -235,18 +282,18 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator) -> None:
             report = run.profile.finish_iteration(run.executor)
             if report is not None:
                 apply_rebuild(run, report, state.iteration)
-        state.consumed_train_samples += training.global_batch_size
-        timers = run.timers.elapsed_all()
+        state.consumed_train_samples += batch_size
+        readings = run.timers.take_all()  # resolved at the logging iteration (no sync now)
         memory = None  # a collective: every rank, on the iterations TensorBoard is written
         if (log.log_memory_to_tensorboard and log.tensorboard_dir
                 and state.iteration % log.tensorboard_log_interval == 0):
             memory = gather_memory_stats(run.world_size - 1)
         pending.append((IterationStats(
             iteration=state.iteration, consumed_samples=state.consumed_train_samples,
-            losses={}, learning_rate=run.scheduler.get_lr(),
+            batch_size=batch_size, losses={}, learning_rate=run.scheduler.get_lr(),
             loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
-            iteration_seconds=timers.get("interval-time", pipeline_seconds),
-            pipeline_seconds=pipeline_seconds, timers=timers, memory=memory), result))
+            iteration_seconds=pipeline_seconds, pipeline_seconds=pipeline_seconds,
+            timer_readings=readings, memory=memory), result))
         if state.iteration % log.log_interval == 0 or state.iteration == total:
             _report(run, pending)
         check_skipped(state.consecutive_skipped, training.max_consecutive_skipped_iterations,
@@ -255,12 +302,14 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator) -> None:
             _evaluate_and_log(run, "validation", valid_iterator, state)
         if ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
             save(run, state)
-        if training.exit_interval and state.iteration % training.exit_interval == 0:
+        reason = exits.reason(state.iteration)
+        if reason is not None:
             _report(run, pending)
             save(run, state)
             if run.rank == 0:
-                print(f" exiting program at iteration {state.iteration}", flush=True)
-            return
+                print(f" {reason}", flush=True)
+            return reason
+    return None
 
 
 def apply_rebuild(run: Run, report: RebuildReport, iteration: int) -> None:
@@ -275,6 +324,7 @@ def apply_rebuild(run: Run, report: RebuildReport, iteration: int) -> None:
         run.needed_microbatches = needed_microbatches(  # same placement: the same stages
             report.schedule, parallel_state.get_pipeline_model_parallel_rank(),
             all_stages=run.needed_microbatches is None)
+        run.eval_needed_microbatches = run.needed_microbatches
         if run.monitor.predicted_bubble is not None:
             run.monitor.predicted_bubble = predicted_bubble_ratio(report.schedule)
     run.monitor.log_schedule_rebuild(iteration, report.line(), rebuild_scalars(report))
@@ -290,6 +340,7 @@ def pretrain(
     config: TrainConfig,
     family: ModelFamily = GPT2,
     schedule: Schedule | None = None,
+    start_time: float | None = None,
 ) -> TrainState:
     """Megatron's ``pretrain``: set up, train, final validation and test evaluation, save.
 
@@ -297,13 +348,35 @@ def pretrain(
     ``train_valid_test_datasets_provider([train, valid, test] sample counts)`` returns datasets;
     ``forward_step_func(batch, model) -> (output, loss_func)`` as the executor contract says;
     ``family`` is the model family (GPT-2 or BERT); ``schedule`` the validated schedule of the
-    run (built from ``config`` when not given).
+    run (built from ``config`` when not given); ``start_time`` the job's start (``time.time()``,
+    default now) for ``--exit-duration-in-mins``. With ``--exit-signal-handler`` a SIGTERM from
+    here on is only recorded: the loop saves and returns at the next iteration boundary.
     """
+    start_time = time.time() if start_time is None else start_time
+    watch = (SignalFlag() if config.training.exit_signal_handler
+             else contextlib.nullcontext())
+    with watch as signals:
+        return _pretrain(train_valid_test_datasets_provider, model_provider, forward_step_func,
+                         config, family, schedule or build_schedule_for(config),
+                         (start_time, signals))
+
+
+def _exit_check(config: TrainConfig, device: torch.device, start_time: float,
+                signals: SignalFlag | None) -> ExitCheck:
+    training = config.training
+    if training.exit_duration_in_mins is not None:  # a collective: every rank
+        start_time = agreed_start_time(start_time, device)
+    return ExitCheck(training, start_time, signals, device)
+
+
+def _pretrain(train_valid_test_datasets_provider: DatasetsProvider,
+              model_provider: ModelProvider, forward_step_func: Callable, config: TrainConfig,
+              family: ModelFamily, schedule: Schedule,
+              clock: tuple[float, SignalFlag | None]) -> TrainState:
     state = TrainState()
-    if schedule is None:
-        schedule = build_schedule_for(config)
     check_outputs(config, family)  # every rank, before any process group: fail in seconds
     device = initialize_megatron(config.parallel, schedule, config.training.seed)
+    exits = _exit_check(config, device, *clock)
     run, saved_args = setup_run(config, family, schedule, model_provider, forward_step_func,
                                 state, device)
     train_ds, valid_ds, test_ds = build_datasets(train_valid_test_datasets_provider, config)
@@ -331,7 +404,7 @@ def pretrain(
     valid_iterator = iterator(valid_ds, state.consumed_valid_samples)
     if run.rng_state is not None:  # nothing drawn since the restore reaches the first iteration
         set_rng_state(run.rng_state)
-    train(run, state, train_iterator, valid_iterator)
+    train(run, state, train_iterator, valid_iterator, exits)
     if state.iteration >= training.total_train_iters:
         if training.eval_iters and training.total_train_iters % training.eval_interval:
             _evaluate_and_log(run, "validation end of training", valid_iterator, state)
@@ -360,6 +433,7 @@ def pretrain_from_flags(
     The datasets provider gets ``(config, tokenizer, num_samples)``, the model provider
     ``(config.model, seed, ...)``; ``forward_step_for(tokenizer)`` gives the forward step.
     """
+    start_time = time.time()
     config, schedule = parse_args_and_schedule(argv)
     for message in family_flag_errors(config, family):
         raise ConfigError(message)
@@ -371,4 +445,5 @@ def pretrain_from_flags(
         config,
         family=family,
         schedule=schedule,
+        start_time=start_time,
     )

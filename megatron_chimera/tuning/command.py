@@ -15,6 +15,16 @@ DATA_FLAGS = {
     "bert": ["--data-path", "$DATA_PATH", "--tokenizer-type", "BertWordPieceLowerCase",
              "--vocab-file", "$VOCAB_FILE"],
 }
+# a RoPE decoder (Llama, Mistral, Qwen2) takes its Hugging Face tokenizer
+HF_DATA_FLAGS = ["--data-path", "$DATA_PATH", "--tokenizer-type", "HuggingFaceTokenizer",
+                 "--tokenizer-model", "$TOKENIZER_DIR"]
+
+
+def data_flags(spec: ModelSpec) -> list[str]:
+    """The data and tokenizer flags of the command (paths left as environment variables)."""
+    if spec.family.name == "gpt2" and spec.config.position_embedding_type == "rope":
+        return HF_DATA_FLAGS
+    return DATA_FLAGS[spec.family.name]
 
 
 def _launcher(num_gpus: int, gpus_per_node: int) -> list[str]:
@@ -57,7 +67,7 @@ def torchrun_command(spec: ModelSpec, layout: TrainingLayout, gpus_per_node: int
     """The shell command that trains ``layout`` (data paths left as environment variables)."""
     num_gpus = layout.num_gpus
     words = _launcher(num_gpus, gpus_per_node) + [spec.family.entry_point]
-    words += pretrain_flags(spec, layout) + DATA_FLAGS[spec.family.name]
+    words += pretrain_flags(spec, layout) + data_flags(spec)
     words += ["--train-iters", "$TRAIN_ITERS", "--lr", "$LR"]
     quoted = [w if w.startswith("$") else shlex.quote(w) for w in words]
     lines, current = [], quoted[0]

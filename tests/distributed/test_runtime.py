@@ -23,7 +23,7 @@ from .cases import (
     run_replica_utilities,
 )
 from .harness import spawn_world
-from .nccl_cases import run_unprotected
+from .nccl_cases import run_early_collective, run_unprotected
 
 pytestmark = pytest.mark.distributed
 
@@ -161,3 +161,16 @@ def test_nccl_semantics_report_the_deadlock_gloo_forgives(warm_up, safe_posting,
     assert "NCCL-semantics deadlock: rank" in errors and reported in errors, errors[-2000:]
     assert "rank 1 is at:" in errors or "rank 0 is at:" in errors
     assert elapsed < 45, f"the deadlock took {elapsed:.0f} s to report"
+
+
+@pytest.mark.timeout(120)
+def test_nccl_semantics_report_a_sync_waiting_on_a_collective():
+    """A gradient reduction issued before the rank's gradients are final: under NCCL's rules a
+    device sync on that rank waits for the other member's reduction, which needs this rank's
+    later work; the mode reports it within seconds, naming the group and the peer."""
+    outcomes = spawn_world(run_early_collective, 2, timeout_s=90, pg_timeout_s=60,
+                           kill_on_failure=False)
+    assert all(o.exitcode not in (0, None) for o in outcomes), outcomes
+    errors = "\n".join(o.error for o in outcomes)
+    assert "NCCL-semantics deadlock: rank 0 syncs the device before" in errors, errors[-2000:]
+    assert "to issue collective #" in errors and "of its group [0, 1]" in errors

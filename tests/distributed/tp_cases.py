@@ -63,6 +63,12 @@ FAMILIES = {"gpt2": pretrain_gpt2, "bert": pretrain_bert}
 # sequence-parallel gradients summed over the tensor-parallel group inside them), the distributed
 # optimizer sharded over each tensor rank's stage-replica groups, parameters gathered in the
 # background
+# today's decoder (Llama-shaped): RMSNorm, SwiGLU, two query groups, no linear biases, RoPE with
+# base 500000 and Llama 3.1's scaling, untied output layer
+LLAMA_MODEL = (("normalization", "RMSNorm"), ("swiglu", True), ("num_query_groups", 2),
+               ("add_bias_linear", False), ("position_embedding_type", "rope"),
+               ("rotary_base", 500000), ("use_rope_scaling", True), ("ffn_hidden_size", 48),
+               ("untie_embeddings_and_output_weights", True))
 SHARDED_OVERLAP = DDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=2000,
                             use_distributed_optimizer=True, overlap_param_gather=True)
 
@@ -81,6 +87,8 @@ class TPCase:
     num_layers: int = 4
     untied: bool = False
     ddp: DDPConfig = DDPConfig()  # the data-parallel flags (default: Megatron's defaults)
+    model: tuple[tuple[str, Any], ...] = ()  # ModelConfig overrides (e.g. LLAMA_MODEL)
+    reset_positions: bool = False  # positions restart mid-sequence (--reset-position-ids)
 
     @property
     def name(self) -> str:
@@ -88,27 +96,37 @@ class TPCase:
         sp = " +SP" if self.sequence_parallel else ""
         ddp = " +dist-opt+overlap" if self.ddp == SHARDED_OVERLAP else \
             "" if self.ddp == DDPConfig() else f" {self.ddp}"
+        model = " +" + ",".join(f"{k}={v}" for k, v in self.model) if self.model else ""
+        reset = " +reset-positions" if self.reset_positions else ""
         return (f"{self.family} {self.schedule}[{opts}] T={self.tensor_size} "
-                f"D={self.pipeline_size} N={self.num_microbatches}{sp}{ddp}")
+                f"D={self.pipeline_size} N={self.num_microbatches}{sp}{ddp}{model}{reset}")
 
     def model_config(self, **overrides: Any) -> ModelConfig:
         """The tiny model of the case."""
         values = dict(MODEL, num_layers=self.num_layers, sequence_parallel=self.sequence_parallel,
                       untie_embeddings_and_output_weights=self.untied)
+        values.update(self.model)
         values.update(overrides)
         return ModelConfig(**values)
 
 
-def make_batch(family: str, step: int, dp_rank: int, microbatch: int) -> dict[str, torch.Tensor]:
-    """Deterministic micro-batch ``(step, data-parallel replica, micro-batch)`` of ``family``."""
+def make_batch(family: str, step: int, dp_rank: int, microbatch: int,
+               reset_positions: bool = False) -> dict[str, torch.Tensor]:
+    """Deterministic micro-batch ``(step, data-parallel replica, micro-batch)`` of ``family``;
+    ``reset_positions``: the GPT positions restart at a micro-batch-dependent token (a second
+    document), as --reset-position-ids makes them."""
     g = torch.Generator().manual_seed(7919 * step + 104_729 * dp_rank + microbatch)
     b, s = MICRO_BATCH, SEQ
     if family == "gpt2":
         loss_mask = (torch.rand(b, s, generator=g) > 0.2).float()
         loss_mask[:, 0] = 1.0
+        positions = torch.arange(s).expand(b, s).contiguous()
+        if reset_positions:
+            start = 3 + microbatch % (s - 6)
+            positions = positions.clone()
+            positions[:, start:] -= start
         return {"text": torch.randint(0, VOCAB, (b, s + 1), generator=g),
-                "loss_mask": loss_mask,
-                "position_ids": torch.arange(s).expand(b, s).contiguous()}
+                "loss_mask": loss_mask, "position_ids": positions}
     masked = torch.rand(b, s, generator=g) < 0.3
     masked[:, 1] = True
     padding = torch.ones(b, s, dtype=torch.int64)
@@ -141,7 +159,7 @@ def reference_training(case: TPCase, data_parallel_size: int, config: ModelConfi
         for dp in range(w):
             for m in range(n):
                 loss, stats = _loss_stats(case.family, entry.forward_step(
-                    make_batch(case.family, step, dp, m), model))
+                    make_batch(case.family, step, dp, m, case.reset_positions), model))
                 (loss / (n * w)).backward()
                 step_losses.append(stats)
         _, norm, _ = optimizer.step()
@@ -234,7 +252,7 @@ def run_tp_case(rank: int, world_size: int, case: TPCase) -> dict[str, int]:
         results, p2p_bytes = [], 0
         for step in range(STEPS):
             optimizer.zero_grad()
-            result = executor.run([make_batch(case.family, step, dp, m)
+            result = executor.run([make_batch(case.family, step, dp, m, case.reset_positions)
                                    for m in range(case.num_microbatches)])
             if result.executed != schedule.actions[prank]:
                 raise AssertionError(f"pipeline rank {prank}: executed order differs")
@@ -305,12 +323,13 @@ def _train_with_dropout(case: TPCase, schedule, recompute: bool,
     return [p.detach().clone() for s in sorted(modules) for p in modules[s].parameters()]
 
 
-def run_recompute_replays_tensor_parallel_dropout(rank: int, world_size: int,
-                                                  family: str) -> None:
+def run_recompute_replays_tensor_parallel_dropout(rank: int, world_size: int, family: str,
+                                                  model: tuple[tuple[str, Any], ...] = ()
+                                                  ) -> None:
     """Dropout inside and outside tensor-parallel regions (sequence parallel): recomputing the
     stage (the executor) or the layers (``--recompute-granularity full``) replays both random
     streams, so the weights equal the stored-activation run bitwise."""
-    case = TPCase(family, "chimera", 2, 2, 4, sequence_parallel=True)
+    case = TPCase(family, "chimera", 2, 2, 4, sequence_parallel=True, model=model)
     schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches)
     _init_groups(case, schedule)
     try:
@@ -407,16 +426,19 @@ def _assert_states_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
             raise AssertionError(f"{what}: {name} differs")
 
 
-def run_checkpoint_round_trip(rank: int, world_size: int, family: str, root: str) -> None:
+def run_checkpoint_round_trip(rank: int, world_size: int, family: str, root: str,
+                              model: tuple[tuple[str, Any], ...] = ()) -> None:
     """T=2 D=4 Chimera trains 2 steps (Adam) and saves; T=1 D=2 1F1B (W=4) loads it and saves
     again at once; T=2 D=4 Chimera loads that. The two checkpoints are bitwise the same full
     tensors (weights and Adam state), T=1 loads exactly the saved full tensors, and T=2 gets
-    back exactly the shards it saved."""
+    back exactly the shards it saved. ``model``: ModelConfig overrides (e.g. LLAMA_MODEL, whose
+    fused gate+up shards are strided)."""
     import os
 
-    config_case = TPCase(family, "chimera", 2, 4, 4, (("pipes", 2),), untied=family == "gpt2")
+    config_case = TPCase(family, "chimera", 2, 4, 4, (("pipes", 2),), untied=family == "gpt2",
+                         model=model)
     config = config_case.model_config()
-    one = TPCase(family, "1f1b", 1, 2, 4, untied=config_case.untied)
+    one = TPCase(family, "1f1b", 1, 2, 4, untied=config_case.untied, model=model)
     first, second = os.path.join(root, "t2"), os.path.join(root, "t1")
     t2 = _layout_run(config_case, config, 2, None, first)
     t1 = _layout_run(one, config, 0, first, second)

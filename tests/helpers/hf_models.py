@@ -101,3 +101,67 @@ def save_bert(folder: Path, vocab_size: int = 90, seed: int = 0, pretraining: bo
     if tokenizer:
         write_wordpiece_vocab(folder)
     return cls.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+# Llama-family architectures the converter maps (model_type -> (config class, model class))
+LLAMA_FAMILY = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                "mistral": ("MistralConfig", "MistralForCausalLM"),
+                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+def llama_config(model_type: str = "llama", vocab_size: int = 100, **overrides) -> object:
+    """A 2-layer, hidden-32, 4-head, 2-KV-head, untied config of ``model_type`` (SwiGLU,
+    RMSNorm, RoPE; Llama's with base 500000 and Llama 3.1's frequency scaling)."""
+    fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  bos_token_id=0, eos_token_id=0)
+    if model_type == "llama":
+        fields["rope_parameters"] = dict(LLAMA3_ROPE)
+    if model_type == "mistral":
+        fields["sliding_window"] = None
+    fields.update(overrides)
+    return getattr(transformers, LLAMA_FAMILY[model_type][0])(**fields)
+
+
+def llama_model(model_type: str = "llama", seed: int = 0, **overrides) -> object:
+    """A random ``*ForCausalLM`` (eager attention, eval mode, every weight perturbed)."""
+    torch.manual_seed(seed)
+    config = llama_config(model_type, **overrides)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, LLAMA_FAMILY[model_type][1])(config)
+    return perturb_(model, seed)
+
+
+def write_fast_tokenizer(folder: Path, vocab_size: int = 100) -> object:
+    """A ``transformers`` fast tokenizer (byte-level BPE trained on a tiny corpus, ``<s>`` as
+    BOS added to every text, ``</s>`` as EOS) saved with ``save_pretrained``; returns it."""
+    from tokenizers import ByteLevelBPETokenizer, processors
+
+    bpe = ByteLevelBPETokenizer()
+    corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
+    bpe.train_from_iterator(corpus * 4, vocab_size=vocab_size, min_frequency=1,
+                            special_tokens=["<s>", "</s>"], show_progress=False)
+    fast = bpe._tokenizer  # noqa: SLF001 - the tokenizers object transformers wraps
+    fast.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                        special_tokens=[("<s>", 0)])
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=fast, bos_token="<s>",
+                                                     eos_token="</s>")
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def save_llama(folder: Path, model_type: str = "llama", seed: int = 0, tokenizer: bool = True,
+               **overrides) -> object:
+    """Save a random ``*ForCausalLM`` of :func:`llama_model` (and a fast tokenizer) to
+    ``folder``; return it reloaded with eager attention."""
+    model = llama_model(model_type, seed, **overrides)
+    model.save_pretrained(folder)
+    if tokenizer:
+        write_fast_tokenizer(folder, model.config.vocab_size)
+    cls = getattr(transformers, LLAMA_FAMILY[model_type][1])
+    return cls.from_pretrained(folder, attn_implementation="eager").eval()

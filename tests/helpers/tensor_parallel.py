@@ -8,12 +8,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_chimera import parallel_state
-from megatron_chimera.tensor_parallel.utils import is_tensor_parallel
+from megatron_chimera.tensor_parallel.utils import is_tensor_parallel, join_shards
 
 
 def full_tensor(param: nn.Parameter, value: torch.Tensor | None = None) -> torch.Tensor:
     """``value`` (default: ``param`` itself) joined over the tensor-parallel group along the
-    parameter's ``partition_dim`` and cut to its master size; replicated tensors as they are.
+    parameter's ``partition_dim`` (strided shards interleaved back) and cut to its master size; replicated tensors as they are.
     A collective of the tensor-parallel group."""
     value = (param if value is None else value).detach()
     if not is_tensor_parallel(param) or parallel_state.get_tensor_model_parallel_world_size() == 1:
@@ -22,8 +22,7 @@ def full_tensor(param: nn.Parameter, value: torch.Tensor | None = None) -> torch
     parts = [torch.empty_like(value) for _ in range(world)]
     dist.all_gather(parts, value.contiguous(),
                     group=parallel_state.get_tensor_model_parallel_group())
-    dim = param.partition_dim
-    return torch.cat(parts, dim=dim).narrow(dim, 0, param.master_size).clone()
+    return join_shards(param, parts).clone()
 
 
 def full_state(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:

@@ -93,6 +93,10 @@ def run_groups(rank: int, world_size: int, T: int, D: int, schedule_name: str) -
             got["embedding"] = _ranks(ps.get_embedding_group())
         want = _expected_groups(rank, T, W, D, schedule.placement)
         assert got == want, (rank, got, want)
+        # every distinct collective group connected once, in one global order (a rank that
+        # went another way round would leave its peers waiting: the world would time out)
+        assert ps.connect_communicators(torch.device("cpu")) == len(
+            {tuple(ranks) for ranks in want.values()})
         assert (ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank(),
                 ps.get_data_parallel_world_size(), ps.get_pipeline_model_parallel_rank()) == (
                     T, t, W, p)

@@ -3,12 +3,13 @@
     python tools/checkpoint/convert.py import-hf --hf-dir DIR --save CKPT_DIR
     python tools/checkpoint/convert.py export-hf --load CKPT_DIR --hf-dir DIR
 
-``import-hf`` reads a local ``GPT2LMHeadModel`` or ``MegatronBertForPreTraining`` /
-``MegatronBertForMaskedLM`` directory (``config.json`` + safetensors or ``pytorch_model.bin``,
+``import-hf`` reads a local ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM`` or ``MegatronBertForPreTraining`` / ``MegatronBertForMaskedLM`` directory (``config.json`` + safetensors or ``pytorch_model.bin``,
 loaded without running code) and writes a release checkpoint that ``pretrain_gpt2.py`` /
 ``pretrain_bert.py --load`` trains under any layout with a fresh optimizer; it prints the model
 flags to train it with. ``export-hf`` writes ``config.json``, ``model.safetensors`` and the
-tokenizer files (GPT-2 BPE or WordPiece) that ``from_pretrained`` loads, then checks the logits.
+tokenizer files (GPT-2 BPE, WordPiece or a fast tokenizer's ``tokenizer.json``) that
+``from_pretrained`` loads, then checks the logits.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--load", required=True, help="checkpoint directory (any layout)")
     exp.add_argument("--hf-dir", required=True, help="output directory")
     exp.add_argument("--overwrite", action="store_true", help="replace a non-empty --hf-dir")
+    exp.add_argument("--model-type", choices=("llama", "mistral", "qwen2"), default=None,
+                     help="a RoPE model's Hugging Face architecture (default: as imported, "
+                          "else qwen2 with a QKV bias, llama without)")
     exp.add_argument("--no-verify", action="store_true",
                      help="skip loading the result with transformers and comparing logits")
     return parser
@@ -52,7 +56,10 @@ def _print_import(result, save: str) -> None:
     script = result.family.entry_point
     flags = model_flags(config, seq_length=config.max_positions)
     tok = result.tokenizer
-    if tok.tokenizer_type is not None:
+    if tok.tokenizer_type == "HuggingFaceTokenizer":
+        flags += ["--tokenizer-type", tok.tokenizer_type, "--tokenizer-model",
+                  tok.tokenizer_model]
+    elif tok.tokenizer_type is not None:
         flags += ["--tokenizer-type", tok.tokenizer_type, "--vocab-file", tok.vocab_file]
         flags += ["--merge-file", tok.merge_file] if tok.merge_file else []
     print(f"imported {result.weights_file} ({result.family}, {config.num_layers} layers, hidden "
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         _print_import(result, args.save)
         return
     result = export_hf(args.load, args.hf_dir, overwrite=args.overwrite,
-                       verify=not args.no_verify)
+                       verify=not args.no_verify, model_type=args.model_type)
     print(f"exported {args.load} as {result.architecture} -> {result.hf_dir} "
           f"({', '.join(result.files)})")
     for note in result.notes:

@@ -325,9 +325,9 @@ def _broken_dirs(tmp_path):
         "pickle": (make("pickle", {"config.json": config,
                                    "pytorch_model.bin": evil.read_bytes()}),
                    "not a weights-only state dict"),
-        "model-type": (make("model-type", {"config.json": config.replace('"gpt2"', '"llama"'),
+        "model-type": (make("model-type", {"config.json": config.replace('"gpt2"', '"falcon"'),
                                            "model.safetensors": weights}),
-                       "model_type 'llama' is not supported"),
+                       "model_type 'falcon' is not supported"),
         "missing-tensor": (make("missing-tensor", {
             "config.json": config.replace('"n_layer": 4', '"n_layer": 5'),
             "model.safetensors": weights}), "missing tensor 'transformer.h.4.ln_1.weight'"),

@@ -16,6 +16,7 @@ from megatron_chimera.schedules.lowering import (
     needed_message,
     produced_message,
 )
+from megatron_chimera.schedules.sync_check import check_sync_anywhere, gradient_collectives
 from megatron_chimera.schedules.validate import ScheduleError, validate_lowered
 
 pytestmark = pytest.mark.timeout(120)
@@ -160,3 +161,38 @@ def test_local_messages_get_no_communication():
     assert not any(isinstance(op, Comm) for op in lowered.lists[0])
     assert lowered.connections == []
     validate_lowered(lowered)
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradient_collectives_cannot_hang_a_device_sync(case, overlap):
+    """Issue 32's matrix: every schedule family, W in {1, 2} data-parallel replicas and T in
+    {1, 2} tensor ranks modelled explicitly, overlapped reduction on and off (the distributed
+    optimizer issues its reduce-scatters at the same points): a device-wide sync on any rank at
+    any point never waits on a stage-replica or embedding collective that needs its later work."""
+    name, d, n, options = case
+    schedule = build_schedule(name, d, n, **options)
+    lowered = lower(schedule)
+    plan = gradient_collectives(schedule, tied_embedding=True, overlap_grad_reduce=overlap)
+    assert any(plan), "every schedule reduces some stage over a group"
+    for data_parallel, tensor_parallel in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        check_sync_anywhere(lowered, None, plan, data_parallel, tensor_parallel)
+
+
+def test_an_embedding_reduction_issued_inside_the_last_backward_is_refused():
+    """The hang the collective check found (and the synchronizer now avoids): on the interleaved
+    schedule the last rank's final backward of chunk 3 reduces its buckets during the action;
+    issuing the tied embedding's reduction right after them, still inside the action, makes a
+    device sync there wait for rank 0 -- which needs this very action's gradient first."""
+    schedule = build_schedule("interleaved", 4, 8, virtual_pipeline_size=2)
+    lowered = lower(schedule)
+    plan = gradient_collectives(schedule, overlap_grad_reduce=True)
+    check_sync_anywhere(lowered, None, plan)  # as issued: between actions
+    inside = []
+    for rank_plan in plan:
+        stages = [p for p in rank_plan if p.collective.name != "embedding"]
+        tied = [stages[-1]._replace(collective=p.collective) for p in rank_plan
+                if p.collective.name == "embedding"]
+        inside.append(stages + tied)  # embedding issued with the last stage's buckets
+    with pytest.raises(ScheduleError, match=r"device-wide sync on rank 3 .*reduce\(embedding\)"):
+        check_sync_anywhere(lowered, None, inside)

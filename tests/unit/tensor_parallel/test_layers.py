@@ -122,7 +122,7 @@ def _linear_case(kind: str, options: dict, deferred: bool) -> None:
 
 LINEAR_CASES = [
     ("column", {"gather_output": True}), ("column", {"gather_output": False}),
-    ("column", {"skip_bias_add": True}),
+    ("column", {"skip_bias_add": True}), ("column", {"async_allreduce": False}),
     ("column", {"sequence_parallel": True}),
     ("row", {"input_is_parallel": False}), ("row", {"input_is_parallel": True}),
     ("row", {"input_is_parallel": True, "skip_bias_add": True}),
@@ -203,10 +203,31 @@ def _mappings_case() -> None:
         torch.testing.assert_close(value.grad, want_grad, **TOL, msg=name)
 
 
+def _collectives_case() -> None:
+    """Both torch spellings of the single-tensor collectives give the same result (the older
+    ones are what a torch before 2.13 offers)."""
+    import torch.distributed as dist
+
+    from megatron_chimera.tensor_parallel import collectives
+
+    me, group = parallel_state.get_tensor_model_parallel_rank(), \
+        parallel_state.get_tensor_model_parallel_group()
+    xs = [_per_rank(20, (4, 3), r) for r in range(T)]
+    for gather in (dist.all_gather_single, dist.all_gather_into_tensor):
+        out = torch.empty(4 * T, 3)
+        collectives.all_gather_single(out, xs[me], group=group, impl=gather)
+        torch.testing.assert_close(out, torch.cat(xs), **TOL, msg=gather.__name__)
+    for scatter in (dist.reduce_scatter_single, dist.reduce_scatter_tensor):
+        out = torch.empty(4 // T, 3)
+        collectives.reduce_scatter_single(out, xs[me], group=group, impl=scatter)
+        torch.testing.assert_close(out, sum(xs).chunk(T)[me], **TOL, msg=scatter.__name__)
+
+
 def run_layers(rank: int, world_size: int) -> None:
     _init_tp(world_size)
     try:
         _mappings_case()
+        _collectives_case()
         for kind, options in LINEAR_CASES:
             for deferred in (False, True):
                 try:
@@ -220,6 +241,17 @@ def run_layers(rank: int, world_size: int) -> None:
 
 def test_layers_match_their_single_process_counterparts():
     spawn_world(run_layers, T, timeout_s=150)
+
+
+def test_mappings_add_no_autograd_node_with_one_tensor_rank():
+    """With T = 1 every mapping hands back its input itself: no autograd Function, no host
+    cost per layer (issue 32's host-overhead budget)."""
+    x = torch.randn(4, 2, 6, requires_grad=True)
+    for fn in (copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+               scatter_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
+               scatter_to_sequence_parallel_region, gather_from_sequence_parallel_region,
+               reduce_scatter_to_sequence_parallel_region):
+        assert fn(x) is x, fn.__name__
 
 
 # ----------------------------------------------------------------------------- whole models

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 
 import pytest
+import torch
 
 from megatron_chimera.errors import UsageError
 from tests.helpers import REPO_ROOT
@@ -17,6 +19,7 @@ ROOT = REPO_ROOT
 def tool(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -57,3 +60,20 @@ def test_generation_benchmark(tmp_path, capsys):
         (4, 4, "unit"), (4, 4, "skewed"), (4, 8, "unit"), (4, 8, "skewed")]
     assert all(r["makespan"] >= r["lower_bound"] and r["seconds"] > 0 for r in rows)
     assert "| 4 | 8 | skewed |" in capsys.readouterr().out
+
+
+def test_layer_host_overhead_compares_our_layer_with_a_plain_one(tmp_path):
+    """``benchmark_layer.py --host-overhead`` times both stacks and writes the ratios; the two
+    stacks compute the same math, so the plain layer is a fair baseline (its output shape and
+    gradient flow are checked here, the ratio target is the benchmark's to report)."""
+    bench = tool("benchmark_layer")
+    figures = bench.host_overhead(layers=1, steps=3, warmup=1)
+    for key in ("ours_forward_us", "ours_backward_us", "plain_forward_us", "plain_backward_us"):
+        assert figures[key] > 0, key
+    assert figures["forward_ratio"] == figures["ours_forward_us"] / figures["plain_forward_us"]
+    assert figures["backward_ratio"] == (figures["ours_backward_us"]
+                                         / figures["plain_backward_us"])
+    plain = bench.PlainLayer(32, 2, 0.0)
+    x = torch.randn(4, 1, 32, requires_grad=True)
+    plain(x).sum().backward()
+    assert plain(x).shape == x.shape and all(p.grad is not None for p in plain.parameters())

@@ -50,6 +50,14 @@ def test_megatron_flag_meanings():
     assert config.optimizer.hysteresis == 3 and config.logging.log_interval == 2
 
 
+def test_exit_flags():
+    config = parse("--exit-signal-handler --exit-duration-in-mins 0.25 --exit-interval 7")
+    assert config.training.exit_signal_handler
+    assert config.training.exit_duration_in_mins == 0.25 and config.training.exit_interval == 7
+    assert not parse().training.exit_signal_handler
+    assert parse().training.exit_duration_in_mins is None
+
+
 def test_lr_warmup_iters_become_samples():
     config = parse("--lr-warmup-iters 4 --lr-decay-iters 10")
     assert config.optimizer.lr_warmup_samples == 4 * 16
@@ -101,6 +109,8 @@ BAD_SETTINGS = [
     ("--pipeline-model-parallel-size 8 --pipeline-schedule gpipe --num-layers 4 "
      "--global-batch-size 16", 8, "--num-layers"),
     ("--save-interval 5", 1, "--save-interval"),
+    ("--exit-duration-in-mins 0", 1, "--exit-duration-in-mins"),
+    ("--exit-duration-in-mins -0.5", 1, "--exit-duration-in-mins"),
     ("--no-such-flag 1", 1, "--no-such-flag"),
 ]
 

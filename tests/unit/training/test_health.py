@@ -65,3 +65,21 @@ def test_flags():
     assert parse_args(BASE).training.max_consecutive_skipped_iterations == 100
     assert parse_args([*BASE, "--max-consecutive-skipped-iterations", "0"]).training \
         .max_consecutive_skipped_iterations == 0
+
+
+def test_the_grad_norm_stands_in_for_the_search_with_clipping_and_no_scaler():
+    from megatron_chimera.config import OptimizerConfig
+    from megatron_chimera.training.health import grad_norm_covers_gradients
+
+    assert grad_norm_covers_gradients(OptimizerConfig(clip_grad=1.0))
+    assert grad_norm_covers_gradients(OptimizerConfig(clip_grad=1.0, bf16=True))
+    assert not grad_norm_covers_gradients(OptimizerConfig(clip_grad=0.0))
+    assert not grad_norm_covers_gradients(OptimizerConfig(clip_grad=1.0, fp16=True))
+
+
+def test_a_nonfinite_grad_norm_is_reported_by_rank_0():
+    from megatron_chimera.training.health import raise_nonfinite_grad_norm
+
+    with pytest.raises(NonFiniteError, match=r"iteration 3: the global gradient norm is nan on "
+                                             r"rank 0 \(--check-for-nan-in-loss-and-grad"):
+        raise_nonfinite_grad_norm(3, float("nan"))

@@ -169,3 +169,63 @@ def test_memory_stats_on_cpu():
     assert set(stats) == {"mem-rss-bytes", "mem-max-rss-bytes"}
     assert 10e6 < stats["mem-rss-bytes"] <= stats["mem-max-rss-bytes"] * 1.01
     assert gather_memory_stats(0)[0].keys() == stats.keys()  # one process: no collective
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: ``record`` stamps a fake clock, ``synchronize`` counts waits."""
+
+    clock = 0.0
+    waits = 0
+
+    def record(self) -> None:
+        self.at = _FakeEvent.clock
+
+    def synchronize(self) -> None:
+        _FakeEvent.waits += 1
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        return (end.at - self.at) * 1000.0  # milliseconds, as CUDA's
+
+
+def test_level_0_timers_record_events_and_resolve_them_only_when_read(monkeypatch):
+    """--timing-log-level 0: start/stop neither synchronise the device nor wait for events;
+    an iteration's readings are resolved later (the logging iteration) to the events' time."""
+    from megatron_chimera.training import monitor
+
+    syncs = []
+    monkeypatch.setattr(monitor, "_synchronize", lambda: syncs.append(1))
+    _FakeEvent.clock, _FakeEvent.waits = 0.0, 0
+    timers = Timers(timing_log_level=0, event_factory=_FakeEvent)
+    for seconds in (0.5, 0.25):
+        timers("forward-backward").start()
+        _FakeEvent.clock += seconds
+        timers("forward-backward").stop()
+    readings = timers.take_all()
+    assert syncs == [] and _FakeEvent.waits == 0
+    assert readings["forward-backward"].seconds() == pytest.approx(0.75)
+    assert _FakeEvent.waits == 2
+    assert timers.take_all()["forward-backward"].seconds() == 0.0  # taken means reset
+
+
+def test_level_1_timers_synchronise_at_start_and_stop(monkeypatch):
+    from megatron_chimera.training import monitor
+
+    syncs = []
+    monkeypatch.setattr(monitor, "_synchronize", lambda: syncs.append(1))
+    timers = Timers(timing_log_level=1, event_factory=_FakeEvent)
+    timers("optimizer").start()
+    timers("optimizer").stop()
+    assert len(syncs) == 2
+    assert timers.elapsed_all()["optimizer"] >= 0.0
+
+
+def test_iteration_stats_take_the_interval_timer_when_resolved():
+    timers = Timers()
+    timers("interval-time").start()
+    timers("interval-time").stop()
+    stats = IterationStats(iteration=1, consumed_samples=8, losses={}, learning_rate=0.1,
+                           loss_scale=1.0, grad_norm=None, skipped=False, iteration_seconds=-1.0,
+                           timer_readings=timers.take_all())
+    stats.resolve_timers()
+    assert stats.iteration_seconds >= 0.0 and "interval-time" in stats.timers
+    assert stats.timer_readings is None

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import shlex
 
 import pytest
 
@@ -345,3 +346,34 @@ def test_layout_strings_are_searched_with_their_stage_count():
         assert model.predict(lay).iteration_s > model.predict(even).iteration_s
         flags = pretrain_flags(gpt(), lay)
         assert flags[flags.index("--pipeline-model-parallel-layout") + 1] == layout_string
+
+
+def test_cli_llama_8b_on_64_gpus_prints_a_command_with_the_architecture_flags(capsys):
+    """The issue's done-when: a Llama-8B-shaped preset on 64 GPUs; the command carries the
+    decoder flags and goes through the framework's parser to the same model."""
+    from megatron_chimera.model.presets import MODEL_PRESETS
+    from megatron_chimera.training.arguments import parse_args
+
+    rc = _cli().main(["--preset", "llama3-8b", "--num-gpus", "64", "--global-batch-size", "512",
+                      "--hardware", "h100", "--bf16", "--schedules", "1f1b,chimera-zb",
+                      "--tensor-model-parallel-sizes", "1,2", "--micro-batch-sizes", "1",
+                      "--top", "3"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    command = out[out.index("torchrun"):].replace(" \\\n    ", " ").replace(" \\\n", " ")
+    for flag in ("--normalization RMSNorm", "--swiglu", "--group-query-attention "
+                 "--num-query-groups 8", "--disable-bias-linear", "--position-embedding-type rope",
+                 "--rotary-base 500000", "--use-rope-scaling", "--ffn-hidden-size 14336",
+                 "--untie-embeddings-and-output-weights", "--hidden-dropout 0.0",
+                 "--tokenizer-type HuggingFaceTokenizer --tokenizer-model $TOKENIZER_DIR"):
+        assert flag in command, flag
+    words = shlex.split(command.split("\n")[0])  # a shell command (a layout string is quoted)
+    argv = words[words.index("pretrain_gpt2.py") + 1:words.index("--data-path")]
+    config = parse_args([*argv, "--mock-data", "--train-iters", "1", "--lr", "1e-4",
+                         "--vocab-size", "128256"], world_size=64)
+    want = dataclasses.replace(MODEL_PRESETS["llama3-8b"][1], params_dtype="bf16")
+    got = config.model
+    assert (got.num_query_groups, got.ffn_size, got.rotary_base, got.normalization) == (
+        want.num_query_groups, want.ffn_size, want.rotary_base, want.normalization)
+    assert (got.swiglu, got.add_bias_linear, got.use_rope_scaling, got.hidden_dropout) == (
+        want.swiglu, want.add_bias_linear, want.use_rope_scaling, want.hidden_dropout)

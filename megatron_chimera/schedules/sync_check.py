@@ -1,0 +1,246 @@
+"""Device-wide syncs against pending operations: point-to-point and gradient collectives, over
+the W data-parallel replicas and T tensor ranks of a pipeline.
+
+NCCL keeps a posted operation on the device until it is matched: a send or receive until its
+peer posted the counterpart, a collective until every member of its group posted it. A
+device-wide sync (the allocator's free-and-retry on OOM, ``empty_cache``, ``synchronize``) on one
+rank waits for all of them. So for each rank and each point of its list, stop the rank there,
+let every other rank run as far as it can, and require everything the stopped rank posted to be
+matched -- or that sync would hang.
+
+The world is modelled explicitly: rank ``(w, t, r)`` (data-parallel replica, tensor rank,
+pipeline rank) runs pipeline rank ``r``'s lowered list; its messages go to ``(w, t, peer)``; its
+compute actions contain the tensor-parallel collectives, so the T ranks ``(w, *, r)`` run each
+action together (none finishes it while one of them is stopped before it). Its gradient
+collectives (:func:`gradient_collectives`) stand where the runtime's synchronizer issues them:
+after the rank's last backward (or W) of a stage and its sends, or during that action with
+overlapped reduction; in descending stage order, the tied embedding last. A collective is
+matched once every member of its group -- over all replicas, one tensor rank -- posted it. The
+distributed optimizer issues reduce-scatters at the same points instead of all-reduces (and
+gathers parameters after the step, outside the iteration), so it needs no model of its own.
+Posting never blocks: connections and communicators exist before the first iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from megatron_chimera.errors import ScheduleError
+from megatron_chimera.schedules.actions import Action, Schedule
+from megatron_chimera.schedules.lowering import RECV, SEND, Comm, LoweredSchedule, needed_message
+
+
+class Collective(NamedTuple):
+    """A gradient collective of one iteration: its name and the pipeline ranks of its group
+    (in every data-parallel replica, of one tensor rank)."""
+
+    name: str
+    members: tuple[int, ...]
+
+    def short(self) -> str:
+        """Label for messages, e.g. ``reduce(stage 3)``."""
+        return f"reduce({self.name})"
+
+
+class Planned(NamedTuple):
+    """Where a rank issues a collective: right before its compute action ``index`` (``index`` =
+    the list's length: at its end), or -- ``inside`` -- during that action, once it started."""
+
+    index: int
+    collective: Collective
+    inside: bool = False
+
+
+class Started(NamedTuple):
+    """The start of a compute action (its input arrived) in a rank's list: collectives issued
+    during the action stand between it and the action itself."""
+
+    action: Action
+
+    def short(self) -> str:
+        """Label for messages."""
+        return f"{self.action.short()} (started)"
+
+
+class Posted(NamedTuple):
+    """A collective in a rank's list, posted where it stands."""
+
+    collective: Collective
+
+    def short(self) -> str:
+        """Label for messages."""
+        return self.collective.short()
+
+
+def gradient_collectives(schedule: Schedule, tied_embedding: bool = True,
+                         overlap_grad_reduce: bool = True) -> list[list[Planned]]:
+    """Per pipeline rank, where it issues each gradient collective, in issue order.
+
+    A stage's reduction is issued once the rank's last backward (W when split) of that stage
+    is over and its sends are posted -- or, with ``overlap_grad_reduce``, bucket by bucket
+    during that action (modelled as soon as it started: the action's own allocations may sync
+    the device). Stages go in descending order (one waits for every higher one of the rank);
+    with ``tied_embedding`` and the first and last stage on different ranks, the embedding's
+    reduction follows once every final action of the rank is over (it is issued between
+    actions only).
+    """
+    last = schedule.num_stages - 1
+    holders = {s: tuple(sorted({schedule.rank_of(p, s) for p in range(schedule.num_pipes)}))
+               for s in range(schedule.num_stages)}
+    embedding = tuple(sorted(set(holders[0]) | set(holders[last])))
+    plans = []
+    for rank in range(schedule.num_ranks):
+        final: dict[int, int] = {}
+        for index, action in enumerate(schedule.actions[rank]):
+            if action.kind == schedule.release_kind:
+                final[action.stage] = index
+        plan: list[Planned] = []
+        for stage in sorted(final, reverse=True):
+            at = Planned(final[stage], Collective(f"stage {stage}", holders[stage]), True) \
+                if overlap_grad_reduce else \
+                Planned(final[stage] + 1, Collective(f"stage {stage}", holders[stage]))
+            if plan and (plan[-1].index, plan[-1].inside) > (at.index, at.inside):
+                at = plan[-1]._replace(collective=at.collective)  # waits for the one before
+            plan.append(at)
+        if tied_embedding and final and holders[0] != holders[last] and (
+                0 in final or last in final):
+            plan.append(Planned(max(final.values()) + 1, Collective("embedding", embedding)))
+        plans.append(plan)
+    return plans
+
+
+class _World:
+    """Every rank's list (communication, compute and collectives) and their progress."""
+
+    def __init__(self, lowered: LoweredSchedule,
+                 collectives: Sequence[Sequence[Planned]],
+                 data_parallel: int, tensor_parallel: int) -> None:
+        schedule = lowered.schedule
+        self.replicas = [(w, t) for w in range(data_parallel) for t in range(tensor_parallel)]
+        self.data_parallel, self.tensor_parallel = data_parallel, tensor_parallel
+        self.lists: list[list] = []
+        for rank, ops in enumerate(lowered.lists):
+            before: dict[int, list[Posted]] = {}
+            inside: dict[int, list[Posted]] = {}
+            for planned in collectives[rank] if collectives else ():
+                table = inside if planned.inside else before
+                table.setdefault(planned.index, []).append(Posted(planned.collective))
+            merged, compute = [], 0
+            for op in ops:
+                if isinstance(op, Action):
+                    merged += before.get(compute, [])
+                    if compute in inside:
+                        merged += [Started(op), *inside[compute]]
+                    compute += 1
+                merged.append(op)
+            self.lists.append(merged + before.get(compute, []))
+        self.where: dict[tuple, int] = {}  # (SEND/RECV, message) or collective -> (rank, index)
+        self.rank_of: dict[tuple, int] = {}
+        for rank, ops in enumerate(self.lists):
+            for index, op in enumerate(ops):
+                key = (op.op, op.message) if isinstance(op, Comm) else (
+                    (rank, op.collective) if isinstance(op, Posted) else None)
+                if key is not None:
+                    self.where[key], self.rank_of[key] = index, rank
+        # per rank and index: (peer rank, index) of the SEND a compute action waits for
+        self.waits = [[self._send_of(schedule, op) for op in ops] for ops in self.lists]
+        self.heads = {(w, t, r): 0 for w, t in self.replicas for r in range(len(self.lists))}
+
+    def _send_of(self, schedule: Schedule, op) -> tuple[int, int] | None:
+        if isinstance(op, Started):
+            op = op.action
+        elif not isinstance(op, Action):
+            return None
+        needed = needed_message(schedule, op)
+        key = (SEND, needed)
+        return (self.rank_of[key], self.where[key]) if needed is not None and key in self.where \
+            else None
+
+    def reset(self) -> None:
+        """Every rank back at the start of the iteration."""
+        for key in self.heads:
+            self.heads[key] = 0
+
+    def _input_ready(self, w: int, t: int, r: int) -> bool:
+        wait = self.waits[r][self.heads[(w, t, r)]]
+        return wait is None or self.heads[(w, t, wait[0])] > wait[1]
+
+    def _step(self, w: int, t: int, r: int, frozen: tuple[int, int, int] | None) -> bool:
+        """Run ``(w, t, r)``'s next operation if it can; a compute action runs on all T tensor
+        ranks of ``(w, r)`` at once, and only when every one of them can."""
+        head = self.heads[(w, t, r)]
+        if head >= len(self.lists[r]) or (w, t, r) == frozen:
+            return False
+        op = self.lists[r][head]
+        if isinstance(op, Started) and not self._input_ready(w, t, r):
+            return False
+        if not isinstance(op, Action):
+            self.heads[(w, t, r)] += 1
+            return True
+        group = [(w, u, r) for u in range(self.tensor_parallel)]
+        if any(g == frozen or self.heads[g] != head or not self._input_ready(*g) for g in group):
+            return False
+        for g in group:
+            self.heads[g] += 1
+        return True
+
+    def advance(self, frozen: tuple[int, int, int] | None = None) -> None:
+        """Run every rank but ``frozen`` as far as it can."""
+        progress = True
+        while progress:
+            progress = False
+            for w, t, r in self.heads:
+                while self._step(w, t, r, frozen):
+                    progress = True
+
+    def unmatched(self, rank: tuple[int, int, int]) -> list[str]:
+        """What ``rank`` posted that some peer or group member has not posted yet."""
+        w, t, r = rank
+        pending = []
+        for op in self.lists[r][:self.heads[rank]]:
+            if isinstance(op, Comm):
+                key = (RECV if op.op == SEND else SEND, op.message)
+                peer, index = self.rank_of[key], self.where[key]
+                if self.heads[(w, t, peer)] <= index:
+                    pending.append(f"{op.short()} (rank {peer} stopped at index "
+                                   f"{self.heads[(w, t, peer)]})")
+            elif isinstance(op, Posted):
+                late = [(v, m) for v in range(self.data_parallel) for m in op.collective.members
+                        if self.heads[(v, t, m)] <= self.where[(m, op.collective)]]
+                if late:
+                    v, m = late[0]
+                    pending.append(f"{op.short()} (rank {m} of replica {v} stopped at index "
+                                   f"{self.heads[(v, t, m)]} before posting it)")
+        return pending
+
+
+def check_sync_anywhere(lowered: LoweredSchedule, ranks: Sequence[int] | None = None,
+                        collectives: Sequence[Sequence[Planned]] | None = None,
+                        data_parallel: int = 1, tensor_parallel: int = 1) -> None:
+    """Raise :class:`ScheduleError` unless the lists run to the end and a device-wide sync
+    on any of ``ranks`` (pipeline ranks, default all; replica 0, tensor rank 0 -- the others run
+    the same lists) at any point cannot hang, with the given gradient ``collectives``
+    (:func:`gradient_collectives`; None: point-to-point only)."""
+    world = _World(lowered, collectives or (), data_parallel, tensor_parallel)
+    world.advance()
+    stuck = [f"rank {r} at {world.lists[r][h].short()}" for (w, t, r), h in world.heads.items()
+             if h < len(world.lists[r]) and (w, t) == (0, 0)]
+    if stuck:
+        raise ScheduleError("the lowered lists deadlock: " + "; ".join(stuck))
+    for r in range(len(world.lists)) if ranks is None else ranks:
+        world.reset()
+        me, ops = (0, 0, r), world.lists[r]
+        while True:
+            world.advance(frozen=me)
+            pending = world.unmatched(me)
+            if pending:
+                head = world.heads[me]
+                at = ops[head].short() if head < len(ops) else "the end"
+                raise ScheduleError(
+                    f"a device-wide sync on rank {r} before {at} (index {head}) would hang: "
+                    f"posted {', '.join(pending)} need(s) this rank's later work")
+            if world.heads[me] == len(ops):
+                break
+            if not world._step(*me, frozen=None):
+                raise ScheduleError(f"rank {r} cannot run {ops[world.heads[me]].short()}")

@@ -1,0 +1,135 @@
+"""End-to-end: a preempted (SIGTERM) or time-limited (``--exit-duration-in-mins``) Chimera D=4
+run leaves a checkpoint at the iteration it reached, exits 0 without a traceback, and resuming
+from it gives the losses of the uninterrupted run.
+
+One chain of runs shares the reference: the uninterrupted run; a run SIGTERMed under torchrun
+(launcher and workers signalled, as ``scancel`` does) at iteration k1; its resume, stopped by a
+wall-clock limit below its start-up time at iteration k2 (ranks started by hand, so each
+rank's exit status is seen); the resume of that to the end. The losses of the three pieces are
+those of the reference, bit for bit (same layout, no dropout: resume is exact). The last
+resume gives no model flags: ``--use-checkpoint-args`` takes them from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
+from tests.helpers.processes import alive, children_of
+
+from .launcher import ROOT, TINY, launch, launch_ranks, scalars, train
+
+pytestmark = [pytest.mark.functional, pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+ITERS = 100
+FLAGS = [*TINY, "--num-layers", "4", "--hidden-size", "32", "--log-interval", "1",
+         "--train-iters", str(ITERS), "--pipeline-model-parallel-size", "4",
+         "--chimera-pipes", "2"]
+MODEL_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+               "--max-position-embeddings", "--vocab-size")
+_ITERATION = re.compile(r" iteration\s+(\d+)/")
+
+
+def without_model_flags(flags: list[str]) -> list[str]:
+    """``flags`` less the model's (each a flag and its value)."""
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag in MODEL_FLAGS:
+            skip = True
+        else:
+            out.append(flag)
+    return out
+
+
+def tracker(checkpoint: Path) -> int:
+    """The iteration the checkpoint's tracker names."""
+    return int((checkpoint / "latest_checkpointed_iteration.txt").read_text())
+
+
+def sigterm_under_torchrun(args: list[str], after_iteration: int, tmp_path: Path
+                           ) -> tuple[int, str, str]:
+    """torchrun D=4 on ``args``; once iteration ``after_iteration`` is logged, SIGTERM to the
+    launcher and every worker. Returns (the last iteration logged then, stdout, stderr)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(ROOT / "pretrain_gpt2.py"), *args]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{NCCL_SEMANTICS_ENV: "1"})
+    err_path = tmp_path / "stderr.txt"
+    with open(err_path, "w") as err:
+        launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
+                                    text=True, start_new_session=True)
+        lines, workers, seen = [], [], 0
+        try:
+            for line in launcher.stdout:
+                lines.append(line)
+                match = _ITERATION.match(line)
+                if match and int(match.group(1)) >= after_iteration:
+                    seen = int(match.group(1))
+                    break
+            workers = children_of(launcher.pid)
+            assert len(workers) == 4, workers
+            for pid in [launcher.pid, *workers]:  # as scancel: every process of the step
+                os.kill(pid, signal.SIGTERM)
+            lines += launcher.stdout.readlines()
+            launcher.wait(timeout=120)
+        finally:
+            for pid in workers:  # the processes this test started
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            if launcher.poll() is None:
+                launcher.kill()
+            launcher.stdout.close()
+    return seen, "".join(lines), err_path.read_text()
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_and_wall_clock_exits_save_and_resume_exactly(tmp_path):
+    train("pretrain_gpt2.py", FLAGS, 4, tmp_path / "tb-ref")
+    reference = scalars(tmp_path / "tb-ref", "lm loss")
+    assert sorted(reference) == list(range(1, ITERS + 1))
+    ckpt = tmp_path / "ckpt"
+
+    # 1. SIGTERM mid-training
+    seen, out, err = sigterm_under_torchrun(
+        [*FLAGS, "--exit-signal-handler", "--save", str(ckpt),
+         "--tensorboard-dir", str(tmp_path / "tb-1")], 3, tmp_path)
+    k1 = tracker(ckpt)
+    assert seen <= k1 < ITERS, (seen, k1)
+    assert f" exiting program after receiving SIGTERM at iteration {k1}" in out, out[-2000:]
+    assert "pretrain_gpt2.py" not in err and "Terminated" not in err, err[-3000:]
+    first = scalars(tmp_path / "tb-1", "lm loss")
+    assert first == {k: reference[k] for k in range(1, k1 + 1)}
+
+    # 2. the resume stops at its first iteration boundary past a 0.6 s wall-clock limit
+    results = launch_ranks("pretrain_gpt2.py", [
+        *FLAGS, "--exit-duration-in-mins", "0.01", "--load", str(ckpt), "--save", str(ckpt),
+        "--tensorboard-dir", str(tmp_path / "tb-2")], 4)
+    for rank, result in enumerate(results):
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (rank, result)
+    k2 = tracker(ckpt)
+    assert k1 < k2 < ITERS, (k1, k2)
+    assert re.search(rf" exiting program after [\d.]+ minutes at iteration {k2}\n",
+                     results[0].stdout), results[0].stdout[-2000:]
+    second = scalars(tmp_path / "tb-2", "lm loss")
+    assert second == {k: reference[k] for k in range(k1 + 1, k2 + 1)}
+
+    # 3. the rest, the model flags taken from the checkpoint (--use-checkpoint-args)
+    rest = [*without_model_flags(FLAGS), "--use-checkpoint-args", "--exit-on-missing-checkpoint"]
+    assert "--num-layers" not in rest
+    result = launch("pretrain_gpt2.py", [*rest, "--load", str(ckpt), "--save",
+                                         str(tmp_path / "end"), "--tensorboard-dir",
+                                         str(tmp_path / "tb-3")], 4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    third = scalars(tmp_path / "tb-3", "lm loss")
+    assert third == {k: reference[k] for k in range(k2 + 1, ITERS + 1)}

@@ -32,7 +32,8 @@ from megatron_chimera.pipeline.failures import record_failure
 
 _KEY = "megatron_chimera/hang"
 _DIRECTIONS = ("activation", "gradient")
-REPORT_WAIT_SECONDS = 5.0  # how long the reporting rank waits for the other ranks' lines
+REPORT_WAIT_SECONDS = 8.0  # how long the reporting rank waits for the other ranks' lines
+ASK_EVERY = 5  # a rank that moves looks for another rank's request every 5th poll (store load)
 
 
 def rank_state(executor: Any, since: float, section: str | None = None) -> dict[str, Any]:
@@ -155,8 +156,9 @@ class HangWatch:
         return False
 
     def _loop(self) -> None:
-        last, since = None, time.monotonic()
+        last, since, polls = None, time.monotonic(), 0
         while not self._stop.wait(self.poll_s):
+            polls += 1
             executor = self.get_executor()
             run = executor.active if executor is not None else None
             section = self.section
@@ -169,7 +171,7 @@ class HangWatch:
                     self.report(executor, since, "SIGUSR1", exit_after=False)
                 elif section is not None and time.monotonic() - since > self.threshold_s:
                     self.report(executor, since, "timeout", exit_after=True)
-                else:
+                elif polls % ASK_EVERY == 0 or time.monotonic() - since > 2 * self.poll_s:
                     self._answer(executor, since)
             except Exception as exc:  # noqa: BLE001 - the watch must never end the run itself
                 if not self._failed:

@@ -3,15 +3,15 @@
 A :class:`HangWatch` thread per rank looks at its executor once a second (nothing is added to the
 hot path: the executor only exposes the running iteration). While the training loop is in a
 watched block (a training step, the gathering of the losses) and nothing has moved for
-``threshold`` seconds (80% of ``--distributed-timeout-minutes``, so before the
-backend's own timeout error), or when the rank gets ``SIGUSR1`` (on demand), the rank asks every
+``threshold`` seconds (60% of ``--distributed-timeout-minutes``, so the report is done before
+the backend's own timeout error), or when the rank gets ``SIGUSR1`` (on demand), the rank asks every
 rank, through the c10d store, to publish one line: its last completed action and what it is
 doing now -- waiting for a message (pipe, stage edge, micro-batch, F/B/W, peer rank), computing an
-action, or in the gradient reductions (a pending collective). The rank that claims the report
-joins the lines into a wait-for graph (rank -> the rank it waits for) and names the rank where
-the waits end -- one that computes, or one that did not report (stopped, or stuck outside the
-interpreter) -- or the cycle. On a timeout every live rank then exits (the error is the graph
-line); ``SIGUSR1`` only logs.
+action, or in a collective (the gradient reductions, the loss gather: it waits for every rank
+that did not report). The rank that claims the report joins the lines into a wait-for graph
+(rank -> the rank it waits for) and names the rank where the waits end -- one that computes,
+or one that did not report (stopped, or stuck outside the interpreter) -- or the cycle. On a
+timeout every live rank then exits (the error is the graph line); ``SIGUSR1`` only logs.
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ def rank_state(executor: Any, since: float, section: str | None = None) -> dict[
     head = f"rank {rank} (pipeline rank {executor.pipeline_rank})"
     if run is None:
         what = f"in {section}" if section else "between iterations"
-        return {"rank": rank, "waits_for": None,
+        return {"rank": rank, "waits_for": None, "collective": section is not None,
                 "line": f"{head}: {what} for {time.monotonic() - since:.0f} s"}
     done = run.executed[-1].short() if run.executed else "nothing yet"
     head += f": last completed {done}; "
     seconds = f"for {time.monotonic() - since:.0f} s"
     step = run.current
     if step is None:
-        return {"rank": rank, "waits_for": None,
+        return {"rank": rank, "waits_for": None, "collective": True,
                 "line": f"{head}in the gradient reductions (pending collectives) {seconds}"}
     message = executor.comm.waiting
     awaiting = getattr(executor.transport, "awaiting", None)  # NCCL semantics: a rendezvous
@@ -71,8 +71,11 @@ def rank_state(executor: Any, since: float, section: str | None = None) -> dict[
 def wait_for_graph(states: dict[int, dict[str, Any]], world_size: int) -> str:
     """One line naming where the waits end: the rank that computes or did not report, or the
     cycle of waits."""
-    edges = {r: s["waits_for"] for r, s in states.items()}
     silent = [r for r in range(world_size) if r not in states]
+    edges = {r: s["waits_for"] for r, s in states.items()}
+    for r, s in states.items():  # a rank in a collective waits for the ranks that are silent
+        if s["waits_for"] is None and s.get("collective") and silent:
+            edges[r] = silent[0]
     waiting = {r: p for r, p in edges.items() if p is not None}
     graph = ", ".join(f"{r}->{p}" for r, p in sorted(waiting.items())) or "no waits"
     ends: dict[int, list[int]] = {}
@@ -212,7 +215,10 @@ class HangWatch:
         if self._seen_round != round_:
             self._publish(executor, since, round_)
         claimed = self.store.add(f"{_KEY}/{round_}/claim", 1) == 1
-        deadline = time.monotonic() + REPORT_WAIT_SECONDS
+        # after a timeout the backend's own error comes at threshold / 0.6: finish before it
+        wait_s = min(REPORT_WAIT_SECONDS, self.threshold_s / 6) if exit_after else \
+            REPORT_WAIT_SECONDS
+        deadline = time.monotonic() + wait_s
         keys = [f"{_KEY}/{round_}/{r}" for r in range(self.world_size)]
         while time.monotonic() < deadline and not self.store.check(keys):
             time.sleep(0.2)
@@ -227,7 +233,7 @@ class HangWatch:
             # leave together: the store may live in one of the ranks (rank 0 without torchrun)
             done = f"{_KEY}/{round_}/done"
             self.store.add(done, 1)
-            deadline = time.monotonic() + REPORT_WAIT_SECONDS
+            deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and self.store.add(done, 0) < len(states):
                 time.sleep(0.2)
             from megatron_chimera.errors import exit_process

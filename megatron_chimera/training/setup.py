@@ -294,8 +294,8 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
               needed, rank, world_size, rng_state, device, eval_needed_microbatches=needed)
     run.trace = build_trace(config, state, device)
     run.memory = build_memory_report(config, family, schedule, partition, state, device)
-    # before the backend's own timeout error: 80% of --distributed-timeout-minutes
-    threshold = 0.8 * 60 * config.parallel.distributed_timeout_minutes
+    # the report done before the backend's own timeout error: 60% of the timeout
+    threshold = 0.6 * 60 * config.parallel.distributed_timeout_minutes
     run.hang_watch = HangWatch(lambda: run.executor, threshold).start()
     return run, saved_args
 

@@ -19,7 +19,7 @@ from .launcher import ROOT, TINY, free_port
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
 
-TIMEOUT_MINUTES = 0.5  # the watch reports at 80% of it (24 s)
+TIMEOUT_MINUTES = 0.5  # the watch reports at 60% of it (18 s)
 STOPPED = 2
 
 

@@ -121,5 +121,9 @@ def test_wait_for_graph_names_the_stopped_rank_and_a_cycle():
     # a rank stuck in compute is named with what it runs
     line = wait_for_graph({0: state(0, 1), 1: state(1, None, "runs B0.1.2 for 70 s")}, 2)
     assert "rank 1 is not waiting for a message: runs B0.1.2 for 70 s; ranks [0]" in line
+    # ranks in a collective wait for the silent rank
+    line = wait_for_graph({0: dict(state(0, None, "in the loss gather"), collective=True),
+                           1: dict(state(1, None, "in the loss gather"), collective=True)}, 3)
+    assert "0->2, 1->2: rank 2 did not report" in line
     line = wait_for_graph({0: state(0, 1), 1: state(1, 0)}, 2)
     assert "cycle 0 -> 1 -> 0 (a deadlock)" in line

@@ -181,6 +181,39 @@ def host_overhead(layers: int, steps: int, warmup: int, hidden: int = 32, heads:
     return result
 
 
+def time_training_phases(config: ModelConfig, batch: int, device: torch.device, steps: int,
+                         warmup: int, gradient_accumulation_fusion: bool = True
+                         ) -> tuple[float, float]:
+    """Median seconds of (forward + backward into the gradient buffers, optimizer step) of a
+    middle stage, timed apart: the buffers as in training (fp32 ``main_grad`` for bf16, with or
+    without gradient-accumulation fusion), the optimizer reading them."""
+    model = GPTModel(config, pre_process=False, post_process=False).to(device)
+    bf16 = config.params_dtype == "bf16"
+    buffers = build_grad_buffers({0: model}, grad_reduce_in_fp32=bf16,
+                                 fuse_wgrad_accumulation=gradient_accumulation_fusion)
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=bf16, clip_grad=1.0),
+                                       [model], grad_buffers=buffers)
+    shape = (config.seq_length, batch, config.hidden_size)
+    hidden = torch.randn(shape, device=device, dtype=config.torch_dtype, requires_grad=True)
+    grad = torch.randn(shape, device=device, dtype=config.torch_dtype)
+    compute, step = [], []
+    for i in range(warmup + steps):
+        buffers.zero_()
+        synchronize(device)
+        start = time.perf_counter()
+        model.set_input_tensor(hidden)
+        model(None, None).backward(grad)
+        synchronize(device)
+        middle = time.perf_counter()
+        optimizer.step()
+        synchronize(device)
+        if i >= warmup:
+            compute.append(middle - start)
+            step.append(time.perf_counter() - middle)
+    buffers.remove_hooks()
+    return sorted(compute)[len(compute) // 2], sorted(step)[len(step) // 2]
+
+
 def run(args: argparse.Namespace) -> tuple[float, list[Result]]:
     """Measure the peak, then every shape on the fused and unfused paths."""
     device = torch.device(args.device if args.device != "auto"

@@ -121,7 +121,8 @@ def check_exportable(config: ModelConfig) -> None:
     learned positions, one key/value head per head of size hidden / heads)."""
     gpt2_shaped = (config.normalization == "LayerNorm" and not config.swiglu
                    and config.add_bias_linear and config.num_query_groups is None
-                   and config.kv_channels in (None, config.hidden_size // config.num_attention_heads)
+                   and config.kv_channels in (None,
+                                              config.hidden_size // config.num_attention_heads)
                    and config.learned_positions)
     if not gpt2_shaped:
         raise HFError("export-hf: the checkpoint's model is neither GPT-2-shaped (LayerNorm, GeLU "

@@ -183,7 +183,8 @@ def state_to_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str
             for name, tensor in zip("qkv", qkv):
                 out[f"{hf}self_attn.{name}_proj.bias"] = tensor
         out[hf + "self_attn.o_proj.weight"] = state[ours + "self_attention.dense.weight"]
-        out[hf + "post_attention_layernorm.weight"] = state[ours + "post_attention_layernorm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = state[
+            ours + "post_attention_layernorm.weight"]
         gate, up = state[ours + "mlp.dense_h_to_4h.weight"].chunk(2, dim=0)
         out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
         out[hf + "mlp.up_proj.weight"] = up.contiguous()

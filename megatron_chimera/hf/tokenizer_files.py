@@ -3,9 +3,10 @@
 Import copies GPT-2 BPE (``vocab.json`` + ``merges.txt``) or WordPiece (``vocab.txt``) files into
 ``<checkpoint>/tokenizer/`` (a Llama / Mistral / Qwen2 fast tokenizer's files into
 ``<checkpoint>/tokenizer/huggingface/``, as ``HuggingFaceTokenizer``) and records the matching
-``--tokenizer-type`` in the checkpoint's arguments; export writes the files of a GPT-2 BPE or WordPiece tokenizer with a
-``tokenizer_config.json`` that ``AutoTokenizer.from_pretrained`` reads. Other tokenizers
-(SentencePiece, NullTokenizer) have no Hugging Face GPT-2 / BERT form and are not exported.
+``--tokenizer-type`` in the checkpoint's arguments; export writes the files of a GPT-2 BPE or
+WordPiece tokenizer with a ``tokenizer_config.json`` that ``AutoTokenizer.from_pretrained`` reads.
+Other tokenizers (SentencePiece, NullTokenizer) have no Hugging Face GPT-2 / BERT form and are not
+exported.
 """
 
 from __future__ import annotations

@@ -33,15 +33,15 @@ activations at a time during backward (``recompute_working_bytes``, once per ran
 The first stage adds the embedding dropout mask and token/position indices; the last stage the
 final layer norm, the head's saved inputs and the fp32 log-probabilities of the loss (``4*s*b*V``).
 
-Tensor parallelism (T ranks; Korthikanti et al.'s ``sbh(10 + 24/T)``): the ``12*sbh*B`` bytes
-inside the tensor-parallel regions (QKV, attention, MLP inner activations; in general
-:func:`tensor_parallel_elements`: SwiGLU keeps gate and up, ``--kv-channels`` changes the
-attention width) and the attention core are divided by T; the two LayerNorm inputs and dropout masks (``2*sbh*B + masks``) and the inputs
-of the two column-parallel linears (``2*sbh*B``) are whole on every rank. Sequence parallelism
-divides the LayerNorm inputs and masks by T too; the column-parallel linears keep their
-all-gathered input for the (deferrable) weight gradient, so those ``2*sbh*B`` stay whole (Megatron
-re-gathers them in the backward instead). Weights, gradients and optimizer state are the
-per-rank parameter counts of :mod:`~megatron_chimera.model.partition`.
+Tensor parallelism (T ranks; Korthikanti et al.'s ``sbh(10 + 24/T)``): the ``12*sbh*B`` bytes inside
+the tensor-parallel regions (QKV, attention, MLP inner activations; in general
+:func:`tensor_parallel_elements`: SwiGLU keeps gate and up, ``--kv-channels`` changes the attention
+width) and the attention core are divided by T; the two LayerNorm inputs and dropout masks
+(``2*sbh*B + masks``) and the inputs of the two column-parallel linears (``2*sbh*B``) are whole on
+every rank. Sequence parallelism divides the LayerNorm inputs and masks by T too; the
+column-parallel linears keep their all-gathered input for the (deferrable) weight gradient, so those
+``2*sbh*B`` stay whole (Megatron re-gathers them in the backward instead). Weights, gradients and
+optimizer state are the per-rank parameter counts of :mod:`~megatron_chimera.model.partition`.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
 
 
 class RotaryTables(NamedTuple):
-    """cos and sin of the rotation angles (computed in fp32), ``[s, rot]`` (shared by the batch) or
-    ``[b, 1, s, rot]`` (per-sample positions); they broadcast against ``[b, heads, s, head_dim]``."""
+    """cos and sin of the rotation angles (computed in fp32), ``[s, rot]`` (shared by the batch)
+    or ``[b, 1, s, rot]`` (per-sample positions); they broadcast against
+    ``[b, heads, s, head_dim]``."""
 
     cos: torch.Tensor
     sin: torch.Tensor

@@ -25,6 +25,7 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.config import GELU_VARIANTS, ConfigError, ModelConfig
+from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.document_attention import DocumentMask, document_attention
 from megatron_chimera.model.dropout_rng import (
     current_stream,
@@ -34,7 +35,6 @@ from megatron_chimera.model.dropout_rng import (
     seed_site,
     with_current_stream,
 )
-from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.fused import (
     FusedBackend,
     LayerNorm,
@@ -147,6 +147,12 @@ class CoreAttention(nn.Module):
             return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
                              **options)
 
+    def stores_no_scores(self, query: torch.Tensor, mask: AttentionMask) -> bool:
+        """Whether this core keeps no ``[s, s]`` scores for its backward: the fused kernel on CUDA
+        with plain causal attention (flash / memory-efficient SDPA). Selective recomputation
+        then has nothing to save and skips re-running the core."""
+        return self.fused and query.is_cuda and mask is None
+
     def _notices(self, query: torch.Tensor) -> None:
         """Flags that cannot act on this device / path, said once per process."""
         if self.use_flash_attn and not query.is_cuda:
@@ -230,7 +236,8 @@ class ParallelAttention(nn.Module):
         s, b, _ = qkv.shape
         query, key, value = self.query_key_value_heads(qkv, rotary)
         key, value = self.repeat_key_value(key, value)
-        if self.recompute_core and self.training and torch.is_grad_enabled():
+        if (self.recompute_core and self.training and torch.is_grad_enabled()
+                and not self.core_attention.stores_no_scores(query, mask)):
             context = checkpoint(with_current_stream(self.core_attention), query, key, value,
                                  mask)
         else:

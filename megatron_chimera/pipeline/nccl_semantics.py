@@ -120,20 +120,26 @@ class NcclSemanticsTransport(Transport):
         recorded by any rank ends the wait at once (naming that rank)."""
         if self._posted_by_peer(counterpart, src, dst) >= k:
             return
-        me = self.topology.global_rank
         peer = dst if counterpart == "recv" else src
         self._where(why)
+        self._wait_until(lambda: self._posted_by_peer(counterpart, src, dst) >= k, why, peer,
+                         f"to post its {counterpart} #{k} of {src}->{dst}")
+
+    def _wait_until(self, done, why: str, peer: int, what: str) -> None:
+        """Poll ``done()`` until it holds; a failure recorded by any rank ends the wait at once
+        (naming that rank), the deadline with a deadlock report naming ``peer`` and ``what``
+        this rank waits for it to do."""
+        me = self.topology.global_rank
         deadline = time.monotonic() + self.timeout_s
         self.awaiting = (peer, why)  # read by the hang watch (pipeline/hang.py)
-        while self._posted_by_peer(counterpart, src, dst) < k:
+        while not done():
             first = first_failure(wait_seconds=0.0)
             if first is not None:
                 raise PipelineFailure(f"{first}; rank {me} stopped while it {why}")
             if time.monotonic() > deadline:
                 raise NcclDeadlock(
                     f"NCCL-semantics deadlock: rank {me} {why}, waiting {self.timeout_s:g} s for "
-                    f"rank {peer} to post its {counterpart} #{k} of {src}->{dst}; rank {peer} is "
-                    f"at: {self._peer_where(peer)}")
+                    f"rank {peer} {what}; rank {peer} is at: {self._peer_where(peer)}")
             time.sleep(_POLL_S)
         self.awaiting = None
 
@@ -149,20 +155,10 @@ class NcclSemanticsTransport(Transport):
 
     def _await_collective(self, name: str, members: list[int], k: int, why: str) -> None:
         """Wait until every member of group ``name`` issued its ``k``-th collective on it."""
-        me = self.topology.global_rank
-        deadline = time.monotonic() + self.timeout_s
         for member in members:
             key = f"ncclsem/coll/{name}/{member}"
-            while self.store.add(key, 0) < k:
-                first = first_failure(wait_seconds=0.0)
-                if first is not None:
-                    raise PipelineFailure(f"{first}; rank {me} stopped while it {why}")
-                if time.monotonic() > deadline:
-                    raise NcclDeadlock(
-                        f"NCCL-semantics deadlock: rank {me} {why}, waiting {self.timeout_s:g} s "
-                        f"for rank {member} to issue collective #{k} of its group {members}; "
-                        f"rank {member} is at: {self._peer_where(member)}")
-                time.sleep(_POLL_S)
+            self._wait_until(lambda key=key: self.store.add(key, 0) >= k, why, member,
+                             f"to issue collective #{k} of its group {members}")
 
     # ----------------------------------------------------------------------------- transport
     has_sync_points = True

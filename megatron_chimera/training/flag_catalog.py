@@ -69,7 +69,8 @@ HELP: dict[str, str] = {
                           "attention dropout), flex (flex_attention, CUDA), loop (SDPA per "
                           "document), mask (block-diagonal mask); auto picks",
     "no_apex": "use torch-native kernels even when NVIDIA Apex is importable",
-    "recompute_granularity": "activation recomputation: selective (attention core) or full",
+    "recompute_granularity": "activation recomputation: selective (the attention core; skipped "
+                             "where a CUDA flash kernel keeps no scores) or full",
     "recompute_method": "full recomputation: uniform (groups of layers) or block (first layers)",
     "recompute_num_layers": "layers per group (uniform) or recomputed layers per stage (block)",
     # distributed

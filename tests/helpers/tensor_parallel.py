@@ -13,8 +13,8 @@ from megatron_chimera.tensor_parallel.utils import is_tensor_parallel, join_shar
 
 def full_tensor(param: nn.Parameter, value: torch.Tensor | None = None) -> torch.Tensor:
     """``value`` (default: ``param`` itself) joined over the tensor-parallel group along the
-    parameter's ``partition_dim`` (strided shards interleaved back) and cut to its master size; replicated tensors as they are.
-    A collective of the tensor-parallel group."""
+    parameter's ``partition_dim`` (strided shards interleaved back) and cut to its master size;
+    replicated tensors as they are. A collective of the tensor-parallel group."""
     value = (param if value is None else value).detach()
     if not is_tensor_parallel(param) or parallel_state.get_tensor_model_parallel_world_size() == 1:
         return value.clone()

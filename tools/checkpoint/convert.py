@@ -4,12 +4,12 @@
     python tools/checkpoint/convert.py export-hf --load CKPT_DIR --hf-dir DIR
 
 ``import-hf`` reads a local ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM`` or ``MegatronBertForPreTraining`` / ``MegatronBertForMaskedLM`` directory (``config.json`` + safetensors or ``pytorch_model.bin``,
-loaded without running code) and writes a release checkpoint that ``pretrain_gpt2.py`` /
-``pretrain_bert.py --load`` trains under any layout with a fresh optimizer; it prints the model
-flags to train it with. ``export-hf`` writes ``config.json``, ``model.safetensors`` and the
-tokenizer files (GPT-2 BPE, WordPiece or a fast tokenizer's ``tokenizer.json``) that
-``from_pretrained`` loads, then checks the logits.
+``Qwen2ForCausalLM`` or ``MegatronBertForPreTraining`` / ``MegatronBertForMaskedLM`` directory
+(``config.json`` + safetensors or ``pytorch_model.bin``, loaded without running code) and writes a
+release checkpoint that ``pretrain_gpt2.py`` / ``pretrain_bert.py --load`` trains under any layout
+with a fresh optimizer; it prints the model flags to train it with. ``export-hf`` writes
+``config.json``, ``model.safetensors`` and the tokenizer files (GPT-2 BPE, WordPiece or a fast
+tokenizer's ``tokenizer.json``) that ``from_pretrained`` loads, then checks the logits.
 """
 
 from __future__ import annotations

@@ -279,6 +279,24 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class LayerSplit:
+    """Megatron's uneven-stage flags (resolved by :mod:`megatron_chimera.model.stage_layout`):
+    a layout string, the first / last stage's layers, or the embedding / loss counted as layers.
+    All unset: ``--partition-method`` splits."""
+
+    pipeline_model_parallel_layout: str | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    @property
+    def given(self) -> bool:
+        """Whether any of the flags is set."""
+        return self != LayerSplit()
+
+
+@dataclass(frozen=True)
 class TrainingConfig:
     """Batch sizes, iteration counts, evaluation cadence, seed; ``num_microbatches`` derived."""
 
@@ -296,6 +314,7 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     seed: int = 1234
     partition_method: str = "uniform"  # uniform | parameters | time (measured, per rank)
+    layer_split: LayerSplit = LayerSplit()  # uneven stages by Megatron's flags (else the method)
     # split-backward schedules: time F/B/W during the first K iterations, then rebuild the
     # order for the measured costs (0: never; resolved from --profile-iterations)
     profile_iterations: int = 0
@@ -391,6 +410,7 @@ class LoggingConfig:
     log_memory_to_tensorboard: bool = False
     tensorboard_log_interval: int = 1
     log_bubble_ratio: bool = True
+    pipeline_trace: str | None = None  # write the measured timeline (Chrome / Perfetto JSON)
     # Weights & Biases (training/scalar_writers.py): the same scalars as TensorBoard
     wandb_project: str | None = None
     wandb_exp_name: str | None = None

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stage-replica group), plain data parallelism, or both")
     g.add_argument("--partition-methods", type=_name_list, default=("uniform", "parameters"),
                    help="comma-separated --partition-method values to try")
+    g.add_argument("--pipeline-model-parallel-layout", action="append", default=[],
+                   help="also try this layout string (Megatron's E, t, L, |, *k; repeatable); "
+                        "the sizes whose stage count differs from it are skipped")
     g.add_argument("--top", type=int, default=10, help="rows of the table")
     g.add_argument("--exhaustive", action="store_true",
                    help="simulate every layout (default: branch and bound, exact for the top rows "
@@ -222,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                             schedules=args.schedules, micro_batch_sizes=args.micro_batch_sizes,
                             recompute=recompute,
                             option_values=(("pipes", args.chimera_pipes),),
-                            partition_methods=args.partition_methods,
+                            partition_methods=(*args.partition_methods,
+                                               *args.pipeline_model_parallel_layout),
                             tensor_parallel_sizes=args.tensor_model_parallel_sizes,
                             sequence_parallel=args.sequence_parallel,
                             distributed_optimizer=choices[args.distributed_optimizer])

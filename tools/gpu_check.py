@@ -21,7 +21,9 @@ Sections, each with its figures and PASS / FAIL:
 5. the memory model's per-stage estimate against ``torch.cuda.max_memory_allocated``;
 6. with more than one GPU visible: ``torchrun`` over NCCL -- Chimera D=2, bf16, the distributed
    optimizer and overlapped reduction on 2 GPUs, and T=2 x D=2 on 4 -- trains without a hang and
-   its loss falls.
+   its loss falls;
+7. the training log's memory report (``pretrain_gpt2.py``, D=1, bf16): each rank's predicted
+   total against the measured one (the allocator's peak on CUDA) within 10%.
 
 ``--device cpu --quick`` runs the same code with tiny shapes (CI checks the script works; the
 CUDA-only parts report "skipped").
@@ -354,6 +356,35 @@ def check_multi_gpu(report: Report, quick: bool) -> None:
                            f"({time.perf_counter() - start:.0f} s)")
 
 
+# ------------------------------------------------------------------------------ 7. memory report
+def check_memory_report(report: Report, quick: bool, device: str) -> None:
+    report.section("7. the training log's memory report: predicted vs measured per rank")
+    size = (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "64"] if quick else
+            ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+             "--seq-length", "1024"])
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt2.py"), *size, "--train-iters", "2",
+           "--max-position-embeddings", size[size.index("--seq-length") + 1],
+           "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "3e-3",
+           "--mock-data", "--vocab-size", "50257", "--eval-iters", "0", "--num-workers", "0",
+           "--bf16"]
+    if device == "cpu":
+        cmd += ["--distributed-backend", "gloo", "--allow-cpu-training"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise RuntimeError(f"pretrain_gpt2.py failed:\n{proc.stderr[-3000:]}")
+    lines = [line for line in proc.stdout.splitlines() if "] memory (MB) predicted:" in line]
+    for line in lines:
+        report.line(f"- `{line.strip()}`")
+        predicted = float(line.split("|| measured:")[0].split("total ")[1].split()[0])
+        measured = float(line.split("|| measured:")[1].split("total ")[1].split()[0])
+        report.verdict("predicted total within 10% of measured", bool(lines) and
+                       abs(predicted / measured - 1) <= 0.10,
+                       f"predicted {predicted:.1f} MB, measured {measured:.1f} MB")
+    if not lines:
+        report.verdict("memory report in the log", False, "no memory report line")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every section, print the report, optionally write it (atomically)."""
     p = ToolArgumentParser(description=__doc__.split("\n\n")[0])
@@ -361,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test of the script)")
     p.add_argument("--output", default=None, help="write the Markdown report here")
     p.add_argument("--sections",
-                   default="training,resume,attention,throughput,memory,multi-gpu",
+                   default="training,resume,attention,throughput,memory,multi-gpu,"
+                           "memory-report",
                    help="comma-separated sections to run (default: all)")
     args = p.parse_args(argv)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
@@ -379,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
               "attention": lambda: check_attention(report, device, args.quick),
               "throughput": lambda: check_throughput(report, device, args.quick),
               "memory": lambda: check_memory(report, device),
-              "multi-gpu": lambda: check_multi_gpu(report, args.quick)}
+              "multi-gpu": lambda: check_multi_gpu(report, args.quick),
+              "memory-report": lambda: check_memory_report(report, args.quick, device.type)}
     for name in args.sections.split(","):
         if name not in checks:
             p.error(f"--sections: unknown section {name!r}; choose from {', '.join(checks)}")

@@ -11,6 +11,12 @@ backward, of which ``--weight-cost`` is the weight-gradient part (0 = no B/W spl
 schedules that split the backward, e.g. chimera-zb and zb-h1, use it). The text chart goes to
 stdout; ``--json`` writes ``{"makespan", "bubble_ratio", "peak_inflight": {rank: int},
 "events": [...], ...}``.
+
+``--measured TRACE`` (a ``--pipeline-trace`` file of a training run) draws the measured timeline
+of its first traced iteration beside the simulated timeline of the same schedule, simulated with
+the per-stage F/B/W times measured there (milliseconds; no communication): text charts one above
+the other, and with ``--out`` a second PNG ``<out>-measured.png``. The schedule flags are then
+ignored (the trace holds its schedule).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from megatron_chimera.schedules.cli import (
     cost_model,
     schedule_from_args,
 )
+from megatron_chimera.schedules.measured import measured_costs, measured_result, trace_schedule
 from megatron_chimera.schedules.plot import plot_schedule, text_chart
 from megatron_chimera.schedules.registry import add_schedule_arguments, schedule_name_from
 from megatron_chimera.schedules.simulate import simulate
@@ -45,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="PNG file for the Gantt chart")
     parser.add_argument("--json", default=None, help="JSON file for the simulated timeline")
     parser.add_argument("--no-text", action="store_true", help="do not print the text chart")
+    parser.add_argument("--measured", default=None, metavar="TRACE",
+                        help="a --pipeline-trace file: draw its measured timeline beside the "
+                             "simulated one of the same schedule and measured stage costs")
     args = parser.parse_args(argv)
+    if args.measured:
+        return draw_measured(args.measured, args.out, args.no_text)
 
     try:
         check_costs(args)
@@ -64,6 +76,27 @@ def main(argv: list[str] | None = None) -> int:
         data["schedule_data"] = schedule.to_dict()
         write_json(args.json, data)
         print(f"wrote {args.json}")
+    return 0
+
+
+def draw_measured(path: str, out: str | None, no_text: bool) -> int:
+    """The measured timeline of trace ``path`` beside its schedule simulated with the measured
+    per-stage costs (text charts; PNGs ``out`` and ``<out>-measured.png``)."""
+    with open(path, encoding="utf-8") as handle:
+        trace = json.load(handle)
+    schedule = trace_schedule(trace)
+    simulated = simulate(schedule, measured_costs(trace))
+    measured = measured_result(trace)
+    if not no_text:
+        print("simulated with the measured stage costs (ms):")
+        print(text_chart(schedule, simulated))
+        print("measured (ms):")
+        print(text_chart(schedule, measured))
+    if out:
+        second = out[:-4] + "-measured.png" if out.endswith(".png") else out + "-measured.png"
+        plot_schedule(schedule, simulated, out)
+        plot_schedule(schedule, measured, second)
+        print(f"wrote {out} and {second}")
     return 0
 
 

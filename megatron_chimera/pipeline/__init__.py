@@ -11,7 +11,9 @@
 * :mod:`.failures` -- first-failure reporting through the c10d store.
 * :mod:`.profiler` / :mod:`.profile_rebuild` -- measured F, B, W per stage and the schedule
   rebuilt from them.
-* :mod:`.trace` -- where a traced iteration's time goes between compute actions.
+* :mod:`.trace` -- where a traced iteration's time goes between compute actions;
+  :mod:`.chrome_trace` -- ``--pipeline-trace``: the measured timeline as a Chrome/Perfetto trace;
+  :mod:`.hang` -- who waits for whom when an iteration stops moving (timeout, SIGUSR1).
 * :mod:`.emulated` -- stages that wait instead of computing, for benchmarks;
   :mod:`.torch_pipelining` -- torch's schedules on them, for comparison.
 

@@ -147,14 +147,21 @@ class _BusyTimer:
     come from ``events`` (the executor's free list) and go back there once read."""
 
     def __init__(self, device: torch.device, events: list[Any],
-                 action_timer: ActionTimer | None = None) -> None:
+                 action_timer: ActionTimer | None = None, tracer: Any = None) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
         self.action_timer = action_timer
+        self.tracer = tracer  # tracer.compute(action, start, end) on the host clock
         self._free = events
         self._recorded: list[tuple[Any, Any, Action | None]] = []
         self._start: Any = 0.0
         self._action: Action | None = None
+        self._origin: tuple[Any, float] | None = None
+        if tracer is not None and self.cuda:  # an event at a known host time (device idle)
+            torch.cuda.synchronize()
+            origin = self._event()
+            origin.record()
+            self._origin = (origin, time.perf_counter())
 
     def _event(self) -> Any:
         return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
@@ -178,10 +185,13 @@ class _BusyTimer:
             end.record()
             self._recorded.append((self._start, end, self._action))
         else:
-            elapsed = time.perf_counter() - self._start
+            end = time.perf_counter()
+            elapsed = end - self._start
             self.seconds += elapsed
             if self.action_timer is not None and self._action is not None:
                 self.action_timer(self._action, elapsed)
+            if self.tracer is not None and self._action is not None:
+                self.tracer.compute(self._action, self._start, end)
 
     def total(self) -> float:
         """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
@@ -192,6 +202,10 @@ class _BusyTimer:
                 self.seconds += elapsed
                 if self.action_timer is not None and action is not None:
                     self.action_timer(action, elapsed)
+                if self._origin is not None and action is not None:
+                    origin, host = self._origin
+                    self.tracer.compute(action, host + origin.elapsed_time(start) / 1000.0,
+                                        host + origin.elapsed_time(end) / 1000.0)
                 self._free += (start, end)
             self._recorded = []
         return self.seconds
@@ -300,6 +314,8 @@ class PipelineExecutor:
         self._events: list[Any] = []  # CUDA events of the busy timers, reused
         self._connected = not policy.warm_up
         self.action_timer = action_timer
+        self.tracer: Any = None  # set for a traced iteration (:mod:`.chrome_trace`)
+        self.active: _Iteration | None = None  # the running iteration (read by :mod:`.hang`)
 
     def connect(self) -> None:
         """Exchange one tiny message in every direction of the schedule that the transport has
@@ -320,7 +336,7 @@ class PipelineExecutor:
                 f"expected {self.schedule.num_microbatches} micro-batches, got {len(microbatches)}"
             )
         start = time.perf_counter()
-        run = _Iteration(self, microbatches, self.programs[forward_only])
+        run = self.active = _Iteration(self, microbatches, self.programs[forward_only])
         try:
             self.connect()
             self.transport.begin_iteration()
@@ -330,11 +346,17 @@ class PipelineExecutor:
             run.execute()
             self.comm.finish()
             if self.grad_sync is not None and not forward_only:
+                waited = time.perf_counter()
                 self.grad_sync.finish()
-            if run.timer.action_timer is not None:
-                run.timer.total()  # the action timer gets this iteration's times now
+                if self.tracer is not None:
+                    self.tracer.span("gradient reductions: wait", "grad-reduction", waited,
+                                     time.perf_counter())
+            if run.timer.action_timer is not None or self.tracer is not None:
+                run.timer.total()  # the action timer / tracer get this iteration's times now
         except Exception as exc:
             raise self._failure(exc, run.current) from exc
+        finally:
+            self.active = None
         return IterationResult(local_losses=run.losses, busy=run.timer,
                                iteration_seconds=time.perf_counter() - start,
                                executed=run.executed, p2p_bytes_sent=self.comm.bytes_sent)
@@ -389,7 +411,8 @@ class _Iteration:
         self.releasing: tuple[Message, ...] = ()  # buffers of the previous action (see _compute)
         self.losses: dict[int, dict[str, Any]] = {}
         self.executed: list[Action] = []
-        self.timer = _BusyTimer(executor.device, executor._events, executor.action_timer)
+        self.timer = _BusyTimer(executor.device, executor._events, executor.action_timer,
+                                executor.tracer)
         self.current: Any = None
         self.stage_done: int | None = None  # a finished stage not yet reported (see _compute)
         transport = executor.transport  # calls that would do nothing are not made at all:
@@ -443,8 +466,13 @@ class _Iteration:
         """Tell the gradient synchronizer that the previous action finished a stage: its
         remaining buckets (and the tied embedding's) are issued now, after that action's sends,
         as the validator's collective check assumes."""
-        self.ex.grad_sync.stage_done(self.stage_done)
+        launched = time.perf_counter()
+        stage = self.stage_done
+        self.ex.grad_sync.stage_done(stage)
         self.stage_done = None
+        if self.ex.tracer is not None:
+            self.ex.tracer.span(f"reduce stage {stage}: launch", "grad-reduction", launched,
+                                time.perf_counter(), stage=stage)
 
     def _send(self, message: Message) -> None:
         output = self.outbox.pop(message)

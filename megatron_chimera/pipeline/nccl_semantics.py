@@ -83,6 +83,7 @@ class NcclSemanticsTransport(Transport):
         self.syncing = False
         self.counts: dict[tuple[str, int, int], int] = {}  # (op, src, dst) -> posted so far
         self.pending: list[tuple[str, int, int, int, str]] = []  # op, src, dst, k, label
+        self.awaiting: tuple[int, str] | None = None  # (peer, why) while waiting for a peer
         # issued gradient collectives: group name, its global ranks, count k, label
         self.pending_collectives: list[tuple[str, list[int], int, str]] = []
         self._where("started")
@@ -130,6 +131,7 @@ class NcclSemanticsTransport(Transport):
         this rank waits for it to do."""
         me = self.topology.global_rank
         deadline = time.monotonic() + self.timeout_s
+        self.awaiting = (peer, why)  # read by the hang watch (pipeline/hang.py)
         while not done():
             first = first_failure(wait_seconds=0.0)
             if first is not None:
@@ -139,6 +141,7 @@ class NcclSemanticsTransport(Transport):
                     f"NCCL-semantics deadlock: rank {me} {why}, waiting {self.timeout_s:g} s for "
                     f"rank {peer} {what}; rank {peer} is at: {self._peer_where(peer)}")
             time.sleep(_POLL_S)
+        self.awaiting = None
 
     # ---------------------------------------------------------------------------- collectives
     def collective_issued(self, group: dist.ProcessGroup, label: str) -> None:

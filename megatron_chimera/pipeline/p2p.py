@@ -115,6 +115,7 @@ class P2PCommunicator:
         self._by_storage: dict[int, Message] = {}  # data pointer of a buffer in use -> message
         self._local: dict[Message, torch.Tensor] = {}
         self._sends: list[tuple[Any, Message]] = []  # posted sends: work handle, message
+        self.waiting: Message | None = None  # the message a take() waits for (hang forensics)
         self.bytes_sent = 0  # payload bytes of this iteration's sends (local hand-overs excluded)
 
     def begin_iteration(self) -> None:
@@ -147,7 +148,9 @@ class P2PCommunicator:
         if received is None:
             raise RuntimeError(f"{message.short()} is consumed before its receive is posted: "
                                f"the lowered list is out of order")
+        self.waiting = message
         self.transport.wait(received.work, message)
+        self.waiting = None
         self._in_use[message] = received
         self._by_storage[received.buffer.data_ptr()] = message
         return received.buffer.detach()

@@ -31,7 +31,8 @@ from typing import Any
 from megatron_chimera.schedules.lowering import SEND, Message
 
 START, END, SENT, WAITED = "start", "end", "sent", "waited"
-Event = tuple  # (START | END, t) | (SENT, message, t) | (WAITED, message, t_called, t_returned)
+# (START | END, t) | (SENT, message, t_posting, t_posted) | (WAITED, message, t_called, t_returned)
+Event = tuple
 
 
 class Timeline:
@@ -59,11 +60,14 @@ class TracingTransport:
         self.timeline = timeline
 
     def post(self, op: str, messages: Sequence[Message], tensors: Sequence[Any]) -> list[Any]:
-        """Post through ``inner``; a send is recorded as posted just before it goes out."""
+        """Post through ``inner``; a send is recorded as posted just before it goes out (and,
+        after it, when the post call returned)."""
+        now = time.perf_counter()
+        works = self.inner.post(op, messages, tensors)
         if op == SEND:
-            now = time.perf_counter()
-            self.timeline.events.extend((SENT, m, now) for m in messages)
-        return self.inner.post(op, messages, tensors)
+            done = time.perf_counter()
+            self.timeline.events.extend((SENT, m, now, done) for m in messages)
+        return works
 
     def wait(self, work: Any, message: Message) -> None:
         """Wait through ``inner``, recording when the wait was called and when it returned."""

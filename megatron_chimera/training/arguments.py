@@ -26,6 +26,7 @@ from megatron_chimera.config import (
     ConfigError,
     DataConfig,
     DDPConfig,
+    LayerSplit,
     LoggingConfig,
     ModelConfig,
     OptimizerConfig,
@@ -126,6 +127,11 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                    help="interleaved: layers per model chunk (alternative to "
                         "--num-virtual-stages-per-pipeline-rank)")
     g.add_argument("--partition-method", choices=PARTITION_METHODS, default="uniform")
+    g.add_argument("--pipeline-model-parallel-layout", default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true")
     g.add_argument("--profile-iterations", type=int, default=None)
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
@@ -248,6 +254,7 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--pipeline-trace", default=None, metavar="FILE")
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
@@ -603,5 +610,35 @@ def _training_config(
 ) -> TrainingConfig:
     ramp = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     return _pick(TrainingConfig, args, global_batch_size=global_batch,
-                 num_microbatches=num_microbatches, rampup_batch_size=ramp)
+                 num_microbatches=num_microbatches, rampup_batch_size=ramp,
+                 layer_split=_layer_split(args))
+
+
+def _layer_split(args: argparse.Namespace) -> LayerSplit:
+    """Megatron's uneven-stage flags; the combinations Megatron-LM refuses are refused here
+    (a layout with any other split flag, first/last with the account-for flags), and any of
+    them with a ``--partition-method`` other than uniform."""
+    split = LayerSplit(
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+    if not split.given:
+        return split
+    first_last = (split.decoder_first_pipeline_num_layers is not None
+                  or split.decoder_last_pipeline_num_layers is not None)
+    account = (split.account_for_embedding_in_pipeline_split
+               or split.account_for_loss_in_pipeline_split)
+    if split.pipeline_model_parallel_layout is not None and (first_last or account):
+        raise ConfigError("--pipeline-model-parallel-layout cannot be combined with "
+                          "--decoder-first/last-pipeline-num-layers or --account-for-*")
+    if first_last and account:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be combined with "
+                          "--account-for-embedding/loss-in-pipeline-split")
+    if args.partition_method != "uniform":
+        raise ConfigError(f"--partition-method {args.partition_method} cannot be combined with "
+                          f"--pipeline-model-parallel-layout, --decoder-first/last-pipeline-"
+                          f"num-layers or --account-for-*")
+    return split
 

@@ -23,6 +23,7 @@ from megatron_chimera.config import (
 from megatron_chimera.data.dataset_utils import SPLIT_NAMES, parse_data_paths, parse_split
 from megatron_chimera.data.tokenizers import check_tokenizer_args
 from megatron_chimera.model.architecture import check_architecture
+from megatron_chimera.model.stage_layout import split_partition
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_schedule
@@ -76,6 +77,8 @@ def build_schedule_for(config: TrainConfig) -> Schedule:
             f"--num-layers {config.model.num_layers} is smaller than the {schedule.num_stages} "
             f"pipeline stages"
         )
+    split_partition(config.training.layer_split, config.model.num_layers, schedule.num_stages,
+                    parallel.pipeline_model_parallel_size)
     return schedule
 
 

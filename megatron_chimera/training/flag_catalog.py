@@ -92,6 +92,18 @@ HELP: dict[str, str] = {
     "partition_method": "layers per stage: uniform counts, balanced parameters, or balanced "
                         "measured time (embedding and LM head included; for Chimera the time "
                         "of each rank's stage replicas together)",
+    "pipeline_model_parallel_layout": "uneven stages as Megatron's layout string: E embedding, t "
+                                      "layer, L loss, | stage boundary, x*k and (...)*k repeat, "
+                                      "e.g. \"Et*3|t*2|t*2|tL\" (Chimera: one pipe's stages, the "
+                                      "mirror pipe holds the same)",
+    "decoder_first_pipeline_num_layers": "transformer layers of the first stage (the other "
+                                         "layers split evenly over the remaining stages)",
+    "decoder_last_pipeline_num_layers": "transformer layers of the last stage (the other layers "
+                                        "split evenly over the remaining stages)",
+    "account_for_embedding_in_pipeline_split": "count the embedding as one layer when splitting: "
+                                               "the first stage holds one layer less",
+    "account_for_loss_in_pipeline_split": "count the loss (final norm, head) as one layer when "
+                                          "splitting: the last stage holds one layer less",
     "profile_iterations": "split-backward schedules (chimera-zb, zb-h1): time F, B, W per stage "
                           "during the first K iterations (the first one a warm-up when K > 1), "
                           "then rebuild the order for the measured costs; 0 turns it off "
@@ -198,6 +210,10 @@ HELP: dict[str, str] = {
                                  "every rank in TensorBoard",
     "log_validation_ppl_to_tensorboard": "validation perplexity in TensorBoard (always written)",
     "log_batch_size_to_tensorboard": "global batch size in TensorBoard (always written)",
+    "pipeline_trace": "write the measured per-rank timeline of two iterations (after a warm-up "
+                      "one) to FILE as a Chrome / Perfetto trace: compute actions, sends, "
+                      "waits for messages, gradient reductions, optimizer step "
+                      "(tools/plot_schedule.py --measured FILE draws it)",
     "wandb_project": "Weights & Biases project: the logging rank writes the TensorBoard "
                      "scalars there too (needs --wandb-exp-name and the wandb package; "
                      "WANDB_MODE=offline works without a network)",
@@ -229,6 +245,10 @@ CONSUMED_WHILE_PARSING: dict[str, str] = {
     "lr_warmup_iters": "`optimizer.lr_warmup_samples` = iterations x global batch",
     "num_layers_per_virtual_pipeline_stage": "`parallel.schedule_options` (virtual stages per "
                                              "rank = layers / (chunk layers x D))",
+    **{name: f"`training.layer_split.{name}`" for name in (
+        "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+        "account_for_loss_in_pipeline_split")},
     "use_checkpoint_args": "the checkpoint's model flags, parsed ahead of the command line "
                            "(`checkpoint.saved_args.saved_run_flags`)",
 }
@@ -390,6 +410,9 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--no-contiguous-buffers-in-local-ddp", "--no-scatter-gather-tensors-in-pipeline",
     "--use-ring-exchange-p2p", "--lazy-mpu-init", "--use-cpu-initialization",
     "--empty-unused-memory-level", "--standalone-embedding-stage", "--use-distributed-optimizer",
+    "--pipeline-model-parallel-layout", "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
+    "--account-for-loss-in-pipeline-split",
     "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
     "--context-parallel-size",
     # validation

@@ -405,6 +405,18 @@ class TrainingMonitor:
         return "".join(f"{part} |" for part in parts)
 
     # ---------------------------------------------------------------- schedule rebuild
+    def log_memory_report(self, iteration: int, lines: list[str],
+                          scalars: dict[str, float]) -> None:
+        """Print the memory report (one line per rank) and write its scalars at ``iteration``."""
+        if not self.enabled:
+            return
+        print(f" memory report after iteration {iteration} (predicted || measured):", flush=True)
+        for line in lines:
+            print(line, flush=True)
+        if self.writer is not None:
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, iteration)
+
     def log_schedule_rebuild(self, iteration: int, line: str, scalars: dict[str, float]) -> None:
         """Print the rebuild's one line and write its scalars (and the line as text) to
         TensorBoard at ``iteration``."""

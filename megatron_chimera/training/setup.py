@@ -29,19 +29,22 @@ from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.dropout_rng import keyed_forward_step
 from megatron_chimera.model.family import ModelFamily
 from megatron_chimera.model.flops import training_flops
-from megatron_chimera.model.partition import partition_layers
+from megatron_chimera.model.stage_layout import format_layout, stage_partition
 from megatron_chimera.optimizer import OptimizerParamScheduler, get_data_parallel_optimizer
+from megatron_chimera.pipeline.chrome_trace import PipelineTrace, traced_iterations
 from megatron_chimera.pipeline.executor import (
     Gradients,
     PipelineExecutor,
     StageWork,
     make_transport,
 )
+from megatron_chimera.pipeline.hang import HangWatch
 from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.training.measured_costs import time_partition
+from megatron_chimera.training.memory_report import MemoryFigures, MemoryReport, predicted_memory
 from megatron_chimera.training.monitor import Timers, TrainingMonitor, predicted_bubble_ratio
 from megatron_chimera.training.preflight import check_resume_iteration
 
@@ -85,6 +88,9 @@ class Run:
     device: torch.device | None = None
     profile: ProfileRebuild | None = None
     profiled: dict[str, Any] | None = None  # measured costs and the schedule they rebuilt
+    trace: PipelineTrace | None = None  # --pipeline-trace
+    memory: MemoryReport | None = None  # the per-rank memory report after the first iteration
+    hang_watch: HangWatch | None = None  # who waits for whom when an iteration stops moving
     # the evaluation's micro-batches (its schedule keeps the full batch during a ramp-up)
     eval_needed_microbatches: list[int] | None = None
     # --rampup-batch-size: each N's training schedule, executor and read micro-batches, kept
@@ -132,9 +138,13 @@ def build_stages(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     if config.training.partition_method == "time":
         partition = time_partition(config, family, schedule, device, rank == 0)
     else:
-        partition = partition_layers(config.model.num_layers, schedule.num_stages,
-                                     config.training.partition_method, config=config.model,
-                                     family=family)
+        partition = stage_partition(config.training.layer_split,
+                                    config.training.partition_method, config.model, family,
+                                    schedule.num_stages,
+                                    config.parallel.pipeline_model_parallel_size)
+    if rank == 0:
+        print(f" pipeline stages: {format_layout(partition)} (layers per stage "
+              f"{[end - start for start, end in partition]})", flush=True)
     last = schedule.num_stages - 1
     stages = []
     for stage in sorted(schedule.stages_of_rank(parallel_state.get_pipeline_model_parallel_rank())):
@@ -240,13 +250,18 @@ class ExecutorFactory:
                                  transport=self._transport(schedule)))
 
 
-def build_monitor(config: TrainConfig, family: ModelFamily, schedule: Schedule
-                  ) -> TrainingMonitor:
+def build_monitor(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+                  partition: list[tuple[int, int]]) -> TrainingMonitor:
     """The log lines and TensorBoard writer, on the logging rank (the last: where the executor
-    gathers losses and busy times)."""
+    gathers losses and busy times). With uneven stages asked for (a layout, first/last layers)
+    the predicted bubble costs each stage by its layers."""
     world_size = dist.get_world_size()
     flops = training_flops(config.model, family, config.training.global_batch_size)
-    predicted = predicted_bubble_ratio(schedule) if config.logging.log_bubble_ratio else None
+    predicted = None
+    if config.logging.log_bubble_ratio:
+        layers = [float(end - start) for start, end in partition]
+        predicted = (predicted_bubble_ratio(schedule, layers, [2 * n for n in layers])
+                     if config.training.layer_split.given else predicted_bubble_ratio(schedule))
     return TrainingMonitor.create(config, flops, world_size, predicted,
                                   enabled=dist.get_rank() == world_size - 1)
 
@@ -274,8 +289,41 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
                                  all_stages=family.every_stage_reads_batch
                                  or config.data.reset_attention_mask or rotary_positions)
     run = Run(config, family, schedule, partition, stages, optimizer, scheduler, executors,
-              executor, eval_executor, build_monitor(config, family, schedule),
+              executor, eval_executor, build_monitor(config, family, schedule, partition),
               Timers(config.logging.timing_log_level),
               needed, rank, world_size, rng_state, device, eval_needed_microbatches=needed)
+    run.trace = build_trace(config, state, device)
+    run.memory = build_memory_report(config, family, schedule, partition, state, device)
+    # the report done before the backend's own timeout error: 60% of the timeout
+    threshold = 0.6 * 60 * config.parallel.distributed_timeout_minutes
+    run.hang_watch = HangWatch(lambda: run.executor, threshold).start()
     return run, saved_args
+
+
+def build_memory_report(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+                        partition: list[tuple[int, int]], state: TrainState,
+                        device: torch.device) -> MemoryReport:
+    """The memory report of the run's first iteration, with every rank's prediction (zeros, and
+    a line saying why, when the model cannot be costed)."""
+    try:
+        predicted = predicted_memory(config, family, schedule, partition, device.type)
+    except (ValueError, KeyError) as exc:
+        if dist.get_rank() == 0:
+            print(f" memory prediction unavailable: {exc}", flush=True)
+        predicted = [MemoryFigures(0, 0, 0, 0, 0, 0)] * schedule.num_ranks
+    return MemoryReport(state.iteration + 1, predicted)
+
+
+def build_trace(config: TrainConfig, state: TrainState, device: torch.device
+                ) -> PipelineTrace | None:
+    """The recorder of ``--pipeline-trace`` (None without it): two iterations after a warm-up."""
+    path = config.logging.pipeline_trace
+    if path is None:
+        return None
+    place = {"pipeline_rank": parallel_state.get_pipeline_model_parallel_rank(),
+             "data_parallel_rank": parallel_state.get_data_parallel_rank(),
+             "tensor_rank": parallel_state.get_tensor_model_parallel_rank()}
+    place["place"] = ", ".join(f"{k.split('_')[0]} {v}" for k, v in place.items())
+    iterations = traced_iterations(state.iteration, config.training.total_train_iters)
+    return PipelineTrace(path, iterations, dist.get_rank(), device, place)
 

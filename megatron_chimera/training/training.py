@@ -105,6 +105,12 @@ def keyed_microbatches(run: Run, batches: list[Any], consumed_samples: int) -> l
             for first, batch in zip(firsts, batches)]
 
 
+_NO_METER = contextlib.nullcontext()
+
+
+def _watched(run: Run, section: str):
+    """The hang watch armed for ``section`` (a no-op without one)."""
+    return run.hang_watch.watching(section) if run.hang_watch is not None else _NO_METER
 def current_batch_size(run: Run) -> int:
     """The global batch of the running schedule (smaller during ``--rampup-batch-size``)."""
     training = run.config.training
@@ -143,8 +149,13 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     if consumed_samples is not None:
         batches = keyed_microbatches(run, batches, consumed_samples)
     run.optimizer.zero_grad()
+    trace = run.trace if run.trace is not None and iteration is not None else None
+    if trace is not None:
+        trace.begin(run.executor, iteration)
     run.timers("forward-backward").start()
-    result = run.executor.run(batches)
+    meter = run.memory.meter(run.stages, iteration) if run.memory and iteration else _NO_METER
+    with meter:
+        result = run.executor.run(batches)
     run.timers("forward-backward").stop()
     nan_check = iteration is not None and run.config.training.check_for_nan_in_loss_and_grad
     folded = nan_check and grad_norm_covers_gradients(run.config.optimizer)
@@ -153,13 +164,18 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     run.timers("optimizer").start()
     # the optimizer's own timers add device syncs: only when they are written
     detail = run.timers if run.config.logging.log_timers_to_tensorboard else None
-    update_successful, grad_norm, _ = run.optimizer.step(timers=detail)
+    with trace.region("optimizer step", "optimizer") if trace else contextlib.nullcontext():
+        update_successful, grad_norm, _ = run.optimizer.step(timers=detail)
     run.timers("optimizer").stop()
     if folded and grad_norm is not None and not math.isfinite(grad_norm):
         _check_nan(run, iteration, result)  # names the rank and the value, then raises
         raise_nonfinite_grad_norm(iteration, grad_norm)
     if update_successful:
         run.scheduler.step(current_batch_size(run))
+    if trace is not None:
+        trace.end()
+    if run.memory is not None and iteration is not None:
+        run.memory.report(run, iteration)
     return result, not update_successful, grad_norm, result.iteration_seconds
 
 
@@ -226,7 +242,8 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     and hand each iteration to the monitor in order (log line, TensorBoard)."""
     if not pending:
         return
-    gathered = run.executor.gather([result for _, result in pending])
+    with _watched(run, "gathering the losses to the logging rank (collective)"):
+        gathered = run.executor.gather([result for _, result in pending])
     for stats, _ in pending:  # the iteration's timer events are complete by now
         stats.resolve_timers()
     for (stats, _), figures in zip(pending, gathered or []):
@@ -254,8 +271,10 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
         use_microbatches(run, training.num_microbatches_at(state.consumed_train_samples))
         batch_size = current_batch_size(run)
         run.timers("interval-time").start()
-        result, skipped, grad_norm, pipeline_seconds = train_step(
-            run, train_iterator, state.consumed_train_samples, state.iteration + 1)
+        with _watched(run, f"iteration {state.iteration + 1} outside the pipeline (collectives: "
+                           f"gradient norm, NaN check, optimizer)"):
+            result, skipped, grad_norm, pipeline_seconds = train_step(
+                run, train_iterator, state.consumed_train_samples, state.iteration + 1)
         run.timers("interval-time").stop()
         state.iteration += 1
         state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
@@ -392,6 +411,8 @@ def _pretrain(train_valid_test_datasets_provider: DatasetsProvider,
         save(run, state)
         _evaluate_and_log(run, "test end of training", iterator(test_ds, 0), state)
     run.optimizer.finish_param_sync()  # no collective may be in flight at teardown
+    if run.hang_watch is not None:
+        run.hang_watch.stop()
     run.monitor.close()
     dist.barrier()
     parallel_state.destroy_model_parallel()

@@ -28,6 +28,7 @@ from typing import Any
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import ParallelLayout
+from megatron_chimera.model.stage_layout import expand_layout, is_layout
 from megatron_chimera.schedules.registry import SCHEDULE_NAMES, ScheduleSpec, get_spec
 from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingLayout
 
@@ -61,10 +62,11 @@ class SearchSpace:
         if self.global_batch_size < 1:
             raise ConfigError(f"--global-batch-size must be positive, got "
                               f"{self.global_batch_size}")
-        unknown = set(self.partition_methods) - {"uniform", "parameters"}
+        unknown = {m for m in self.partition_methods if not is_layout(m)} - {"uniform",
+                                                                               "parameters"}
         if unknown or not self.partition_methods:
-            raise ConfigError(f"--partition-methods: choose from uniform, parameters; got "
-                              f"{self.partition_methods}")
+            raise ConfigError(f"--partition-methods: choose from uniform, parameters or "
+                              f"layout strings; got {self.partition_methods}")
         if self.micro_batch_sizes is not None and min(self.micro_batch_sizes, default=0) < 1:
             raise ConfigError(f"--micro-batch-sizes must be positive, got "
                               f"{self.micro_batch_sizes}")
@@ -105,6 +107,14 @@ def _variants(space: SearchSpace, spec: ScheduleSpec, D: int, N: int) -> Iterato
             yield options
 
 
+def _partitions_for(space: SearchSpace, num_stages: int) -> Iterator[str]:
+    """The partition methods to try at ``num_stages`` stages: every method name, and the layout
+    strings with that many stages."""
+    for method in space.partition_methods:
+        if not is_layout(method) or len(expand_layout(method)) == num_stages:
+            yield method
+
+
 def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
     """Every layout of the search space (sizes not yet checked against the generators)."""
     specs = [get_spec(name) for name in space.schedules]
@@ -117,7 +127,8 @@ def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
                 for spec in specs:
                     for options in _variants(space, spec, D, N):
                         replicated = W * getattr(options, "pipes", 1) > 1
-                        for partition in space.partition_methods:
+                        stages = D * getattr(options, "virtual_pipeline_size", 1)
+                        for partition in _partitions_for(space, stages):
                             for recompute in space.recompute:
                                 for sharded in space.distributed_optimizer:
                                     if sharded and not replicated:

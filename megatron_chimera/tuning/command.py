@@ -5,7 +5,8 @@ from __future__ import annotations
 import shlex
 
 from megatron_chimera.model.flags import model_flags
-from megatron_chimera.tuning.costs import ModelSpec
+from megatron_chimera.model.stage_layout import format_layout
+from megatron_chimera.tuning.costs import ModelSpec, partition_stages
 from megatron_chimera.tuning.perf_model import TrainingLayout
 
 DATA_FLAGS = {
@@ -44,8 +45,10 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
             flags.append("--sequence-parallel")
     flags += ["--pipeline-model-parallel-size", str(layout.D)]
     flags += layout.spec.to_flags(layout.options)
-    if layout.partition != "uniform":
-        flags += ["--partition-method", layout.partition]
+    if layout.partition != "uniform":  # the stages proposed, as Megatron's layout string
+        pieces = partition_stages(spec, layout.num_stages, layout.partition)
+        flags += ["--pipeline-model-parallel-layout",
+                  format_layout([p.layer_range for p in pieces])]
     flags += ["--micro-batch-size", str(layout.B),
               "--global-batch-size", str(layout.global_batch_size)]
     if layout.recompute:

@@ -27,6 +27,7 @@ from megatron_chimera.model import flops
 from megatron_chimera.model.family import ModelFamily, get_family
 from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.model.partition import stage_parameters as partition_stage_parameters
+from megatron_chimera.model.stage_layout import is_layout, layout_partition
 from megatron_chimera.tuning.hardware import LinkProfile
 
 
@@ -72,8 +73,11 @@ def uniform_partition(num_layers: int, num_stages: int) -> list[StagePiece]:
 
 
 def partition_stages(spec: ModelSpec, num_stages: int, method: str = "uniform") -> list[StagePiece]:
-    """Stage pieces as the runtime builds them (``partition_layers`` with ``--partition-method``:
-    ``uniform`` or ``parameters``, which balances embedding and head parameters too)."""
+    """Stage pieces as the runtime builds them: ``--partition-method`` ``uniform`` or
+    ``parameters`` (balancing embedding and head parameters too), or a
+    ``--pipeline-model-parallel-layout`` string (uneven stages as given)."""
+    if is_layout(method):
+        return pieces_of(layout_partition(method, spec.config.num_layers, num_stages))
     return pieces_of(partition_layers(spec.config.num_layers, num_stages, method,
                                       config=spec.config, family=spec.family))
 

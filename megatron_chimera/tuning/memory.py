@@ -31,6 +31,14 @@ from dataclasses import dataclass
 
 from megatron_chimera.model.memory import StageMemory, bytes_per_parameter, estimate_stage_memory
 from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.lowering import (
+    ACTIVATION,
+    DEFAULT_LOOKAHEAD,
+    RECV,
+    Comm,
+    Message,
+    lower,
+)
 from megatron_chimera.schedules.simulate import peak_inflight
 from megatron_chimera.tuning.costs import ModelSpec, StagePiece
 
@@ -129,3 +137,37 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
             activation_bytes=peaks[rank] + (working if recompute else 0),
             transient_bytes=round(owned * per_param["main_grad"])))
     return result
+
+
+def _reader(message: Message) -> tuple[int, int, int]:
+    """(pipe, stage, micro-batch) of the compute that reads ``message``: the next stage's F of an
+    activation, the lower stage's B of a gradient."""
+    if message.direction == ACTIVATION:
+        return message.pipe, message.stage + 1, message.microbatch
+    return message.pipe, message.stage, message.microbatch
+
+
+def receive_buffers(schedule: Schedule, lookahead: int = DEFAULT_LOOKAHEAD) -> list[int]:
+    """Per rank, the most receive buffers alive at once under the lowered lists: a buffer lives
+    from its receive's post (up to ``lookahead`` actions early) until the compute after the
+    last gradient action of its (pipe, stage, micro-batch) -- a received activation is the
+    saved input of the backward. The executor's pooled pipeline buffers, in messages."""
+    lowered = lower(schedule, lookahead=lookahead)
+    peaks = []
+    for ops in lowered.lists:
+        held: dict[tuple[int, int, int], int] = {}
+        live = releasing = peak = 0
+        for op in ops:
+            if isinstance(op, Comm):
+                if op.op == RECV:
+                    key = _reader(op.message)
+                    held[key] = held.get(key, 0) + 1
+                    live += 1
+                    peak = max(peak, live)
+                continue
+            live -= releasing  # freed once the next compute begins
+            releasing = 0
+            if op.kind == schedule.release_kind:
+                releasing = held.pop((op.pipe, op.stage, op.microbatch), 0)
+        peaks.append(peak)
+    return peaks

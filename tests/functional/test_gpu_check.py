@@ -19,7 +19,8 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     out = tmp_path / "GPU.md"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu", "--quick",
-         "--sections", "resume,attention,throughput,memory,multi-gpu", "--output", str(out)],
+         "--sections", "resume,attention,throughput,memory,multi-gpu,memory-report",
+         "--output", str(out)],
         cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
         timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -27,6 +28,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     assert "**PASS** AdamW on cpu: resumed == uninterrupted bitwise: True" in report
     assert "| tiny | fused |" in report and "matmul peak" in report
     assert report.count("skipped (no CUDA") == 2
+    assert "**PASS** predicted total within 10% of measured" in report
     # forward + backward through the gradient buffers timed apart from the optimizer step
     assert "| gradient-accumulation fusion | forward+backward ms | optimizer ms |" in report
     assert "\n| on | " in report and "\n| off | " in report

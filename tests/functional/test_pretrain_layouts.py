@@ -19,6 +19,9 @@ RTOL = 1e-5
 GPT_LAYOUTS = {
     "1f1b-D4": (4, ["--pipeline-model-parallel-size", "4"]),
     "chimera-D4": (4, ["--pipeline-model-parallel-size", "4", "--chimera-pipes", "2"]),
+    # uneven stages (3, 2, 2, 1 layers; the mirror pipe holds the same stages)
+    "chimera-D4-layout": (4, ["--pipeline-model-parallel-size", "4", "--chimera-pipes", "2",
+                              "--pipeline-model-parallel-layout", "Et*3|t*2|t*2|tL"]),
     "chimera-D4-W2": (8, ["--pipeline-model-parallel-size", "4", "--chimera-pipes", "2"]),
     "chimera-D8-4pipes": (8, ["--pipeline-model-parallel-size", "8", "--chimera-pipes", "4"]),
 }
@@ -40,10 +43,18 @@ def layout_curves():
 @pytest.mark.parametrize("layout", sorted(GPT_LAYOUTS))
 def test_gpt_layouts_match_one_process(layout, gpt_reference, layout_curves, tmp_path):
     nproc, flags = GPT_LAYOUTS[layout]
+    trace = tmp_path / "trace" / "pipeline.json"
+    if layout == "chimera-D4-layout":  # the same run writes the measured timeline
+        flags = [*flags, "--pipeline-trace", str(trace)]
     result = train("pretrain_gpt2.py", [*ITERS, *flags], nproc, tmp_path)
     losses = layout_curves[layout] = scalars(tmp_path, "lm loss")
     assert_close(losses, gpt_reference, RTOL, layout)
     assert "bubble ratio predicted:" in result.stdout and "bubble ratio measured:" in result.stdout
+    if "--pipeline-model-parallel-layout" in flags:  # the stages were built as the layout says
+        layout = flags[flags.index("--pipeline-model-parallel-layout") + 1]
+        assert f"pipeline stages: {layout} (layers per stage [3, 2, 2, 1])" in result.stdout
+        check_pipeline_trace(trace, nproc)
+        check_memory_report(result.stdout, tmp_path, nproc)
     measured = scalars(tmp_path, "bubble-ratio")
     assert all(0.0 <= v < 1.0 for v in measured.values())
 
@@ -90,3 +101,56 @@ def test_bf16_tracks_fp32(gpt_reference, tmp_path):
     # bf16 keeps ~3 significant digits; over 20 steps of a tiny model the curves stay within 2%.
     assert_close(bf16, gpt_reference, 2e-2, "bf16 vs fp32")
     assert bf16[20] < bf16[1] - 0.1
+
+
+def check_pipeline_trace(path, world_size: int) -> None:
+    """``--pipeline-trace``: Chrome / Perfetto JSON whose complete events (pid = rank) hold one
+    compute event per compute action of each rank's list in every traced iteration, the
+    sends and waits, the gradient reductions and the optimizer step; the plot tool reads it."""
+    import json
+    from collections import Counter
+
+    from megatron_chimera.schedules.measured import trace_schedule
+
+    trace = json.loads(path.read_text())
+    iterations = trace["otherData"]["iterations"]
+    assert iterations == [2, 3]  # after one warm-up iteration
+    schedule = trace_schedule(trace)
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and isinstance(e["ts"], float) for e in complete)
+    for rank in range(world_size):
+        want = Counter((a.kind, a.pipe, a.stage, a.microbatch) for a in schedule.actions[rank])
+        for iteration in iterations:
+            mine = [e for e in complete if e["pid"] == rank and e["args"]["iteration"] == iteration]
+            got = Counter((e["args"]["kind"], e["args"]["pipe"], e["args"]["stage"],
+                           e["args"]["microbatch"]) for e in mine if e["cat"] == "compute")
+            assert got == want, (rank, iteration)
+            cats = Counter(e["cat"] for e in mine)
+            assert cats["p2p"] > 0 and cats["grad-reduction"] > 0 and cats["optimizer"] == 1
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO_ROOT
+
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "plot_schedule.py"),
+                          "--measured", str(path)], capture_output=True, text=True, check=True)
+    assert "measured (ms):" in out.stdout and "rank  3 |" in out.stdout
+
+
+def check_memory_report(stdout: str, tensorboard_dir, world_size: int) -> None:
+    """One memory line per rank in the log and TensorBoard, predicted beside measured: weights,
+    gradients and optimizer state are exact counts (equal to 1%), the receive buffers the same
+    number of messages, the saved activations within 10% (the activation model is Korthikanti
+    et al.'s formula; the measurement counts every storage saved for backward)."""
+    lines = [line for line in stdout.splitlines() if "] memory (MB) predicted:" in line]
+    assert len(lines) == world_size, lines
+    def figure(rank: int, side: str, kind: str) -> float:
+        return scalars(tensorboard_dir, f"memory/rank-{rank}/{side}-{kind}-MB")[1]
+
+    for rank in range(world_size):
+        for kind, rtol in (("weights", 0.01), ("grads", 0.01), ("optimizer", 0.01),
+                           ("buffers", 1e-9), ("activations", 0.10)):
+            predicted = figure(rank, "predicted", kind)
+            measured = figure(rank, "measured", kind)
+            assert measured > 0 and abs(predicted - measured) <= rtol * measured, (
+                rank, kind, predicted, measured)

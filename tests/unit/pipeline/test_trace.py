@@ -97,3 +97,33 @@ def test_tracing_transport_records_sends_and_waits_and_delegates():
     assert kinds == [(SENT, A), (SENT, A1), (WAITED, G), (START, None), (END, None)]
     waited = timeline.events[2]
     assert waited[2] <= waited[3] <= timeline.events[3][1] <= timeline.events[4][1]
+
+
+def test_traced_iterations_follow_one_warm_up():
+    from megatron_chimera.pipeline.chrome_trace import traced_iterations
+
+    assert traced_iterations(0, 20) == range(2, 4)
+    assert traced_iterations(10, 20) == range(12, 14)  # resumed at iteration 10
+    assert traced_iterations(0, 2) == range(1, 3)  # too short for a warm-up
+    assert traced_iterations(0, 1) == range(1, 2)
+
+
+def test_wait_for_graph_names_the_stopped_rank_and_a_cycle():
+    from megatron_chimera.pipeline.hang import wait_for_graph
+
+    def state(rank, waits_for, doing="waits for a0.1.2.3"):
+        return {"rank": rank, "waits_for": waits_for, "line": f"rank {rank}: {doing}"}
+
+    # rank 2 stopped: 1 and 3 wait for it, 0 waits for 1
+    line = wait_for_graph({0: state(0, 1), 1: state(1, 2), 3: state(3, 2)}, 4)
+    assert "0->1, 1->2, 3->2" in line
+    assert "rank 2 did not report (stopped" in line and "ranks [0, 1, 3] wait for it" in line
+    # a rank stuck in compute is named with what it runs
+    line = wait_for_graph({0: state(0, 1), 1: state(1, None, "runs B0.1.2 for 70 s")}, 2)
+    assert "rank 1 is not waiting for a message: runs B0.1.2 for 70 s; ranks [0]" in line
+    # ranks in a collective wait for the silent rank
+    line = wait_for_graph({0: dict(state(0, None, "in the loss gather"), collective=True),
+                           1: dict(state(1, None, "in the loss gather"), collective=True)}, 3)
+    assert "0->2, 1->2: rank 2 did not report" in line
+    line = wait_for_graph({0: state(0, 1), 1: state(1, 0)}, 2)
+    assert "cycle 0 -> 1 -> 0 (a deadlock)" in line

@@ -141,6 +141,9 @@ def test_unknown_flags_keep_argparse_message():
     ("pretrain_gpt2", ["--standalone-embedding-stage"],
      "error: --standalone-embedding-stage is not supported: not implemented (--partition-method "
      "parameters balances the embedding instead)"),
+    ("pretrain_gpt2", ["--pipeline-model-parallel-layout", "EtL"],
+     "error: --pipeline-model-parallel-layout 'EtL' holds 1 transformer layers, --num-layers "
+     "is 2"),
     ("pretrain_gpt2", ["--overlap-param-gather"],
      "error: --overlap-param-gather needs --use-distributed-optimizer"),
     ("pretrain_gpt2", ["--log-memory-to-tensorboard"],

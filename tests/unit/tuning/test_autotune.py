@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import shlex
 
 import pytest
 
@@ -224,7 +225,17 @@ def test_generated_flags_parse_into_the_same_layout(layout):
     assert parallel.pipeline_schedule == layout.schedule
     assert config.training.micro_batch_size == layout.B
     assert config.training.num_microbatches == layout.N
-    assert config.training.partition_method == layout.partition
+    # the proposed stages reach the run: a layout string for a balanced split
+    from megatron_chimera.model.family import get_family
+    from megatron_chimera.model.stage_layout import stage_partition
+    from megatron_chimera.tuning.costs import partition_stages
+
+    built = stage_partition(config.training.layer_split, config.training.partition_method,
+                            config.model, get_family("gpt2"), layout.num_stages, layout.D)
+    assert built == [p.layer_range for p in partition_stages(spec, layout.num_stages,
+                                                             layout.partition)]
+    assert (config.training.layer_split.pipeline_model_parallel_layout is None) == \
+        (layout.partition == "uniform")
     assert (config.model.recompute_granularity == "full") == layout.recompute
     assert parallel.schedule_options == layout.options
     assert config.ddp.use_distributed_optimizer == layout.distributed_optimizer
@@ -319,6 +330,24 @@ def test_tensor_parallelism_and_the_distributed_optimizer_combine():
     assert "--use-distributed-optimizer" in flags
 
 
+def test_layout_strings_are_searched_with_their_stage_count():
+    """A --pipeline-model-parallel-layout candidate: costed with its uneven stages, only at the
+    stage count it describes, and proposed in the command as the layout string."""
+    layout_string = "Et*5|t|t|tL"
+    space = dataclasses.replace(hand_space(), partition_methods=("uniform", layout_string))
+    layouts = list(enumerate_layouts(space))
+    uneven = [lay for lay in layouts if lay.partition == layout_string]
+    assert uneven and {lay.D for lay in uneven} == {4}
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    for lay in uneven:
+        even = dataclasses.replace(lay, partition="uniform")
+        assert [p.num_layers for p in model.partition(lay)] == [5, 1, 1, 1]
+        # per-layer costs: the 5-layer stage alone works N x 3F = 4 x 30 > 84 (the even split)
+        assert model.predict(lay).iteration_s > model.predict(even).iteration_s
+        flags = pretrain_flags(gpt(), lay)
+        assert flags[flags.index("--pipeline-model-parallel-layout") + 1] == layout_string
+
+
 def test_cli_llama_8b_on_64_gpus_prints_a_command_with_the_architecture_flags(capsys):
     """The issue's done-when: a Llama-8B-shaped preset on 64 GPUs; the command carries the
     decoder flags and goes through the framework's parser to the same model."""
@@ -338,7 +367,7 @@ def test_cli_llama_8b_on_64_gpus_prints_a_command_with_the_architecture_flags(ca
                  "--untie-embeddings-and-output-weights", "--hidden-dropout 0.0",
                  "--tokenizer-type HuggingFaceTokenizer --tokenizer-model $TOKENIZER_DIR"):
         assert flag in command, flag
-    words = command.split()
+    words = shlex.split(command.split("\n")[0])  # a shell command (a layout string is quoted)
     argv = words[words.index("pretrain_gpt2.py") + 1:words.index("--data-path")]
     config = parse_args([*argv, "--mock-data", "--train-iters", "1", "--lr", "1e-4",
                          "--vocab-size", "128256"], world_size=64)

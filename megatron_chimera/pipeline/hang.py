@@ -1,0 +1,241 @@
+"""Hang forensics: who waits for whom when a pipeline iteration stops moving.
+
+A :class:`HangWatch` thread per rank looks at its executor once a second (nothing is added to the
+hot path: the executor only exposes the running iteration). While the training loop is in a
+watched block (a training step, the gathering of the losses) and nothing has moved for
+``threshold`` seconds (60% of ``--distributed-timeout-minutes``, so the report is done before
+the backend's own timeout error), or when the rank gets ``SIGUSR1`` (on demand), the rank asks every
+rank, through the c10d store, to publish one line: its last completed action and what it is
+doing now -- waiting for a message (pipe, stage edge, micro-batch, F/B/W, peer rank), computing an
+action, or in a collective (the gradient reductions, the loss gather: it waits for every rank
+that did not report). The rank that claims the report joins the lines into a wait-for graph
+(rank -> the rank it waits for) and names the rank where the waits end -- one that computes,
+or one that did not report (stopped, or stuck outside the interpreter) -- or the cycle. On a
+timeout every live rank then exits (the error is the graph line); ``SIGUSR1`` only logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_chimera.pipeline.failures import record_failure
+
+_KEY = "megatron_chimera/hang"
+_DIRECTIONS = ("activation", "gradient")
+REPORT_WAIT_SECONDS = 8.0  # how long the reporting rank waits for the other ranks' lines
+ASK_EVERY = 5  # a rank that moves looks for another rank's request every 5th poll (store load)
+
+
+def rank_state(executor: Any, since: float, section: str | None = None) -> dict[str, Any]:
+    """This rank's line and the global rank it waits for (None: it waits for nobody);
+    ``section``: what the training loop is doing outside the pipeline (its collectives)."""
+    run = executor.active
+    rank = dist.get_rank() if dist.is_initialized() else executor.pipeline_rank
+    head = f"rank {rank} (pipeline rank {executor.pipeline_rank})"
+    if run is None:
+        what = f"in {section}" if section else "between iterations"
+        return {"rank": rank, "waits_for": None, "collective": section is not None,
+                "line": f"{head}: {what} for {time.monotonic() - since:.0f} s"}
+    done = run.executed[-1].short() if run.executed else "nothing yet"
+    head += f": last completed {done}; "
+    seconds = f"for {time.monotonic() - since:.0f} s"
+    step = run.current
+    if step is None:
+        return {"rank": rank, "waits_for": None, "collective": True,
+                "line": f"{head}in the gradient reductions (pending collectives) {seconds}"}
+    message = executor.comm.waiting
+    awaiting = getattr(executor.transport, "awaiting", None)  # NCCL semantics: a rendezvous
+    if message is None and awaiting is not None:
+        peer, why = awaiting
+        return {"rank": rank, "waits_for": peer,
+                "line": f"{head}{why}: waits {seconds} for rank {peer} (to run {step.short()})"}
+    if message is not None:
+        peer = executor.topology.to_global_rank(message.src)
+        what = (f"waits {seconds} for {message.short()} ({_DIRECTIONS[message.direction]}, pipe "
+                f"{message.pipe}, stage edge {message.stage}->{message.stage + 1}, micro-batch "
+                f"{message.microbatch}) from rank {peer} to run {step.short()}")
+        return {"rank": rank, "waits_for": peer, "line": head + what}
+    return {"rank": rank, "waits_for": None, "line": f"{head}runs {step.short()} {seconds}"}
+
+
+def wait_for_graph(states: dict[int, dict[str, Any]], world_size: int) -> str:
+    """One line naming where the waits end: the rank that computes or did not report, or the
+    cycle of waits."""
+    silent = [r for r in range(world_size) if r not in states]
+    edges = {r: s["waits_for"] for r, s in states.items()}
+    for r, s in states.items():  # a rank in a collective waits for the ranks that are silent
+        if s["waits_for"] is None and s.get("collective") and silent:
+            edges[r] = silent[0]
+    waiting = {r: p for r, p in edges.items() if p is not None}
+    graph = ", ".join(f"{r}->{p}" for r, p in sorted(waiting.items())) or "no waits"
+    ends: dict[int, list[int]] = {}
+    for start in waiting:
+        seen, node = [], start
+        while node in waiting and node not in seen:
+            seen.append(node)
+            node = waiting[node]
+        if node in seen:
+            cycle = seen[seen.index(node):]
+            return (f"wait-for graph {graph}: the ranks wait in a cycle "
+                    f"{' -> '.join(map(str, cycle + [node]))} (a deadlock)")
+        ends.setdefault(node, []).append(start)
+    parts = []
+    for end, starts in sorted(ends.items()):
+        if end in silent:
+            why = "did not report (stopped, or stuck outside the interpreter)"
+        else:
+            why = "is not waiting for a message: " + states[end]["line"].split(": ", 1)[-1]
+        parts.append(f"rank {end} {why}; ranks {sorted(starts)} wait for it")
+    if silent and not parts:
+        parts.append(f"ranks {silent} did not report")
+    return f"wait-for graph {graph}: " + ("; ".join(parts) or "nobody waits")
+
+
+class HangWatch:
+    """The watchdog thread of one rank (see the module docstring)."""
+
+    def __init__(self, get_executor: Callable[[], Any], threshold_s: float,
+                 poll_s: float = 1.0) -> None:
+        self.get_executor, self.threshold_s, self.poll_s = get_executor, threshold_s, poll_s
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.store = dist.distributed_c10d._get_default_store()  # noqa: SLF001
+        self._seen_round = 0
+        self._failed = False  # an error of the watch itself was printed
+        self.section: str | None = None  # set by :meth:`watching`: the watch is armed
+        self._stop = threading.Event()
+        self._signal_read = self._install_sigusr1()
+        self._thread = threading.Thread(target=self._loop, name="hang-watch", daemon=True)
+
+    def start(self) -> HangWatch:
+        """Start watching."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread (end of training)."""
+        self._stop.set()
+
+    @contextlib.contextmanager
+    def watching(self, section: str) -> Iterator[None]:
+        """Arm the watch for a block whose waits are all collectives or pipeline messages (not
+        local work of unbounded length: checkpoint writes, evaluation)."""
+        outer, self.section = self.section, section
+        try:
+            yield
+        finally:
+            self.section = outer
+
+    @staticmethod
+    def _install_sigusr1() -> int | None:
+        """A pipe the C-level signal handler writes to, so the thread sees SIGUSR1 at once even
+        while the main thread is blocked in a collective."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        signal.signal(signal.SIGUSR1, lambda *_: None)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        return read
+
+    def _sigusr1(self) -> bool:
+        if self._signal_read is None:
+            return False
+        ready, _, _ = select.select([self._signal_read], [], [], 0)
+        if not ready:
+            return False
+        with contextlib.suppress(BlockingIOError):
+            return signal.SIGUSR1 in os.read(self._signal_read, 64)
+        return False
+
+    def _loop(self) -> None:
+        last, since, polls = None, time.monotonic(), 0
+        while not self._stop.wait(self.poll_s):
+            polls += 1
+            executor = self.get_executor()
+            run = executor.active if executor is not None else None
+            section = self.section
+            progress = (section, id(run), len(run.executed) if run else 0,
+                        id(run.current) if run else 0)
+            if progress != last:
+                last, since = progress, time.monotonic()
+            try:
+                if self._sigusr1():
+                    self.report(executor, since, "SIGUSR1", exit_after=False)
+                elif section is not None and time.monotonic() - since > self.threshold_s:
+                    self.report(executor, since, "timeout", exit_after=True)
+                elif polls % ASK_EVERY == 0 or time.monotonic() - since > 2 * self.poll_s:
+                    self._answer(executor, since)
+            except Exception as exc:  # noqa: BLE001 - the watch must never end the run itself
+                if not self._failed:
+                    self._failed = True
+                    print(f" hang watch: {type(exc).__name__}: {exc}", flush=True)
+
+    def _answer(self, executor: Any, since: float) -> None:
+        """Publish this rank's line when another rank asked for a new round."""
+        if not self.store.check([f"{_KEY}/round"]):
+            return
+        current = int(self.store.get(f"{_KEY}/round"))
+        if current > self._seen_round:
+            self._publish(executor, since, current)
+
+    def _publish(self, executor: Any, since: float, round_: int) -> None:
+        self._seen_round = round_
+        state = rank_state(executor, since, self.section) if executor is not None else {
+            "rank": self.rank, "waits_for": None, "line": f"rank {self.rank}: not training"}
+        print(f" hang report: {state['line']}", flush=True)
+        self.store.set(f"{_KEY}/{round_}/{self.rank}", json.dumps(state))
+
+    def _round(self, join: bool) -> int:
+        """The round to report in: with ``join``, one another rank started less than the
+        threshold ago (the same hang), else a new one."""
+        current = self.store.add(f"{_KEY}/round", 0)
+        if join and current:
+            started = float(self.store.get(f"{_KEY}/{current}/started"))
+            if time.time() - started < self.threshold_s:
+                return current
+        new = self.store.add(f"{_KEY}/round", 1)
+        self.store.set(f"{_KEY}/{new}/started", str(time.time()))
+        return new
+
+    def report(self, executor: Any, since: float, cause: str, exit_after: bool) -> None:
+        """Start a round, publish, and (if this rank claims it) join the lines; exit after a
+        timeout."""
+        round_ = self._round(join=exit_after)
+        if self._seen_round != round_:
+            self._publish(executor, since, round_)
+        claimed = self.store.add(f"{_KEY}/{round_}/claim", 1) == 1
+        # after a timeout the backend's own error comes at threshold / 0.6: finish before it
+        wait_s = min(REPORT_WAIT_SECONDS, self.threshold_s / 6) if exit_after else \
+            REPORT_WAIT_SECONDS
+        deadline = time.monotonic() + wait_s
+        keys = [f"{_KEY}/{round_}/{r}" for r in range(self.world_size)]
+        while time.monotonic() < deadline and not self.store.check(keys):
+            time.sleep(0.2)
+        states = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys)
+                  if self.store.check([k])}
+        line = f"hang ({cause}, reported by rank {self.rank}): " + wait_for_graph(
+            states, self.world_size)
+        if claimed or exit_after:
+            print(f" {line}", flush=True)
+        if exit_after:
+            record_failure(line)
+            # leave together: the store may live in one of the ranks (rank 0 without torchrun)
+            done = f"{_KEY}/{round_}/done"
+            self.store.add(done, 1)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and self.store.add(done, 0) < len(states):
+                time.sleep(0.2)
+            from megatron_chimera.errors import exit_process
+
+            exit_process(1, immediate=True)

@@ -1,0 +1,84 @@
+"""Hang forensics: on SIGUSR1 every rank of a Chimera D=4 run logs what it does and training goes
+on; then a rank is stopped (SIGSTOP): within the timeout plus a minute every other rank exits,
+and the log names the stopped rank and what its peers wait for."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
+from megatron_chimera.pipeline.nccl_semantics import TIMEOUT_ENV
+
+from .launcher import ROOT, TINY, free_port
+
+pytestmark = [pytest.mark.functional, pytest.mark.slow]
+
+TIMEOUT_MINUTES = 0.5  # the watch reports at 60% of it (18 s)
+STOPPED = 2
+
+
+def _start(world_size: int, args: list[str], out_dir) -> list[subprocess.Popen]:
+    port = str(free_port())
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"},
+                   # its own 10 s deadlock check would name the first stuck peer instead
+                   **{TIMEOUT_ENV: "600"})
+        with open(out_dir / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt2.py"), *args],
+                                          cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+    return procs
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_rank_is_named_and_every_other_rank_exits(tmp_path):
+    cut = TINY.index("--distributed-timeout-minutes")
+    args = TINY[:cut] + TINY[cut + 2:]
+    args += ["--distributed-timeout-minutes", str(TIMEOUT_MINUTES), "--train-iters", "100000",
+             "--log-interval", "1", "--pipeline-model-parallel-size", "4", "--chimera-pipes",
+             "2"]
+    procs = _start(4, args, tmp_path)
+    logging_rank = tmp_path / "rank3.log"
+    try:
+        deadline = time.monotonic() + 120
+        while " iteration        3/" not in logging_rank.read_text():
+            assert time.monotonic() < deadline, logging_rank.read_text()[-3000:]
+            assert all(p.poll() is None for p in procs), logging_rank.read_text()[-3000:]
+            time.sleep(0.5)
+        os.kill(procs[1].pid, signal.SIGUSR1)  # on demand: every rank reports, nobody exits
+        while "hang (SIGUSR1, reported by rank 1)" not in (tmp_path / "rank1.log").read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.5)
+        on_demand = {r: (tmp_path / f"rank{r}.log").read_text().count(" hang report: ")
+                     for r in range(4)}
+        os.kill(procs[STOPPED].pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        for rank, proc in enumerate(procs):
+            if rank != STOPPED:
+                proc.wait(timeout=TIMEOUT_MINUTES * 60 + 60)
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    logs = {r: (tmp_path / f"rank{r}.log").read_text() for r in range(4)}
+    assert elapsed < TIMEOUT_MINUTES * 60 + 60
+    for rank in (0, 1, 3):
+        assert procs[rank].returncode != 0, logs[rank][-2000:]
+        # every live rank logged its line: its last action and what it waits for
+        assert f"hang report: rank {rank} (pipeline rank {rank}): last completed" in logs[rank]
+        assert f"rank {STOPPED} did not report (stopped" in logs[rank], logs[rank][-3000:]
+    assert on_demand == {0: 1, 1: 1, 2: 1, 3: 1}  # SIGUSR1: one line from every rank
+    assert "hang report: rank 2 (pipeline rank 2)" in logs[STOPPED]
+    joined = "\n".join(logs[r] for r in (0, 1, 3))
+    assert f"from rank {STOPPED} to run" in joined  # a peer says which message it waits for

@@ -1,0 +1,214 @@
+"""Chunked tensor I/O through ``torch.distributed.checkpoint`` (DCP).
+
+A rank hands DCP its chunks -- ``(fqn, offsets) -> tensor`` of a global tensor of a given size
+-- and DCP writes each rank's chunks to its own files in parallel; a chunk several ranks hold
+(replicas) is written once, by the holder with the least to write so far (DCP's deduplication).
+The metadata records every chunk's global offsets, so a load asks for the rectangles it needs and
+reads only the saved chunks that overlap them.
+
+Our planners describe the chunks directly (DCP's default planner only knows whole tensors,
+DTensors and ShardedTensors). Loading never executes a pickle: chunks are read with
+``torch.load(weights_only=True)`` by DCP and the metadata file with an unpickler that admits only
+DCP's metadata classes, torch sizes and dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from megatron_chimera.checkpoint.chunks import Rect
+
+ChunkKey = tuple[str, tuple[int, ...]]  # (fqn, offsets)
+METADATA_FILENAME = ".metadata"
+
+
+@dataclasses.dataclass
+class SaveChunk:
+    """One chunk to write: the global tensor's size and this piece's values."""
+
+    global_size: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+def _index(key: ChunkKey) -> MetadataIndex:
+    return MetadataIndex(key[0], torch.Size(key[1]))
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """Plans the writes of explicitly placed chunks (DCP deduplicates replicas globally)."""
+
+    def __init__(self, chunks: dict[ChunkKey, SaveChunk]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = chunks
+        self._by_index = {_index(k): c.tensor for k, c in chunks.items()}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for (fqn, offsets), chunk in self.chunks.items():
+            tensor = chunk.tensor
+            items.append(WriteItem(
+                index=_index((fqn, offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(tensor.shape)),
+                    properties=TensorProperties.create_from_tensor(tensor),
+                    size=torch.Size(chunk.global_size))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self._by_index[dataclasses.replace(index, index=None)]
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """Plans the reads that fill ``requests[(fqn, offsets)]`` (destination tensors, possibly
+    views) from whichever saved chunks overlap them."""
+
+    def __init__(self, requests: dict[ChunkKey, torch.Tensor]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.requests = requests
+        self._by_index = {_index(k): t for k, t in requests.items()}
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for (fqn, offsets), tensor in self.requests.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(tensor.shape))
+            items += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self._by_index[MetadataIndex(index.fqn, index.offset)]
+
+
+# ---------------------------------------------------------------------------- safe metadata
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
+_ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
+            ("builtins", "frozenset"), ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses and enums, torch sizes, dtypes, layouts and memory
+    formats; anything else in the file is refused instead of executed."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_ALLOWED_MODULES) or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+def read_metadata(path: str) -> Metadata:
+    """The DCP metadata of checkpoint directory ``path`` (safely unpickled)."""
+    with open(os.path.join(path, METADATA_FILENAME), "rb") as handle:
+        metadata = _MetadataUnpickler(handle).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError("not a DCP metadata object")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the safe metadata unpickler; counts the bytes its reads cover."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.bytes_read = 0
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return read_metadata(str(self.path))
+
+    def read_data(self, plan: LoadPlan, planner: Any):
+        self.bytes_read += sum(self.storage_data[item.storage_index].length
+                               for item in plan.items)
+        return super().read_data(plan, planner)
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that a tool without process groups saves or loads alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save_chunks(path: str, chunks: dict[ChunkKey, SaveChunk], process_group=None) -> None:
+    """Collectively write every rank's ``chunks`` under directory ``path`` (DCP files plus
+    ``.metadata``; every file fsynced)."""
+    with _single_process_quiet():
+        dcp.save({}, storage_writer=FileSystemWriter(path, sync_files=True, thread_count=1),
+                 planner=ChunkSavePlanner(chunks), process_group=process_group,
+                 no_dist=not dist.is_initialized())
+
+
+def check_requests(path: str, metadata: Metadata, requests: dict[ChunkKey, torch.Tensor]) -> None:
+    """A clear error when a requested tensor is missing or its saved chunks do not cover the
+    request (a checkpoint of another model, or an incomplete one)."""
+    for (fqn, offsets), tensor in requests.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise KeyError(f"{path}: no saved tensor {fqn}")
+        want = (offsets, tuple(tensor.shape))
+        if any(o + s > g for o, s, g in zip(offsets, tensor.shape, md.size)) or \
+                len(offsets) != len(md.size):
+            raise KeyError(f"{path}: saved tensor {fqn} has shape {tuple(md.size)}, which does "
+                           f"not hold the piece at {offsets} of size {tuple(tensor.shape)}")
+        if _covered(want, [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]) < \
+                tensor.numel():
+            raise KeyError(f"{path}: the saved chunks of {fqn} do not cover the piece at "
+                           f"{offsets} of size {tuple(tensor.shape)}")
+
+
+def _covered(want: Rect, saved: list[Rect]) -> int:
+    """Elements of ``want`` covered by the (disjoint) ``saved`` rectangles."""
+    total = 0
+    for offsets, sizes in saved:
+        count = 1
+        for wo, ws, so, ss in zip(want[0], want[1], offsets, sizes):
+            count *= max(0, min(wo + ws, so + ss) - max(wo, so))
+        total += count
+    return total
+
+
+def load_chunks(path: str, requests: dict[ChunkKey, torch.Tensor],
+                process_group=None) -> int:
+    """Collectively fill every rank's ``requests`` from the checkpoint in ``path``; returns the
+    bytes this rank read."""
+    reader = SafeReader(path)
+    with _single_process_quiet():
+        dcp.load({}, storage_reader=reader, planner=ChunkLoadPlanner(requests),
+                 process_group=process_group, no_dist=not dist.is_initialized())
+    return reader.bytes_read
+

@@ -378,6 +378,8 @@ class CheckpointConfig:
     finetune: bool = False
     # a --load without a checkpoint is an error instead of training from scratch
     exit_on_missing_checkpoint: bool = False
+    # torch_dist: every rank writes its own pieces (DCP); torch: one file per stage
+    ckpt_format: str = "torch_dist"
 
 
 @dataclass(frozen=True)

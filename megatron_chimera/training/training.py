@@ -214,7 +214,7 @@ def save(run: Run, state: TrainState) -> None:
               **({PROFILED_KEY: run.profiled} if run.profiled else {})},
         save_optim=not ckpt.no_save_optim)
     path = save_checkpoint(ckpt.save, contents, rank=run.rank, world_size=run.world_size,
-                           barrier=dist.barrier)
+                           barrier=dist.barrier, ckpt_format=ckpt.ckpt_format)
     run.timers("save-checkpoint").stop()
     state.last_saved_iteration = state.iteration
     if run.rank == 0:

@@ -350,8 +350,11 @@ def _load_sharded(path: str, common: dict[str, Any], stages: list[StageSlice],
     if optimizer is not None and common.get("optimizer") is None:
         raise CheckpointError(f"{path}: saved without optimizer state (--no-save-optim); "
                               "use --no-load-optim or --finetune")
+    # the distributed optimizer reads its own fragments of the weights and gathers the rest
+    gather = getattr(optimizer, "gather_loaded_params", None)
     try:
-        models, optims, bytes_read = load_sharded_tensors(path, stages, optimizer)
+        models, optims, bytes_read = load_sharded_tensors(path, stages, optimizer,
+                                                          owned_only=gather is not None)
     except KeyError as exc:
         raise CheckpointError(f"{exc.args[0]}; was it written for another model?") from None
     except Exception as exc:  # noqa: BLE001 - DCP reports a failed read as many types
@@ -369,6 +372,8 @@ def _load_sharded(path: str, common: dict[str, Any], stages: list[StageSlice],
                                                   optims[stage.stage])
             except ParamStateError as exc:
                 raise CheckpointError(f"{path}: {exc}") from None
+    if gather is not None:
+        gather()
     return bytes_read
 
 

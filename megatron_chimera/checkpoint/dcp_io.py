@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import itertools
 import os
 import pickle
+import struct
 import warnings
+import zipfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +49,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
 
 from megatron_chimera.checkpoint.chunks import Rect
 
@@ -141,19 +146,144 @@ def read_metadata(path: str) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with the safe metadata unpickler; counts the bytes its reads cover."""
+    """DCP's file reader reading only the bytes a request needs: of each saved chunk (a
+    ``torch.save`` zip holding the chunk's row-major bytes) it reads the zip's directory, never
+    its pickle, and then only the byte runs of the requested box. Counts the bytes it reads."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
         self.bytes_read = 0
+        self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return read_metadata(str(self.path))
 
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
+
+    def _saved_chunk(self, index: MetadataIndex) -> tuple[tuple[int, ...], torch.dtype]:
+        md = self._metadata.state_dict_metadata[index.fqn]
+        chunks = md.chunks
+        if index.index is not None and index.index < len(chunks) and \
+                chunks[index.index].offsets == index.offset:
+            return tuple(chunks[index.index].sizes), md.properties.dtype
+        for chunk in chunks:
+            if chunk.offsets == index.offset:
+                return tuple(chunk.sizes), md.properties.dtype
+        raise KeyError(f"no saved chunk of {index.fqn} at {tuple(index.offset)}")
+
     def read_data(self, plan: LoadPlan, planner: Any):
-        self.bytes_read += sum(self.storage_data[item.storage_index].length
-                               for item in plan.items)
-        return super().read_data(plan, planner)
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            relative = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(relative, []).append(item)
+        for relative, items in per_file.items():
+            path = os.path.join(str(self.path), relative)
+            with open(path, "rb") as handle:
+                starts: dict[int, int] = {}
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    try:
+                        if info.offset not in starts:
+                            starts[info.offset] = self._data_start(handle, info)
+                        values = self._read_box(handle, starts[info.offset], item)
+                    except (ValueError, KeyError, zipfile.BadZipFile, struct.error) as exc:
+                        raise ValueError(f"{path}: chunk of {item.storage_index.fqn} at "
+                                         f"{tuple(item.storage_index.offset)} is corrupt or "
+                                         f"truncated ({exc})") from None
+                    target = planner.resolve_tensor(item).detach()
+                    target.copy_(values)
+                    planner.commit_tensor(item, target)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _data_start(self, handle, info) -> int:
+        """File offset of a saved chunk's tensor bytes (its zip's ``data/0`` member)."""
+        view = _CountingView(handle, info.offset, info.length)
+        with zipfile.ZipFile(view) as archive:
+            member = next((m for m in archive.infolist() if m.filename.endswith("/data/0")), None)
+        if member is None:
+            raise ValueError("no tensor data in the chunk")
+        view.seek(member.header_offset)
+        header = view.read(30)
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        self.bytes_read += view.count
+        return info.offset + member.header_offset + 30 + name_length + extra_length
+
+    def _read_box(self, handle, start: int, item: Any) -> torch.Tensor:
+        """The requested box of a saved chunk, read as byte runs from ``start``."""
+        shape, dtype = self._saved_chunk(item.storage_index)
+        box_offsets, box_lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        buffer = bytearray()
+        for offset, count in _byte_runs(shape, box_offsets, box_lengths):
+            handle.seek(start + offset * itemsize)
+            data = handle.read(count * itemsize)
+            if len(data) != count * itemsize:
+                raise ValueError("the file ends early")
+            buffer += data
+        self.bytes_read += len(buffer)
+        if not buffer:
+            return torch.empty(box_lengths, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(box_lengths)
+
+
+class _CountingView(io.RawIOBase):
+    """A seekable read-only window ``[offset, offset + length)`` of a file that counts the
+    bytes read through it."""
+
+    def __init__(self, handle, offset: int, length: int) -> None:
+        super().__init__()
+        self.handle, self.offset, self.length = handle, offset, length
+        self.position, self.count = 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, position: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.position, 2: self.length}[whence]
+        self.position = max(0, base + position)
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def read(self, size: int = -1) -> bytes:
+        end = self.length if size is None or size < 0 else min(self.length, self.position + size)
+        self.handle.seek(self.offset + self.position)
+        data = self.handle.read(max(0, end - self.position))
+        self.position += len(data)
+        self.count += len(data)
+        return data
+
+
+def _byte_runs(shape: tuple[int, ...], offsets: tuple[int, ...],
+               lengths: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """(element offset, element count) of the contiguous runs of a box inside a row-major
+    array of ``shape``."""
+    if not shape:
+        yield 0, 1
+        return
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    split = 0  # dims after `split` are whole: each run spans them
+    for d in range(len(shape) - 1, -1, -1):
+        if d == 0 or lengths[d] != shape[d] or offsets[d] != 0:
+            split = d
+            break
+    run = lengths[split] * strides[split]
+    outer = [range(offsets[d], offsets[d] + lengths[d]) for d in range(split)]
+    for index in itertools.product(*outer):
+        base = sum(i * strides[d] for d, i in enumerate(index)) + offsets[split] * strides[split]
+        if run:
+            yield base, run
 
 
 @contextlib.contextmanager
@@ -202,13 +332,14 @@ def _covered(want: Rect, saved: list[Rect]) -> int:
     return total
 
 
-def load_chunks(path: str, requests: dict[ChunkKey, torch.Tensor],
-                process_group=None) -> int:
-    """Collectively fill every rank's ``requests`` from the checkpoint in ``path``; returns the
-    bytes this rank read."""
+def load_chunks(path: str, requests: dict[ChunkKey, torch.Tensor], process_group=None,
+                collective: bool = True) -> int:
+    """Fill ``requests`` from the checkpoint in ``path`` (collectively over every rank, unless
+    ``collective`` is False or there are no process groups); returns the bytes read."""
     reader = SafeReader(path)
     with _single_process_quiet():
         dcp.load({}, storage_reader=reader, planner=ChunkLoadPlanner(requests),
-                 process_group=process_group, no_dist=not dist.is_initialized())
+                 process_group=process_group,
+                 no_dist=not (collective and dist.is_initialized()))
     return reader.bytes_read
 

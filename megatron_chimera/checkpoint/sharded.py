@@ -17,6 +17,7 @@ layout; DCP reads only the saved chunks overlapping them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -140,12 +141,15 @@ def _want_optimizer(requests: _Requests, metadata, stage: StageSlice, names: dic
     return wanted
 
 
-def load_sharded_tensors(path: str, stages: list[StageSlice], optimizer: Any | None
+def load_sharded_tensors(path: str, stages: list[StageSlice], optimizer: Any | None,
+                         owned_only: bool = False
                          ) -> tuple[dict[int, dict[str, torch.Tensor]],
                                     dict[int, dict[str, ParamFragments]], int]:
     """Collectively read this rank's pieces from ``path``: per stage, its module's state dict
     (local names) and, with ``optimizer``, its parameters' optimizer fragments; and the bytes
-    read. A missing or uncovered tensor raises KeyError on every rank."""
+    read. ``owned_only``: of each parameter read only the optimizer's ranges (the rest stays
+    zero; the distributed optimizer gathers it). A missing or uncovered tensor raises KeyError
+    on every rank."""
     metadata = read_metadata(path)
     requests = _Requests()
     models: dict[int, dict[str, torch.Tensor]] = {}
@@ -153,11 +157,17 @@ def load_sharded_tensors(path: str, stages: list[StageSlice], optimizer: Any | N
     for stage in stages:
         names, params = _stage_names(stage), stage_named_parameters(stage)
         start, local_state = stage.layer_range[0], {}
+        owned = optimizer.state_ranges(params) if owned_only else {}
         for local, tensor in stage.module.state_dict().items():
             name = global_name(local, start)
             dest = torch.zeros(tensor.shape, dtype=tensor.dtype)
-            requests.want(f"model/{names[name]}", spec_of(params.get(name, tensor)),
-                          dest.view(-1), 0)
+            spec, flat = spec_of(params.get(name, tensor)), dest.view(-1)
+            if owned_only and name in params:
+                for offset, length in owned.get(name, []):
+                    requests.want(f"model/{names[name]}", spec,
+                                  flat[offset:offset + length], offset)
+            else:
+                requests.want(f"model/{names[name]}", spec, flat, 0)
             local_state[local] = dest
         models[stage.stage] = local_state
         if optimizer is not None:
@@ -182,3 +192,17 @@ def _agree_on_errors(path: str, metadata, chunks: dict[ChunkKey, torch.Tensor]) 
         error = next((e for e in everyone if e is not None), None)
     if error is not None:
         raise KeyError(error)
+
+
+def read_full_tensors(path: str, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stored tensor whose name starts with ``prefix``, whole, one at a time (this process
+    alone; peak memory about the largest tensor): for tools and tests."""
+    metadata = read_metadata(path)
+    for fqn in sorted(metadata.state_dict_metadata):
+        md = metadata.state_dict_metadata[fqn]
+        if not fqn.startswith(prefix) or not hasattr(md, "chunks"):
+            continue
+        tensor = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
+        offsets = tuple(0 for _ in md.size)
+        load_chunks(path, {(fqn, offsets): tensor}, collective=False)
+        yield fqn, tensor

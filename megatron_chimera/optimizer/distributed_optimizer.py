@@ -369,6 +369,12 @@ class DistributedOptimizer(MegatronOptimizer):
             found[name] = entry
         return found
 
+    def gather_loaded_params(self) -> None:
+        """After a load that read only this rank's fragments of the weights: 16-bit model
+        shards from their main parameters, then every parameter all-gathered from its owners."""
+        self._copy_main_params_to_model()
+        self.finish_param_sync()
+
     def collect_state_fragments(self, params: dict[str, nn.Parameter],
                                 saved: dict[str, ParamFragments]) -> None:
         for name, param in params.items():

@@ -24,6 +24,7 @@ joined on tensor rank 0 of the writing group before it writes, and split again o
 
 from __future__ import annotations
 
+import copy as copy_module
 import os
 import random
 import shutil
@@ -35,7 +36,8 @@ import numpy as np
 import torch
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
-from megatron_chimera.checkpoint.sharded import load_sharded_tensors, save_sharded_tensors
+from megatron_chimera.checkpoint.dcp_io import save_chunks
+from megatron_chimera.checkpoint.sharded import collect_save_chunks, load_sharded_tensors
 from megatron_chimera.checkpoint.stages import (  # noqa: F401 - re-exported
     StageSlice,
     global_name,
@@ -179,30 +181,82 @@ def save_checkpoint(root: str, contents: CheckpointContents, *, rank: int, world
     by every rank, ``common.pt`` by rank 0; the directory is published once every part is written.
     """
     barrier = barrier or (lambda: None)
+    if ckpt_format == FORMAT_TORCH_DIST:
+        return prepare_sharded_save(root, contents, rank=rank, world_size=world_size).run(barrier)
     stages, optimizer, iteration = list(contents.stages), contents.optimizer, contents.iteration
     final = checkpoint_dir(root, iteration)
-    staging = final + ".staging"
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(os.path.join(staging, "rng"))
-    barrier()
+    staging = _make_staging(root, final, rank, barrier)
     if optimizer is not None:
         optimizer.finish_param_sync()  # the weights saved are the updated ones
     optimizer = optimizer if contents.save_optim else None
-    if ckpt_format == FORMAT_TORCH_DIST:
-        save_sharded_tensors(staging, stages, optimizer)
-    else:
-        _save_stage_files(staging, stages, optimizer)
+    _save_stage_files(staging, stages, optimizer)
     atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
     if rank == 0:
-        atomic_torch_save(_common_payload(contents, optimizer, world_size, ckpt_format),
+        atomic_torch_save(_common_payload(contents, optimizer, world_size, FORMAT_TORCH),
                           os.path.join(staging, COMMON_FILENAME))
     barrier()
     if rank == 0:
         _publish(root, staging, final, iteration)
     barrier()
     return final
+
+
+def _make_staging(root: str, final: str, rank: int, barrier: Callable[[], None]) -> str:
+    """A fresh ``<final>.staging`` directory (made by rank 0; every rank waits for it)."""
+    staging = final + ".staging"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(os.path.join(staging, "rng"))
+    barrier()
+    return staging
+
+
+@dataclass
+class SaveJob:
+    """A ``torch_dist`` checkpoint captured at its iteration -- this rank's chunks, RNG state
+    and (rank 0) ``common.pt`` -- to be written now or in the background (``--async-save``)."""
+
+    root: str
+    iteration: int
+    rank: int
+    chunks: dict[Any, Any]
+    rng: dict[str, Any]
+    common: dict[str, Any] | None
+
+    @property
+    def final(self) -> str:
+        """The directory the checkpoint is published as."""
+        return checkpoint_dir(self.root, self.iteration)
+
+    def run(self, barrier: Callable[[], None], process_group: Any = None) -> str:
+        """Collectively write and publish (``barrier`` and DCP's collectives on
+        ``process_group``; None: the default group)."""
+        staging = _make_staging(self.root, self.final, self.rank, barrier)
+        save_chunks(staging, self.chunks, process_group)
+        atomic_torch_save(self.rng, os.path.join(staging, "rng", f"rank_{self.rank:05d}.pt"))
+        if self.common is not None:
+            atomic_torch_save(self.common, os.path.join(staging, COMMON_FILENAME))
+        barrier()
+        if self.rank == 0:
+            _publish(self.root, staging, self.final, self.iteration)
+        barrier()
+        return self.final
+
+
+def prepare_sharded_save(root: str, contents: CheckpointContents, *, rank: int,
+                         world_size: int, copy: bool = False) -> SaveJob:
+    """Capture ``contents`` for a ``torch_dist`` save; ``copy``: stage every tensor in host
+    memory of its own (training may go on while the job writes)."""
+    optimizer = contents.optimizer
+    if optimizer is not None:
+        optimizer.finish_param_sync()  # the weights saved are the updated ones
+    optimizer = optimizer if contents.save_optim else None
+    chunks = collect_save_chunks(list(contents.stages), optimizer, copy=copy)
+    common = (copy_module.deepcopy(_common_payload(contents, optimizer, world_size,
+                                                   FORMAT_TORCH_DIST))
+              if rank == 0 else None)
+    return SaveJob(root, contents.iteration, rank, chunks, get_rng_state(), common)
 
 
 def _save_stage_files(staging: str, stages: list[StageSlice], optimizer: Any | None) -> None:

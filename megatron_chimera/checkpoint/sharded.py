@@ -30,7 +30,6 @@ from megatron_chimera.checkpoint.dcp_io import (
     check_requests,
     load_chunks,
     read_metadata,
-    save_chunks,
 )
 from megatron_chimera.checkpoint.stages import (
     StageSlice,
@@ -54,16 +53,22 @@ def _stage_names(stage: StageSlice) -> dict[str, str]:
     return names
 
 
-def _add_chunks(chunks: dict[ChunkKey, SaveChunk], fqn: str, spec, values: torch.Tensor,
-                lo: int) -> None:
-    for (offsets, _sizes), view in master_chunks(spec, values, lo, lo + values.numel()):
-        chunks.setdefault((fqn, offsets), SaveChunk(spec.master_shape, view.detach().cpu()))
+def _host(tensor: torch.Tensor, copy: bool) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True) if copy else tensor.detach().cpu()
 
 
-def collect_save_chunks(stages: list[StageSlice], optimizer: Any | None
+def collect_save_chunks(stages: list[StageSlice], optimizer: Any | None, copy: bool = False
                         ) -> dict[ChunkKey, SaveChunk]:
-    """This rank's chunks: its stages' weights and, with ``optimizer``, its optimizer state."""
+    """This rank's chunks: its stages' weights and, with ``optimizer``, its optimizer state, on
+    the host (``copy``: in memory of their own, not views of the live tensors)."""
     chunks: dict[ChunkKey, SaveChunk] = {}
+
+    def _add_chunks(chunks: dict[ChunkKey, SaveChunk], fqn: str, spec, values: torch.Tensor,
+                    lo: int) -> None:
+        for (offsets, _sizes), view in master_chunks(spec, values, lo, lo + values.numel()):
+            if (fqn, offsets) not in chunks:
+                chunks[(fqn, offsets)] = SaveChunk(spec.master_shape, _host(view, copy))
+
     for stage in stages:
         names, params = _stage_names(stage), stage_named_parameters(stage)
         start = stage.layer_range[0]
@@ -76,20 +81,12 @@ def collect_save_chunks(stages: list[StageSlice], optimizer: Any | None
         for name, fragments in optimizer.state_fragments(params).items():
             base, spec = f"optim/{names[name]}", spec_of(params[name])
             for key, value in fragments.scalars.items():
-                value = torch.as_tensor(value).detach().cpu().reshape(())
+                value = _host(torch.as_tensor(value), copy).reshape(())
                 chunks.setdefault((f"{base}/{key}", ()), SaveChunk((), value))
             for offset, values in fragments.ranges.items():
                 for key, flat in values.items():
                     _add_chunks(chunks, f"{base}/{key}", spec, flat, offset)
     return chunks
-
-
-def save_sharded_tensors(path: str, stages: list[StageSlice], optimizer: Any | None) -> int:
-    """Collectively write every rank's pieces into directory ``path``; returns the bytes of
-    tensor data this rank was asked to hold (before deduplication)."""
-    chunks = collect_save_chunks(stages, optimizer)
-    save_chunks(path, chunks)
-    return sum(c.tensor.numel() * c.tensor.element_size() for c in chunks.values())
 
 
 # ---------------------------------------------------------------------------- load

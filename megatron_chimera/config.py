@@ -380,6 +380,8 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool = False
     # torch_dist: every rank writes its own pieces (DCP); torch: one file per stage
     ckpt_format: str = "torch_dist"
+    # --async-save: torch_dist checkpoints written in the background (checkpoint/async_save.py)
+    async_save: bool = False
 
 
 @dataclass(frozen=True)

@@ -189,6 +189,8 @@ HELP: dict[str, str] = {
     "ckpt_format": "torch_dist: every rank saves and loads only its own shards through "
                    "torch.distributed.checkpoint (any layout loads); torch: one file per stage "
                    "with full tensors. Loading reads either",
+    "async_save": "torch_dist: stage each checkpoint in host memory and write it in the "
+                  "background while training goes on (the next save and the exit wait for it)",
     # logging
     "log_interval": "print the log line every this many iterations",
     "tensorboard_dir": "write TensorBoard scalars here",
@@ -377,7 +379,7 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     # checkpointing
     "--save", "--save-interval", "--no-save-optim", "--no-save-rng", "--load", "--no-load-optim",
     "--no-load-rng", "--finetune", "--no-initialization", "--use-checkpoint-args",
-    "--exit-on-missing-checkpoint", "--ckpt-format", "--use-dist-ckpt",
+    "--exit-on-missing-checkpoint", "--ckpt-format", "--use-dist-ckpt", "--async-save",
     # mixed precision
     "--fp16", "--bf16", "--loss-scale", "--initial-loss-scale", "--min-loss-scale",
     "--loss-scale-window", "--hysteresis", "--fp32-residual-connection",

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_chimera import parallel_state
+from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
 from megatron_chimera.checkpoint.checkpointing import (
     StageSlice,
     checkpoint_dir,
@@ -87,6 +88,8 @@ class Run:
     profiled: dict[str, Any] | None = None  # measured costs and the schedule they rebuilt
     # the evaluation's micro-batches (its schedule keeps the full batch during a ramp-up)
     eval_needed_microbatches: list[int] | None = None
+    # --async-save: the background checkpoint writer (its own gloo group)
+    checkpointer: AsyncCheckpointer | None = None
     # --rampup-batch-size: each N's training schedule, executor and read micro-batches, kept
     by_microbatches: dict[int, tuple[Schedule, PipelineExecutor, list[int] | None]] = \
         field(default_factory=dict)
@@ -277,5 +280,7 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
               executor, eval_executor, build_monitor(config, family, schedule),
               Timers(config.logging.timing_log_level),
               needed, rank, world_size, rng_state, device, eval_needed_microbatches=needed)
+    if config.checkpoint.async_save:  # every rank creates the group, in the same order
+        run.checkpointer = AsyncCheckpointer(dist.new_group(backend="gloo"))
     return run, saved_args
 

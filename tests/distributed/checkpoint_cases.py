@@ -13,15 +13,19 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 
 import torch
 import torch.distributed as dist
 
 from megatron_chimera import parallel_state
+from megatron_chimera.checkpoint import checkpointing
+from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
     checkpoint_dir,
     load_checkpoint,
+    prepare_sharded_save,
     save_checkpoint,
 )
 from megatron_chimera.checkpoint.sharded import read_full_tensors
@@ -106,3 +110,50 @@ def run_sharded_io(rank: int, world_size: int, root: str) -> None:
     with open(os.path.join(root, "io.json"), "w") as handle:
         json.dump({"size": checkpoint_bytes(checkpoint_dir(first, 1)),
                    "written": [c[0] for c in counts], "read": [c[1] for c in counts]}, handle)
+
+
+def _async_job(root: str, iteration: int, stages, partition, optimizer):
+    return prepare_sharded_save(root, CheckpointContents(iteration, stages, partition,
+                                                         optimizer=optimizer),
+                                rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                copy=True)
+
+
+def run_async_save_killed(rank: int, world_size: int, root: str, victim: int,
+                          moment: str) -> None:
+    """Two ranks save iteration 1 with --async-save's checkpointer, then start saving
+    iteration 2 while training on; rank ``victim`` is killed (SIGKILL) at ``moment``: right
+    after the save started, inside the tensor write, or when publishing the directory."""
+    case = TPCase("gpt2", "1f1b", 1, 2, 2)
+    schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches)
+    _init_groups(case, schedule)
+    modules, optimizer, executor, partition = build_run(case, case.model_config(), schedule,
+                                                        optimizer_config=ADAM)
+    stages = _stage_slices(modules, partition)
+    saver = AsyncCheckpointer(dist.new_group(backend="gloo"))
+
+    def step(index: int) -> None:
+        optimizer.zero_grad()
+        executor.run([make_batch(case.family, index, 0, m) for m in range(2)])
+        optimizer.step()
+
+    step(0)
+    saver.start(_async_job(root, 1, stages, partition, optimizer))
+    saver.wait()
+    if rank == 0:  # what the previous checkpoint holds, to compare after the crash
+        torch.save(dict(read_full_tensors(checkpoint_dir(root, 1))),
+                   os.path.join(root, "snapshot.pt"))
+    dist.barrier()
+    step(1)
+    die = lambda *_args, **_kwargs: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    if rank == victim and moment == "write":
+        checkpointing.save_chunks = die
+    if rank == victim and moment == "publish":
+        real = os.replace
+        os.replace = lambda src, dst: die() if str(dst).endswith("iter_0000002") \
+            else real(src, dst)
+    saver.start(_async_job(root, 2, stages, partition, optimizer))
+    if rank == victim and moment == "start":
+        die()
+    step(2)  # training goes on while the save is in flight
+    saver.wait()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy as copy_module
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,9 +35,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
-from megatron_chimera.checkpoint.dcp_io import save_chunks
+from megatron_chimera.checkpoint.dcp_io import failure_message, save_chunks
 from megatron_chimera.checkpoint.sharded import collect_save_chunks, load_sharded_tensors
 from megatron_chimera.checkpoint.stages import (  # noqa: F401 - re-exported
     StageSlice,
@@ -321,14 +323,20 @@ def _publish(root: str, staging: str, final: str, iteration: int) -> None:
 
 
 # ---------------------------------------------------------------------------- load
-def _resolve_dir(root: str, iteration: int) -> str:
+def resolve_checkpoint_dir(root: str, iteration: int) -> str:
+    """The directory of iteration ``iteration`` under ``root``; a missing one is reported with
+    the iterations that are present."""
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path) and os.path.isdir(path + ".old"):
         return path + ".old"  # crashed while replacing a re-saved iteration
     if not os.path.isdir(path):
+        present = sorted(int(m.group(1)) for name in os.listdir(root)
+                         if (m := re.fullmatch(r"iter_(\d{7})", name)) and
+                         os.path.isdir(os.path.join(root, name)))
         raise CheckpointError(
-            f"{os.path.join(root, TRACKER_FILENAME)} points at iteration {iteration}, but {path} "
-            "does not exist"
+            f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but {path} "
+            f"does not exist (iterations present: {', '.join(map(str, present)) or 'none'}); "
+            "write one of them into the tracker file"
         )
     return path
 
@@ -373,7 +381,7 @@ def load_checkpoint(
     iteration = read_tracker(root)
     if iteration is None:
         return None
-    path = _resolve_dir(root, iteration)
+    path = resolve_checkpoint_dir(root, iteration)
     common = safe_torch_load(os.path.join(path, COMMON_FILENAME))
     if common.get("checkpoint_version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}/{COMMON_FILENAME}: unsupported checkpoint version")
@@ -411,10 +419,8 @@ def _load_sharded(path: str, common: dict[str, Any], stages: list[StageSlice],
                                                           owned_only=gather is not None)
     except KeyError as exc:
         raise CheckpointError(f"{exc.args[0]}; was it written for another model?") from None
-    except Exception as exc:  # noqa: BLE001 - DCP reports a failed read as many types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: a tensor file is corrupt or truncated ({first[:200]})"
-                              ) from None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every failure
+        raise CheckpointError(f"{path}: {failure_message(exc)[:400]}") from None
     for stage in stages:
         try:
             stage.module.load_state_dict(models[stage.stage], strict=True)

@@ -332,6 +332,18 @@ def _covered(want: Rect, saved: list[Rect]) -> int:
     return total
 
 
+def failure_message(exc: BaseException) -> str:
+    """One line for a failed DCP call: the first failing rank's own error (DCP wraps every
+    rank's exception and traceback into one CheckpointException)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        rank, (inner, _trace) = min(failures.items(), key=lambda item: item[0])
+        text = str(inner).strip().splitlines()
+        return f"rank {rank}: {text[0] if text else type(inner).__name__}"
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def load_chunks(path: str, requests: dict[ChunkKey, torch.Tensor], process_group=None,
                 collective: bool = True) -> int:
     """Fill ``requests`` from the checkpoint in ``path`` (collectively over every rank, unless

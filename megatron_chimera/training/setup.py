@@ -18,10 +18,10 @@ from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
 from megatron_chimera.checkpoint.checkpointing import (
     StageSlice,
-    checkpoint_dir,
     get_rng_state,
     load_checkpoint,
     read_tracker,
+    resolve_checkpoint_dir,
 )
 from megatron_chimera.checkpoint.saved_args import check_checkpoint_args
 from megatron_chimera.config import TrainConfig
@@ -175,7 +175,8 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
 
     saved_iteration = read_tracker(ckpt.load)
     if saved_iteration is not None and not ckpt.finetune:
-        check_resume_iteration(saved_iteration, config, checkpoint_dir(ckpt.load, saved_iteration))
+        check_resume_iteration(saved_iteration, config,
+                               resolve_checkpoint_dir(ckpt.load, saved_iteration))
     loaded = load_checkpoint(
         ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
         world_size=world_size, load_optim=not ckpt.no_load_optim,

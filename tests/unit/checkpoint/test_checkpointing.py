@@ -201,3 +201,47 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, victim):
     stages, opt, sched = build([(0, 4)], seed=3)
     loaded = load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
     assert loaded.iteration == 1 and loaded.consumed_train_samples == 1
+
+
+def test_tracker_naming_a_missing_iteration_lists_the_present_ones(tmp_path):
+    stages, opt, sched = build([(0, 4)])
+    save_checkpoint(str(tmp_path), CheckpointContents(3, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched), rank=0, world_size=1,
+                    ckpt_format="torch_dist")
+    (tmp_path / TRACKER_FILENAME).write_text("7\n")
+    with pytest.raises(CheckpointError, match=r"names iteration 7, .*iterations present: 3\)"):
+        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+
+
+def test_torch_dist_truncated_chunk_is_named(tmp_path):
+    stages, opt, sched = build([(0, 4)])
+    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched), rank=0, world_size=1,
+                    ckpt_format="torch_dist")
+    target = os.path.join(checkpoint_dir(str(tmp_path), 1), "__0_0.distcp")
+    data = open(target, "rb").read()
+    open(target, "wb").write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: chunk of .* is corrupt or trunc"):
+        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+
+
+def test_torch_dist_metadata_never_runs_a_pickle(tmp_path):
+    import pickle
+
+    from megatron_chimera.checkpoint.dcp_io import METADATA_FILENAME
+
+    stages, opt, sched = build([(0, 4)])
+    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched), rank=0, world_size=1,
+                    ckpt_format="torch_dist")
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    path = os.path.join(checkpoint_dir(str(tmp_path), 1), METADATA_FILENAME)
+    with open(path, "wb") as handle:
+        pickle.dump(Evil(), handle)
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+    assert not (tmp_path / "pwned").exists()

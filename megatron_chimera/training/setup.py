@@ -6,6 +6,7 @@ executors of a schedule and the monitor. :func:`setup_run` calls them in order a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +178,7 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     if saved_iteration is not None and not ckpt.finetune:
         check_resume_iteration(saved_iteration, config,
                                resolve_checkpoint_dir(ckpt.load, saved_iteration))
+    started = time.perf_counter()
     loaded = load_checkpoint(
         ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
         world_size=world_size, load_optim=not ckpt.no_load_optim,
@@ -185,12 +187,22 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
         state.iteration = loaded.iteration
         state.consumed_train_samples = loaded.consumed_train_samples
         state.consumed_valid_samples = loaded.consumed_valid_samples
-        if rank == 0:
-            print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration}", flush=True)
+        _report_load(loaded, time.perf_counter() - started, rank, world_size)
     elif rank == 0:
         print(f" no checkpoint in {ckpt.load} (no tracker file): training from scratch",
               flush=True)
     return saved_args
+
+
+def _report_load(loaded: Any, seconds: float, rank: int, world_size: int) -> None:
+    """Rank 0 prints the loaded checkpoint, the load time and every rank's bytes read (one
+    gather of two numbers per rank)."""
+    figures: list[Any] = [None] * world_size
+    dist.all_gather_object(figures, (loaded.bytes_read, seconds))
+    if rank == 0:
+        print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} in "
+              f"{max(f[1] for f in figures):.2f} s; checkpoint bytes read per rank: "
+              f"{[f[0] for f in figures]}", flush=True)
 
 
 def build_datasets(provider: DatasetsProvider, config: TrainConfig) -> tuple[Any, Any, Any]:

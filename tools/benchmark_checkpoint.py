@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ("--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 64 "
@@ -36,14 +37,18 @@ LOADED = re.compile(r"loaded checkpoint .* in ([\d.]+) s; checkpoint bytes read 
                     r"\[([\d, ]+)\]")
 
 
-def run(nproc: int, flags: list[str]) -> str:
-    """stdout of ``pretrain_gpt2.py flags`` on ``nproc`` ranks (fails loudly)."""
+def run(nproc: int, flags: list[str], walls: list[float] | None = None) -> str:
+    """stdout of ``pretrain_gpt2.py flags`` on ``nproc`` ranks (fails loudly); its wall time
+    is appended to ``walls``."""
+    started = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(ROOT, "pretrain_gpt2.py"), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    if walls is not None:
+        walls.append(time.perf_counter() - started)
     return proc.stdout
 
 
@@ -81,13 +86,14 @@ def main(argv: list[str] | None = None) -> None:
     base = shlex.split(args.model) + ["--train-iters", str(args.iters)]
     save_layout, load_layout = shlex.split(args.save_layout), shlex.split(args.load_layout)
     with tempfile.TemporaryDirectory(prefix="ckpt_bench_") as tmp:
-        plain = iteration_ms(run(args.nproc, [*base, *save_layout]))
+        walls: list[float] = []
+        plain = iteration_ms(run(args.nproc, [*base, *save_layout], walls))
         saving = ["--save-interval", str(args.save_interval)]
         sync = iteration_ms(run(args.nproc, [*base, *save_layout, "--save",
-                                             os.path.join(tmp, "sync"), *saving]))
+                                             os.path.join(tmp, "sync"), *saving], walls))
         ckpt = os.path.join(tmp, "async")
         asynchronous = iteration_ms(run(args.nproc, [*base, *save_layout, "--save", ckpt,
-                                                     *saving, "--async-save"]))
+                                                     *saving, "--async-save"], walls))
         last = max(int(d[-7:]) for d in glob.glob(os.path.join(ckpt, "iter_*"))
                    if d[-7:].isdigit())
         written = written_per_rank(os.path.join(ckpt, f"iter_{last:07d}"), args.nproc)
@@ -105,10 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     sync_during, _ = after_saves(sync, args.save_interval)
     async_during, async_other = after_saves(asynchronous, args.save_interval)
     plain_ms = med([ms for i, ms in plain.items() if i > 2])
+    saves = args.iters // args.save_interval + (args.iters % args.save_interval != 0)
     print(f"\nload time ({args.load_layout}): {float(loaded.group(1)):.2f} s")
+    print(f"run wall time added per save (vs no save, {saves} saves): synchronous "
+          f"{(walls[1] - walls[0]) / saves:.2f} s, "
+          f"--async-save {(walls[2] - walls[0]) / saves:.2f} s")
     print("| iteration time (ms, median) | value | / no save |")
     print("|---|---|---|")
-    rows = (("no save", plain_ms), ("iteration with a synchronous save", med(sync_during)),
+    rows = (("no save", plain_ms), ("sync run, iteration after a save", med(sync_during)),
             ("while an async save is in flight", med(async_during)),
             ("async run, other iterations", med(async_other)))
     for what, value in rows:

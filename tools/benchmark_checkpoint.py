@@ -16,7 +16,6 @@ a save, right after a synchronous save, and while an asynchronous save is in fli
 
 from __future__ import annotations
 
-import argparse
 import glob
 import os
 import re
@@ -26,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from megatron_chimera.errors import ToolArgumentParser, run_tool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ("--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 64 "
@@ -72,7 +73,7 @@ def written_per_rank(directory: str, nproc: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     """Run the four trainings and print the table."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=8)
     parser.add_argument("--save-layout", default="--tensor-model-parallel-size 2 "
                         "--pipeline-model-parallel-size 2 --chimera-pipes 2 "
@@ -126,4 +127,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -142,22 +142,29 @@ def load_sharded_tensors(path: str, stages: list[StageSlice], optimizer: Any | N
                          owned_only: bool = False
                          ) -> tuple[dict[int, dict[str, torch.Tensor]],
                                     dict[int, dict[str, ParamFragments]], int]:
-    """Collectively read this rank's pieces from ``path``: per stage, its module's state dict
-    (local names) and, with ``optimizer``, its parameters' optimizer fragments; and the bytes
-    read. ``owned_only``: of each parameter read only the optimizer's ranges (the rest stays
-    zero; the distributed optimizer gathers it). A missing or uncovered tensor raises KeyError
-    on every rank."""
+    """Collectively read this rank's pieces from ``path`` into its stages' modules and, with
+    ``optimizer``, its parameters' optimizer fragments. Returns per stage the state-dict entries
+    that could not be read in place (by local name), the fragments, and the bytes read.
+    ``owned_only``: of each parameter read only the optimizer's ranges (the rest stays zero; the
+    distributed optimizer gathers it). A missing or uncovered tensor raises KeyError on every
+    rank."""
     metadata = read_metadata(path)
     requests = _Requests()
+    direct: list[torch.Tensor] = []
     models: dict[int, dict[str, torch.Tensor]] = {}
     optims: dict[int, dict[str, ParamFragments]] = {}
     for stage in stages:
         names, params = _stage_names(stage), stage_named_parameters(stage)
         start, local_state = stage.layer_range[0], {}
         owned = optimizer.state_ranges(params) if owned_only else {}
-        for local, tensor in stage.module.state_dict().items():
+        for local, tensor in stage.module.state_dict(keep_vars=True).items():
             name = global_name(local, start)
-            dest = torch.zeros(tensor.shape, dtype=tensor.dtype)
+            dest = tensor.detach()
+            if dest.is_contiguous():  # read straight into the module: no copy of the model
+                direct.append(dest)
+            else:
+                dest = torch.zeros(tensor.shape, dtype=tensor.dtype)
+                local_state[local] = dest
             spec, flat = spec_of(params.get(name, tensor)), dest.view(-1)
             if owned_only and name in params:
                 for offset, length in owned.get(name, []):
@@ -165,11 +172,13 @@ def load_sharded_tensors(path: str, stages: list[StageSlice], optimizer: Any | N
                                   flat[offset:offset + length], offset)
             else:
                 requests.want(f"model/{names[name]}", spec, flat, 0)
-            local_state[local] = dest
         models[stage.stage] = local_state
         if optimizer is not None:
             optims[stage.stage] = _want_optimizer(requests, metadata, stage, names, optimizer)
     _agree_on_errors(path, metadata, requests.chunks)
+    with torch.no_grad():
+        for tensor in direct:  # what no chunk covers (T's vocabulary padding) stays zero
+            tensor.zero_()
     read = load_chunks(path, requests.chunks)
     requests.finish()
     return models, optims, read

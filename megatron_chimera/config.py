@@ -397,6 +397,10 @@ class CheckpointConfig:
     finetune: bool = False
     # a --load without a checkpoint is an error instead of training from scratch
     exit_on_missing_checkpoint: bool = False
+    # torch_dist: every rank writes its own pieces (DCP); torch: one file per stage
+    ckpt_format: str = "torch_dist"
+    # --async-save: torch_dist checkpoints written in the background (checkpoint/async_save.py)
+    async_save: bool = False
 
 
 @dataclass(frozen=True)

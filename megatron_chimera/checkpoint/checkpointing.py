@@ -24,6 +24,7 @@ joined on tensor rank 0 of the writing group before it writes, and split again o
 
 from __future__ import annotations
 
+import copy as copy_module
 import os
 import random
 import re
@@ -34,9 +35,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
+from megatron_chimera.checkpoint.dcp_io import failure_message, save_chunks
+from megatron_chimera.checkpoint.sharded import collect_save_chunks, load_sharded_tensors
+from megatron_chimera.checkpoint.stages import (  # noqa: F401 - re-exported
+    StageSlice,
+    global_name,
+    shared_embedding_name,
+    stage_named_parameters,
+)
 from megatron_chimera.errors import UserError
 from megatron_chimera.optimizer.param_state import ParamStateError
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
@@ -48,23 +57,13 @@ from megatron_chimera.tensor_parallel.checkpoint_shards import (
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.pt"
 CHECKPOINT_VERSION = 1
-_LAYER_KEY = re.compile(r"(^|\.)layers\.(\d+)\.")
+FORMAT_TORCH = "torch"  # one file per stage, full tensors (Megatron's legacy layout)
+FORMAT_TORCH_DIST = "torch_dist"  # every rank's own pieces through DCP (.sharded)
+CKPT_FORMATS = (FORMAT_TORCH, FORMAT_TORCH_DIST)
 
 
 class CheckpointError(UserError, RuntimeError):
     """A missing, corrupt, truncated or incompatible checkpoint; the message names the file."""
-
-
-@dataclass(frozen=True)
-class StageSlice:
-    """One model stage whose weights this rank holds (one module per stage, shared by pipes)."""
-
-    stage: int
-    layer_range: tuple[int, int]
-    module: nn.Module
-    # this rank writes the stage's file: the lowest rank holding its shard (with tensor
-    # parallelism every rank of the writing tensor-parallel group joins in; tensor rank 0 writes)
-    writer: bool = True
 
 
 @dataclass(frozen=True)
@@ -95,6 +94,7 @@ class LoadedCheckpoint:
     consumed_train_samples: int
     consumed_valid_samples: int
     path: str
+    bytes_read: int = 0  # tensor bytes this rank read (its checkpoint I/O)
 
 
 # ---------------------------------------------------------------------------- names and files
@@ -106,12 +106,6 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 def stage_filename(layer_range: tuple[int, int]) -> str:
     """File name of the stage holding global layers ``[start, end)``."""
     return f"layers_{layer_range[0]:03d}-{layer_range[1]:03d}.pt"
-
-
-def global_name(local_name: str, layer_start: int) -> str:
-    """``...layers.{i}...`` of a stage slice -> ``...layers.{start + i}...`` (global layer)."""
-    return _LAYER_KEY.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_start}.",
-                          local_name, count=1)
 
 
 def read_tracker(root: str) -> int | None:
@@ -145,24 +139,7 @@ def safe_torch_load(path: str) -> Any:
         ) from None
 
 
-# ---------------------------------------------------------------------------- state conversion
-def stage_named_parameters(stage: StageSlice) -> dict[str, nn.Parameter]:
-    """The stage module's parameters under their global names."""
-    start = stage.layer_range[0]
-    return {global_name(n, start): p for n, p in stage.module.named_parameters()}
-
-
-def _shared_embedding_name(stage: StageSlice) -> str | None:
-    shared_fn = getattr(stage.module, "shared_embedding_or_output_weight", None)
-    shared = shared_fn() if shared_fn is not None else None
-    if shared is None:
-        return None
-    for name, param in stage_named_parameters(stage).items():
-        if param is shared:
-            return name
-    return None
-
-
+# ---------------------------------------------------------------------------- RNG
 def get_rng_state() -> dict[str, Any]:
     """Python, numpy, torch CPU (and CUDA) RNG states and the tensor-parallel tracker's, as
     weights-only-loadable objects."""
@@ -199,23 +176,94 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------- save
 def save_checkpoint(root: str, contents: CheckpointContents, *, rank: int, world_size: int,
-                    barrier: Callable[[], None] | None = None) -> str:
+                    barrier: Callable[[], None] | None = None, ckpt_format: str = "torch") -> str:
     """Collectively write ``contents`` (iteration ``contents.iteration``) under ``root``; every
-    rank must call it. Each stage's file is written by its ``writer`` rank, RNG states by every
-    rank, ``common.pt`` by rank 0; the directory is published once every part is written.
+    rank must call it. ``torch``: each stage's file is written by its ``writer`` rank;
+    ``torch_dist``: every rank writes its own pieces (:mod:`.sharded`). RNG states are written
+    by every rank, ``common.pt`` by rank 0; the directory is published once every part is written.
     """
     barrier = barrier or (lambda: None)
+    if ckpt_format == FORMAT_TORCH_DIST:
+        return prepare_sharded_save(root, contents, rank=rank, world_size=world_size).run(barrier)
     stages, optimizer, iteration = list(contents.stages), contents.optimizer, contents.iteration
     final = checkpoint_dir(root, iteration)
+    staging = _make_staging(root, final, rank, barrier)
+    if optimizer is not None:
+        optimizer.finish_param_sync()  # the weights saved are the updated ones
+    optimizer = optimizer if contents.save_optim else None
+    _save_stage_files(staging, stages, optimizer)
+    atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
+    if rank == 0:
+        atomic_torch_save(_common_payload(contents, optimizer, world_size, FORMAT_TORCH),
+                          os.path.join(staging, COMMON_FILENAME))
+    barrier()
+    if rank == 0:
+        _publish(root, staging, final, iteration)
+    barrier()
+    return final
+
+
+def _make_staging(root: str, final: str, rank: int, barrier: Callable[[], None]) -> str:
+    """A fresh ``<final>.staging`` directory (made by rank 0; every rank waits for it)."""
     staging = final + ".staging"
     if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(os.path.join(staging, "rng"))
     barrier()
+    return staging
+
+
+@dataclass
+class SaveJob:
+    """A ``torch_dist`` checkpoint captured at its iteration -- this rank's chunks, RNG state
+    and (rank 0) ``common.pt`` -- to be written now or in the background (``--async-save``)."""
+
+    root: str
+    iteration: int
+    rank: int
+    chunks: dict[Any, Any]
+    rng: dict[str, Any]
+    common: dict[str, Any] | None
+
+    @property
+    def final(self) -> str:
+        """The directory the checkpoint is published as."""
+        return checkpoint_dir(self.root, self.iteration)
+
+    def run(self, barrier: Callable[[], None], process_group: Any = None) -> str:
+        """Collectively write and publish (``barrier`` and DCP's collectives on
+        ``process_group``; None: the default group)."""
+        staging = _make_staging(self.root, self.final, self.rank, barrier)
+        save_chunks(staging, self.chunks, process_group)
+        atomic_torch_save(self.rng, os.path.join(staging, "rng", f"rank_{self.rank:05d}.pt"))
+        if self.common is not None:
+            atomic_torch_save(self.common, os.path.join(staging, COMMON_FILENAME))
+        barrier()
+        if self.rank == 0:
+            _publish(self.root, staging, self.final, self.iteration)
+        barrier()
+        return self.final
+
+
+def prepare_sharded_save(root: str, contents: CheckpointContents, *, rank: int,
+                         world_size: int, copy: bool = False) -> SaveJob:
+    """Capture ``contents`` for a ``torch_dist`` save; ``copy``: stage every tensor in host
+    memory of its own (training may go on while the job writes)."""
+    optimizer = contents.optimizer
     if optimizer is not None:
         optimizer.finish_param_sync()  # the weights saved are the updated ones
     optimizer = optimizer if contents.save_optim else None
+    chunks = collect_save_chunks(list(contents.stages), optimizer, copy=copy)
+    common = (copy_module.deepcopy(_common_payload(contents, optimizer, world_size,
+                                                   FORMAT_TORCH_DIST))
+              if rank == 0 else None)
+    return SaveJob(root, contents.iteration, rank, chunks, get_rng_state(), common)
+
+
+def _save_stage_files(staging: str, stages: list[StageSlice], optimizer: Any | None) -> None:
+    """The ``torch`` format: each stage's writer joins its tensor-parallel shards and writes
+    the stage's file."""
     optim_states = (optimizer.param_state_to_save(
         [(st.stage, stage_named_parameters(st), st.writer) for st in stages])
         if optimizer is not None else {})
@@ -234,32 +282,30 @@ def save_checkpoint(root: str, contents: CheckpointContents, *, rank: int, world
             "stage": stage.stage,
             "layer_range": list(stage.layer_range),
             "model": joined[0],
-            "shared_embedding": _shared_embedding_name(stage),
+            "shared_embedding": shared_embedding_name(stage),
             "optimizer": joined[1],
         }
         atomic_torch_save(payload, os.path.join(staging, stage_filename(stage.layer_range)))
-    atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
-    if rank == 0:
-        common = {
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "iteration": iteration,
-            "release": contents.release,
-            "world_size": world_size,
-            "args": contents.args or {},
-            "consumed_train_samples": contents.consumed_train_samples,
-            "consumed_valid_samples": contents.consumed_valid_samples,
-            "stages": [{"layer_range": list(r), "file": stage_filename(r)}
-                       for r in contents.partition],
-            "opt_param_scheduler": (contents.scheduler.state_dict()
-                                    if contents.scheduler is not None else None),
-            "optimizer": optimizer.common_state() if optimizer is not None else None,
-        }
-        atomic_torch_save(common, os.path.join(staging, COMMON_FILENAME))
-    barrier()
-    if rank == 0:
-        _publish(root, staging, final, iteration)
-    barrier()
-    return final
+
+
+def _common_payload(contents: CheckpointContents, optimizer: Any | None, world_size: int,
+                    ckpt_format: str) -> dict[str, Any]:
+    """What ``common.pt`` records once for the whole checkpoint."""
+    return {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "format": ckpt_format,
+        "iteration": contents.iteration,
+        "release": contents.release,
+        "world_size": world_size,
+        "args": contents.args or {},
+        "consumed_train_samples": contents.consumed_train_samples,
+        "consumed_valid_samples": contents.consumed_valid_samples,
+        "stages": [{"layer_range": list(r), "file": stage_filename(r)}
+                   for r in contents.partition],
+        "opt_param_scheduler": (contents.scheduler.state_dict()
+                                if contents.scheduler is not None else None),
+        "optimizer": optimizer.common_state() if optimizer is not None else None,
+    }
 
 
 def _publish(root: str, staging: str, final: str, iteration: int) -> None:
@@ -277,14 +323,20 @@ def _publish(root: str, staging: str, final: str, iteration: int) -> None:
 
 
 # ---------------------------------------------------------------------------- load
-def _resolve_dir(root: str, iteration: int) -> str:
+def resolve_checkpoint_dir(root: str, iteration: int) -> str:
+    """The directory of iteration ``iteration`` under ``root``; a missing one is reported with
+    the iterations that are present."""
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path) and os.path.isdir(path + ".old"):
         return path + ".old"  # crashed while replacing a re-saved iteration
     if not os.path.isdir(path):
+        present = sorted(int(m.group(1)) for name in os.listdir(root)
+                         if (m := re.fullmatch(r"iter_(\d{7})", name)) and
+                         os.path.isdir(os.path.join(root, name)))
         raise CheckpointError(
-            f"{os.path.join(root, TRACKER_FILENAME)} points at iteration {iteration}, but {path} "
-            "does not exist"
+            f"{os.path.join(root, TRACKER_FILENAME)} names iteration {iteration}, but {path} "
+            f"does not exist (iterations present: {', '.join(map(str, present)) or 'none'}); "
+            "write one of them into the tracker file"
         )
     return path
 
@@ -329,12 +381,67 @@ def load_checkpoint(
     iteration = read_tracker(root)
     if iteration is None:
         return None
-    path = _resolve_dir(root, iteration)
+    path = resolve_checkpoint_dir(root, iteration)
     common = safe_torch_load(os.path.join(path, COMMON_FILENAME))
     if common.get("checkpoint_version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path}/{COMMON_FILENAME}: unsupported checkpoint version")
     if check_args is not None:
         check_args(common.get("args") or {}, path)
+    finetune = finetune or bool(common.get("release", False))
+    load_optim = load_optim and not finetune and optimizer is not None
+    if common.get("format", FORMAT_TORCH) == FORMAT_TORCH_DIST:
+        bytes_read = _load_sharded(path, common, stages, optimizer if load_optim else None)
+    else:
+        bytes_read = _load_stage_files(path, common, stages, num_stages, optimizer, load_optim)
+    if load_optim:
+        optimizer.load_collected_state(common.get("optimizer") or {})
+    if finetune:
+        return LoadedCheckpoint(0, 0, 0, path, bytes_read)
+    if opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
+        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    if load_rng:
+        _load_rng(path, rank, world_size, common)
+    return LoadedCheckpoint(int(common["iteration"]), int(common["consumed_train_samples"]),
+                            int(common["consumed_valid_samples"]), path, bytes_read)
+
+
+def _load_sharded(path: str, common: dict[str, Any], stages: list[StageSlice],
+                  optimizer: Any | None) -> int:
+    """Read this rank's pieces of a ``torch_dist`` checkpoint into its stages (and optimizer);
+    returns the bytes read."""
+    if optimizer is not None and common.get("optimizer") is None:
+        raise CheckpointError(f"{path}: saved without optimizer state (--no-save-optim); "
+                              "use --no-load-optim or --finetune")
+    # the distributed optimizer reads its own fragments of the weights and gathers the rest
+    gather = getattr(optimizer, "gather_loaded_params", None)
+    try:
+        models, optims, bytes_read = load_sharded_tensors(path, stages, optimizer,
+                                                          owned_only=gather is not None)
+    except KeyError as exc:
+        raise CheckpointError(f"{exc.args[0]}; was it written for another model?") from None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps every failure
+        raise CheckpointError(f"{path}: {failure_message(exc)[:400]}") from None
+    for stage in stages:
+        try:
+            if models[stage.stage]:  # entries not read in place
+                stage.module.load_state_dict(models[stage.stage], strict=False)
+        except RuntimeError as exc:
+            raise CheckpointError(f"{path}: stage {stage.stage} does not match: {exc}") from None
+        if optimizer is not None:
+            try:
+                optimizer.collect_state_fragments(stage_named_parameters(stage),
+                                                  optims[stage.stage])
+            except ParamStateError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+    if gather is not None:
+        gather()
+    return bytes_read
+
+
+def _load_stage_files(path: str, common: dict[str, Any], stages: list[StageSlice],
+                      num_stages: int, optimizer: Any | None, load_optim: bool) -> int:
+    """Read the ``torch`` format's stage files overlapping this rank's stages; returns the
+    bytes of the files read."""
     cache: dict[str, dict[str, Any]] = {}
 
     def read(name: str) -> dict[str, Any]:
@@ -342,8 +449,6 @@ def load_checkpoint(
             cache[name] = safe_torch_load(os.path.join(path, name))
         return cache[name]
 
-    finetune = finetune or bool(common.get("release", False))
-    load_optim = load_optim and not finetune and optimizer is not None
     for stage in stages:
         files = _overlapping_files(common, stage, num_stages)
         model: dict[str, torch.Tensor] = {}
@@ -371,22 +476,13 @@ def load_checkpoint(
                 optimizer.collect_param_state(params, optim)
             except ParamStateError as exc:
                 raise CheckpointError(f"{path}: {exc}") from None
-    if load_optim:
-        optimizer.load_collected_state(common.get("optimizer") or {})
-    if finetune:
-        return LoadedCheckpoint(0, 0, 0, path)
-    if opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
-        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
-    if load_rng:
-        _load_rng(path, rank, world_size, common)
-    return LoadedCheckpoint(int(common["iteration"]), int(common["consumed_train_samples"]),
-                            int(common["consumed_valid_samples"]), path)
+    return sum(os.path.getsize(os.path.join(path, name)) for name in cache)
 
 
 def _alias_shared_embedding(stage: StageSlice, model: dict[str, torch.Tensor],
                             optim: dict[str, Any], shared: tuple[torch.Tensor, Any] | None) -> None:
     """Fill this stage's tied-embedding key from whichever saved stage held the embedding."""
-    name = _shared_embedding_name(stage)
+    name = shared_embedding_name(stage)
     if name is None or name in model or shared is None:
         return
     model[name] = shared[0]

@@ -36,6 +36,7 @@ from megatron_chimera.data.dataset_utils import (
 )
 from megatron_chimera.data.indexed_dataset import MMapIndexedDataset
 from megatron_chimera.data.masking import create_masked_lm_predictions
+from megatron_chimera.errors import InputFileError
 
 LONG_SENTENCE_LEN = 512  # documents holding a longer sentence are skipped, as Megatron does
 MAX_EPOCHS = 10_000
@@ -77,8 +78,8 @@ def build_samples_mapping(
                         rows.append((start, sent + 1, target))
                     start, seq_len, num_sent = sent + 1, 0, 0
                     target = target_length(max_num_tokens, short_seq_prob, rng)
-        if len(rows) == before:
-            raise ValueError(
+        if len(rows) == before:  # a user error: one line, no traceback
+            raise InputFileError(
                 f"no BERT samples can be built from documents [{documents.start}, "
                 f"{documents.stop}): each has fewer than {min_sentences} sentences or a sentence "
                 f"over {LONG_SENTENCE_LEN} tokens (preprocess with --split-sentences; give this "

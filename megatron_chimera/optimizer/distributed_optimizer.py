@@ -48,6 +48,7 @@ from megatron_chimera.optimizer.optimizer import MegatronOptimizer
 from megatron_chimera.optimizer.param_state import (
     MAIN_PARAM,
     ParamEntry,
+    ParamFragments,
     ParamStateError,
     is_elementwise,
     own_copy,
@@ -342,3 +343,52 @@ class DistributedOptimizer(MegatronOptimizer):
                     with torch.no_grad():
                         frag.main.copy_(source.reshape(-1)[frag.offset:frag.offset + n])
                 self._collected[id(frag.main)] = own_copy(piece)
+
+    # ------------------------------------------------------------------ sharded checkpoints
+    def state_ranges(self, params: dict[str, nn.Parameter]) -> dict[str, list[tuple[int, int]]]:
+        return {name: [(f.offset, f.hi - f.lo) for f in self._by_param[id(param)]]
+                for name, param in params.items() if self._by_param.get(id(param))}
+
+    def state_fragments(self, params: dict[str, nn.Parameter]) -> dict[str, ParamFragments]:
+        found = {}
+        for name, param in params.items():
+            frags = self._by_param.get(id(param))
+            if not frags:
+                continue
+            entry = ParamFragments()
+            for frag in frags:
+                values = {}
+                for key, value in self.optimizer.state.get(frag.main, {}).items():
+                    if is_elementwise(value, frag.main.numel()):
+                        values[key] = value.detach().reshape(-1)
+                    else:
+                        entry.scalars.setdefault(key, value)
+                if frag.main.dtype != frag.param.dtype:
+                    values[MAIN_PARAM] = frag.main.detach().reshape(-1)
+                entry.ranges[frag.offset] = values
+            found[name] = entry
+        return found
+
+    def gather_loaded_params(self) -> None:
+        """After a load that read only this rank's fragments of the weights: 16-bit model
+        shards from their main parameters, then every parameter all-gathered from its owners."""
+        self._copy_main_params_to_model()
+        self.finish_param_sync()
+
+    def collect_state_fragments(self, params: dict[str, nn.Parameter],
+                                saved: dict[str, ParamFragments]) -> None:
+        for name, param in params.items():
+            frags = self._by_param.get(id(param), [])
+            if not frags:
+                continue
+            entry = saved.get(name)
+            if entry is None:
+                raise ParamStateError(f"no optimizer state for parameter {name}")
+            for frag in frags:
+                values = dict(entry.ranges.get(frag.offset, {}))
+                main_value = values.pop(MAIN_PARAM, None)
+                if frag.main.dtype != frag.param.dtype:
+                    with torch.no_grad():
+                        frag.main.copy_(main_value if main_value is not None
+                                        else frag.model_view().float())
+                self._collected[id(frag.main)] = own_copy({**entry.scalars, **values})

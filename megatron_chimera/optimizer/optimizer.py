@@ -35,8 +35,10 @@ from megatron_chimera.optimizer.kernels import multi_tensor_scale_
 from megatron_chimera.optimizer.param_state import (
     MAIN_PARAM,
     ParamEntry,
+    ParamFragments,
     ParamStateError,
     group_entries,
+    is_elementwise,
     load_inner,
     own_copy,
     to_host,
@@ -204,6 +206,23 @@ class MegatronOptimizer:
         and pending inner state; :meth:`load_collected_state` applies the inner state."""
         raise NotImplementedError
 
+    def state_ranges(self, params: dict[str, nn.Parameter]) -> dict[str, list[tuple[int, int]]]:
+        """Per parameter (global name) of ``params``, the flat ranges ``(offset, length)`` of its
+        local shard whose optimizer state this rank holds (sharded checkpoints)."""
+        raise NotImplementedError
+
+    def state_fragments(self, params: dict[str, nn.Parameter]) -> dict[str, ParamFragments]:
+        """This rank's optimizer state of ``params`` without any communication: per parameter,
+        its scalars (torch's ``step``) and, per range of :meth:`state_ranges`, the flat
+        per-element values (moments, ``main_param``)."""
+        raise NotImplementedError
+
+    def collect_state_fragments(self, params: dict[str, nn.Parameter],
+                                saved: dict[str, ParamFragments]) -> None:
+        """Take the saved fragments of :meth:`state_ranges` into this rank's main parameters
+        and pending inner state (:meth:`load_collected_state` applies it)."""
+        raise NotImplementedError
+
     def load_collected_state(self, common: dict[str, Any]) -> None:
         """Restore the inner optimizer from the collected entries and ``common`` (group entries,
         grad scaler, skipped steps: :meth:`common_state`)."""
@@ -347,6 +366,31 @@ class LocalOptimizer(MegatronOptimizer):
                     main.copy_(main_value if main_value is not None else param.float())
             # own copies: the tied embedding's copies share one saved entry
             self._collected[id(main)] = own_copy(entry)
+
+
+    def state_ranges(self, params: dict[str, nn.Parameter]) -> dict[str, list[tuple[int, int]]]:
+        main_of = self._main_of()
+        return {name: [(0, param.numel())] for name, param in params.items()
+                if id(param) in main_of}
+
+    def state_fragments(self, params: dict[str, nn.Parameter]) -> dict[str, ParamFragments]:
+        entries = self.param_state_to_save([(0, params, True)])[0]
+        found = {}
+        for name, entry in entries.items():
+            numel = params[name].numel()
+            flat = {k: v.reshape(-1) for k, v in entry.items() if is_elementwise(v, numel)}
+            scalars = {k: v for k, v in entry.items() if k not in flat}
+            found[name] = ParamFragments(scalars, {0: flat})
+        return found
+
+    def collect_state_fragments(self, params: dict[str, nn.Parameter],
+                                saved: dict[str, ParamFragments]) -> None:
+        entries = {}
+        for name, fragments in saved.items():
+            shape = params[name].shape
+            flat = fragments.ranges.get(0, {})
+            entries[name] = {**fragments.scalars, **{k: v.view(shape) for k, v in flat.items()}}
+        self.collect_param_state(params, entries)
 
 
 class FP32Optimizer(LocalOptimizer):

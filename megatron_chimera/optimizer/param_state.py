@@ -9,6 +9,7 @@ them. Either way the file is the same, so any layout resumes any other.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +19,15 @@ ParamEntry = dict[str, Any]
 # optimizer group entries that choose a kernel: they follow the resuming run, not the checkpoint
 KERNEL_CHOICES = ("foreach", "fused", "capturable", "differentiable")
 MAIN_PARAM = "main_param"
+
+
+@dataclass
+class ParamFragments:
+    """One parameter's optimizer state as a sharded checkpoint keeps it: per-parameter scalars
+    and, per flat range of the local shard (keyed by its offset), the per-element values."""
+
+    scalars: dict[str, Any] = field(default_factory=dict)
+    ranges: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
 class ParamStateError(ValueError):

@@ -240,6 +240,8 @@ def _add_checkpoint_and_logging_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--use-checkpoint-args", action="store_true")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch"))
+    g.add_argument("--async-save", action="store_true")
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)

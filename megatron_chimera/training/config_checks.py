@@ -181,6 +181,10 @@ def _validate_checkpoint(checkpoint: CheckpointConfig) -> None:
                 "--exit-on-missing-checkpoint is set: not training from scratch")
     if checkpoint.save_interval is not None and checkpoint.save is None:
         raise ConfigError("--save-interval requires --save")
+    if checkpoint.async_save and checkpoint.ckpt_format != "torch_dist":
+        raise ConfigError("--async-save requires --ckpt-format torch_dist")
+    if checkpoint.async_save and checkpoint.save is None:
+        raise ConfigError("--async-save requires --save")
 
 
 def _validate_logging(logging: LoggingConfig) -> None:

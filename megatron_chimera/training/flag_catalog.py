@@ -199,6 +199,11 @@ HELP: dict[str, str] = {
     "exit_on_missing_checkpoint": "a --load directory without a checkpoint is an error (exit "
                                   "code 2, before any process group) instead of training from "
                                   "scratch",
+    "ckpt_format": "torch_dist: every rank saves and loads only its own shards through "
+                   "torch.distributed.checkpoint (any layout loads); torch: one file per stage "
+                   "with full tensors. Loading reads either",
+    "async_save": "torch_dist: stage each checkpoint in host memory and write it in the "
+                  "background while training goes on (the next save and the exit wait for it)",
     # logging
     "log_interval": "print the log line every this many iterations",
     "tensorboard_dir": "write TensorBoard scalars here",
@@ -322,8 +327,8 @@ REFUSED: dict[str, str] = {
     "--warmup": "removed in Megatron-LM: use --lr-warmup-fraction / --lr-warmup-iters",
     "--no-save-rng": "the RNG states are always saved (--no-load-rng skips loading them)",
     "--no-initialization": "weights are always initialised before loading",
-    "--ckpt-format": "one checkpoint format (Megatron's layout, one file per stage)",
-    "--use-dist-ckpt": "one checkpoint format (Megatron's layout, one file per stage)",
+    "--use-dist-ckpt": "deprecated in Megatron-LM: --ckpt-format torch_dist (the default) is "
+                       "the distributed format",
     "--fp32-residual-connection": "the residual stream is kept in the parameter dtype",
     "--no-query-key-layer-scaling": "older spelling: layer scaling is off by default, as in "
                                     "current Megatron-LM (--apply-query-key-layer-scaling)",
@@ -395,7 +400,7 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     # checkpointing
     "--save", "--save-interval", "--no-save-optim", "--no-save-rng", "--load", "--no-load-optim",
     "--no-load-rng", "--finetune", "--no-initialization", "--use-checkpoint-args",
-    "--exit-on-missing-checkpoint", "--ckpt-format", "--use-dist-ckpt",
+    "--exit-on-missing-checkpoint", "--ckpt-format", "--use-dist-ckpt", "--async-save",
     # mixed precision
     "--fp16", "--bf16", "--loss-scale", "--initial-loss-scale", "--min-loss-scale",
     "--loss-scale-window", "--hysteresis", "--fp32-residual-connection",

@@ -6,6 +6,7 @@ executors of a schedule and the monitor. :func:`setup_run` calls them in order a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,12 +16,13 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_chimera import parallel_state
+from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
 from megatron_chimera.checkpoint.checkpointing import (
     StageSlice,
-    checkpoint_dir,
     get_rng_state,
     load_checkpoint,
     read_tracker,
+    resolve_checkpoint_dir,
 )
 from megatron_chimera.checkpoint.saved_args import check_checkpoint_args
 from megatron_chimera.config import TrainConfig
@@ -93,6 +95,8 @@ class Run:
     hang_watch: HangWatch | None = None  # who waits for whom when an iteration stops moving
     # the evaluation's micro-batches (its schedule keeps the full batch during a ramp-up)
     eval_needed_microbatches: list[int] | None = None
+    # --async-save: the background checkpoint writer (its own gloo group)
+    checkpointer: AsyncCheckpointer | None = None
     # --rampup-batch-size: each N's training schedule, executor and read micro-batches, kept
     by_microbatches: dict[int, tuple[Schedule, PipelineExecutor, list[int] | None]] = \
         field(default_factory=dict)
@@ -182,7 +186,9 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
 
     saved_iteration = read_tracker(ckpt.load)
     if saved_iteration is not None and not ckpt.finetune:
-        check_resume_iteration(saved_iteration, config, checkpoint_dir(ckpt.load, saved_iteration))
+        check_resume_iteration(saved_iteration, config,
+                               resolve_checkpoint_dir(ckpt.load, saved_iteration))
+    started = time.perf_counter()
     loaded = load_checkpoint(
         ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
         world_size=world_size, load_optim=not ckpt.no_load_optim,
@@ -191,12 +197,22 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
         state.iteration = loaded.iteration
         state.consumed_train_samples = loaded.consumed_train_samples
         state.consumed_valid_samples = loaded.consumed_valid_samples
-        if rank == 0:
-            print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration}", flush=True)
+        _report_load(loaded, time.perf_counter() - started, rank, world_size)
     elif rank == 0:
         print(f" no checkpoint in {ckpt.load} (no tracker file): training from scratch",
               flush=True)
     return saved_args
+
+
+def _report_load(loaded: Any, seconds: float, rank: int, world_size: int) -> None:
+    """Rank 0 prints the loaded checkpoint, the load time and every rank's bytes read (one
+    gather of two numbers per rank)."""
+    figures: list[Any] = [None] * world_size
+    dist.all_gather_object(figures, (loaded.bytes_read, seconds))
+    if rank == 0:
+        print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} in "
+              f"{max(f[1] for f in figures):.2f} s; checkpoint bytes read per rank: "
+              f"{[f[0] for f in figures]}", flush=True)
 
 
 def build_datasets(provider: DatasetsProvider, config: TrainConfig) -> tuple[Any, Any, Any]:
@@ -294,6 +310,8 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
               needed, rank, world_size, rng_state, device, eval_needed_microbatches=needed)
     run.trace = build_trace(config, state, device)
     run.memory = build_memory_report(config, family, schedule, partition, state, device)
+    if config.checkpoint.async_save:  # every rank creates the group, in the same order
+        run.checkpointer = AsyncCheckpointer(dist.new_group(backend="gloo"))
     # the report done before the backend's own timeout error: 60% of the timeout
     threshold = 0.6 * 60 * config.parallel.distributed_timeout_minutes
     run.hang_watch = HangWatch(lambda: run.executor, threshold).start()

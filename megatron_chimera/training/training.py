@@ -24,6 +24,7 @@ from torch import nn
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
+    prepare_sharded_save,
     save_checkpoint,
     set_rng_state,
     stage_named_parameters,
@@ -229,12 +230,19 @@ def save(run: Run, state: TrainState) -> None:
         args={**dataclasses.asdict(run.config), "model_family": run.family.name,
               **({PROFILED_KEY: run.profiled} if run.profiled else {})},
         save_optim=not ckpt.no_save_optim)
-    path = save_checkpoint(ckpt.save, contents, rank=run.rank, world_size=run.world_size,
-                           barrier=dist.barrier)
+    if run.checkpointer is not None:  # --async-save: staged now, written in the background
+        job = prepare_sharded_save(ckpt.save, contents, rank=run.rank,
+                                   world_size=run.world_size, copy=True)
+        run.checkpointer.start(job)
+        path, verb = job.final, "started saving"
+    else:
+        path = save_checkpoint(ckpt.save, contents, rank=run.rank, world_size=run.world_size,
+                               barrier=dist.barrier, ckpt_format=ckpt.ckpt_format)
+        verb = "saved"
     run.timers("save-checkpoint").stop()
     state.last_saved_iteration = state.iteration
     if run.rank == 0:
-        print(f" saved checkpoint {path} at iteration {state.iteration}", flush=True)
+        print(f" {verb} checkpoint {path} at iteration {state.iteration}", flush=True)
 
 
 def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
@@ -411,6 +419,8 @@ def _pretrain(train_valid_test_datasets_provider: DatasetsProvider,
         save(run, state)
         _evaluate_and_log(run, "test end of training", iterator(test_ds, 0), state)
     run.optimizer.finish_param_sync()  # no collective may be in flight at teardown
+    if run.checkpointer is not None:
+        run.checkpointer.wait()  # the last checkpoint is published before the exit
     if run.hang_watch is not None:
         run.hang_watch.stop()
     run.monitor.close()

@@ -113,7 +113,7 @@ def test_corrupt_file_read_by_one_rank_is_reported_by_that_rank_alone(tmp_path):
     ckpt = tmp_path / "ckpt"
     two = ["--pipeline-model-parallel-size", "2"]
     result = launch("pretrain_gpt2.py", [*SMALL, *two, "--train-iters", "1", "--save",
-                                         str(ckpt)], nproc=2)
+                                         str(ckpt), "--ckpt-format", "torch"], nproc=2)
     assert result.returncode == 0, result.stderr
     (ckpt / "iter_0000001" / "layers_002-004.pt").write_bytes(b"garbage")  # stage 1 only
     results = launch_ranks("pretrain_gpt2.py", [*SMALL, *two, "--train-iters", "2", "--load",

@@ -79,3 +79,22 @@ def test_t1_checkpoint_resumes_with_t2_sequence_parallel(reference, tmp_path):
     assert_close(scalars(tmp_path / "tb", "lm loss"),
                  {k: v for k, v in losses.items() if k > 5}, RTOL,
                  "T=2 D=2 1F1B sequence parallel resumed")
+
+
+@pytest.mark.timeout(600)
+def test_async_sharded_checkpoint_resumes_on_t1_1f1b_d4(reference, tmp_path):
+    """The issue's layout: T=2 x Chimera D=2 x W=2 with the distributed optimizer saves with
+    --async-save (torch_dist); T=1 x 1F1B D=4 x W=2 resumes on the one-process curve."""
+    losses, _ = reference
+    sharded = ["--use-distributed-optimizer"]
+    train("pretrain_gpt2.py", [*ITERS, "--tensor-model-parallel-size", "2",
+                               "--pipeline-model-parallel-size", "2", "--chimera-pipes", "2",
+                               *sharded, "--async-save", *_save(tmp_path / "ckpt")],
+          8, tmp_path / "tb", timeout=400)
+    assert_close(scalars(tmp_path / "tb", "lm loss"), losses, RTOL, "T=2 D=2 Chimera W=2")
+    _rewind(tmp_path / "ckpt", 5)
+    train("pretrain_gpt2.py", [*ITERS, "--pipeline-model-parallel-size", "4", *sharded,
+                               "--load", str(tmp_path / "ckpt")], 8, tmp_path / "resumed",
+          timeout=400)
+    assert_close(scalars(tmp_path / "resumed", "lm loss"),
+                 {k: v for k, v in losses.items() if k > 5}, RTOL, "T=1 D=4 1F1B W=2 resumed")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_chimera.checkpoint.sharded import read_full_tensors
 from megatron_chimera.schedules.registry import SPLIT_BACKWARD_SCHEDULES
 
 from .launcher import scalars, train
@@ -42,7 +43,11 @@ SCHEDULES = {
 def stage_tensors(checkpoint: Path, iteration: int) -> dict[str, torch.Tensor]:
     """Every model tensor of every stage file of one saved iteration, by global name."""
     tensors: dict[str, torch.Tensor] = {}
-    for path in sorted((checkpoint / f"iter_{iteration:07d}").glob("layers_*.pt")):
+    directory = checkpoint / f"iter_{iteration:07d}"
+    if (directory / ".metadata").exists():  # torch_dist (the default format)
+        return {name[len("model/"):]: value
+                for name, value in read_full_tensors(str(directory), prefix="model/")}
+    for path in sorted(directory.glob("layers_*.pt")):
         tensors.update(torch.load(path, map_location="cpu", weights_only=True)["model"])
     assert tensors, f"no stage files under {checkpoint}"
     return tensors

@@ -76,13 +76,17 @@ def global_state(stages):
     return out
 
 
-def test_resume_whole_model_is_exact(tmp_path):
+FORMATS = pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+
+
+@FORMATS
+def test_resume_whole_model_is_exact(tmp_path, fmt):
     stages, opt, sched = build([(0, 4)])
     for step in range(2):
         train_step(stages, opt, sched, step)
     save_checkpoint(str(tmp_path), CheckpointContents(2, stages, [(0, 4)], optimizer=opt,
                                                       scheduler=sched, consumed_train_samples=4),
-                    rank=0, world_size=1)
+                    rank=0, world_size=1, ckpt_format=fmt)
     assert read_tracker(str(tmp_path)) == 2
     train_step(stages, opt, sched, 2)
     expected = global_state(stages)
@@ -97,12 +101,13 @@ def test_resume_whole_model_is_exact(tmp_path):
         assert torch.equal(got[key], expected[key]), key
 
 
-def test_whole_model_checkpoint_loads_into_two_stages(tmp_path):
+@FORMATS
+def test_whole_model_checkpoint_loads_into_two_stages(tmp_path, fmt):
     stages, opt, sched = build([(0, 4)])
     train_step(stages, opt, sched, 0)
     save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
                                                       scheduler=sched, consumed_train_samples=2),
-                    rank=0, world_size=1)
+                    rank=0, world_size=1, ckpt_format=fmt)
     train_step(stages, opt, sched, 1)
     expected = global_state(stages)
 
@@ -117,14 +122,18 @@ def test_whole_model_checkpoint_loads_into_two_stages(tmp_path):
         assert torch.allclose(got[key], value, rtol=0, atol=1e-6), key
 
 
-def test_two_stage_checkpoint_loads_into_other_split(tmp_path):
+@FORMATS
+def test_two_stage_checkpoint_loads_into_other_split(tmp_path, fmt):
     stages, opt, sched = build([(0, 2), (2, 4)])
     train_step(stages, opt, sched, 0)
     save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 2), (2, 4)], optimizer=opt,
                                                       scheduler=sched, consumed_train_samples=2),
-                    rank=0, world_size=1)
+                    rank=0, world_size=1, ckpt_format=fmt)
     names = sorted(os.listdir(checkpoint_dir(str(tmp_path), 1)))
-    assert names == ["common.pt", "layers_000-002.pt", "layers_002-004.pt", "rng"]
+    if fmt == "torch":
+        assert names == ["common.pt", "layers_000-002.pt", "layers_002-004.pt", "rng"]
+    else:
+        assert names == [".metadata", "__0_0.distcp", "common.pt", "rng"]
     other, opt2, sched2 = build([(0, 1), (1, 4)], seed=5)
     load_checkpoint(str(tmp_path), other, 2, opt2, sched2, rank=0, world_size=1)
     before = global_state(stages)
@@ -144,11 +153,12 @@ def test_corrupt_file_is_named(tmp_path):
         load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
 
 
-def test_no_save_optim_requires_no_load_optim(tmp_path):
+@FORMATS
+def test_no_save_optim_requires_no_load_optim(tmp_path, fmt):
     stages, opt, sched = build([(0, 4)])
     save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
                                                       scheduler=sched, save_optim=False), rank=0,
-                    world_size=1)
+                    world_size=1, ckpt_format=fmt)
     with pytest.raises(CheckpointError, match="--no-load-optim"):
         load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
     loaded = load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1,
@@ -191,3 +201,47 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, victim):
     stages, opt, sched = build([(0, 4)], seed=3)
     loaded = load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
     assert loaded.iteration == 1 and loaded.consumed_train_samples == 1
+
+
+def test_tracker_naming_a_missing_iteration_lists_the_present_ones(tmp_path):
+    stages, opt, sched = build([(0, 4)])
+    save_checkpoint(str(tmp_path), CheckpointContents(3, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched), rank=0, world_size=1,
+                    ckpt_format="torch_dist")
+    (tmp_path / TRACKER_FILENAME).write_text("7\n")
+    with pytest.raises(CheckpointError, match=r"names iteration 7, .*iterations present: 3\)"):
+        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+
+
+def test_torch_dist_truncated_chunk_is_named(tmp_path):
+    stages, opt, sched = build([(0, 4)])
+    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched), rank=0, world_size=1,
+                    ckpt_format="torch_dist")
+    target = os.path.join(checkpoint_dir(str(tmp_path), 1), "__0_0.distcp")
+    data = open(target, "rb").read()
+    open(target, "wb").write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp: chunk of .* is corrupt or trunc"):
+        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+
+
+def test_torch_dist_metadata_never_runs_a_pickle(tmp_path):
+    import pickle
+
+    from megatron_chimera.checkpoint.dcp_io import METADATA_FILENAME
+
+    stages, opt, sched = build([(0, 4)])
+    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
+                                                      scheduler=sched), rank=0, world_size=1,
+                    ckpt_format="torch_dist")
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    path = os.path.join(checkpoint_dir(str(tmp_path), 1), METADATA_FILENAME)
+    with open(path, "wb") as handle:
+        pickle.dump(Evil(), handle)
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+    assert not (tmp_path / "pwned").exists()

@@ -177,3 +177,16 @@ def test_no_usable_documents_is_a_clear_error(tmp_path):
         BertDataset("train", prefix, MMapIndexedDataset(prefix), range(5), 10, 16, seed=0,
                     vocab_size=VOCAB, cls_id=CLS, sep_id=SEP, mask_id=MASK, pad_id=PAD,
                     cache_dir=str(tmp_path))
+
+
+def test_documents_without_sentence_splits_are_a_one_line_user_error():
+    """One sentence per document (a corpus preprocessed without --split-sentences) cannot give
+    BERT's sentence pairs: a UserError (one line, no traceback), naming the fix."""
+    import numpy as np
+
+    from megatron_chimera.errors import UserError
+
+    sizes = np.full(4, 20, dtype=np.int32)  # 4 documents of one 20-token sentence each
+    document_indices = np.arange(5, dtype=np.int64)
+    with pytest.raises(UserError, match="--split-sentences"):
+        build_samples_mapping(sizes, document_indices, range(4), 10, 30, 0.1, 1234, True)

@@ -93,10 +93,11 @@ def train(model, optimizer, steps: range) -> None:
         assert optimizer.step()[0]
 
 
-def save(root, model, optimizer, iteration: int) -> None:
+def save(root, model, optimizer, iteration: int, fmt: str = "torch") -> None:
     stage = StageSlice(0, (0, CONFIG.num_layers), model)
     save_checkpoint(str(root), CheckpointContents(iteration, [stage], [(0, CONFIG.num_layers)],
-                                                  optimizer=optimizer), rank=0, world_size=1)
+                                                  optimizer=optimizer), rank=0, world_size=1,
+                    ckpt_format=fmt)
 
 
 def resume(root, kind: str):
@@ -106,13 +107,14 @@ def resume(root, kind: str):
     return model, optimizer
 
 
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("kind", ["fused", "apex", "bf16"])
-def test_resumed_run_equals_uninterrupted_run(tmp_path, kind):
+def test_resumed_run_equals_uninterrupted_run(tmp_path, kind, fmt):
     straight, straight_opt = build(kind)
     train(straight, straight_opt, range(6))
     model, optimizer = build(kind)
     train(model, optimizer, range(3))
-    save(tmp_path, model, optimizer, 3)
+    save(tmp_path, model, optimizer, 3, fmt)
     model, optimizer = resume(tmp_path, kind)
     if kind == "fused":  # load_state_dict's policy: step tensors on the parameter's device
         for param, state in optimizer.optimizer.state.items():

@@ -83,3 +83,18 @@ def test_missing_checkpoint(tmp_path, capsys):
     fake_checkpoint(tmp_path, [*TRAINING, *MODEL])
     assert parse_args([*TRAINING, "--load", empty, "--use-checkpoint-args",
                        "--exit-on-missing-checkpoint"], world_size=1).model.num_layers == 3
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--async-save"], "--async-save requires --save"),
+    (["--async-save", "--save", "x", "--ckpt-format", "torch"],
+     "--async-save requires --ckpt-format torch_dist"),
+])
+def test_async_save_needs_save_and_torch_dist(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args([*TRAINING, *MODEL, *extra], world_size=1)
+
+
+def test_ckpt_format_defaults_to_torch_dist():
+    config = parse_args([*TRAINING, *MODEL], world_size=1)
+    assert config.checkpoint.ckpt_format == "torch_dist" and not config.checkpoint.async_save

@@ -1,0 +1,58 @@
+"""``--async-save``: a ``torch_dist`` checkpoint written in the background while training goes on.
+
+The save's state is captured at its iteration in host memory of its own
+(:func:`.checkpointing.prepare_sharded_save` with ``copy``); a thread then writes it with DCP and
+publishes it (staging directory, barrier, rename, tracker). The thread's collectives run on a
+process group of their own (gloo), so they never interleave with the training's. One save is in
+flight at a time: the next save and the end of training wait for it. A rank killed during the
+write leaves the staging directory unpublished: the tracker still names the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_chimera.checkpoint.checkpointing import SaveJob
+
+
+class AsyncCheckpointer:
+    """Runs one :class:`SaveJob` at a time in the background over ``group``."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._path: str | None = None
+
+    def start(self, job: SaveJob) -> None:
+        """Wait for the previous save, then write ``job`` in the background."""
+        self.wait()
+
+        def write() -> None:
+            try:
+                self._path = job.run(lambda: dist.barrier(group=self.group), self.group)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=write, name="async-save", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is being written."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> str | None:
+        """Block until the save in flight is published; returns its directory (None when there
+        was none) and raises its error, if it failed."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self._path

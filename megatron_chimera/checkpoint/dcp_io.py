@@ -1,0 +1,357 @@
+"""Chunked tensor I/O through ``torch.distributed.checkpoint`` (DCP).
+
+A rank hands DCP its chunks -- ``(fqn, offsets) -> tensor`` of a global tensor of a given size
+-- and DCP writes each rank's chunks to its own files in parallel; a chunk several ranks hold
+(replicas) is written once, by the holder with the least to write so far (DCP's deduplication).
+The metadata records every chunk's global offsets, so a load asks for the rectangles it needs and
+reads only the saved chunks that overlap them.
+
+Our planners describe the chunks directly (DCP's default planner only knows whole tensors,
+DTensors and ShardedTensors). Loading never executes a pickle: chunks are read with
+``torch.load(weights_only=True)`` by DCP and the metadata file with an unpickler that admits only
+DCP's metadata classes, torch sizes and dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import itertools
+import os
+import pickle
+import struct
+import warnings
+import zipfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.futures import Future
+
+from megatron_chimera.checkpoint.chunks import Rect
+
+ChunkKey = tuple[str, tuple[int, ...]]  # (fqn, offsets)
+METADATA_FILENAME = ".metadata"
+
+
+@dataclasses.dataclass
+class SaveChunk:
+    """One chunk to write: the global tensor's size and this piece's values."""
+
+    global_size: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+def _index(key: ChunkKey) -> MetadataIndex:
+    return MetadataIndex(key[0], torch.Size(key[1]))
+
+
+class ChunkSavePlanner(DefaultSavePlanner):
+    """Plans the writes of explicitly placed chunks (DCP deduplicates replicas globally)."""
+
+    def __init__(self, chunks: dict[ChunkKey, SaveChunk]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = chunks
+        self._by_index = {_index(k): c.tensor for k, c in chunks.items()}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for (fqn, offsets), chunk in self.chunks.items():
+            tensor = chunk.tensor
+            items.append(WriteItem(
+                index=_index((fqn, offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(tensor.shape)),
+                    properties=TensorProperties.create_from_tensor(tensor),
+                    size=torch.Size(chunk.global_size))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self._by_index[dataclasses.replace(index, index=None)]
+
+
+class ChunkLoadPlanner(DefaultLoadPlanner):
+    """Plans the reads that fill ``requests[(fqn, offsets)]`` (destination tensors, possibly
+    views) from whichever saved chunks overlap them."""
+
+    def __init__(self, requests: dict[ChunkKey, torch.Tensor]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.requests = requests
+        self._by_index = {_index(k): t for k, t in requests.items()}
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for (fqn, offsets), tensor in self.requests.items():
+            md = self.metadata.state_dict_metadata[fqn]
+            chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(tensor.shape))
+            items += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self._by_index[MetadataIndex(index.fqn, index.offset)]
+
+
+# ---------------------------------------------------------------------------- safe metadata
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.",)
+_ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"),
+            ("builtins", "frozenset"), ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses and enums, torch sizes, dtypes, layouts and memory
+    formats; anything else in the file is refused instead of executed."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith(_ALLOWED_MODULES) or (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+def read_metadata(path: str) -> Metadata:
+    """The DCP metadata of checkpoint directory ``path`` (safely unpickled)."""
+    with open(os.path.join(path, METADATA_FILENAME), "rb") as handle:
+        metadata = _MetadataUnpickler(handle).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError("not a DCP metadata object")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader reading only the bytes a request needs: of each saved chunk (a
+    ``torch.save`` zip holding the chunk's row-major bytes) it reads the zip's directory, never
+    its pickle, and then only the byte runs of the requested box. Counts the bytes it reads."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.bytes_read = 0
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return read_metadata(str(self.path))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._metadata = metadata
+
+    def _saved_chunk(self, index: MetadataIndex) -> tuple[tuple[int, ...], torch.dtype]:
+        md = self._metadata.state_dict_metadata[index.fqn]
+        chunks = md.chunks
+        if index.index is not None and index.index < len(chunks) and \
+                chunks[index.index].offsets == index.offset:
+            return tuple(chunks[index.index].sizes), md.properties.dtype
+        for chunk in chunks:
+            if chunk.offsets == index.offset:
+                return tuple(chunk.sizes), md.properties.dtype
+        raise KeyError(f"no saved chunk of {index.fqn} at {tuple(index.offset)}")
+
+    def read_data(self, plan: LoadPlan, planner: Any):
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            relative = self.storage_data[item.storage_index].relative_path
+            per_file.setdefault(relative, []).append(item)
+        for relative, items in per_file.items():
+            path = os.path.join(str(self.path), relative)
+            with open(path, "rb") as handle:
+                starts: dict[int, int] = {}
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    try:
+                        if info.offset not in starts:
+                            starts[info.offset] = self._data_start(handle, info)
+                        values = self._read_box(handle, starts[info.offset], item)
+                    except (ValueError, KeyError, zipfile.BadZipFile, struct.error) as exc:
+                        raise ValueError(f"{path}: chunk of {item.storage_index.fqn} at "
+                                         f"{tuple(item.storage_index.offset)} is corrupt or "
+                                         f"truncated ({exc})") from None
+                    target = planner.resolve_tensor(item).detach()
+                    target.copy_(values)
+                    planner.commit_tensor(item, target)
+        future: Future = Future()
+        future.set_result(None)
+        return future
+
+    def _data_start(self, handle, info) -> int:
+        """File offset of a saved chunk's tensor bytes (its zip's ``data/0`` member)."""
+        view = _CountingView(handle, info.offset, info.length)
+        with zipfile.ZipFile(view) as archive:
+            member = next((m for m in archive.infolist() if m.filename.endswith("/data/0")), None)
+        if member is None:
+            raise ValueError("no tensor data in the chunk")
+        view.seek(member.header_offset)
+        header = view.read(30)
+        name_length, extra_length = struct.unpack("<HH", header[26:30])
+        self.bytes_read += view.count
+        return info.offset + member.header_offset + 30 + name_length + extra_length
+
+    def _read_box(self, handle, start: int, item: Any) -> torch.Tensor:
+        """The requested box of a saved chunk, read as byte runs from ``start``."""
+        shape, dtype = self._saved_chunk(item.storage_index)
+        box_offsets, box_lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        buffer = bytearray()
+        for offset, count in _byte_runs(shape, box_offsets, box_lengths):
+            handle.seek(start + offset * itemsize)
+            data = handle.read(count * itemsize)
+            if len(data) != count * itemsize:
+                raise ValueError("the file ends early")
+            buffer += data
+        self.bytes_read += len(buffer)
+        if not buffer:
+            return torch.empty(box_lengths, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(box_lengths)
+
+
+class _CountingView(io.RawIOBase):
+    """A seekable read-only window ``[offset, offset + length)`` of a file that counts the
+    bytes read through it."""
+
+    def __init__(self, handle, offset: int, length: int) -> None:
+        super().__init__()
+        self.handle, self.offset, self.length = handle, offset, length
+        self.position, self.count = 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, position: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.position, 2: self.length}[whence]
+        self.position = max(0, base + position)
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def read(self, size: int = -1) -> bytes:
+        end = self.length if size is None or size < 0 else min(self.length, self.position + size)
+        self.handle.seek(self.offset + self.position)
+        data = self.handle.read(max(0, end - self.position))
+        self.position += len(data)
+        self.count += len(data)
+        return data
+
+
+def _byte_runs(shape: tuple[int, ...], offsets: tuple[int, ...],
+               lengths: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """(element offset, element count) of the contiguous runs of a box inside a row-major
+    array of ``shape``."""
+    if not shape:
+        yield 0, 1
+        return
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    split = 0  # dims after `split` are whole: each run spans them
+    for d in range(len(shape) - 1, -1, -1):
+        if d == 0 or lengths[d] != shape[d] or offsets[d] != 0:
+            split = d
+            break
+    run = lengths[split] * strides[split]
+    outer = [range(offsets[d], offsets[d] + lengths[d]) for d in range(split)]
+    for index in itertools.product(*outer):
+        base = sum(i * strides[d] for d, i in enumerate(index)) + offsets[split] * strides[split]
+        if run:
+            yield base, run
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that a tool without process groups saves or loads alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def save_chunks(path: str, chunks: dict[ChunkKey, SaveChunk], process_group=None) -> None:
+    """Collectively write every rank's ``chunks`` under directory ``path`` (DCP files plus
+    ``.metadata``; every file fsynced)."""
+    with _single_process_quiet():
+        dcp.save({}, storage_writer=FileSystemWriter(path, sync_files=True, thread_count=1),
+                 planner=ChunkSavePlanner(chunks), process_group=process_group,
+                 no_dist=not dist.is_initialized())
+
+
+def check_requests(path: str, metadata: Metadata, requests: dict[ChunkKey, torch.Tensor]) -> None:
+    """A clear error when a requested tensor is missing or its saved chunks do not cover the
+    request (a checkpoint of another model, or an incomplete one)."""
+    for (fqn, offsets), tensor in requests.items():
+        md = metadata.state_dict_metadata.get(fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            raise KeyError(f"{path}: no saved tensor {fqn}")
+        want = (offsets, tuple(tensor.shape))
+        if any(o + s > g for o, s, g in zip(offsets, tensor.shape, md.size)) or \
+                len(offsets) != len(md.size):
+            raise KeyError(f"{path}: saved tensor {fqn} has shape {tuple(md.size)}, which does "
+                           f"not hold the piece at {offsets} of size {tuple(tensor.shape)}")
+        if _covered(want, [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]) < \
+                tensor.numel():
+            raise KeyError(f"{path}: the saved chunks of {fqn} do not cover the piece at "
+                           f"{offsets} of size {tuple(tensor.shape)}")
+
+
+def _covered(want: Rect, saved: list[Rect]) -> int:
+    """Elements of ``want`` covered by the (disjoint) ``saved`` rectangles."""
+    total = 0
+    for offsets, sizes in saved:
+        count = 1
+        for wo, ws, so, ss in zip(want[0], want[1], offsets, sizes):
+            count *= max(0, min(wo + ws, so + ss) - max(wo, so))
+        total += count
+    return total
+
+
+def failure_message(exc: BaseException) -> str:
+    """One line for a failed DCP call: the first failing rank's own error (DCP wraps every
+    rank's exception and traceback into one CheckpointException)."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        rank, (inner, _trace) = min(failures.items(), key=lambda item: item[0])
+        text = str(inner).strip().splitlines()
+        return f"rank {rank}: {text[0] if text else type(inner).__name__}"
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def load_chunks(path: str, requests: dict[ChunkKey, torch.Tensor], process_group=None,
+                collective: bool = True) -> int:
+    """Fill ``requests`` from the checkpoint in ``path`` (collectively over every rank, unless
+    ``collective`` is False or there are no process groups); returns the bytes read."""
+    reader = SafeReader(path)
+    with _single_process_quiet():
+        dcp.load({}, storage_reader=reader, planner=ChunkLoadPlanner(requests),
+                 process_group=process_group,
+                 no_dist=not (collective and dist.is_initialized()))
+    return reader.bytes_read
+

@@ -18,15 +18,12 @@ import signal
 import torch
 import torch.distributed as dist
 
-from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint import checkpointing
 from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
     checkpoint_dir,
-    load_checkpoint,
     prepare_sharded_save,
-    save_checkpoint,
 )
 from megatron_chimera.checkpoint.sharded import read_full_tensors
 from megatron_chimera.config import DDPConfig
@@ -36,6 +33,7 @@ from .tp_cases import (
     ADAM,
     TPCase,
     _init_groups,
+    _layout_run,
     _stage_slices,
     build_run,
     make_batch,
@@ -60,31 +58,8 @@ def checkpoint_bytes(directory: str) -> int:
 def _run(case: TPCase, config, steps: int, root_in: str | None, root_out: str) -> int:
     """Build ``case``, load ``root_in`` (when given), train ``steps`` steps, save ``root_out``
     (torch_dist); returns the bytes this rank read."""
-    schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches,
-                              **dict(case.options))
-    _init_groups(case, schedule)
-    try:
-        modules, optimizer, executor, partition = build_run(case, config, schedule,
-                                                            optimizer_config=ADAM)
-        stages = _stage_slices(modules, partition)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        read = 0
-        if root_in is not None:
-            loaded = load_checkpoint(root_in, stages, schedule.num_stages, optimizer, None,
-                                     rank=rank, world_size=world)
-            read = loaded.bytes_read
-        dp = parallel_state.get_data_parallel_rank()
-        for step in range(steps):
-            optimizer.zero_grad()
-            executor.run([make_batch(case.family, step, dp, m)
-                          for m in range(case.num_microbatches)])
-            optimizer.step()
-        save_checkpoint(root_out, CheckpointContents(1, stages, partition, optimizer=optimizer),
-                        rank=rank, world_size=world, barrier=dist.barrier,
-                        ckpt_format="torch_dist")
-        return read
-    finally:
-        parallel_state.destroy_model_parallel()
+    return _layout_run(case, config, steps, root_in, root_out, ckpt_format="torch_dist",
+                       keep_states=False)["read"]
 
 
 def run_sharded_io(rank: int, world_size: int, root: str) -> None:

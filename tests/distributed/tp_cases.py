@@ -388,9 +388,11 @@ def read_checkpoint_tensors(root: str) -> dict[str, torch.Tensor]:
 
 
 def _layout_run(case: TPCase, config: ModelConfig, steps: int, root_in: str | None,
-                root_out: str) -> dict[str, torch.Tensor]:
+                root_out: str, ckpt_format: str = "torch", keep_states: bool = True
+                ) -> dict[str, Any]:
     """Create the case's groups, build, load ``root_in`` (if given), train ``steps`` steps, save
-    to ``root_out``; returns this rank's local state right after loading / building."""
+    to ``root_out`` in ``ckpt_format``; returns this rank's bytes read (``read``) and, with
+    ``keep_states``, its local state right after loading / building and after saving."""
     schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches,
                               **dict(case.options))
     _init_groups(case, schedule)
@@ -399,10 +401,13 @@ def _layout_run(case: TPCase, config: ModelConfig, steps: int, root_in: str | No
                                                             optimizer_config=ADAM)
         stages = _stage_slices(modules, partition)
         rank, world = dist.get_rank(), dist.get_world_size()
+        result: dict[str, Any] = {"read": 0}
         if root_in is not None:
-            load_checkpoint(root_in, stages, schedule.num_stages, optimizer, None, rank=rank,
-                            world_size=world)
-        loaded = _local_state(optimizer, stages)
+            loaded = load_checkpoint(root_in, stages, schedule.num_stages, optimizer, None,
+                                     rank=rank, world_size=world)
+            result["read"] = loaded.bytes_read
+        if keep_states:
+            result["loaded"] = _local_state(optimizer, stages)
         dp = parallel_state.get_data_parallel_rank()
         for step in range(steps):
             optimizer.zero_grad()
@@ -410,9 +415,11 @@ def _layout_run(case: TPCase, config: ModelConfig, steps: int, root_in: str | No
                           for m in range(case.num_microbatches)])
             optimizer.step()
         save_checkpoint(root_out, CheckpointContents(1, stages, partition, optimizer=optimizer),
-                        rank=rank, world_size=world,
-                                                     barrier=dist.barrier)
-        return {"loaded": loaded, "saved": _local_state(optimizer, stages)}
+                        rank=rank, world_size=world, barrier=dist.barrier,
+                        ckpt_format=ckpt_format)
+        if keep_states:
+            result["saved"] = _local_state(optimizer, stages)
+        return result
     finally:
         parallel_state.destroy_model_parallel()
 

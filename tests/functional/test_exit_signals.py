@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
-from tests.helpers.processes import alive, children_of
+from tests.helpers.processes import children_of, kill_launched
 
 from .launcher import ROOT, TINY, launch, launch_ranks, scalars, train
 
@@ -84,12 +84,7 @@ def sigterm_under_torchrun(args: list[str], after_iteration: int, tmp_path: Path
             lines += launcher.stdout.readlines()
             launcher.wait(timeout=120)
         finally:
-            for pid in workers:  # the processes this test started
-                if alive(pid):
-                    os.kill(pid, signal.SIGKILL)
-            if launcher.poll() is None:
-                launcher.kill()
-            launcher.stdout.close()
+            kill_launched(launcher, workers)  # the processes this test started
     return seen, "".join(lines), err_path.read_text()
 
 

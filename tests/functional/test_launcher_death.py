@@ -12,7 +12,7 @@ import pytest
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
 from megatron_chimera.training.process import die_with_parent
-from tests.helpers.processes import alive, children_of
+from tests.helpers.processes import alive, children_of, kill_launched
 
 from .launcher import ROOT, TINY
 
@@ -45,12 +45,7 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
         orphans = [w for w in workers if alive(w)]
         assert not orphans, f"workers {orphans} outlived the killed launcher"
     finally:
-        for pid in workers:  # the processes this test started
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        if launcher.poll() is None:
-            launcher.kill()
-        launcher.stdout.close()
+        kill_launched(launcher, workers)  # the processes this test started
 
 
 @pytest.mark.timeout(60)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,3 +45,14 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline and pid != os.getpid():
             found.append(pid)
     return found
+
+
+def kill_launched(launcher: subprocess.Popen, workers: list[int]) -> None:
+    """Clean up what a test started: SIGKILL the workers still alive, kill the launcher if it
+    still runs, close its stdout."""
+    for pid in workers:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    if launcher.poll() is None:
+        launcher.kill()
+    launcher.stdout.close()

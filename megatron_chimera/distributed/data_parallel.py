@@ -8,6 +8,7 @@ The optimizer over them is built by :func:`megatron_chimera.optimizer.get_data_p
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,10 +22,14 @@ from megatron_chimera.distributed.grad_buffer import (
     ModelGradBuffers,
     ShardGroup,
     build_grad_buffers,
+    grad_dtype_for,
     shared_embedding_weight,
 )
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron_chimera.tensor_parallel.weight_grad import fusion_saves_work
+
+logger = logging.getLogger(__name__)
 
 NormFilter = Callable[[nn.Parameter], bool]
 
@@ -82,6 +87,25 @@ def _shard_groups(modules: dict[int, nn.Module]) -> dict[int | str, ShardGroup]:
     return shards
 
 
+def _fuses_weight_grads(ddp: DDPConfig, modules: dict[int, nn.Module]) -> bool:
+    """Gradient-accumulation fusion where it saves a kernel (:func:`fusion_saves_work`); where it
+    does not, the buffers' hooks add the gradients (the same sums), said once."""
+    if not ddp.gradient_accumulation_fusion:
+        return False
+    param = next((p for m in modules.values() for p in m.parameters()), None)
+    if param is None:
+        return False
+    grad_dtype = grad_dtype_for(param.dtype, ddp.grad_reduce_in_fp32)
+    if fusion_saves_work(param.device, param.dtype, grad_dtype):
+        return True
+    if dist.is_initialized() and dist.get_rank() == 0:
+        logger.info("gradient-accumulation fusion: no fused kernel for %s parameters into %s "
+                    "gradients on %s (it is a CUDA kernel; half precision needs Apex's "
+                    "fused_weight_gradient_mlp_cuda); the gradient buffers' hooks add the "
+                    "gradients instead (same sums)", param.dtype, grad_dtype, param.device.type)
+    return False
+
+
 def build_data_parallel(ddp: DDPConfig, modules: dict[int, nn.Module]) -> DataParallel:
     """Gradient buffers, their synchronizer and the shard groups of this rank's stage modules.
 
@@ -96,7 +120,7 @@ def build_data_parallel(ddp: DDPConfig, modules: dict[int, nn.Module]) -> DataPa
         modules, ddp.grad_reduce_in_fp32,
         bucket_sizes={s: ddp.bucket_elements(n) for s, n in group_sizes.items()},
         shard_counts={k: g.size for k, g in shards.items()} if shards else None,
-        param_buffers=sharded, fuse_wgrad_accumulation=ddp.gradient_accumulation_fusion)
+        param_buffers=sharded, fuse_wgrad_accumulation=_fuses_weight_grads(ddp, modules))
     grad_sync = GradientSynchronizer.from_parallel_state(buffers, ddp.overlap_grad_reduce,
                                                          scatter=sharded)
     if sharded:

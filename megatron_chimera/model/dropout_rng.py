@@ -19,6 +19,7 @@ global generator as usual.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -47,6 +48,25 @@ def _digest(text: str) -> int:
                           "little") & ((1 << 63) - 1)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+@functools.cache
+def _site_key(site: str) -> int:
+    """A site name's 64-bit key (a digest, so that it is the same in every process)."""
+    return _digest(f"site:{site}")
+
+
+def _site_seed(stream: int, site: str) -> int:
+    """The seed of ``site`` in micro-batch ``stream``: SplitMix64's finaliser of the two keys
+    combined, in integer arithmetic (every layer of every micro-batch reseeds: no string
+    hashing there)."""
+    z = (stream * 0x9E3779B97F4A7C15 + _site_key(site)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # 63 bits: a valid manual_seed on every generator
+
+
 def current_stream() -> int | None:
     """The key of the micro-batch whose forward is running, or None outside a stream."""
     return _STREAM.get()
@@ -69,9 +89,9 @@ def seed_site(stream: int | None, site: str) -> None:
     micro-batch ``stream``; a no-op when ``stream`` is None (no keyed stream)."""
     if stream is None:
         return
-    seed = _digest(f"{stream}:{site}")
+    seed = _site_seed(stream, site)
     torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # (initialised implies available; checked per layer: cheap)
         torch.cuda.manual_seed(seed)
 
 
@@ -80,7 +100,7 @@ def keyed_site(stream: int, site: str) -> Iterator[None]:
     """Run the block on a generator seeded from ``(stream, site)`` and put the previous state
     back after: a side stream (e.g. dropout on tensor-split data, keyed by the tensor rank in
     ``site``) that leaves the layer's own stream exactly where it was."""
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cuda = torch.cuda.is_initialized()
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
         seed_site(stream, site)
         yield

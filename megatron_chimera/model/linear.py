@@ -36,6 +36,7 @@ class Linear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.weight_grad_store: WeightGradStore | None = None
+        self.weight_grad_deferrable = True  # see weight_grad.set_weight_grad_deferral
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Same result as ``nn.Linear``; routes through the deferrable autograd function."""

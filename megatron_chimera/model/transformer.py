@@ -18,6 +18,7 @@ draw the same mask on every tensor rank.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -85,16 +86,22 @@ def uses_sequence_parallel(config: ModelConfig) -> bool:
     return config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
 def tensor_parallel_rng(split: bool, site: str) -> contextlib.AbstractContextManager:
     """A per-tensor-rank stream for dropout site ``site`` on ``split`` (per-rank) data, else the
     default stream (the same mask on every tensor-parallel rank). In a keyed-dropout stream the
-    per-rank stream is keyed by (micro-batch, site, tensor rank); outside one it is the
-    tracker's."""
+    per-rank stream is keyed by (micro-batch, site, tensor rank) -- with one tensor rank nothing
+    is split and the layer's own keyed stream serves, without a side stream's cost; outside a
+    keyed stream it is the tracker's."""
     if not split:
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     stream = current_stream()
     if stream is None:
         return get_cuda_rng_tracker().fork()
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return _NO_CONTEXT
     rank = parallel_state.get_tensor_model_parallel_rank()
     return keyed_site(stream, f"{site}:tensor-rank:{rank}")
 
@@ -127,16 +134,20 @@ class CoreAttention(nn.Module):
         self.layer_scale = float(layer_number) if config.apply_query_key_layer_scaling else 1.0
         self.use_flash_attn = config.use_flash_attn
         self.document_attention = config.document_attention
+        self._noticed = False
+        self._options = {  # the attention kernel's options, by whether the query is on CUDA
+            on_cuda: dict(fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
+                          layer_scale=self.layer_scale, flash_only=self.use_flash_attn and on_cuda)
+            for on_cuda in (False, True)}
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 mask: AttentionMask) -> torch.Tensor:
         """Context ``[b, heads, s, head_dim]``; ``mask`` is a bool tensor, True where attention
         is forbidden, or a :class:`DocumentMask` (causal attention within documents). The heads
         are this rank's: attention dropout draws from the tensor-parallel RNG stream."""
-        flash_only = self.use_flash_attn and query.is_cuda
-        self._notices(query)
-        options = dict(fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
-                       layer_scale=self.layer_scale, flash_only=flash_only)
+        if not self._noticed:
+            self._notices(query)
+        options = self._options[query.is_cuda]
         with tensor_parallel_rng(self.training and self.dropout_p > 0, self.site):
             if isinstance(mask, DocumentMask):
                 if not self.causal:
@@ -154,7 +165,9 @@ class CoreAttention(nn.Module):
         return self.fused and query.is_cuda and mask is None
 
     def _notices(self, query: torch.Tensor) -> None:
-        """Flags that cannot act on this device / path, said once per process."""
+        """Flags that cannot act on this device / path, said once per process (looked at on
+        the first forward: a layer's device and dtype do not change in training)."""
+        self._noticed = True
         if self.use_flash_attn and not query.is_cuda:
             warn_once("--use-flash-attn has no effect on the CPU: flash and memory-efficient "
                       "attention are CUDA kernels; scaled_dot_product_attention picks its CPU "
@@ -212,7 +225,7 @@ class ParallelAttention(nn.Module):
         qkv = qkv.view(s, b, self.num_groups, (per_group + 2) * d)
         query, key, value = qkv.split([per_group * d, d, d], dim=-1)
         query = query.reshape(s, b, self.num_heads, d).permute(1, 2, 0, 3)
-        key, value = (t.permute(1, 2, 0, 3) for t in (key, value))
+        key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
         if rotary is not None:
             query = apply_rotary_pos_emb(query, rotary)
             key = apply_rotary_pos_emb(key, rotary)
@@ -298,6 +311,8 @@ class ParallelTransformerLayer(nn.Module):
         self.self_attention = ParallelAttention(config, layer_number, causal)
         self.post_attention_layernorm = sequence_parallel_layer_norm(config, backend)
         self.mlp = ParallelMLP(config)
+        self.site = layer_site(layer_number)  # its keyed-dropout site
+        self.residual_sites = (f"{self.site}:attention-residual", f"{self.site}:mlp-residual")
         self._init_weights(config, seed)
 
     def _init_weights(self, config: ModelConfig, seed: int) -> None:
@@ -313,14 +328,18 @@ class ParallelTransformerLayer(nn.Module):
                 rotary: RotaryTables | None = None) -> torch.Tensor:
         """``[s(/T), b, h] -> [s(/T), b, h]``: attention and MLP blocks, each with a residual."""
         attention_out, bias = self.self_attention(self.input_layernorm(hidden), mask, rotary)
-        split = self.sequence_parallel and self.training and self.hidden_dropout > 0
-        site = layer_site(self.layer_number)
-        with tensor_parallel_rng(split, f"{site}:attention-residual"):
-            hidden = bias_dropout_add(attention_out, bias, hidden, self.hidden_dropout,
-                                      self.training)
+        hidden = self._bias_dropout_add(attention_out, bias, hidden, self.residual_sites[0])
         mlp_out, bias = self.mlp(self.post_attention_layernorm(hidden))
-        with tensor_parallel_rng(split, f"{site}:mlp-residual"):
-            return bias_dropout_add(mlp_out, bias, hidden, self.hidden_dropout, self.training)
+        return self._bias_dropout_add(mlp_out, bias, hidden, self.residual_sites[1])
+
+    def _bias_dropout_add(self, out: torch.Tensor, bias: torch.Tensor | None,
+                          residual: torch.Tensor, site: str) -> torch.Tensor:
+        """``residual + dropout(out + bias)``; on sequence-split data the mask is this tensor
+        rank's (:func:`tensor_parallel_rng`)."""
+        if self.sequence_parallel and self.training and self.hidden_dropout > 0:
+            with tensor_parallel_rng(True, site):
+                return bias_dropout_add(out, bias, residual, self.hidden_dropout, True)
+        return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training)
 
 
 class ParallelTransformer(nn.Module):
@@ -354,8 +373,9 @@ class ParallelTransformer(nn.Module):
         # every layer exactly as the forward.
         def run_layers(hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
             with in_stream(stream):
-                for layer in self.layers[first:last]:
-                    seed_site(stream, layer_site(layer.layer_number))
+                # (islice: slicing a ModuleList would build a new one, indexing checks bounds)
+                for layer in itertools.islice(self.layers, first, last):
+                    seed_site(stream, layer.site)
                     hidden = layer(hidden, mask, rotary)
             return hidden
         return run_layers

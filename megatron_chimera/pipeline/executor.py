@@ -80,7 +80,10 @@ from megatron_chimera.schedules.lowering import (
 from megatron_chimera.schedules.validate import validate_lowered
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
 from megatron_chimera.tensor_parallel.random import restored_tracker_states
-from megatron_chimera.tensor_parallel.weight_grad import deferrable_modules
+from megatron_chimera.tensor_parallel.weight_grad import (
+    deferrable_modules,
+    set_weight_grad_deferral,
+)
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
 __all__ = ["PipelineExecutor", "StageWork", "Gradients", "ExecutorPolicy", "PipelineFailure",
@@ -336,6 +339,9 @@ class PipelineExecutor:
                 f"expected {self.schedule.num_microbatches} micro-batches, got {len(microbatches)}"
             )
         start = time.perf_counter()
+        if not forward_only:  # split backwards need deferrable forwards; others, torch's own
+            for linears in self._linears.values():
+                set_weight_grad_deferral(linears, self.schedule.split_backward)
         run = self.active = _Iteration(self, microbatches, self.programs[forward_only])
         try:
             self.connect()

@@ -64,7 +64,9 @@ class ColumnParallelLinear(nn.Module):
                  dtype: torch.dtype | None = None, async_allreduce: bool = True) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = divide(output_size, _world(), "output size")
+        self.tensor_parallel_size = _world()  # the weights are shaped for it
+        self.output_size_per_partition = divide(output_size, self.tensor_parallel_size,
+                                                "output size")
         self.gather_output = gather_output
         self.async_allreduce = async_allreduce
         self.skip_bias_add = skip_bias_add
@@ -79,14 +81,18 @@ class ColumnParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=dtype))
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
         self.weight_grad_store: WeightGradStore | None = None
+        self.weight_grad_deferrable = True  # see weight_grad.set_weight_grad_deferral
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s(/T), b, in] -> ([s, b, out/T] or [s, b, out] gathered, bias or None)``."""
         bias = None if self.skip_bias_add else self.bias
+        if self.tensor_parallel_size == 1:  # nothing to gather or reduce
+            return linear_with_deferrable_weight_grad(input_, self, bias), (
+                self.bias if self.skip_bias_add else None)
         if self.sequence_parallel:
             input_parallel = gather_from_sequence_parallel_region(input_)
             output = linear_with_deferrable_weight_grad(input_parallel, self, bias)
-        elif self.async_allreduce and _world() > 1:  # the input-gradient all-reduce inside
+        elif self.async_allreduce:  # the input-gradient all-reduce inside
             output = linear_with_deferrable_weight_grad(
                 input_, self, bias, parallel_state.get_tensor_model_parallel_group())
         else:
@@ -113,7 +119,9 @@ class RowParallelLinear(nn.Module):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = divide(input_size, _world(), "input size")
+        self.tensor_parallel_size = _world()  # the weights are shaped for it
+        self.input_size_per_partition = divide(input_size, self.tensor_parallel_size,
+                                               "input size")
         self.input_is_parallel = input_is_parallel
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel and _world() > 1
@@ -128,12 +136,13 @@ class RowParallelLinear(nn.Module):
             set_defaults_if_not_set_tensor_model_parallel_attributes(self.bias)
             self.bias.sequence_parallel = self.sequence_parallel
         self.weight_grad_store: WeightGradStore | None = None
+        self.weight_grad_deferrable = True  # see weight_grad.set_weight_grad_deferral
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[s, b, in/T] (or in) -> ([s(/T), b, out], bias or None)``."""
         input_parallel = (input_ if self.input_is_parallel
                           else scatter_to_tensor_model_parallel_region(input_))
-        if _world() == 1 and not self.skip_bias_add:
+        if self.tensor_parallel_size == 1 and not self.skip_bias_add:
             # nothing to reduce: the bias goes into the matmul (one kernel, one autograd node)
             return linear_with_deferrable_weight_grad(input_parallel, self, self.bias), None
         output_parallel = linear_with_deferrable_weight_grad(input_parallel, self, None)

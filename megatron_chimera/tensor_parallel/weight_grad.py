@@ -97,6 +97,22 @@ def apex_wgrad_kernel():
         return None
 
 
+def fusion_saves_work(device: torch.device, param_dtype: torch.dtype,
+                      grad_dtype: torch.dtype) -> bool:
+    """Whether gradient-accumulation fusion saves a kernel for parameters of ``param_dtype`` on
+    ``device`` with a ``grad_dtype`` buffer: on CUDA, one ``addmm_`` into a ``main_grad`` of the
+    parameters' dtype, or Apex's fp32-accumulating GEMM for half-precision parameters (as
+    Megatron, whose fusion is that CUDA kernel). Elsewhere -- the CPU, half precision without
+    Apex -- the fused backward would run the same product and add as the buffer's hook, only
+    through a Python autograd function (host time at every linear)."""
+    if device.type != "cuda":
+        return False
+    if param_dtype == grad_dtype:
+        return True
+    return (apex_wgrad_kernel() is not None and grad_dtype == torch.float32
+            and param_dtype in (torch.float16, torch.bfloat16))
+
+
 def fuses_weight_grad(weight: nn.Parameter) -> bool:
     """True when ``weight``'s gradient is accumulated straight into its ``main_grad``."""
     return (getattr(weight, "fuse_wgrad_accumulation", False)
@@ -205,8 +221,23 @@ class BiasAddWithDeferrableGrad(torch.autograd.Function):
         return grad_output, grad_bias, None
 
 
+def needs_deferrable_function(module: nn.Module) -> bool:
+    """Whether ``module``'s forward must go through our autograd functions: its weight gradient
+    may be deferred (a split-backward schedule, ``module.weight_grad_deferrable``) or is fused
+    into ``main_grad`` -- and autograd is recording. Otherwise torch's own ``F.linear`` and ``+``
+    give the same result at a fraction of the host cost (no Python in the backward)."""
+    return _needs_function(module, module.weight)
+
+
+def _needs_function(module: nn.Module, weight: nn.Parameter) -> bool:
+    return torch.is_grad_enabled() and (module.weight_grad_deferrable
+                                        or fuses_weight_grad(weight))
+
+
 def bias_add_with_deferrable_grad(inputs: torch.Tensor, module: nn.Module) -> torch.Tensor:
     """``inputs + module.bias`` with the bias gradient deferrable (split backward)."""
+    if not needs_deferrable_function(module):
+        return inputs + module.bias
     return BiasAddWithDeferrableGrad.apply(inputs, module.bias, module)
 
 
@@ -217,8 +248,24 @@ def linear_with_deferrable_weight_grad(inputs: torch.Tensor, module: nn.Module,
     """``inputs @ module.weight^T (+ bias)`` through :class:`LinearWithDeferrableWeightGrad`;
     ``bias`` must be ``module.bias`` or None (then the caller adds it). ``dgrad_group``: sum the
     input gradient over this group, asynchronously, overlapped with the weight gradient (a
-    column-parallel layer's replicated input)."""
-    return LinearWithDeferrableWeightGrad.apply(inputs, module.weight, bias, module, dgrad_group)
+    column-parallel layer's replicated input). Plain ``F.linear`` when none of that is needed
+    (:func:`needs_deferrable_function`)."""
+    weight = module.weight
+    if dgrad_group is None and (  # (the common case first: a layer neither defers nor fuses)
+            not (module.weight_grad_deferrable or getattr(weight, "fuse_wgrad_accumulation",
+                                                          False))
+            or not _needs_function(module, weight)):
+        return torch.nn.functional.linear(inputs, weight, bias)
+    return LinearWithDeferrableWeightGrad.apply(inputs, weight, bias, module, dgrad_group)
+
+
+def set_weight_grad_deferral(modules: Sequence[nn.Module], deferrable: bool) -> None:
+    """Whether the forwards of ``modules`` (:func:`deferrable_modules`) keep their weight
+    gradients deferrable: on for a split-backward schedule, off (torch's native linear) for the
+    others. New layers are deferrable, so a backward under :func:`defer_weight_grad` never
+    meets a forward that cannot defer."""
+    for module in modules:
+        module.weight_grad_deferrable = deferrable
 
 
 def deferrable_modules(module: nn.Module) -> list[nn.Module]:
@@ -236,6 +283,12 @@ def defer_weight_grad(module: nn.Module | Sequence[nn.Module],
     (:func:`deferrable_modules`, kept by a caller that defers every iteration) saves walking the
     module each time."""
     linears = deferrable_modules(module) if isinstance(module, nn.Module) else module
+    refused = [type(m).__name__ for m in linears if not m.weight_grad_deferrable]
+    if refused:
+        raise RuntimeError(
+            f"defer_weight_grad: {len(refused)} layer(s) ({refused[0]}, ...) ran their forward "
+            "with deferral off (set_weight_grad_deferral(..., False)): their weight gradients "
+            "are computed in the backward and cannot be deferred")
     for linear in linears:
         linear.weight_grad_store = store
     try:

@@ -107,6 +107,10 @@ def run_chain(rank: int, world_size: int, name: str, n: int, options: dict,
             for s, module in stages.items():
                 if module.linear is None:
                     continue
+                if module.linear.weight_grad_deferrable != schedule.split_backward:
+                    raise AssertionError(  # split backwards defer; the others run torch's own
+                        f"stage {s}: deferrable forward {module.linear.weight_grad_deferrable} "
+                        f"under a schedule with split_backward={schedule.split_backward}")
                 visiting = sorted({a.microbatch for a in schedule.actions[prank]
                                    if a.kind == FORWARD and a.stage == s})
                 reference = _reference(schedule.num_stages, n, step, visiting)

@@ -1,9 +1,11 @@
 """The deferrable Linear: same results as nn.Linear; deferred W equals immediate grads."""
 
+import pytest
 import torch
 from torch import nn
 
 from megatron_chimera.model.linear import Linear, WeightGradStore, defer_weight_grad
+from megatron_chimera.tensor_parallel.weight_grad import set_weight_grad_deferral
 
 
 def _pair(seed: int = 0) -> tuple[nn.Sequential, nn.Sequential]:
@@ -54,3 +56,36 @@ def test_deferred_weight_grad_equals_immediate_and_accumulates():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
     # outside the context the store is detached again
     assert all(m.weight_grad_store is None for m in deferred.modules() if isinstance(m, Linear))
+
+
+def test_a_layer_that_neither_defers_nor_fuses_runs_torchs_own_linear():
+    """Deferral off and no fusion: the forward is plain ``F.linear`` (torch's own backward node,
+    no Python in the backward), with the same output and gradients as the deferrable path."""
+    _, deferrable = _pair(2)
+    _, native = _pair(2)
+    set_weight_grad_deferral([native[0], native[2]], False)
+    x = torch.randn(4, 2, 8)
+    outputs = [model(x) for model in (deferrable, native)]
+    assert type(deferrable[0](x).grad_fn).__name__ == "LinearWithDeferrableWeightGradBackward"
+    node = native[0](x).grad_fn  # torch's: a view of one addmm with the bias inside
+    assert [type(n).__name__ for n in (node, node.next_functions[0][0])] == [
+        "ViewBackward0", "AddmmBackward0"]
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    for output in outputs:
+        output.square().sum().backward()
+    for a, b in zip(deferrable.parameters(), native.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    # a weight marked for gradient-accumulation fusion still takes our function
+    native[0].weight.main_grad = torch.zeros_like(native[0].weight)
+    native[0].weight.fuse_wgrad_accumulation = True
+    assert type(native[0](x).grad_fn).__name__ == "LinearWithDeferrableWeightGradBackward"
+
+
+def test_defer_weight_grad_refuses_layers_whose_forward_cannot_defer():
+    """A backward cannot defer what a native forward computes in the backward: said, not run."""
+    _, model = _pair(3)
+    set_weight_grad_deferral([model[0]], False)
+    with pytest.raises(RuntimeError, match="cannot be deferred"):
+        with defer_weight_grad(model, WeightGradStore()):
+            pass
+    assert all(m.weight_grad_store is None for m in model.modules() if isinstance(m, Linear))

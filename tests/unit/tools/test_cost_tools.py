@@ -68,7 +68,8 @@ def test_layer_host_overhead_compares_our_layer_with_a_plain_one(tmp_path):
     gradient flow are checked here, the ratio target is the benchmark's to report)."""
     bench = tool("benchmark_layer")
     figures = bench.host_overhead(layers=1, steps=3, warmup=1)
-    for key in ("ours_forward_us", "ours_backward_us", "plain_forward_us", "plain_backward_us"):
+    for key in ("ours_forward_us", "ours_backward_us", "plain_forward_us", "plain_backward_us",
+                "split_forward_us", "split_backward_us"):
         assert figures[key] > 0, key
     assert figures["forward_ratio"] == figures["ours_forward_us"] / figures["plain_forward_us"]
     assert figures["backward_ratio"] == (figures["ours_backward_us"]

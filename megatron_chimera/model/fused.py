@@ -9,10 +9,13 @@ the default; ``unfused`` = the reference composition of element-wise ops, for co
 * bias + GeLU (tanh approximation): the bias is added by :class:`~.linear.Linear` (which must own
   it for the split backward), then ``F.gelu(approximate="tanh")``, one native kernel forward and
   backward. Unfused: the tanh formula in separate element-wise ops.
-* bias + dropout + add: native ``residual + dropout(x)`` with the bias added inside
-  :class:`~.linear.Linear` (so a split backward defers its gradient to W); with
-  ``--no-bias-dropout-fusion`` the output projections return their bias and Megatron's unfused
-  ``residual + dropout(x + bias)`` adds it in separate ops.
+* bias + dropout + add: the bias added inside the output projection's matmul (one ``addmm``;
+  after the reduction with T > 1, deferrable to W in a split backward), then in training on
+  CUDA ``residual + dropout(x)`` as one ``torch.compile``d kernel (Megatron's
+  ``bias_dropout_add_fused_train``, which Megatron-core also compiles with ``torch.compile``);
+  on the CPU the native ``residual + dropout(x)`` (compiling buys nothing there: host-bound, and
+  a compile per shape). With ``--no-bias-dropout-fusion`` the output projections return their
+  bias and Megatron's unfused ``residual + dropout(x + bias)`` adds it in separate ops.
 * ``--use-flash-attn`` (CUDA): SDPA restricted to its flash and memory-efficient kernels; a
   configuration neither supports raises :class:`ConfigError` with torch's reasons instead of
   falling back to the math kernel. On the CPU the flag cannot apply (those are CUDA kernels) and
@@ -147,11 +150,34 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
-                     prob: float, training: bool) -> torch.Tensor:
-    """``residual + dropout(x + bias)``, Megatron's residual connection after attention and MLP."""
+                     prob: float, training: bool, fused: bool = False) -> torch.Tensor:
+    """``residual + dropout(x + bias)``, Megatron's residual connection after attention and MLP.
+
+    ``fused`` (``--bias-dropout-fusion`` in training, on CUDA): one ``torch.compile``d kernel
+    (:func:`compiled_bias_dropout_add`, Megatron's ``bias_dropout_add_fused_train``) instead of
+    separate dropout and add kernels. Its dropout draws from the same generator (so keyed
+    dropout and recomputation replay it) but through the compiler's own random kernel: the masks
+    differ from the eager path's, as Megatron's fused masks do."""
+    if fused and training and prob > 0:
+        return compiled_bias_dropout_add()(x, bias, residual, prob)
     if bias is not None:
         x = x + bias
     return residual + F.dropout(x, p=prob, training=training)
+
+
+def _bias_dropout_add_train(x: torch.Tensor, bias: torch.Tensor | None,
+                            residual: torch.Tensor, prob: float) -> torch.Tensor:
+    if bias is not None:
+        x = x + bias
+    return residual + F.dropout(x, p=prob, training=True)
+
+
+@functools.cache
+def compiled_bias_dropout_add(backend: str = "inductor"):
+    """``residual + dropout(x + bias)`` in training, compiled whole (``fullgraph``: a graph
+    break would silently unfuse it) by ``backend`` -- inductor, which fuses it into one kernel
+    on CUDA; tests trace it with ``aot_eager`` on the CPU (the same graph, eager kernels)."""
+    return torch.compile(_bias_dropout_add_train, fullgraph=True, backend=backend)
 
 
 # --------------------------------------------------------------------------- notices

@@ -306,6 +306,7 @@ class ParallelTransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.hidden_dropout = config.hidden_dropout
+        self.bias_dropout_fusion = config.bias_dropout_fusion
         self.sequence_parallel = uses_sequence_parallel(config)
         self.input_layernorm = sequence_parallel_layer_norm(config, backend)
         self.self_attention = ParallelAttention(config, layer_number, causal)
@@ -336,10 +337,11 @@ class ParallelTransformerLayer(nn.Module):
                           residual: torch.Tensor, site: str) -> torch.Tensor:
         """``residual + dropout(out + bias)``; on sequence-split data the mask is this tensor
         rank's (:func:`tensor_parallel_rng`)."""
+        fused = self.bias_dropout_fusion and out.is_cuda
         if self.sequence_parallel and self.training and self.hidden_dropout > 0:
             with tensor_parallel_rng(True, site):
-                return bias_dropout_add(out, bias, residual, self.hidden_dropout, True)
-        return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training)
+                return bias_dropout_add(out, bias, residual, self.hidden_dropout, True, fused)
+        return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training, fused)
 
 
 class ParallelTransformer(nn.Module):

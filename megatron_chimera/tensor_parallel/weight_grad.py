@@ -25,7 +25,12 @@ extension is importable (half-precision inputs, fp32 accumulation in the GEMM), 
 in the buffer's post-accumulate hook. The backward then hands autograd a zero
 placeholder and sets ``weight.grad_added_to_main_grad``, which tells the hook to skip the add
 (its readiness callback still fires, so overlapped reductions see the parameter as final). The
-deferred ``W`` of split-backward schedules accumulates the same way.
+deferred ``W`` of split-backward schedules accumulates the same way. It is turned on where it
+saves a kernel (:func:`fusion_saves_work`: CUDA), as Megatron's needs its CUDA extension.
+
+**Host cost**: a layer whose weight gradient is neither deferrable (the executor turns that on
+for split-backward schedules only, :func:`set_weight_grad_deferral`) nor fused runs torch's own
+``F.linear``: no Python autograd function in its forward or backward.
 """
 
 from __future__ import annotations

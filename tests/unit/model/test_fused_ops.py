@@ -186,3 +186,24 @@ def test_layer_norm_matches_formula():
     mean, var = x.mean(-1, keepdim=True), x.var(-1, unbiased=False, keepdim=True)
     expected = (x - mean) / torch.sqrt(var + 1e-5) * norm.weight + norm.bias
     torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_compiled_bias_dropout_add_is_the_eager_one_traced_whole(with_bias):
+    """The closure ``torch.compile`` fuses on CUDA (``--bias-dropout-fusion``) traces without a
+    graph break (``fullgraph``) to the same graph: run by ``aot_eager`` on the CPU -- eager
+    kernels, so the same generator draws the same mask -- output and gradients are bitwise the
+    eager function's (inductor's CUDA kernel then differs only in its random stream)."""
+    compiled = fused.compiled_bias_dropout_add("aot_eager")
+    g = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(4, 3, 6, generator=g, requires_grad=True) for _ in range(2))
+    bias = torch.randn(6, generator=g, requires_grad=True) if with_bias else None
+    outputs = []
+    for function in (compiled, lambda *a: fused.bias_dropout_add(*a, training=True)):
+        torch.manual_seed(5)
+        outputs.append(function(x, bias, residual, 0.3))
+    assert torch.equal(outputs[0], outputs[1])
+    assert 0 < (outputs[0] == residual).float().mean().item() < 1  # dropout did drop
+    inputs = [t for t in (x, residual, bias) if t is not None]
+    grads = [torch.autograd.grad(out.square().sum(), inputs) for out in outputs]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -236,3 +236,24 @@ def test_gradient_accumulation_fusion_marks_weights_and_skips_the_hook_add():
     plain = _accumulated_grads(torch.float32, fused=False, deferred=False)
     for name in plain:
         torch.testing.assert_close(aliased[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_gradient_accumulation_fusion_is_used_where_it_saves_a_kernel():
+    """CUDA with the parameters' dtype (one addmm_) or Apex's fp32-accumulating GEMM; not the
+    CPU, nor half precision without Apex (the same product and add as the hook, with a Python
+    autograd function's host cost at every linear)."""
+    from megatron_chimera.tensor_parallel import weight_grad
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert weight_grad.fusion_saves_work(cuda, torch.float32, torch.float32)
+    assert weight_grad.fusion_saves_work(cuda, torch.bfloat16, torch.bfloat16)
+    assert not weight_grad.fusion_saves_work(cpu, torch.float32, torch.float32)
+    if weight_grad.apex_wgrad_kernel() is None:
+        assert not weight_grad.fusion_saves_work(cuda, torch.bfloat16, torch.float32)
+    from megatron_chimera.config import DDPConfig
+    from megatron_chimera.distributed import data_parallel
+
+    modules = {0: nn.Linear(3, 3)}  # CPU parameters: the flag's default leaves them unmarked
+    assert not data_parallel._fuses_weight_grads(DDPConfig(), modules)
+    assert not data_parallel._fuses_weight_grads(
+        DDPConfig(gradient_accumulation_fusion=False), modules)

@@ -135,6 +135,7 @@ class CoreAttention(nn.Module):
         self.use_flash_attn = config.use_flash_attn
         self.document_attention = config.document_attention
         self._noticed = False
+        self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
         self._options = {  # the attention kernel's options, by whether the query is on CUDA
             on_cuda: dict(fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
                           layer_scale=self.layer_scale, flash_only=self.use_flash_attn and on_cuda)
@@ -147,16 +148,23 @@ class CoreAttention(nn.Module):
         are this rank's: attention dropout draws from the tensor-parallel RNG stream."""
         if not self._noticed:
             self._notices(query)
+        if (self.training and self.dropout_p > 0
+                and (self.tensor_parallel_size > 1 or current_stream() is None)):
+            with tensor_parallel_rng(True, self.site):
+                return self._attend(query, key, value, mask)
+        return self._attend(query, key, value, mask)  # (one tensor rank, keyed: its own stream)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: AttentionMask) -> torch.Tensor:
         options = self._options[query.is_cuda]
-        with tensor_parallel_rng(self.training and self.dropout_p > 0, self.site):
-            if isinstance(mask, DocumentMask):
-                if not self.causal:
-                    raise ValueError("a document mask needs causal (GPT) attention")
-                return document_attention(query, key, value, mask, self.dropout_p,
-                                          self.training, implementation=self.document_attention,
-                                          **options)
-            return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
-                             **options)
+        if isinstance(mask, DocumentMask):
+            if not self.causal:
+                raise ValueError("a document mask needs causal (GPT) attention")
+            return document_attention(query, key, value, mask, self.dropout_p,
+                                      self.training, implementation=self.document_attention,
+                                      **options)
+        return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
+                         **options)
 
     def stores_no_scores(self, query: torch.Tensor, mask: AttentionMask) -> bool:
         """Whether this core keeps no ``[s, s]`` scores for its backward: the fused kernel on CUDA
@@ -248,7 +256,8 @@ class ParallelAttention(nn.Module):
         qkv, _ = self.query_key_value(hidden)
         s, b, _ = qkv.shape
         query, key, value = self.query_key_value_heads(qkv, rotary)
-        key, value = self.repeat_key_value(key, value)
+        if self.heads_per_group > 1:
+            key, value = self.repeat_key_value(key, value)
         if (self.recompute_core and self.training and torch.is_grad_enabled()
                 and not self.core_attention.stores_no_scores(query, mask)):
             context = checkpoint(with_current_stream(self.core_attention), query, key, value,

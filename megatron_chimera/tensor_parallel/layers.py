@@ -24,7 +24,6 @@ from torch import nn
 from megatron_chimera import parallel_state
 from megatron_chimera.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -53,7 +52,8 @@ class ColumnParallelLinear(nn.Module):
     The input is replicated over the tensor-parallel ranks (its gradient is all-reduced --
     asynchronously, overlapped with the weight gradient, unless ``async_allreduce`` is off:
     Megatron's ``--no-async-tensor-model-parallel-allreduce``), or with ``sequence_parallel``
-    split along the sequence (all-gathered forward, gradient reduce-scattered).
+    split along the sequence (all-gathered forward, gradient reduce-scattered -- overlapped with
+    the weight gradient, as Megatron does under sequence parallelism).
     ``gather_output`` all-gathers the output features; ``skip_bias_add`` returns the bias (this
     rank's shard) for the caller to add.
     """
@@ -89,9 +89,9 @@ class ColumnParallelLinear(nn.Module):
         if self.tensor_parallel_size == 1:  # nothing to gather or reduce
             return linear_with_deferrable_weight_grad(input_, self, bias), (
                 self.bias if self.skip_bias_add else None)
-        if self.sequence_parallel:
-            input_parallel = gather_from_sequence_parallel_region(input_)
-            output = linear_with_deferrable_weight_grad(input_parallel, self, bias)
+        if self.sequence_parallel:  # gathered inside; its gradient reduce-scattered, overlapped
+            output = linear_with_deferrable_weight_grad(input_, self, bias,
+                                                        sequence_parallel=True)
         elif self.async_allreduce:  # the input-gradient all-reduce inside
             output = linear_with_deferrable_weight_grad(
                 input_, self, bias, parallel_state.get_tensor_model_parallel_group())

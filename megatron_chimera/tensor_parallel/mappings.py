@@ -84,14 +84,29 @@ def _gather_first(tensor: torch.Tensor) -> torch.Tensor:
 def _reduce_scatter_first(tensor: torch.Tensor) -> torch.Tensor:
     if _world() == 1:
         return tensor
-    shape = list(tensor.shape)
-    if shape[0] % _world():
-        raise ValueError(f"sequence length {shape[0]} is not divisible by the tensor-parallel "
-                         f"size {_world()}")
-    shape[0] //= _world()
-    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-    reduce_scatter_single(out, tensor.contiguous(), group=_group())
+    out, _ = reduce_scatter_along_first_dim(tensor, async_op=False)
     return out
+
+
+def gather_along_first_dim(tensor: torch.Tensor) -> torch.Tensor:
+    """All-gather ``tensor`` along its first dimension over the tensor-parallel group (no
+    autograd: for a function that does its own backward)."""
+    return _gather_first(tensor)
+
+
+def reduce_scatter_along_first_dim(tensor: torch.Tensor, async_op: bool = True):
+    """Sum ``tensor`` over the tensor-parallel group, keeping this rank's chunk of the first
+    dimension: ``(chunk, work)`` -- ``work`` to wait on when ``async_op`` (then the chunk is
+    valid only after it), else None."""
+    world = _world()
+    shape = list(tensor.shape)
+    if shape[0] % world:
+        raise ValueError(f"sequence length {shape[0]} is not divisible by the tensor-parallel "
+                         f"size {world}")
+    shape[0] //= world
+    out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    work = reduce_scatter_single(out, tensor.contiguous(), group=_group(), async_op=async_op)
+    return out, work
 
 
 class _CopyToModelParallelRegion(torch.autograd.Function):

@@ -44,6 +44,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_chimera.tensor_parallel.mappings import (
+    gather_along_first_dim,
+    reduce_scatter_along_first_dim,
+)
+
 
 class WeightGradStore:
     """Weight-gradient work queued by the B of one (pipe, stage, micro-batch), run by its W."""
@@ -175,11 +180,15 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
     """y = x W^T + b, with a backward that can hand the weight gradient to a WeightGradStore."""
 
     @staticmethod
-    def forward(ctx, inputs, weight, bias, module, dgrad_group=None):  # type: ignore[override]
+    def forward(ctx, inputs, weight, bias, module, dgrad_group=None,  # type: ignore[override]
+                sequence_parallel=False):
+        if sequence_parallel:  # the sequence chunks of the ranks gathered: the full input
+            inputs = gather_along_first_dim(inputs)
         ctx.save_for_backward(inputs, weight)
         ctx.has_bias = bias is not None
         ctx.module = module
         ctx.dgrad_group = dgrad_group
+        ctx.sequence_parallel = sequence_parallel
         return torch.nn.functional.linear(inputs, weight, bias)  # one addmm with a bias
 
     @staticmethod
@@ -187,7 +196,11 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
         inputs, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
         reducing = None
-        if grad_input is not None and ctx.dgrad_group is not None:
+        if grad_input is not None and ctx.sequence_parallel:
+            # sequence parallel: the input gradient is reduce-scattered back to this rank's
+            # chunk while this rank computes (or queues) the weight gradient
+            grad_input, reducing = reduce_scatter_along_first_dim(grad_input)
+        elif grad_input is not None and ctx.dgrad_group is not None:
             # Megatron's async all-reduce: the input gradient travels over the tensor-parallel
             # group while this rank computes (or queues) the weight gradient
             reducing = dist.all_reduce(grad_input, group=ctx.dgrad_group, async_op=True)
@@ -204,7 +217,7 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
                 grad_bias = _bias_grad(grad_output)
         if reducing is not None:
             reducing.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None
 
 
 class BiasAddWithDeferrableGrad(torch.autograd.Function):
@@ -248,14 +261,18 @@ def bias_add_with_deferrable_grad(inputs: torch.Tensor, module: nn.Module) -> to
 
 def linear_with_deferrable_weight_grad(inputs: torch.Tensor, module: nn.Module,
                                        bias: torch.Tensor | None,
-                                       dgrad_group: dist.ProcessGroup | None = None
-                                       ) -> torch.Tensor:
+                                       dgrad_group: dist.ProcessGroup | None = None,
+                                       sequence_parallel: bool = False) -> torch.Tensor:
     """``inputs @ module.weight^T (+ bias)`` through :class:`LinearWithDeferrableWeightGrad`;
     ``bias`` must be ``module.bias`` or None (then the caller adds it). ``dgrad_group``: sum the
     input gradient over this group, asynchronously, overlapped with the weight gradient (a
-    column-parallel layer's replicated input). Plain ``F.linear`` when none of that is needed
-    (:func:`needs_deferrable_function`)."""
+    column-parallel layer's replicated input). ``sequence_parallel``: ``inputs`` is this
+    rank's sequence chunk, all-gathered over the tensor-parallel group here; its gradient is
+    reduce-scattered back, overlapped with the weight gradient the same way. Plain
+    ``F.linear`` when none of that is needed (:func:`needs_deferrable_function`)."""
     weight = module.weight
+    if sequence_parallel:
+        return LinearWithDeferrableWeightGrad.apply(inputs, weight, bias, module, None, True)
     if dgrad_group is None and (  # (the common case first: a layer neither defers nor fuses)
             not (module.weight_grad_deferrable or getattr(weight, "fuse_wgrad_accumulation",
                                                           False))

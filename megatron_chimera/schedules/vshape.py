@@ -20,8 +20,8 @@ pipe (rank ``r`` -> ``D-1-r``) starts at rank ``D-1`` and turns at rank 0.
 
 Orders: the split-backward generators use Chimera-ZB's search (:func:`~.zero_bubble.best_order`:
 the event-driven list scheduler over priority variants under the costs, seeded with the
-closed-form orders that fit the cap -- ZBV's published pattern, BitPipe's unsplit order with W
-adjacent or filling the waits); ``bitpipe`` is the best greedy unsplit list schedule at F:B =
+closed-form orders that fit the cap -- ZBV's published pattern, V-Half's compressed periodic
+pattern (:mod:`.v_pattern`), BitPipe's unsplit order with W adjacent or filling the waits); ``bitpipe`` is the best greedy unsplit list schedule at F:B =
 1:2. Costs given as ``(F, B, W)`` are per L/D layers (a chunk costs half); per-stage costs
 (measured) have one entry per chunk. Torch-free.
 """
@@ -34,6 +34,7 @@ from dataclasses import replace
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.list_scheduler import CapDeadlock, Priority, list_schedule
+from megatron_chimera.schedules.v_pattern import v_half_order
 from megatron_chimera.schedules.zero_bubble import (
     DEFAULT_COSTS,
     GUARD_VARIANTS,
@@ -155,7 +156,12 @@ def zbv(num_ranks: int, num_microbatches: int, activation_cap: float | None = No
     cap = num_ranks if activation_cap is None else activation_cap
     seeds = [("zbv", zbv_order(num_ranks, num_microbatches))] if (
         num_microbatches >= 2 * num_ranks - 1) else []
+    seeds.append(_v_half_seed(num_ranks, num_microbatches))  # wins under a tight cap
     return _v_split("zbv", [v_placement(num_ranks)], num_microbatches, cap, costs, seeds)
+
+
+def _v_half_seed(num_ranks: int, num_microbatches: int) -> tuple[str, list[list[Action]]]:
+    return "v-half-pattern", v_half_order(num_ranks, num_microbatches, v_placement(num_ranks))
 
 
 def v_half(num_ranks: int, num_microbatches: int, activation_cap: float | None = None,
@@ -164,7 +170,8 @@ def v_half(num_ranks: int, num_microbatches: int, activation_cap: float | None =
     ``D/2 + 1``), ordered for ``costs``."""
     _check_sizes("v-half", num_ranks, num_microbatches, 1)
     cap = num_ranks // 2 + 1 if activation_cap is None else activation_cap
-    return _v_split("v-half", [v_placement(num_ranks)], num_microbatches, cap, costs, ())
+    seeds = [_v_half_seed(num_ranks, num_microbatches)]
+    return _v_split("v-half", [v_placement(num_ranks)], num_microbatches, cap, costs, seeds)
 
 
 # the unsplit BitPipe order: the best of these greedy runs at F:B = 1:2

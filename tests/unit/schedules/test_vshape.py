@@ -152,10 +152,12 @@ def test_one_weight_copy_matches_zbv(table, n, figures):
 
 
 def test_capped_at_5_and_orderings(table):
-    # the V-Half figures at 1:2:1 and 1:1.5:0.5 are beaten; at 1:1:1 we are 1 F behind
+    # the V-Half figures: met at 1:1:1 (V-Half's compressed pattern seeds the search),
+    # beaten at 1:2:1 and 1:1.5:0.5; with one weight copy (v-half itself) as the anchor
     for n, costs, bar in [(8, "1:2:1", 54), (8, "1:1.5:0.5", 42.25), (32, "1:2:1", 160),
-                          (32, "1:1.5:0.5", 118.5), (8, "1:1:1", 33.5), (32, "1:1:1", 105.5)]:
+                          (32, "1:1.5:0.5", 118.5), (8, "1:1:1", 32.5), (32, "1:1:1", 104.5)]:
         assert best(table, n, costs, 5.0)["makespan"] <= bar, (n, costs)
+        assert best(table, n, costs, 5.0, max_copies=1.0)["makespan"] <= bar, (n, costs)
     rows = {(r["schedule"], r["N"], r["costs"], r["cap"]): r for r in table}
     for r in table:
         assert r["peak_activations"] <= r["cap"] + 1e-9

@@ -114,6 +114,17 @@ def test_config_time_fallback_and_refusal():
     assert schedule.name == "chimera-zb" and "replaces" not in schedule.meta
 
 
+def test_backward_halving_is_refused_with_what_to_run():
+    """The paper's third concatenation runs (tests/distributed/test_runtime.py) but needs half
+    the --micro-batch-size: the flag value says so before any process group."""
+    with pytest.raises(ConfigError, match="--chimera-concat backward-halving: .* run "
+                                          "--chimera-concat forward-doubling with half the "
+                                          "--micro-batch-size"):
+        parse("--chimera-pipes", "2", "--chimera-concat", "backward-halving")
+    _, schedule = parse("--chimera-pipes", "2", "--chimera-concat", "forward-doubling")
+    assert schedule.meta["concat"] == "forward-doubling"
+
+
 def test_rebuild_for_measured_costs():
     running = build_schedule("chimera-zb", 8, 32)
     measured = StageCosts.uniform(1.0, 2.0, 0.5, 8).scaled(1e-3)  # seconds

@@ -87,13 +87,14 @@ from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
 from megatron_chimera.pipeline.trace import GapBreakdown, Timeline, TracingTransport, gap_breakdown
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.costs import StageCosts
+from megatron_chimera.schedules.lowering import lower
 from megatron_chimera.schedules.registry import (
     SPLIT_BACKWARD_SCHEDULES,
     get_spec,
     parse_schedule_spec,
 )
 from megatron_chimera.schedules.simulate import CostModel, simulate
-from megatron_chimera.schedules.validate import validate
+from megatron_chimera.schedules.validate import validate, validate_lowered
 from megatron_chimera.training.initialize import initialize_distributed
 
 DEFAULT_SCHEDULES = (
@@ -311,6 +312,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
         options["costs"] = split_costs(per_stage)
     schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
     validate(schedule)
+    validate_lowered(lower(schedule))  # every rank alike: the executor checks only its own list
     w = ParallelLayout.from_world(dist.get_world_size(), pipeline=d).data
     parallel_state.initialize_model_parallel(d, schedule.placement, schedule.num_stages,
                                              timeout=timedelta(minutes=5))

@@ -21,9 +21,10 @@ pipe (rank ``r`` -> ``D-1-r``) starts at rank ``D-1`` and turns at rank 0.
 Orders: the split-backward generators use Chimera-ZB's search (:func:`~.zero_bubble.best_order`:
 the event-driven list scheduler over priority variants under the costs, seeded with the
 closed-form orders that fit the cap -- ZBV's published pattern, V-Half's compressed periodic
-pattern (:mod:`.v_pattern`), BitPipe's unsplit order with W adjacent or filling the waits); ``bitpipe`` is the best greedy unsplit list schedule at F:B =
-1:2. Costs given as ``(F, B, W)`` are per L/D layers (a chunk costs half); per-stage costs
-(measured) have one entry per chunk. Torch-free.
+pattern (:mod:`.v_pattern`), BitPipe's unsplit order with W adjacent or filling the waits);
+``bitpipe`` is the best greedy unsplit list schedule at F:B = 1:2. BitPipe's two pipes keep only
+orders the runtime accepts (:func:`runs_under_nccl_rules`). Costs given as ``(F, B, W)`` are per
+L/D layers (a chunk costs half); per-stage costs (measured) have one entry per chunk. Torch-free.
 """
 
 from __future__ import annotations

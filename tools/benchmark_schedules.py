@@ -87,13 +87,14 @@ from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
 from megatron_chimera.pipeline.trace import GapBreakdown, Timeline, TracingTransport, gap_breakdown
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.costs import StageCosts
+from megatron_chimera.schedules.lowering import lower
 from megatron_chimera.schedules.registry import (
     SPLIT_BACKWARD_SCHEDULES,
     get_spec,
     parse_schedule_spec,
 )
 from megatron_chimera.schedules.simulate import CostModel, simulate
-from megatron_chimera.schedules.validate import validate
+from megatron_chimera.schedules.validate import validate, validate_lowered
 from megatron_chimera.training.initialize import initialize_distributed
 
 DEFAULT_SCHEDULES = (
@@ -130,6 +131,47 @@ class Row:
             extra["gaps"] = self.extra["gaps"].merged(later.extra["gaps"])
         return dataclasses.replace(self, measured_s=statistics.median(times), times=times,
                                    extra=extra)
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What the runtime adds to compute and ping-pong latency, measured in this run's traced
+    iterations (every traced row pooled: one pair of figures for all rows). ``action_s``: host
+    time before a compute action whose input is there (the mean local gap); ``message_s``: a
+    message on the critical path -- the sender posting it after its compute, the flight, the
+    receiver waking and starting -- less the receiver's ``action_s``, which the simulator charges
+    before every compute anyway."""
+
+    action_s: float
+    message_s: float
+
+    @classmethod
+    def of(cls, gaps: GapBreakdown) -> HostCosts | None:
+        """The figures of the pooled gaps (None without critical hops or local gaps)."""
+        if not gaps.hops or not gaps.local_gaps:
+            return None
+        mean = statistics.fmean
+        action = mean(gaps.local_gaps)
+        message = mean(gaps.end_to_send) + mean(gaps.hops) + mean(gaps.wake_to_start) - action
+        return cls(action, max(message, 0.0))
+
+    def simulate(self, row: Row) -> float | None:
+        """``row``'s makespan with these costs (None for a row without its simulation inputs)."""
+        inputs = row.extra.get("sim_inputs")
+        if inputs is None:
+            return None
+        schedule, model = inputs
+        model = dataclasses.replace(model, p2p_alpha=self.message_s, action_overhead=self.action_s)
+        return simulate(schedule, model).makespan
+
+
+def host_costs(rows: list[Row]) -> HostCosts | None:
+    """The run's :class:`HostCosts` from every traced row of ours (``--trace``)."""
+    pooled = GapBreakdown()
+    for r in rows:
+        if "gaps" in r.extra:
+            pooled = pooled.merged(r.extra["gaps"])
+    return HostCosts.of(pooled)
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -270,6 +312,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
         options["costs"] = split_costs(per_stage)
     schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
     validate(schedule)
+    validate_lowered(lower(schedule))  # every rank alike: the executor checks only its own list
     w = ParallelLayout.from_world(dist.get_world_size(), pipeline=d).data
     parallel_state.initialize_model_parallel(d, schedule.placement, schedule.num_stages,
                                              timeout=timedelta(minutes=5))
@@ -326,7 +369,8 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     elif cost_source != "known":
         shown["costs"] = cost_source
     extra.update(pipes=schedule.num_pipes, concat=schedule.meta.get("concat"),
-                 simulated_compute_s=compute_only.makespan, schedule_used=schedule.name)
+                 simulated_compute_s=compute_only.makespan, schedule_used=schedule.name,
+                 sim_inputs=(schedule, cost_model(per_stage, schedule.split_backward, latency, w)))
     if args.allreduce_ms:
         shown["grad_reduce"] = mode
     return Row(name, shown, d, n, statistics.median(times), sim.makespan, extra, times)
@@ -395,13 +439,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def format_table(rows: list[Row], latency: float) -> str:
     """Markdown table of the rows: measured over simulated time, throughput relative to 1F1B and
-    to torch's best schedule at the same N; then, per N, our best against torch's best."""
+    to torch's best schedule at the same N; then, per N, our best against torch's best. With
+    traced rows also the simulation with the run's :class:`HostCosts`."""
     base = {(r.num_microbatches, r.options.get("grad_reduce")): r.measured_s
             for r in rows if r.schedule == "1f1b"}
     torch_best = best_rows(rows, torch_rows=True)
     lines = [f"p2p latency (ping-pong, one way): {latency * 1e6:.0f} us", "",
              "| schedule | options | D | N | measured s | simulated s | measured/simulated "
              "| throughput vs 1F1B | vs torch's best |", "|---|---|---|---|---|---|---|---|---|"]
+    host = host_costs(rows)
+    if host is not None:
+        lines[0] += (f"; host costs of the traced iterations: {host.action_s * 1e3:.3f} ms per "
+                     f"action, {host.message_s * 1e3:.3f} ms per message")
+        lines[2] = lines[2].replace("| throughput", "| simulated + host s | measured/(simulated "
+                                    "+ host) | throughput")
+        lines[3] += "---|---|"
     for r in rows:
         opts = " ".join(f"{k}={v}" for k, v in r.options.items())
         sim = f"{r.simulated_s:.3f}" if r.simulated_s is not None else "-"
@@ -410,8 +462,13 @@ def format_table(rows: list[Row], latency: float) -> str:
         thr = f"{rel / r.measured_s:.3f}" if rel else "-"
         best = torch_best.get(r.num_microbatches)
         vs_torch = f"{best.measured_s / r.measured_s:.3f}" if best else "-"
+        with_host = ""
+        if host is not None:
+            sim_host = host.simulate(r)
+            with_host = (f" {sim_host:.3f} | {r.measured_s / sim_host:.3f} |" if sim_host
+                         else " - | - |")
         lines.append(f"| {r.schedule} | {opts} | {r.pipeline_size} | {r.num_microbatches} | "
-                     f"{r.measured_s:.3f} | {sim} | {ratio} | {thr} | {vs_torch} |")
+                     f"{r.measured_s:.3f} | {sim} | {ratio} |{with_host} {thr} | {vs_torch} |")
     return "\n".join(lines + summary(rows) + hidden_reduction(rows) + gap_table(rows))
 
 
@@ -495,14 +552,18 @@ def hidden_reduction(rows: list[Row]) -> list[str]:
 def write_json(path: str, rows: list[Row]) -> None:
     """Write ``[{"schedule", "pipes", "concat", "D", "N", "measured_s", "simulated_s"}]`` (plus
     the options, ``simulated_compute_s``, the makespan without communication, and ``times_s``,
-    every measured iteration; with ``--trace`` the ``gaps`` summary) atomically."""
+    every measured iteration; with ``--trace`` the ``gaps`` summary, the run's ``host_costs``
+    and ``simulated_host_s``, the simulation with them) atomically."""
+    host = host_costs(rows)
     data = [{"schedule": r.schedule, "pipes": r.extra.get("pipes"), "concat": r.extra.get("concat"),
              "D": r.pipeline_size, "N": r.num_microbatches, "measured_s": r.measured_s,
              "simulated_s": r.simulated_s, "options": r.options,
              "simulated_compute_s": r.extra.get("simulated_compute_s"), "times_s": r.times,
              **{k: r.extra[k] for k in ("rebuild", "predicted_gain", "schedule_used")
                 if k in r.extra},
-             **({"gaps": r.extra["gaps"].summary()} if "gaps" in r.extra else {})} for r in rows]
+             **({"gaps": r.extra["gaps"].summary()} if "gaps" in r.extra else {}),
+             **({"simulated_host_s": host.simulate(r), "host_costs": dataclasses.asdict(host)}
+                if host is not None else {})} for r in rows]
     atomic_write(path, lambda f: json.dump(data, f, indent=1), mode="w")
 
 

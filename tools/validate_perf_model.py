@@ -26,7 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     link_group = p.add_mutually_exclusive_group(required=True)
     link_group.add_argument("--measure-p2p", action="store_true")
     link_group.add_argument("--p2p-alpha-us", type=float)
+    p.add_argument("--action-overhead-us", type=float, default=0.0,
+                   help="host time before each compute action (benchmark_schedules.py --trace "
+                        "prints the run's: host costs ... ms per action; pass its ms per message "
+                        "as --p2p-alpha-us)")
     args = p.parse_args(argv)
+    if args.action_overhead_us < 0:
+        p.error(f"--action-overhead-us must be >= 0, got {args.action_overhead_us}")
     if args.measure_p2p:
         from megatron_chimera.tuning.profile import measure_p2p_link
 
@@ -36,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.bench_json) as f:
         rows = json.load(f)
     compute = EmulatedCompute(args.forward_ms / 1e3, args.backward_ms / 1e3, args.weight_ms / 1e3)
-    print(format_comparison(compare(rows, compute, link), link))
+    records = compare(rows, compute, link, args.action_overhead_us * 1e-6)
+    print(format_comparison(records, link))
     return 0
 
 

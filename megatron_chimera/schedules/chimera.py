@@ -44,13 +44,15 @@ N > D: ``k = N/D`` units, unit ``u`` holding local micro-batches ``[u*D/(2f), (u
   it is ``2N + D/f - 2`` (no intermediate bubbles), and no rank ever holds more than ``D``
   activations. Both figures are what the simulator measures; the tests pin them.
 
-* ``backward-halving`` (paper §3.5; IR and simulator only, :func:`chimera_backward_halving`):
-  halve the micro-batch so that a backward costs what a forward does, and order the 2N half-size
-  micro-batches by forward doubling: a forward slot runs two half micro-batches (one full one's
-  forward), a backward slot one. Up to 2D half-size activations (D full ones) in flight. Not a
-  ``--chimera-concat`` choice: the data path has one micro-batch size per iteration, so training
-  would need ``--micro-batch-size`` halved, which changes the job; the anchor table
-  (:mod:`.anchor_table`) simulates it with half the costs and half the activation per micro-batch.
+* ``backward-halving`` (paper §3.5, :func:`chimera_backward_halving`): halve the micro-batch so
+  that a backward costs what a forward does, and order the 2N half-size micro-batches by forward
+  doubling: a forward slot runs two half micro-batches (one full one's forward), a backward slot
+  one. Up to 2D half-size activations (D full ones) in flight. The anchor table
+  (:mod:`.anchor_table`) simulates it with half the costs and half the activation per
+  micro-batch; the executor runs it exactly (tests/distributed/test_runtime.py: each micro-batch
+  cut in two, against the single-process run of the whole ones). Training runs one
+  ``--micro-batch-size``, so it is ``--chimera-concat forward-doubling`` at half that size;
+  ``--chimera-concat backward-halving`` is refused with that advice (:data:`HALVING_REFUSED`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ CONCAT_FORWARD_DOUBLING = "forward-doubling"
 CONCAT_SLOT_MERGE = "slot-merge"
 CONCAT_NAMES = (CONCAT_DIRECT, CONCAT_FORWARD_DOUBLING, CONCAT_SLOT_MERGE)
 DEFAULT_CONCAT = CONCAT_SLOT_MERGE
+CONCAT_BACKWARD_HALVING = "backward-halving"  # accepted by the flag only to say what to run
+CONCAT_CHOICES = (*CONCAT_NAMES, CONCAT_BACKWARD_HALVING)
+HALVING_REFUSED = (
+    "--chimera-concat backward-halving: training runs every micro-batch at --micro-batch-size, "
+    "and backward halving is forward doubling's order on twice the micro-batches at half the "
+    "size: run --chimera-concat forward-doubling with half the --micro-batch-size (same global "
+    "batch; the executor runs that order exactly)")
 
 _UNIT_SHIFT = {CONCAT_DIRECT: 2, CONCAT_SLOT_MERGE: 1}  # slot shift per unit, in units of D
 
@@ -96,6 +105,8 @@ def check_chimera_sizes(
     """Raise ValueError naming the flag for sizes Chimera cannot run; return the concat to use."""
     check_chimera_ranks_and_pipes(num_ranks, num_pipes, "Chimera")
     concat = concat or DEFAULT_CONCAT
+    if concat == CONCAT_BACKWARD_HALVING:
+        raise ValueError(HALVING_REFUSED)
     if concat not in CONCAT_NAMES:
         raise ValueError(f"--chimera-concat: unknown value {concat!r}; choose from {CONCAT_NAMES}")
     multiple = 2 * num_ranks if concat == CONCAT_FORWARD_DOUBLING else num_ranks

@@ -13,8 +13,9 @@ the same :class:`~.costs.StageCosts` and picks the fastest, following the policy
 
 An alternative never needs more memory: one whose peak of live activations on a rank exceeds
 the split schedule's cap (``--pipeline-activation-cap`` / ``--chimera-max-inflight``, else the
-split order's own peak; in units of one micro-batch's activations on L/D layers) may not
-replace it (weight copies are not compared: ZB-H1 may fall back to Chimera's two).
+split order's own peak; in units of one micro-batch's activations on L/D layers), or that holds
+more weight copies on a rank (:func:`~.simulate.model_copies`: ZB-H1, ZBV and V-Half hold one,
+Chimera two), may not replace it.
 BitPipe-ZB also meets unsplit BitPipe. ``same_placement=True`` (a running job, whose process
 groups and stage modules are built for the split schedule's placement) also requires the same
 placement. Such alternatives are still predicted and reported, with the reason. Torch-free.
@@ -30,7 +31,7 @@ from megatron_chimera.errors import UserError
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import FALLBACKS, ChimeraOptions, NoOptions, get_spec
-from megatron_chimera.schedules.simulate import peak_activations, simulate
+from megatron_chimera.schedules.simulate import model_copies, peak_activations, simulate
 from megatron_chimera.schedules.validate import validate
 
 POLICIES = FALLBACKS  # the choices of --chimera-zb-fallback
@@ -113,6 +114,22 @@ def of_schedule(schedule: Schedule, costs: StageCosts, label: str | None = None,
     return Prediction(label or schedule.name, name or schedule.name, options, schedule, makespan)
 
 
+def _why_not(alternative: Schedule, split: Schedule, same_placement: bool) -> str:
+    """Why ``alternative`` may not replace ``split`` (more memory, or another placement while
+    running), or ``""``."""
+    cap = (split.meta.get("activation_cap") or split.meta.get("max_inflight")
+           or max(peak_activations(split)))
+    peak = max(peak_activations(alternative))
+    if peak > cap + 1e-9:
+        return f"needs {peak:g} live activations > {cap:g}"
+    copies, allowed = max(model_copies(alternative)), max(model_copies(split))
+    if copies > allowed + 1e-9:
+        return f"needs {copies:g} weight copies > {allowed:g}"
+    if same_placement and alternative.placement != split.placement:
+        return "other placement: needs a restart"
+    return ""
+
+
 def decide(split: Prediction, costs: StageCosts, policy: str | None = None,
            same_placement: bool = False,
            alternatives: Sequence[tuple[str, Any]] | None = None) -> Decision:
@@ -126,16 +143,10 @@ def decide(split: Prediction, costs: StageCosts, policy: str | None = None,
         raise ValueError(f"--chimera-zb-fallback must be one of {POLICIES}, got {policy!r}")
     assert split.schedule is not None, "the split schedule must be built"
     sched = split.schedule
-    cap = (sched.meta.get("activation_cap") or sched.meta.get("max_inflight")
-           or max(peak_activations(sched)))
     candidates = []
     for name, options in alternatives or unsplit_alternatives(sched.num_pipes, sched.name):
         p = predict(name, options, sched.num_ranks, sched.num_microbatches, costs)
-        note = ""
-        if p.schedule is not None and max(peak_activations(p.schedule)) > cap + 1e-9:
-            note = f"needs {max(peak_activations(p.schedule)):g} live activations > {cap:g}"
-        elif same_placement and p.schedule is not None and p.schedule.placement != sched.placement:
-            note = "other placement: needs a restart"
+        note = "" if p.schedule is None else _why_not(p.schedule, sched, same_placement)
         if note:
             p = Prediction(p.label, p.name, p.options, p.schedule, p.makespan, note)
         candidates.append(p)

@@ -24,7 +24,7 @@ from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any
 
 from megatron_chimera.schedules.actions import Schedule
-from megatron_chimera.schedules.chimera import CONCAT_NAMES, chimera
+from megatron_chimera.schedules.chimera import CONCAT_CHOICES, CONCAT_NAMES, chimera
 from megatron_chimera.schedules.costs import StageCosts, costs_text, parse_costs
 from megatron_chimera.schedules.gpipe import gpipe
 from megatron_chimera.schedules.interleaved import interleaved
@@ -62,7 +62,8 @@ class ChimeraOptions:
                         parse=int, search=(2, 4))
     concat: str | None = option(
         None, "--chimera-concat", "Chimera: how N > D is built from basic units "
-        "(default slot-merge)", choices=CONCAT_NAMES, search=CONCAT_NAMES)
+        "(default slot-merge; backward-halving is refused: it is forward-doubling at half the "
+        "--micro-batch-size)", choices=CONCAT_CHOICES, search=CONCAT_NAMES)
 
 
 FALLBACKS = ("unsplit", "refuse")

@@ -3,7 +3,9 @@
 Each rank executes its action list in order. An action starts when its rank is free and its input
 has arrived: the action it depends on (:func:`~.actions.input_of`) has finished, plus the
 point-to-point message time of that edge (``CostModel.p2p_edges``, e.g. intra- or inter-node)
-when that action ran on another rank. Sends never block.
+when that action ran on another rank, plus the host's own work before each compute
+(``CostModel.action_overhead``: the runtime's bookkeeping and, after a wait, waking up). Sends
+never block.
 
 After a rank's last backward (last W when the backward is split) of a stage, the rank may start
 that stage's gradient all-reduce over all replicas of the stage (the stage's replicas in the
@@ -50,6 +52,9 @@ class CostModel:
     allreduce_beta: float = 0.0  # seconds per byte
     grad_bytes: PerStage = 0.0  # gradient bytes of one stage
     data_parallel_size: int = 1
+    # host seconds before every compute action (the executor's work between two actions, and
+    # the wake-up after a wait): the schedules with more, shorter actions pay it more often
+    action_overhead: float = 0.0
 
     def per_stage(self, name: str, num_stages: int) -> list[float]:
         """The field ``name`` as a list of ``num_stages`` floats (scalars broadcast)."""
@@ -200,6 +205,7 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
     durations = _durations(schedule, costs)
     edges = {(a, b): costs.p2p_time(a, b) for a, b, _, _ in costs.p2p_edges}
     p2p = costs.p2p_time()
+    overhead = costs.action_overhead
     finished: dict[Action, tuple[int, float]] = {}
     free = [0.0] * schedule.num_ranks
     events: list[Event] = []
@@ -209,7 +215,7 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
         if dep is not None:
             dep_rank, dep_end = finished[dep]
             ready = dep_end + (edges.get((dep_rank, rank), p2p) if dep_rank != rank else 0.0)
-        start = max(free[rank], ready)
+        start = max(free[rank], ready) + overhead
         end = start + durations[a.kind][a.stage]
         free[rank] = end
         finished[a] = (rank, end)

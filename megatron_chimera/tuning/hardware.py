@@ -66,6 +66,9 @@ class HardwareProfile:
     # tokens per micro-batch (B x s) at which a layer reaches half of ``efficiency``; models
     # small-GEMM inefficiency and per-kernel overheads (0: efficiency independent of B)
     half_efficiency_tokens: float = 0.0
+    # host seconds before every compute action (the runtime's bookkeeping between two actions;
+    # ``tools/benchmark_schedules.py --trace`` measures it): matters when actions are short
+    action_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.efficiency <= 1.0:
@@ -138,7 +141,7 @@ PRESETS: dict[str, HardwareProfile] = {
 def _profile_from_dict(data: dict, source: str) -> HardwareProfile:
     known = {f.name for f in fields(HardwareProfile)}
     unknown = set(data) - known
-    missing = known - set(data) - {"name", "half_efficiency_tokens"}
+    missing = known - set(data) - {"name", "half_efficiency_tokens", "action_overhead_s"}
     if unknown or missing:
         raise ConfigError(
             f"--hardware {source}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}"

@@ -320,6 +320,7 @@ class PerformanceModel:
             allreduce_beta=link.beta_s_per_byte,
             grad_bytes=tuple(b * half for b in self._grad_bytes(pieces, layout.T)),
             data_parallel_size=layout.W,
+            action_overhead=self.hardware.action_overhead_s,
         )
 
     def stage_costs(self, layout: TrainingLayout) -> StageCosts:

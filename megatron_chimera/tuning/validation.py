@@ -36,11 +36,14 @@ class EmulatedCompute:
         return StageTimes(self.forward_s * share, self.backward_s * share, self.weight_s * share)
 
 
-def emulated_model(D: int, compute: EmulatedCompute, link: LinkProfile) -> PerformanceModel:
-    """A performance model of the emulated stages on ``D`` local ranks (one "node")."""
+def emulated_model(D: int, compute: EmulatedCompute, link: LinkProfile,
+                   action_overhead_s: float = 0.0) -> PerformanceModel:
+    """A performance model of the emulated stages on ``D`` local ranks (one "node"), the host
+    spending ``action_overhead_s`` before each compute action."""
     config = ModelConfig(num_layers=D * LAYERS_PER_RANK, hidden_size=4, num_attention_heads=1,
                          seq_length=8, vocab_size=8, make_vocab_size_divisible_by=8)
-    hardware = HardwareProfile("local", 1.0, 1.0, 1.0, 1e3, 1 << 20, link, link)
+    hardware = HardwareProfile("local", 1.0, 1.0, 1.0, 1e3, 1 << 20, link, link,
+                               action_overhead_s=action_overhead_s)
     return PerformanceModel(ModelSpec(config, "gpt2"), hardware, compute=compute, p2p_link=link,
                             device_type="cpu")
 
@@ -68,13 +71,14 @@ def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingL
     return layout
 
 
-def compare(rows: list[dict], compute: EmulatedCompute, link: LinkProfile) -> list[dict]:
+def compare(rows: list[dict], compute: EmulatedCompute, link: LinkProfile,
+            action_overhead_s: float = 0.0) -> list[dict]:
     """Per row: the layout, measured and predicted seconds and the relative error."""
     result = []
     for row in rows:
         if row.get("measured_s") is None or row["schedule"].startswith("torch-"):
             continue
-        model = emulated_model(row["D"], compute, link)
+        model = emulated_model(row["D"], compute, link, action_overhead_s)
         layout = layout_of_row(row, model)
         predicted = model.predict(layout).iteration_s
         result.append({"layout": layout.describe(), "measured_s": row["measured_s"],

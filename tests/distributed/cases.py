@@ -23,6 +23,7 @@ from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, Stag
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import SCHEDULES, build_schedule
 from megatron_chimera.schedules.actions import FORWARD, Schedule
+from megatron_chimera.schedules.chimera import chimera_backward_halving
 from megatron_chimera.schedules.validate import validate
 from tests.helpers.schedules import with_weight_actions
 
@@ -54,6 +55,9 @@ class Case:
     direction_groups: bool = False  # one p2p group per direction (the NCCL layout)
     loss_scale: float | None = None  # fp16-style static loss scale through the scale_loss hook
     all_ddp_variants: bool = True  # every data-parallel flag combination, else the defaults
+    # Chimera's backward halving: each of the N micro-batches runs as two half-size ones (2N,
+    # forward doubling's order); compared with the single-process run of the N whole ones
+    backward_halving: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -63,8 +67,14 @@ class Case:
         rec = " recompute" if self.recompute else ""
         groups = " p2p-direction-groups" if self.direction_groups else ""
         scale = f" loss-scale {self.loss_scale:g}" if self.loss_scale else ""
+        halving = " backward-halving" if self.backward_halving else ""
         return (f"{self.schedule}[{opts}] D={self.pipeline_size} N={self.num_microbatches}"
-                f"{split}{rec}{groups}{scale} {self.optimizer}")
+                f"{split}{rec}{groups}{scale}{halving} {self.optimizer}")
+
+    @property
+    def pieces(self) -> int:
+        """Executed micro-batches per whole one (2 with backward halving)."""
+        return 2 if self.backward_halving else 1
 
     @property
     def ddp_variants(self) -> tuple[DDPConfig, ...]:
@@ -83,6 +93,8 @@ class Case:
 
     def build(self) -> Schedule:
         """The schedule of this case (with W actions added when ``split_delay`` is set)."""
+        if self.backward_halving:
+            return chimera_backward_halving(self.pipeline_size, self.num_microbatches)
         schedule = build_schedule(self.schedule, self.pipeline_size, self.num_microbatches,
                                   **dict(self.options))
         if self.split_delay is not None:
@@ -240,10 +252,23 @@ def run_case(rank: int, world_size: int, case: Case) -> None:
         parallel_state.destroy_model_parallel()
 
 
+def _batches(case: Case, step: int, dp: int) -> list[dict[str, torch.Tensor]]:
+    """The executed micro-batches: the whole ones, or each cut into ``case.pieces`` in turn."""
+    whole = [make_batch(step, dp, m) for m in range(case.num_microbatches)]
+    k = case.pieces
+    return [{key: t.chunk(k)[i] for key, t in b.items()} for b in whole for i in range(k)]
+
+
+def _whole_losses(case: Case, losses: list[float]) -> list[float]:
+    """Per whole micro-batch: the mean of its pieces' losses (equal token counts)."""
+    k = case.pieces
+    return [sum(losses[i:i + k]) / k for i in range(0, len(losses), k)]
+
+
 def _train_and_check(rank: int, world_size: int, case: Case, schedule: Schedule, prank: int,
                      ddp: DDPConfig, reference) -> None:
     ref_losses, ref_model, ref_eval = reference
-    n = case.num_microbatches
+    n = case.num_microbatches * case.pieces  # executed micro-batches
     w = world_size // case.pipeline_size
     dp = parallel_state.get_data_parallel_rank()
     stages, grad_sync, optimizer = build_training(case, schedule, prank, ddp)
@@ -253,14 +278,14 @@ def _train_and_check(rank: int, world_size: int, case: Case, schedule: Schedule,
     torch.distributed.barrier()
     executor = PipelineExecutor(
         schedule, PipelineTopology.from_parallel_state(),
-        StageWork(stages, forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32,
-                  recompute=case.recompute),
+        StageWork(stages, forward_step, (SEQ, MICRO_BATCH // case.pieces, HIDDEN),
+                  torch.float32, recompute=case.recompute),
         Gradients(loss_scale_divisor=n * w, grad_sync=grad_sync,
                   scale_loss=(lambda loss: loss * case.loss_scale) if case.loss_scale else None))
     results = []
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
-        result = executor.run([make_batch(step, dp, m) for m in range(n)])
+        result = executor.run(_batches(case, step, dp))
         if result.executed != schedule.actions[prank]:
             raise AssertionError(f"pipeline rank {prank}: executed order differs from schedule")
         if case.loss_scale:  # unscale (a power of two: exact)
@@ -270,8 +295,8 @@ def _train_and_check(rank: int, world_size: int, case: Case, schedule: Schedule,
         results.append(result)
     gathered = executor.gather(results)  # every step at once, as at a log interval
     for step, figures in enumerate(gathered or []):
-        _check_close([x["lm loss"] for x in figures.losses], ref_losses[step],
-                     f"step {step} losses")
+        _check_close(_whole_losses(case, [x["lm loss"] for x in figures.losses]),
+                     ref_losses[step], f"step {step} losses")
         busy = figures.busy_seconds_per_rank
         if len(busy) != world_size or min(busy) <= 0:
             raise AssertionError(f"busy seconds per rank: {busy}")
@@ -281,12 +306,13 @@ def _train_and_check(rank: int, world_size: int, case: Case, schedule: Schedule,
     if ddp == DDP_VARIANTS[0]:  # the other variants: every rank's weights against the reference
         assert_replicas_identical(stages)
     _check_weights(stages, ref_model)
-    result = executor.run([make_batch(STEPS, dp, m) for m in range(n)], forward_only=True)
+    result = executor.run(_batches(case, STEPS, dp), forward_only=True)
     forwards = [a for a in schedule.actions[prank] if a.kind == FORWARD]
     if result.executed != forwards:
         raise AssertionError(f"pipeline rank {prank}: forward-only order differs")
     for figures in executor.gather([result]) or []:
-        _check_close([x["lm loss"] for x in figures.losses], ref_eval, "forward-only losses")
+        _check_close(_whole_losses(case, [x["lm loss"] for x in figures.losses]), ref_eval,
+                     "forward-only losses")
     grad_sync.buffers.remove_hooks()
 
 

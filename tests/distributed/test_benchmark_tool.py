@@ -55,12 +55,18 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
     for row in rows:
         assert set(row) >= {"schedule", "pipes", "concat", "D", "N", "measured_s", "simulated_s"}
         assert row["D"] == 4 and len(row["times_s"]) == 10  # 2 rounds of 5
+        # the host costs of the traced iterations, one pair for the run, in every row
+        host = row["host_costs"]
+        assert host == rows[0]["host_costs"] and 0 < host["action_s"] < 0.05, host
+        assert 0 <= host["message_s"] < 0.05, host
         if row["schedule"].startswith("torch-"):
             assert row["simulated_s"] is None and "gaps" not in row
+            assert row["simulated_host_s"] is None
         else:
             _check_gaps(row)
             assert row["simulated_s"] >= row["simulated_compute_s"] > 0, row
             assert row["measured_s"] >= 0.97 * row["simulated_compute_s"], row
+            assert row["simulated_host_s"] > row["simulated_compute_s"], row
     tool = _load(TOOL)
     table = tool.format_table([tool.Row(r["schedule"], r["options"], r["D"], r["N"],
                                         r["measured_s"], r["simulated_s"]) for r in rows], 1e-4)

@@ -72,7 +72,8 @@ WORLD_8 = [
     Case("1f1b", 2, 4, split_delay=1),
 ]
 WORLD_4 = [*common_cases(4), Case("chimera", 2, 4, DIRECT), Case("gpipe", 2, 3),
-           Case("chimera-zb", 2, 4), Case("chimera", 4, 8, loss_scale=2.0**12)]
+           Case("chimera-zb", 2, 4), Case("chimera", 4, 8, loss_scale=2.0**12),
+           Case("chimera", 4, 4, backward_halving=True, all_ddp_variants=False)]
 WORLD_2 = [*common_cases(2)]
 
 

@@ -25,25 +25,48 @@ BASE = ("--num-layers 8 --hidden-size 64 --num-attention-heads 4 --seq-length 32
 SKEWED = StageCosts((1.5, 2.8, 1.6, 1.0), (0.6, 0.6, 0.5, 0.7), (0.6, 1.8, 0.2, 2.9))
 
 
-def test_zb_h1_loses_to_chimera_and_falls_back():
-    split = of_schedule(build_schedule("zb-h1", 8, 32, costs=SMALL_W), SMALL_W)
-    decision = decide(split, SMALL_W)
+# BitPipe-ZB (two weight copies, as Chimera) loses to Chimera at D=8, N=32 under these costs
+TINY_W = StageCosts.uniform(1.0, 2.0, 0.1, 8)
+
+
+def test_bitpipe_zb_loses_to_chimera_and_falls_back():
+    split = of_schedule(build_schedule("bitpipe-zb", 8, 32, costs=TINY_W), TINY_W)
+    decision = decide(split, TINY_W)
     assert decision.fell_back and decision.chosen.label == "chimera/slot-merge"
     # the figures are the simulator's, under the same costs (whole backward B + W unsplit)
     chimera = build_schedule("chimera", 8, 32)
-    assert decision.chosen.makespan == simulate(chimera, SMALL_W.cost_model(False)).makespan
+    assert decision.chosen.makespan == simulate(chimera, TINY_W.cost_model(False)).makespan
     assert decision.chosen.makespan < split.makespan
-    assert "zb-h1 61.62 | 1f1b 63.38 | chimera/slot-merge 58" == decision.figures()
-    with pytest.raises(FallbackRefused, match="zb-h1 is predicted slower than chimera/slot-"
-                                              "merge under the costs \\(61.62 vs 58"):
-        decide(split, SMALL_W, policy="refuse")
+    # unsplit BitPipe has no order the runtime accepts at N = 4D (test_vshape.py)
+    assert decision.figures().startswith("bitpipe-zb 124.4 | 1f1b 120.9 | chimera/slot-merge "
+                                         "111.8 | bitpipe n/a (bitpipe: no order at")
+    with pytest.raises(FallbackRefused, match="bitpipe-zb is predicted slower than chimera/"
+                                              "slot-merge under the costs \\(124.4 vs 111.8"):
+        decide(split, TINY_W, policy="refuse")
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+def test_one_weight_copy_never_falls_back_to_chimeras_two(name):
+    """ZB-H1 and ZBV hold one weight copy per rank: Chimera, predicted faster, may not replace
+    them (the figures say why), nor make ``refuse`` fail; 1F1B (one copy) still could."""
+    split = of_schedule(build_schedule(name, 8, 32, costs=SMALL_W), SMALL_W)
+    decision = decide(split, SMALL_W)
+    chimera = decision.alternatives[1]
+    assert chimera.label == "chimera/slot-merge" and chimera.makespan < split.makespan
+    assert not decision.fell_back
+    assert chimera.note == "needs 2 weight copies > 1" and decision.alternatives[0].usable
+    assert "chimera/slot-merge 58 (needs 2 weight copies > 1)" in decision.figures()
+    assert not decide(split, SMALL_W, policy="refuse").fell_back
 
 
 def test_a_running_job_only_switches_on_its_placement():
     split = of_schedule(build_schedule("zb-h1", 8, 32, costs=SMALL_W), SMALL_W)
     decision = decide(split, SMALL_W, same_placement=True)
     assert not decision.fell_back  # 1F1B (same placement) is slower; Chimera needs a restart
-    assert "chimera/slot-merge 58 (other placement: needs a restart)" in decision.figures()
+    split = of_schedule(build_schedule("bitpipe-zb", 8, 32, costs=TINY_W), TINY_W)
+    decision = decide(split, TINY_W, same_placement=True)
+    assert not decision.fell_back
+    assert "chimera/slot-merge 111.8 (other placement: needs a restart)" in decision.figures()
     closed = of_schedule(build_schedule("zb-h1", 4, 8), SKEWED)
     decision = decide(closed, SKEWED, same_placement=True)
     assert decision.fell_back and decision.chosen.label == "1f1b"
@@ -74,19 +97,33 @@ def parse(*flags: str):
 
 
 def test_config_time_fallback_and_refusal():
-    config, schedule = parse("--pipeline-schedule", "zb-h1", "--chimera-zb-costs", "1,0.5,0.125")
-    assert config.parallel.pipeline_schedule == "zb-h1"
+    config, schedule = parse("--pipeline-schedule", "bitpipe-zb", "--chimera-zb-costs", "1,2,0.1")
+    assert config.parallel.pipeline_schedule == "bitpipe-zb"
     assert schedule.name == "chimera" and not schedule.split_backward
-    assert schedule.meta["replaces"].startswith("zb-h1 (predicted slower under "
-                                                "--chimera-zb-costs: zb-h1 61.62 |")
+    assert schedule.meta["replaces"].startswith("bitpipe-zb (predicted slower under "
+                                                "--chimera-zb-costs: bitpipe-zb ")
     assert config.training.profile_iterations == 0  # costs fixed by hand
-    with pytest.raises(ConfigError, match="--chimera-zb-fallback refuse: zb-h1 is predicted "
-                                          "slower than chimera/slot-merge"):
-        parse("--pipeline-schedule", "zb-h1", "--chimera-zb-costs", "1,0.5,0.125",
+    with pytest.raises(ConfigError, match="--chimera-zb-fallback refuse: bitpipe-zb is "
+                                          "predicted slower than chimera/slot-merge"):
+        parse("--pipeline-schedule", "bitpipe-zb", "--chimera-zb-costs", "1,2,0.1",
               "--chimera-zb-fallback", "refuse")
+    # ZB-H1 (one weight copy) is kept although Chimera (two) is predicted faster
+    _, schedule = parse("--pipeline-schedule", "zb-h1", "--chimera-zb-costs", "1,0.5,0.125")
+    assert schedule.name == "zb-h1" and "replaces" not in schedule.meta
     # Chimera-ZB for the same costs wins: kept
     _, schedule = parse("--chimera-split-backward", "--chimera-zb-costs", "1,0.5,0.125")
     assert schedule.name == "chimera-zb" and "replaces" not in schedule.meta
+
+
+def test_backward_halving_is_refused_with_what_to_run():
+    """The paper's third concatenation runs (tests/distributed/test_runtime.py) but needs half
+    the --micro-batch-size: the flag value says so before any process group."""
+    with pytest.raises(ConfigError, match="--chimera-concat backward-halving: .* run "
+                                          "--chimera-concat forward-doubling with half the "
+                                          "--micro-batch-size"):
+        parse("--chimera-pipes", "2", "--chimera-concat", "backward-halving")
+    _, schedule = parse("--chimera-pipes", "2", "--chimera-concat", "forward-doubling")
+    assert schedule.meta["concat"] == "forward-doubling"
 
 
 def test_rebuild_for_measured_costs():
@@ -119,7 +156,7 @@ def test_rebuild_of_zb_h1_on_its_placement():
     running = build_schedule("zb-h1", 8, 32)
     report = rebuild_for_costs(running, ZBH1Options(), SMALL_W)
     assert report.schedule.placement == running.placement
-    assert "other placement" in report.line()
+    assert "chimera/slot-merge 5.8e+04 ms (needs 2 weight copies > 1)" in report.line()
 
 
 @pytest.mark.parametrize("name,d,n,costs", [

@@ -20,6 +20,23 @@ def test_gpipe_single_microbatch_with_p2p_latency():
     assert (first.kind, first.start, first.end) == ("F", pytest.approx(1.25), pytest.approx(2.25))
 
 
+def test_action_overhead_is_paid_before_every_compute():
+    """GPipe, one micro-batch, D=4: 8 actions in one chain, each after the host's overhead h
+    (after a message too: the receiver wakes, then starts); busy time stays the compute."""
+    D, h = 4, 0.125
+    result = simulate(build_schedule("gpipe", D, 1),
+                      CostModel(forward_cost=1.0, backward_cost=2.0, p2p_alpha=0.25,
+                                action_overhead=h))
+    assert result.makespan == pytest.approx(D * 3.0 + 2 * (D - 1) * 0.25 + 2 * D * h)
+    first = result.events_of_rank(0)[0]
+    assert (first.start, first.end) == (pytest.approx(h), pytest.approx(1 + h))
+    assert result.busy == pytest.approx([3.0] * D)
+    # two forwards back to back on one rank: the second starts h after the first ends
+    two = simulate(build_schedule("gpipe", 2, 2), CostModel(1.0, 2.0, action_overhead=h))
+    f0, f1 = two.events_of_rank(0)[:2]
+    assert f1.start - f0.end == pytest.approx(h)
+
+
 def test_per_stage_costs_and_busy_time():
     costs = CostModel(forward_cost=[1.0, 2.0, 3.0], backward_cost=[2.0, 4.0, 6.0])
     result = simulate(build_schedule("1f1b", 3, 5), costs)

@@ -78,3 +78,28 @@ def test_layer_host_overhead_compares_our_layer_with_a_plain_one(tmp_path):
     x = torch.randn(4, 1, 32, requires_grad=True)
     plain(x).sum().backward()
     assert plain(x).shape == x.shape and all(p.grad is not None for p in plain.parameters())
+
+
+def test_host_costs_of_traced_gaps_resimulate_a_row():
+    """benchmark_schedules.py --trace: the mean local gap is the per-action host time; a
+    critical message costs posting + flight + wake-up less that (the simulator charges it
+    before every compute); a row's simulation with them is the simulator's with those terms."""
+    from megatron_chimera.pipeline.trace import GapBreakdown
+    from megatron_chimera.schedules import build_schedule
+    from megatron_chimera.schedules.simulate import CostModel, simulate
+
+    bench = tool("benchmark_schedules")
+    gaps = GapBreakdown(hops=[0.001, 0.003], wake_to_start=[0.0005, 0.0005],
+                        end_to_send=[0.0001, 0.0003], local_gaps=[0.0002, 0.0004])
+    host = bench.HostCosts.of(gaps)
+    assert host.action_s == pytest.approx(0.0003)
+    assert host.message_s == pytest.approx(0.0002 + 0.002 + 0.0005 - 0.0003)
+    assert bench.HostCosts.of(GapBreakdown(local_gaps=[0.1])) is None  # no critical hop
+    schedule = build_schedule("zbv", 4, 8)
+    model = CostModel(0.01, 0.02, 0.01, p2p_alpha=1e-5)
+    row = bench.Row("zbv", {}, 4, 8, 1.0, 0.5, {"sim_inputs": (schedule, model)})
+    expected = simulate(schedule, CostModel(0.01, 0.02, 0.01, p2p_alpha=host.message_s,
+                                            action_overhead=host.action_s)).makespan
+    assert host.simulate(row) == pytest.approx(expected)
+    assert expected > simulate(schedule, model).makespan
+    assert host.simulate(bench.Row("torch-zbv", {}, 4, 8, 1.0, None)) is None

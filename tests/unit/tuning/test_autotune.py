@@ -391,8 +391,9 @@ def test_v_shaped_schedules_are_searched_with_their_chunks_and_weight_copies():
     weights = {layout.schedule: max(m.weight_bytes for m in model.memory(layout))
                for layout in layouts}
     assert weights["bitpipe-zb"] > 1.5 * weights["zbv"]
-    limit = max(max(m.total_bytes for m in model.memory(layout)) for layout in layouts
-                if layout.schedule != "bitpipe-zb")
-    result = autotune(model, dataclasses.replace(space, num_gpus=2), memory_limit_bytes=limit)
+    two_gpus = dataclasses.replace(space, num_gpus=2)  # the limit from the layouts ranked
+    limit = max(max(m.total_bytes for m in model.memory(layout))
+                for layout in enumerate_layouts(two_gpus) if layout.schedule != "bitpipe-zb")
+    result = autotune(model, two_gpus, memory_limit_bytes=limit)
     assert {p.layout.schedule for p in result.ranked} == {"1f1b", "zbv"}
     assert [layout.schedule for layout, _ in result.over_memory] == ["bitpipe-zb"]

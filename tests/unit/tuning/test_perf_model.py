@@ -197,6 +197,11 @@ def test_emulated_compute_prediction_is_the_simulator_with_the_benchmark_costs()
             allreduce_alpha=1e-3, grad_bytes=0.0))
         # grad bytes of the tiny emulated model cost nothing on an infinitely fast link
         assert predicted == pytest.approx(expected.makespan, rel=1e-12)
+    # the host's time per action (benchmark_schedules.py --trace) reaches the simulator
+    with_host = emulated_model(4, compute, link, action_overhead_s=2e-4).predict(layout)
+    assert with_host.iteration_s == pytest.approx(simulate(schedule, CostModel(
+        forward_cost=costs[0], backward_cost=costs[1], weight_cost=costs[2], p2p_alpha=1e-3,
+        allreduce_alpha=1e-3, grad_bytes=0.0, action_overhead=2e-4)).makespan, rel=1e-12)
 
 
 @pytest.mark.parametrize("name", ["chimera-zb", "bitpipe-zb", "zbv"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 from megatron_chimera.schedules.actions import (
@@ -144,9 +144,6 @@ def makespan_lower_bound(
     return max(per_rank, chain)
 
 
-# whether an order (per-rank actions) may be chosen, e.g. whether it lowers under NCCL's rules
-Accept = Callable[[list[list[Action]]], bool]
-
 # (guard, quota bias, quota overbook) tried in phase 1 of the search
 GUARD_VARIANTS = (
     [("none", 0.0, 0)]
@@ -193,10 +190,8 @@ class _Search:
         caps: list[int],
         lower_bound: float,
         budget: int,
-        accept: Accept | None = None,
     ) -> None:
         self.args = (placement, pipe_microbatches, costs)
-        self.accept = accept
         self.caps = caps
         self.lower_bound = lower_bound
         self.actions = 3 * len(placement[0]) * sum(len(m) for m in pipe_microbatches)
@@ -209,11 +204,9 @@ class _Search:
         return self.best is not None and self.best[0].makespan <= self.lower_bound + 1e-9
 
     def offer(self, result: ListResult, label: str) -> None:
-        """Keep ``result`` if it is the shortest so far (ties: the earlier one) and ``accept``
-        (when given) takes it."""
+        """Keep ``result`` if it is the shortest so far (ties: the earlier one)."""
         if self.best is None or result.makespan < self.best[0].makespan - 1e-9:
-            if self.accept is None or self.accept(result.actions):
-                self.best = (result, label)
+            self.best = (result, label)
 
     def seed(self, label: str, unsplit_order: list[list[Action]]) -> None:
         """An unsplit order as a split one: W right after B, and W filling the waits. A split
@@ -273,15 +266,13 @@ def best_order(
     seeds: Sequence[tuple[str, list[list[Action]]]] = (),
     guards: Sequence[tuple[str, float, int]] = GUARD_VARIANTS,
     budget: int | None = None,
-    accept: Accept | None = None,
 ) -> tuple[ListResult, str]:
     """The shortest of: the seeds (unsplit orders, W adjacent or filling the waits), then the
     list scheduler's two-phase search -- every cap guard with default choice rules, then
-    refinements of the best two -- within ``budget``; stops at ``lower_bound``. Only orders
-    ``accept`` takes count (ValueError if it takes none)."""
+    refinements of the best two -- within ``budget``; stops at ``lower_bound``."""
     cap = max(caps)
     budget = SEARCH_BUDGET_ACTIONS if budget is None else budget
-    search = _Search(placement, pipe_microbatches, costs, caps, lower_bound, budget, accept)
+    search = _Search(placement, pipe_microbatches, costs, caps, lower_bound, budget)
     if search.actions * MIN_VARIANTS > budget:
         search.budget = 0
     for label, order in seeds:
@@ -299,9 +290,7 @@ def best_order(
     if search.best is None:  # no seed fits the cap and no list run did: one cheap safe run
         search.budget = search.actions
         search.evaluate(Priority(guard="reserve"))
-    if search.best is None:
-        assert accept is not None, "the reserve guard cannot deadlock with a cap >= 1"
-        raise ValueError("no order found passes the runtime's rules (validate_lowered)")
+    assert search.best is not None, "the reserve guard cannot deadlock with a cap >= 1"
     return search.best
 
 

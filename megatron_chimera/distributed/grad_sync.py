@@ -10,10 +10,13 @@ A bucket is ready once its gradients are final: with ``overlap_grad_reduce``, as
 parameter of the bucket received its gradient in the stage's last backward on this rank (the
 executor announces that action); otherwise when that action is over and its sends are posted
 (the executor reports it before the next action). Where collectives are issued is part of the
-schedule validator's device-sync check (``schedules.sync_check``). Buckets are issued in one
-global order -- descending stage id, then bucket order, the tied embedding last -- and a bucket
-is issued only when every bucket before it has been, so two groups over the same ranks can never
-be entered in different orders (Chimera's eager, descending-stage reduction).
+schedule validator's device-sync check (``schedules.sync_check``): a stage whose collective
+could, issued that early, make a device-wide sync wait on another rank's later work is deferred
+to the end of the iteration (the schedule's collective plan, passed to
+:meth:`~GradientSynchronizer.start_iteration`). Buckets are issued in one global order --
+descending stage id, then bucket order, the tied embedding last -- and a bucket is issued only
+when every bucket before it has been, so two groups over the same ranks can never be entered in
+different orders (Chimera's eager, descending-stage reduction).
 
 The tied word embedding (``shared_embedding_or_output_weight()``) is left out of the stage
 buckets: every local copy shares one gradient buffer, which is reduced (all-reduce, or
@@ -97,6 +100,11 @@ class _Item:
     ready: bool = False
     work: dist.Work | None = None
 
+    @property
+    def name(self) -> str:
+        """The collective's name in the schedule's plan: ``stage s`` or ``embedding``."""
+        return "embedding" if self.stage is None else f"stage {self.stage}"
+
     def issue(self, collectives: Collectives, watcher: CollectiveWatcher | None = None) -> None:
         """Sum the bucket's sequence-parallel gradients over the tensor-parallel group, then
         start its collective (nothing to do on a group of one) and tell ``watcher``."""
@@ -112,8 +120,7 @@ class _Item:
         else:
             self.work = collectives.all_reduce(grads, self.group)
         if watcher is not None:
-            what = "embedding" if self.stage is None else f"stage {self.stage}"
-            watcher(self.group, f"reduction of {what} bucket {self.bucket.start}")
+            watcher(self.group, f"reduction of {self.name} bucket {self.bucket.start}")
 
 
 class GradientSynchronizer:
@@ -151,6 +158,7 @@ class GradientSynchronizer:
         self._final: set[int] = set()
         self._done: set[int] = set()
         self._next = 0
+        self._deferred: frozenset[str] = frozenset()
         self._watcher: CollectiveWatcher | None = None
         buffers.set_ready_callback(self._grad_ready if overlap_grad_reduce else None)
 
@@ -168,13 +176,19 @@ class GradientSynchronizer:
         """Collectives per iteration (buckets plus the tied embedding)."""
         return len(self._items)
 
-    def start_iteration(self, watcher: CollectiveWatcher | None = None) -> None:
+    def start_iteration(self, watcher: CollectiveWatcher | None = None,
+                        deferred: frozenset[str] = frozenset()) -> None:
         """Forget the previous iteration's progress (the buffers are zeroed by the optimizer);
-        ``watcher`` hears of every collective this iteration issues."""
+        ``watcher`` hears of every collective this iteration issues. ``deferred`` (``stage s``,
+        ``embedding``: the schedule's :class:`~megatron_chimera.schedules.sync_check.
+        CollectivePlan`) are issued only by :meth:`finish` -- issued as soon as ready, a
+        device-wide sync could wait for them while their group needs this rank's later work --
+        and, the order being global, every collective after them too."""
         self._watcher = watcher
         self._final.clear()
         self._done.clear()
         self._next = 0
+        self._deferred = deferred
         for item in self._items:
             item.ready, item.work = False, None
             item.waiting = set(item.bucket.param_indices) if item is not self._tied else set()
@@ -216,6 +230,8 @@ class GradientSynchronizer:
         while self._next < len(self._items) and self._items[self._next].ready:
             item = self._items[self._next]
             if item is self._tied and not between_actions:
+                return
+            if item.name in self._deferred:  # (and so is every item after it: finish issues)
                 return
             item.issue(self.collectives, self._watcher)
             self._next += 1

@@ -77,6 +77,7 @@ from megatron_chimera.schedules.lowering import (
     connection_order,
     lower,
 )
+from megatron_chimera.schedules.sync_check import plan_gradient_collectives
 from megatron_chimera.schedules.validate import validate_lowered
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
 from megatron_chimera.tensor_parallel.random import restored_tracker_states
@@ -306,9 +307,16 @@ class PipelineExecutor:
         safe_posting = policy.safe_posting
         self.lowered = {mode: lower(schedule, mode, policy.recv_lookahead, safe_posting)
                         for mode in (False, True)}
+        overlap = self.grad_sync is not None and self.grad_sync.overlap_grad_reduce
+        plan = None
         if safe_posting:
-            for lowered in self.lowered.values():
-                validate_lowered(lowered, ranks=[pipeline_rank])
+            plan = validate_lowered(self.lowered[False], [pipeline_rank], overlap)
+            validate_lowered(self.lowered[True], [pipeline_rank])
+        elif self.grad_sync is not None:  # (the collectives' plan of the safe lowering)
+            plan = plan_gradient_collectives(
+                lower(schedule, False, policy.recv_lookahead, True), overlap)
+        # gradient collectives issued only at the end of the iteration (see the plan)
+        self.deferred_collectives = plan.deferred if plan is not None else frozenset()
         self.programs: dict[bool, Program] = {
             mode: compile_program(lowered, pipeline_rank) for mode, lowered in self.lowered.items()}
         self.comm = P2PCommunicator(self.transport, uniform_specs(self.tensor_shape, self.dtype),
@@ -348,7 +356,8 @@ class PipelineExecutor:
             self.transport.begin_iteration()
             self.comm.begin_iteration()
             if self.grad_sync is not None and not forward_only:
-                self.grad_sync.start_iteration(self.transport.collective_issued)
+                self.grad_sync.start_iteration(self.transport.collective_issued,
+                                               self.deferred_collectives)
             run.execute()
             self.comm.finish()
             if self.grad_sync is not None and not forward_only:

@@ -73,8 +73,27 @@ class Posted(NamedTuple):
         return self.collective.short()
 
 
+class CollectiveHang(ScheduleError):
+    """A device-wide sync would wait on gradient collectives only (no send or receive):
+    ``collectives`` names them (``stage s``, ``embedding``). Issuing them at the end of the
+    iteration resolves it (:func:`plan_gradient_collectives`)."""
+
+    def __init__(self, message: str, collectives: frozenset[str]) -> None:
+        super().__init__(message)
+        self.collectives = collectives
+
+
+class CollectivePlan(NamedTuple):
+    """Where every rank issues its gradient collectives (:func:`gradient_collectives`), and
+    which of them wait for the end of the iteration so that no device-wide sync can hang."""
+
+    plans: list[list[Planned]]
+    deferred: frozenset[str]
+
+
 def gradient_collectives(schedule: Schedule, tied_embedding: bool = True,
-                         overlap_grad_reduce: bool = True) -> list[list[Planned]]:
+                         overlap_grad_reduce: bool = True,
+                         deferred: frozenset[str] = frozenset()) -> list[list[Planned]]:
     """Per pipeline rank, where it issues each gradient collective, in issue order.
 
     A stage's reduction is issued once the rank's last backward (W when split) of that stage
@@ -83,7 +102,8 @@ def gradient_collectives(schedule: Schedule, tied_embedding: bool = True,
     the device). Stages go in descending order (one waits for every higher one of the rank);
     with ``tied_embedding`` and the first and last stage on different ranks, the embedding's
     reduction follows once every final action of the rank is over (it is issued between
-    actions only).
+    actions only). The collectives named in ``deferred`` (``stage s``, ``embedding``) are issued
+    at the end of the rank's list, on every rank (and those after them in the order with them).
     """
     last = schedule.num_stages - 1
     holders = {s: tuple(sorted({schedule.rank_of(p, s) for p in range(schedule.num_pipes)}))
@@ -95,19 +115,45 @@ def gradient_collectives(schedule: Schedule, tied_embedding: bool = True,
         for index, action in enumerate(schedule.actions[rank]):
             if action.kind == schedule.release_kind:
                 final[action.stage] = index
+        end = len(schedule.actions[rank])
         plan: list[Planned] = []
         for stage in sorted(final, reverse=True):
-            at = Planned(final[stage], Collective(f"stage {stage}", holders[stage]), True) \
-                if overlap_grad_reduce else \
-                Planned(final[stage] + 1, Collective(f"stage {stage}", holders[stage]))
+            collective = Collective(f"stage {stage}", holders[stage])
+            at = Planned(end, collective) if collective.name in deferred else (
+                Planned(final[stage], collective, True) if overlap_grad_reduce
+                else Planned(final[stage] + 1, collective))
             if plan and (plan[-1].index, plan[-1].inside) > (at.index, at.inside):
                 at = plan[-1]._replace(collective=at.collective)  # waits for the one before
             plan.append(at)
         if tied_embedding and final and holders[0] != holders[last] and (
                 0 in final or last in final):
-            plan.append(Planned(max(final.values()) + 1, Collective("embedding", embedding)))
+            at = end if "embedding" in deferred else max(final.values()) + 1
+            plan.append(Planned(max(at, plan[-1].index), Collective("embedding", embedding)))
         plans.append(plan)
     return plans
+
+
+def plan_gradient_collectives(lowered: LoweredSchedule, overlap_grad_reduce: bool = True,
+                              tied_embedding: bool = True, data_parallel: int = 1,
+                              tensor_parallel: int = 1) -> CollectivePlan:
+    """The gradient collectives of ``lowered`` placed so that a device-wide sync on any rank at
+    any point cannot hang: each issued as early as :func:`gradient_collectives` puts it, unless
+    one of its group could then wait for another member's later work -- such collectives are
+    issued at the end of the iteration instead, on every rank (found by the check of every
+    rank, so every rank of a job reaches the same plan). Raises :class:`ScheduleError` when
+    point-to-point alone would hang."""
+    deferred: frozenset[str] = frozenset()
+    while True:
+        plans = gradient_collectives(lowered.schedule, tied_embedding, overlap_grad_reduce,
+                                     deferred)
+        try:
+            check_sync_anywhere(lowered, None, plans, data_parallel, tensor_parallel)
+        except CollectiveHang as hang:
+            if hang.collectives <= deferred:  # cannot be: at the end a rank waits for no one
+                raise
+            deferred |= hang.collectives
+            continue
+        return CollectivePlan(plans, deferred)
 
 
 class _World:
@@ -194,8 +240,9 @@ class _World:
                 while self._step(w, t, r, frozen):
                     progress = True
 
-    def unmatched(self, rank: tuple[int, int, int]) -> list[str]:
-        """What ``rank`` posted that some peer or group member has not posted yet."""
+    def unmatched(self, rank: tuple[int, int, int]) -> list[tuple[str, str | None]]:
+        """What ``rank`` posted that some peer or group member has not posted yet: (label,
+        the collective's name or None for a send or receive)."""
         w, t, r = rank
         pending = []
         for op in self.lists[r][:self.heads[rank]]:
@@ -203,15 +250,16 @@ class _World:
                 key = (RECV if op.op == SEND else SEND, op.message)
                 peer, index = self.rank_of[key], self.where[key]
                 if self.heads[(w, t, peer)] <= index:
-                    pending.append(f"{op.short()} (rank {peer} stopped at index "
-                                   f"{self.heads[(w, t, peer)]})")
+                    pending.append((f"{op.short()} (rank {peer} stopped at index "
+                                    f"{self.heads[(w, t, peer)]})", None))
             elif isinstance(op, Posted):
                 late = [(v, m) for v in range(self.data_parallel) for m in op.collective.members
                         if self.heads[(v, t, m)] <= self.where[(m, op.collective)]]
                 if late:
                     v, m = late[0]
-                    pending.append(f"{op.short()} (rank {m} of replica {v} stopped at index "
-                                   f"{self.heads[(v, t, m)]} before posting it)")
+                    pending.append((f"{op.short()} (rank {m} of replica {v} stopped at "
+                                    f"index {self.heads[(v, t, m)]} before posting it)",
+                                    op.collective.name))
         return pending
 
 
@@ -237,9 +285,13 @@ def check_sync_anywhere(lowered: LoweredSchedule, ranks: Sequence[int] | None = 
             if pending:
                 head = world.heads[me]
                 at = ops[head].short() if head < len(ops) else "the end"
-                raise ScheduleError(
-                    f"a device-wide sync on rank {r} before {at} (index {head}) would hang: "
-                    f"posted {', '.join(pending)} need(s) this rank's later work")
+                message = (f"a device-wide sync on rank {r} before {at} (index {head}) would "
+                           f"hang: posted {', '.join(text for text, _ in pending)} need(s) this "
+                           f"rank's later work")
+                names = frozenset(name for _, name in pending)
+                if None in names:
+                    raise ScheduleError(message)
+                raise CollectiveHang(message, names)
             if world.heads[me] == len(ops):
                 break
             if not world._step(*me, frozen=None):

@@ -30,7 +30,11 @@ from megatron_chimera.schedules.lowering import (
     needed_message,
     produced_message,
 )
-from megatron_chimera.schedules.sync_check import check_sync_anywhere, gradient_collectives
+from megatron_chimera.schedules.sync_check import (
+    CollectivePlan,
+    check_sync_anywhere,
+    plan_gradient_collectives,
+)
 from megatron_chimera.schedules.walk import run_in_order, stalled
 
 
@@ -205,19 +209,24 @@ def _check_messages(lowered: LoweredSchedule) -> None:
         raise ScheduleError(f"directions {sorted(missing)} carry messages but are not connected")
 
 
-def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = None) -> None:
+def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = None,
+                     overlap_grad_reduce: bool = True) -> CollectivePlan | None:
     """Raise :class:`ScheduleError` unless the lowered lists keep NCCL's rules: the compute
     lists are the schedule's, every message is sent after its producer and received before its
     consumer, per pair in one order (tags ignored), every direction is connected (warmed up in
     one global order), and a device-wide sync on any rank at any point cannot hang -- on a
-    pending send or receive, or, in training, on a gradient collective of the stage-replica or
-    embedding groups (:mod:`.sync_check`; checked for ``ranks``, default all: a rank of a job
-    checks its own list)."""
+    pending send or receive (checked for ``ranks``, default all: a rank of a job checks its own
+    list), or, in training, on a gradient collective of the stage-replica or embedding groups:
+    then it returns the collectives' plan for ``overlap_grad_reduce``
+    (:func:`.sync_check.plan_gradient_collectives`, every rank checked: each reaches the same
+    plan), which defers to the end of the iteration the collectives that could hang a sync."""
     for rank, actions in enumerate(lowered.compute_lists()):
         expected = iteration_actions(lowered.schedule, rank, lowered.forward_only)
         if actions != expected:
             raise ScheduleError(f"rank {rank}: the lowered compute order differs from the "
                                 f"schedule's")
     _check_messages(lowered)
-    collectives = None if lowered.forward_only else gradient_collectives(lowered.schedule)
-    check_sync_anywhere(lowered, ranks, collectives)
+    if lowered.forward_only:
+        check_sync_anywhere(lowered, ranks, None)
+        return None
+    return plan_gradient_collectives(lowered, overlap_grad_reduce)

@@ -59,8 +59,8 @@ def run_early_collective(rank: int, world_size: int) -> None:
         if rank == 0:
             start = grad_sync.start_iteration
 
-            def start_and_issue_everything(watcher=None):
-                start(watcher)
+            def start_and_issue_everything(watcher=None, deferred=frozenset()):
+                start(watcher, deferred)
                 for item in grad_sync._items:  # noqa: SLF001 (the fault under test)
                     item.ready = True
                 grad_sync._issue_ready()  # noqa: SLF001

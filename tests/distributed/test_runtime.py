@@ -84,6 +84,9 @@ WORLD_4_V = [
     Case("bitpipe", 4, 8, all_ddp_variants=False), Case("bitpipe-zb", 4, 8, all_ddp_variants=False),
     Case("bitpipe-zb", 2, 4), Case("zbv", 2, 3, all_ddp_variants=False),
     Case("bitpipe", 2, 4, recompute=True, all_ddp_variants=False),
+    # N = 3D: its stages 6 and 7 reduce at the end of the iteration (the collective plan), in
+    # every data-parallel flag combination (overlapped reduction on and off)
+    Case("bitpipe", 4, 12),
 ]
 
 

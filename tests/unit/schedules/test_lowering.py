@@ -16,7 +16,12 @@ from megatron_chimera.schedules.lowering import (
     needed_message,
     produced_message,
 )
-from megatron_chimera.schedules.sync_check import check_sync_anywhere, gradient_collectives
+from megatron_chimera.schedules.sync_check import (
+    CollectiveHang,
+    check_sync_anywhere,
+    gradient_collectives,
+    plan_gradient_collectives,
+)
 from megatron_chimera.schedules.validate import ScheduleError, validate_lowered
 
 pytestmark = pytest.mark.timeout(120)
@@ -176,10 +181,33 @@ def test_gradient_collectives_cannot_hang_a_device_sync(case, overlap):
     name, d, n, options = case
     schedule = build_schedule(name, d, n, **options)
     lowered = lower(schedule)
-    plan = gradient_collectives(schedule, tied_embedding=True, overlap_grad_reduce=overlap)
-    assert any(plan), "every schedule reduces some stage over a group"
+    plan = plan_gradient_collectives(lowered, overlap_grad_reduce=overlap)
+    assert any(plan.plans), "every schedule reduces some stage over a group"
+    # only BitPipe's two V pipes (a stage's replicas on ranks r and D-1-r) ever need a
+    # collective deferred to the end of the iteration
+    assert not plan.deferred or name.startswith("bitpipe"), plan.deferred
     for data_parallel, tensor_parallel in ((1, 1), (2, 1), (1, 2), (2, 2)):
-        check_sync_anywhere(lowered, None, plan, data_parallel, tensor_parallel)
+        check_sync_anywhere(lowered, None, plan.plans, data_parallel, tensor_parallel)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_collectives_that_could_hang_a_sync_are_deferred_to_the_end(overlap):
+    """BitPipe at N = 3D: a rank's last W of stage 7 comes while the other replica (rank 0)
+    still needs this rank's later sends to reach its own, so a device sync right after posting
+    the reduction would hang. The plan issues stages 7 and 6 (and, the order being global,
+    whatever follows them on the rank) at the end of the iteration; then no sync can hang, for
+    W and T replicas too."""
+    lowered = lower(build_schedule("bitpipe", 4, 12))
+    eager = gradient_collectives(lowered.schedule, overlap_grad_reduce=overlap)
+    with pytest.raises(CollectiveHang, match=r"reduce\(stage 7\)") as hang:
+        check_sync_anywhere(lowered, None, eager)
+    assert hang.value.collectives == {"stage 7"}
+    plan = plan_gradient_collectives(lowered, overlap_grad_reduce=overlap)
+    assert plan.deferred == {"stage 6", "stage 7"}
+    end = len(lowered.schedule.actions[0])
+    assert all(p.index == end for p in plan.plans[0])  # rank 0 holds stage 7: all at its end
+    for data_parallel, tensor_parallel in ((1, 1), (2, 2)):
+        check_sync_anywhere(lowered, None, plan.plans, data_parallel, tensor_parallel)
 
 
 def test_an_embedding_reduction_issued_inside_the_last_backward_is_refused():

@@ -19,6 +19,10 @@ matched once every member of its group -- over all replicas, one tensor rank -- 
 distributed optimizer issues reduce-scatters at the same points instead of all-reduces (and
 gathers parameters after the step, outside the iteration), so it needs no model of its own.
 Posting never blocks: connections and communicators exist before the first iteration.
+
+A collective that could hang a sync where the synchronizer would issue it is not an error of the
+schedule: :func:`plan_gradient_collectives` moves it (and what follows it in the order) to the
+end of the iteration, where a rank waits for no one; the runtime issues it there.
 """
 
 from __future__ import annotations

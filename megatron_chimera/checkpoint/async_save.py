@@ -11,6 +11,7 @@ write leaves the staging directory unpublished: the tracker still names the prev
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -27,13 +28,16 @@ class AsyncCheckpointer:
         self._error: BaseException | None = None
         self._path: str | None = None
 
-    def start(self, job: SaveJob) -> None:
-        """Wait for the previous save, then write ``job`` in the background."""
+    def start(self, job: SaveJob, on_done: Callable[[str], None] | None = None) -> None:
+        """Wait for the previous save, then write ``job`` in the background; ``on_done(path)``
+        runs in the background once it is published."""
         self.wait()
 
         def write() -> None:
             try:
                 self._path = job.run(lambda: dist.barrier(group=self.group), self.group)
+                if on_done is not None:
+                    on_done(self._path)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 self._error = exc
 

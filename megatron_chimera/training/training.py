@@ -233,7 +233,9 @@ def save(run: Run, state: TrainState) -> None:
     if run.checkpointer is not None:  # --async-save: staged now, written in the background
         job = prepare_sharded_save(ckpt.save, contents, rank=run.rank,
                                    world_size=run.world_size, copy=True)
-        run.checkpointer.start(job)
+        done = ((lambda path: print(f" finished saving checkpoint {path} in the background",
+                                    flush=True)) if run.rank == 0 else None)
+        run.checkpointer.start(job, done)
         path, verb = job.final, "started saving"
     else:
         path = save_checkpoint(ckpt.save, contents, rank=run.rank, world_size=run.world_size,

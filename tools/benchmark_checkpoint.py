@@ -10,18 +10,23 @@ says otherwise) four times: without saving (the baseline iteration time); with `
 every ``--save-interval`` iterations, synchronously and with ``--async-save``; and resuming the
 last checkpoint in ``--load-layout``. Reports, per rank, the bytes of checkpoint data it wrote
 (its own DCP files) and read (counted by the reader: only the byte runs its pieces need), both
-against its share (checkpoint size / ranks); the load time; and the wall time of an iteration
-without a save, right after a synchronous save, and while an asynchronous save is in flight.
+against its share (checkpoint size / ranks); its peak host memory during a save (synchronous,
+asynchronous: from the capture to the publish, the most over the run's saves) and the load (the
+rise of the process's resident high-water mark ``VmHWM``, reset when the phase starts; every
+thread of the rank counted, training's own included); the load time; and the wall time of an
+iteration without a save, right after a synchronous save, and while an asynchronous save is in
+flight.
 
-An iteration's wall time is the time between rank 0's log lines of it and of the previous one,
-taken as the lines arrive (``--log-interval 1``), so it holds everything the loop does: the step,
-the logging collective, a save's synchronous part (an async save's staging). An async save is in
-flight from its "started saving" line to its "finished saving" line; the iterations it overlaps
-are those after the first line up to the first one logged after the second, all of them counted.
+An iteration's wall time is the time between the logging rank's lines of it and of the previous
+one, taken as the lines arrive (``--log-interval 1``), so it holds everything the loop does: the
+step, the logging collective, a save's synchronous part (an async save's staging). An async save
+of iteration N is in flight for every iteration after N that began before its "finished saving"
+line arrived; all of them are counted.
 """
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
 import re
@@ -44,11 +49,12 @@ STARTED = re.compile(r"started saving checkpoint .* at iteration (\d+)")
 FINISHED = re.compile(r"finished saving checkpoint .*iter_(\d+) in the background")
 LOADED = re.compile(r"loaded checkpoint .* in ([\d.]+) s; checkpoint bytes read per rank: "
                     r"\[([\d, ]+)\]")
+PEAKS = re.compile(r"peak host memory added per rank \(MB\): (\[[^\]]*\])")
 
 
 def run(nproc: int, flags: list[str], walls: list[float] | None = None
         ) -> list[tuple[float, str]]:
-    """Rank 0's stdout lines of ``pretrain_gpt2.py flags`` on ``nproc`` ranks, each with the
+    """The ranks' stdout lines of ``pretrain_gpt2.py flags`` on ``nproc`` ranks, each with the
     time it arrived (fails loudly); the run's wall time is appended to ``walls``."""
     started = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -114,32 +120,51 @@ def main(argv: list[str] | None = None) -> None:
         walls: list[float] = []
         plain = iteration_walls(run(args.nproc, [*base, *save_layout], walls))
         saving = ["--save-interval", str(args.save_interval)]
-        sync = iteration_walls(run(args.nproc, [*base, *save_layout, "--save",
-                                                os.path.join(tmp, "sync"), *saving], walls))
+        sync_lines = run(args.nproc, [*base, *save_layout, "--save", os.path.join(tmp, "sync"),
+                                      *saving], walls)
         ckpt = os.path.join(tmp, "async")
         async_lines = run(args.nproc, [*base, *save_layout, "--save", ckpt, *saving,
                                        "--async-save"], walls)
         last = max(int(d[-7:]) for d in glob.glob(os.path.join(ckpt, "iter_*"))
                    if d[-7:].isdigit())
         written = written_per_rank(os.path.join(ckpt, f"iter_{last:07d}"), args.nproc)
-        loaded = LOADED.search("".join(line for _, line in run(
-            args.nproc, [*shlex.split(args.model), *load_layout, "--train-iters",
-                         str(last + 1), "--load", ckpt])))
+        load_lines = run(args.nproc, [*shlex.split(args.model), *load_layout, "--train-iters",
+                                      str(last + 1), "--load", ckpt])
+        loaded = LOADED.search("".join(line for _, line in load_lines))
     read = [int(x) for x in loaded.group(2).split(",")]
-    share = sum(written) / args.nproc
-    print(f"checkpoint data: {sum(written)} B over {args.nproc} ranks (share {share:.0f} B)")
-    print("| rank | written (B) | written / share | read on resume (B) | read / share |")
-    print("|---|---|---|---|---|")
-    for rank in range(args.nproc):
-        print(f"| {rank} | {written[rank]} | {written[rank] / share:.2f} | {read[rank]} | "
-              f"{read[rank] / share:.2f} |")
+    peaks = {"sync save": peak_memory(sync_lines, "saved checkpoint"),
+             "async save": peak_memory(async_lines, "finished saving checkpoint"),
+             "load": peak_memory(load_lines, "loaded checkpoint")}
+    print_rank_table(written, read, peaks)
     saves = args.iters // args.save_interval + (args.iters % args.save_interval != 0)
     print(f"\nload time ({args.load_layout}): {float(loaded.group(1)):.2f} s")
     print(f"run wall time added per save (vs no save, {saves} saves): synchronous "
           f"{(walls[1] - walls[0]) / saves:.2f} s, "
           f"--async-save {(walls[2] - walls[0]) / saves:.2f} s")
-    print_iteration_table(plain, sync, iteration_walls(async_lines),
+    print_iteration_table(plain, iteration_walls(sync_lines), iteration_walls(async_lines),
                           in_flight_iterations(async_lines), args.save_interval)
+
+
+def peak_memory(lines: list[tuple[float, str]], marker: str) -> list[float | None]:
+    """Per rank, the most peak host memory (MB) any line with ``marker`` reports."""
+    runs = [ast.literal_eval(m.group(1)) for _, line in lines
+            if marker in line and (m := PEAKS.search(line))]
+    return [max((r[k] for r in runs if r[k] is not None), default=None)
+            for k in range(len(runs[0]))] if runs else []
+
+
+def print_rank_table(written: list[int], read: list[int],
+                     peaks: dict[str, list[float | None]]) -> None:
+    """Per rank: bytes written and read against the share, peak host memory per phase."""
+    share = sum(written) / len(written)
+    print(f"checkpoint data: {sum(written)} B over {len(written)} ranks (share {share:.0f} B)")
+    print("| rank | written (B) | written / share | read on resume (B) | read / share | "
+          + " | ".join(f"peak host memory, {what} (MB)" for what in peaks) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(peaks))
+    for rank in range(len(written)):
+        memory = " | ".join(str(p[rank]) if rank < len(p) else "-" for p in peaks.values())
+        print(f"| {rank} | {written[rank]} | {written[rank] / share:.2f} | {read[rank]} | "
+              f"{read[rank] / share:.2f} | {memory} |")
 
 
 def print_iteration_table(plain: dict[int, float], sync: dict[int, float],

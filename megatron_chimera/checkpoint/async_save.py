@@ -28,8 +28,8 @@ class AsyncCheckpointer:
         self._error: BaseException | None = None
         self._path: str | None = None
 
-    def start(self, job: SaveJob, on_done: Callable[[str], None] | None = None) -> None:
-        """Wait for the previous save, then write ``job`` in the background; ``on_done(path)``
+    def start(self, job: SaveJob, on_done: Callable[[SaveJob], None] | None = None) -> None:
+        """Wait for the previous save, then write ``job`` in the background; ``on_done(job)``
         runs in the background once it is published."""
         self.wait()
 
@@ -37,7 +37,7 @@ class AsyncCheckpointer:
             try:
                 self._path = job.run(lambda: dist.barrier(group=self.group), self.group)
                 if on_done is not None:
-                    on_done(self._path)
+                    on_done(job)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 self._error = exc
 

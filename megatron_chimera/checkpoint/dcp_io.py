@@ -54,7 +54,10 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import (
+    _compare_save_plans,
+    create_read_items_for_chunk_list,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -97,6 +100,12 @@ class ChunkSavePlanner(DefaultSavePlanner):
                     properties=TensorProperties.create_from_tensor(tensor),
                     size=torch.Size(chunk.global_size))))
         self.plan = SavePlan(items)
+        # DCP's plan caching (as DefaultSavePlanner.create_local_plan does it): a plan equal to
+        # the last successful one is not sent; the coordinator reuses the cached global plan
+        cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+        if cached is not None and _compare_save_plans(self.plan, cached):
+            return SavePlan([], usable=False)
+        self._pending_local_plan = self.plan  # cached by finish_plan once the save succeeds
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:

@@ -86,8 +86,19 @@ def test_an_unknown_chunk_encoding_is_refused(tmp_path):
                      failure_message(info.value))
 
 
-def test_saves_with_the_cached_plan_and_with_changed_chunks(tmp_path):
+def test_a_save_like_the_last_reuses_its_plan_and_a_changed_one_is_planned(tmp_path,
+                                                                           monkeypatch):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    planned = []
+    real = DefaultSavePlanner._create_global_plan
+    monkeypatch.setattr(DefaultSavePlanner, "_create_global_plan",
+                        lambda self, plans: planned.append(1) or real(self, plans))
     first, same, other = _chunks(3), _chunks(4), _chunks(5, rows=8)
+    counts = []
     for name, chunks in (("a", first), ("b", same), ("c", other), ("d", first)):
         save_chunks(str(tmp_path / name), chunks)
+        counts.append(len(planned))
         _check(_read_back(str(tmp_path / name), chunks), chunks)
+    # "b" has the chunks of "a" (other values): no plan sent, none made
+    assert counts[1] == counts[0] and counts[2] == counts[1] + 1 and counts[3] == counts[2] + 1

@@ -231,16 +231,15 @@ class SafeReader(FileSystemReader):
                 starts: dict[int, int] = {}
                 for item in items:
                     info = self.storage_data[item.storage_index]
+                    target = planner.resolve_tensor(item).detach()
                     try:
                         if info.offset not in starts:
                             starts[info.offset] = self._data_start(handle, info)
-                        values = self._read_box(handle, starts[info.offset], item)
+                        self._read_box(handle, starts[info.offset], item, target)
                     except (ValueError, KeyError, zipfile.BadZipFile, struct.error) as exc:
                         raise ValueError(f"{path}: chunk of {item.storage_index.fqn} at "
                                          f"{tuple(item.storage_index.offset)} is corrupt or "
                                          f"truncated ({exc})") from None
-                    target = planner.resolve_tensor(item).detach()
-                    target.copy_(values)
                     planner.commit_tensor(item, target)
         future: Future = Future()
         future.set_result(None)
@@ -264,22 +263,27 @@ class SafeReader(FileSystemReader):
         self.bytes_read += view.count
         return info.offset + member.header_offset + 30 + name_length + extra_length
 
-    def _read_box(self, handle, start: int, item: Any) -> torch.Tensor:
-        """The requested box of a saved chunk, read as byte runs from ``start``."""
+    def _read_box(self, handle, start: int, item: Any, target: torch.Tensor) -> None:
+        """Read the requested box of a saved chunk, as byte runs from ``start``, into ``target``:
+        straight into its memory when it is contiguous and of the saved dtype (no copy of the
+        tensor; a tool reading tensor by tensor holds about one tensor), else through one
+        buffer of the box."""
         shape, dtype = self._saved_chunk(item.storage_index)
         box_offsets, box_lengths = tuple(item.storage_offsets), tuple(item.lengths)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        buffer = bytearray()
+        direct = target.is_contiguous() and target.dtype == dtype
+        dest = target if direct else torch.empty(box_lengths, dtype=dtype)
+        itemsize = dest.element_size()
+        memory = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+        at = 0
         for offset, count in _byte_runs(shape, box_offsets, box_lengths):
             handle.seek(start + offset * itemsize)
-            data = handle.read(count * itemsize)
-            if len(data) != count * itemsize:
+            size = count * itemsize
+            if handle.readinto(memory[at:at + size]) != size:
                 raise ValueError("the file ends early")
-            buffer += data
-        self.bytes_read += len(buffer)
-        if not buffer:
-            return torch.empty(box_lengths, dtype=dtype)
-        return torch.frombuffer(buffer, dtype=dtype).reshape(box_lengths)
+            at += size
+        self.bytes_read += at
+        if not direct:
+            target.copy_(dest)
 
 
 class _CountingView(io.RawIOBase):

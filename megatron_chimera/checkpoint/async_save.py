@@ -41,11 +41,13 @@ class AsyncCheckpointer:
                     on_done(job)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 self._error = exc
+            finally:
+                gc.unfreeze()  # cycles among them are collected again from now on
 
-        # The writer must not run a full garbage collection: it would traverse every object of
-        # the process (~0.2 s of CPU here) holding the GIL the training thread needs. Objects
-        # alive now are moved out of the collector's reach (they are still freed when their
-        # last reference goes; only cycles among them would no longer be collected).
+        # While the save is written no full garbage collection may traverse every object of
+        # the process (~0.2 s of CPU here) holding the GIL the training thread needs: the
+        # objects alive now are moved out of the collector's reach until the writer ends
+        # (they are still freed when their last reference goes).
         gc.freeze()
         self._thread = threading.Thread(target=write, name="async-save", daemon=True)
         self._thread.start()

@@ -1,5 +1,5 @@
-"""AsyncCheckpointer: one save in the background at a time, its error re-raised by wait, its
-writer never running a full garbage collection over the training's objects."""
+"""AsyncCheckpointer: one save in the background at a time, its error re-raised by wait, no full
+garbage collection over the training's objects while it writes."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def test_the_writer_runs_with_the_objects_alive_at_start_frozen():
     saver, job, done = AsyncCheckpointer(group=None), _Job(), []
     saver.start(job, done.append)
     assert saver.wait() == job.final and done == [job]
-    assert job.frozen > 0  # a full collection in the writer would skip them
+    assert job.frozen > 0  # a full collection in the writer would skip them ...
+    assert gc.get_freeze_count() == 0  # ... and once it ended, they are collectable again
 
 
 def test_wait_raises_the_writer_error_once():

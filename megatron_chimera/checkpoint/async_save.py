@@ -28,6 +28,7 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._path: str | None = None
+        self._froze = False
 
     def start(self, job: SaveJob, on_done: Callable[[SaveJob], None] | None = None) -> None:
         """Wait for the previous save, then write ``job`` in the background; ``on_done(job)``
@@ -41,14 +42,16 @@ class AsyncCheckpointer:
                     on_done(job)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 self._error = exc
-            finally:
-                gc.unfreeze()  # cycles among them are collected again from now on
 
-        # While the save is written no full garbage collection may traverse every object of
-        # the process (~0.2 s of CPU here) holding the GIL the training thread needs: the
-        # objects alive now are moved out of the collector's reach until the writer ends
-        # (they are still freed when their last reference goes).
-        gc.freeze()
+        if not self._froze:
+            # A full garbage collection in the writer would traverse every object of the
+            # process (~0.2 s of CPU here) holding the GIL the training thread needs. The
+            # objects alive at the first save -- the imports, the model, the optimizer -- are
+            # moved out of the collector's reach once, so later full collections (in either
+            # thread) see only what was made since. They are still freed when their last
+            # reference goes; only cycles among them that die later are never collected.
+            gc.freeze()
+            self._froze = True
         self._thread = threading.Thread(target=write, name="async-save", daemon=True)
         self._thread.start()
 

@@ -1,5 +1,5 @@
-"""AsyncCheckpointer: one save in the background at a time, its error re-raised by wait, no full
-garbage collection over the training's objects while it writes."""
+"""AsyncCheckpointer: one save in the background at a time, its error re-raised by wait, the
+objects alive at the first save out of the garbage collector's full collections."""
 
 from __future__ import annotations
 
@@ -27,13 +27,17 @@ def _unfreeze():
     gc.unfreeze()  # leave the collector as other tests expect it
 
 
-def test_the_writer_runs_with_the_objects_alive_at_start_frozen():
+def test_the_objects_alive_at_the_first_save_are_frozen_once():
     gc.unfreeze()
     saver, job, done = AsyncCheckpointer(group=None), _Job(), []
     saver.start(job, done.append)
     assert saver.wait() == job.final and done == [job]
-    assert job.frozen > 0  # a full collection in the writer would skip them ...
-    assert gc.get_freeze_count() == 0  # ... and once it ended, they are collectable again
+    assert job.frozen > 0  # a full collection in the writer skips them
+    frozen, later = gc.get_freeze_count(), _Job()
+    made_since = [[] for _ in range(1000)]
+    saver.start(later)
+    saver.wait()
+    assert later.frozen == frozen and made_since  # frozen once: later objects stay collectable
 
 
 def test_wait_raises_the_writer_error_once():

@@ -10,12 +10,23 @@ says otherwise) four times: without saving (the baseline iteration time); with `
 every ``--save-interval`` iterations, synchronously and with ``--async-save``; and resuming the
 last checkpoint in ``--load-layout``. Reports, per rank, the bytes of checkpoint data it wrote
 (its own DCP files) and read (counted by the reader: only the byte runs its pieces need), both
-against its share (checkpoint size / ranks); the load time; the median iteration time without
-a save, right after a synchronous save, and while an asynchronous save is in flight.
+against its share (checkpoint size / ranks); its peak host memory during a save (synchronous,
+asynchronous: from the capture to the publish, the most over the run's saves) and the load (the
+rise of the process's resident high-water mark ``VmHWM``, reset when the phase starts; every
+thread of the rank counted, training's own included); the load time; and the wall time of an
+iteration without a save, right after a synchronous save, and while an asynchronous save is in
+flight.
+
+An iteration's wall time is the time between the logging rank's lines of it and of the previous
+one, taken as the lines arrive (``--log-interval 1``), so it holds everything the loop does: the
+step, the logging collective, a save's synchronous part (an async save's staging). An async save
+of iteration N is in flight for every iteration after N that began before its "finished saving"
+line arrived; all of them are counted.
 """
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
 import re
@@ -34,35 +45,54 @@ MODEL = ("--num-layers 8 --hidden-size 128 --num-attention-heads 4 --seq-length 
          "--mock-data --vocab-size 1000 --num-workers 0 --eval-iters 0 --log-interval 1 "
          "--distributed-timeout-minutes 2")
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+)")
+STARTED = re.compile(r"started saving checkpoint .* at iteration (\d+)")
+FINISHED = re.compile(r"finished saving checkpoint .*iter_(\d+) in the background")
 LOADED = re.compile(r"loaded checkpoint .* in ([\d.]+) s; checkpoint bytes read per rank: "
                     r"\[([\d, ]+)\]")
+PEAKS = re.compile(r"peak host memory added per rank \(MB\): (\[[^\]]*\])")
 
 
-def run(nproc: int, flags: list[str], walls: list[float] | None = None) -> str:
-    """stdout of ``pretrain_gpt2.py flags`` on ``nproc`` ranks (fails loudly); its wall time
-    is appended to ``walls``."""
+def run(nproc: int, flags: list[str], walls: list[float] | None = None
+        ) -> list[tuple[float, str]]:
+    """The ranks' stdout lines of ``pretrain_gpt2.py flags`` on ``nproc`` ranks, each with the
+    time it arrived (fails loudly); the run's wall time is appended to ``walls``."""
     started = time.perf_counter()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(ROOT, "pretrain_gpt2.py"), *flags]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryFile(mode="w+") as errors:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=errors,
+                                text=True)
+        lines = [(time.perf_counter(), line) for line in proc.stdout]
+        if proc.wait(timeout=1800) != 0:
+            errors.seek(0)
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{''.join(x for _, x in lines)[-3000:]}"
+                             f"\n{errors.read()[-3000:]}")
     if walls is not None:
         walls.append(time.perf_counter() - started)
-    return proc.stdout
+    return lines
 
 
-def iteration_ms(stdout: str) -> dict[int, float]:
-    """Logged time of every iteration (``--log-interval 1``)."""
-    return {int(i): float(ms) for i, ms in ITERATION.findall(stdout)}
+def iteration_walls(lines: list[tuple[float, str]]) -> dict[int, float]:
+    """Wall time (ms) of every iteration after the first: between its log line and the
+    previous one's."""
+    stamps = {int(m.group(1)): t for t, line in lines if (m := ITERATION.search(line))}
+    return {i: (t - stamps[i - 1]) * 1000 for i, t in stamps.items() if i - 1 in stamps}
 
 
-def after_saves(times: dict[int, float], interval: int, first: int = 2) -> tuple[list, list]:
-    """(iterations right after a save, the others), skipping the first ``first`` (warm-up)."""
-    during = [ms for i, ms in times.items() if i > first and (i - 1) % interval == 0 and i > 1]
-    other = [ms for i, ms in times.items() if i > first and (i - 1) % interval != 0]
-    return during, other
+def in_flight_iterations(lines: list[tuple[float, str]]) -> list[list[int]]:
+    """Per async save of iteration N with an iteration after it: the iterations it was in
+    flight for, those after N that began (the previous iteration was logged) before it
+    finished."""
+    stamps = {int(m.group(1)): t for t, line in lines if (m := ITERATION.search(line))}
+    windows = []
+    for t, line in lines:
+        if m := FINISHED.search(line):
+            saved = int(m.group(1))
+            window = [i for i in sorted(stamps) if i > saved and stamps.get(i - 1, t) < t]
+            if window:
+                windows.append(window)
+    return windows
 
 
 def written_per_rank(directory: str, nproc: int) -> list[int]:
@@ -88,43 +118,74 @@ def main(argv: list[str] | None = None) -> None:
     save_layout, load_layout = shlex.split(args.save_layout), shlex.split(args.load_layout)
     with tempfile.TemporaryDirectory(prefix="ckpt_bench_") as tmp:
         walls: list[float] = []
-        plain = iteration_ms(run(args.nproc, [*base, *save_layout], walls))
+        plain = iteration_walls(run(args.nproc, [*base, *save_layout], walls))
         saving = ["--save-interval", str(args.save_interval)]
-        sync = iteration_ms(run(args.nproc, [*base, *save_layout, "--save",
-                                             os.path.join(tmp, "sync"), *saving], walls))
+        sync_lines = run(args.nproc, [*base, *save_layout, "--save", os.path.join(tmp, "sync"),
+                                      *saving], walls)
         ckpt = os.path.join(tmp, "async")
-        asynchronous = iteration_ms(run(args.nproc, [*base, *save_layout, "--save", ckpt,
-                                                     *saving, "--async-save"], walls))
+        async_lines = run(args.nproc, [*base, *save_layout, "--save", ckpt, *saving,
+                                       "--async-save"], walls)
         last = max(int(d[-7:]) for d in glob.glob(os.path.join(ckpt, "iter_*"))
                    if d[-7:].isdigit())
         written = written_per_rank(os.path.join(ckpt, f"iter_{last:07d}"), args.nproc)
-        loaded = LOADED.search(run(args.nproc, [*shlex.split(args.model), *load_layout,
-                                                "--train-iters", str(last + 1), "--load", ckpt]))
+        load_lines = run(args.nproc, [*shlex.split(args.model), *load_layout, "--train-iters",
+                                      str(last + 1), "--load", ckpt])
+        loaded = LOADED.search("".join(line for _, line in load_lines))
     read = [int(x) for x in loaded.group(2).split(",")]
-    share = sum(written) / args.nproc
-    print(f"checkpoint data: {sum(written)} B over {args.nproc} ranks (share {share:.0f} B)")
-    print("| rank | written (B) | written / share | read on resume (B) | read / share |")
-    print("|---|---|---|---|---|")
-    for rank in range(args.nproc):
-        print(f"| {rank} | {written[rank]} | {written[rank] / share:.2f} | {read[rank]} | "
-              f"{read[rank] / share:.2f} |")
-    med = statistics.median
-    sync_during, _ = after_saves(sync, args.save_interval)
-    async_during, async_other = after_saves(asynchronous, args.save_interval)
-    plain_ms = med([ms for i, ms in plain.items() if i > 2])
+    peaks = {"sync save": peak_memory(sync_lines, "saved checkpoint"),
+             "async save": peak_memory(async_lines, "finished saving checkpoint"),
+             "load": peak_memory(load_lines, "loaded checkpoint")}
+    print_rank_table(written, read, peaks)
     saves = args.iters // args.save_interval + (args.iters % args.save_interval != 0)
     print(f"\nload time ({args.load_layout}): {float(loaded.group(1)):.2f} s")
     print(f"run wall time added per save (vs no save, {saves} saves): synchronous "
           f"{(walls[1] - walls[0]) / saves:.2f} s, "
           f"--async-save {(walls[2] - walls[0]) / saves:.2f} s")
-    print("| iteration time (ms, median) | value | / no save |")
+    print_iteration_table(plain, iteration_walls(sync_lines), iteration_walls(async_lines),
+                          in_flight_iterations(async_lines), args.save_interval)
+
+
+def peak_memory(lines: list[tuple[float, str]], marker: str) -> list[float | None]:
+    """Per rank, the most peak host memory (MB) any line with ``marker`` reports."""
+    runs = [ast.literal_eval(m.group(1)) for _, line in lines
+            if marker in line and (m := PEAKS.search(line))]
+    return [max((r[k] for r in runs if r[k] is not None), default=None)
+            for k in range(len(runs[0]))] if runs else []
+
+
+def print_rank_table(written: list[int], read: list[int],
+                     peaks: dict[str, list[float | None]]) -> None:
+    """Per rank: bytes written and read against the share, peak host memory per phase."""
+    share = sum(written) / len(written)
+    print(f"checkpoint data: {sum(written)} B over {len(written)} ranks (share {share:.0f} B)")
+    print("| rank | written (B) | written / share | read on resume (B) | read / share | "
+          + " | ".join(f"peak host memory, {what} (MB)" for what in peaks) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(peaks))
+    for rank in range(len(written)):
+        memory = " | ".join(str(p[rank]) if rank < len(p) else "-" for p in peaks.values())
+        print(f"| {rank} | {written[rank]} | {written[rank] / share:.2f} | {read[rank]} | "
+              f"{read[rank] / share:.2f} | {memory} |")
+
+
+def print_iteration_table(plain: dict[int, float], sync: dict[int, float],
+                          asynchronous: dict[int, float], windows: list[list[int]],
+                          interval: int, warmup: int = 2) -> None:
+    """The iteration wall times (ms): medians without a save, after a synchronous save and
+    outside async saves; the mean over every iteration an async save was in flight for."""
+    med = statistics.median
+    plain_ms = med([ms for i, ms in plain.items() if i > warmup])
+    in_flight = [i for window in windows for i in window if i > warmup]
+    rows = (("no save (median)", plain_ms),
+            ("sync run, iteration after a save (median)",
+             med([ms for i, ms in sync.items() if i > warmup and (i - 1) % interval == 0])),
+            (f"while an async save is in flight (mean of {len(in_flight)} iterations, "
+             f"{len(windows)} saves)", statistics.mean(asynchronous[i] for i in in_flight)),
+            ("async run, no save in flight (median)",
+             med([ms for i, ms in asynchronous.items() if i > warmup and i not in in_flight])))
+    print("| iteration wall time (ms) | value | / no save |")
     print("|---|---|---|")
-    rows = (("no save", plain_ms), ("sync run, iteration after a save", med(sync_during)),
-            ("while an async save is in flight", med(async_during)),
-            ("async run, other iterations", med(async_other)))
     for what, value in rows:
         print(f"| {what} | {value:.1f} | {value / plain_ms:.2f} |")
-
 
 if __name__ == "__main__":
     run_tool(main)

@@ -35,10 +35,12 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
 from megatron_chimera.checkpoint.dcp_io import failure_message, save_chunks
+from megatron_chimera.checkpoint.host_memory import PeakHostMemory
 from megatron_chimera.checkpoint.sharded import collect_save_chunks, load_sharded_tensors
 from megatron_chimera.checkpoint.stages import (  # noqa: F401 - re-exported
     StageSlice,
@@ -217,7 +219,9 @@ def _make_staging(root: str, final: str, rank: int, barrier: Callable[[], None])
 @dataclass
 class SaveJob:
     """A ``torch_dist`` checkpoint captured at its iteration -- this rank's chunks, RNG state
-    and (rank 0) ``common.pt`` -- to be written now or in the background (``--async-save``)."""
+    and (rank 0) ``common.pt`` -- to be written now or in the background (``--async-save``).
+    ``memory`` measures this rank's peak host memory from the capture to the publish; ``run``
+    sets ``peak_bytes_per_rank`` (every rank's, None where not measurable)."""
 
     root: str
     iteration: int
@@ -225,6 +229,8 @@ class SaveJob:
     chunks: dict[Any, Any]
     rng: dict[str, Any]
     common: dict[str, Any] | None
+    memory: PeakHostMemory | None = None
+    peak_bytes_per_rank: list[int | None] | None = None
 
     @property
     def final(self) -> str:
@@ -242,14 +248,23 @@ class SaveJob:
         barrier()
         if self.rank == 0:
             _publish(self.root, staging, self.final, self.iteration)
-        barrier()
+        self.peak_bytes_per_rank = self._gather_peaks(process_group)  # also the last barrier
         return self.final
+
+    def _gather_peaks(self, process_group: Any) -> list[int | None]:
+        mine = self.memory.added_bytes() if self.memory is not None else None
+        if not dist.is_initialized():
+            return [mine]
+        peaks: list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(peaks, mine, group=process_group)
+        return peaks
 
 
 def prepare_sharded_save(root: str, contents: CheckpointContents, *, rank: int,
                          world_size: int, copy: bool = False) -> SaveJob:
     """Capture ``contents`` for a ``torch_dist`` save; ``copy``: stage every tensor in host
     memory of its own (training may go on while the job writes)."""
+    memory = PeakHostMemory()
     optimizer = contents.optimizer
     if optimizer is not None:
         optimizer.finish_param_sync()  # the weights saved are the updated ones
@@ -258,7 +273,7 @@ def prepare_sharded_save(root: str, contents: CheckpointContents, *, rank: int,
     common = (copy_module.deepcopy(_common_payload(contents, optimizer, world_size,
                                                    FORMAT_TORCH_DIST))
               if rank == 0 else None)
-    return SaveJob(root, contents.iteration, rank, chunks, get_rng_state(), common)
+    return SaveJob(root, contents.iteration, rank, chunks, get_rng_state(), common, memory)
 
 
 def _save_stage_files(staging: str, stages: list[StageSlice], optimizer: Any | None) -> None:

@@ -7,9 +7,13 @@ The metadata records every chunk's global offsets, so a load asks for the rectan
 reads only the saved chunks that overlap them.
 
 Our planners describe the chunks directly (DCP's default planner only knows whole tensors,
-DTensors and ShardedTensors). Loading never executes a pickle: chunks are read with
-``torch.load(weights_only=True)`` by DCP and the metadata file with an unpickler that admits only
-DCP's metadata classes, torch sizes and dtypes.
+DTensors and ShardedTensors); the save planner caches DCP's global plan, so a save whose chunks
+are those of the previous one sends no plan to the coordinator. Each rank writes its chunks as
+raw row-major bytes into one file (:class:`RawChunkWriter`; marked ``raw`` in the metadata): no
+per-chunk ``torch.save`` archive to build on save or to parse on load. Loading never executes a
+pickle: chunks are read as bytes (``torch.save`` archives of older checkpoints through their zip
+directory only) and the metadata file with an unpickler that admits only DCP's metadata
+classes, torch sizes and dtypes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     DefaultSavePlanner,
 )
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -44,17 +49,23 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import (
     LoadPlan,
     SavePlan,
+    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import (
+    _compare_save_plans,
+    create_read_items_for_chunk_list,
+)
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megatron_chimera.checkpoint.chunks import Rect
 
 ChunkKey = tuple[str, tuple[int, ...]]  # (fqn, offsets)
 METADATA_FILENAME = ".metadata"
+RAW = "raw"  # a chunk stored as its row-major bytes (its storage info's transform descriptor)
 
 
 @dataclasses.dataclass
@@ -73,7 +84,8 @@ class ChunkSavePlanner(DefaultSavePlanner):
     """Plans the writes of explicitly placed chunks (DCP deduplicates replicas globally)."""
 
     def __init__(self, chunks: dict[ChunkKey, SaveChunk]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
+                         enable_plan_caching=True)
         self.chunks = chunks
         self._by_index = {_index(k): c.tensor for k, c in chunks.items()}
 
@@ -88,10 +100,44 @@ class ChunkSavePlanner(DefaultSavePlanner):
                     properties=TensorProperties.create_from_tensor(tensor),
                     size=torch.Size(chunk.global_size))))
         self.plan = SavePlan(items)
+        # DCP's plan caching (as DefaultSavePlanner.create_local_plan does it): a plan equal to
+        # the last successful one is not sent; the coordinator reuses the cached global plan
+        cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
+        if cached is not None and _compare_save_plans(self.plan, cached):
+            return SavePlan([], usable=False)
+        self._pending_local_plan = self.plan  # cached by finish_plan once the save succeeds
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return self._by_index[dataclasses.replace(index, index=None)]
+
+
+class RawChunkWriter(FileSystemWriter):
+    """DCP's file writer storing each chunk as its raw row-major bytes, one file per rank
+    (fsynced), instead of a ``torch.save`` archive per chunk."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        results = []
+        with open(os.path.join(str(self.path), name), "wb") as handle:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    raise ValueError(f"{item.index.fqn}: only tensors are written as raw chunks")
+                tensor = planner.resolve_data(item).detach()
+                data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+                offset = handle.tell()
+                handle.write(memoryview(data))
+                results.append(WriteResult(index=item.index, size_in_bytes=data.size,
+                                           storage_data=_StorageInfo(name, offset, data.size,
+                                                                     [RAW])))
+            handle.flush()
+            os.fsync(handle.fileno())
+        future: Future = Future()
+        future.set_result(results)
+        return future
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
@@ -146,9 +192,9 @@ def read_metadata(path: str) -> Metadata:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader reading only the bytes a request needs: of each saved chunk (a
-    ``torch.save`` zip holding the chunk's row-major bytes) it reads the zip's directory, never
-    its pickle, and then only the byte runs of the requested box. Counts the bytes it reads."""
+    """DCP's file reader reading only the bytes a request needs: the byte runs of the requested
+    box of each saved chunk (raw row-major bytes; of an older ``torch.save`` archive, its zip
+    directory first, never its pickle). Counts the bytes it reads."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path)
@@ -185,23 +231,27 @@ class SafeReader(FileSystemReader):
                 starts: dict[int, int] = {}
                 for item in items:
                     info = self.storage_data[item.storage_index]
+                    target = planner.resolve_tensor(item).detach()
                     try:
                         if info.offset not in starts:
                             starts[info.offset] = self._data_start(handle, info)
-                        values = self._read_box(handle, starts[info.offset], item)
+                        self._read_box(handle, starts[info.offset], item, target)
                     except (ValueError, KeyError, zipfile.BadZipFile, struct.error) as exc:
                         raise ValueError(f"{path}: chunk of {item.storage_index.fqn} at "
                                          f"{tuple(item.storage_index.offset)} is corrupt or "
                                          f"truncated ({exc})") from None
-                    target = planner.resolve_tensor(item).detach()
-                    target.copy_(values)
                     planner.commit_tensor(item, target)
         future: Future = Future()
         future.set_result(None)
         return future
 
     def _data_start(self, handle, info) -> int:
-        """File offset of a saved chunk's tensor bytes (its zip's ``data/0`` member)."""
+        """File offset of a saved chunk's tensor bytes (raw, or its zip's ``data/0`` member)."""
+        encoding = list(getattr(info, "transform_descriptors", None) or [])
+        if encoding == [RAW]:
+            return info.offset
+        if encoding:
+            raise ValueError(f"unsupported chunk encoding {encoding}")
         view = _CountingView(handle, info.offset, info.length)
         with zipfile.ZipFile(view) as archive:
             member = next((m for m in archive.infolist() if m.filename.endswith("/data/0")), None)
@@ -213,22 +263,27 @@ class SafeReader(FileSystemReader):
         self.bytes_read += view.count
         return info.offset + member.header_offset + 30 + name_length + extra_length
 
-    def _read_box(self, handle, start: int, item: Any) -> torch.Tensor:
-        """The requested box of a saved chunk, read as byte runs from ``start``."""
+    def _read_box(self, handle, start: int, item: Any, target: torch.Tensor) -> None:
+        """Read the requested box of a saved chunk, as byte runs from ``start``, into ``target``:
+        straight into its memory when it is contiguous and of the saved dtype (no copy of the
+        tensor; a tool reading tensor by tensor holds about one tensor), else through one
+        buffer of the box."""
         shape, dtype = self._saved_chunk(item.storage_index)
         box_offsets, box_lengths = tuple(item.storage_offsets), tuple(item.lengths)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        buffer = bytearray()
+        direct = target.is_contiguous() and target.dtype == dtype
+        dest = target if direct else torch.empty(box_lengths, dtype=dtype)
+        itemsize = dest.element_size()
+        memory = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
+        at = 0
         for offset, count in _byte_runs(shape, box_offsets, box_lengths):
             handle.seek(start + offset * itemsize)
-            data = handle.read(count * itemsize)
-            if len(data) != count * itemsize:
+            size = count * itemsize
+            if handle.readinto(memory[at:at + size]) != size:
                 raise ValueError("the file ends early")
-            buffer += data
-        self.bytes_read += len(buffer)
-        if not buffer:
-            return torch.empty(box_lengths, dtype=dtype)
-        return torch.frombuffer(buffer, dtype=dtype).reshape(box_lengths)
+            at += size
+        self.bytes_read += at
+        if not direct:
+            target.copy_(dest)
 
 
 class _CountingView(io.RawIOBase):
@@ -298,7 +353,7 @@ def save_chunks(path: str, chunks: dict[ChunkKey, SaveChunk], process_group=None
     """Collectively write every rank's ``chunks`` under directory ``path`` (DCP files plus
     ``.metadata``; every file fsynced)."""
     with _single_process_quiet():
-        dcp.save({}, storage_writer=FileSystemWriter(path, sync_files=True, thread_count=1),
+        dcp.save({}, storage_writer=RawChunkWriter(path),
                  planner=ChunkSavePlanner(chunks), process_group=process_group,
                  no_dist=not dist.is_initialized())
 

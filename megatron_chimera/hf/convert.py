@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from megatron_chimera.checkpoint.checkpointing import (
+    CKPT_FORMATS,
+    FORMAT_TORCH_DIST,
     CheckpointContents,
     StageSlice,
     read_tracker,
@@ -139,11 +141,15 @@ def _tokenizer_notes(tokenizer: TokenizerSettings, model: ModelConfig, hf_dir: s
 
 
 def import_hf(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
-              max_position_embeddings: int | None = None, verify: bool = False) -> ImportResult:
-    """Convert the Hugging Face model in ``hf_dir`` into a release checkpoint under ``save``;
-    ``verify`` also runs both models on a random batch (positions unchanged only)."""
+              max_position_embeddings: int | None = None, verify: bool = False,
+              ckpt_format: str = FORMAT_TORCH_DIST) -> ImportResult:
+    """Convert the Hugging Face model in ``hf_dir`` into a release checkpoint under ``save`` in
+    ``ckpt_format`` (``torch_dist`` by default, as training writes); ``verify`` also runs both
+    models on a random batch (positions unchanged only)."""
     if make_vocab_size_divisible_by <= 0:
         raise ConfigError("--make-vocab-size-divisible-by must be positive")
+    if ckpt_format not in CKPT_FORMATS:
+        raise ConfigError(f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}")
     if max_position_embeddings is not None and max_position_embeddings <= 0:
         raise ConfigError("--max-position-embeddings must be positive")
     existing = read_tracker(save) if os.path.isdir(save) else None
@@ -179,7 +185,8 @@ def import_hf(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
     path = save_checkpoint(save, CheckpointContents(0, [StageSlice(0, layers, model)], [layers],
                                                     args=_checkpoint_args(model_config, tokenizer,
                                                     family, provenance), save_optim=False,
-                                                    release=True), rank=0, world_size=1)
+                                                    release=True), rank=0, world_size=1,
+                           ckpt_format=ckpt_format)
     agreement = None
     if verify and max_position_embeddings is None:
         agreement = compare_with_transformers(model, family, model_config, hf_dir)

@@ -24,6 +24,7 @@ from megatron_chimera.checkpoint.checkpointing import (
     read_tracker,
     resolve_checkpoint_dir,
 )
+from megatron_chimera.checkpoint.host_memory import PeakHostMemory
 from megatron_chimera.checkpoint.saved_args import check_checkpoint_args
 from megatron_chimera.config import TrainConfig
 from megatron_chimera.distributed.data_parallel import build_data_parallel
@@ -188,7 +189,7 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     if saved_iteration is not None and not ckpt.finetune:
         check_resume_iteration(saved_iteration, config,
                                resolve_checkpoint_dir(ckpt.load, saved_iteration))
-    started = time.perf_counter()
+    memory = PeakHostMemory()
     loaded = load_checkpoint(
         ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
         world_size=world_size, load_optim=not ckpt.no_load_optim,
@@ -197,22 +198,25 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
         state.iteration = loaded.iteration
         state.consumed_train_samples = loaded.consumed_train_samples
         state.consumed_valid_samples = loaded.consumed_valid_samples
-        _report_load(loaded, time.perf_counter() - started, rank, world_size)
+        _report_load(loaded, memory, rank, world_size)
     elif rank == 0:
         print(f" no checkpoint in {ckpt.load} (no tracker file): training from scratch",
               flush=True)
     return saved_args
 
 
-def _report_load(loaded: Any, seconds: float, rank: int, world_size: int) -> None:
-    """Rank 0 prints the loaded checkpoint, the load time and every rank's bytes read (one
-    gather of two numbers per rank)."""
+def _report_load(loaded: Any, memory: PeakHostMemory, rank: int, world_size: int) -> None:
+    """Rank 0 prints the loaded checkpoint, the load time, every rank's bytes read and peak host
+    memory added while loading (one gather of three numbers per rank)."""
     figures: list[Any] = [None] * world_size
-    dist.all_gather_object(figures, (loaded.bytes_read, seconds))
+    peak = memory.added_bytes()
+    dist.all_gather_object(figures, (loaded.bytes_read, time.perf_counter() - memory.started,
+                                     None if peak is None else round(peak / 2**20, 1)))
     if rank == 0:
         print(f" loaded checkpoint {loaded.path} at iteration {loaded.iteration} in "
               f"{max(f[1] for f in figures):.2f} s; checkpoint bytes read per rank: "
-              f"{[f[0] for f in figures]}", flush=True)
+              f"{[f[0] for f in figures]}; peak host memory added per rank (MB): "
+              f"{[f[2] for f in figures]}", flush=True)
 
 
 def build_datasets(provider: DatasetsProvider, config: TrainConfig) -> tuple[Any, Any, Any]:

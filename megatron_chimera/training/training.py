@@ -23,7 +23,9 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.checkpointing import (
+    FORMAT_TORCH_DIST,
     CheckpointContents,
+    checkpoint_dir,
     prepare_sharded_save,
     save_checkpoint,
     set_rng_state,
@@ -230,19 +232,36 @@ def save(run: Run, state: TrainState) -> None:
         args={**dataclasses.asdict(run.config), "model_family": run.family.name,
               **({PROFILED_KEY: run.profiled} if run.profiled else {})},
         save_optim=not ckpt.no_save_optim)
-    if run.checkpointer is not None:  # --async-save: staged now, written in the background
+    if ckpt.ckpt_format == FORMAT_TORCH_DIST:  # --async-save: staged now, written later
         job = prepare_sharded_save(ckpt.save, contents, rank=run.rank,
-                                   world_size=run.world_size, copy=True)
-        run.checkpointer.start(job)
-        path, verb = job.final, "started saving"
+                                   world_size=run.world_size, copy=run.checkpointer is not None)
+        if run.checkpointer is not None:
+            run.checkpointer.start(job, _report_saved if run.rank == 0 else None)
+        else:
+            job.run(dist.barrier)
     else:
-        path = save_checkpoint(ckpt.save, contents, rank=run.rank, world_size=run.world_size,
-                               barrier=dist.barrier, ckpt_format=ckpt.ckpt_format)
-        verb = "saved"
+        save_checkpoint(ckpt.save, contents, rank=run.rank, world_size=run.world_size,
+                        barrier=dist.barrier, ckpt_format=ckpt.ckpt_format)
     run.timers("save-checkpoint").stop()
     state.last_saved_iteration = state.iteration
-    if run.rank == 0:
-        print(f" {verb} checkpoint {path} at iteration {state.iteration}", flush=True)
+    if run.rank == 0 and run.checkpointer is not None:
+        print(f" started saving checkpoint {job.final} at iteration {state.iteration}",
+              flush=True)
+    elif run.rank == 0:
+        _report_saved(job if ckpt.ckpt_format == FORMAT_TORCH_DIST else None,
+                      checkpoint_dir(ckpt.save, state.iteration), state.iteration)
+
+
+def _report_saved(job: Any, path: str | None = None, iteration: int | None = None) -> None:
+    """Rank 0's line for a published checkpoint (a ``torch_dist`` one: with every rank's peak
+    host memory from the capture to the publish)."""
+    peaks = getattr(job, "peak_bytes_per_rank", None)
+    memory = ("" if peaks is None else "; peak host memory added per rank (MB): "
+              f"{[None if p is None else round(p / 2**20, 1) for p in peaks]}")
+    if iteration is None:  # an async save, reported by its writer
+        print(f" finished saving checkpoint {job.final} in the background{memory}", flush=True)
+    else:
+        print(f" saved checkpoint {path} at iteration {iteration}{memory}", flush=True)
 
 
 def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:

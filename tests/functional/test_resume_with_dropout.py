@@ -30,8 +30,13 @@ RTOL = 1e-5
 SCHEDULES = {
     "gpipe": ["--pipeline-schedule", "gpipe"],
     "1f1b": ["--pipeline-schedule", "1f1b"],
+    # virtual stages through Megatron's flag: 4 layers / D=2 / 1 layer each = 2 per rank
     "interleaved": ["--pipeline-schedule", "interleaved",
-                    "--num-virtual-stages-per-pipeline-rank", "2"],
+                    "--num-layers-per-virtual-pipeline-stage", "1"],
+    # fp16: the dynamic loss scale doubles every 2 iterations (x2 at 2, 4, 6), so the resume
+    # must restore the scaler's scale and growth tracker for iterations 4..6 to repeat
+    "1f1b-fp16": ["--pipeline-schedule", "1f1b", "--fp16", "--initial-loss-scale", "65536",
+                  "--loss-scale-window", "2", "--hysteresis", "1"],
     "chimera": ["--pipeline-schedule", "chimera", "--chimera-pipes", "2"],
     "chimera-zb": ["--pipeline-schedule", "chimera-zb", "--chimera-pipes", "2"],
     "zb-h1": ["--pipeline-schedule", "zb-h1"],
@@ -75,6 +80,10 @@ def test_resume_with_dropout_is_bitwise_exact(schedule, tmp_path):
     straight, resumed, ckpt_a, ckpt_b = straight_then_resume(tmp_path, 2, flags)
     assert sorted(resumed) == [4, 5, 6]
     assert resumed == {k: straight[k] for k in (4, 5, 6)}, (straight, resumed)
+    if "--fp16" in flags:
+        scale = scalars(tmp_path / "tb-straight", "loss-scale")
+        assert scale[3] != scale[4] != 65536  # the scaler's state matters after the resume
+        assert scalars(tmp_path / "tb-resumed", "loss-scale") == {k: scale[k] for k in (4, 5, 6)}
     a, b = stage_tensors(ckpt_a, 6), stage_tensors(ckpt_b, 6)
     assert a.keys() == b.keys()
     different = [name for name in a if not torch.equal(a[name], b[name])]

@@ -6,10 +6,11 @@
 ``import-hf`` reads a local ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
 ``Qwen2ForCausalLM`` or ``MegatronBertForPreTraining`` / ``MegatronBertForMaskedLM`` directory
 (``config.json`` + safetensors or ``pytorch_model.bin``, loaded without running code) and writes a
-release checkpoint that ``pretrain_gpt2.py`` / ``pretrain_bert.py --load`` trains under any layout
-with a fresh optimizer; it prints the model flags to train it with. ``export-hf`` writes
-``config.json``, ``model.safetensors`` and the tokenizer files (GPT-2 BPE, WordPiece or a fast
-tokenizer's ``tokenizer.json``) that ``from_pretrained`` loads, then checks the logits.
+release checkpoint (``--ckpt-format``: ``torch_dist`` by default, or ``torch``) that
+``pretrain_gpt2.py`` / ``pretrain_bert.py --load`` trains under any layout with a fresh optimizer;
+it prints the model flags to train it with. ``export-hf`` writes ``config.json``,
+``model.safetensors`` and the tokenizer files (GPT-2 BPE, WordPiece or a fast tokenizer's
+``tokenizer.json``) that ``from_pretrained`` loads, then checks the logits.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from megatron_chimera.checkpoint.checkpointing import CKPT_FORMATS, FORMAT_TORCH_DIST
 from megatron_chimera.errors import ToolArgumentParser
 from megatron_chimera.hf.convert import export_hf, import_hf
 from megatron_chimera.inference.cli import run_cli
@@ -38,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep only the first N position embeddings (shorter context)")
     imp.add_argument("--no-verify", action="store_true",
                      help="skip comparing our logits with transformers' on a random batch")
+    imp.add_argument("--ckpt-format", choices=CKPT_FORMATS, default=FORMAT_TORCH_DIST,
+                     help="checkpoint format written (as training's --ckpt-format)")
     exp = sub.add_parser("export-hf", help="checkpoint -> Hugging Face directory",
                          allow_abbrev=False)
     exp.add_argument("--load", required=True, help="checkpoint directory (any layout)")
@@ -83,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "import-hf":
         result = import_hf(args.hf_dir, args.save, args.make_vocab_size_divisible_by,
-                           args.max_position_embeddings, verify=not args.no_verify)
+                           args.max_position_embeddings, verify=not args.no_verify,
+                           ckpt_format=args.ckpt_format)
         _print_import(result, args.save)
         return
     result = export_hf(args.load, args.hf_dir, overwrite=args.overwrite,

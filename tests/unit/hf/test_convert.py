@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,9 +127,13 @@ def test_gpt2_import_from_pytorch_bin_and_shards(tmp_path):
         assert diff <= TOL, name
 
 
-def test_import_then_export_returns_the_same_tensors(tmp_path):
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])
+def test_import_then_export_returns_the_same_tensors(tmp_path, ckpt_format):
     save_gpt2(tmp_path / "hf", tokenizer=True)
-    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), make_vocab_size_divisible_by=64)
+    result = import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"),
+                       make_vocab_size_divisible_by=64, ckpt_format=ckpt_format)
+    written = [p.name for p in Path(result.checkpoint).iterdir()]  # default: torch_dist
+    assert (".metadata" in written) == (ckpt_format == "torch_dist"), written
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     from safetensors.torch import load_file
     original = load_file(tmp_path / "hf" / "model.safetensors")

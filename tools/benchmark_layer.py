@@ -151,11 +151,13 @@ def _step_times(step, layers: int) -> tuple[float, float]:
 def _interleaved_medians(steps: dict, layers: int, count: int, warmup: int
                          ) -> dict[str, tuple[float, float]]:
     """Median forward and backward seconds per layer of each step, the steps taken in turn
-    (one of each per round), so that a change of machine load hits them alike."""
+    (one of each per round, the order rotated every round so that none always follows the
+    same one), so that a change of machine load or cache state hits them alike."""
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+    names = list(steps)
     for i in range(warmup + count):
-        for name, step in steps.items():
-            measured = _step_times(step, layers)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            measured = _step_times(steps[name], layers)
             if i >= warmup:
                 times[name].append(measured)
     medians = {}

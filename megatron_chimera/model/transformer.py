@@ -157,6 +157,12 @@ class CoreAttention(nn.Module):
     def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 mask: AttentionMask) -> torch.Tensor:
         options = self._options[query.is_cuda]
+        if mask is None and self.fused and not options["flash_only"]:
+            # plain (causal) attention on the fused path: the kernel itself, no wrapper frames
+            # (:func:`attention` would make the same call)
+            return F.scaled_dot_product_attention(
+                query, key, value, dropout_p=self.dropout_p if self.training else 0.0,
+                is_causal=self.causal)
         if isinstance(mask, DocumentMask):
             if not self.causal:
                 raise ValueError("a document mask needs causal (GPT) attention")
@@ -350,7 +356,11 @@ class ParallelTransformerLayer(nn.Module):
         if self.sequence_parallel and self.training and self.hidden_dropout > 0:
             with tensor_parallel_rng(True, site):
                 return bias_dropout_add(out, bias, residual, self.hidden_dropout, True, fused)
-        return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training, fused)
+        if fused or bias is not None:
+            return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training,
+                                    fused)
+        # the bias is inside the output projection: dropout and add, no further frame
+        return residual + F.dropout(out, self.hidden_dropout, self.training)
 
 
 class ParallelTransformer(nn.Module):

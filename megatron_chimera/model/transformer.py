@@ -135,7 +135,6 @@ class CoreAttention(nn.Module):
         self.use_flash_attn = config.use_flash_attn
         self.document_attention = config.document_attention
         self._noticed = False
-        self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
         self._options = {  # the attention kernel's options, by whether the query is on CUDA
             on_cuda: dict(fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
                           layer_scale=self.layer_scale, flash_only=self.use_flash_attn and on_cuda)
@@ -148,29 +147,16 @@ class CoreAttention(nn.Module):
         are this rank's: attention dropout draws from the tensor-parallel RNG stream."""
         if not self._noticed:
             self._notices(query)
-        if (self.training and self.dropout_p > 0
-                and (self.tensor_parallel_size > 1 or current_stream() is None)):
-            with tensor_parallel_rng(True, self.site):
-                return self._attend(query, key, value, mask)
-        return self._attend(query, key, value, mask)  # (one tensor rank, keyed: its own stream)
-
-    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                mask: AttentionMask) -> torch.Tensor:
         options = self._options[query.is_cuda]
-        if mask is None and self.fused and not options["flash_only"]:
-            # plain (causal) attention on the fused path: the kernel itself, no wrapper frames
-            # (:func:`attention` would make the same call)
-            return F.scaled_dot_product_attention(
-                query, key, value, dropout_p=self.dropout_p if self.training else 0.0,
-                is_causal=self.causal)
-        if isinstance(mask, DocumentMask):
-            if not self.causal:
-                raise ValueError("a document mask needs causal (GPT) attention")
-            return document_attention(query, key, value, mask, self.dropout_p,
-                                      self.training, implementation=self.document_attention,
-                                      **options)
-        return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
-                         **options)
+        with tensor_parallel_rng(self.training and self.dropout_p > 0, self.site):
+            if isinstance(mask, DocumentMask):
+                if not self.causal:
+                    raise ValueError("a document mask needs causal (GPT) attention")
+                return document_attention(query, key, value, mask, self.dropout_p,
+                                          self.training, implementation=self.document_attention,
+                                          **options)
+            return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
+                             **options)
 
     def stores_no_scores(self, query: torch.Tensor, mask: AttentionMask) -> bool:
         """Whether this core keeps no ``[s, s]`` scores for its backward: the fused kernel on CUDA
@@ -356,11 +342,7 @@ class ParallelTransformerLayer(nn.Module):
         if self.sequence_parallel and self.training and self.hidden_dropout > 0:
             with tensor_parallel_rng(True, site):
                 return bias_dropout_add(out, bias, residual, self.hidden_dropout, True, fused)
-        if fused or bias is not None:
-            return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training,
-                                    fused)
-        # the bias is inside the output projection: dropout and add, no further frame
-        return residual + F.dropout(out, self.hidden_dropout, self.training)
+        return bias_dropout_add(out, bias, residual, self.hidden_dropout, self.training, fused)
 
 
 class ParallelTransformer(nn.Module):

@@ -310,7 +310,8 @@ class PipelineExecutor:
         overlap = self.grad_sync is not None and self.grad_sync.overlap_grad_reduce
         plan = None
         if safe_posting:
-            plan = validate_lowered(self.lowered[False], [pipeline_rank], overlap)
+            plan = validate_lowered(self.lowered[False], [pipeline_rank], overlap,
+                                    gradient_collectives=self.grad_sync is not None)
             validate_lowered(self.lowered[True], [pipeline_rank])
         elif self.grad_sync is not None:  # (the collectives' plan of the safe lowering)
             plan = plan_gradient_collectives(

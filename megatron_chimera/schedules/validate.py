@@ -210,7 +210,8 @@ def _check_messages(lowered: LoweredSchedule) -> None:
 
 
 def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = None,
-                     overlap_grad_reduce: bool = True) -> CollectivePlan | None:
+                     overlap_grad_reduce: bool = True,
+                     gradient_collectives: bool = True) -> CollectivePlan | None:
     """Raise :class:`ScheduleError` unless the lowered lists keep NCCL's rules: the compute
     lists are the schedule's, every message is sent after its producer and received before its
     consumer, per pair in one order (tags ignored), every direction is connected (warmed up in
@@ -219,14 +220,16 @@ def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = Non
     list), or, in training, on a gradient collective of the stage-replica or embedding groups:
     then it returns the collectives' plan for ``overlap_grad_reduce``
     (:func:`.sync_check.plan_gradient_collectives`, every rank checked: each reaches the same
-    plan), which defers to the end of the iteration the collectives that could hang a sync."""
+    plan), which defers to the end of the iteration the collectives that could hang a sync.
+    Without ``gradient_collectives`` (a runner that reduces no gradients) only the
+    point-to-point part is checked, for ``ranks``, and None returned."""
     for rank, actions in enumerate(lowered.compute_lists()):
         expected = iteration_actions(lowered.schedule, rank, lowered.forward_only)
         if actions != expected:
             raise ScheduleError(f"rank {rank}: the lowered compute order differs from the "
                                 f"schedule's")
     _check_messages(lowered)
-    if lowered.forward_only:
+    if lowered.forward_only or not gradient_collectives:
         check_sync_anywhere(lowered, ranks, None)
         return None
     return plan_gradient_collectives(lowered, overlap_grad_reduce)

@@ -60,7 +60,7 @@ def _gather_last(tensor: torch.Tensor) -> torch.Tensor:
     world = _world()
     if world == 1:
         return tensor
-    gathered = _gather_first(tensor.unsqueeze(0))  # [T, *shape]
+    gathered = gather_along_first_dim(tensor.unsqueeze(0))  # [T, *shape]
     return gathered.movedim(0, -2).reshape(*tensor.shape[:-1], tensor.shape[-1] * world)
 
 
@@ -71,7 +71,9 @@ def _split_first(tensor: torch.Tensor) -> torch.Tensor:
         parallel_state.get_tensor_model_parallel_rank()]
 
 
-def _gather_first(tensor: torch.Tensor) -> torch.Tensor:
+def gather_along_first_dim(tensor: torch.Tensor) -> torch.Tensor:
+    """All-gather ``tensor`` along its first dimension over the tensor-parallel group (no
+    autograd: for a function that does its own backward)."""
     if _world() == 1:
         return tensor
     shape = list(tensor.shape)
@@ -86,12 +88,6 @@ def _reduce_scatter_first(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     out, _ = reduce_scatter_along_first_dim(tensor, async_op=False)
     return out
-
-
-def gather_along_first_dim(tensor: torch.Tensor) -> torch.Tensor:
-    """All-gather ``tensor`` along its first dimension over the tensor-parallel group (no
-    autograd: for a function that does its own backward)."""
-    return _gather_first(tensor)
 
 
 def reduce_scatter_along_first_dim(tensor: torch.Tensor, async_op: bool = True):
@@ -156,14 +152,14 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        return _gather_first(grad_output)
+        return gather_along_first_dim(grad_output)
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, tensor_parallel_output_grad):  # type: ignore[override]
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _gather_first(input_)
+        return gather_along_first_dim(input_)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
@@ -179,7 +175,7 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        return _gather_first(grad_output)
+        return gather_along_first_dim(grad_output)
 
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor) -> torch.Tensor:

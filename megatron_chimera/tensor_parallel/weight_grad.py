@@ -248,8 +248,9 @@ def needs_deferrable_function(module: nn.Module) -> bool:
 
 
 def _needs_function(module: nn.Module, weight: nn.Parameter) -> bool:
-    return torch.is_grad_enabled() and (module.weight_grad_deferrable
-                                        or fuses_weight_grad(weight))
+    # (the common case, a layer that neither defers nor fuses, decided by the first operand)
+    return (module.weight_grad_deferrable or fuses_weight_grad(weight)) and (
+        torch.is_grad_enabled())
 
 
 def bias_add_with_deferrable_grad(inputs: torch.Tensor, module: nn.Module) -> torch.Tensor:
@@ -273,10 +274,7 @@ def linear_with_deferrable_weight_grad(inputs: torch.Tensor, module: nn.Module,
     weight = module.weight
     if sequence_parallel:
         return LinearWithDeferrableWeightGrad.apply(inputs, weight, bias, module, None, True)
-    if dgrad_group is None and (  # (the common case first: a layer neither defers nor fuses)
-            not (module.weight_grad_deferrable or getattr(weight, "fuse_wgrad_accumulation",
-                                                          False))
-            or not _needs_function(module, weight)):
+    if dgrad_group is None and not _needs_function(module, weight):
         return torch.nn.functional.linear(inputs, weight, bias)
     return LinearWithDeferrableWeightGrad.apply(inputs, weight, bias, module, dgrad_group)
 

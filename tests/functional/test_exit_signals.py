@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
+from tests.helpers.flags import without_flags
 from tests.helpers.processes import children_of, kill_launched
 
 from .launcher import ROOT, TINY, launch, launch_ranks, scalars, train
@@ -38,17 +39,6 @@ MODEL_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-
 _ITERATION = re.compile(r" iteration\s+(\d+)/")
 
 
-def without_model_flags(flags: list[str]) -> list[str]:
-    """``flags`` less the model's (each a flag and its value)."""
-    out, skip = [], False
-    for flag in flags:
-        if skip:
-            skip = False
-        elif flag in MODEL_FLAGS:
-            skip = True
-        else:
-            out.append(flag)
-    return out
 
 
 def tracker(checkpoint: Path) -> int:
@@ -120,7 +110,8 @@ def test_sigterm_and_wall_clock_exits_save_and_resume_exactly(tmp_path):
     assert second == {k: reference[k] for k in range(k1 + 1, k2 + 1)}
 
     # 3. the rest, the model flags taken from the checkpoint (--use-checkpoint-args)
-    rest = [*without_model_flags(FLAGS), "--use-checkpoint-args", "--exit-on-missing-checkpoint"]
+    rest = [*without_flags(FLAGS, MODEL_FLAGS), "--use-checkpoint-args",
+            "--exit-on-missing-checkpoint"]
     assert "--num-layers" not in rest
     result = launch("pretrain_gpt2.py", [*rest, "--load", str(ckpt), "--save",
                                          str(tmp_path / "end"), "--tensorboard-dir",

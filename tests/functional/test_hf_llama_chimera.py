@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron_chimera.data.gpt_dataset import MockGPTDataset
 from megatron_chimera.data.tokenizers import build_tokenizer
 from megatron_chimera.inference.loader import load_model
+from tests.helpers.flags import without_flags
 from tests.helpers.hf_models import save_llama, transformers
 
 from .launcher import launch, scalars
@@ -37,16 +38,7 @@ def _printed_flags(stdout: str) -> list[str]:
     """The model and tokenizer flags of import-hf's "train it with:" line."""
     line = next(x for x in stdout.splitlines() if x.startswith("train it with:"))
     words = shlex.split(line.split("pretrain_gpt2.py", 1)[1].rstrip(". "))
-    drop = {"--load", "--seq-length"}  # given by the test
-    out, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word in drop:
-            skip = True
-        else:
-            out.append(word)
-    return out
+    return without_flags(words, {"--load", "--seq-length"})  # given by the test
 
 
 @pytest.mark.timeout(400)

@@ -40,6 +40,15 @@ def build(partition, seed=7):
     return stages, optimizer, scheduler
 
 
+def save_whole(path, iteration, stages, optimizer, scheduler, ckpt_format="torch_dist",
+               **contents):
+    """One process saves the whole model (``stages`` over layers 0-4) at ``iteration``."""
+    save_checkpoint(str(path), CheckpointContents(iteration, stages, [(0, 4)],
+                                                  optimizer=optimizer, scheduler=scheduler,
+                                                  **contents),
+                    rank=0, world_size=1, ckpt_format=ckpt_format)
+
+
 def train_step(stages, optimizer, scheduler, step):
     """One step of the whole model (stages chained in one process)."""
     g = torch.Generator().manual_seed(step)
@@ -84,9 +93,7 @@ def test_resume_whole_model_is_exact(tmp_path, fmt):
     stages, opt, sched = build([(0, 4)])
     for step in range(2):
         train_step(stages, opt, sched, step)
-    save_checkpoint(str(tmp_path), CheckpointContents(2, stages, [(0, 4)], optimizer=opt,
-                                                      scheduler=sched, consumed_train_samples=4),
-                    rank=0, world_size=1, ckpt_format=fmt)
+    save_whole(tmp_path, 2, stages, opt, sched, fmt, consumed_train_samples=4)
     assert read_tracker(str(tmp_path)) == 2
     train_step(stages, opt, sched, 2)
     expected = global_state(stages)
@@ -105,9 +112,7 @@ def test_resume_whole_model_is_exact(tmp_path, fmt):
 def test_whole_model_checkpoint_loads_into_two_stages(tmp_path, fmt):
     stages, opt, sched = build([(0, 4)])
     train_step(stages, opt, sched, 0)
-    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
-                                                      scheduler=sched, consumed_train_samples=2),
-                    rank=0, world_size=1, ckpt_format=fmt)
+    save_whole(tmp_path, 1, stages, opt, sched, fmt, consumed_train_samples=2)
     train_step(stages, opt, sched, 1)
     expected = global_state(stages)
 
@@ -144,8 +149,7 @@ def test_two_stage_checkpoint_loads_into_other_split(tmp_path, fmt):
 
 def test_corrupt_file_is_named(tmp_path):
     stages, opt, sched = build([(0, 4)])
-    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
-                                                      scheduler=sched), rank=0, world_size=1)
+    save_whole(tmp_path, 1, stages, opt, sched, "torch")
     target = os.path.join(checkpoint_dir(str(tmp_path), 1), "layers_000-004.pt")
     data = open(target, "rb").read()
     open(target, "wb").write(data[: len(data) // 2])
@@ -156,9 +160,7 @@ def test_corrupt_file_is_named(tmp_path):
 @FORMATS
 def test_no_save_optim_requires_no_load_optim(tmp_path, fmt):
     stages, opt, sched = build([(0, 4)])
-    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
-                                                      scheduler=sched, save_optim=False), rank=0,
-                    world_size=1, ckpt_format=fmt)
+    save_whole(tmp_path, 1, stages, opt, sched, fmt, save_optim=False)
     with pytest.raises(CheckpointError, match="--no-load-optim"):
         load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
     loaded = load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1,
@@ -205,9 +207,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, victim):
 
 def test_tracker_naming_a_missing_iteration_lists_the_present_ones(tmp_path):
     stages, opt, sched = build([(0, 4)])
-    save_checkpoint(str(tmp_path), CheckpointContents(3, stages, [(0, 4)], optimizer=opt,
-                                                      scheduler=sched), rank=0, world_size=1,
-                    ckpt_format="torch_dist")
+    save_whole(tmp_path, 3, stages, opt, sched)
     (tmp_path / TRACKER_FILENAME).write_text("7\n")
     with pytest.raises(CheckpointError, match=r"names iteration 7, .*iterations present: 3\)"):
         load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
@@ -215,9 +215,7 @@ def test_tracker_naming_a_missing_iteration_lists_the_present_ones(tmp_path):
 
 def test_torch_dist_truncated_chunk_is_named(tmp_path):
     stages, opt, sched = build([(0, 4)])
-    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
-                                                      scheduler=sched), rank=0, world_size=1,
-                    ckpt_format="torch_dist")
+    save_whole(tmp_path, 1, stages, opt, sched)
     target = os.path.join(checkpoint_dir(str(tmp_path), 1), "__0_0.distcp")
     data = open(target, "rb").read()
     open(target, "wb").write(data[: len(data) // 2])
@@ -231,9 +229,7 @@ def test_torch_dist_metadata_never_runs_a_pickle(tmp_path):
     from megatron_chimera.checkpoint.dcp_io import METADATA_FILENAME
 
     stages, opt, sched = build([(0, 4)])
-    save_checkpoint(str(tmp_path), CheckpointContents(1, stages, [(0, 4)], optimizer=opt,
-                                                      scheduler=sched), rank=0, world_size=1,
-                    ckpt_format="torch_dist")
+    save_whole(tmp_path, 1, stages, opt, sched)
 
     class Evil:
         def __reduce__(self):

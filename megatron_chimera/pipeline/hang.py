@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_chimera.pipeline.failures import record_failure
+from megatron_chimera.pipeline.failures import first_failure, record_failure
 
 _KEY = "megatron_chimera/hang"
 _DIRECTIONS = ("activation", "gradient")
@@ -189,12 +189,16 @@ class HangWatch:
         if current > self._seen_round:
             self._publish(executor, since, current)
 
-    def _publish(self, executor: Any, since: float, round_: int) -> None:
-        self._seen_round = round_
+    def _state(self, executor: Any, since: float) -> dict[str, Any]:
+        """This rank's state, logged as its report line."""
         state = rank_state(executor, since, self.section) if executor is not None else {
             "rank": self.rank, "waits_for": None, "line": f"rank {self.rank}: not training"}
         print(f" hang report: {state['line']}", flush=True)
-        self.store.set(f"{_KEY}/{round_}/{self.rank}", json.dumps(state))
+        return state
+
+    def _publish(self, executor: Any, since: float, round_: int) -> None:
+        self._seen_round = round_
+        self.store.set(f"{_KEY}/{round_}/{self.rank}", json.dumps(self._state(executor, since)))
 
     def _round(self, join: bool) -> int:
         """The round to report in: with ``join``, one another rank started less than the
@@ -211,6 +215,14 @@ class HangWatch:
     def report(self, executor: Any, since: float, cause: str, exit_after: bool) -> None:
         """Start a round, publish, and (if this rank claims it) join the lines; exit after a
         timeout."""
+        earlier = first_failure(wait_seconds=0.0) if exit_after else None
+        if earlier is not None:
+            # a peer already reported (its round closed before this rank stalled) and left:
+            # log this rank's line and the peer's diagnosis, not a graph missing the ranks gone
+            self._state(executor, since)
+            line = f"hang ({cause}, reported by rank {self.rank}): after an earlier {earlier}"
+            print(f" {line}", flush=True)
+            self._leave()
         round_ = self._round(join=exit_after)
         if self._seen_round != round_:
             self._publish(executor, since, round_)
@@ -236,6 +248,11 @@ class HangWatch:
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and self.store.add(done, 0) < len(states):
                 time.sleep(0.2)
-            from megatron_chimera.errors import exit_process
+            self._leave()
 
-            exit_process(1, immediate=True)
+    @staticmethod
+    def _leave() -> None:
+        """End the process now (the main thread may be blocked in a collective)."""
+        from megatron_chimera.errors import exit_process
+
+        exit_process(1, immediate=True)

@@ -53,9 +53,10 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: float,
-            outdir: str, nccl_semantics: bool, args: tuple) -> None:
+            outdir: str, nccl_semantics: bool, env: dict[str, str], args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                      **env)
     os.environ[NCCL_SEMANTICS_ENV] = "1" if nccl_semantics else "0"
     import torch
     import torch.distributed as dist
@@ -84,13 +85,16 @@ def spawn_world(
     pg_timeout_s: float = 60.0,
     kill_on_failure: bool = True,
     nccl_semantics: bool = True,
+    env: dict[str, str] | None = None,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their outcomes.
 
     With ``kill_on_failure`` the first failing rank stops the world and its traceback is raised.
     ``nccl_semantics`` (default on) runs gloo under NCCL's rules
     (:mod:`megatron_chimera.pipeline.nccl_semantics`): tag-blind FIFO matching, a rendezvous at
-    each direction's first exchange, device-wide syncs waiting for posted operations.
+    each direction's first exchange, device-wide syncs waiting for posted operations. ``env``:
+    variables set in every rank (the ranks fork from a server started once, which does not see
+    later changes of this process's environment).
     """
     import torch.distributed as dist
 
@@ -105,7 +109,8 @@ def spawn_world(
     with tempfile.TemporaryDirectory(prefix="mc_dist_") as outdir:
         procs = [
             ctx.Process(target=_worker,
-                        args=(fn, r, world_size, port, pg_timeout_s, outdir, nccl_semantics, args))
+                        args=(fn, r, world_size, port, pg_timeout_s, outdir, nccl_semantics,
+                              env or {}, args))
             for r in range(world_size)
         ]
         for p in procs:

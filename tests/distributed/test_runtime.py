@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from megatron_chimera.pipeline.nccl_semantics import TIMEOUT_ENV
 from megatron_chimera.schedules import SCHEDULES
 
 from .cases import (
@@ -27,42 +28,55 @@ from .nccl_cases import run_early_collective, run_unprotected
 
 pytestmark = pytest.mark.distributed
 
+# the deadlock tests: a wait this long is a deadlock (the mode's default is 10 s); the two
+# ranks reach their first exchange within a second of each other (after the group's set-up)
+DEADLOCK_TIMEOUT = {TIMEOUT_ENV: "5"}
 DIRECT = (("concat", "direct"),)
 DOUBLING = (("concat", "forward-doubling"),)
 
 
-def chimera_cases(d: int) -> list[Case]:
-    """Chimera with 2 pipes: basic unit, direct, forward doubling (with recompute), default."""
+def chimera_cases(d: int, concat_variants: bool = True) -> list[Case]:
+    """Chimera with 2 pipes: basic unit, direct, forward doubling (with recompute), default.
+    ``concat_variants``: all but the default in every data-parallel flag combination too (the
+    D=8 world runs them in the defaults; the smaller worlds in all)."""
+    variants = {"all_ddp_variants": concat_variants}
     return [
-        Case("chimera", d, d),
-        Case("chimera", d, 2 * d, DIRECT),
-        Case("chimera", d, 2 * d, DOUBLING, recompute=True),
+        Case("chimera", d, d, **variants),
+        Case("chimera", d, 2 * d, DIRECT, **variants),
+        Case("chimera", d, 2 * d, DOUBLING, recompute=True, **variants),
         Case("chimera", d, 2 * d),
     ]
 
 
-def common_cases(d: int) -> list[Case]:
-    """GPipe, 1F1B, interleaved (v=2), Chimera, and split-backward schedules at pipeline size d."""
+def common_cases(d: int, one_way_variants: bool = True, concat_variants: bool = True
+                 ) -> list[Case]:
+    """GPipe, 1F1B, interleaved (v=2), Chimera, and split-backward schedules at pipeline size d.
+
+    ``one_way_variants``: the one-direction schedules in every data-parallel flag combination
+    too. With the whole world in one pipeline (W = 1) they reduce no gradient across ranks, so
+    the combinations exercise only rank-local code: one world (D=2) runs them all, the larger
+    ones the defaults. Chimera's stage replicas reduce across ranks at W = 1: always all."""
+    one_way = {"all_ddp_variants": one_way_variants}
     return [
-        Case("gpipe", d, d + 1),
-        Case("1f1b", d, 2 * d + 1),
-        Case("1f1b", d, d, recompute=True),
-        Case("interleaved", d, 2 * d, (("virtual_pipeline_size", 2),)),
-        *chimera_cases(d),
-        Case("1f1b", d, 2 * d, split_delay=2),
-        Case("chimera", d, 2 * d, DIRECT, split_delay=3),
-        Case("zb-h1", d, 2 * d),
+        Case("gpipe", d, d + 1, **one_way),
+        Case("1f1b", d, 2 * d + 1, **one_way),
+        Case("1f1b", d, d, recompute=True, **one_way),
+        Case("interleaved", d, 2 * d, (("virtual_pipeline_size", 2),), **one_way),
+        *chimera_cases(d, concat_variants),
+        Case("1f1b", d, 2 * d, split_delay=2, **one_way),
+        Case("chimera", d, 2 * d, DIRECT, split_delay=3, all_ddp_variants=concat_variants),
+        Case("zb-h1", d, 2 * d, **one_way),
         Case("chimera-zb", d, 2 * d),
     ]
 
 
 WORLD_8 = [
-    *common_cases(8),
-    Case("chimera", 8, 8, (("pipes", 4),)),
+    *common_cases(8, one_way_variants=False, concat_variants=False),
+    Case("chimera", 8, 8, (("pipes", 4),), all_ddp_variants=False),
     Case("chimera", 8, 16, (("pipes", 4),)),
     Case("chimera-zb", 8, 16, (("pipes", 4),)),
     Case("chimera", 8, 16, DIRECT, optimizer="adam"),
-    Case("chimera", 8, 16, (("pipes", 4),), direction_groups=True),
+    Case("chimera", 8, 16, (("pipes", 4),), direction_groups=True, all_ddp_variants=False),
     # D=4 x W=2 and D=2 x W=4 in the same world
     Case("1f1b", 4, 8),
     *chimera_cases(4),
@@ -71,7 +85,8 @@ WORLD_8 = [
     Case("chimera", 2, 4, DIRECT),
     Case("1f1b", 2, 4, split_delay=1),
 ]
-WORLD_4 = [*common_cases(4), Case("chimera", 2, 4, DIRECT), Case("gpipe", 2, 3),
+WORLD_4 = [*common_cases(4, one_way_variants=False), Case("chimera", 2, 4, DIRECT),
+           Case("gpipe", 2, 3),
            Case("chimera-zb", 2, 4), Case("chimera", 4, 8, loss_scale=2.0**12),
            Case("chimera", 4, 4, backward_halving=True, all_ddp_variants=False)]
 WORLD_2 = [*common_cases(2)]
@@ -175,7 +190,7 @@ def test_nccl_semantics_report_the_deadlock_gloo_forgives(warm_up, safe_posting,
     assert all(o.exitcode == 0 for o in plain)
     start = time.monotonic()
     outcomes = spawn_world(run_unprotected, 2, "1f1b", 4, warm_up, safe_posting, timeout_s=90,
-                           pg_timeout_s=60, kill_on_failure=False)
+                           pg_timeout_s=60, kill_on_failure=False, env=DEADLOCK_TIMEOUT)
     elapsed = time.monotonic() - start
     assert all(o.exitcode not in (0, None) for o in outcomes), outcomes
     errors = "\n".join(o.error for o in outcomes)
@@ -190,7 +205,7 @@ def test_nccl_semantics_report_a_sync_waiting_on_a_collective():
     device sync on that rank waits for the other member's reduction, which needs this rank's
     later work; the mode reports it within seconds, naming the group and the peer."""
     outcomes = spawn_world(run_early_collective, 2, timeout_s=90, pg_timeout_s=60,
-                           kill_on_failure=False)
+                           kill_on_failure=False, env=DEADLOCK_TIMEOUT)
     assert all(o.exitcode not in (0, None) for o in outcomes), outcomes
     errors = "\n".join(o.error for o in outcomes)
     assert "NCCL-semantics deadlock: rank 0 syncs the device before" in errors, errors[-2000:]

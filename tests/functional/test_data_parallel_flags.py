@@ -1,9 +1,10 @@
 """End-to-end: Megatron's data-parallel flags on Chimera, and checkpoints across optimizer layouts.
 
 ``--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather`` with small buckets
-on Chimera D=4 x W=2 (8 ranks) trains the tiny GPT to the one-process losses; its checkpoint
-resumes on 1F1B D=2 without the distributed optimizer, and a 1F1B checkpoint resumes on the
-sharded Chimera run, both continuing the one-process curve (fp32: 1e-5, summation order).
+on Chimera D=4 x W=2 (8 ranks) trains the tiny GPT to the one-process losses. One chain of runs
+crosses the optimizer layouts both ways: a 1F1B D=2 checkpoint (local optimizer) resumes on the
+sharded Chimera run, whose checkpoint resumes on 1F1B D=2 again, each piece continuing the
+one-process curve (fp32: 1e-5, summation order).
 """
 
 from __future__ import annotations
@@ -29,38 +30,26 @@ def reference(tmp_path_factory):
     return reference_curve(tmp_path_factory.mktemp("one-process"), 10, min_drop=0.05)
 
 
-def _first_half(reference: dict[int, float]) -> dict[int, float]:
-    return {k: v for k, v in reference.items() if k <= 5}
+def _iterations(reference: dict[int, float], first: int, last: int) -> dict[int, float]:
+    return {k: v for k, v in reference.items() if first <= k <= last}
 
 
-def _second_half(reference: dict[int, float]) -> dict[int, float]:
-    return {k: v for k, v in reference.items() if k > 5}
-
-
-@pytest.mark.timeout(420)
-def test_sharded_chimera_matches_one_process_and_resumes_on_1f1b(reference, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    train("pretrain_gpt2.py", [*ITERS, *CHIMERA_SHARDED, "--save", str(ckpt),
-                               "--exit-interval", "5"], 8, tmp_path / "sharded", timeout=300)
-    assert_close(scalars(tmp_path / "sharded", "lm loss"), _first_half(reference), RTOL,
-                 "Chimera D=4 x W=2, distributed optimizer")
-    train("pretrain_gpt2.py", [*ITERS, *ONE_F_ONE_B, "--load", str(ckpt)], 2,
-          tmp_path / "resumed")
-    assert_close(scalars(tmp_path / "resumed", "lm loss"), _second_half(reference), RTOL,
-                 "1F1B D=2 resumed from the sharded checkpoint")
-
-
-@pytest.mark.timeout(420)
-def test_local_checkpoint_resumes_on_sharded_chimera(reference, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    train("pretrain_gpt2.py", [*ITERS, *ONE_F_ONE_B, "--save", str(ckpt),
-                               "--exit-interval", "5"], 2, tmp_path / "local")
-    assert_close(scalars(tmp_path / "local", "lm loss"), _first_half(reference), RTOL,
+@pytest.mark.timeout(480)
+def test_checkpoints_cross_between_local_and_sharded_optimizers(reference, tmp_path):
+    local, sharded = tmp_path / "local-ckpt", tmp_path / "sharded-ckpt"
+    train("pretrain_gpt2.py", [*ITERS, *ONE_F_ONE_B, "--save", str(local),
+                               "--exit-interval", "3"], 2, tmp_path / "local")
+    assert_close(scalars(tmp_path / "local", "lm loss"), _iterations(reference, 1, 3), RTOL,
                  "1F1B D=2")
-    train("pretrain_gpt2.py", [*ITERS, *CHIMERA_SHARDED, "--load", str(ckpt)], 8,
-          tmp_path / "resumed", timeout=300)
-    assert_close(scalars(tmp_path / "resumed", "lm loss"), _second_half(reference), RTOL,
-                 "Chimera D=4 x W=2 with the distributed optimizer, resumed")
+    train("pretrain_gpt2.py", [*ITERS, *CHIMERA_SHARDED, "--load", str(local), "--save",
+                               str(sharded), "--exit-interval", "6"], 8, tmp_path / "sharded",
+          timeout=300)
+    assert_close(scalars(tmp_path / "sharded", "lm loss"), _iterations(reference, 4, 6), RTOL,
+                 "Chimera D=4 x W=2 with the distributed optimizer, resumed from 1F1B")
+    train("pretrain_gpt2.py", [*ITERS, *ONE_F_ONE_B, "--load", str(sharded)], 2,
+          tmp_path / "resumed")
+    assert_close(scalars(tmp_path / "resumed", "lm loss"), _iterations(reference, 7, 10), RTOL,
+                 "1F1B D=2 resumed from the sharded checkpoint")
 
 
 @pytest.mark.timeout(300)

@@ -30,7 +30,7 @@ from .launcher import ROOT, TINY, launch, launch_ranks, scalars, train
 pytestmark = [pytest.mark.functional, pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
-ITERS = 100
+ITERS = 40
 FLAGS = [*TINY, "--num-layers", "4", "--hidden-size", "32", "--log-interval", "1",
          "--train-iters", str(ITERS), "--pipeline-model-parallel-size", "4",
          "--chimera-pipes", "2"]

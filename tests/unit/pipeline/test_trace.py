@@ -127,3 +127,30 @@ def test_wait_for_graph_names_the_stopped_rank_and_a_cycle():
     assert "0->2, 1->2: rank 2 did not report" in line
     line = wait_for_graph({0: state(0, 1), 1: state(1, 0)}, 2)
     assert "cycle 0 -> 1 -> 0 (a deadlock)" in line
+
+
+def test_a_rank_that_stalls_after_its_peers_left_repeats_their_diagnosis(monkeypatch, capsys):
+    """A rank whose stall starts after the peers' timeout round closed (they reported and left)
+    logs its own line and their graph, not a new graph where the ranks gone look stopped."""
+    from megatron_chimera.pipeline import hang
+
+    class Left(Exception):
+        pass
+
+    def leave():
+        raise Left
+
+    earlier = "hang (timeout, reported by rank 1): wait-for graph 1->2: rank 2 did not report"
+    monkeypatch.setattr(hang, "first_failure", lambda wait_seconds: earlier)
+    watch = object.__new__(hang.HangWatch)
+    watch.rank, watch.section, watch._leave = 0, "training step", leave
+    watch._round = lambda join: pytest.fail("a new round after the peers left")
+    with pytest.raises(Left):
+        watch.report(None, 0.0, "timeout", exit_after=True)
+    out = capsys.readouterr().out
+    assert " hang report: rank 0: not training" in out
+    assert f"hang (timeout, reported by rank 0): after an earlier {earlier}" in out
+    # on demand (SIGUSR1) a recorded failure is not looked at: the round runs as usual
+    monkeypatch.setattr(hang, "first_failure", lambda wait_seconds: pytest.fail("looked"))
+    with pytest.raises(pytest.fail.Exception, match="a new round"):
+        watch.report(None, 0.0, "SIGUSR1", exit_after=False)

@@ -68,9 +68,12 @@ def rank_state(executor: Any, since: float, section: str | None = None) -> dict[
     return {"rank": rank, "waits_for": None, "line": f"{head}runs {step.short()} {seconds}"}
 
 
-def wait_for_graph(states: dict[int, dict[str, Any]], world_size: int) -> str:
+def wait_for_graph(states: dict[int, dict[str, Any]], world_size: int,
+                   settled: bool = True) -> str:
     """One line naming where the waits end: the rank that computes or did not report, or the
-    cycle of waits."""
+    cycle of waits. ``settled``: the lines were taken after nothing moved for the threshold (a
+    timeout); on demand (``SIGUSR1``) the ranks may still move between their lines, so a cycle
+    is only a deadlock if it lasts."""
     silent = [r for r in range(world_size) if r not in states]
     edges = {r: s["waits_for"] for r, s in states.items()}
     for r, s in states.items():  # a rank in a collective waits for the ranks that are silent
@@ -86,8 +89,10 @@ def wait_for_graph(states: dict[int, dict[str, Any]], world_size: int) -> str:
             node = waiting[node]
         if node in seen:
             cycle = seen[seen.index(node):]
+            verdict = "a deadlock" if settled else (
+                "a deadlock if it lasts: the lines were taken while ranks moved")
             return (f"wait-for graph {graph}: the ranks wait in a cycle "
-                    f"{' -> '.join(map(str, cycle + [node]))} (a deadlock)")
+                    f"{' -> '.join(map(str, cycle + [node]))} ({verdict})")
         ends.setdefault(node, []).append(start)
     parts = []
     for end, starts in sorted(ends.items()):
@@ -215,21 +220,23 @@ class HangWatch:
     def report(self, executor: Any, since: float, cause: str, exit_after: bool) -> None:
         """Start a round, publish, and (if this rank claims it) join the lines; exit after a
         timeout."""
+        # after a timeout the backend's own error comes at threshold / 0.6: finish before it
+        wait_s = min(REPORT_WAIT_SECONDS, self.threshold_s / 6) if exit_after else \
+            REPORT_WAIT_SECONDS
         earlier = first_failure(wait_seconds=0.0) if exit_after else None
         if earlier is not None:
             # a peer already reported (its round closed before this rank stalled) and left:
-            # log this rank's line and the peer's diagnosis, not a graph missing the ranks gone
+            # log this rank's line and the peer's diagnosis, not a graph missing the ranks gone;
+            # stay a report window (the store may live in this rank: peers may still report)
             self._state(executor, since)
             line = f"hang ({cause}, reported by rank {self.rank}): after an earlier {earlier}"
             print(f" {line}", flush=True)
+            time.sleep(wait_s)
             self._leave()
         round_ = self._round(join=exit_after)
         if self._seen_round != round_:
             self._publish(executor, since, round_)
         claimed = self.store.add(f"{_KEY}/{round_}/claim", 1) == 1
-        # after a timeout the backend's own error comes at threshold / 0.6: finish before it
-        wait_s = min(REPORT_WAIT_SECONDS, self.threshold_s / 6) if exit_after else \
-            REPORT_WAIT_SECONDS
         deadline = time.monotonic() + wait_s
         keys = [f"{_KEY}/{round_}/{r}" for r in range(self.world_size)]
         while time.monotonic() < deadline and not self.store.check(keys):
@@ -237,7 +244,7 @@ class HangWatch:
         states = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys)
                   if self.store.check([k])}
         line = f"hang ({cause}, reported by rank {self.rank}): " + wait_for_graph(
-            states, self.world_size)
+            states, self.world_size, settled=exit_after)
         if claimed or exit_after:
             print(f" {line}", flush=True)
         if exit_after:

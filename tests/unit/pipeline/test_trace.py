@@ -127,6 +127,9 @@ def test_wait_for_graph_names_the_stopped_rank_and_a_cycle():
     assert "0->2, 1->2: rank 2 did not report" in line
     line = wait_for_graph({0: state(0, 1), 1: state(1, 0)}, 2)
     assert "cycle 0 -> 1 -> 0 (a deadlock)" in line
+    # on demand the lines are taken while the ranks move: a cycle is a deadlock only if it lasts
+    line = wait_for_graph({0: state(0, 1), 1: state(1, 0)}, 2, settled=False)
+    assert "cycle 0 -> 1 -> 0 (a deadlock if it lasts" in line
 
 
 def test_a_rank_that_stalls_after_its_peers_left_repeats_their_diagnosis(monkeypatch, capsys):
@@ -143,7 +146,7 @@ def test_a_rank_that_stalls_after_its_peers_left_repeats_their_diagnosis(monkeyp
     earlier = "hang (timeout, reported by rank 1): wait-for graph 1->2: rank 2 did not report"
     monkeypatch.setattr(hang, "first_failure", lambda wait_seconds: earlier)
     watch = object.__new__(hang.HangWatch)
-    watch.rank, watch.section, watch._leave = 0, "training step", leave
+    watch.rank, watch.section, watch._leave, watch.threshold_s = 0, "training step", leave, 0.6
     watch._round = lambda join: pytest.fail("a new round after the peers left")
     with pytest.raises(Left):
         watch.report(None, 0.0, "timeout", exit_after=True)

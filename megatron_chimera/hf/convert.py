@@ -48,7 +48,7 @@ from megatron_chimera.hf.hf_dir import (
     read_config,
     read_weights,
     require_transformers,
-    safetensors_bytes,
+    safetensors_writer,
     write_dir,
 )
 from megatron_chimera.hf.tokenizer_files import export_tokenizer, import_tokenizer
@@ -245,7 +245,7 @@ def export_hf(load: str, hf_dir: str, overwrite: bool = False,
     tokenizer_files, note = export_tokenizer(loaded.data_config, load, config.max_positions)
     notes += [note] if note else []
     files = {CONFIG_FILE: hf_config.to_json_string(use_diff=True).encode(),
-             SAFETENSORS_FILE: safetensors_bytes(tensors), **tokenizer_files}
+             SAFETENSORS_FILE: safetensors_writer(tensors), **tokenizer_files}
     write_dir(hf_dir, files, overwrite=overwrite)
     agreement = (compare_with_transformers(loaded.model, loaded.family, config, hf_dir)
                  if verify else None)

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+import struct
+import sys
+from collections.abc import Callable
+from typing import IO, Any
 
 import torch
 
@@ -107,25 +110,50 @@ def read_weights(hf_dir: str) -> tuple[dict[str, torch.Tensor], str]:
     raise HFError(f"--hf-dir {hf_dir}: no weights (looked for {', '.join(WEIGHT_FILES)})")
 
 
-def safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    """``tensors`` serialised as one safetensors file (contiguous, no shared storage)."""
-    from safetensors.torch import save
+# safetensors' names of the dtypes a model holds (its format specification)
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
 
-    seen: set[int] = set()
-    plain = {}
+
+def safetensors_writer(tensors: dict[str, torch.Tensor]) -> Callable[[IO[bytes]], None]:
+    """A function writing ``tensors`` to an open binary file as one safetensors file, one tensor
+    at a time: the header first (the layout follows from the shapes), then each tensor's bytes.
+    Unlike ``safetensors.torch.save``, which returns the whole file as one ``bytes`` (after a
+    contiguous copy of every tensor), the writer holds at most one tensor's copy; tensors
+    sharing storage are written apart."""
+    if sys.byteorder != "little":
+        raise HFError("writing safetensors (little-endian) needs a little-endian machine")
+    layout: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
     for name, tensor in tensors.items():
-        tensor = tensor.detach().cpu().contiguous()
-        if tensor.data_ptr() in seen:
-            tensor = tensor.clone()
-        seen.add(tensor.data_ptr())
-        plain[name] = tensor
-    return save(plain, metadata={"format": "pt"})
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise HFError(f"{name}: safetensors has no dtype {tensor.dtype}")
+        size = tensor.numel() * tensor.element_size()
+        layout[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(layout, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the format pads the header to 8 bytes with spaces
+
+    def write(handle: IO[bytes]) -> None:
+        handle.write(struct.pack("<Q", len(header)))
+        handle.write(header)
+        for tensor in tensors.values():
+            flat = tensor.detach().cpu().contiguous().reshape(-1)
+            if flat.numel():
+                handle.write(flat.view(torch.uint8).numpy().data)
+
+    return write
 
 
-def write_dir(hf_dir: str, files: dict[str, bytes], overwrite: bool = False) -> None:
-    """Write ``files`` (name -> bytes) as the directory ``hf_dir``, atomically: a staging
-    directory renamed into place when complete. An existing non-empty ``hf_dir`` is replaced
-    only with ``overwrite``."""
+def write_dir(hf_dir: str, files: dict[str, bytes | Callable[[IO[bytes]], None]],
+              overwrite: bool = False) -> None:
+    """Write ``files`` (name -> bytes, or a function writing them to an open file) as the
+    directory ``hf_dir``, atomically: a staging directory renamed into place when complete. An
+    existing non-empty ``hf_dir`` is replaced only with ``overwrite``."""
     hf_dir = os.path.abspath(hf_dir)
     if os.path.isdir(hf_dir) and os.listdir(hf_dir) and not overwrite:
         raise HFError(f"--hf-dir {hf_dir} exists and is not empty (pass --overwrite to "
@@ -139,7 +167,8 @@ def write_dir(hf_dir: str, files: dict[str, bytes], overwrite: bool = False) -> 
     os.makedirs(staging)
     try:
         for name, data in files.items():
-            atomic_write(os.path.join(staging, name), lambda handle, d=data: handle.write(d))
+            atomic_write(os.path.join(staging, name),
+                         data if callable(data) else lambda handle, d=data: handle.write(d))
         if os.path.isdir(hf_dir):
             os.replace(hf_dir, previous)
         os.replace(staging, hf_dir)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,9 +57,18 @@ def launch(script: str, args: list[str], nproc: int = 1, timeout: float = 180,
 
 def train(script: str, args: list[str], nproc: int, tensorboard_dir: Path,
           timeout: float = 180) -> RunResult:
-    """A training run that must succeed; writes TensorBoard events to ``tensorboard_dir``."""
-    result = launch(script, [*TINY, *args, "--tensorboard-dir", str(tensorboard_dir)], nproc,
-                    timeout)
+    """A training run that must succeed; writes TensorBoard events to ``tensorboard_dir``.
+    Several ranks are started by hand (:func:`launch_ranks`: torchrun's environment without
+    its agent, whose start-up costs each run seconds); their outputs are joined in rank order.
+    The runs that test torchrun itself (quickstart, two nodes, signals, launcher death) use it."""
+    full = [*TINY, *args, "--tensorboard-dir", str(tensorboard_dir)]
+    if nproc == 1:
+        result = launch(script, full, 1, timeout)
+    else:
+        ranks = launch_ranks(script, full, nproc, timeout)
+        failed = [r.returncode for r in ranks if r.returncode != 0]
+        result = RunResult(failed[0] if failed else 0, "".join(r.stdout for r in ranks),
+                           "".join(r.stderr for r in ranks))
     assert result.returncode == 0, f"{script} {args} failed:\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -100,26 +111,40 @@ def free_port() -> int:
 
 def launch_ranks(script: str, args: list[str], world_size: int,
                  timeout: float = 120) -> list[RunResult]:
-    """Start ``world_size`` ranks by hand (torchrun's env, no supervisor that kills siblings),
-    so each rank's own exit status and stderr can be checked; under NCCL's point-to-point rules
-    on gloo, as :func:`launch`."""
+    """Start ``world_size`` ranks by hand (torchrun's environment, no supervisor that kills
+    siblings), so each rank's own exit status and stderr can be checked; under NCCL's
+    point-to-point rules on gloo, as :func:`launch`. Each rank writes to files, not pipes (a
+    rank blocked on a full pipe could stall the world). The ranks that failed make the others
+    exit themselves (the framework's fail-fast); past ``timeout`` every rank still running is
+    killed."""
     port = str(free_port())
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"})
-        procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            results.append(RunResult(proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    procs, outputs = [], []
+    with tempfile.TemporaryDirectory(prefix="mc_ranks_") as out_dir:
+        try:
+            for rank in range(world_size):
+                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                           RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"})
+                out = open(Path(out_dir) / f"rank{rank}.out", "w+")  # noqa: SIM115
+                err = open(Path(out_dir) / f"rank{rank}.err", "w+")  # noqa: SIM115
+                outputs.append((out, err))
+                procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args],
+                                              cwd=ROOT, env=env, stdout=out, stderr=err))
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        results = []
+        for proc, (out, err) in zip(procs, outputs):
+            texts = []
+            for handle in (out, err):
+                handle.seek(0)
+                texts.append(handle.read())
+                handle.close()
+            results.append(RunResult(proc.returncode, *texts))
     return results

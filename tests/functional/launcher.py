@@ -119,32 +119,31 @@ def launch_ranks(script: str, args: list[str], world_size: int,
     killed."""
     port = str(free_port())
     procs, outputs = [], []
-    with tempfile.TemporaryDirectory(prefix="mc_ranks_") as out_dir:
-        try:
-            for rank in range(world_size):
-                env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                           RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"})
-                out = open(Path(out_dir) / f"rank{rank}.out", "w+")  # noqa: SIM115
-                err = open(Path(out_dir) / f"rank{rank}.err", "w+")  # noqa: SIM115
-                outputs.append((out, err))
-                procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args],
-                                              cwd=ROOT, env=env, stdout=out, stderr=err))
-            deadline = time.monotonic() + timeout
-            for proc in procs:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+    try:
+        for rank in range(world_size):
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(rank),
+                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"})
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            outputs.append((out, err))
+            procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT,
+                                          env=env, stdout=out, stderr=err))
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         results = []
-        for proc, (out, err) in zip(procs, outputs):
+        for proc, handles in zip(procs, outputs):
             texts = []
-            for handle in (out, err):
+            for handle in handles:
                 handle.seek(0)
                 texts.append(handle.read())
-                handle.close()
             results.append(RunResult(proc.returncode, *texts))
-    return results
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for handle in (h for pair in outputs for h in pair):
+            handle.close()

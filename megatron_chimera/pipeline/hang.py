@@ -36,6 +36,11 @@ REPORT_WAIT_SECONDS = 8.0  # how long the reporting rank waits for the other ran
 ASK_EVERY = 5  # a rank that moves looks for another rank's request every 5th poll (store load)
 
 
+def _states_key(round_: int) -> str:
+    """The store key the ranks' lines of a report round are appended to (one line each)."""
+    return f"{_KEY}/{round_}/states"
+
+
 def rank_state(executor: Any, since: float, section: str | None = None) -> dict[str, Any]:
     """This rank's line and the global rank it waits for (None: it waits for nobody);
     ``section``: what the training loop is doing outside the pipeline (its collectives)."""
@@ -203,18 +208,24 @@ class HangWatch:
 
     def _publish(self, executor: Any, since: float, round_: int) -> None:
         self._seen_round = round_
-        self.store.set(f"{_KEY}/{round_}/{self.rank}", json.dumps(self._state(executor, since)))
+        self.store.append(_states_key(round_), json.dumps(self._state(executor, since)) + "\n")
 
     def _round(self, join: bool) -> int:
         """The round to report in: with ``join``, one another rank started less than the
-        threshold ago (the same hang), else a new one."""
+        threshold ago (the same hang), else the next one. Ranks that want a new round at the
+        same moment get the same one: only the first to claim the successor of ``current``
+        creates it, the others wait for its number (two rounds would each miss the other's
+        ranks and name them as silent)."""
         current = self.store.add(f"{_KEY}/round", 0)
         if join and current:
             started = float(self.store.get(f"{_KEY}/{current}/started"))
             if time.time() - started < self.threshold_s:
                 return current
+        if self.store.add(f"{_KEY}/{current}/successor-claim", 1) > 1:
+            return int(self.store.get(f"{_KEY}/{current}/successor"))
         new = self.store.add(f"{_KEY}/round", 1)
         self.store.set(f"{_KEY}/{new}/started", str(time.time()))
+        self.store.set(f"{_KEY}/{current}/successor", str(new))
         return new
 
     def report(self, executor: Any, since: float, cause: str, exit_after: bool) -> None:
@@ -237,12 +248,7 @@ class HangWatch:
         if self._seen_round != round_:
             self._publish(executor, since, round_)
         claimed = self.store.add(f"{_KEY}/{round_}/claim", 1) == 1
-        deadline = time.monotonic() + wait_s
-        keys = [f"{_KEY}/{round_}/{r}" for r in range(self.world_size)]
-        while time.monotonic() < deadline and not self.store.check(keys):
-            time.sleep(0.2)
-        states = {r: json.loads(self.store.get(k)) for r, k in enumerate(keys)
-                  if self.store.check([k])}
+        states = self._gather(round_, wait_s)
         line = f"hang ({cause}, reported by rank {self.rank}): " + wait_for_graph(
             states, self.world_size, settled=exit_after)
         if claimed or exit_after:
@@ -251,11 +257,27 @@ class HangWatch:
             record_failure(line)
             # leave together: the store may live in one of the ranks (rank 0 without torchrun)
             done = f"{_KEY}/{round_}/done"
-            self.store.add(done, 1)
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and self.store.add(done, 0) < len(states):
-                time.sleep(0.2)
+            with contextlib.suppress(dist.DistError):  # (unless that rank already left)
+                self.store.add(done, 1)
+                deadline = time.monotonic() + wait_s
+                while time.monotonic() < deadline and self.store.add(done, 0) < len(states):
+                    time.sleep(0.2)
             self._leave()
+
+    def _gather(self, round_: int, wait_s: float) -> dict[int, dict[str, Any]]:
+        """The lines of round ``round_`` by rank, once every rank published or after
+        ``wait_s``; if the store goes away meanwhile (its host, rank 0 without torchrun, left
+        on a peer's recorded failure), the lines read before."""
+        deadline = time.monotonic() + wait_s
+        states: dict[int, dict[str, Any]] = {}
+        with contextlib.suppress(dist.DistError):
+            while True:
+                lines = self.store.get(_states_key(round_)).decode().splitlines()
+                states = {s["rank"]: s for s in map(json.loads, lines)}
+                if len(states) == self.world_size or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.2)
+        return states
 
     @staticmethod
     def _leave() -> None:

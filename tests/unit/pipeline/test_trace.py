@@ -157,3 +157,69 @@ def test_a_rank_that_stalls_after_its_peers_left_repeats_their_diagnosis(monkeyp
     monkeypatch.setattr(hang, "first_failure", lambda wait_seconds: pytest.fail("looked"))
     with pytest.raises(pytest.fail.Exception, match="a new round"):
         watch.report(None, 0.0, "SIGUSR1", exit_after=False)
+
+
+def test_ranks_timing_out_together_report_in_one_round():
+    """Two ranks that both find the last round stale and want a new one at the same moment
+    (each read the round counter before either advanced it) get the same new round."""
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_chimera.pipeline import hang
+
+    store = dist.HashStore()
+    both_read = threading.Barrier(2)
+
+    class RaceStore:  # each rank reads the counter, then waits for the other to read it too
+        def add(self, key, value):
+            result = store.add(key, value)
+            if key == f"{hang._KEY}/round" and value == 0:
+                both_read.wait(timeout=10)
+            return result
+
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+    store.add(f"{hang._KEY}/round", 1)  # an old round (an on-demand report long ago)
+    store.set(f"{hang._KEY}/1/started", "0")
+    rounds = []
+
+    def timed_out():
+        watch = object.__new__(hang.HangWatch)
+        watch.store, watch.threshold_s = RaceStore(), 18.0
+        rounds.append(watch._round(join=True))
+
+    threads = [threading.Thread(target=timed_out) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert rounds == [2, 2] and store.add(f"{hang._KEY}/round", 0) == 2
+
+
+def test_a_report_keeps_the_lines_read_before_the_store_went_away():
+    """The store's host (rank 0 without torchrun) may leave mid-report: the reporting rank
+    joins the lines it read before instead of failing without a graph."""
+    import json
+
+    import torch.distributed as dist
+
+    from megatron_chimera.pipeline import hang
+
+    lines = "".join(json.dumps({"rank": r, "waits_for": 2, "line": f"rank {r}: waits"}) + "\n"
+                    for r in (0, 1, 3))
+    reads = []
+
+    class LeavingStore:
+        def get(self, key):
+            reads.append(key)
+            if len(reads) > 1:
+                raise dist.DistNetworkError("Connection was likely closed")
+            return lines.encode()
+
+    watch = object.__new__(hang.HangWatch)
+    watch.store, watch.world_size = LeavingStore(), 4
+    states = watch._gather(7, wait_s=5.0)
+    assert sorted(states) == [0, 1, 3] and reads[0] == hang._states_key(7)
+    assert "rank 2 did not report" in hang.wait_for_graph(states, 4)

@@ -72,16 +72,39 @@ def current_stream() -> int | None:
     return _STREAM.get()
 
 
-@contextlib.contextmanager
-def dropout_stream(key: int, device: torch.device | None = None) -> Iterator[None]:
-    """Run a micro-batch's forward with keyed dropout; the rank's RNG state is restored after."""
-    devices = [device] if device is not None and device.type == "cuda" else []
-    token = _STREAM.set(key)
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        _STREAM.reset(token)
+class _Stream:
+    """The context of :func:`dropout_stream` and :func:`in_stream`: make ``key`` the current
+    stream and, with ``fork``, put the CPU (and ``device``'s CUDA) generator back on exit. A
+    class rather than a generator context: it is entered once per micro-batch forward on the
+    host's critical path, and ``torch.random.fork_rng`` costs more than the layers it wraps at
+    host-bound sizes."""
+
+    __slots__ = ("key", "fork", "cuda_device", "_token", "_cpu_state", "_cuda_state")
+
+    def __init__(self, key: int | None, fork: bool, device: torch.device | None) -> None:
+        self.key, self.fork = key, fork
+        self.cuda_device = device if device is not None and device.type == "cuda" else None
+
+    def __enter__(self) -> None:
+        if self.fork:
+            self._cpu_state = torch.default_generator.get_state()
+            if self.cuda_device is not None:
+                self._cuda_state = torch.cuda.get_rng_state(self.cuda_device)
+        self._token = _STREAM.set(self.key)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _STREAM.reset(self._token)
+        if self.fork:
+            torch.default_generator.set_state(self._cpu_state)
+            if self.cuda_device is not None:
+                torch.cuda.set_rng_state(self._cuda_state, self.cuda_device)
+
+
+def dropout_stream(key: int, device: torch.device | None = None
+                   ) -> contextlib.AbstractContextManager[None]:
+    """Run a micro-batch's forward with keyed dropout; the rank's RNG state (CPU, and
+    ``device``'s on CUDA) is restored after."""
+    return _Stream(key, True, device)
 
 
 def seed_site(stream: int | None, site: str) -> None:
@@ -106,15 +129,10 @@ def keyed_site(stream: int, site: str) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def in_stream(stream: int | None) -> Iterator[None]:
+def in_stream(stream: int | None) -> contextlib.AbstractContextManager[None]:
     """Make ``stream`` the current one for the block (without touching any generator): for a
     recomputation in the backward, where the forward's stream is no longer current."""
-    token = _STREAM.set(stream)
-    try:
-        yield
-    finally:
-        _STREAM.reset(token)
+    return _Stream(stream, False, None)
 
 
 def with_current_stream(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -223,8 +223,12 @@ class ParallelAttention(nn.Module):
         s, b, _ = qkv.shape
         d, per_group = self.head_dim, self.heads_per_group
         qkv = qkv.view(s, b, self.num_groups, (per_group + 2) * d)
-        query, key, value = qkv.split([per_group * d, d, d], dim=-1)
-        query = query.reshape(s, b, self.num_heads, d).permute(1, 2, 0, 3)
+        # (split_with_sizes: Tensor.split's Python wrapper costs as much again; one query head
+        # per group is already [s, b, heads, d], so no reshape node in the graph)
+        query, key, value = qkv.split_with_sizes([per_group * d, d, d], dim=-1)
+        if per_group > 1:
+            query = query.reshape(s, b, self.num_heads, d)
+        query = query.permute(1, 2, 0, 3)
         key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
         if rotary is not None:
             query = apply_rotary_pos_emb(query, rotary)
@@ -402,8 +406,10 @@ class ParallelTransformer(nn.Module):
         rotary = self.rotary_tables(hidden, position_ids)
         full = (self.recompute_granularity == "full" and self.training
                 and torch.is_grad_enabled())
-        if not full:
-            hidden = self._run(0, n, stream, rotary)(hidden, mask)
+        if not full:  # (the stream is current already: no closure, no context on this path)
+            for layer in self.layers:
+                seed_site(stream, layer.site)
+                hidden = layer(hidden, mask, rotary)
         elif self.recompute_method == "uniform":
             for first in range(0, n, self.recompute_num_layers):
                 last = min(first + self.recompute_num_layers, n)

@@ -14,9 +14,11 @@ schedule validator's device-sync check (``schedules.sync_check``): a stage whose
 could, issued that early, make a device-wide sync wait on another rank's later work is deferred
 to the end of the iteration (the schedule's collective plan, passed to
 :meth:`~GradientSynchronizer.start_iteration`). Buckets are issued in one global order --
-descending stage id, then bucket order, the tied embedding last -- and a bucket is issued only
-when every bucket before it has been, so two groups over the same ranks can never be entered in
-different orders (Chimera's eager, descending-stage reduction).
+descending stage id, then bucket order, the tied embedding last, the deferred collectives after
+all the others -- and a bucket is issued only when every bucket before it in that order has
+been, so two groups over the same ranks can never be entered in different orders (Chimera's
+eager, descending-stage reduction). A deferred stage holds back only itself: the collectives
+after it in the order go on as they are ready.
 
 The tied word embedding (``shared_embedding_or_output_weight()``) is left out of the stage
 buckets: every local copy shares one gradient buffer, which is reduced (all-reduce, or
@@ -154,7 +156,9 @@ class GradientSynchronizer:
             self._tied = _Item(None, buffers.tied, bucket, embedding_group, scatter,
                                _sequence_parallel(buffers.tied, bucket), tensor_group)
             self._items.append(self._tied)
-        self._tied_stages = set(buffers.tied_stages)
+        # the embedding's reduction follows every final backward of the rank (the plan's model,
+        # schedules.sync_check.gradient_collectives), not only those of the stages with a copy
+        self._stages = set(buffers.stages) | set(buffers.tied_stages)
         self._final: set[int] = set()
         self._done: set[int] = set()
         self._next = 0
@@ -183,7 +187,8 @@ class GradientSynchronizer:
         ``embedding``: the schedule's :class:`~megatron_chimera.schedules.sync_check.
         CollectivePlan`) are issued only by :meth:`finish` -- issued as soon as ready, a
         device-wide sync could wait for them while their group needs this rank's later work --
-        and, the order being global, every collective after them too."""
+        after every other collective of the iteration, in the global order (every rank of a
+        group places them alike, so the order stays one for all)."""
         self._watcher = watcher
         self._final.clear()
         self._done.clear()
@@ -217,7 +222,7 @@ class GradientSynchronizer:
         for item in self._items:
             if item.stage == stage:
                 item.ready = True
-        if self._tied is not None and self._tied_stages <= self._done:
+        if self._tied is not None and self._stages <= self._done:
             self._tied.ready = True
         self._issue_ready()
 
@@ -227,18 +232,21 @@ class GradientSynchronizer:
         a device-wide sync later in the same action would wait for the embedding group's other
         end, which may need this action's output (the schedule validator's collective check
         finds this on the interleaved schedule)."""
-        while self._next < len(self._items) and self._items[self._next].ready:
+        while self._next < len(self._items):
             item = self._items[self._next]
-            if item is self._tied and not between_actions:
-                return
-            if item.name in self._deferred:  # (and so is every item after it: finish issues)
+            if item.name in self._deferred:  # finish issues it, after every other one
+                self._next += 1
+                continue
+            if not item.ready or (item is self._tied and not between_actions):
                 return
             item.issue(self.collectives, self._watcher)
             self._next += 1
 
     def finish(self) -> None:
-        """Issue what is left (in order) and wait for every collective."""
-        for item in self._items[self._next:]:
+        """Issue what is left in the global order (the deferred collectives last) and wait for
+        every collective."""
+        left = [item for item in self._items[self._next:] if item.name not in self._deferred]
+        for item in left + [item for item in self._items if item.name in self._deferred]:
             item.issue(self.collectives, self._watcher)
         self._next = len(self._items)
         for item in self._items:

@@ -16,6 +16,9 @@ a message starts and returns (:class:`TracingTransport`, wrapped around the exec
   waiting for a core);
 * and, on the sending side, *compute ends -> send posted*.
 
+It also keeps each compute action's own time (*start -> end*), so that a caller who knows the
+nominal times can tell what the actions themselves overran.
+
 Recording is a list append and a clock read per event; the executor's hot path is untouched
 (the transport is wrapped only for the traced iteration).
 """
@@ -94,6 +97,7 @@ class GapBreakdown:
     wake_to_start: list[float] = field(default_factory=list)  # resumed -> its compute starts
     end_to_send: list[float] = field(default_factory=list)  # compute ends -> its send posted
     local_gaps: list[float] = field(default_factory=list)  # compute ends -> next starts
+    computes: list[float] = field(default_factory=list)  # compute starts -> ends
 
     def merged(self, other: GapBreakdown) -> GapBreakdown:
         """Both breakdowns' gaps together (traced iterations of the same configuration)."""
@@ -116,18 +120,24 @@ def gap_breakdown(timelines: Sequence[Sequence[Event]]) -> GapBreakdown:
     out = GapBreakdown()
     for events in timelines:
         last_end: float | None = None
+        started: float | None = None
         hop: tuple[float, float] | None = None  # (flight, when the wait returned)
         for event in events:
             kind = event[0]
             if kind == END:
-                last_end, hop = event[1], None
+                if started is not None:
+                    out.computes.append(event[1] - started)
+                last_end, hop, started = event[1], None, None
             elif kind == SENT and last_end is not None:
                 out.end_to_send.append(event[2] - last_end)
             elif kind == WAITED and last_end is not None:
                 sent = posted.get(event[1])
                 if sent is not None and sent > last_end and (hop is None or event[3] > hop[1]):
                     hop = (event[3] - sent, event[3])  # the last message waited for decides
-            elif kind == START and last_end is not None:
+            elif kind == START:
+                started = event[1]
+                if last_end is None:  # a rank's first compute: no gap before it
+                    continue
                 if hop is not None:
                     out.hops.append(hop[0])
                     out.wake_to_start.append(event[1] - hop[1])

@@ -107,7 +107,8 @@ def gradient_collectives(schedule: Schedule, tied_embedding: bool = True,
     with ``tied_embedding`` and the first and last stage on different ranks, the embedding's
     reduction follows once every final action of the rank is over (it is issued between
     actions only). The collectives named in ``deferred`` (``stage s``, ``embedding``) are issued
-    at the end of the rank's list, on every rank (and those after them in the order with them).
+    at the end of the rank's list, on every rank, after all the others (in the same order); the
+    others do not wait for them.
     """
     last = schedule.num_stages - 1
     holders = {s: tuple(sorted({schedule.rank_of(p, s) for p in range(schedule.num_pipes)}))
@@ -121,19 +122,26 @@ def gradient_collectives(schedule: Schedule, tied_embedding: bool = True,
                 final[action.stage] = index
         end = len(schedule.actions[rank])
         plan: list[Planned] = []
+        late: list[Planned] = []  # the deferred ones, issued after every other
         for stage in sorted(final, reverse=True):
             collective = Collective(f"stage {stage}", holders[stage])
-            at = Planned(end, collective) if collective.name in deferred else (
-                Planned(final[stage], collective, True) if overlap_grad_reduce
-                else Planned(final[stage] + 1, collective))
+            if collective.name in deferred:
+                late.append(Planned(end, collective))
+                continue
+            at = (Planned(final[stage], collective, True) if overlap_grad_reduce
+                  else Planned(final[stage] + 1, collective))
             if plan and (plan[-1].index, plan[-1].inside) > (at.index, at.inside):
                 at = plan[-1]._replace(collective=at.collective)  # waits for the one before
             plan.append(at)
         if tied_embedding and final and holders[0] != holders[last] and (
                 0 in final or last in final):
-            at = end if "embedding" in deferred else max(final.values()) + 1
-            plan.append(Planned(max(at, plan[-1].index), Collective("embedding", embedding)))
-        plans.append(plan)
+            collective = Collective("embedding", embedding)
+            if collective.name in deferred:
+                late.append(Planned(end, collective))
+            else:
+                at = max([max(final.values()) + 1] + [p.index for p in plan[-1:]])
+                plan.append(Planned(at, collective))
+        plans.append(plan + late)
     return plans
 
 

@@ -99,9 +99,10 @@ WORLD_4_V = [
     Case("bitpipe", 4, 8, all_ddp_variants=False), Case("bitpipe-zb", 4, 8, all_ddp_variants=False),
     Case("bitpipe-zb", 2, 4), Case("zbv", 2, 3, all_ddp_variants=False),
     Case("bitpipe", 2, 4, recompute=True, all_ddp_variants=False),
-    # N = 3D: its stages 6 and 7 reduce at the end of the iteration (the collective plan), in
-    # every data-parallel flag combination (overlapped reduction on and off)
-    Case("bitpipe", 4, 12),
+    # N = 3D, the collective plan: BitPipe-ZB reduces stage 6 at the end of the iteration and
+    # the others when ready, in every data-parallel flag combination (overlapped reduction on
+    # and off); unsplit BitPipe reduces every stage at the end
+    Case("bitpipe-zb", 4, 12), Case("bitpipe", 4, 12, all_ddp_variants=False),
 ]
 
 

@@ -61,7 +61,8 @@ def test_the_first_compute_has_no_gap_and_summary_counts():
     assert summary["local_gaps"]["count"] == 2
     assert summary["local_gaps"]["median_ms"] == pytest.approx(250.0)
     assert summary["hops"] == {"count": 0, "median_ms": 0.0, "mean_ms": 0.0}
-    assert list(summary) == ["hops", "wake_to_start", "end_to_send", "local_gaps"]
+    assert list(summary) == ["hops", "wake_to_start", "end_to_send", "local_gaps", "computes"]
+    assert gaps.computes == [pytest.approx(0.4), pytest.approx(0.9), pytest.approx(0.6)]
     both = gaps.merged(gap_breakdown([[(START, 0.0), (END, 1.0), (START, 1.3), (END, 2.0)]]))
     assert both.local_gaps == [pytest.approx(0.1), pytest.approx(0.4), pytest.approx(0.3)]
     assert both.hops == [] and gaps.local_gaps == [pytest.approx(0.1), pytest.approx(0.4)]

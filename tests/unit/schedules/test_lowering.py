@@ -194,20 +194,37 @@ def test_gradient_collectives_cannot_hang_a_device_sync(case, overlap):
 def test_collectives_that_could_hang_a_sync_are_deferred_to_the_end(overlap):
     """BitPipe at N = 3D: a rank's last W of stage 7 comes while the other replica (rank 0)
     still needs this rank's later sends to reach its own, so a device sync right after posting
-    the reduction would hang. The plan issues stages 7 and 6 (and, the order being global,
-    whatever follows them on the rank) at the end of the iteration; then no sync can hang, for
-    W and T replicas too."""
+    the reduction would hang. The plan issues stage 7 at the end of the iteration, and with it
+    every stage that would hang in its turn (here all of them); then no sync can hang, for W and
+    T replicas too."""
     lowered = lower(build_schedule("bitpipe", 4, 12))
     eager = gradient_collectives(lowered.schedule, overlap_grad_reduce=overlap)
     with pytest.raises(CollectiveHang, match=r"reduce\(stage 7\)") as hang:
         check_sync_anywhere(lowered, None, eager)
     assert hang.value.collectives == {"stage 7"}
     plan = plan_gradient_collectives(lowered, overlap_grad_reduce=overlap)
-    assert plan.deferred == {"stage 6", "stage 7"}
+    assert {"stage 6", "stage 7"} <= plan.deferred
     end = len(lowered.schedule.actions[0])
     assert all(p.index == end for p in plan.plans[0])  # rank 0 holds stage 7: all at its end
     for data_parallel, tensor_parallel in ((1, 1), (2, 2)):
         check_sync_anywhere(lowered, None, plan.plans, data_parallel, tensor_parallel)
+
+
+def test_a_deferred_collective_holds_back_only_itself():
+    """BitPipe-ZB at D = 8: the plan defers stages 9-15; a rank's lower stages are reduced
+    when their last W is done, before the end of the list, and the deferred ones come last (in
+    the global order); the plan passes the sync check."""
+    lowered = lower(build_schedule("bitpipe-zb", 8, 16))
+    plan = plan_gradient_collectives(lowered)
+    assert plan.deferred and "stage 0" not in plan.deferred
+    for rank, planned in enumerate(plan.plans):
+        end = len(lowered.schedule.actions[rank])
+        names = [p.collective.name for p in planned]
+        early = [n for n in names if n not in plan.deferred]
+        assert names == early + [n for n in names if n in plan.deferred]  # deferred last
+        for p in planned:  # the deferred at the end; the others not held back until then
+            assert (p.index == end) == (p.collective.name in plan.deferred), (rank, p)
+    check_sync_anywhere(lowered, None, plan.plans)
 
 
 def test_an_embedding_reduction_issued_inside_the_last_backward_is_refused():

@@ -103,3 +103,29 @@ def test_host_costs_of_traced_gaps_resimulate_a_row():
     assert host.simulate(row) == pytest.approx(expected)
     assert expected > simulate(schedule, model).makespan
     assert host.simulate(bench.Row("torch-zbv", {}, 4, 8, 1.0, None)) is None
+
+
+def test_host_costs_charge_what_the_computes_overran():
+    """The traced compute times of a row, against its simulated (nominal) ones, give the
+    overrun per action, pooled over the rows; the simulation charges it with the host's time
+    before each action."""
+    from megatron_chimera.pipeline.trace import GapBreakdown
+    from megatron_chimera.schedules import build_schedule
+    from megatron_chimera.schedules.simulate import CostModel, simulate
+
+    bench = tool("benchmark_schedules")
+    schedule = build_schedule("1f1b", 2, 2)
+    model = CostModel(0.01, 0.02)
+    nominal = simulate(schedule, model)
+    over = 0.001  # every traced action 1 ms longer than nominal, two traced iterations
+    computes = [e.end - e.start + over for e in nominal.events] * 2
+    gaps = GapBreakdown(hops=[0.001], wake_to_start=[0.0], end_to_send=[0.0],
+                        local_gaps=[0.0002], computes=computes)
+    row = bench.Row("1f1b", {}, 2, 2, 1.0, nominal.makespan,
+                    {"gaps": gaps, "sim_inputs": (schedule, model)})
+    host = bench.host_costs([row, bench.Row("torch-1f1b", {}, 2, 2, 1.0, None)])
+    assert host.overrun_s == pytest.approx(over)
+    assert host.per_action_s == pytest.approx(0.0002 + over)
+    expected = simulate(schedule, CostModel(0.01, 0.02, p2p_alpha=host.message_s,
+                                            action_overhead=0.0002 + over)).makespan
+    assert host.simulate(row) == pytest.approx(expected)

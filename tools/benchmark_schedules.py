@@ -183,11 +183,10 @@ def host_costs(rows: list[Row]) -> HostCosts | None:
             continue
         gaps = r.extra["gaps"]
         pooled = pooled.merged(gaps)
-        inputs = r.extra.get("sim_inputs")
-        if inputs is not None and gaps.computes:
-            nominal = simulate(*inputs)  # per iteration: compute seconds over its actions
-            iterations = len(gaps.computes) / len(nominal.events)
-            overrun_s += sum(gaps.computes) - iterations * sum(nominal.busy)
+        nominal = r.extra.get("nominal_compute")  # per iteration: (seconds, actions)
+        if nominal is not None and gaps.computes:
+            seconds, count = nominal
+            overrun_s += sum(gaps.computes) - len(gaps.computes) / count * seconds
             actions += len(gaps.computes)
     host = HostCosts.of(pooled)
     if host is None or not actions:
@@ -391,6 +390,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
         shown["costs"] = cost_source
     extra.update(pipes=schedule.num_pipes, concat=schedule.meta.get("concat"),
                  simulated_compute_s=compute_only.makespan, schedule_used=schedule.name,
+                 nominal_compute=(sum(sim.busy), len(sim.events)),
                  sim_inputs=(schedule, cost_model(per_stage, schedule.split_backward, latency, w)))
     if args.allreduce_ms:
         shown["grad_reduce"] = mode

@@ -158,7 +158,7 @@ class GradientSynchronizer:
             self._items.append(self._tied)
         # the embedding's reduction follows every final backward of the rank (the plan's model,
         # schedules.sync_check.gradient_collectives), not only those of the stages with a copy
-        self._stages = set(buffers.stages) | set(buffers.tied_stages)
+        self._stages = set(buffers.stages)  # (every stage of the rank, with a copy or not)
         self._final: set[int] = set()
         self._done: set[int] = set()
         self._next = 0

@@ -380,12 +380,17 @@ class ParallelTransformer(nn.Module):
         # every layer exactly as the forward.
         def run_layers(hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
             with in_stream(stream):
-                # (islice: slicing a ModuleList would build a new one, indexing checks bounds)
-                for layer in itertools.islice(self.layers, first, last):
-                    seed_site(stream, layer.site)
-                    hidden = layer(hidden, mask, rotary)
-            return hidden
+                return self._layers(first, last, hidden, mask, stream, rotary)
         return run_layers
+
+    def _layers(self, first: int, last: int, hidden: torch.Tensor, mask: AttentionMask,
+                stream: int | None, rotary: RotaryTables | None) -> torch.Tensor:
+        # each layer reseeds its keyed dropout site first (``stream`` is the current one)
+        # (islice: slicing a ModuleList would build a new one, indexing checks bounds)
+        for layer in itertools.islice(self.layers, first, last):
+            seed_site(stream, layer.site)
+            hidden = layer(hidden, mask, rotary)
+        return hidden
 
     def rotary_tables(self, hidden: torch.Tensor,
                       position_ids: torch.Tensor | None) -> RotaryTables | None:
@@ -407,9 +412,7 @@ class ParallelTransformer(nn.Module):
         full = (self.recompute_granularity == "full" and self.training
                 and torch.is_grad_enabled())
         if not full:  # (the stream is current already: no closure, no context on this path)
-            for layer in self.layers:
-                seed_site(stream, layer.site)
-                hidden = layer(hidden, mask, rotary)
+            hidden = self._layers(0, n, hidden, mask, stream, rotary)
         elif self.recompute_method == "uniform":
             for first in range(0, n, self.recompute_num_layers):
                 last = min(first + self.recompute_num_layers, n)

@@ -122,7 +122,8 @@ def test_host_costs_charge_what_the_computes_overran():
     gaps = GapBreakdown(hops=[0.001], wake_to_start=[0.0], end_to_send=[0.0],
                         local_gaps=[0.0002], computes=computes)
     row = bench.Row("1f1b", {}, 2, 2, 1.0, nominal.makespan,
-                    {"gaps": gaps, "sim_inputs": (schedule, model)})
+                    {"gaps": gaps, "sim_inputs": (schedule, model),
+                     "nominal_compute": (sum(nominal.busy), len(nominal.events))})
     host = bench.host_costs([row, bench.Row("torch-1f1b", {}, 2, 2, 1.0, None)])
     assert host.overrun_s == pytest.approx(over)
     assert host.per_action_s == pytest.approx(0.0002 + over)

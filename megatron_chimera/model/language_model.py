@@ -175,7 +175,9 @@ class TransformerLanguageModel(nn.Module):
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Input ``[s, b, h]`` of a non-first stage (received from the previous stage)."""
-        self.input_tensor = tensor
+        # a plain attribute, never a parameter or buffer: set without nn.Module's registration
+        # checks (once per micro-batch, on the host's critical path)
+        object.__setattr__(self, "input_tensor", tensor)
 
     def forward(self, input_ids: torch.Tensor | None, position_ids: torch.Tensor | None,
                 mask: AttentionMask,

@@ -134,6 +134,8 @@ class CoreAttention(nn.Module):
         self.layer_scale = float(layer_number) if config.apply_query_key_layer_scaling else 1.0
         self.use_flash_attn = config.use_flash_attn
         self.document_attention = config.document_attention
+        # the heads are split over the tensor ranks (the layout is fixed when the model is built)
+        self.tensor_split = parallel_state.get_tensor_model_parallel_world_size() > 1
         self._noticed = False
         self._options = {  # the attention kernel's options, by whether the query is on CUDA
             on_cuda: dict(fused=self.fused, softmax_in_fp32=self.softmax_in_fp32,
@@ -147,16 +149,24 @@ class CoreAttention(nn.Module):
         are this rank's: attention dropout draws from the tensor-parallel RNG stream."""
         if not self._noticed:
             self._notices(query)
+        if (self.training and self.dropout_p > 0
+                and (self.tensor_split or current_stream() is None)):
+            with tensor_parallel_rng(True, self.site):
+                return self._attend(query, key, value, mask)
+        # (one tensor rank in a keyed stream: the layer's own stream serves, no context to enter
+        # on this per-layer path -- tensor_parallel_rng would return a null one)
+        return self._attend(query, key, value, mask)
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: AttentionMask) -> torch.Tensor:
         options = self._options[query.is_cuda]
-        with tensor_parallel_rng(self.training and self.dropout_p > 0, self.site):
-            if isinstance(mask, DocumentMask):
-                if not self.causal:
-                    raise ValueError("a document mask needs causal (GPT) attention")
-                return document_attention(query, key, value, mask, self.dropout_p,
-                                          self.training, implementation=self.document_attention,
-                                          **options)
-            return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
-                             **options)
+        if isinstance(mask, DocumentMask):
+            if not self.causal:
+                raise ValueError("a document mask needs causal (GPT) attention")
+            return document_attention(query, key, value, mask, self.dropout_p, self.training,
+                                      implementation=self.document_attention, **options)
+        return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
+                         **options)
 
     def stores_no_scores(self, query: torch.Tensor, mask: AttentionMask) -> bool:
         """Whether this core keeps no ``[s, s]`` scores for its backward: the fused kernel on CUDA

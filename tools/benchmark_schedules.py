@@ -28,7 +28,10 @@ for the emulated per-stage costs (known in advance),
 ``chimera-zb:costs=unit`` for 1:1:1 (as training builds it before measuring), and
 ``chimera-zb:profile=K`` starts from the 1:1:1 order, times F/B/W per stage in K iterations with
 the executor's profiler, rebuilds the order for the measured costs (as training does) and then
-measures the rebuilt order. Example (the README's table)::
+measures the rebuilt order. ``chimera-zb:p2p_us=T`` builds for the known costs and a message time
+of T microseconds (``--chimera-zb-costs "...;p2p=T"`` in training): on this machine a message on
+the critical path costs the runtime's host work, which ``--trace`` prints. Example (the README's
+table)::
 
     torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 8 --num-microbatches 32 \
         --forward-ms 20 --backward-ms 40 --weight-ms 10 --end-stage-factor 1.5 \
@@ -246,6 +249,22 @@ def split_costs(per_stage: list[EmulatedCosts]) -> StageCosts:
                       tuple(c.weight_s for c in per_stage))
 
 
+def build_message_seconds(name: str, p2p_us: Any, cost_source: str) -> float:
+    """The row option ``p2p_us=T``: the message time (microseconds) a split-backward order is
+    built for, with the known costs (the list scheduler then orders around messages of that
+    cost, e.g. the runtime's per-message host cost that ``--trace`` prints); 0 by default."""
+    try:
+        value = float(p2p_us)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ConfigError(f"--schedules: {name}:p2p_us= takes microseconds >= 0, got {p2p_us}")
+    if value and cost_source != "known":
+        raise ConfigError(f"--schedules: {name}:p2p_us= applies to an order built for the known "
+                          f"costs, not to costs={cost_source} or profile=")
+    return value * 1e-6
+
+
 def cost_model(per_stage: list[EmulatedCosts], split: bool, latency: float = 0.0,
                data_parallel_size: int = 1) -> CostModel:
     """The simulator's costs of emulated stages, with ``latency`` per message and all-reduce."""
@@ -317,19 +336,20 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     """Measure our executor on schedule ``name`` (gradients reduced as ``mode`` says) and
     simulate the same costs."""
     options = dict(options)
-    if ("costs" in options or "profile" in options) and not get_spec(name).split_backward:
-        raise ConfigError(f"--schedules: costs= and profile= apply to "
+    if (options.keys() & {"costs", "profile", "p2p_us"}) and not get_spec(name).split_backward:
+        raise ConfigError(f"--schedules: costs=, profile= and p2p_us= apply to "
                           f"{', '.join(SPLIT_BACKWARD_SCHEDULES)}, not {name}")
     profile = int(options.pop("profile", 0))
     cost_source = options.pop("costs", "unit" if profile else "known")
     if cost_source not in ("unit", "known") or (profile and cost_source != "unit"):
         raise ConfigError(f"--schedules: {name}:costs= takes unit or known (profile= starts "
                           f"from unit), got {cost_source}")
+    build_p2p_s = build_message_seconds(name, options.pop("p2p_us", 0), cost_source)
     probe = build_schedule(name, d, n, **options)
     per_stage = emulated_stage_costs(costs, probe.num_stages, d, args.end_stage_factor,
                                      probe.split_backward)
     if probe.split_backward and cost_source == "known":
-        options["costs"] = split_costs(per_stage)
+        options["costs"] = dataclasses.replace(split_costs(per_stage), p2p=build_p2p_s)
     schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
     validate(schedule)
     validate_lowered(lower(schedule))  # every rank alike: the executor checks only its own list
@@ -384,6 +404,8 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     sim = simulate(schedule, cost_model(per_stage, schedule.split_backward, latency, w))
     compute_only = simulate(schedule, cost_model(per_stage, schedule.split_backward, 0.0, w))
     shown = {k: v for k, v in options.items() if k != "costs"}
+    if build_p2p_s:
+        shown["p2p_us"] = round(build_p2p_s * 1e6)
     if profile:
         shown["profile"] = profile
     elif cost_source != "known":

@@ -53,7 +53,8 @@ def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingL
 
     The row's ``costs`` option names what a split-backward order was built for: ``unit`` (the
     generator's default 1,1,1), else (known, or rebuilt for the measured ones after
-    ``profile=K``) the emulated stage costs, which ``model`` supplies.
+    ``profile=K``) the emulated stage costs, which ``model`` supplies, and the message time of
+    its ``p2p_us`` option (0 without).
     """
     spec = get_spec(row["schedule"])
     fields = {f.name for f in spec.option_fields()}
@@ -65,7 +66,8 @@ def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingL
         options.setdefault("concat", row["concat"])
     layout = TrainingLayout.of(row["schedule"], row["D"], 1, 1, row["N"], **options)
     if model is not None and spec.split_backward and given.get("costs") != "unit":
-        costs = dataclasses.replace(model.stage_costs(layout), p2p=0.0)
+        costs = dataclasses.replace(model.stage_costs(layout),
+                                    p2p=float(given.get("p2p_us", 0)) * 1e-6)
         layout = dataclasses.replace(layout, options=dataclasses.replace(layout.options,
                                                                          costs=costs))
     return layout
@@ -81,7 +83,9 @@ def compare(rows: list[dict], compute: EmulatedCompute, link: LinkProfile,
         model = emulated_model(row["D"], compute, link, action_overhead_s)
         layout = layout_of_row(row, model)
         predicted = model.predict(layout).iteration_s
-        result.append({"layout": layout.describe(), "measured_s": row["measured_s"],
+        built_for = (row.get("options") or {}).get("p2p_us")  # the row's message time
+        label = layout.describe() + (f" (built for p2p {built_for} us)" if built_for else "")
+        result.append({"layout": label, "measured_s": row["measured_s"],
                        "predicted_s": predicted,
                        "relative_error": abs(predicted - row["measured_s"]) / row["measured_s"]})
     return result

@@ -42,12 +42,13 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
             "--weight-ms", "2", "--iters", "5", "--warmup", "0", "--rounds", "2",
             "--json", str(out), "--end-stage-factor", "1.5", "--trace",
             "--schedules", "1f1b,chimera,chimera-zb,interleaved:virtual_pipeline_size=2,torch-1f1b,"
-            "chimera-zb:profile=2,chimera-zb:costs=unit"]
+            "chimera-zb:profile=2,chimera-zb:costs=unit,chimera-zb:p2p_us=500"]
     spawn_world(_run_tool, 4, argv, timeout_s=110)
     rows = json.loads(out.read_text())
     expected = [("1f1b", {}), ("chimera", {}), ("interleaved", {"virtual_pipeline_size": 2}),
                 ("torch-1f1b", {}), ("chimera-zb", {}),
-                ("chimera-zb", {"profile": 2}), ("chimera-zb", {"costs": "unit"})]
+                ("chimera-zb", {"profile": 2}), ("chimera-zb", {"costs": "unit"}),
+                ("chimera-zb", {"p2p_us": 500})]
     assert sorted((r["schedule"], r["N"], str(r["options"])) for r in rows) == sorted(
         (s, n, str(o)) for s, o in expected for n in (4, 8))
     profiled = [r for r in rows if r["options"] == {"profile": 2}]

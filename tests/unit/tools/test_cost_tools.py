@@ -130,3 +130,19 @@ def test_host_costs_charge_what_the_computes_overran():
     expected = simulate(schedule, CostModel(0.01, 0.02, p2p_alpha=host.message_s,
                                             action_overhead=0.0002 + over)).makespan
     assert host.simulate(row) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("p2p_us, costs, message", [
+    ("fast", "known", "p2p_us= takes microseconds >= 0, got fast"),
+    (-5, "known", "p2p_us= takes microseconds >= 0, got -5"),
+    ("nan", "known", "p2p_us= takes microseconds >= 0, got nan"),
+    (300, "unit", "p2p_us= applies to an order built for the known costs, not to costs=unit"),
+])
+def test_benchmark_row_message_time_rejected(p2p_us, costs, message):
+    from megatron_chimera.config import ConfigError
+
+    bench = tool("benchmark_schedules")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        bench.build_message_seconds("bitpipe-zb", p2p_us, costs)
+    assert bench.build_message_seconds("bitpipe-zb", 400, "known") == pytest.approx(4e-4)
+    assert bench.build_message_seconds("bitpipe-zb", 0, "unit") == 0.0

@@ -9,6 +9,7 @@ import pytest
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.schedules import build_schedule
+from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.simulate import CostModel, simulate
 from megatron_chimera.tuning.costs import ModelSpec, StagePiece, stage_forward_flops
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile, load_hardware
@@ -213,14 +214,23 @@ def test_benchmark_rows_of_split_schedules_compare_without_crashing(name):
     link = LinkProfile(0.0, math.inf)
     compute = EmulatedCompute(0.02, 0.05, 0.01)  # F : B : W = 1 : 2 : 0.5
     rows = [{"schedule": name, "D": 4, "N": 8, "options": {"costs": "unit"}, "measured_s": 1.0},
-            {"schedule": name, "D": 4, "N": 8, "options": {}, "measured_s": 1.0}]
-    unit, known = compare(rows, compute, link)
+            {"schedule": name, "D": 4, "N": 8, "options": {}, "measured_s": 1.0},
+            {"schedule": name, "D": 4, "N": 8, "options": {"p2p_us": 5000}, "measured_s": 1.0}]
+    unit, known, for_messages = compare(rows, compute, link)
     built = build_schedule(name, 4, 8)
     chunk = 4 / built.num_stages  # a V chunk pays half of a rank's costs
     model = CostModel(0.02 * chunk, 0.05 * chunk, 0.01 * chunk)
     assert unit["predicted_s"] == pytest.approx(simulate(built, model).makespan, rel=1e-9)
     for_costs = build_schedule(name, 4, 8, costs=(0.02, 0.04, 0.01))
     assert known["predicted_s"] == pytest.approx(simulate(for_costs, model).makespan, rel=1e-9)
+    # p2p_us=T: the order the benchmark built for the known costs and messages of T us
+    stages = for_costs.num_stages
+    with_messages = build_schedule(name, 4, 8, costs=StageCosts.uniform(
+        0.02 * chunk, 0.04 * chunk, 0.01 * chunk, stages, p2p=5e-3))
+    assert for_messages["predicted_s"] == pytest.approx(
+        simulate(with_messages, model).makespan, rel=1e-9)
+    assert for_messages["layout"].endswith("(built for p2p 5000 us)")
+    assert "built for" not in known["layout"]
 
 
 def test_measured_compute_times_the_real_classes():

@@ -6,7 +6,9 @@ iterations of this process it sets a :class:`~.profiler.StageTimeRecorder` as th
 after the last one every rank agrees on the measured per-stage F, B, W times (one all-reduce,
 :func:`~.profiler.agree_stage_costs`) and rebuilds the schedule from them
 (:func:`~megatron_chimera.schedules.rebuild.rebuild_for_costs`: same inputs on every rank, so
-the same, validated schedule; never slower than the unsplit schedules on the same placement).
+the same, validated schedule; never slower than the unsplit schedules on the same placement). A
+message time given with ``--chimera-zb-costs "...;p2p=T"`` is kept, in the measured unit
+(:meth:`~megatron_chimera.schedules.costs.StageCosts.with_message_time_of`).
 """
 
 from __future__ import annotations
@@ -58,4 +60,5 @@ class ProfileRebuild:
             return None
         executor.action_timer = None
         costs = agree_stage_costs(self.recorder, self.schedule.num_stages, self.device)
+        costs = costs.with_message_time_of(getattr(self.options, "costs", None))
         return rebuild_for_costs(self.schedule, self.options, costs, self.policy)

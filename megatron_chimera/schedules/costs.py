@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT
@@ -133,6 +133,16 @@ class StageCosts:
         return StageCosts(tuple(v * factor for v in self.forward),
                           tuple(v * factor for v in self.backward),
                           tuple(v * factor for v in self.weight), self.p2p * factor)
+
+    def with_message_time_of(self, given: Any) -> StageCosts:
+        """These (measured) costs with the message time of ``given`` (the ``--chimera-zb-costs``
+        a run was started with), converted to these costs' unit by the ratio of the mean F's: a
+        profiled rebuild measures F, B and W, not what a message costs, so a ``p2p=T`` the user
+        gave still counts. Unchanged when ``given`` names no message time."""
+        if not isinstance(given, StageCosts) or not given.p2p:
+            return self
+        ratio = (sum(self.forward) / len(self.forward)) / (sum(given.forward) / len(given.forward))
+        return replace(self, p2p=given.p2p * ratio)
 
     def rounded(self, digits: int = 4) -> StageCosts:
         """Times rounded to ``digits`` significant digits relative to the mean F (so that ranks

@@ -102,3 +102,33 @@ def test_rounding_and_quantising():
     assert noisy.rounded(3).forward == (1.0, 1.0)
     tiny = StageCosts((1.0,), (1.0,), (1e-6,))
     assert tiny.quantized(0.05).weight == (0.05,)  # never rounds a time away
+
+
+def test_profiled_costs_keep_the_given_message_time_in_their_unit():
+    measured = StageCosts((0.02, 0.03), (0.04, 0.04), (0.01, 0.01))  # seconds, mean F 25 ms
+    given = parse_costs("1,2,1;1,2,1;p2p=0.02")  # relative to F = 1
+    assert measured.with_message_time_of(given).p2p == pytest.approx(0.02 * 0.025)
+    assert measured.with_message_time_of(given).forward == measured.forward
+    for none in (None, (1.0, 2.0, 1.0), parse_costs("1,2,1;1,2,1")):
+        assert measured.with_message_time_of(none) == measured
+
+
+def test_profiled_rebuild_builds_for_the_given_message_time(monkeypatch):
+    """ProfileRebuild: F/B/W as measured (agreed over the ranks), p2p from --chimera-zb-costs."""
+    from types import SimpleNamespace
+
+    from megatron_chimera.pipeline import profile_rebuild
+    from megatron_chimera.schedules import build_schedule
+
+    measured = StageCosts.uniform(0.01, 0.02, 0.01, 4)
+    monkeypatch.setattr(profile_rebuild, "agree_stage_costs", lambda *args: measured)
+    options = ChimeraZBOptions(costs=parse_costs("1,2,1;p2p=0.5"))
+    profile = profile_rebuild.ProfileRebuild(build_schedule("chimera-zb", 4, 8), options, 1)
+    executor = SimpleNamespace(action_timer=None)
+    profile.start_iteration(executor)
+    report = profile.finish_iteration(executor)
+    assert report.costs.p2p == pytest.approx(0.005)  # 0.5 F of the measured 10 ms
+    expected = build_schedule("chimera-zb", 4, 8, costs=report.costs.quantized())
+    assert report.rebuilt.schedule.actions == expected.actions
+    assert expected.actions != build_schedule(
+        "chimera-zb", 4, 8, costs=measured.quantized()).actions  # the message time mattered

@@ -344,7 +344,8 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     if cost_source not in ("unit", "known") or (profile and cost_source != "unit"):
         raise ConfigError(f"--schedules: {name}:costs= takes unit or known (profile= starts "
                           f"from unit), got {cost_source}")
-    build_p2p_s = build_message_seconds(name, options.pop("p2p_us", 0), cost_source)
+    p2p_us = options.pop("p2p_us", 0)
+    build_p2p_s = build_message_seconds(name, p2p_us, cost_source)
     probe = build_schedule(name, d, n, **options)
     per_stage = emulated_stage_costs(costs, probe.num_stages, d, args.end_stage_factor,
                                      probe.split_backward)
@@ -405,7 +406,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     compute_only = simulate(schedule, cost_model(per_stage, schedule.split_backward, 0.0, w))
     shown = {k: v for k, v in options.items() if k != "costs"}
     if build_p2p_s:
-        shown["p2p_us"] = round(build_p2p_s * 1e6)
+        shown["p2p_us"] = p2p_us  # as given: validate_perf_model builds the same order from it
     if profile:
         shown["profile"] = profile
     elif cost_source != "known":

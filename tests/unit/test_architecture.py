@@ -226,3 +226,32 @@ def test_schedule_ir_is_torch_free():
         "assert not bad, bad[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# The driver stays readable: every function of training/ fits on a screen.
+MAX_DRIVER_FUNCTION_LINES = 50
+
+
+def long_functions(directory: Path, limit: int) -> list[str]:
+    """``module:function (n lines)`` for every function (methods and nested ones included) of
+    the modules directly in ``directory`` longer than ``limit`` lines."""
+    found = []
+    for path in sorted(directory.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.name}:{node.name} ({lines} lines)")
+    return found
+
+
+def test_no_driver_function_over_fifty_lines():
+    long = long_functions(PACKAGE / "training", MAX_DRIVER_FUNCTION_LINES)
+    assert not long, (f"functions of training/ over {MAX_DRIVER_FUNCTION_LINES} lines (split "
+                      f"them into named steps):\n" + "\n".join(long))
+
+
+def test_the_function_length_check_can_fail(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(50))
+    (tmp_path / "probe.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}")
+    assert long_functions(tmp_path, 50) == ["probe.py:long (51 lines)"]

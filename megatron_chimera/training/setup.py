@@ -18,6 +18,7 @@ from torch import nn
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
 from megatron_chimera.checkpoint.checkpointing import (
+    CheckpointTarget,
     StageSlice,
     get_rng_state,
     load_checkpoint,
@@ -164,10 +165,10 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
         check_resume_iteration(saved_iteration, config,
                                resolve_checkpoint_dir(ckpt.load, saved_iteration))
     memory = PeakHostMemory()
-    loaded = load_checkpoint(
-        ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
-        world_size=world_size, load_optim=not ckpt.no_load_optim,
+    target = CheckpointTarget(
+        stages, schedule.num_stages, optimizer, scheduler, load_optim=not ckpt.no_load_optim,
         load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune, check_args=check_args)
+    loaded = load_checkpoint(ckpt.load, target, rank=rank, world_size=world_size)
     if loaded is not None:
         state.iteration = loaded.iteration
         state.consumed_train_samples = loaded.consumed_train_samples

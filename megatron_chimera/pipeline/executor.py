@@ -68,6 +68,7 @@ from megatron_chimera.pipeline.program import Compute, Post, Program, compile_pr
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
+from megatron_chimera.schedules.device_sync_check import plan_gradient_collectives
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
     DEFAULT_LOOKAHEAD,
@@ -77,7 +78,6 @@ from megatron_chimera.schedules.lowering import (
     connection_order,
     lower,
 )
-from megatron_chimera.schedules.sync_check import plan_gradient_collectives
 from megatron_chimera.schedules.validate import validate_lowered
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
 from megatron_chimera.tensor_parallel.random import restored_tracker_states

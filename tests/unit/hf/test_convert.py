@@ -36,7 +36,7 @@ from megatron_chimera.config import (
 from megatron_chimera.data.tokenizers import build_tokenizer
 from megatron_chimera.hf.common import HFError
 from megatron_chimera.hf.convert import export_hf, import_hf
-from megatron_chimera.hf.layouts import (
+from megatron_chimera.hf.tensor_formats import (
     fused_qkv_from_megatron,
     fused_qkv_to_megatron,
     qkv_from_megatron,

@@ -55,7 +55,6 @@ from torch import nn
 from torch.autograd import Variable
 
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
-from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
 from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
@@ -82,6 +81,8 @@ from megatron_chimera.schedules.validate import validate_lowered
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
 from megatron_chimera.tensor_parallel.random import restored_tracker_states
 from megatron_chimera.tensor_parallel.weight_grad import (
+    WeightGradStore,
+    defer_weight_grad,
     deferrable_modules,
     set_weight_grad_deferral,
 )

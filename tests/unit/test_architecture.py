@@ -255,3 +255,20 @@ def test_the_function_length_check_can_fail(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(50))
     (tmp_path / "probe.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}")
     assert long_functions(tmp_path, 50) == ["probe.py:long (51 lines)"]
+
+
+def test_a_run_is_a_small_typed_record_and_load_mirrors_save():
+    """``Run`` stays what a run is (the running schedule has its own owner) and is not patched
+    after construction; ``load_checkpoint`` takes one record, as ``save_checkpoint`` does."""
+    import dataclasses
+    import inspect
+
+    from megatron_chimera.checkpoint.checkpointing import load_checkpoint
+    from megatron_chimera.training.setup import Run
+
+    fields = dataclasses.fields(Run)
+    assert len(fields) <= 15, [f.name for f in fields]
+    assert not [f.name for f in fields if f.type == "Any"]
+    assert Run.__dataclass_params__.frozen
+    assert list(inspect.signature(load_checkpoint).parameters) == [
+        "root", "target", "rank", "world_size"]

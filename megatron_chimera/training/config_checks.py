@@ -24,6 +24,7 @@ from megatron_chimera.data.dataset_utils import SPLIT_NAMES, parse_data_paths, p
 from megatron_chimera.data.tokenizers import check_tokenizer_args
 from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.stage_layout import split_partition
+from megatron_chimera.model.transformer import validate_recompute
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_schedule
@@ -123,15 +124,7 @@ def _validate_model(model: ModelConfig) -> None:
             f"{model.max_position_embeddings}"
         )
     check_architecture(model)
-    granularity, method = model.recompute_granularity, model.recompute_method
-    if granularity == "full" and method is None:
-        raise ConfigError("--recompute-granularity full requires --recompute-method")
-    if method is not None and granularity != "full":
-        raise ConfigError("--recompute-method requires --recompute-granularity full")
-    if method is not None and model.recompute_num_layers is None:
-        raise ConfigError("--recompute-method requires --recompute-num-layers")
-    if model.recompute_num_layers is not None and method is None:
-        raise ConfigError("--recompute-num-layers requires --recompute-method")
+    validate_recompute(model)
 
 
 def _check_data_files(paths: tuple[str, ...] | None, flag: str) -> None:

@@ -100,7 +100,7 @@ def _validate_rampup(config: TrainConfig) -> None:
                               f"iteration: {exc}") from None
 
 
-def validate(config: TrainConfig, world_size: int) -> Schedule:
+def check_config_and_build_schedule(config: TrainConfig, world_size: int) -> Schedule:
     """Cross-flag consistency checks (no process group needed); returns the run's schedule."""
     parallel = config.parallel
     parallel.layout.check_world(world_size)

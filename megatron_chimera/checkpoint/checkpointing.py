@@ -39,7 +39,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
-from megatron_chimera.checkpoint.dcp_io import failure_message, save_chunks
+from megatron_chimera.checkpoint.dcp_io import (
+    failure_message,
+    save_chunks,
+    write_errors_reported,
+)
 from megatron_chimera.checkpoint.host_memory import PeakHostMemory
 from megatron_chimera.checkpoint.sharded import collect_save_chunks, load_sharded_tensors
 from megatron_chimera.checkpoint.stages import (  # noqa: F401 - re-exported
@@ -241,10 +245,13 @@ class SaveJob:
         """Collectively write and publish (``barrier`` and DCP's collectives on
         ``process_group``; None: the default group)."""
         staging = _make_staging(self.root, self.final, self.rank, barrier)
-        save_chunks(staging, self.chunks, process_group)
-        atomic_torch_save(self.rng, os.path.join(staging, "rng", f"rank_{self.rank:05d}.pt"))
-        if self.common is not None:
-            atomic_torch_save(self.common, os.path.join(staging, COMMON_FILENAME))
+        with write_errors_reported(staging, self.iteration, remove=self.rank == 0):
+            save_chunks(staging, self.chunks, process_group)
+        with write_errors_reported(staging, self.iteration, remove=False):
+            atomic_torch_save(self.rng, os.path.join(staging, "rng",
+                                                     f"rank_{self.rank:05d}.pt"))
+            if self.common is not None:
+                atomic_torch_save(self.common, os.path.join(staging, COMMON_FILENAME))
         barrier()
         if self.rank == 0:
             _publish(self.root, staging, self.final, self.iteration)

@@ -332,7 +332,7 @@ class ChecksumError(ValueError):
     """Bytes read from a checkpoint chunk do not match the checksum recorded when it was saved."""
 
 
-_PIECE = 8 << 20  # bytes a checked read holds at a time
+_PIECE = 1 << 20  # bytes a checked read holds at a time (or one block, if larger)
 
 
 def _read_checked(handle, start: int, nbytes: int, runs: list[tuple[int, int]],
@@ -343,6 +343,18 @@ def _read_checked(handle, start: int, nbytes: int, runs: list[tuple[int, int]],
     block, crcs = checksums.block, checksums.crcs
     if len(crcs) != -(-nbytes // block):
         raise ValueError(f"{len(crcs)} checksums recorded for {nbytes} bytes in blocks of {block}")
+    if all(offset % block == 0 and ((offset + size) % block == 0 or offset + size == nbytes)
+           for offset, size in runs):  # whole blocks (a whole chunk): read in place, checked
+        dest_at = 0
+        for offset, size in runs:
+            handle.seek(start + offset)
+            if handle.readinto(memory[dest_at:dest_at + size]) != size:
+                raise ValueError("the file ends early")
+            for at in range(0, size, block):
+                _check_block(memory[dest_at + at:dest_at + min(size, at + block)],
+                             crcs, (offset + at) // block, block, nbytes)
+            dest_at += size
+        return dest_at
     spans: list[list[int]] = []  # [first block, end block) holding the runs, merged
     for offset, size in runs:
         first, end = offset // block, -(-(offset + size) // block)
@@ -362,11 +374,8 @@ def _read_checked(handle, start: int, nbytes: int, runs: list[tuple[int, int]],
                 raise ValueError("the file ends early")
             total += hi - lo
             for b in range(piece, -(-hi // block)):
-                got = zlib.crc32(view[b * block - lo:min(hi, (b + 1) * block) - lo])
-                if got != crcs[b]:
-                    raise ChecksumError(f"bytes {b * block}-{min(nbytes, (b + 1) * block) - 1} "
-                                        f"of its values fail their CRC-32 check "
-                                        f"({got:08x}, saved {crcs[b]:08x})")
+                _check_block(view[b * block - lo:min(hi, (b + 1) * block) - lo], crcs, b, block,
+                             nbytes)
             while run < len(runs) and runs[run][0] < hi:
                 offset, size = runs[run]
                 a, z = max(offset, lo), min(offset + size, hi)
@@ -376,6 +385,16 @@ def _read_checked(handle, start: int, nbytes: int, runs: list[tuple[int, int]],
                 dest_at += size
                 run += 1
     return total
+
+
+def _check_block(data: memoryview, crcs: tuple[int, ...], index: int, block: int,
+                 nbytes: int) -> None:
+    """ChecksumError when block ``index`` (``data``) does not have its saved CRC."""
+    got = zlib.crc32(data)
+    if got != crcs[index]:
+        raise ChecksumError(f"bytes {index * block}-{min(nbytes, (index + 1) * block) - 1} of "
+                            f"its values fail their CRC-32 check ({got:08x}, saved "
+                            f"{crcs[index]:08x})")
 
 
 def _iteration_of(path: str) -> str:

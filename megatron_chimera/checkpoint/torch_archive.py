@@ -20,6 +20,7 @@ that hold it (a few percent more than the part for a large chunk).
 from __future__ import annotations
 
 import collections
+import functools
 import pickle
 import struct
 import sys
@@ -139,10 +140,12 @@ def _central_header(name: bytes, crc: int, size: int, offset: int, zip64: bool) 
                        offset32) + name + extra
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def archive_parts(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
                   ) -> tuple[bytes, bytes]:
     """``(head, tail)``: head + the chunk's ``nbytes`` row-major bytes + tail is a file that
-    ``torch.load(weights_only=True)`` reads as the tensor (dtype, shape)."""
+    ``torch.load(weights_only=True)`` reads as the tensor (dtype, shape). Cached: the next save
+    has the same chunks."""
     small = [("data.pkl", _pickle(dtype, shape)),
              ("byteorder", sys.byteorder.encode()),
              (".format_version", b"1"),

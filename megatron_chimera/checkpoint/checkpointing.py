@@ -126,8 +126,13 @@ def read_tracker(root: str) -> int | None:
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` made atomic (temp file, fsync, rename)."""
-    atomic_write(path, lambda handle: torch.save(obj, handle))
+    """``torch.save`` made atomic (temp file, fsync, rename); a failed write names ``path``."""
+    try:
+        atomic_write(path, lambda handle: torch.save(obj, handle))
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, path) from None
 
 
 def safe_torch_load(path: str) -> Any:
@@ -197,11 +202,12 @@ def save_checkpoint(root: str, contents: CheckpointContents, *, rank: int, world
     if optimizer is not None:
         optimizer.finish_param_sync()  # the weights saved are the updated ones
     optimizer = optimizer if contents.save_optim else None
-    _save_stage_files(staging, stages, optimizer)
-    atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
-    if rank == 0:
-        atomic_torch_save(_common_payload(contents, optimizer, world_size, FORMAT_TORCH),
-                          os.path.join(staging, COMMON_FILENAME))
+    with write_errors_reported(staging, iteration, remove=False):
+        _save_stage_files(staging, stages, optimizer)
+        atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            atomic_torch_save(_common_payload(contents, optimizer, world_size, FORMAT_TORCH),
+                              os.path.join(staging, COMMON_FILENAME))
     barrier()
     if rank == 0:
         _publish(root, staging, final, iteration)

@@ -74,7 +74,7 @@ from megatron_chimera.errors import UserError
 
 ChunkKey = tuple[str, tuple[int, ...]]  # (fqn, offsets)
 METADATA_FILENAME = ".metadata"
-RAW = "raw"  # an earlier format's chunk: its row-major bytes (its storage info's transform descriptor)
+RAW = "raw"  # the #28 format's chunk: row-major bytes (its storage info's transform descriptor)
 # the attribute of a chunk's storage info holding its block checksums (a plain value: stock
 # readers unpickle the metadata without us and ignore it)
 CHECKSUMS = "chimera_crc32"

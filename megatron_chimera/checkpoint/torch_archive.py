@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import io
 import pickle
 import struct
 import sys
@@ -119,8 +120,6 @@ class _Pickler(pickle.Pickler):
 
 
 def _pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    import io
-
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=2).dump(_Tensor(dtype, shape))
     return buffer.getvalue()

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_chimera.checkpoint.checkpointing import checkpoint_dir, read_tracker
+from megatron_chimera.checkpoint.dcp_io import CHECKSUMS, read_metadata
 from megatron_chimera.checkpoint.sharded import read_full_tensors
 
 from .checkpoint_cases import run_async_save_killed, run_disk_full, run_sharded_io
@@ -47,6 +48,8 @@ def _stock_torch_reads_it_bitwise(checkpoint: str, tmp_path) -> None:
     equals, tensor by tensor and bitwise, what our reader reads."""
     subprocess.run([sys.executable, "-I", STOCK_READER, checkpoint, str(tmp_path)], check=True,
                    timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    infos = read_metadata(checkpoint).storage_data.values()  # every rank's chunks checksummed
+    assert infos and all(getattr(info, CHECKSUMS, None) for info in infos)
     ours = dict(read_full_tensors(checkpoint))
     assert any(k.endswith("/exp_avg") for k in ours) and any(k.startswith("model/") for k in ours)
     for name in ("dcp_to_torch_save.pt", "dcp_load.pt"):

@@ -269,7 +269,8 @@ def test_torch_dist_bit_rot_is_refused_in_one_line_naming_file_tensor_and_iterat
         handle.write(bytes(4096))
     assert os.path.getsize(target) == size
     with pytest.raises(CheckpointError) as error:
-        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+        load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched), rank=0,
+                            world_size=1)
     line = str(error.value)
     assert "\n" not in line and line.count("__0_0.distcp") == 1, line
     assert re.search(r"iter_0000002/__0_0.distcp: model/tied_word_embeddings \(chunk at "
@@ -302,5 +303,6 @@ def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_previous(tmp_path
     assert str(error.value) == (f"No space left on device: {staging}/{victim} (the checkpoint "
                                 "of iteration 2 was not saved; the previous checkpoint is intact)")
     assert open(tmp_path / TRACKER_FILENAME).read().strip() == "1"
-    loaded = load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+    loaded = load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched), rank=0,
+                            world_size=1)
     assert loaded.iteration == 1

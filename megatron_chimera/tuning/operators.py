@@ -19,7 +19,8 @@ multiprocessors runs part-empty (``tiles / (ceil(tiles/SMs) SMs)``), tiles small
 re-read their operands too often to feed the tensor cores (relative efficiency: the tile's
 operand reuse ``tm tn / (tm + tn)`` over that of 128 x 128, capped at 1), and a short reduction
 pays the pipeline fill and the epilogue of each tile (``k / (k + K_FILL)``, :data:`K_FILL` = two
-64-deep K steps). The largest tile wins. Nothing here is fitted to a measurement.
+64-deep K steps). The largest tile wins. Nothing here is fitted to a measurement. A profile
+without ``num_sms`` is an ideal device (no shape effect).
 
 **Memory-bound kernels** take ``bytes / (HBM bandwidth x memory_efficiency)``: layer norms (read,
 write; backward read input and gradient, write), the fused bias-dropout-add (read two, write one,
@@ -97,10 +98,11 @@ class Ops:
 
 
 def shape_efficiency(hardware: HardwareProfile, gemm: Gemm) -> float:
-    """Fraction of the large-GEMM rate a GEMM of this shape reaches (module doc)."""
-    depth = gemm.k / (gemm.k + K_FILL)
+    """Fraction of the large-GEMM rate a GEMM of this shape reaches (module doc); 1 on a
+    profile without ``num_sms`` (an ideal device: FLOPs / (peak x efficiency))."""
     if hardware.num_sms <= 0:
-        return depth
+        return 1.0
+    depth = gemm.k / (gemm.k + K_FILL)
     best = 0.0
     for tm, tn in TILES:
         rows, cols = math.ceil(gemm.m / tm), math.ceil(gemm.n / tn)

@@ -267,13 +267,15 @@ def test_tensor_parallel_sizes_are_searched_and_reach_the_command(capsys):
 
 def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
     """Per rank, T = 2 holds about half the weights and activations; its stage times are half
-    the compute (at the efficiency of half-width matrices) plus the tensor-parallel collectives,
+    the compute (each GEMM priced at its half-width shape) plus the tensor-parallel collectives,
     which vanish on a free link."""
     spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
                                  seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
     one = TrainingLayout("1f1b", 4, 1, 2, 8)
     two = dataclasses.replace(one, T=2, sequence_parallel=True)
-    flat = dataclasses.replace(PRESETS["a100"], half_efficiency_tokens=0.0)  # no size effect
+    # an ideal device: no GEMM shape effect, no memory-bound time, no kernel gaps
+    flat = dataclasses.replace(PRESETS["a100"], num_sms=0, hbm_bandwidth_gbps=0.0,
+                               kernel_overhead_s=0.0)
     model = PerformanceModel(spec, flat)
     m1, m2 = (max(m.total_bytes for m in model.memory(lay)) for lay in (one, two))
     assert 0.45 < m2 / m1 < 0.6
@@ -284,10 +286,11 @@ def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
     free = PerformanceModel(spec, dataclasses.replace(flat, intra_node=FREE))
     t_free = free.stage_times(two, piece)
     assert t_free.forward == pytest.approx(t1.forward / 2)
-    # the a100 preset's efficiency m / (m + 512) at m = B s = 1024 tokens vs 512 for half-width
+    # on the a100 preset the half-width GEMMs (fewer tiles: a part-empty wave) run at no more
+    # than the full-width ones' rate per FLOP (the model prices each GEMM's shape)
     sized = PerformanceModel(spec, PRESETS["a100"])
     ratio = sized.stage_times(two, piece).weight / sized.stage_times(one, piece).weight
-    assert ratio == pytest.approx((1024 / 1536) / (512 / 1024) / 2)
+    assert 0.5 <= ratio < 1.0
     # 2 layers x (2 all-gathers + 2 reduce-scatters of one [s, b, h] bf16 activation) forward
     link = flat.intra_node
     activation = 512 * 2 * 1024 * 2

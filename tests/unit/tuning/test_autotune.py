@@ -207,6 +207,8 @@ def test_cli_rejects_bad_input(capsys):
     TrainingLayout("1f1b", 2, 2, 2, 4, T=4),
     TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True,
                       distributed_optimizer=True, pipes=2),
+    TrainingLayout("1f1b", 1, 4, 1, 2, True, recompute_granularity="selective"),
+    TrainingLayout("1f1b", 1, 2, 1, 2, T=2),  # no pipeline: D = 1
 ])
 def test_generated_flags_parse_into_the_same_layout(layout):
     """The command's flags go through the framework's own parser to the chosen layout."""
@@ -236,7 +238,7 @@ def test_generated_flags_parse_into_the_same_layout(layout):
                                                              layout.partition)]
     assert (config.training.layer_split.pipeline_model_parallel_layout is None) == \
         (layout.partition == "uniform")
-    assert (config.model.recompute_granularity == "full") == layout.recompute
+    assert config.model.recompute_granularity == layout.recompute_mode
     assert parallel.schedule_options == layout.options
     assert config.ddp.use_distributed_optimizer == layout.distributed_optimizer
 

@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated tensor-parallel sizes T to try, e.g. 1,2,4,8 "
                    "(default: every T dividing the attention heads within one node); T > 1 "
                    "runs sequence parallel")
+    g.add_argument("--pipeline-model-parallel-sizes", type=_int_list, default=None,
+                   help="comma-separated pipeline sizes D to try (default: every D dividing "
+                        "--num-gpus / T, odd sizes and 1 included, at most one stage per layer)")
     g.add_argument("--no-sequence-parallel", action="store_false", dest="sequence_parallel",
                    help="with T > 1, do not split the residual stream over the sequence")
     g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
@@ -263,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                             partition_methods=(*args.partition_methods,
                                                *args.pipeline_model_parallel_layout),
                             tensor_parallel_sizes=args.tensor_model_parallel_sizes,
+                            pipeline_parallel_sizes=args.pipeline_model_parallel_sizes,
                             sequence_parallel=args.sequence_parallel,
                             distributed_optimizer=choices[args.distributed_optimizer],
                             recompute_granularities=granularities[args.recompute_granularities],

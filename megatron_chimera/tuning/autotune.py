@@ -60,6 +60,8 @@ class SearchSpace:
     sequence_parallel: bool = True  # with T > 1, split the residual stream too
     distributed_optimizer: tuple[bool, ...] = (False, True)
     recompute_granularities: tuple[str, ...] = ("full",)  # what a recomputing layout recomputes
+    # D to try (--pipeline-model-parallel-sizes); None: every divisor of P / T up to the layers
+    pipeline_parallel_sizes: tuple[int, ...] | None = None
     num_attention_heads: int = 0  # for the automatic T (0: T = 1 only)
     gpus_per_node: int = 1  # for the automatic T
 
@@ -83,6 +85,10 @@ class SearchSpace:
                               f"{self.micro_batch_sizes}")
         for name in self.schedules:
             get_spec(name)  # ValueError naming the choices for an unknown schedule
+        if self.pipeline_parallel_sizes is not None and min(self.pipeline_parallel_sizes,
+                                                            default=0) < 1:
+            raise ConfigError(f"--pipeline-model-parallel-sizes must be positive, got "
+                              f"{self.pipeline_parallel_sizes}")
         if self.tensor_parallel_sizes is not None and (
                 not self.tensor_parallel_sizes or min(self.tensor_parallel_sizes) < 1):
             raise ConfigError(f"--tensor-model-parallel-sizes must be positive, got "
@@ -104,7 +110,9 @@ class SearchSpace:
         """Every D dividing the GPU count / T (odd and 1 included), at most one stage per
         layer."""
         gpus = self.num_gpus // tensor_parallel
-        return [d for d in range(1, gpus + 1) if gpus % d == 0 and d <= self.num_layers]
+        allowed = self.pipeline_parallel_sizes
+        return [d for d in range(1, gpus + 1) if gpus % d == 0 and d <= self.num_layers
+                and (allowed is None or d in allowed)]
 
     def why_empty(self) -> str | None:
         """One line naming the size constraint that leaves no layout to try (None: some
@@ -113,8 +121,10 @@ class SearchSpace:
             return (f"no tensor-parallel size T: none of {self.candidate_tensor_sizes()} "
                     f"divides --num-gpus {self.num_gpus}")
         if not any(self.pipeline_sizes(t) for t in self.tensor_sizes()):
+            given = ("" if self.pipeline_parallel_sizes is None else
+                     f" among --pipeline-model-parallel-sizes {self.pipeline_parallel_sizes}")
             return (f"no pipeline size D: --num-gpus {self.num_gpus} / T has no divisor <= "
-                    f"--num-layers {self.num_layers}")
+                    f"--num-layers {self.num_layers}{given}")
         widths = sorted({self.num_gpus // (t * d) for t in self.tensor_sizes()
                          for d in self.pipeline_sizes(t)})
         if not any(self.micro_batches_for(w) for w in widths):

@@ -36,33 +36,42 @@ def gpt(num_layers: int = 8) -> ModelSpec:
                                  seq_length=32, vocab_size=500), "gpt2")
 
 
-def hand_space(distributed_optimizer: tuple[bool, ...] = (False,)) -> SearchSpace:
+def hand_space(distributed_optimizer: tuple[bool, ...] = (False,),
+               pipeline_sizes: tuple[int, ...] | None = (2, 4)) -> SearchSpace:
     return SearchSpace(num_gpus=4, global_batch_size=8, num_layers=8,
                        schedules=("gpipe", "1f1b", "chimera"), micro_batch_sizes=(2,),
                        recompute=(False,), option_values=(("pipes", (2,)),),
                        partition_methods=("uniform",),
-                       distributed_optimizer=distributed_optimizer)
+                       distributed_optimizer=distributed_optimizer,
+                       pipeline_parallel_sizes=pipeline_sizes)
 
 
 # Hand-checked iteration times (forward F = B x layers per stage, backward 2F, no communication):
 # D=2 (W=2, N=2, F=8):  GPipe / 1F1B (N+D-1) 3F = 72;  Chimera basic unit (5D-4) F = 48
 # D=4 (W=1, N=4, F=4):  GPipe / 1F1B (N+D-1) 3F = 84;  Chimera basic unit (5D-4) F = 64
+# D=1 (W=4, N=1, F=16): no pipeline, 3F = 48 (Chimera needs an even D: invalid)
 HAND_TIMES = {("gpipe", 2): 72.0, ("1f1b", 2): 72.0, ("chimera", 2): 48.0,
-              ("gpipe", 4): 84.0, ("1f1b", 4): 84.0, ("chimera", 4): 64.0}
+              ("gpipe", 4): 84.0, ("1f1b", 4): 84.0, ("chimera", 4): 64.0,
+              ("gpipe", 1): 48.0, ("1f1b", 1): 48.0}
 
 
 def test_enumeration_of_the_hand_space():
-    layouts = list(enumerate_layouts(hand_space()))
+    """Every D dividing the GPUs is tried, D = 1 included (the generators reject what they
+    cannot run: Chimera at D = 1)."""
+    layouts = list(enumerate_layouts(hand_space(pipeline_sizes=None)))
     assert {(layout.schedule, layout.D, layout.W, layout.B, layout.N) for layout in layouts} == {
-        (s, D, 4 // D, 2, 8 // (4 // D * 2)) for s, D in HAND_TIMES}
+        (s, D, 4 // D, 2, 8 // (4 // D * 2)) for s, D in [*HAND_TIMES, ("chimera", 1)]}
+    pinned = hand_space()  # --pipeline-model-parallel-sizes 2,4
+    assert {layout.D for layout in enumerate_layouts(pinned)} == {2, 4}
 
 
 def test_picks_the_best_of_a_hand_checked_space():
     model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
-    result = autotune(model, hand_space(), memory_limit_bytes=10**12)
+    result = autotune(model, hand_space(pipeline_sizes=None), memory_limit_bytes=10**12)
     times = {(p.layout.schedule, p.layout.D): p.iteration_s for p in result.ranked}
     assert times == pytest.approx(HAND_TIMES)
-    assert (result.best.layout.schedule, result.best.layout.D) == ("chimera", 2)
+    assert [layout.D for layout, _ in result.invalid] == [1]  # Chimera at D = 1
+    assert result.best.iteration_s == pytest.approx(48.0)
     assert result.best.samples_per_s == pytest.approx(8 / 48.0)
     assert [p.samples_per_s for p in result.ranked] == sorted(
         (p.samples_per_s for p in result.ranked), reverse=True)
@@ -109,7 +118,8 @@ def test_recomputation_is_tried_only_when_the_plain_layout_does_not_fit():
     model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
     space = SearchSpace(num_gpus=4, global_batch_size=32, num_layers=8, schedules=("gpipe",),
                         micro_batch_sizes=(4,), recompute=(False, True),
-                        partition_methods=("uniform",), distributed_optimizer=(False,))
+                        partition_methods=("uniform",), distributed_optimizer=(False,),
+                        pipeline_parallel_sizes=(2, 4))
     plain = TrainingLayout("gpipe", 2, 2, 4, 4)
     peak_plain = max(m.total_bytes for m in model.memory(plain))
     loose = autotune(model, space, memory_limit_bytes=10**12)
@@ -163,7 +173,9 @@ def test_cli_json_records(tmp_path, capsys):
     assert records and all(tuple(r) == JSON_KEYS for r in records)
     rates = [r["samples_per_s"] for r in records]
     assert rates == sorted(rates, reverse=True)
-    assert all(r["D"] * r["W"] == 4 and r["B"] * r["N"] * r["W"] == 16 for r in records)
+    # T: every divisor of the 4 heads within the 8-GPU node that divides the 4 GPUs
+    assert all(r["T"] * r["D"] * r["W"] == 4 and r["B"] * r["N"] * r["W"] == 16 for r in records)
+    assert {r["T"] for r in records} <= {1, 2, 4} and {r["D"] for r in records} >= {1, 2}
     assert "--bf16" in capsys.readouterr().out
 
 
@@ -251,8 +263,9 @@ def test_tensor_parallel_sizes_are_searched_and_reach_the_command(capsys):
                         micro_batch_sizes=(2,), recompute=(False,),
                         partition_methods=("uniform",), tensor_parallel_sizes=(1, 2, 8))
     layouts = list(enumerate_layouts(space))
-    assert {(lay.T, lay.D, lay.W) for lay in layouts} == {(1, 2, 4), (1, 4, 2), (1, 8, 1),
-                                                          (2, 2, 2), (2, 4, 1)}
+    assert {(lay.T, lay.D, lay.W) for lay in layouts} == {(1, 1, 8), (1, 2, 4), (1, 4, 2),
+                                                          (1, 8, 1), (2, 1, 4), (2, 2, 2),
+                                                          (2, 4, 1), (8, 1, 1)}
     assert all(lay.sequence_parallel == (lay.T > 1) for lay in layouts)
     result = autotune(PerformanceModel(gpt(), PRESETS["a100"]), dataclasses.replace(
         space, tensor_parallel_sizes=(1, 2, 8), num_gpus=16), 10**12)

@@ -22,6 +22,7 @@ sequence parallelism.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -186,7 +187,13 @@ class AnalyticCompute:
                          tensor_parallel: int = 1, sequence_parallel: bool = False
                          ) -> StageTimes:
         """One micro-batch through the stage on one of ``tensor_parallel`` ranks (compute only;
-        the collectives are the caller's), with ``recompute`` None, ``full`` or ``selective``."""
+        the collectives are the caller's), with ``recompute`` None, ``full`` or ``selective``
+        (cached: the tuner asks for the same stage many times)."""
+        return _rank_stage_times(self, piece, micro_batch, recompute, tensor_parallel,
+                                 sequence_parallel)
+
+    def _price(self, piece: StagePiece, micro_batch: int, recompute: str | None,
+               tensor_parallel: int, sequence_parallel: bool) -> StageTimes:
         check_recompute(recompute)
         cfg = self.spec.config
         shapes = layer_shapes(cfg, micro_batch, tensor_parallel,
@@ -217,6 +224,13 @@ class AnalyticCompute:
         """Adam's memory-bound step over ``parameters`` (this rank's share)."""
         per = optimizer_bytes_per_parameter(self.spec.config.params_dtype)
         return parameters * per / self.hardware.memory_bytes_per_s()
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_stage_times(compute: AnalyticCompute, piece: StagePiece, micro_batch: int,
+                      recompute: str | None, tensor_parallel: int,
+                      sequence_parallel: bool) -> StageTimes:
+    return compute._price(piece, micro_batch, recompute, tensor_parallel, sequence_parallel)
 
 
 def chimera_eq1_time(forward: float, backward: float, N: int, D: int, p2p: float = 0.0,

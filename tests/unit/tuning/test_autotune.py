@@ -415,3 +415,116 @@ def test_v_shaped_schedules_are_searched_with_their_chunks_and_weight_copies():
     result = autotune(model, two_gpus, memory_limit_bytes=limit)
     assert {p.layout.schedule for p in result.ranked} == {"1f1b", "zbv"}
     assert [layout.schedule for layout, _ in result.over_memory] == ["bitpipe-zb"]
+
+
+# ------------------------------------------------------------ odd D, D = 1, empty searches
+def test_odd_pipeline_sizes_and_no_pipeline_are_searched():
+    """6 GPUs, 6 layers: D in {1, 2, 3, 6}; 1F1B runs at every D, Chimera only at even D."""
+    space = SearchSpace(num_gpus=6, global_batch_size=12, num_layers=6,
+                        schedules=("1f1b", "chimera"), micro_batch_sizes=(1,),
+                        recompute=(False,), option_values=(("pipes", (2,)),),
+                        partition_methods=("uniform",), distributed_optimizer=(False,))
+    assert space.pipeline_sizes() == [1, 2, 3, 6]
+    result = autotune(PerformanceModel(gpt(6), ZERO_COMM, compute=PerLayerCompute()), space,
+                      memory_limit_bytes=10**12)
+    ranked = {(p.layout.schedule, p.layout.D) for p in result.ranked}
+    assert {("1f1b", 1), ("1f1b", 2), ("1f1b", 3), ("1f1b", 6)} <= ranked
+    assert ("chimera", 2) in ranked and ("chimera", 6) in ranked
+    assert {layout.D for layout, _ in result.invalid if layout.schedule == "chimera"} == {1, 3}
+
+
+def test_automatic_tensor_sizes_divide_the_heads_within_a_node():
+    space = SearchSpace(num_gpus=48, global_batch_size=48, num_layers=8,
+                        tensor_parallel_sizes=None, num_attention_heads=12, gpus_per_node=8)
+    assert space.tensor_sizes() == [1, 2, 3, 4, 6]  # 12 heads, <= 8 per node, divides 48
+    assert SearchSpace(num_gpus=4, global_batch_size=4, num_layers=2,
+                       tensor_parallel_sizes=None).tensor_sizes() == [1]
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"num_gpus": 6, "tensor_parallel_sizes": (4,)},
+     "no tensor-parallel size T: none of [4] divides --num-gpus 6"),
+    ({"num_gpus": 7, "num_layers": 2}, "no pipeline size D"),
+    ({"global_batch_size": 3, "micro_batch_sizes": (2,)}, "no micro-batch size"),
+])
+def test_an_empty_search_names_the_constraint_that_emptied_it(changes, message):
+    space = dataclasses.replace(hand_space(pipeline_sizes=None), **changes)
+    if "num_layers" in changes:  # 7 GPUs, 2 layers: D = 1 is the only divisor <= 2 ...
+        space = dataclasses.replace(space, pipeline_parallel_sizes=(7,))  # ... and it is not allowed
+    result = autotune(PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute()), space,
+                      memory_limit_bytes=10**12)
+    with pytest.raises(ConfigError) as info:
+        _ = result.best
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_empty_search_over_memory_names_the_smallest_peak():
+    result = autotune(PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute()),
+                      hand_space(), memory_limit_bytes=1)
+    with pytest.raises(ConfigError, match=r"no layout fits in memory: the smallest peak is "
+                                          r"[0-9.]+ GiB per rank \(.*\) over the 0.00 GiB limit"):
+        _ = result.best
+
+
+def test_2520_gpus_at_t8_find_the_paper_layout():
+    """The issue's example: 529.6B on 2,520 GPUs at T = 8 has a layout (D = 35, odd)."""
+    from megatron_chimera.tuning.published import MEGATRON_TABLE1, run_spec
+
+    run = next(r for r in MEGATRON_TABLE1 if r.params == "529.6B")
+    space = SearchSpace(num_gpus=run.gpus, global_batch_size=run.batch, num_layers=run.layers,
+                        schedules=("1f1b",), micro_batch_sizes=(1,), recompute=(True,),
+                        partition_methods=("uniform",), tensor_parallel_sizes=(8,),
+                        distributed_optimizer=(False,), sequence_parallel=False)
+    assert 35 in space.pipeline_sizes(8) and space.why_empty() is None
+    model = PerformanceModel(run_spec(run), PRESETS["a100"])
+    memory = model.memory(TrainingLayout("1f1b", 35, 9, 1, 280, True, T=8))
+    assert max(m.total_bytes for m in memory) < 80e9
+
+
+# ---------------------------------------------------------------------------------- --predict
+PREDICT = ["--predict", "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+           "--seq-length", "32", "--vocab-size", "500", "--num-gpus", "8",
+           "--global-batch-size", "16", "--hardware", "a100", "--bf16"]
+
+
+def test_predict_prints_and_writes_one_layout(tmp_path, capsys):
+    """--predict prices exactly the layout the training flags give: the same numbers as the
+    performance model, Megatron's TFLOP/s formula over that time."""
+    from megatron_chimera.tuning.published import megatron_flops
+
+    path = tmp_path / "predict.json"
+    rc = _cli().main([*PREDICT, "--tensor-model-parallel-size", "2",
+                      "--pipeline-model-parallel-size", "4", "--micro-batch-size", "2",
+                      "--pipeline-schedule", "chimera", "--chimera-pipes", "2",
+                      "--sequence-parallel", "--recompute-granularity", "selective",
+                      "--json", str(path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for text in ("iteration:", "TFLOP/s per GPU:", "bubble:", "peak memory per rank:"):
+        assert text in out
+    record = json.loads(path.read_text())
+    layout = TrainingLayout.of("chimera", 4, 1, 2, 8, True, T=2, sequence_parallel=True,
+                               recompute_granularity="selective", pipes=2)
+    spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4,
+                                 seq_length=32, vocab_size=500, params_dtype="bf16"), "gpt2")
+    expected = PerformanceModel(spec, PRESETS["a100"]).predict(layout)
+    assert record["layout"] == layout.describe()
+    assert record["iteration_s"] == pytest.approx(expected.iteration_s)
+    assert record["peak_memory_bytes"] == expected.peak_memory_bytes
+    assert record["tflops_per_gpu"] == pytest.approx(
+        megatron_flops(spec.config, 16) / 8 / expected.iteration_s / 1e12)
+    assert f"{record['iteration_s']:.4f} s" in out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--pipeline-model-parallel-size", "3"], "--num-gpus 8 is not a multiple"),
+    (["--micro-batch-size", "3"], "--global-batch-size 16 is not a multiple"),
+    (["--sequence-parallel"], "--sequence-parallel needs"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+      "--chimera-pipes", "2"], "--chimera-pipes does not apply"),
+    (["--pipeline-model-parallel-size", "1", "--pipeline-schedule", "chimera"],
+     "--pipeline-model-parallel-size must be even"),
+])
+def test_predict_rejects_a_layout_that_cannot_run(capsys, extra, message):
+    assert _cli().main([*PREDICT, *extra]) == 2
+    assert message in capsys.readouterr().err

@@ -173,8 +173,17 @@ def _recomputations(space: SearchSpace) -> Iterator[tuple[bool, str]]:
             yield True, granularity
 
 
+def _without_pipeline(specs: Sequence[ScheduleSpec]) -> list[ScheduleSpec]:
+    """The schedules to try at D = 1: every schedule is then one rank running its micro-batches
+    in turn, so only the first plain one (one pipe, one chunk per rank) is kept."""
+    plain = [s for s in specs if s.pipes() == 1 and s.stages_per_rank() == 1
+             and not s.split_backward]
+    return plain[:1]
+
+
 def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
-    """Every layout of the search space (sizes not yet checked against the generators)."""
+    """Every layout of the search space (sizes not yet checked against the generators); at
+    D = 1 one schedule (:func:`_without_pipeline`)."""
     specs = [get_spec(name) for name in space.schedules]
     for T in space.tensor_sizes():
         sequence_parallel = space.sequence_parallel and T > 1
@@ -182,7 +191,7 @@ def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
             W = ParallelLayout.from_world(space.num_gpus, T, D).data
             for B in space.micro_batches_for(W):
                 N = space.global_batch_size // (W * B)
-                for spec in specs:
+                for spec in specs if D > 1 else _without_pipeline(specs):
                     for options in _variants(space, spec, D, N):
                         replicated = W * getattr(options, "pipes", 1) > 1
                         stages = D * getattr(options, "virtual_pipeline_size", 1)

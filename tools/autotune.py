@@ -28,6 +28,7 @@ from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.presets import MODEL_PRESETS
+from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
 from megatron_chimera.training.arguments import add_architecture_arguments, architecture_fields
 from megatron_chimera.tuning.autotune import (
     DEFAULT_SCHEDULES,
@@ -38,7 +39,6 @@ from megatron_chimera.tuning.autotune import (
 )
 from megatron_chimera.tuning.command import torchrun_command
 from megatron_chimera.tuning.costs import ModelSpec
-from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
 from megatron_chimera.tuning.hardware import GB, PRESETS, HardwareProfile, load_hardware
 from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingLayout
 from megatron_chimera.tuning.published import megatron_flops

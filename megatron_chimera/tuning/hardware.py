@@ -134,7 +134,8 @@ KERNEL_GAP_S = 2e-6
 # Sources.
 # [A100] NVIDIA A100 Tensor Core GPU data sheet (2021): 19.5 TFLOP/s fp32, 312 TFLOP/s fp16/bf16
 #        dense; 80 GB SXM 2,039 GB/s, 40 GB SXM 1,555 GB/s HBM2e/HBM2; NVLink 3 600 GB/s
-#        (bidirectional, i.e. 300 GB/s per direction); 108 SMs (NVIDIA A100 architecture whitepaper).
+#        (bidirectional, i.e. 300 GB/s per direction); 108 SMs (NVIDIA A100 architecture
+#        whitepaper).
 # [Selene] Narayanan et al., SC'21, Sec. 5: DGX A100 nodes, 8 GPUs, 8 x 200 Gb/s HDR InfiniBand
 #        per node, i.e. one 25 GB/s NIC per GPU.
 # [H100] NVIDIA H100 Tensor Core GPU data sheet, SXM5: 67 TFLOP/s fp32, 989 TFLOP/s fp16/bf16

@@ -9,15 +9,18 @@ over ``2f W`` replicas with Rabenseifner's alpha-beta cost -- and lets the one s
 eager gradient synchronisation included. With zero communication and uniform stages this is
 exactly Eq. (1) (:func:`chimera_eq1_time`; checked by the tests).
 
-Stage times come from :class:`AnalyticCompute` (FLOPs / achieved FLOP/s of a hardware profile) or
-from measured timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
+Stage times come from :class:`AnalyticCompute` (every kernel of the stage priced by its shape or
+its bytes on a hardware profile, :mod:`megatron_chimera.tuning.operators`) or from measured
+timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
 
-With tensor parallelism (``layout.T``) every stage's compute is divided by T and its
-tensor-parallel collectives (:func:`~megatron_chimera.tuning.costs.tensor_parallel_comm_seconds`,
-on the link the T consecutive ranks share) are added to its forward and backward (they are on
-the critical path); the weight-gradient part (W) has none. Gradient buckets, optimizer state and
-activations are per tensor-parallel rank; messages between stages shrink to ``[s/T, b, h]`` with
-sequence parallelism.
+With tensor parallelism (``layout.T``) the analytic model prices every GEMM at its ``1/T`` shape
+(a measured source is divided by T), and the stage's tensor-parallel collectives
+(:func:`~megatron_chimera.tuning.costs.tensor_parallel_comm_seconds`, on the link the T
+consecutive ranks share) are added to its forward and backward (they are on the critical path),
+as is the all-gather of Megatron's scatter/gather of pipeline messages; the weight-gradient part
+(W) has none. Gradient buckets, optimizer state and activations are per tensor-parallel rank;
+messages between stages shrink to ``1/T`` (sequence parallelism or scatter/gather).
+Recomputation is ``full`` or ``selective`` (``TrainingLayout.recompute_granularity``).
 """
 
 from __future__ import annotations

@@ -70,9 +70,9 @@ MEGATRON_TABLE1: tuple[PublishedRun, ...] = (
 def megatron_flops(config: ModelConfig, batch: int) -> float:
     """FLOPs of one iteration by Megatron's formula (Eq. 3 of the paper, with recomputation):
     ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``."""
-    s, h, l, v = (config.seq_length, config.hidden_size, config.num_layers,
-                  config.padded_vocab_size)
-    return 96.0 * batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    s, h, layers, v = (config.seq_length, config.hidden_size, config.num_layers,
+                       config.padded_vocab_size)
+    return 96.0 * batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 def run_spec(run: PublishedRun) -> ModelSpec:

@@ -450,8 +450,8 @@ def test_automatic_tensor_sizes_divide_the_heads_within_a_node():
 ])
 def test_an_empty_search_names_the_constraint_that_emptied_it(changes, message):
     space = dataclasses.replace(hand_space(pipeline_sizes=None), **changes)
-    if "num_layers" in changes:  # 7 GPUs, 2 layers: D = 1 is the only divisor <= 2 ...
-        space = dataclasses.replace(space, pipeline_parallel_sizes=(7,))  # ... and it is not allowed
+    if "num_layers" in changes:  # 7 GPUs, 2 layers: D = 1 is the only divisor <= 2, and the
+        space = dataclasses.replace(space, pipeline_parallel_sizes=(7,))  # allowed D is 7
     result = autotune(PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute()), space,
                       memory_limit_bytes=10**12)
     with pytest.raises(ConfigError) as info:

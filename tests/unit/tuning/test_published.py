@@ -22,7 +22,6 @@ from megatron_chimera.tuning.published import (
     predict_run,
     ranks,
     run_layout,
-    run_spec,
     spearman,
     summarize,
 )

@@ -6,8 +6,8 @@ For ``P`` GPUs and a mini-batch ``B̂`` it tries every allowed tensor-parallel s
 attention heads and fits in one node; with sequence parallelism when T > 1; T must also divide
 the hidden and MLP sizes), every ``D`` dividing ``P / T`` with at most one stage per layer (odd
 sizes and D = 1 included: the schedules that need an even D reject the others; at D = 1 one
-plain schedule stands for all), ``W = P / (T D)``, every micro-batch size ``B`` with ``N = B̂ / (W B)`` integral,
-every registered schedule variant the sizes allow (GPipe, 1F1B, interleaved with ``v``
+plain schedule stands for all), ``W = P / (T D)``, every micro-batch size ``B`` with
+``N = B̂ / (W B)`` integral, every registered schedule variant the sizes allow (GPipe, 1F1B, interleaved with ``v``
 dividing the layers, Chimera and Chimera-ZB with 2 and 4 pipes and every concatenation, ZB-H1),
 layers partitioned uniformly or balanced by parameters (``--partition-method``; the balanced
 split moves layers off the stages holding the embedding and the LM head), with and without full

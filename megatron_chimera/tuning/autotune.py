@@ -7,15 +7,15 @@ attention heads and fits in one node; with sequence parallelism when T > 1; T mu
 the hidden and MLP sizes), every ``D`` dividing ``P / T`` with at most one stage per layer (odd
 sizes and D = 1 included: the schedules that need an even D reject the others; at D = 1 one
 plain schedule stands for all), ``W = P / (T D)``, every micro-batch size ``B`` with
-``N = B̂ / (W B)`` integral, every registered schedule variant the sizes allow (GPipe, 1F1B, interleaved with ``v``
-dividing the layers, Chimera and Chimera-ZB with 2 and 4 pipes and every concatenation, ZB-H1),
-layers partitioned uniformly or balanced by parameters (``--partition-method``; the balanced
-split moves layers off the stages holding the embedding and the LM head), with and without full
-recomputation (``SearchSpace.recompute_granularities``: full and/or selective), and with and
-without the distributed optimizer
+``N = B̂ / (W B)`` integral, every registered schedule variant the sizes allow (GPipe, 1F1B,
+interleaved with ``v`` dividing the layers, Chimera and Chimera-ZB with 2 and 4 pipes and every
+concatenation, ZB-H1), layers partitioned uniformly or balanced by parameters
+(``--partition-method``; the balanced split moves layers off the stages holding the embedding and the LM head),
+with and without full recomputation (``SearchSpace.recompute_granularities``: full and/or
+selective), and with and without the distributed optimizer
 (``SearchSpace.distributed_optimizer``; only where a stage-replica group has more than one
 rank). The memory model drops layouts over the device memory before anything is simulated; a
-recomputing layout is simulated only when the same layout without recomputation does not fit
+recomputing layout is simulated only when the same layout with less recomputation does not fit
 (recomputation only adds work, so otherwise it is dominated). The rest are simulated by
 :class:`~megatron_chimera.tuning.perf_model.PerformanceModel` and ranked by samples/s.
 """

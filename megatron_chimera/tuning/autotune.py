@@ -10,9 +10,9 @@ plain schedule stands for all), ``W = P / (T D)``, every micro-batch size ``B`` 
 ``N = B̂ / (W B)`` integral, every registered schedule variant the sizes allow (GPipe, 1F1B,
 interleaved with ``v`` dividing the layers, Chimera and Chimera-ZB with 2 and 4 pipes and every
 concatenation, ZB-H1), layers partitioned uniformly or balanced by parameters
-(``--partition-method``; the balanced split moves layers off the stages holding the embedding and the LM head),
-with and without full recomputation (``SearchSpace.recompute_granularities``: full and/or
-selective), and with and without the distributed optimizer
+(``--partition-method``; the balanced split moves layers off the stages holding the embedding
+and the LM head), with and without recomputation (``SearchSpace.recompute_granularities``: full
+and/or selective), and with and without the distributed optimizer
 (``SearchSpace.distributed_optimizer``; only where a stage-replica group has more than one
 rank). The memory model drops layouts over the device memory before anything is simulated; a
 recomputing layout is simulated only when the same layout with less recomputation does not fit

@@ -19,27 +19,37 @@ from megatron_chimera.tuning.validation import EmulatedCompute, compare, format_
 
 
 def published(hardware_name: str, json_path: str | None) -> int:
-    """Print (and optionally write) the published-table comparison."""
+    """Print (and optionally write) the published-table comparisons: Table 1 (the issue's
+    target) and Table 2's PTD-P rows (out of sample)."""
     from megatron_chimera.tuning.published import (
         MEGATRON_SOURCE,
         MEGATRON_TABLE1,
+        MEGATRON_TABLE2,
+        MEGATRON_TABLE2_SOURCE,
         format_published,
         predict_run,
         summarize,
     )
 
     hardware = load_hardware(hardware_name)
-    rows = [predict_run(run, hardware) for run in MEGATRON_TABLE1]
-    print(format_published(rows, f"{MEGATRON_SOURCE}; model: --hardware {hardware.name}"))
-    if json_path:
+    tables = {}
+    for key, source, runs in (("table1", MEGATRON_SOURCE, MEGATRON_TABLE1),
+                              ("table2", MEGATRON_TABLE2_SOURCE, MEGATRON_TABLE2)):
+        rows = [predict_run(run, hardware) for run in runs]
+        if key != "table1":
+            print()
+        print(format_published(rows, f"{source}; model: --hardware {hardware.name}"))
         summary = summarize(rows)
-        records = {"source": MEGATRON_SOURCE, "hardware": hardware.name,
-                   "rows": [{"params": r.run.params, "layout": r.layout.describe(),
-                             "iteration_s": r.iteration_s,
-                             "predicted_tflops": r.predicted_tflops,
-                             "published_tflops": r.run.tflops, "ratio": r.ratio} for r in rows],
-                   "mean_error": summary.mean_error, "worst": summary.worst.run.params,
-                   "spearman": summary.spearman}
+        tables[key] = {
+            "source": source,
+            "rows": [{"params": r.run.params, "gpus": r.run.gpus, "layout": r.layout.describe(),
+                      "iteration_s": r.iteration_s, "predicted_tflops": r.predicted_tflops,
+                      "published_tflops": r.run.tflops, "ratio": r.ratio} for r in rows],
+            "mean_error": summary.mean_error, "worst": summary.worst.run.params,
+            "spearman": summary.spearman}
+    if json_path:
+        records = {"hardware": hardware.name, **tables["table1"],
+                   "out_of_sample": tables["table2"]}
         with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
     return 0
@@ -50,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     p = ToolArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("bench_json", nargs="?", default=None)
     p.add_argument("--published", action="store_true",
-                   help="compare with Narayanan et al. SC'21 Table 1 (megatron_chimera/tuning/"
-                        "published.py) instead of a benchmark JSON")
+                   help="compare with Narayanan et al. SC'21 Table 1 and, out of sample, its "
+                        "Table 2's PTD-P rows (megatron_chimera/tuning/published.py) instead "
+                        "of a benchmark JSON")
     p.add_argument("--hardware", default="a100",
                    help="with --published: the profile to predict with (preset or JSON file)")
     p.add_argument("--json", default=None, help="with --published: write the rows here")

@@ -66,6 +66,26 @@ MEGATRON_TABLE1: tuple[PublishedRun, ...] = (
     PublishedRun("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
 )
 
+MEGATRON_TABLE2_SOURCE = ("Narayanan et al., SC'21 (arXiv 2104.04473), Table 2, PTD-P rows (out of "
+                          "sample): the same cluster and settings, fixed global batch, 1x-4x GPUs")
+
+# Table 2 of the same paper (the comparison with ZeRO-3), its PTD parallelism rows: the 174.6B and
+# 529.6B models of Table 1's family (96 layers / 12288 hidden / 96 heads and 105 / 20480 / 128) at
+# a fixed global batch on 1x, 2x and 4x the GPUs, micro-batch 1, model-parallel size 96 = T 8 x D 12
+# and 280 = T 8 x D 35. Published TFLOP/s per GPU: 153 / 149 / 141 and 171 / 167 / 159. Read from
+# two independent transcriptions of the table found with the search tool (a paper-notes file that
+# reproduces the whole table, and a figure inventory that quotes the 174.6B row's 153 / 149 / 141);
+# the 529.6B rows rest on the first. None of these rows was used to build or check the model before
+# it was frozen (they are reported as they come out: tools/validate_perf_model.py --published).
+MEGATRON_TABLE2: tuple[PublishedRun, ...] = (
+    PublishedRun("174.6B", 96, 12288, 96, 8, 12, 384, 1536, 153),
+    PublishedRun("174.6B", 96, 12288, 96, 8, 12, 768, 1536, 149),
+    PublishedRun("174.6B", 96, 12288, 96, 8, 12, 1536, 1536, 141),
+    PublishedRun("529.6B", 128, 20480, 105, 8, 35, 560, 2240, 171),
+    PublishedRun("529.6B", 128, 20480, 105, 8, 35, 1120, 2240, 167),
+    PublishedRun("529.6B", 128, 20480, 105, 8, 35, 2240, 2240, 159),
+)
+
 
 def megatron_flops(config: ModelConfig, batch: int) -> float:
     """FLOPs of one iteration by Megatron's formula (Eq. 3 of the paper, with recomputation):

@@ -18,6 +18,7 @@ from megatron_chimera.tuning.hardware import PRESETS, load_hardware, load_hardwa
 from megatron_chimera.tuning.perf_model import AnalyticCompute, PerformanceModel, TrainingLayout
 from megatron_chimera.tuning.published import (
     MEGATRON_TABLE1,
+    MEGATRON_TABLE2,
     megatron_flops,
     predict_run,
     ranks,
@@ -43,6 +44,21 @@ def test_megatron_table1_rows_within_15_percent_mean_10_spearman_08(table1):
     assert summary.spearman >= 0.8
     # the throughput rises with size as published: the largest beats the smallest
     assert table1[-1].predicted_tflops > table1[0].predicted_tflops
+
+
+def test_out_of_sample_table2_rows_within_15_percent_and_in_order():
+    """Table 2's PTD-P rows (175B and 530B at a fixed batch on 1x-4x the GPUs), never used to
+    build the model: the same criteria as Table 1 hold -- every row within +-15% (they come out
+    1.06-1.12x), mean error <= 10%, Spearman >= 0.8 -- and per-GPU throughput falls as the GPUs
+    grow at a fixed batch (fewer micro-batches per pipeline, a larger bubble), as published."""
+    rows = [predict_run(run, PRESETS["a100"]) for run in MEGATRON_TABLE2]
+    for row in rows:
+        assert 0.85 <= row.ratio <= 1.15, (row.run.params, row.run.gpus, row.ratio)
+    summary = summarize(rows)
+    assert summary.mean_error <= 0.10 and summary.spearman >= 0.8
+    for model in ("174.6B", "529.6B"):
+        tflops = [r.predicted_tflops for r in rows if r.run.params == model]
+        assert tflops == sorted(tflops, reverse=True) and tflops[0] > tflops[-1]
 
 
 def test_table_rows_use_the_stated_layout():
@@ -85,6 +101,7 @@ def test_validate_published_tool_prints_and_writes_the_table(tmp_path, capsys, m
     import megatron_chimera.tuning.published as published
 
     monkeypatch.setattr(published, "MEGATRON_TABLE1", MEGATRON_TABLE1[:3])  # cheap rows only
+    monkeypatch.setattr(published, "MEGATRON_TABLE2", MEGATRON_TABLE2[:1])
 
     from tests.helpers import REPO_ROOT
 
@@ -100,6 +117,10 @@ def test_validate_published_tool_prints_and_writes_the_table(tmp_path, capsys, m
     assert [r["params"] for r in record["rows"]] == ["1.7B", "3.6B", "7.5B"]
     assert record["rows"][0]["predicted_tflops"] == pytest.approx(table1[0].predicted_tflops)
     assert record["mean_error"] == pytest.approx(summarize(table1[:3]).mean_error)
+    # the second table: out-of-sample rows, printed and written under their own key
+    assert "Table 2" in out and "| 174.6B |" in out
+    assert [r["gpus"] for r in record["out_of_sample"]["rows"]] == [384]
+    assert record["out_of_sample"]["rows"][0]["published_tflops"] == 153
     with pytest.raises(UsageError, match="--published"):
         module.main([])  # neither a benchmark JSON nor --published
 

@@ -101,7 +101,7 @@ def test_validate_published_tool_prints_and_writes_the_table(tmp_path, capsys, m
     import megatron_chimera.tuning.published as published
 
     monkeypatch.setattr(published, "MEGATRON_TABLE1", MEGATRON_TABLE1[:3])  # cheap rows only
-    monkeypatch.setattr(published, "MEGATRON_TABLE2", MEGATRON_TABLE2[:1])
+    monkeypatch.setattr(published, "MEGATRON_TABLE2", MEGATRON_TABLE2[:2])
 
     from tests.helpers import REPO_ROOT
 
@@ -119,7 +119,7 @@ def test_validate_published_tool_prints_and_writes_the_table(tmp_path, capsys, m
     assert record["mean_error"] == pytest.approx(summarize(table1[:3]).mean_error)
     # the second table: out-of-sample rows, printed and written under their own key
     assert "Table 2" in out and "| 174.6B |" in out
-    assert [r["gpus"] for r in record["out_of_sample"]["rows"]] == [384]
+    assert [r["gpus"] for r in record["out_of_sample"]["rows"]] == [384, 768]
     assert record["out_of_sample"]["rows"][0]["published_tflops"] == 153
     with pytest.raises(UsageError, match="--published"):
         module.main([])  # neither a benchmark JSON nor --published

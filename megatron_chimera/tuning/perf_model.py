@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.model.memory import bytes_per_parameter
-from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
 from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
@@ -464,8 +464,46 @@ class PerformanceModel:
             raise ConfigError(f"layout sizes must be positive: {layout.describe()}")
         sim = self.simulate(layout)
         memory = self.memory(layout) if with_memory else []
-        seconds = sim.makespan + self.optimizer_step_s(layout) + self.exposed_param_gather_s(layout)
+        # the simulator gives the pipeline messages and the gradient all-reduces separate
+        # channels; where they share one link (one NIC per GPU) its bytes bound the iteration
+        busy = max(sim.makespan, self.link_busy_s(layout))
+        seconds = busy + self.optimizer_step_s(layout) + self.exposed_param_gather_s(layout)
         return Prediction(layout, seconds, sim.bubble_ratio, memory, sim)
+
+    def link_busy_s(self, layout: TrainingLayout) -> float:
+        """The most seconds any rank's link is busy sending in one iteration: the pipeline
+        messages it sends (each on its edge's link) plus its share of the stage gradient
+        all-reduces on theirs (Rabenseifner: ``2 (r - 1) / r`` of the stage's bytes per rank; the
+        reduce-scatter half with the distributed optimizer), bandwidth terms only, per kind of
+        link. The simulator prices the messages and the all-reduces on separate channels; where
+        both go through one NIC (one GPU per node, as on Piz Daint) the iteration cannot be
+        shorter than the NIC's bytes over its bandwidth."""
+        schedule = self.schedule(layout)
+        costs = self.cost_model(layout)
+        size = costs.activation_bytes
+        betas = {(a, b): beta for a, b, _, beta in costs.p2p_edges}
+        link = self._allreduce_link(layout, schedule)
+        replicas = schedule.num_pipes * layout.W
+        grad_bytes = costs.per_stage("grad_bytes", schedule.num_stages)
+        worst = 0.0
+        for rank in range(schedule.num_ranks):
+            per_link: dict[float, float] = {}
+            for action in schedule.actions[rank]:
+                nxt = (action.stage + 1 if action.kind == FORWARD else
+                       action.stage - 1 if action.kind == BACKWARD else None)
+                if nxt is None or not 0 <= nxt < schedule.num_stages:
+                    continue
+                other = schedule.rank_of(action.pipe, nxt)
+                if other != rank and (rank, other) in betas:
+                    beta = betas[(rank, other)]
+                    per_link[beta] = per_link.get(beta, 0.0) + size * beta
+            if replicas > 1:
+                beta = link.beta_s_per_byte
+                share = 2 * (replicas - 1) / replicas
+                for stage in schedule.stages_of_rank(rank):
+                    per_link[beta] = per_link.get(beta, 0.0) + share * grad_bytes[stage] * beta
+            worst = max([worst, *per_link.values()])
+        return worst
 
     def optimizer_step_s(self, layout: TrainingLayout) -> float:
         """Seconds of the optimizer step after the last all-reduce (slowest rank), when the

@@ -276,3 +276,26 @@ def test_measured_optimizer_step_is_added_after_the_makespan():
     params = [p.numel() for p in GPTModel(spec.config, True, False, (0, 2)).parameters()]
     step = compute.optimizer_step_s(sum(params))
     assert prediction.iteration_s - model.simulate(layout).makespan >= step * 0.99
+
+
+def test_link_busy_time_counts_the_messages_and_the_all_reduce_shares_each_rank_sends():
+    """One NIC per GPU carries both the pipeline messages and the gradient all-reduces: by hand,
+    GPipe at D = 2, W = 2, N = 4, zero compute -- rank 0 sends N activations and its share
+    ``2 (r - 1) / r L_0`` of stage 0's all-reduce (r = W = 2), rank 1 N gradients and its share of
+    stage 1's. On a slow link that bound is the iteration: the simulator alone lets the N
+    messages fly at once and prices the all-reduces on a separate channel, so it gives less."""
+    spec = gpt()
+    bandwidth = 0.01  # GB/s: the link dominates
+    link = LinkProfile(0.0, bandwidth)
+    hw = HardwareProfile("nic", 10.0, 20.0, 0.5, 16.0, 1, link, link)
+    model = PerformanceModel(spec, hw, compute=UniformCompute(0.0, 0.0))
+    layout = TrainingLayout.of("gpipe", 2, 2, 1, 4)
+    beta = 1 / (bandwidth * 1e9)
+    message = spec.config.seq_length * spec.config.hidden_size * 4  # one [s, b, h] fp32
+    grads = model.cost_model(layout).grad_bytes
+    expected = max(4 * message * beta + grads[0] * beta, 4 * message * beta + grads[1] * beta)
+    assert model.link_busy_s(layout) == pytest.approx(expected, rel=1e-12)
+    assert model.simulate(layout).makespan < expected
+    assert model.predict(layout).iteration_s == pytest.approx(expected, rel=1e-12)
+    # D = 1 without data parallelism sends nothing
+    assert model.link_busy_s(TrainingLayout.of("1f1b", 1, 1, 1, 4)) == 0.0

@@ -67,9 +67,9 @@ def test_the_head_stage_imbalance_makes_more_pipes_faster_at_the_aries_bandwidth
     The all-reduce of more replicas is mostly hidden (less than 0.1 s exposed)."""
     spec = gpt2(32)
     model = PerformanceModel(spec, PRESETS["p100"])
-    layer, head = (model.stage_times(TrainingLayout.of("chimera", 32, 2, 1, 32, pipes=2), piece)
-                   for piece in (model.partition(TrainingLayout.of("chimera", 32, 2, 1, 32,
-                                                                   pipes=2))[i] for i in (5, 31)))
+    layout = TrainingLayout.of("chimera", 32, 2, 1, 32, pipes=2)
+    pieces = model.partition(layout)
+    layer, head = (model.stage_times(layout, pieces[i]) for i in (5, 31))
     assert 3.0 < head.forward / layer.forward < 5.0
     times = best_times(spec, PRESETS["p100"])
     assert [times[p] for p in PIPES] == sorted((times[p] for p in PIPES), reverse=True)

@@ -1,4 +1,6 @@
-"""Throughput that papers measured on real clusters, as data, and the model's prediction of it.
+"""Throughput that papers measured on real clusters, as data, and the model's prediction of it:
+Narayanan et al.'s Table 1 (the target of issue #40) and, out of sample, the PTD-P rows of its
+Table 2 (:data:`MEGATRON_TABLE2`).
 
 **Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC'21 (arXiv 2104.04473), Table 1** (weak scaling on Selene: DGX A100 80 GB, 8 GPUs

@@ -24,7 +24,6 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_chimera.checkpoint import dcp_io
-from megatron_chimera.checkpoint.torch_archive import archive_parts
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 
 
@@ -44,18 +43,7 @@ class _ValuesOnly(dcp_io.ArchiveChunkWriter):
 class _ArchiveOnly(dcp_io.ArchiveChunkWriter):
     """The archive without checksums."""
 
-    @staticmethod
-    def _write_chunk(handle, name, item, planner):
-        tensor = planner.resolve_data(item).detach().contiguous()
-        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-        head, tail = archive_parts(tensor.dtype, tuple(tensor.shape), len(data))
-        offset = handle.tell()
-        handle.write(head)
-        handle.write(data)
-        handle.write(tail)
-        length = len(head) + len(data) + len(tail)
-        return WriteResult(index=item.index, size_in_bytes=length,
-                           storage_data=_StorageInfo(name, offset, length))
+    write_checksums = False
 
 
 WAYS = {"values": _ValuesOnly, "archive": _ArchiveOnly, "archive+crc": dcp_io.ArchiveChunkWriter}

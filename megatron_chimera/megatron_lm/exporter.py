@@ -11,7 +11,6 @@ stock DCP chunks (``FileSystemWriter``), bitwise our weights; the vocabulary kee
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
 from megatron_chimera.checkpoint.megatron_format import (
@@ -69,12 +68,9 @@ def megatron_state(state: dict[str, torch.Tensor], num_layers: int) -> dict[str,
         layers.setdefault(suffix, [None] * num_layers)[index] = tensor.detach()
     for suffix, per_layer in layers.items():
         out[LAYER_PREFIX + suffix] = torch.stack(per_layer)
-    empty = io.BytesIO()
-    torch.save(None, empty)
-    for linear in _LINEARS:
+    for linear in _LINEARS:  # Megatron packs a key's objects as the list of their data
         for index in range(num_layers):
-            out[f"{LAYER_PREFIX}{linear}.{EXTRA_STATE}/shard_{index}_{num_layers}"] = \
-                io.BytesIO(empty.getvalue())
+            out[f"{LAYER_PREFIX}{linear}.{EXTRA_STATE}/shard_{index}_{num_layers}"] = [None]
     return out
 
 
@@ -96,7 +92,9 @@ def export_megatron(load: str, save: str, overwrite: bool = False) -> MegatronEx
     state = megatron_state(loaded.model.state_dict(), config.num_layers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # single-process DCP warns that it assumes no_dist
-        dcp.save(state, storage_writer=FileSystemWriter(staging), no_dist=True)
+        # not flattened: each [None] is one bytes item (torch.save of the list), as Megatron's
+        dcp.save(state, storage_writer=FileSystemWriter(staging), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False))
     common = {"args": args_from_model_config(config, iteration),
               "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0}

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from megatron_chimera.errors import UserError
+from megatron_chimera.errors import ConfigError, UserError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 METADATA_JSON = "metadata.json"
@@ -191,3 +191,13 @@ def legacy_rank_files(path: str) -> dict[tuple[int, int], str]:
                                       f"{', '.join(missing)} of a {tensor} x {pipeline} "
                                       "(tensor x pipeline) grid")
     return found
+
+
+def refuse_megatron_checkpoint(path: str | None, flag: str = "--load") -> None:
+    """ConfigError with the converting command when ``path`` is a Megatron-LM checkpoint
+    (training reads only ours; ``import-megatron`` converts, any layout)."""
+    if path is None:
+        return
+    found = find_megatron_checkpoint(path)
+    if found is not None:
+        raise ConfigError(conversion_hint(found, flag))

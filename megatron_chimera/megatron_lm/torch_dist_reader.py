@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_chimera.checkpoint.megatron_format import (
@@ -65,7 +65,8 @@ class TorchDistReader:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "assuming the intent is to load in a single..."
                 dcp.load(out, storage_reader=FileSystemReader(self.path), no_dist=True)
-        except Exception as exc:  # noqa: BLE001 - CheckpointException wraps the reader's error
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a BaseException
+            # (CheckpointException) wrapping the reader's error on a damaged chunk
             files = ", ".join(self.files_of(key)) or self.path
             raise MegatronCheckpointError(
                 f"Megatron checkpoint file {files} is corrupt or truncated (reading tensor "

@@ -79,20 +79,31 @@ def _params_dtype(args: dict[str, Any]) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
+def _vocab_multiple(args: dict[str, Any], vocab_rows: int) -> int:
+    """Megatron's effective padding multiple, ``--make-vocab-size-divisible-by`` x T, when it
+    divides the stored rows: a tokenizer then pads to the stored rows again in training (our
+    padding is layout-independent)."""
+    base = int(args.get("make_vocab_size_divisible_by") or 1)
+    for multiple in (base * int(args.get("tensor_model_parallel_size") or 1), base, 1):
+        if vocab_rows % multiple == 0:
+            return multiple
+    return 1
+
+
 def model_config_from_args(args: dict[str, Any], vocab_rows: int, source: str) -> ModelConfig:
     """Our ModelConfig of Megatron's saved ``args`` and the stored vocabulary rows.
 
     The vocabulary is the stored (padded) rows: Megatron computes its softmax over all of them, so
-    keeping them as real ids gives identical logits (our padding mask would change them).
+    keeping them as real ids gives identical logits (our padding mask would change them); the
+    padding multiple is Megatron's effective one, so the tokenizer it was trained with pads to the
+    same rows when training resumes.
     """
     check_supported(args, source)
     heads = int(_get(args, "num_attention_heads", source))
     hidden = int(_get(args, "hidden_size", source))
     groups = args.get("num_query_groups") if args.get("group_query_attention") else None
     kv_channels = args.get("kv_channels")
-    divisible = int(args.get("make_vocab_size_divisible_by") or 1)
-    if vocab_rows % divisible:
-        divisible = 1
+    divisible = _vocab_multiple(args, vocab_rows)
     swiglu = bool(args.get("swiglu", False))
     # Megatron's default activation is erf GeLU; --openai-gelu is our default, tanh GeLU
     gelu = "megatron" if args.get("openai_gelu") or swiglu else "erf"

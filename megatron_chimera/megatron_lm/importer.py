@@ -83,8 +83,12 @@ def _fill(model: torch.nn.Module, stream, source: str) -> int:
             raise MegatronCheckpointError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the model its args "
                 f"describe needs {tuple(target.shape)} for {ours}")
-        with torch.no_grad():
-            target.data = tensor.detach().to(target.dtype).contiguous().clone()
+        if tensor.dtype != target.dtype:
+            raise MegatronCheckpointError(
+                f"{source}: tensor {name!r} is {tensor.dtype}, but the args (fp16 / bf16) "
+                f"describe {target.dtype} weights")
+        with torch.no_grad():  # into the model's own storage: no second copy of the model
+            target.copy_(tensor)
         filled.add(ours)
     missing = sorted(set(params) - filled)
     if missing:

@@ -57,7 +57,7 @@ class LegacyReader:
 
     def _load(self, tensor: int, pipeline: int) -> dict[str, Any]:
         path = self.files[(tensor, pipeline)]
-        state = load_megatron_file(path)
+        state = load_megatron_file(path, mmap=True)  # pages read as tensors are merged
         if not isinstance(state, dict):
             raise MegatronCheckpointError(f"{path}: not a Megatron checkpoint (expected a dict)")
         if "model" not in state:

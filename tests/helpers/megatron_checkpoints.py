@@ -8,7 +8,8 @@ T=2 x P=2, and its ``state_dict()`` per rank for the legacy files, as Megatron-L
 * ``torch_dist``: keys without a ``model.`` prefix; layers stacked on dim 0 under
   ``decoder.layers.<suffix>``; both layer norms named after the linear they feed
   (``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``);
-  one bytes item per layer and linear, ``<key>._extra_state/shard_{i}_{L}`` (``torch.save([None])``);
+  one bytes item per layer and linear, ``<key>._extra_state/shard_{i}_{L}``
+  (``torch.save([None])``);
   a tied output layer is absent; ``common.pt`` holds ``args`` (an ``argparse.Namespace``),
   ``iteration``, ``checkpoint_version`` 3.0; ``metadata.json`` names the backend.
 * legacy: ``iter_0000007/mp_rank_TT[_PPP]/model_optim_rng.pt`` (``_PPP`` only with P > 1) holding

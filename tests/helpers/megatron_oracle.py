@@ -58,11 +58,11 @@ def _cpu_shims() -> None:
 
 def _build(kind: str):
     import torch.nn.functional as F
-
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
+
     from tests.helpers.megatron_checkpoints import megatron_args
 
     args = megatron_args(kind)

@@ -12,10 +12,10 @@ release checkpoint (``--ckpt-format``: ``torch_dist`` by default, or ``torch``) 
 ``pretrain_gpt2.py`` / ``pretrain_bert.py --load`` trains under any layout with a fresh optimizer;
 it prints the model flags to train it with. ``export-hf`` writes ``config.json``,
 ``model.safetensors`` and the tokenizer files (GPT-2 BPE, WordPiece or a fast tokenizer's
-``tokenizer.json``) that ``from_pretrained`` loads, then checks the logits. ``import-megatron`` reads a Megatron-LM checkpoint (Megatron-core
-``torch_dist`` or legacy ``mp_rank_*`` files of any T x P, GPT and Llama-family layouts) into a
-release checkpoint; ``export-megatron`` writes ours as Megatron-core ``torch_dist`` (see
-docs/MEGATRON_CHECKPOINTS.md).
+``tokenizer.json``) that ``from_pretrained`` loads, then checks the logits. ``import-megatron``
+reads a Megatron-LM checkpoint (Megatron-core ``torch_dist`` or legacy ``mp_rank_*`` files of any
+T x P, GPT and Llama-family layouts) into a release checkpoint; ``export-megatron`` writes ours as
+Megatron-core ``torch_dist`` (see docs/MEGATRON_CHECKPOINTS.md).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ iteration or ``release``) over one of two layouts:
 
 Our own checkpoints never write ``metadata.json`` nor ``mp_rank_*`` directories, which is how the
 two are told apart. Their ``.pt`` files pickle an ``argparse.Namespace`` (``args``), numpy's RNG
-state and, in newer versions, Megatron enums: :func:`load_megatron_file` reads them with
+state, Transformer Engine's ``_extra_state`` and, in newer versions, Megatron enums: :func:`load_megatron_file` reads them with
 ``torch.load(weights_only=True)`` and an explicit allow-list (the enums load as stand-in strings,
 Megatron need not be installed), so a file that holds anything else is refused, never executed.
 """
@@ -19,6 +19,7 @@ Megatron need not be installed), so a file that holds anything else is refused, 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -135,15 +136,17 @@ def _enum_standin(qualified: str) -> Any:
 
 
 def _safe_globals() -> list[Any]:
-    """The allow-list: ``argparse.Namespace``, numpy's array reconstruction for the RNG state
-    (both numpy module spellings) and stand-ins for Megatron enums."""
+    """The allow-list: ``argparse.Namespace``, ``io.BytesIO`` (Transformer Engine's
+    ``_extra_state`` in older versions: bytes, never unpickled here), numpy's array
+    reconstruction for the RNG state (both numpy module spellings) and stand-ins for Megatron
+    enums."""
     try:
         from numpy._core.multiarray import _reconstruct  # noqa: PLC0415 - numpy >= 2
     except ImportError:  # numpy 1.x
         from numpy.core.multiarray import _reconstruct  # noqa: PLC0415
 
     dtype_types = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64)]
-    allowed: list[Any] = [argparse.Namespace, np.ndarray, np.dtype, *dtype_types,
+    allowed: list[Any] = [argparse.Namespace, io.BytesIO, np.ndarray, np.dtype, *dtype_types,
                           (_reconstruct, "numpy.core.multiarray._reconstruct"),
                           (_reconstruct, "numpy._core.multiarray._reconstruct")]
     allowed += [(_enum_standin(name), name) for name in _MEGATRON_ENUMS]

@@ -20,13 +20,14 @@ T=2 x P=2, and its ``state_dict()`` per rank for the legacy files, as Megatron-L
   per rank ``[gate_r; up_r]``; with a tied embedding and P > 1 the last stage holds its shard of
   ``output_layer.weight``.
 
-The Transformer-Engine spec's legacy names (``linear_qkv.layer_norm_weight``, a tensor
-``_extra_state``) come from Megatron-LM's source, not from a run (Transformer Engine needs CUDA).
+The Transformer-Engine spec's legacy names (``linear_qkv.layer_norm_weight``, an ``io.BytesIO``
+``_extra_state`` as older Transformer Engine versions return) come from Megatron-LM's source, not from a run (Transformer Engine needs CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
@@ -201,7 +202,7 @@ def write_legacy(root: Path, args: argparse.Namespace, tensors: dict[str, torch.
             for i in range(per_stage):
                 for linear in LINEARS:
                     model[f"decoder.layers.{i}.{linear}._extra_state"] = (
-                        None if spec == "local" else torch.empty(0, dtype=torch.uint8))
+                        None if spec == "local" else io.BytesIO(b"te-state"))
             name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pipeline > 1 else "")
             (path / name).mkdir(parents=True)
             torch.save({"args": legacy_args, "checkpoint_version": 3.0, "iteration": ITERATION,

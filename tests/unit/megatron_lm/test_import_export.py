@@ -20,6 +20,7 @@ import torch
 
 from megatron_chimera.checkpoint.megatron_format import (
     MegatronCheckpointError,
+    find_megatron_checkpoint,
     load_megatron_file,
     refuse_megatron_checkpoint,
 )
@@ -243,3 +244,15 @@ def test_training_load_of_a_megatron_checkpoint_names_the_command(tmp_path):
     with pytest.raises(ConfigError, match="Megatron-LM torch checkpoint"):
         refuse_megatron_checkpoint(str(tmp_path / "m/iter_0000007"))
     refuse_megatron_checkpoint(str(tmp_path))  # not a Megatron checkpoint: no complaint
+
+
+def test_a_release_checkpoint_is_found_and_ours_is_not_taken_for_megatrons(tmp_path):
+    args, tensors = write_checkpoint(tmp_path / "m", "gpt", "torch_dist")
+    (tmp_path / "m/iter_0000007").rename(tmp_path / "m/release")
+    (tmp_path / "m/latest_checkpointed_iteration.txt").write_text("release")
+    found = find_megatron_checkpoint(str(tmp_path / "m"))
+    assert (found.format, found.iteration) == ("torch_dist", None)
+    import_megatron(str(tmp_path / "m"), str(tmp_path / "ours"), ckpt_format="torch")
+    import_megatron(str(tmp_path / "m"), str(tmp_path / "ours_dist"))
+    assert find_megatron_checkpoint(str(tmp_path / "ours")) is None
+    assert find_megatron_checkpoint(str(tmp_path / "ours_dist")) is None

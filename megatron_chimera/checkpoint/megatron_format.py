@@ -11,9 +11,10 @@ iteration or ``release``) over one of two layouts:
 
 Our own checkpoints never write ``metadata.json`` nor ``mp_rank_*`` directories, which is how the
 two are told apart. Their ``.pt`` files pickle an ``argparse.Namespace`` (``args``), numpy's RNG
-state, Transformer Engine's ``_extra_state`` and, in newer versions, Megatron enums: :func:`load_megatron_file` reads them with
-``torch.load(weights_only=True)`` and an explicit allow-list (the enums load as stand-in strings,
-Megatron need not be installed), so a file that holds anything else is refused, never executed.
+state, Transformer Engine's ``_extra_state`` and, in newer versions, Megatron enums:
+:func:`load_megatron_file` reads them with ``torch.load(weights_only=True)`` and an explicit
+allow-list (the enums load as stand-in strings, Megatron need not be installed), so a file that
+holds anything else is refused, never executed.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ T=2 x P=2, and its ``state_dict()`` per rank for the legacy files, as Megatron-L
   ``output_layer.weight``.
 
 The Transformer-Engine spec's legacy names (``linear_qkv.layer_norm_weight``, an ``io.BytesIO``
-``_extra_state`` as older Transformer Engine versions return) come from Megatron-LM's source, not from a run (Transformer Engine needs CUDA).
+``_extra_state`` as older Transformer Engine versions return) come from Megatron-LM's source, not
+from a run (Transformer Engine needs CUDA).
 """
 
 from __future__ import annotations

@@ -103,6 +103,12 @@ def _stream(found: MegatronCheckpoint, args: dict, num_layers: int):
         reader = TorchDistReader(found.path)
         return reader, reader.iter_model(num_layers)
     reader = LegacyReader(found.path)
+    expected = (int(args.get("tensor_model_parallel_size") or 1),
+                int(args.get("pipeline_model_parallel_size") or 1))
+    if (reader.tensor, reader.pipeline) != expected:
+        raise MegatronCheckpointError(
+            f"{found.path}: holds a {reader.tensor} x {reader.pipeline} grid of mp_rank_* files, "
+            f"but its args say T={expected[0]} x P={expected[1]} (files missing)")
     tied = not args.get("untie_embeddings_and_output_weights", False)
     return reader, reader.iter_model(bool(args.get("swiglu", False)), tied)
 

@@ -206,6 +206,19 @@ def test_a_truncated_or_corrupt_file_is_one_line_naming_it(tmp_path):
         import_megatron(str(tmp_path / "dist"), str(tmp_path / "c"))
 
 
+def test_a_missing_rank_file_is_named(tmp_path):
+    write_checkpoint(tmp_path / "m", "gpt", "legacy", 2, 2)
+    import shutil
+
+    shutil.rmtree(tmp_path / "m/iter_0000007/mp_rank_01_000")
+    with pytest.raises(MegatronCheckpointError, match="missing mp_rank_01_000"):
+        import_megatron(str(tmp_path / "m"), str(tmp_path / "out"))
+    for name in ("mp_rank_00_001", "mp_rank_01_001"):
+        shutil.rmtree(tmp_path / "m/iter_0000007" / name)
+    with pytest.raises(MegatronCheckpointError, match="T=2 x P=2"):
+        import_megatron(str(tmp_path / "m"), str(tmp_path / "out"))
+
+
 class NotAllowed:  # a pickled object outside the allow-list
     pass
 

@@ -2,7 +2,8 @@
 dependency): Megatron's own ``torch_dist`` and legacy saves import with every weight equal to
 Megatron's bitwise and logits equal to Megatron's ``GPTModel.forward`` (fp32, 1e-5: 1.2e-7
 observed with megatron-core 0.16.1, torch 2.13 CPU); our export loads back into Megatron with
-``dist_checkpointing.load(strict=RAISE_ALL)`` (no missing or unexpected key) and equal tensors.
+``dist_checkpointing.load(strict=RAISE_ALL)`` (no missing or unexpected key) and equal tensors;
+Megatron's T=2 x P=2 legacy files (4 gloo ranks) merge into exactly its torch_dist tensors.
 Megatron runs in a subprocess (tests/helpers/megatron_oracle.py: it needs CUDA shims)."""
 
 from __future__ import annotations
@@ -62,3 +63,17 @@ def test_megatron_core_checkpoints_in_and_out(kind, tmp_path):
                           weights_only=False)["model"]
     for name, value in loaded.items():
         assert torch.equal(value, original[name]), name
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_megatron_core_t2_p2_legacy_files_merge_into_its_torch_dist_layout(kind, tmp_path):
+    """Megatron's own T=2 x P=2 save: the legacy per-rank files merged (QKV groups, SwiGLU's
+    per-rank [gate_r; up_r], row-parallel columns, stage renumbering, the tied copy) give exactly
+    the tensors Megatron's torch_dist holds."""
+    _oracle("save", kind, str(tmp_path / "megatron"), "2", "2")
+    for fmt in ("torch_dist", "legacy"):
+        import_megatron(str(tmp_path / "megatron" / fmt), str(tmp_path / f"ours_{fmt}"))
+    first = load_model(str(tmp_path / "ours_torch_dist")).model.state_dict()
+    second = load_model(str(tmp_path / "ours_legacy")).model.state_dict()
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)

@@ -62,9 +62,9 @@ def check_supported(args: dict[str, Any], source: str) -> None:
             raise MegatronCheckpointError(f"{source}: {what} is not supported (args.{name} = "
                                           f"{value!r}); our GPT model has no such part")
     position = args.get("position_embedding_type", "learned_absolute")
-    if position not in ("learned_absolute", "rope"):
+    if position not in ("learned_absolute", "rope", "none"):
         raise MegatronCheckpointError(f"{source}: args.position_embedding_type = {position!r} "
-                                      "is not supported (learned_absolute or rope)")
+                                      "is not supported (learned_absolute, rope or none)")
     if args.get("normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
         raise MegatronCheckpointError(f"{source}: args.normalization = "
                                       f"{args['normalization']!r} is not supported")

@@ -24,8 +24,9 @@ import io
 import json
 import os
 import re
+import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -154,12 +155,28 @@ def _safe_globals() -> list[Any]:
     return allowed
 
 
+def damaged_zip_member(source: str | IO[bytes]) -> str | None:
+    """The first record of a ``torch.save`` zip (a file, or the bytes of one DCP chunk) whose
+    CRC-32 does not match its data, "(unreadable)" for a broken archive, None when it is intact.
+    ``torch.load`` does not check these CRCs, so zeroed or flipped bytes inside a tensor would load
+    silently (Megatron's formats carry no other checksum)."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            return archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+        return "(unreadable)"
+
+
 def load_megatron_file(path: str, mmap: bool = False) -> Any:
-    """``torch.load(weights_only=True)`` of one Megatron ``.pt`` file with the allow-list; a
-    missing, truncated or corrupt file, or one holding an object outside the allow-list, is one
-    MegatronCheckpointError line naming the file."""
+    """``torch.load(weights_only=True)`` of one Megatron ``.pt`` file with the allow-list, after
+    checking its records' CRC-32; a missing, truncated or corrupt file, or one holding an object
+    outside the allow-list, is one MegatronCheckpointError line naming the file."""
     if not os.path.isfile(path):
         raise MegatronCheckpointError(f"Megatron checkpoint file {path} is missing")
+    damaged = damaged_zip_member(path)
+    if damaged is not None and damaged != "(unreadable)":  # unreadable: torch.load explains
+        raise MegatronCheckpointError(f"Megatron checkpoint file {path} is corrupt: record "
+                                      f"{damaged} fails its CRC-32 check")
     try:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

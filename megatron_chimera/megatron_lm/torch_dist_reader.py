@@ -8,6 +8,7 @@ yields each layer's slice under its indexed name (``decoder.layers.{i}.<suffix>`
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from collections.abc import Iterator
@@ -20,12 +21,44 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron_chimera.checkpoint.megatron_format import (
     MegatronCheckpointError,
+    damaged_zip_member,
     load_megatron_file,
 )
 from megatron_chimera.megatron_lm.names import EXTRA_STATE, LAYER_PREFIX, layer_name
 
 COMMON_FILE = "common.pt"
 METADATA_FILE = ".metadata"
+
+
+class _FileSlice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable file of their own (one
+    DCP chunk, checked in place without reading it into memory)."""
+
+    def __init__(self, handle, offset: int, length: int) -> None:
+        super().__init__()
+        self._handle, self._offset, self._length, self._pos = handle, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(self._length, base + pos))
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        count = min(len(buffer), self._length - self._pos)
+        self._handle.seek(self._offset + self._pos)
+        data = self._handle.read(count)
+        buffer[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
 
 
 class TorchDistReader:
@@ -57,8 +90,31 @@ class TorchDistReader:
         return sorted({os.path.join(self.path, info.relative_path)
                        for index, info in storage.items() if index.fqn == key})
 
+    def verify(self, key: str) -> None:
+        """Check the CRC-32 of every stored chunk of ``key`` (each is a ``torch.save`` zip, whose
+        CRCs ``torch.load`` ignores): zeroed or flipped bytes are one line naming file and key."""
+        storage = self.metadata.storage_data or {}
+        for index, info in storage.items():
+            if index.fqn != key or getattr(info, "transform_descriptors", None):
+                continue  # a transformed (e.g. compressed) chunk is not a plain zip
+            path = os.path.join(self.path, info.relative_path)
+            try:
+                with open(path, "rb") as handle:
+                    size = os.fstat(handle.fileno()).st_size
+                    damaged = ("end" if info.offset + info.length > size else
+                               damaged_zip_member(_FileSlice(handle, info.offset, info.length)))
+            except OSError as exc:
+                raise MegatronCheckpointError(f"Megatron checkpoint file {path} cannot be read "
+                                              f"({exc.strerror})") from None
+            if damaged is not None:
+                raise MegatronCheckpointError(
+                    f"Megatron checkpoint file {path} is corrupt: tensor {key!r} fails its CRC-32 "
+                    f"check (bytes {info.offset}-{info.offset + info.length})")
+
     def read(self, key: str) -> torch.Tensor:
-        """The whole tensor ``key``; a damaged chunk is one line naming its file and ``key``."""
+        """The whole tensor ``key``, its chunks' checksums verified; a damaged chunk is one line
+        naming its file and ``key``."""
+        self.verify(key)
         meta = self.tensors[key]
         out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
         try:

@@ -201,6 +201,24 @@ def test_a_truncated_or_corrupt_file_is_one_line_naming_it(tmp_path):
     with pytest.raises(MegatronCheckpointError) as info:
         import_megatron(str(tmp_path / "dist"), str(tmp_path / "b"))
     assert chunk.name in str(info.value) and "\n" not in str(info.value)
+    write_checkpoint(tmp_path / "zeroed", "llama", "torch_dist")  # same size, 4 KiB zeroed
+    reader = TorchDistReader(str(tmp_path / "zeroed/iter_0000007"))  # inside the embedding
+    info = next(v for k, v in reader.metadata.storage_data.items()
+                if k.fqn == "embedding.word_embeddings.weight")
+    chunk = tmp_path / "zeroed/iter_0000007" / info.relative_path
+    data = bytearray(chunk.read_bytes())
+    middle = info.offset + info.length // 2
+    data[middle - 2048:middle + 2048] = bytes(4096)
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(MegatronCheckpointError, match=f"{chunk.name} is corrupt: tensor .* CRC"):
+        import_megatron(str(tmp_path / "zeroed"), str(tmp_path / "z"))
+    write_checkpoint(tmp_path / "flipped", "gpt", "legacy")
+    victim = tmp_path / "flipped/iter_0000007/mp_rank_00/model_optim_rng.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(MegatronCheckpointError, match="model_optim_rng.pt is corrupt"):
+        import_megatron(str(tmp_path / "flipped"), str(tmp_path / "f"))
     (tmp_path / "dist/iter_0000007/.metadata").write_bytes(b"\x80\x04garbage")
     with pytest.raises(MegatronCheckpointError, match=r"\.metadata is corrupt"):
         import_megatron(str(tmp_path / "dist"), str(tmp_path / "c"))

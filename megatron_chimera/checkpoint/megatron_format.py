@@ -86,7 +86,7 @@ def _iteration_layout(path: str) -> str | None:
             raise MegatronCheckpointError(f"{meta}: sharded_backend {backend!r} is not supported "
                                           f"(only {FORMAT_MEGATRON_DIST!r})")
         return FORMAT_MEGATRON_DIST
-    if any(_MP_RANK.fullmatch(name) for name in os.listdir(path)):
+    if any(name.startswith("mp_rank_") for name in os.listdir(path)):
         return FORMAT_MEGATRON_LEGACY
     return None
 
@@ -198,11 +198,17 @@ def legacy_rank_files(path: str) -> dict[tuple[int, int], str]:
     """``{(tensor rank, pipeline rank): model_optim_rng.pt}`` of a legacy iteration directory;
     the grid must be complete (T x P files)."""
     found: dict[tuple[int, int], str] = {}
+    expert = sorted(n for n in os.listdir(path) if re.fullmatch(r"mp_rank_\d{2}_\d{3}_\d{3}", n))
+    if expert:
+        raise MegatronCheckpointError(f"{path}: an expert-parallel (MoE) checkpoint ({expert[0]}, "
+                                      "...) is not supported; our GPT model has no experts")
     for name in sorted(os.listdir(path)):
         match = _MP_RANK.fullmatch(name)
         if match:
             rank = (int(match.group(1)), int(match.group(2) or 0))
             found[rank] = os.path.join(path, name, LEGACY_FILENAME)
+    if not found:
+        raise MegatronCheckpointError(f"{path}: no mp_rank_TT or mp_rank_TT_PPP directories")
     tensor = 1 + max(t for t, _ in found)
     pipeline = 1 + max(p for _, p in found)
     missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pipeline > 1 or len(found) != tensor else "")

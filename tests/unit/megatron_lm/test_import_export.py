@@ -258,6 +258,13 @@ def test_an_unsupported_feature_is_refused_by_name(tmp_path, override, message):
         import_megatron(str(tmp_path / "m"), str(tmp_path / "out"))
 
 
+def test_an_expert_parallel_legacy_checkpoint_is_refused_by_name(tmp_path):
+    write_checkpoint(tmp_path / "m", "gpt", "legacy")
+    (tmp_path / "m/iter_0000007/mp_rank_00").rename(tmp_path / "m/iter_0000007/mp_rank_00_000_001")
+    with pytest.raises(MegatronCheckpointError, match="expert-parallel"):
+        import_megatron(str(tmp_path / "m"), str(tmp_path / "out"))
+
+
 def test_an_unknown_tensor_is_refused_by_name(tmp_path):
     write_checkpoint(tmp_path / "m", "gpt", "legacy")
     path = tmp_path / "m/iter_0000007/mp_rank_00/model_optim_rng.pt"

@@ -97,37 +97,37 @@ def _fill(model: torch.nn.Module, stream, source: str) -> int:
     return len(filled)
 
 
-def _stream(found: MegatronCheckpoint, args: dict, num_layers: int):
-    """The reader of ``found`` and its (normalised name, tensor) stream."""
-    if found.format == FORMAT_MEGATRON_DIST:
-        reader = TorchDistReader(found.path)
-        return reader, reader.iter_model(num_layers)
-    reader = LegacyReader(found.path)
+def _stream(reader: TorchDistReader | LegacyReader, args: dict, num_layers: int,
+            source: str):
+    """The (normalised name, tensor) stream of ``reader``; a legacy grid must match args' T x P."""
+    if isinstance(reader, TorchDistReader):
+        return reader.iter_model(num_layers)
     expected = (int(args.get("tensor_model_parallel_size") or 1),
                 int(args.get("pipeline_model_parallel_size") or 1))
     if (reader.tensor, reader.pipeline) != expected:
         raise MegatronCheckpointError(
-            f"{found.path}: holds a {reader.tensor} x {reader.pipeline} grid of mp_rank_* files, "
+            f"{source}: holds a {reader.tensor} x {reader.pipeline} grid of mp_rank_* files, "
             f"but its args say T={expected[0]} x P={expected[1]} (files missing)")
     tied = not args.get("untie_embeddings_and_output_weights", False)
-    return reader, reader.iter_model(bool(args.get("swiglu", False)), tied)
+    return reader.iter_model(bool(args.get("swiglu", False)), tied)
 
 
-def _vocab_rows(found: MegatronCheckpoint, args: dict, source: str) -> int:
+def _vocab_rows(reader: TorchDistReader | LegacyReader, args: dict, source: str) -> int:
+    """The stored vocabulary rows: the embedding's (torch_dist) or ``args.padded_vocab_size``."""
     rows = args.get("padded_vocab_size")
-    if found.format == FORMAT_MEGATRON_DIST:
-        meta = TorchDistReader(found.path).tensors.get("embedding.word_embeddings.weight")
+    if isinstance(reader, TorchDistReader):
+        meta = reader.tensors.get("embedding.word_embeddings.weight")
         rows = int(meta.size[0]) if meta is not None else rows
     if not rows:
         raise MegatronCheckpointError(f"{source}: the saved args lack 'padded_vocab_size'")
     return int(rows)
 
 
-def _notes(found: MegatronCheckpoint, reader, args: dict) -> list[str]:
+def _notes(reader: TorchDistReader | LegacyReader, common: dict, args: dict) -> list[str]:
     notes = [f"trained at T={args.get('tensor_model_parallel_size', 1)} x "
              f"P={args.get('pipeline_model_parallel_size', 1)}; the import loads under any layout"]
     has_optimizer = (bool(reader.optimizer_keys()) if isinstance(reader, TorchDistReader)
-                     else "optimizer" in reader.common())
+                     else "optimizer" in common)
     if has_optimizer:
         notes.append("the checkpoint's optimizer state is not imported: training starts from "
                      "these weights with a fresh optimizer (as --finetune)")
@@ -143,16 +143,15 @@ def import_megatron(load: str, save: str,
         raise MegatronCheckpointError(f"--save {save} already holds a checkpoint; import into a "
                                       "new directory")
     found = open_megatron(load)
-    probe = TorchDistReader(found.path) if found.format == FORMAT_MEGATRON_DIST else \
-        LegacyReader(found.path)
-    common = probe.common()
+    reader = (TorchDistReader(found.path) if found.format == FORMAT_MEGATRON_DIST
+              else LegacyReader(found.path))
+    common = reader.common()
     source = found.path
     args = args_dict(common.get("args"), source)
     check_supported(args, source)
-    config = model_config_from_args(args, _vocab_rows(found, args, source), source)
+    config = model_config_from_args(args, _vocab_rows(reader, args, source), source)
     model = build_model(GPT2, config)
-    reader, stream = _stream(found, args, config.num_layers)
-    count = _fill(model, stream, source)
+    count = _fill(model, _stream(reader, args, config.num_layers, source), source)
     tokenizer = _tokenizer(args)
     provenance = {"megatron_checkpoint": os.path.abspath(found.path), "format": found.format,
                   "iteration": found.iteration}
@@ -162,4 +161,4 @@ def import_megatron(load: str, save: str,
         args=checkpoint_args(config, tokenizer, GPT2, provenance), save_optim=False,
         release=True), rank=0, world_size=1, ckpt_format=ckpt_format)
     return MegatronImportResult(found, config, tokenizer, path, count,
-                                _notes(found, reader, args))
+                                _notes(reader, common, args))

@@ -23,7 +23,6 @@ from megatron_chimera.checkpoint.megatron_format import (
 )
 from megatron_chimera.megatron_lm.names import (
     EXTRA_STATE,
-    REPLICATED,
     SPLIT_COLUMNS,
     SPLIT_GATED,
     SPLIT_ROWS,
@@ -109,5 +108,3 @@ class LegacyReader:
             offset += len(local_layers)
             del parts
 
-
-__all__ = ["LegacyReader", "REPLICATED", "merge_tensor_ranks"]

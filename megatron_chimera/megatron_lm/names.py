@@ -55,6 +55,8 @@ _ROWS = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
          "output_layer.weight")
 _COLUMNS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_LAYER_FROM_OURS = {ours: megatron for megatron, ours in LAYER_NAMES.items()}
+_GLOBAL_FROM_OURS = {ours: megatron for megatron, ours in GLOBAL_NAMES.items()}
 
 
 def split_layer_name(name: str) -> tuple[int, str] | None:
@@ -101,10 +103,8 @@ def from_ours(name: str) -> str:
     """The Megatron-core name (with its layer index) of one of our parameter names."""
     if name.startswith(OUR_LAYER_PREFIX):
         index, suffix = name[len(OUR_LAYER_PREFIX):].split(".", 1)
-        inverse = {v: k for k, v in LAYER_NAMES.items()}
-        if suffix in inverse:
-            return layer_name(int(index), inverse[suffix])
-    inverse_global = {v: k for k, v in GLOBAL_NAMES.items()}
-    if name in inverse_global:
-        return inverse_global[name]
+        if suffix in _LAYER_FROM_OURS:
+            return layer_name(int(index), _LAYER_FROM_OURS[suffix])
+    if name in _GLOBAL_FROM_OURS:
+        return _GLOBAL_FROM_OURS[name]
     raise KeyError(f"{name}: no Megatron-core name (a part Megatron's GPTModel does not have)")

@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from megatron_chimera.checkpoint.megatron_format import refuse_megatron_checkpoint
 from megatron_chimera.checkpoint.saved_args import read_common, saved_run_flags
 from megatron_chimera.config import (
     DEFAULT_PROFILE_ITERATIONS,
@@ -112,6 +113,7 @@ def _checkpoint_flags(args: argparse.Namespace) -> list[str]:
         raise ConfigError("--use-checkpoint-args requires --load")
     if not os.path.isdir(args.load):
         raise ConfigError(f"--load directory {args.load} does not exist")
+    refuse_megatron_checkpoint(args.load)
     common = read_common(args.load)
     flags = saved_run_flags(common) if common is not None else []
     if not flags and not args.exit_on_missing_checkpoint and os.environ.get("RANK", "0") == "0":

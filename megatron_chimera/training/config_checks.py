@@ -12,6 +12,7 @@ import dataclasses
 import os
 
 from megatron_chimera.checkpoint.checkpointing import TRACKER_FILENAME, read_tracker
+from megatron_chimera.checkpoint.megatron_format import refuse_megatron_checkpoint
 from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,
@@ -163,6 +164,7 @@ def _validate_data(data: DataConfig) -> None:
 def _validate_checkpoint(checkpoint: CheckpointConfig) -> None:
     if checkpoint.load is not None and not os.path.isdir(checkpoint.load):
         raise ConfigError(f"--load directory {checkpoint.load} does not exist")
+    refuse_megatron_checkpoint(checkpoint.load)
     if checkpoint.finetune and checkpoint.load is None:
         raise ConfigError("--finetune requires --load")
     if checkpoint.exit_on_missing_checkpoint:

@@ -239,16 +239,18 @@ def test_gradient_accumulation_fusion_marks_weights_and_skips_the_hook_add():
 
 
 def test_gradient_accumulation_fusion_is_used_where_it_saves_a_kernel():
-    """CUDA with the parameters' dtype (one addmm_) or Apex's fp32-accumulating GEMM; not the
-    CPU, nor half precision without Apex (the same product and add as the hook, with a Python
-    autograd function's host cost at every linear)."""
+    """CUDA with the parameters' dtype (one addmm_) or an fp32-accumulating GEMM (Apex's, or
+    torch's ``out_dtype`` one); not the CPU, nor half precision without either (the same
+    product and add as the hook, with a Python autograd function's host cost at every
+    linear)."""
     from megatron_chimera.tensor_parallel import weight_grad
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert weight_grad.fusion_saves_work(cuda, torch.float32, torch.float32)
     assert weight_grad.fusion_saves_work(cuda, torch.bfloat16, torch.bfloat16)
     assert not weight_grad.fusion_saves_work(cpu, torch.float32, torch.float32)
-    if weight_grad.apex_wgrad_kernel() is None:
+    if (weight_grad.apex_wgrad_kernel() is None
+            and not weight_grad.native_out_dtype_accumulation(cuda)):
         assert not weight_grad.fusion_saves_work(cuda, torch.bfloat16, torch.float32)
     from megatron_chimera.config import DDPConfig
     from megatron_chimera.distributed import data_parallel

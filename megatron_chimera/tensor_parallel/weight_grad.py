@@ -57,9 +57,8 @@ class WeightGradStore:
     """Weight-gradient work queued by the B of one (pipe, stage, micro-batch), run by its W."""
 
     def __init__(self) -> None:
-        self._pending: list[
-            tuple[nn.Parameter | None, nn.Parameter | None, torch.Tensor | None, torch.Tensor]
-        ] = []
+        self._pending: list[tuple[nn.Parameter | None, nn.Parameter | None,
+                                  torch.Tensor | None, torch.Tensor, bool]] = []
 
     def put(
         self,
@@ -67,10 +66,13 @@ class WeightGradStore:
         bias: nn.Parameter | None,
         inputs: torch.Tensor | None,
         grad_output: torch.Tensor,
+        sequence_sharded: bool = False,
     ) -> None:
         """Queue the weight (and bias) gradient of one linear layer (``weight`` None: the bias
-        gradient only, of a bias added after a reduction)."""
-        self._pending.append((weight, bias, inputs, grad_output))
+        gradient only, of a bias added after a reduction). ``sequence_sharded``: ``inputs`` is
+        this rank's sequence chunk, all-gathered over the tensor-parallel group when W runs
+        (the queue keeps ``[s/T, b, h]``, as the forward saved it)."""
+        self._pending.append((weight, bias, inputs, grad_output, sequence_sharded))
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -79,7 +81,9 @@ class WeightGradStore:
         """Compute every queued weight/bias gradient, accumulate it into ``main_grad`` (or
         ``.grad``), free inputs."""
         with torch.no_grad():
-            for weight, bias, inputs, grad_output in self._pending:
+            for weight, bias, inputs, grad_output, sequence_sharded in self._pending:
+                if weight is not None and sequence_sharded:
+                    inputs = gather_along_first_dim(inputs)
                 if weight is not None and fuses_weight_grad(weight):
                     accumulate_weight_grad_(weight, inputs, grad_output)
                 elif weight is not None:
@@ -248,19 +252,30 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inputs, weight, bias, module, dgrad_group=None,  # type: ignore[override]
                 sequence_parallel=False):
-        if sequence_parallel:  # the sequence chunks of the ranks gathered: the full input
-            inputs = gather_along_first_dim(inputs)
+        # sequence parallel: the sequence chunks of the ranks gathered into the full input, of
+        # which only this rank's chunk is kept for the backward (Megatron: it is gathered again
+        # there, so the saved activation is [s/T, b, h], not [s, b, h])
+        total = gather_along_first_dim(inputs) if sequence_parallel else inputs
         ctx.save_for_backward(inputs, weight)
         ctx.has_bias = bias is not None
         ctx.module = module
         ctx.dgrad_group = dgrad_group
         ctx.sequence_parallel = sequence_parallel
-        return torch.nn.functional.linear(inputs, weight, bias)  # one addmm with a bias
+        return torch.nn.functional.linear(total, weight, bias)  # one addmm with a bias
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         inputs, weight = ctx.saved_tensors
+        store: WeightGradStore | None = ctx.module.weight_grad_store
+        wgrad_now = store is None and ctx.needs_input_grad[1]
+        gathering = None
+        if ctx.sequence_parallel and wgrad_now:
+            # the full input again for the weight gradient, gathered while the input gradient
+            # is computed (a deferred W gathers it itself, when it runs)
+            inputs, gathering = gather_along_first_dim(inputs, async_op=True)
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        if gathering is not None:
+            gathering.wait()
         reducing = None
         if grad_input is not None and ctx.sequence_parallel:
             # sequence parallel: the input gradient is reduce-scattered back to this rank's
@@ -270,13 +285,13 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
             # Megatron's async all-reduce: the input gradient travels over the tensor-parallel
             # group while this rank computes (or queues) the weight gradient
             reducing = dist.all_reduce(grad_input, group=ctx.dgrad_group, async_op=True)
-        store: WeightGradStore | None = ctx.module.weight_grad_store
         bias = ctx.module.bias if ctx.has_bias else None
         grad_weight = grad_bias = None
         if store is not None:
-            store.put(ctx.module.weight, bias, inputs, grad_output)
+            store.put(ctx.module.weight, bias, inputs, grad_output,
+                      sequence_sharded=ctx.sequence_parallel)
         else:
-            if ctx.needs_input_grad[1]:
+            if wgrad_now:
                 grad_weight = _weight_grad_or_placeholder(ctx.module.weight, inputs,
                                                           grad_output)
             if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -28,10 +28,13 @@ LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
 class RotaryTables(NamedTuple):
     """cos and sin of the rotation angles (computed in fp32), ``[s, rot]`` (shared by the batch)
     or ``[b, 1, s, rot]`` (per-sample positions); they broadcast against
-    ``[b, heads, s, head_dim]``."""
+    ``[b, heads, s, head_dim]``. ``signed_sin`` is ``sin`` with its first half negated, so that
+    ``rotate_half(x) * sin == roll(x, rot/2) * signed_sin`` (one kernel instead of a negation
+    and a concatenation)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    signed_sin: torch.Tensor
 
 
 def rotary_dim(config: ModelConfig) -> int:
@@ -82,7 +85,9 @@ class RotaryEmbedding:
             positions = torch.arange(length, dtype=torch.float32)
             angles = torch.outer(positions, self.inv_freq)
             angles = torch.cat((angles, angles), dim=-1)
-            table = RotaryTables(angles.cos().to(device), angles.sin().to(device))
+            sin = angles.sin()
+            signed = torch.cat((-sin[:, :sin.shape[-1] // 2], sin[:, sin.shape[-1] // 2:]), -1)
+            table = RotaryTables(angles.cos().to(device), sin.to(device), signed.to(device))
             self._tables[device] = table
         return table
 
@@ -92,24 +97,31 @@ class RotaryEmbedding:
         ``dtype`` (the activations': cast once per micro-batch, not per layer)."""
         if position_ids is None:
             table = self._table(seq_length, device)
-            return RotaryTables(table.cos[:seq_length].to(dtype),
-                                table.sin[:seq_length].to(dtype))
+            return RotaryTables(*(t[:seq_length].to(dtype) for t in table))
         # gathered from a table of every position the model takes (no host sync on the ids):
         # training positions stay below the sequence length, generation's below
         # --max-position-embeddings
         table = self._table(max(seq_length, self.max_positions), device)
-        return RotaryTables(table.cos[position_ids].unsqueeze(1).to(dtype),
-                            table.sin[position_ids].unsqueeze(1).to(dtype))
+        return RotaryTables(*(t[position_ids].unsqueeze(1).to(dtype) for t in table))
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
-    """Rotate the first ``rot`` channels of ``x`` ``[b, heads, s, head_dim]`` (rotate-half
-    convention); cos/sin are cast to ``x``'s dtype, as Megatron and transformers do."""
+    """Rotate the first ``rot`` channels of ``x`` ``[b, ..., s, head_dim]`` (rotate-half
+    convention; the dimensions between the batch and the sequence are heads -- one, or groups and
+    heads, so that queries and keys sharing a buffer rotate in one call); cos/sin are cast to
+    ``x``'s dtype, as Megatron and transformers do.
+
+    Three kernels, each one pass over ``x``: ``roll`` (the halves swapped), ``x * cos``, and
+    ``addcmul`` adding ``roll(x) * signed_sin`` -- where the unfused ``x cos + rotate_half(x) sin``
+    runs a negation, a concatenation, two products and a sum. The same values: ``rotate_half``'s
+    negation is folded into the table (exact), the sum rounds once instead of twice."""
     rot = tables.cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    first, second = x_rot.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    out = x_rot * tables.cos.to(x.dtype) + rotated * tables.sin.to(x.dtype)
-    if x_pass.shape[-1] == 0:
-        return out
-    return torch.cat((out, x_pass), dim=-1)
+    cos, signed_sin = tables.cos.to(x.dtype), tables.signed_sin.to(x.dtype)
+    if cos.dim() == 4 and x.dim() > 4:  # per-sample tables [b, 1, s, rot]: one more head dim
+        cos, signed_sin = (t.view(t.shape[0], *([1] * (x.dim() - 3)), *t.shape[2:])
+                           for t in (cos, signed_sin))
+    if rot == x.shape[-1]:
+        return torch.addcmul(x * cos, x.roll(rot // 2, -1), signed_sin)
+    x_rot = x[..., :rot]
+    out = torch.addcmul(x_rot * cos, x_rot.roll(rot // 2, -1), signed_sin)
+    return torch.cat((out, x[..., rot:]), dim=-1)

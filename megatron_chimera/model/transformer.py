@@ -232,6 +232,13 @@ class ParallelAttention(nn.Module):
         ``[b, groups, s, d]`` (this rank's), RoPE applied to query and key."""
         s, b, _ = qkv.shape
         d, per_group = self.head_dim, self.heads_per_group
+        if rotary is not None:
+            # a group's query heads and its key are neighbours in the buffer: rotated together,
+            # [b, groups, heads/g + 1, s, d], in one call
+            heads = qkv.view(s, b, self.num_groups, per_group + 2, d).permute(1, 2, 3, 0, 4)
+            query_key = apply_rotary_pos_emb(heads[:, :, :per_group + 1], rotary)
+            query = query_key[:, :, :per_group].reshape(b, self.num_heads, s, d)
+            return query, query_key[:, :, per_group], heads[:, :, per_group + 1]
         qkv = qkv.view(s, b, self.num_groups, (per_group + 2) * d)
         # (split_with_sizes: Tensor.split's Python wrapper costs as much again; one query head
         # per group is already [s, b, heads, d], so no reshape node in the graph)
@@ -239,11 +246,7 @@ class ParallelAttention(nn.Module):
         if per_group > 1:
             query = query.reshape(s, b, self.num_heads, d)
         query = query.permute(1, 2, 0, 3)
-        key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
-        if rotary is not None:
-            query = apply_rotary_pos_emb(query, rotary)
-            key = apply_rotary_pos_emb(key, rotary)
-        return query, key, value
+        return query, key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
 
     def repeat_key_value(self, key: torch.Tensor, value: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,20 +106,37 @@ class RotaryEmbedding:
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
-    """Rotate the first ``rot`` channels of ``x`` ``[b, ..., s, head_dim]`` (rotate-half
-    convention; the dimensions between the batch and the sequence are heads -- one, or groups and
-    heads, so that queries and keys sharing a buffer rotate in one call); cos/sin are cast to
-    ``x``'s dtype, as Megatron and transformers do.
+    """Rotate the first ``rot`` channels of ``x`` ``[b, heads, s, head_dim]`` (rotate-half
+    convention); cos/sin are cast to ``x``'s dtype, as Megatron and transformers do
+    (:func:`_rotate`)."""
+    return _rotate(x, tables.cos.to(x.dtype), tables.signed_sin.to(x.dtype))
 
-    Three kernels, each one pass over ``x``: ``roll`` (the halves swapped), ``x * cos``, and
-    ``addcmul`` adding ``roll(x) * signed_sin`` -- where the unfused ``x cos + rotate_half(x) sin``
-    runs a negation, a concatenation, two products and a sum. The same values: ``rotate_half``'s
-    negation is folded into the table (exact), the sum rounds once instead of twice."""
-    rot = tables.cos.shape[-1]
-    cos, signed_sin = tables.cos.to(x.dtype), tables.signed_sin.to(x.dtype)
-    if cos.dim() == 4 and x.dim() > 4:  # per-sample tables [b, 1, s, rot]: one more head dim
-        cos, signed_sin = (t.view(t.shape[0], *([1] * (x.dim() - 3)), *t.shape[2:])
-                           for t in (cos, signed_sin))
+
+def rotate_sequence_first(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """:func:`apply_rotary_pos_emb` for ``x`` laid out ``[s, b, ...heads..., head_dim]`` (any
+    number of head dimensions: a layer's queries and keys, grouped, in one call), in the layout
+    of the layer's QKV buffer -- the output stays sequence-first, so the attention output it
+    leads to is too, and going back to ``[s, b, h]`` after attention is a view."""
+    heads = x.dim() - 3
+
+    def laid_out(table: torch.Tensor) -> torch.Tensor:
+        if table.dim() == 2:  # [s, rot]
+            return table.view(table.shape[0], *([1] * (heads + 1)), table.shape[-1])
+        # per-sample [b, 1, s, rot] -> [s, b, 1.., rot]
+        return table[:, 0].transpose(0, 1).reshape(table.shape[2], table.shape[0],
+                                                   *([1] * heads), table.shape[-1])
+
+    return _rotate(x, laid_out(tables.cos.to(x.dtype)),
+                   laid_out(tables.signed_sin.to(x.dtype)))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x cos + rotate_half(x) sin`` on the first ``rot`` channels in three kernels, each one
+    pass over ``x``: ``roll`` (the halves swapped), ``x * cos``, and ``addcmul`` adding
+    ``roll(x) * signed_sin`` -- where the unfused composition runs a negation, a concatenation,
+    two products and a sum. The same values: ``rotate_half``'s negation is folded into the table
+    (exact), and the sum rounds once instead of after each product too."""
+    rot = cos.shape[-1]
     if rot == x.shape[-1]:
         return torch.addcmul(x * cos, x.roll(rot // 2, -1), signed_sin)
     x_rot = x[..., :rot]

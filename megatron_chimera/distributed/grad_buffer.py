@@ -3,8 +3,10 @@
 Megatron's ``ParamAndGradBuffer`` for this runtime. Each parameter's gradient accumulates in
 ``param.main_grad``, a view into one flat tensor: fp32 with ``--accumulate-allreduce-grads-in-fp32``
 (always with ``--bf16``), else the parameter dtype. A post-accumulate-grad hook adds every
-backward's ``param.grad`` into ``main_grad`` and frees it, so there is no second full copy of the
-gradients and each micro-batch's gradient is summed in the buffer's precision.
+backward's ``param.grad`` into ``main_grad`` and frees it -- or, where the buffer has the
+parameter's dtype, points ``.grad`` at ``main_grad``, so that autograd accumulates the next
+micro-batches into the buffer in place -- so there is no second full copy of the gradients and
+each micro-batch's gradient is summed in the buffer's precision.
 
 Parameters are laid out in reverse registration order (the order backward finalises them) and cut
 into buckets of about ``bucket_size`` elements; each bucket is reduced by one collective. With the
@@ -208,14 +210,22 @@ class ModelGradBuffers:
         self._on_ready = callback
 
     def _accumulate(self, param: nn.Parameter) -> None:
+        """The post-accumulate-grad hook: ``param.grad`` into ``main_grad``. A parameter whose
+        buffer has its dtype keeps ``.grad`` pointing at ``main_grad`` after the first add, so
+        that autograd adds the next micro-batches' gradients into the buffer itself, in place
+        (in C++, as for a plain eager model: no Python add per parameter per micro-batch);
+        others (fp32 buffers of 16-bit parameters, fused weights) drop ``.grad`` each time."""
         grad = param.grad
         if grad is None:
             return
+        main_grad = param.main_grad
         if getattr(param, "grad_added_to_main_grad", False):  # gradient-accumulation fusion
             param.grad_added_to_main_grad = False
-        elif grad.data_ptr() != param.main_grad.data_ptr():  # else autograd added in place
-            param.main_grad.add_(grad)
-        param.grad = None
+            param.grad = None
+        elif grad.data_ptr() != main_grad.data_ptr():  # else autograd added in place
+            main_grad.add_(grad)
+            param.grad = (main_grad if main_grad.dtype == grad.dtype
+                          and not getattr(param, "fuse_wgrad_accumulation", False) else None)
         if self._on_ready is not None:
             self._on_ready(param)
 

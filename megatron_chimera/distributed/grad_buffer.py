@@ -215,19 +215,22 @@ class ModelGradBuffers:
         that autograd adds the next micro-batches' gradients into the buffer itself, in place
         (in C++, as for a plain eager model: no Python add per parameter per micro-batch);
         others (fp32 buffers of 16-bit parameters, fused weights) drop ``.grad`` each time."""
+        # (the common case first and cheapest: runs for every parameter of every micro-batch)
         grad = param.grad
         if grad is None:
             return
         main_grad = param.main_grad
-        if getattr(param, "grad_added_to_main_grad", False):  # gradient-accumulation fusion
+        if param.grad_added_to_main_grad:  # gradient-accumulation fusion
             param.grad_added_to_main_grad = False
             param.grad = None
-        elif grad.data_ptr() != main_grad.data_ptr():  # else autograd added in place
+        elif grad is not main_grad and grad.data_ptr() != main_grad.data_ptr():
+            # (else autograd added into the buffer in place)
             main_grad.add_(grad)
             param.grad = (main_grad if main_grad.dtype == grad.dtype
-                          and not getattr(param, "fuse_wgrad_accumulation", False) else None)
-        if self._on_ready is not None:
-            self._on_ready(param)
+                          and not param.fuse_wgrad_accumulation else None)
+        on_ready = self._on_ready
+        if on_ready is not None:
+            on_ready(param)
 
     def register_hooks(self) -> None:
         """Route every backward's gradient into ``main_grad`` (once per parameter)."""
@@ -240,6 +243,11 @@ class ModelGradBuffers:
             for param in params:
                 if id(param) not in seen:
                     seen.add(id(param))
+                    # (the hook reads these as plain attributes: no getattr default per call)
+                    param.grad_added_to_main_grad = getattr(param, "grad_added_to_main_grad",
+                                                            False)
+                    param.fuse_wgrad_accumulation = getattr(param, "fuse_wgrad_accumulation",
+                                                            False)
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate))
 
     def remove_hooks(self) -> None:

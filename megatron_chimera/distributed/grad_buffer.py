@@ -214,8 +214,9 @@ class ModelGradBuffers:
         buffer has its dtype keeps ``.grad`` pointing at ``main_grad`` after the first add, so
         that autograd adds the next micro-batches' gradients into the buffer itself, in place
         (in C++, as for a plain eager model: no Python add per parameter per micro-batch);
-        others (fp32 buffers of 16-bit parameters, fused weights) drop ``.grad`` each time."""
-        # (the common case first and cheapest: runs for every parameter of every micro-batch)
+        16-bit parameters with fp32 buffers drop ``.grad`` each time, and so does a weight whose
+        gradient was fused into ``main_grad`` (its ``.grad`` is the placeholder)."""
+        # (cheap in the common case: this runs for every parameter of every micro-batch)
         grad = param.grad
         if grad is None:
             return
@@ -226,8 +227,8 @@ class ModelGradBuffers:
         elif grad is not main_grad and grad.data_ptr() != main_grad.data_ptr():
             # (else autograd added into the buffer in place)
             main_grad.add_(grad)
-            param.grad = (main_grad if main_grad.dtype == grad.dtype
-                          and not param.fuse_wgrad_accumulation else None)
+            # (a fused weight never gets here: its gradient arrives as the placeholder)
+            param.grad = main_grad if main_grad.dtype == grad.dtype else None
         on_ready = self._on_ready
         if on_ready is not None:
             on_ready(param)
@@ -245,8 +246,6 @@ class ModelGradBuffers:
                     seen.add(id(param))
                     # (the hook reads these as plain attributes: no getattr default per call)
                     param.grad_added_to_main_grad = getattr(param, "grad_added_to_main_grad",
-                                                            False)
-                    param.fuse_wgrad_accumulation = getattr(param, "fuse_wgrad_accumulation",
                                                             False)
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate))
 

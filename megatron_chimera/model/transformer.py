@@ -49,10 +49,11 @@ from megatron_chimera.model.fused import (
     attention,
     bias_dropout_add,
     gelu,
+    repeat_heads,
     swiglu,
     warn_once,
 )
-from megatron_chimera.model.rotary import RotaryEmbedding, RotaryTables, apply_rotary_pos_emb
+from megatron_chimera.model.rotary import RotaryEmbedding, RotaryTables, rotate_sequence_first
 from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
 from megatron_chimera.tensor_parallel import (
     ColumnParallelLinear,
@@ -173,8 +174,11 @@ class CoreAttention(nn.Module):
         if isinstance(mask, DocumentMask):
             if not self.causal:
                 raise ValueError("a document mask needs causal (GPT) attention")
-            return document_attention(query, key, value, mask, self.dropout_p, self.training,
-                                      implementation=self.document_attention, **options)
+            repeats = query.shape[1] // key.shape[1]  # grouped-query heads, repeated
+            return document_attention(query, repeat_heads(key, repeats),
+                                      repeat_heads(value, repeats), mask, self.dropout_p,
+                                      self.training, implementation=self.document_attention,
+                                      **options)
         return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
                          **options)
 
@@ -242,6 +246,14 @@ class ParallelAttention(nn.Module):
         ``[b, groups, s, d]`` (this rank's), RoPE applied to query and key."""
         s, b, _ = qkv.shape
         d, per_group = self.head_dim, self.heads_per_group
+        if rotary is not None:
+            # a group's query heads and its key are neighbours in the buffer: rotated together,
+            # [s, b, groups, heads/g + 1, d], in one call
+            heads = qkv.view(s, b, self.num_groups, per_group + 2, d)
+            query_key = rotate_sequence_first(heads[:, :, :, :per_group + 1], rotary)
+            query = query_key[:, :, :, :per_group].reshape(s, b, self.num_heads, d)
+            return (query.permute(1, 2, 0, 3), query_key[:, :, :, per_group].permute(1, 2, 0, 3),
+                    heads[:, :, :, per_group + 1].permute(1, 2, 0, 3))
         qkv = qkv.view(s, b, self.num_groups, (per_group + 2) * d)
         # (split_with_sizes: Tensor.split's Python wrapper costs as much again; one query head
         # per group is already [s, b, heads, d], so no reshape node in the graph)
@@ -249,19 +261,12 @@ class ParallelAttention(nn.Module):
         if per_group > 1:
             query = query.reshape(s, b, self.num_heads, d)
         query = query.permute(1, 2, 0, 3)
-        key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
-        if rotary is not None:
-            query = apply_rotary_pos_emb(query, rotary)
-            key = apply_rotary_pos_emb(key, rotary)
-        return query, key, value
+        return query, key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
 
     def repeat_key_value(self, key: torch.Tensor, value: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[b, groups, t, d]`` repeated for each query head of their group."""
-        if self.heads_per_group == 1:
-            return key, value
-        return (key.repeat_interleave(self.heads_per_group, dim=1),
-                value.repeat_interleave(self.heads_per_group, dim=1))
+        return repeat_heads(key, self.heads_per_group), repeat_heads(value, self.heads_per_group)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask,
                 rotary: RotaryTables | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,9 +276,9 @@ class ParallelAttention(nn.Module):
         ``--no-bias-dropout-fusion``, else None (already added)."""
         qkv, _ = self.query_key_value(hidden)
         s, b, _ = qkv.shape
+        # grouped-query keys and values stay at their group count: the attention core repeats
+        # them per query head only where its kernel cannot share them (fused.attention)
         query, key, value = self.query_key_value_heads(qkv, rotary)
-        if self.heads_per_group > 1:
-            key, value = self.repeat_key_value(key, value)
         if (self.recompute_core and self.training and torch.is_grad_enabled()
                 and not self.core_attention.stores_no_scores(query, mask)):
             context = checkpoint(with_current_stream(self.core_attention), query, key, value,

@@ -12,7 +12,8 @@ tensor-parallel ranks innermost (consecutive ranks, so a node holds a whole tens
 group), then context-parallel ranks (``--context-parallel-size``: each holds ``s / CP`` tokens of
 every sequence), then data-parallel replicas, then pipeline ranks (Megatron's ``tp-cp-dp-pp``).
 The CP ranks of one data-parallel replica read the same samples and hold the same weights: a
-stage's gradients are reduced over its data x context ranks (the stage-replica group). A *placement* (``Schedule.placement``:
+stage's gradients are reduced over its data x context ranks (the stage-replica group).
+A *placement* (``Schedule.placement``:
 ``placement[pipe][stage]`` = pipeline rank) says which pipeline ranks hold which stage; the
 stage-replica and embedding groups follow from it.
 """

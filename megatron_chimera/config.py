@@ -65,6 +65,10 @@ class ModelConfig:
     use_flash_attn: bool = False
     # per-document attention kernel with --reset-attention-mask (model/document_attention.py)
     document_attention: str = "auto"
+    # --cp-comm-type: how attention reaches across the context-parallel ranks (p2p: ring, a2a:
+    # sequence <-> heads all-to-all, allgather: keys/values all-gathered); Megatron-core's
+    # TransformerConfig.cp_comm_type
+    cp_comm_type: str = "p2p"
     gelu: str = "megatron"  # one of GELU_VARIANTS (--gelu)
     # --sequence-parallel: LayerNorm / dropout regions split along the sequence over the
     # tensor-parallel ranks (a no-op with --tensor-model-parallel-size 1)
@@ -156,7 +160,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout and schedule: world = tensor x data-parallel x pipeline size.
+    """Parallel layout and schedule: world = tensor x context x data-parallel x pipeline size.
 
     ``schedule_options`` is the typed options dataclass of ``pipeline_schedule`` from the
     schedule registry (``megatron_chimera.schedules.registry``), built from the flags.
@@ -165,6 +169,8 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     data_parallel_size: int = 1
     tensor_model_parallel_size: int = 1
+    # --context-parallel-size: ranks that share each sequence (s / CP tokens each)
+    context_parallel_size: int = 1
     pipeline_schedule: str = "1f1b"  # a name of the schedule registry
     schedule_options: Any = None  # None: the schedule's defaults
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
@@ -175,11 +181,11 @@ class ParallelConfig:
     def layout(self) -> ParallelLayout:
         """The T x W x D layout (the one owner of every size rule and of the rank order)."""
         return ParallelLayout(self.tensor_model_parallel_size, self.data_parallel_size,
-                              self.pipeline_model_parallel_size)
+                              self.pipeline_model_parallel_size, self.context_parallel_size)
 
     @property
     def world_size(self) -> int:
-        """Total ranks: T x W x D."""
+        """Total ranks: T x CP x W x D."""
         return self.layout.world_size
 
 

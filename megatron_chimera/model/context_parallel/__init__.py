@@ -23,6 +23,12 @@ from megatron_chimera.model.context_parallel.gathered import (
     masked_attention,
 )
 from megatron_chimera.model.context_parallel.ring import ring_attention
+from megatron_chimera.model.context_parallel.stage import (
+    context_parallel_size,
+    sequence_mean_loss,
+    split_batch,
+    stage_tokens,
+)
 from megatron_chimera.model.context_parallel.tokens import ContextTokens
 from megatron_chimera.model.context_parallel.zigzag import (
     check_sequence,
@@ -51,4 +57,5 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
 
 
 __all__ = ["COMM_TYPES", "ContextTokens", "check_sequence", "context_parallel_attention",
-           "masked_attention", "merge_sequence", "split_sequence", "zigzag_positions"]
+           "context_parallel_size", "masked_attention", "merge_sequence", "sequence_mean_loss",
+           "split_batch", "split_sequence", "stage_tokens", "zigzag_positions"]

@@ -22,6 +22,11 @@ from megatron_chimera.data.gpt_dataset import (
 )
 from megatron_chimera.data.gpt_sample_fields import GPTSampleDataset, LtorOptions
 from megatron_chimera.data.samplers import batch_to_device
+from megatron_chimera.model.context_parallel import (
+    context_parallel_size,
+    sequence_mean_loss,
+    split_batch,
+)
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
@@ -63,7 +68,11 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of the micro-batch."""
+    """Mean per-token loss over the unmasked tokens of the micro-batch (with context
+    parallelism: over the whole sequence, every context rank's tokens)."""
+    if context_parallel_size() > 1:
+        loss, reported = sequence_mean_loss(output_tensor.float(), loss_mask)
+        return loss, {"lm loss": reported}
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).to(losses.dtype)
     loss = torch.sum(losses * mask) / mask.sum()
@@ -98,7 +107,8 @@ def forward_step(batch, model: GPTModel):
         return model(None, None), None
     device = next(model.parameters()).device
     batch = batch_to_device(batch, device, batch_fields(model))
-    tokens, labels, loss_mask, document_ids, position_ids = get_batch(batch)
+    # (context parallelism: this rank's zigzag share of every per-token field)
+    tokens, labels, loss_mask, document_ids, position_ids = split_batch(*get_batch(batch))
     mask = None if document_ids is None else DocumentMask(document_ids, device)
     output = model(tokens if model.pre_process else None,
                    position_ids if reads_positions(model) else None,

@@ -398,6 +398,10 @@ class ParallelTransformer(nn.Module):
         self.sequence_parallel = uses_sequence_parallel(config)
         self.causal = causal
         self.context_parallel = context_parallel_size() > 1
+        if self.context_parallel and not causal:
+            raise ConfigError("--context-parallel-size > 1 is for causal models (GPT, Llama): "
+                              "BERT's bidirectional attention with a padding mask has no "
+                              "context-parallel form here")
         if self.context_parallel and self.training_dropout(config):
             raise ConfigError("--context-parallel-size > 1 needs --hidden-dropout 0 and "
                               "--attention-dropout 0 (each context rank holds other tokens, so "

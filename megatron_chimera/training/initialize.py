@@ -78,7 +78,8 @@ def initialize_distributed(config: ParallelConfig) -> torch.device:
         raise ConfigError(
             f"world size {world} != --data-parallel-size {config.data_parallel_size} x "
             f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size} x "
-            f"--tensor-model-parallel-size {config.tensor_model_parallel_size}"
+            f"--tensor-model-parallel-size {config.tensor_model_parallel_size} x "
+            f"--context-parallel-size {config.context_parallel_size}"
         )
     dist.init_process_group(init_method="env://", **options)
     return device
@@ -119,6 +120,7 @@ def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -
         config.pipeline_model_parallel_size, schedule.placement, schedule.num_stages,
         config.tensor_model_parallel_size,
         timeout=timedelta(minutes=config.distributed_timeout_minutes),
+        context_parallel_size=config.context_parallel_size,
     )
     parallel_state.connect_communicators(device)
     set_random_seed(seed)

@@ -1,7 +1,8 @@
-"""Context-parallel attention (``p2p`` ring, ``a2a``, ``allgather``) on gloo: outputs and
+"""Context parallelism on gloo. Attention (``p2p`` ring, ``a2a``, ``allgather``): outputs and
 dQ/dK/dV of every rank's zigzag share equal whole-sequence attention computed in one process
 (float64: 1e-12 relative, float32: 2e-6), at CP = 2 and 4, causal and bidirectional, grouped-
-query attention, document masks."""
+query attention, document masks. A whole model at CP = 2 equals one process and saves at most
+0.55x its activation bytes per rank; training through the runtime equals one process."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from .cp_cases import run_attention_cases, run_zigzag_round_trip
 from .cp_model_cases import run_model_matches_one_process, run_saved_activation_bytes
 from .harness import spawn_world
+from .tp_cases import LLAMA_MODEL, TPCase, run_tp_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -35,3 +37,17 @@ def test_context_parallel_model_equals_one_process(comm_type, llama, documents):
 @pytest.mark.timeout(150)
 def test_context_parallel_halves_saved_activations():
     spawn_world(run_saved_activation_bytes, 2, 0.55, timeout_s=140, nccl_semantics=False)
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_training_equals_one_process():
+    """The runtime (executor, gradient reduction over data x context ranks, optimizer with
+    clipping) at CP > 1 trains as one process: Chimera D=2 x CP=2 x T=2 (Llama-style: RoPE,
+    GQA, positions restarting mid-sequence as --reset-position-ids makes them) and 1F1B D=2 x
+    CP=4 (GPT-2), 8 ranks, 3 steps: losses, grad norms and weights within 1e-5 (document masks:
+    the model test above)."""
+    spawn_world(run_tp_cases, 8, [
+        TPCase("gpt2", "chimera", 2, 2, 4, model=LLAMA_MODEL, context_size=2,
+               reset_positions=True),
+        TPCase("gpt2", "1f1b", 1, 2, 4, context_size=4),
+    ], timeout_s=280)

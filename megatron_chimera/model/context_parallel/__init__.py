@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_chimera.config import CP_COMM_TYPES as COMM_TYPES
 from megatron_chimera.errors import ConfigError
 from megatron_chimera.model.context_parallel.gathered import (
     all_gather_attention,
@@ -37,7 +38,6 @@ from megatron_chimera.model.context_parallel.zigzag import (
     zigzag_positions,
 )
 
-COMM_TYPES = ("p2p", "a2a", "allgather")  # --cp-comm-type choices
 _KERNELS = {"p2p": ring_attention, "a2a": all_to_all_attention,
             "allgather": all_gather_attention}
 

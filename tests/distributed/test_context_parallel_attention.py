@@ -42,10 +42,10 @@ def test_context_parallel_halves_saved_activations():
 @pytest.mark.timeout(300)
 def test_context_parallel_training_equals_one_process():
     """The runtime (executor, gradient reduction over data x context ranks, optimizer with
-    clipping) at CP > 1 trains as one process: Chimera D=2 x CP=2 x T=2 with sequence parallelism
-    (Llama-style: RoPE, GQA, positions restarting mid-sequence as --reset-position-ids makes them) and 1F1B D=2 x
-    CP=4 (GPT-2), 8 ranks, 3 steps: losses, grad norms and weights within 1e-5 (document masks:
-    the model test above)."""
+    clipping) at CP > 1 trains as one process: Chimera D=2 x CP=2 x T=2 with sequence
+    parallelism (Llama-style: RoPE, GQA, positions restarting mid-sequence as
+    --reset-position-ids makes them) and 1F1B D=2 x CP=4 (GPT-2), 8 ranks, 3 steps: losses,
+    grad norms and weights within 1e-5 (document masks: the model test above)."""
     spawn_world(run_tp_cases, 8, [
         TPCase("gpt2", "chimera", 2, 2, 4, model=LLAMA_MODEL, context_size=2,
                reset_positions=True, sequence_parallel=True),

@@ -11,6 +11,7 @@ from megatron_chimera import parallel_state
 from megatron_chimera.model.context_parallel import sequence_mean_loss, split_batch
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.gpt2 import GPTModel
+from megatron_chimera.training.memory_report import SavedActivations
 from tests.helpers.models import VOCAB, small_config
 
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
@@ -62,20 +63,13 @@ def run_model_matches_one_process(rank, world_size, comm_type, llama, documents)
 
 
 def saved_activation_bytes(model, batch) -> int:
-    """Bytes autograd saves for the backward of one forward (parameters and their views not
-    counted), with saved-tensor hooks."""
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in parameter_storages:
-            total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _loss(model, *batch)
-    return total
+    """Peak bytes autograd holds for the backward during one forward (the memory report's
+    saved-tensor meter: one count per storage, parameters excluded)."""
+    with SavedActivations(model.parameters()) as meter:
+        loss, _ = _loss(model, *batch)
+    peak = meter.peak
+    del loss
+    return peak
 
 
 def run_saved_activation_bytes(rank, world_size, limit):

@@ -41,3 +41,23 @@ def test_refusals_name_the_flag(extra, world, message, capsys):
         parse(extra, world)
     text = str(info.value) if info.type is ConfigError else capsys.readouterr().err
     assert message in text
+
+
+def test_memory_report_predicts_one_context_rank():
+    """Activations and pipeline buffers per rank halve at CP=2 (s/CP tokens); the distributed
+    optimizer's state is sharded over data x context ranks."""
+    from megatron_chimera.model.family import GPT2
+    from megatron_chimera.model.partition import partition_layers
+    from megatron_chimera.schedules import build_schedule
+    from megatron_chimera.training.memory_report import predicted_memory
+
+    def figures(extra: str, world: int):
+        config = parse(extra + " --use-distributed-optimizer --pipeline-model-parallel-size 2",
+                       world)
+        schedule = build_schedule("1f1b", 2, config.training.num_microbatches)
+        return predicted_memory(config, GPT2, schedule, partition_layers(4, 2), "cpu")[0]
+
+    one, two = figures("", 2), figures("--context-parallel-size 2", 4)
+    assert two.activations / one.activations == pytest.approx(0.5, rel=0.05)
+    assert two.buffers * 2 == one.buffers
+    assert two.optimizer < one.optimizer

@@ -86,3 +86,10 @@ def run_saved_activation_bytes(rank, world_size, limit):
               f"{ratio:.3f}", flush=True)
     assert ratio <= limit, f"saved activation bytes CP={world_size}: {ratio:.3f} x CP=1 > {limit}"
     parallel_state.destroy_model_parallel()
+
+
+def run_model_cases(rank, world_size, cases, limit):
+    """Every ``(comm_type, llama, documents)`` model case, then the saved-activation bound."""
+    for case in cases:
+        run_model_matches_one_process(rank, world_size, *case)
+    run_saved_activation_bytes(rank, world_size, limit)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from .cp_cases import run_attention_cases, run_zigzag_round_trip
-from .cp_model_cases import run_model_matches_one_process, run_saved_activation_bytes
+from .cp_model_cases import run_model_cases
 from .harness import spawn_world
 from .tp_cases import LLAMA_MODEL, TPCase, run_tp_cases
 
@@ -25,18 +25,14 @@ def test_zigzag_split_round_trip():
     run_zigzag_round_trip(0, 1)
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("comm_type,llama,documents",
-                         [("p2p", True, True), ("a2a", True, False), ("allgather", False, True)])
-def test_context_parallel_model_equals_one_process(comm_type, llama, documents):
-    """GPT-2 or Llama-style (RoPE, GQA) at CP=2: loss and gradients equal one process's."""
-    spawn_world(run_model_matches_one_process, 2, comm_type, llama, documents, timeout_s=140,
+@pytest.mark.timeout(200)
+def test_context_parallel_model_equals_one_process_and_halves_saved_activations():
+    """GPT-2 or Llama-style (RoPE, GQA) at CP=2 (ring with document masks, a2a, allgather with
+    document masks): loss and gradients equal one process's; saved activation bytes per rank at
+    most 0.55x one process's. One world of 2 ranks runs every case."""
+    spawn_world(run_model_cases, 2, [("p2p", True, True), ("a2a", True, False),
+                                     ("allgather", False, True)], 0.55, timeout_s=190,
                 nccl_semantics=False)
-
-
-@pytest.mark.timeout(150)
-def test_context_parallel_halves_saved_activations():
-    spawn_world(run_saved_activation_bytes, 2, 0.55, timeout_s=140, nccl_semantics=False)
 
 
 @pytest.mark.timeout(300)

@@ -454,7 +454,8 @@ class ParallelTransformer(nn.Module):
         n = len(self.layers)
         stream = current_stream()
         if self.context_parallel:  # this rank's zigzag tokens: their positions and masks
-            mask = stage_tokens(mask, self._local_seq_length(hidden), self.causal)
+            mask = stage_tokens(mask, self._local_seq_length(hidden), self.causal,
+                                hidden.device)
             if position_ids is None:
                 position_ids = mask.positions[mask.rank][None].to(hidden.device)
         rotary = self.rotary_tables(hidden, position_ids)

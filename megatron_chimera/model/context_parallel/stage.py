@@ -21,20 +21,23 @@ def context_parallel_size() -> int:
     return parallel_state.get_context_parallel_world_size()
 
 
-def stage_tokens(mask, local_seq_length: int, causal: bool) -> ContextTokens:
+def stage_tokens(mask, local_seq_length: int, causal: bool,
+                 device: torch.device | None = None) -> ContextTokens:
     """The :class:`ContextTokens` of a micro-batch on this rank (CP > 1): the zigzag positions of
     every context rank and, with a :class:`DocumentMask` (``--reset-attention-mask``), every
-    rank's document ids (one all-gather). A dense mask has no context-parallel form."""
+    rank's document ids (one all-gather); masks on ``device``. A dense mask has no
+    context-parallel form."""
     if isinstance(mask, ContextTokens):
         return mask
     cp, rank = context_parallel_size(), parallel_state.get_context_parallel_rank()
     seq = local_seq_length * cp
     if mask is None:
         positions = torch.stack([zigzag_positions(seq, cp, r) for r in range(cp)])
-        return ContextTokens(positions, None, rank, causal)
+        return ContextTokens(positions, None, rank, causal, device)
     if isinstance(mask, DocumentMask):
         return ContextTokens.gather(parallel_state.get_context_parallel_group(),
-                                    zigzag_positions(seq, cp, rank), mask.document_ids, causal)
+                                    zigzag_positions(seq, cp, rank), mask.document_ids, causal,
+                                    device)
     raise ConfigError("--context-parallel-size > 1 takes causal attention, optionally within "
                       "documents (--reset-attention-mask); a dense attention mask (BERT's "
                       "padding mask) has no context-parallel form")

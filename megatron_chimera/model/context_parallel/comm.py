@@ -24,6 +24,7 @@ class RingShift:
         self.prev = ranks[(me - 1) % len(ranks)]
         self._works: list = []
         self._received: torch.Tensor | None = None
+        self._sent: torch.Tensor | None = None
 
     def start(self, tensor: torch.Tensor) -> None:
         """Post the send of ``tensor`` (kept alive until :meth:`wait`) and the receive."""

@@ -87,19 +87,20 @@ class RingAttention(torch.autograd.Function):
             _attend_block(q, block[0], block[1], tokens, source, scale, outs, lses)
             if step < size - 1:
                 block = ring.wait()
-        out = torch.cat(outs, dim=-2)
+        out = torch.cat(outs, dim=-2).reshape(query.shape).to(query.dtype)
         lse = torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.tokens, ctx.group, ctx.scale, ctx.shapes = tokens, group, scale, query.shape
-        ctx.dtypes = (query.dtype, key.dtype, value.dtype)
-        return out.reshape(query.shape).to(query.dtype)
+        # saved in the inputs' precision (16-bit inputs: as FlashAttention, lse in float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.tokens, ctx.group, ctx.scale = tokens, group, scale
+        return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        q, k, v, out, lse = ctx.saved_tensors
+        query, key, value, out, lse = ctx.saved_tensors
         tokens, scale, size = ctx.tokens, ctx.scale, ctx.tokens.size
+        q, k, v = _grouped(query, key, value, lse.dtype)
         grad_out = grad_output.to(q.dtype).reshape(q.shape)
-        delta = (grad_out * out).sum(-1)
+        delta = (grad_out * out.to(q.dtype).reshape(q.shape)).sum(-1)
         grad_query = torch.zeros_like(q)
         ring = RingShift(ctx.group) if size > 1 else None
         block = torch.stack([k, v])
@@ -116,9 +117,8 @@ class RingAttention(torch.autograd.Function):
                 ring_grads = RingShift(ctx.group)
                 ring_grads.start(grads)
                 grads = ring_grads.wait()
-        b, heads, s, d = ctx.shapes
-        dq = grad_query.reshape(b, heads, s, d).to(ctx.dtypes[0])
-        return (dq, grads[0][:, :, 0].to(ctx.dtypes[1]), grads[1][:, :, 0].to(ctx.dtypes[2]),
+        dq = grad_query.reshape(query.shape).to(query.dtype)
+        return (dq, grads[0][:, :, 0].to(key.dtype), grads[1][:, :, 0].to(value.dtype),
                 None, None, None)
 
 

@@ -20,8 +20,10 @@ two pipes) by greedy list scheduling on those costs: a free rank starts a ready 
 (lowest stage, then oldest), else a ready forward (oldest first) while its live slice
 activations are under the cap; the emitted order is the order of start times, so running it in
 order reproduces the timeline (deadlock free by construction; ``validate`` checks it anyway).
-At D = 8 with 4 sequences and F = B the bubble falls from 1F1B's 64% to 15.8% for Chimera and
-17.9% for 1F1B at k = 8 (tests/unit/schedules/test_sequence_slices.py).
+With a split backward (``zb-h1``, ``chimera-zb``) a rank with nothing else to start runs a
+ready W. At D = 8 with 4 sequences and F = B the bubble falls from 1F1B's 64% to 15.8% for
+Chimera and 17.9% for 1F1B at k = 8; Chimera-ZB (W = B/2) idles 9.9% at k = 4 and 4.5% at
+k = 8 (tests/unit/schedules/test_sequence_slices.py).
 
 The runtime does not run slices yet (no training flag): a stage would have to keep the
 keys/values of a sequence's earlier slices and attend to them, see docs/LONG_SEQUENCES.md.
@@ -31,9 +33,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
-from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule
 from megatron_chimera.schedules.chimera import check_chimera_ranks_and_pipes, chimera_placement
+
+SLICED_SCHEDULES = ("1f1b", "zb-h1", "chimera", "chimera-zb")
 
 
 def slice_work(slices: int, attention_fraction: float) -> list[float]:
@@ -92,9 +97,11 @@ def _ready_time(a: Action, num_stages: int, slices: int, end: dict[Action, float
     deps = [slice_input(a, slices)]
     if kind == FORWARD:
         deps.append(None if stage == 0 else Action(FORWARD, pipe, stage - 1, unit))
-    else:
+    elif kind == BACKWARD:
         deps.append(Action(FORWARD, pipe, stage, unit) if stage == num_stages - 1
                     else Action(BACKWARD, pipe, stage + 1, unit))
+    else:
+        deps.append(Action(BACKWARD, pipe, stage, unit))
     times = [0.0]
     for d in deps:
         if d is not None:
@@ -104,18 +111,28 @@ def _ready_time(a: Action, num_stages: int, slices: int, end: dict[Action, float
     return max(times)
 
 
-def _list_orders(placement: list[list[int]], num_ranks: int, units_per_pipe: int, slices: int,
-                 forward: Sequence[float], backward: Sequence[float], cap: int
-                 ) -> list[list[Action]]:
-    """Greedy list scheduling of every pipe's units (see the module docstring)."""
-    num_stages = len(placement[0])
+class _Costs(NamedTuple):
+    """Seconds of each kind of action by slice index."""
+
+    forward: Sequence[float]
+    backward: Sequence[float]  # the input-gradient part with a split backward
+    weight: Sequence[float]
+
+
+def _list_orders(placement: list[list[int]], units_per_pipe: int, slices: int, costs: _Costs,
+                 cap: int, split_backward: bool) -> list[list[Action]]:
+    """Greedy list scheduling of every pipe's units (see the module docstring); with
+    ``split_backward`` a rank with nothing else to start runs a ready W (which frees its
+    activation)."""
+    num_stages, num_ranks = len(placement[0]), len(placement[0])
+    kinds = (FORWARD, BACKWARD, WEIGHT) if split_backward else (FORWARD, BACKWARD)
+    release = WEIGHT if split_backward else BACKWARD
     pending: list[list[Action]] = [[] for _ in range(num_ranks)]
     for pipe, stages in enumerate(placement):
         for stage, rank in enumerate(stages):
             for i in range(units_per_pipe):
-                unit = pipe * units_per_pipe + i
-                pending[rank] += [Action(FORWARD, pipe, stage, unit),
-                                  Action(BACKWARD, pipe, stage, unit)]
+                pending[rank] += [Action(kind, pipe, stage, pipe * units_per_pipe + i)
+                                  for kind in kinds]
 
     def backward_key(a: Action) -> tuple[int, int, int]:
         # lowest stage first (nearest to finishing its unit), then oldest sequence, last slice
@@ -124,34 +141,40 @@ def _list_orders(placement: list[list[int]], num_ranks: int, units_per_pipe: int
     def forward_key(a: Action) -> tuple[int, int, int]:  # oldest unit of its pipe first
         return (a.microbatch % units_per_pipe, a.pipe, -a.stage)
 
+    duration = {FORWARD: costs.forward, BACKWARD: costs.backward, WEIGHT: costs.weight}
     end: dict[Action, float] = {}
     free = [0.0] * num_ranks
     live = [0] * num_ranks
     orders: list[list[Action]] = [[] for _ in range(num_ranks)]
-    releases: list[tuple[float, int]] = []  # (time, rank): a backward frees an activation
+    releases: list[tuple[float, int]] = []  # (time, rank): an activation is freed
     t = 0.0
     while any(pending):
-        for rank in range(num_ranks):
-            if free[rank] > t or not pending[rank]:
-                continue
-            ready = [a for a in pending[rank]
-                     if (r := _ready_time(a, num_stages, slices, end)) is not None and r <= t]
-            backwards = [a for a in ready if a.kind == BACKWARD]
-            forwards = [a for a in ready if a.kind == FORWARD] if live[rank] < cap else []
-            if not backwards and not forwards:
-                continue
-            a = min(backwards, key=backward_key) if backwards else min(forwards, key=forward_key)
-            cost = (forward if a.kind == FORWARD else backward)[a.microbatch % slices]
-            pending[rank].remove(a)
-            orders[rank].append(a)
-            end[a] = free[rank] = t + cost
-            if a.kind == FORWARD:
-                live[rank] += 1
-            else:
-                releases.append((t + cost, rank))
         for when, rank in [r for r in releases if r[0] <= t]:
             live[rank] -= 1
             releases.remove((when, rank))
+        for rank in range(num_ranks):
+            if free[rank] > t or not pending[rank]:
+                continue
+            ready: dict[str, list[Action]] = {kind: [] for kind in KINDS}
+            for a in pending[rank]:
+                r = _ready_time(a, num_stages, slices, end)
+                if r is not None and r <= t:
+                    ready[a.kind].append(a)
+            if ready[BACKWARD]:
+                a = min(ready[BACKWARD], key=backward_key)
+            elif ready[FORWARD] and live[rank] < cap:
+                a = min(ready[FORWARD], key=forward_key)
+            elif ready[WEIGHT]:
+                a = min(ready[WEIGHT], key=backward_key)
+            else:
+                continue
+            pending[rank].remove(a)
+            orders[rank].append(a)
+            end[a] = free[rank] = t + duration[a.kind][a.microbatch % slices]
+            if a.kind == FORWARD:
+                live[rank] += 1
+            elif a.kind == release:
+                releases.append((end[a], rank))
         later = [f for f in free if f > t] + [r[0] for r in releases if r[0] > t]
         if not later:
             if any(pending):
@@ -164,28 +187,34 @@ def _list_orders(placement: list[list[int]], num_ranks: int, units_per_pipe: int
 
 def sliced_schedule(name: str, num_ranks: int, num_sequences: int, slices: int,
                     attention_fraction: float = 0.0, backward_ratio: float = 1.0,
-                    cap: int | None = None) -> Schedule:
-    """``name`` ``"1f1b"`` (one pipe) or ``"chimera"`` (two pipes) over ``num_ranks`` ranks with
-    ``num_sequences`` sequences per iteration, each cut into ``slices`` slices; the orders are
-    built for forward cost ``slice_work`` and backward ``backward_ratio`` times it. ``cap``: live
-    slice activations per rank (default ``num_ranks x slices``: at most the unsliced schedules'
-    D micro-batches of activations)."""
+                    weight_fraction: float = 0.5, cap: int | None = None) -> Schedule:
+    """``name`` ``"1f1b"`` / ``"zb-h1"`` (one pipe) or ``"chimera"`` / ``"chimera-zb"`` (two
+    pipes) over ``num_ranks`` ranks with ``num_sequences`` sequences per iteration, each cut into
+    ``slices`` slices; the orders are built for forward cost ``slice_work``, backward
+    ``backward_ratio`` times it, of which ``weight_fraction`` is the W of the split-backward
+    schedules (``zb-h1``, ``chimera-zb``). ``cap``: live slice activations per rank (default
+    ``num_ranks x slices``: at most the unsliced schedules' D micro-batches of activations)."""
     if slices < 1 or num_sequences < 1 or num_ranks < 1:
         raise ValueError("--pipeline-sequence-slices, the sequences and the ranks must be >= 1")
-    if name == "1f1b":
-        placement = [list(range(num_ranks))]
-    elif name == "chimera":
+    if name not in SLICED_SCHEDULES:
+        raise ValueError(f"sequence slices are built for {SLICED_SCHEDULES}, not {name!r}")
+    split = name in ("zb-h1", "chimera-zb")
+    if name.startswith("chimera"):
         check_chimera_ranks_and_pipes(num_ranks, 2, "Chimera")
         if num_sequences % 2:
             raise ValueError(f"sliced Chimera gives each of its 2 pipes whole sequences: "
                              f"{num_sequences} sequences do not split evenly")
         placement = chimera_placement(num_ranks, 2)
     else:
-        raise ValueError(f"sequence slices are built for 1f1b and chimera, not {name!r}")
+        placement = [list(range(num_ranks))]
     work = slice_work(slices, attention_fraction)
+    backward = [backward_ratio * w for w in work]
+    weight = [weight_fraction * b if split else 0.0 for b in backward]
+    costs = _Costs(work, [b - w for b, w in zip(backward, weight)], weight)
     units = num_sequences * slices
-    orders = _list_orders(placement, num_ranks, units // len(placement), slices, work,
-                          [backward_ratio * w for w in work], cap or num_ranks * slices)
+    orders = _list_orders(placement, units // len(placement), slices, costs,
+                          cap or num_ranks * slices, split)
     return Schedule(name=f"{name}-sliced", num_ranks=num_ranks, num_stages=num_ranks,
                     num_pipes=len(placement), num_microbatches=units, placement=placement,
-                    actions=orders, meta={"slice_work": work}, sequence_slices=slices)
+                    actions=orders, split_backward=split, meta={"slice_work": work},
+                    sequence_slices=slices)

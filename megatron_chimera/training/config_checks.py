@@ -212,6 +212,10 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
         raise ConfigError("--context-parallel-size > 1 needs --hidden-dropout 0 and "
                           "--attention-dropout 0 (each context rank holds other tokens, so "
                           "dropout masks would differ from one process's)")
+    if model.document_attention != "auto":
+        raise ConfigError(f"--document-attention {model.document_attention} does not apply with "
+                          "--context-parallel-size > 1: the --cp-comm-type kernel masks the "
+                          "documents itself")
     if model.cp_comm_type == "a2a":
         layout = parallel.layout
         check_heads(layout.split(model.num_attention_heads, "--num-attention-heads"),

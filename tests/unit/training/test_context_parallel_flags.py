@@ -34,6 +34,8 @@ def test_context_ranks_come_out_of_the_data_parallel_size():
      "--num-query-groups 2 --cp-comm-type a2a", 4, "--num-query-groups"),
     ("--context-parallel-size 2 --hidden-dropout 0.1", 2, "--hidden-dropout 0"),
     ("--cp-comm-type ring", 1, "--cp-comm-type"),
+    ("--context-parallel-size 2 --reset-attention-mask --document-attention loop", 2,
+     "--document-attention loop"),
     ("--context-parallel-size 0", 1, "--context-parallel-size"),
 ])
 def test_refusals_name_the_flag(extra, world, message, capsys):

@@ -59,6 +59,7 @@ from megatron_chimera.model.fused import (
     warn_once,
 )
 from megatron_chimera.model.rotary import RotaryEmbedding, RotaryTables, apply_rotary_pos_emb
+from megatron_chimera.model.sequence_slices import SliceTokens
 from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
 from megatron_chimera.tensor_parallel import (
     ColumnParallelLinear,
@@ -87,7 +88,7 @@ def validate_recompute(config: ModelConfig) -> None:
         raise ConfigError("--recompute-method requires --recompute-granularity full")
 
 
-AttentionMask = torch.Tensor | DocumentMask | ContextTokens | None
+AttentionMask = torch.Tensor | DocumentMask | ContextTokens | SliceTokens | None
 
 
 def uses_sequence_parallel(config: ModelConfig) -> bool:
@@ -235,6 +236,7 @@ class ParallelAttention(nn.Module):
             sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
         self.cp_comm_type = config.cp_comm_type
+        self.layer_number = layer_number
 
     def query_key_value_heads(self, qkv: torch.Tensor, rotary: RotaryTables | None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -276,6 +278,10 @@ class ParallelAttention(nn.Module):
             context = context_parallel_attention(
                 query, key, value, mask, parallel_state.get_context_parallel_group(),
                 self.cp_comm_type)
+            context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+            return self.dense(context)
+        if isinstance(mask, SliceTokens):  # one slice of a sequence: cached earlier keys/values
+            context = mask.attend(self.layer_number, query, key, value, self.head_dim ** -0.5)
             context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
             return self.dense(context)
         if self.heads_per_group > 1:

@@ -40,6 +40,32 @@ class SequenceCache:
         self.keys_values: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
+class SequenceSlice:
+    """What a sliced micro-batch carries besides its tokens: its sequence's ``cache`` (one object
+    shared by the sequence's slices on a rank), the slice's tokens ``start`` to ``end`` in the
+    sequence, the number of ``slices`` and the sequence's unmasked ``tokens`` (the loss's
+    divisor)."""
+
+    def __init__(self, cache: SequenceCache, start: int, end: int, slices: int,
+                 tokens: torch.Tensor) -> None:
+        self.cache, self.start, self.end = cache, start, end
+        self.slices, self.tokens = slices, tokens
+
+    def mask(self, document_ids: torch.Tensor | None, causal: bool = True) -> SliceTokens:
+        """This slice's :class:`SliceTokens` (build once per stage)."""
+        positions = torch.arange(self.start, self.end)
+        return SliceTokens(self.cache, positions, document_ids, causal)
+
+    def loss(self, losses: torch.Tensor, loss_mask: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, reported)``: the slice's masked loss sum over the whole sequence's unmasked
+        tokens (the slices' losses sum to the sequence's token mean), and ``slices`` times it
+        (its mean over the slices is that token mean, as the monitor averages units)."""
+        mask = loss_mask.reshape(-1).to(losses.dtype)
+        loss = torch.sum(losses.reshape(-1) * mask) / self.tokens
+        return loss, loss.detach() * self.slices
+
+
 class SliceTokens:
     """The attention mask of one slice: its global ``positions`` ``[s_j]``, ``document_ids``
     ``[b, s_j]`` (``--reset-attention-mask``) or None, and its sequence's ``cache`` (the slice

@@ -90,6 +90,7 @@ class TPCase:
     model: tuple[tuple[str, Any], ...] = ()  # ModelConfig overrides (e.g. LLAMA_MODEL)
     reset_positions: bool = False  # positions restart mid-sequence (--reset-position-ids)
     context_size: int = 1  # --context-parallel-size (W = world / (T x CP x D))
+    slices: int = 1  # sequence slices per micro-batch (pipeline messages [s / k, b, h])
 
     @property
     def name(self) -> str:
@@ -100,6 +101,7 @@ class TPCase:
         model = " +" + ",".join(f"{k}={v}" for k, v in self.model) if self.model else ""
         reset = " +reset-positions" if self.reset_positions else ""
         cp = f" CP={self.context_size}" if self.context_size > 1 else ""
+        cp += f" slices={self.slices}" if self.slices > 1 else ""
         return (f"{self.family} {self.schedule}[{opts}] T={self.tensor_size} "
                 f"D={self.pipeline_size}{cp} N={self.num_microbatches}{sp}{ddp}{model}{reset}")
 
@@ -217,7 +219,7 @@ def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = Fal
         held = sum(p.numel() for m in modules.values() for p in m.parameters())
         if sum(m.numel() for m in optimizer.main_params) >= held:
             raise AssertionError("the distributed optimizer holds every parameter")
-    seq = SEQ // case.context_size
+    seq = SEQ // (case.context_size * case.slices)
     seq = seq // case.tensor_size if case.sequence_parallel else seq
     executor = PipelineExecutor(
         schedule, PipelineTopology.from_parallel_state(),

@@ -25,8 +25,9 @@ ready W. At D = 8 with 4 sequences and F = B the bubble falls from 1F1B's 64% to
 Chimera and 17.9% for 1F1B at k = 8; Chimera-ZB (W = B/2) idles 9.9% at k = 4 and 4.5% at
 k = 8 (tests/unit/schedules/test_sequence_slices.py).
 
-The runtime does not run slices yet (no training flag): a stage would have to keep the
-keys/values of a sequence's earlier slices and attend to them, see docs/LONG_SEQUENCES.md.
+The executor runs these orders (``model/sequence_slices.py`` keeps the keys/values of a
+sequence's earlier slices; tests/distributed/test_sequence_slices.py); the training flag is not
+wired yet, see docs/LONG_SEQUENCES.md.
 """
 
 from __future__ import annotations

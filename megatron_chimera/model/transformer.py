@@ -71,21 +71,28 @@ from megatron_chimera.tensor_parallel.utils import mark_sequence_parallel
 
 
 def validate_recompute(config: ModelConfig) -> None:
-    """Reject inconsistent ``--recompute-*`` flags with a message naming the flag."""
-    if config.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
+    """The one ``--recompute-*`` rule, checked when the flags are parsed and when a model is
+    built: reject inconsistent flags with a message naming the flag."""
+    granularity, method = config.recompute_granularity, config.recompute_method
+    num_layers = config.recompute_num_layers
+    if granularity not in (None, *RECOMPUTE_GRANULARITIES):
         raise ConfigError(
-            f"--recompute-granularity must be 'selective' or 'full', got "
-            f"{config.recompute_granularity!r}")
-    if config.recompute_granularity == "full":
-        if config.recompute_method not in RECOMPUTE_METHODS:
-            raise ConfigError(
-                f"--recompute-method must be 'uniform' or 'block' with "
-                f"--recompute-granularity full, got {config.recompute_method!r}")
-        if not config.recompute_num_layers or config.recompute_num_layers < 1:
-            raise ConfigError(
-                "--recompute-num-layers must be >= 1 with --recompute-granularity full")
-    elif config.recompute_method is not None:
+            f"--recompute-granularity must be 'selective' or 'full', got {granularity!r}")
+    if granularity == "full" and method is None:
+        raise ConfigError("--recompute-granularity full requires --recompute-method")
+    if method is not None and granularity != "full":
         raise ConfigError("--recompute-method requires --recompute-granularity full")
+    if method is not None and num_layers is None:
+        raise ConfigError("--recompute-method requires --recompute-num-layers")
+    if num_layers is not None and method is None:
+        raise ConfigError("--recompute-num-layers requires --recompute-method")
+    if method is not None and method not in RECOMPUTE_METHODS:
+        raise ConfigError(
+            f"--recompute-method must be 'uniform' or 'block' with "
+            f"--recompute-granularity full, got {method!r}")
+    if num_layers is not None and num_layers < 1:
+        raise ConfigError(
+            "--recompute-num-layers must be >= 1 with --recompute-granularity full")
 
 
 AttentionMask = torch.Tensor | DocumentMask | ContextTokens | SliceTokens | None

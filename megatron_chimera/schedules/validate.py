@@ -20,6 +20,11 @@ from collections.abc import Sequence
 
 from megatron_chimera.errors import ScheduleError
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, input_of
+from megatron_chimera.schedules.device_sync_check import (
+    CollectivePlan,
+    check_sync_anywhere,
+    plan_gradient_collectives,
+)
 from megatron_chimera.schedules.lowering import (
     RECV,
     SEND,
@@ -29,11 +34,6 @@ from megatron_chimera.schedules.lowering import (
     iteration_actions,
     needed_message,
     produced_message,
-)
-from megatron_chimera.schedules.sync_check import (
-    CollectivePlan,
-    check_sync_anywhere,
-    plan_gradient_collectives,
 )
 from megatron_chimera.schedules.walk import run_in_order, stalled
 
@@ -231,7 +231,7 @@ def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = Non
     pending send or receive (checked for ``ranks``, default all: a rank of a job checks its own
     list), or, in training, on a gradient collective of the stage-replica or embedding groups:
     then it returns the collectives' plan for ``overlap_grad_reduce``
-    (:func:`.sync_check.plan_gradient_collectives`, every rank checked: each reaches the same
+    (:func:`.device_sync_check.plan_gradient_collectives`, every rank checked: each reaches the same
     plan), which defers to the end of the iteration the collectives that could hang a sync.
     Without ``gradient_collectives`` (a runner that reduces no gradients) only the
     point-to-point part is checked, for ``ranks``, and None returned."""

@@ -43,9 +43,13 @@ from megatron_chimera.training.argument_parser import (
     build_parser,
     field_flags,
 )
-from megatron_chimera.training.config_checks import build_schedule_for, validate
+from megatron_chimera.training.config_checks import (
+    build_schedule_for,
+    check_config_and_build_schedule,
+)
 
-__all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
+__all__ = ["build_parser", "parse_args", "parse_args_and_schedule",
+           "check_config_and_build_schedule",
            "build_schedule_for", "add_architecture_arguments", "architecture_fields"]
 
 def _field_names(cls: type) -> set[str]:
@@ -97,7 +101,7 @@ def parse_args_and_schedule(
     extra_names = sorted(_known_flags(parser) - _known_flags(base_parser))
     extra = tuple((name, getattr(args, name)) for name in extra_names)
     config = _build_config(args, world_size, extra)
-    return config, validate(config, world_size)
+    return config, check_config_and_build_schedule(config, world_size)
 
 
 def _checkpoint_flags(args: argparse.Namespace) -> list[str]:

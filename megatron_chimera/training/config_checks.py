@@ -27,6 +27,7 @@ from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.context_parallel import COMM_TYPES
 from megatron_chimera.model.context_parallel.gathered import check_heads
 from megatron_chimera.model.stage_layout import split_partition
+from megatron_chimera.model.transformer import validate_recompute
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_schedule
@@ -102,7 +103,7 @@ def _validate_rampup(config: TrainConfig) -> None:
                               f"iteration: {exc}") from None
 
 
-def validate(config: TrainConfig, world_size: int) -> Schedule:
+def check_config_and_build_schedule(config: TrainConfig, world_size: int) -> Schedule:
     """Cross-flag consistency checks (no process group needed); returns the run's schedule."""
     parallel = config.parallel
     parallel.layout.check_world(world_size)
@@ -127,15 +128,7 @@ def _validate_model(model: ModelConfig) -> None:
             f"{model.max_position_embeddings}"
         )
     check_architecture(model)
-    granularity, method = model.recompute_granularity, model.recompute_method
-    if granularity == "full" and method is None:
-        raise ConfigError("--recompute-granularity full requires --recompute-method")
-    if method is not None and granularity != "full":
-        raise ConfigError("--recompute-method requires --recompute-granularity full")
-    if method is not None and model.recompute_num_layers is None:
-        raise ConfigError("--recompute-method requires --recompute-num-layers")
-    if model.recompute_num_layers is not None and method is None:
-        raise ConfigError("--recompute-num-layers requires --recompute-method")
+    validate_recompute(model)
 
 
 def _check_data_files(paths: tuple[str, ...] | None, flag: str) -> None:

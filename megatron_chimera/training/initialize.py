@@ -73,14 +73,7 @@ def initialize_distributed(config: ParallelConfig) -> torch.device:
     missing = [k for k in required if k not in os.environ]
     if missing:
         raise ConfigError(f"environment lacks {missing}: launch with torchrun")
-    world = int(os.environ["WORLD_SIZE"])
-    if world != config.world_size:
-        raise ConfigError(
-            f"world size {world} != --data-parallel-size {config.data_parallel_size} x "
-            f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size} x "
-            f"--tensor-model-parallel-size {config.tensor_model_parallel_size} x "
-            f"--context-parallel-size {config.context_parallel_size}"
-        )
+    config.layout.check_world(int(os.environ["WORLD_SIZE"]))  # the one world check
     dist.init_process_group(init_method="env://", **options)
     return device
 

@@ -207,7 +207,7 @@ class MemoryReport:
             return
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
         mine = (dist.get_rank(), pipeline_rank, self.predicted[pipeline_rank],
-                measured_memory(run.stages, run.optimizer, run.executor, self.activations),
+                measured_memory(run.stages, run.optimizer, run.pipeline.executor, self.activations),
                 allocator_line())
         self.activations = None
         world, logging_rank = dist.get_world_size(), dist.get_world_size() - 1

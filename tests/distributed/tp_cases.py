@@ -24,6 +24,7 @@ import pretrain_gpt2
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
+    CheckpointTarget,
     StageSlice,
     checkpoint_dir,
     global_name,
@@ -408,8 +409,8 @@ def _layout_run(case: TPCase, config: ModelConfig, steps: int, root_in: str | No
         rank, world = dist.get_rank(), dist.get_world_size()
         result: dict[str, Any] = {"read": 0}
         if root_in is not None:
-            loaded = load_checkpoint(root_in, stages, schedule.num_stages, optimizer, None,
-                                     rank=rank, world_size=world)
+            target = CheckpointTarget(stages, schedule.num_stages, optimizer)
+            loaded = load_checkpoint(root_in, target, rank=rank, world_size=world)
             result["read"] = loaded.bytes_read
         if keep_states:
             result["loaded"] = _local_state(optimizer, stages)

@@ -21,7 +21,7 @@ import shlex
 from megatron_chimera.checkpoint.checkpointing import CKPT_FORMATS, FORMAT_TORCH_DIST
 from megatron_chimera.errors import ToolArgumentParser
 from megatron_chimera.hf.convert import export_hf, import_hf
-from megatron_chimera.inference.cli import run_cli
+from megatron_chimera.inference.tool_support import run_cli
 from megatron_chimera.model.flags import model_flags
 
 

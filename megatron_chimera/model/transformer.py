@@ -33,6 +33,12 @@ from megatron_chimera.config import (
     ModelConfig,
 )
 from megatron_chimera.model.architecture import check_architecture
+from megatron_chimera.model.context_parallel import (
+    ContextTokens,
+    context_parallel_attention,
+    context_parallel_size,
+    stage_tokens,
+)
 from megatron_chimera.model.document_attention import DocumentMask, document_attention
 from megatron_chimera.model.dropout_rng import (
     current_stream,
@@ -54,6 +60,7 @@ from megatron_chimera.model.fused import (
     warn_once,
 )
 from megatron_chimera.model.rotary import RotaryEmbedding, RotaryTables, rotate_sequence_first
+from megatron_chimera.model.sequence_slices import SliceTokens
 from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
 from megatron_chimera.tensor_parallel import (
     ColumnParallelLinear,
@@ -89,7 +96,7 @@ def validate_recompute(config: ModelConfig) -> None:
             "--recompute-num-layers must be >= 1 with --recompute-granularity full")
 
 
-AttentionMask = torch.Tensor | DocumentMask | None
+AttentionMask = torch.Tensor | DocumentMask | ContextTokens | SliceTokens | None
 
 
 def uses_sequence_parallel(config: ModelConfig) -> bool:
@@ -239,6 +246,8 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
             sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
+        self.cp_comm_type = config.cp_comm_type
+        self.layer_number = layer_number
 
     def query_key_value_heads(self, qkv: torch.Tensor, rotary: RotaryTables | None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -279,6 +288,19 @@ class ParallelAttention(nn.Module):
         # grouped-query keys and values stay at their group count: the attention core repeats
         # them per query head only where its kernel cannot share them (fused.attention)
         query, key, value = self.query_key_value_heads(qkv, rotary)
+        if isinstance(mask, ContextTokens):  # context parallel: keys/values stay grouped
+            # (contiguous: the kernel saves them, and as views of the rotated and the QKV
+            # buffers they would keep both whole buffers alive for the backward)
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+            context = context_parallel_attention(
+                query, key, value, mask, parallel_state.get_context_parallel_group(),
+                self.cp_comm_type)
+            context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+            return self.dense(context)
+        if isinstance(mask, SliceTokens):  # one slice of a sequence: cached earlier keys/values
+            context = mask.attend(self.layer_number, query, key, value, self.head_dim ** -0.5)
+            context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+            return self.dense(context)
         if (self.recompute_core and self.training and torch.is_grad_enabled()
                 and not self.core_attention.stores_no_scores(query, mask)):
             context = checkpoint(with_current_stream(self.core_attention), query, key, value,
@@ -398,6 +420,21 @@ class ParallelTransformer(nn.Module):
         self.rotary = (RotaryEmbedding(config) if config.position_embedding_type == "rope"
                        else None)
         self.sequence_parallel = uses_sequence_parallel(config)
+        self.causal = causal
+        self.context_parallel = context_parallel_size() > 1
+        if self.context_parallel and not causal:
+            raise ConfigError("--context-parallel-size > 1 is for causal models (GPT, Llama): "
+                              "BERT's bidirectional attention with a padding mask has no "
+                              "context-parallel form here")
+        if self.context_parallel and self.training_dropout(config):
+            raise ConfigError("--context-parallel-size > 1 needs --hidden-dropout 0 and "
+                              "--attention-dropout 0 (each context rank holds other tokens, so "
+                              "dropout masks would differ from one process's)")
+
+    @staticmethod
+    def training_dropout(config: ModelConfig) -> bool:
+        """Whether the model drops anything out in training."""
+        return config.hidden_dropout > 0 or config.attention_dropout > 0
 
     def _run(self, first: int, last: int, stream: int | None, rotary: RotaryTables | None):
         # ``stream`` (the keyed-dropout micro-batch, captured at the forward) and the rotary
@@ -423,9 +460,13 @@ class ParallelTransformer(nn.Module):
         ``position_ids`` ``[b, s]`` when given (``--reset-position-ids``)."""
         if self.rotary is None:
             return None
-        seq = hidden.shape[0] * (parallel_state.get_tensor_model_parallel_world_size()
-                                 if self.sequence_parallel else 1)
+        seq = self._local_seq_length(hidden)
         return self.rotary.tables(seq, position_ids, hidden.device, hidden.dtype)
+
+    def _local_seq_length(self, hidden: torch.Tensor) -> int:
+        """Tokens of this rank's share of the sequence (all of its tensor ranks')."""
+        return hidden.shape[0] * (parallel_state.get_tensor_model_parallel_world_size()
+                                  if self.sequence_parallel else 1)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -433,6 +474,11 @@ class ParallelTransformer(nn.Module):
         ``0..s-1``) place the rotary embedding."""
         n = len(self.layers)
         stream = current_stream()
+        if self.context_parallel:  # this rank's zigzag tokens: their positions and masks
+            mask = stage_tokens(mask, self._local_seq_length(hidden), self.causal,
+                                hidden.device)
+            if position_ids is None:
+                position_ids = mask.positions[mask.rank][None].to(hidden.device)
         rotary = self.rotary_tables(hidden, position_ids)
         full = (self.recompute_granularity == "full" and self.training
                 and torch.is_grad_enabled())

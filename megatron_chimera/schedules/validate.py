@@ -152,11 +152,23 @@ def _check_deadlock(schedule: Schedule) -> None:
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` unless ``schedule`` is well formed, complete, deadlock free."""
+    """Raise :class:`ScheduleError` unless ``schedule`` is well formed, complete, in slice order
+    (sequence-sliced schedules) and deadlock free."""
     _check_shape(schedule)
     _check_actions(schedule)
     _check_complete(schedule)
+    _check_slice_order(schedule)
     _check_deadlock(schedule)
+
+
+def _check_slice_order(schedule: Schedule) -> None:
+    """Sequence slices run in slice order on every stage (:mod:`.slices`)."""
+    from megatron_chimera.schedules.slices import slice_order_errors  # (slices builds on chimera)
+
+    errors = slice_order_errors(schedule)
+    if errors:
+        raise ScheduleError("; ".join(errors[:3]) + (f" (+{len(errors) - 3} more)"
+                                                     if len(errors) > 3 else ""))
 
 
 # ----------------------------------------------------------------------------- lowered schedules

@@ -132,7 +132,8 @@ def _build_config(
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")
     pipeline_size = args.pipeline_model_parallel_size
     data_parallel = ParallelLayout.from_world(world_size, args.tensor_model_parallel_size,
-                                              pipeline_size).data
+                                              pipeline_size,
+                                              args.context_parallel_size).data
     global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
     if global_batch % (args.micro_batch_size * data_parallel):
         raise ConfigError(

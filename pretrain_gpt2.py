@@ -30,7 +30,7 @@ from megatron_chimera.model.context_parallel import (
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
-from megatron_chimera.model.sequence_slices import SequenceCache, SequenceSlice
+from megatron_chimera.model.sequence_slices import SLICE, SequenceSlice, split_into_slices
 from megatron_chimera.training import pretrain_from_flags, run_main
 
 
@@ -78,28 +78,6 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     mask = loss_mask.reshape(-1).to(losses.dtype)
     loss = torch.sum(losses * mask) / mask.sum()
     return loss, {"lm loss": loss.detach()}
-
-
-SLICE = "sequence_slice"  # the SequenceSlice record of a sliced micro-batch
-
-
-def split_into_slices(batch: dict, slices: int) -> list[dict]:
-    """A collated GPT micro-batch as ``slices`` equal consecutive slices of its sequence, in
-    order (sequence-sliced pipelines): each holds its share of every per-token field (``text``
-    one token more, for the labels) and a :class:`SequenceSlice` sharing one cache."""
-    seq = batch["text"].shape[1] - 1
-    if seq % slices:
-        raise ValueError(f"--seq-length {seq} is not divisible into {slices} equal slices")
-    length, cache = seq // slices, SequenceCache()
-    tokens = batch["loss_mask"].float().sum()
-    parts = []
-    for j in range(slices):
-        a, b = j * length, (j + 1) * length
-        part = {key: value[:, a:b] for key, value in batch.items() if key != "text"}
-        part["text"] = batch["text"][:, a:b + 1]
-        part[SLICE] = SequenceSlice(cache, a, b, slices, tokens)
-        parts.append(part)
-    return parts
 
 
 def slice_loss_func(piece: SequenceSlice, loss_mask: torch.Tensor,

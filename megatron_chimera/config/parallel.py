@@ -38,6 +38,12 @@ class ParallelConfig:
         help="context-parallel size CP: each sequence split over CP ranks (s / CP tokens each, "
              "zigzag chunks i and 2CP-1-i for causal balance); attention by --cp-comm-type, "
              "gradients reduced over data x context ranks (world = T x CP x W x D)")
+    pipeline_sequence_slices: int = flag(
+        1, "--pipeline-sequence-slices", check=positive, family=GPT,
+        help="sequence-sliced pipelines (1f1b, zb-h1, chimera, chimera-zb): each micro-batch's "
+             "sequence is cut into k equal slices that enter the pipeline in order as N x k "
+             "units; a stage keeps the keys/values of a sequence's earlier slices for the later "
+             "ones (docs/LONG_SEQUENCES.md). k must divide --seq-length (default 1: unsliced)")
     data_parallel_size: int = 1  # W = world / (T x CP x D)
     pipeline_schedule: str = "1f1b"  # a name of the schedule registry
     schedule_options: Any = None  # None: the schedule's defaults

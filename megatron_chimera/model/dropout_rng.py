@@ -43,6 +43,12 @@ def microbatch_key(seed: int, first_sample: int) -> int:
     return _digest(f"microbatch:{seed}:{first_sample}")
 
 
+def slice_key(key: int, index: int) -> int:
+    """The dropout key of slice ``index`` of the micro-batch keyed ``key`` (sequence-sliced
+    pipelines: each slice draws its own masks)."""
+    return _digest(f"slice:{key}:{index}")
+
+
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(),
                           "little") & ((1 << 63) - 1)

@@ -111,3 +111,25 @@ class SliceTokens:
         values = torch.cat([v for _, v in cached] + [value], dim=2)
         cached.append(leaves)
         return masked_attention(query, keys, values, self.allowed(query.device), scale)
+
+
+SLICE = "sequence_slice"  # the SequenceSlice record of a sliced micro-batch
+
+
+def split_into_slices(batch: dict, slices: int) -> list[dict]:
+    """A collated GPT micro-batch as ``slices`` equal consecutive slices of its sequence, in
+    order (sequence-sliced pipelines): each holds its share of every per-token field (``text``
+    one token more, for the labels) and a :class:`SequenceSlice` sharing one cache."""
+    seq = batch["text"].shape[1] - 1
+    if seq % slices:
+        raise ValueError(f"--seq-length {seq} is not divisible into {slices} equal slices")
+    length, cache = seq // slices, SequenceCache()
+    tokens = batch["loss_mask"].float().sum()
+    parts = []
+    for j in range(slices):
+        a, b = j * length, (j + 1) * length
+        part = {key: value[:, a:b] for key, value in batch.items() if key != "text"}
+        part["text"] = batch["text"][:, a:b + 1]
+        part[SLICE] = SequenceSlice(cache, a, b, slices, tokens)
+        parts.append(part)
+    return parts

@@ -136,6 +136,11 @@ class Schedule:
         return WEIGHT if self.split_backward else BACKWARD
 
     @property
+    def num_sequences(self) -> int:
+        """Sequences (data micro-batches) per iteration: N units / k slices (N unsliced)."""
+        return self.num_microbatches // self.sequence_slices
+
+    @property
     def microbatches_per_pipe(self) -> int:
         """Number of micro-batches each pipe processes (N / P)."""
         return self.num_microbatches // self.num_pipes

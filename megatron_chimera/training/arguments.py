@@ -264,11 +264,16 @@ def _profile_iterations(args: argparse.Namespace, schedule: str, global_batch: i
     given = args.profile_iterations
     total = args.train_iters if args.train_iters is not None else \
         (args.train_samples or 0) // global_batch
+    sliced = (getattr(args, "pipeline_sequence_slices", None) or 1) > 1
     if given is None:
         if (schedule not in SPLIT_BACKWARD_SCHEDULES or args.chimera_zb_costs is not None
-                or args.rampup_batch_size is not None):
+                or args.rampup_batch_size is not None or sliced):
             return 0
         return max(0, min(DEFAULT_PROFILE_ITERATIONS, total - 1))
+    if given and sliced:
+        raise ConfigError("--profile-iterations does not rebuild a sliced order "
+                          "(--pipeline-sequence-slices > 1: it is built for the slices' "
+                          "attention work)")
     if given and schedule not in SPLIT_BACKWARD_SCHEDULES:
         raise ConfigError(f"--profile-iterations applies to split-backward schedules "
                           f"({', '.join(SPLIT_BACKWARD_SCHEDULES)}), not --pipeline-schedule "

@@ -33,6 +33,7 @@ from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_schedule
 from megatron_chimera.schedules.registry import get_spec
+from megatron_chimera.schedules.slices import SLICED_SCHEDULES, sliced_schedule
 from megatron_chimera.schedules.validate import validate as validate_schedule
 from megatron_chimera.training.initialize import check_backend
 from megatron_chimera.training.scalar_writers import check_wandb_flags
@@ -67,8 +68,11 @@ def build_schedule_for(config: TrainConfig) -> Schedule:
     try:
         spec = get_spec(parallel.pipeline_schedule)
         options = parallel.schedule_options
-        schedule = spec.build(parallel.pipeline_model_parallel_size,
-                              config.training.num_microbatches, options)
+        if parallel.pipeline_sequence_slices > 1:
+            schedule = _sliced_schedule_for(config, spec, options)
+        else:
+            schedule = spec.build(parallel.pipeline_model_parallel_size,
+                                  config.training.num_microbatches, options)
         validate_schedule(schedule)
         schedule = never_slower_than_unsplit(schedule, options)
     except FallbackRefused as exc:
@@ -85,6 +89,54 @@ def build_schedule_for(config: TrainConfig) -> Schedule:
     split_partition(config.training.layer_split, config.model.num_layers, schedule.num_stages,
                     parallel.pipeline_model_parallel_size)
     return schedule
+
+
+def attention_fraction(model: ModelConfig) -> float:
+    """The fraction of a causal sequence's forward work in the attention scores and their
+    product with the values (per token and layer ``2 s h`` multiply-adds, causal, against
+    ``12 h^2`` in the linear layers, ``h`` the hidden size): ``s / (s + 12 h)``. The sliced
+    orders are built for it (later slices attend to more keys)."""
+    return model.seq_length / (model.seq_length + 12 * model.hidden_size)
+
+
+def _sliced_schedule_for(config: TrainConfig, spec: object, options: object) -> Schedule:
+    """``--pipeline-sequence-slices k``: the sliced order of ``spec`` (ValueError naming the
+    flag it cannot take: a schedule or an option the sliced orders do not have)."""
+    k = config.parallel.pipeline_sequence_slices
+    name = spec.name  # type: ignore[attr-defined]
+    if name not in SLICED_SCHEDULES:
+        raise ValueError(f"--pipeline-sequence-slices {k} is built for --pipeline-schedule "
+                         f"{', '.join(SLICED_SCHEDULES)}, not {name}")
+    for f in dataclasses.fields(options) if options is not None else ():
+        value = getattr(options, f.name)
+        if value is not None and value != f.default:
+            raise ValueError(f"--pipeline-sequence-slices {k} does not take "
+                             f"{f.metadata['flag']} (the sliced orders are built by list "
+                             "scheduling on the slices' attention work: 2 pipes, cap D x k)")
+    return sliced_schedule(name, config.parallel.pipeline_model_parallel_size,
+                           config.training.num_microbatches, k,
+                           attention_fraction=attention_fraction(config.model))
+
+
+def _validate_sequence_slices(config: TrainConfig) -> None:
+    """--pipeline-sequence-slices: what the slices' key/value cache cannot run with yet."""
+    k = config.parallel.pipeline_sequence_slices
+    if k == 1:
+        return
+    model = config.model
+    flag = f"--pipeline-sequence-slices {k}"
+    if model.seq_length % k:
+        raise ConfigError(f"{flag} does not divide --seq-length {model.seq_length} into equal "
+                          "slices")
+    if config.parallel.context_parallel_size > 1:
+        raise ConfigError(f"{flag} does not run with --context-parallel-size > 1 yet (the "
+                          "context-parallel kernels have no slice key/value cache)")
+    if model.recompute_granularity == "full":
+        raise ConfigError(f"{flag} does not run with --recompute-granularity full (a replayed "
+                          "forward would add its slice's keys/values to the cache twice)")
+    if model.document_attention not in ("auto",):
+        raise ConfigError(f"{flag} does not take --document-attention "
+                          f"{model.document_attention}: the slice mask covers the documents")
 
 
 def schedule_for_microbatches(config: TrainConfig, num_microbatches: int) -> Schedule:
@@ -118,6 +170,7 @@ def check_config_and_build_schedule(config: TrainConfig, world_size: int) -> Sch
     check_wandb_flags(config.logging, config.checkpoint.save)
     _validate_attention(config.model, config.data)
     _validate_context_parallel(config.model, parallel)
+    _validate_sequence_slices(config)
     check_backend(parallel)
     return schedule
 

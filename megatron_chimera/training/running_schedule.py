@@ -38,9 +38,10 @@ from megatron_chimera.training.config_checks import schedule_for_microbatches
 
 def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
     """Shape of every pipeline message: ``[s/CP, b, h]`` (this context rank's tokens), or
-    ``[s/(CP T), b, h]`` (this rank's chunk of them) under sequence parallelism."""
+    ``[s/(CP T), b, h]`` (this rank's chunk of them) under sequence parallelism; ``s/k`` tokens
+    of one slice with ``--pipeline-sequence-slices k``."""
     model, parallel = config.model, config.parallel
-    seq = model.seq_length // parallel.context_parallel_size
+    seq = model.seq_length // parallel.context_parallel_size // parallel.pipeline_sequence_slices
     if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
         seq //= parallel.tensor_model_parallel_size
     return (seq, config.training.micro_batch_size, model.hidden_size)
@@ -48,8 +49,9 @@ def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
 
 def needed_microbatches(schedule: Schedule, pipeline_rank: int,
                         all_stages: bool) -> list[int] | None:
-    """Micro-batches whose first or last stage this rank holds (None: every one)."""
-    if all_stages:
+    """Micro-batches whose first or last stage this rank holds (None: every one). A sliced
+    schedule's units are read by every stage (each keeps its sequence's key/value cache)."""
+    if all_stages or schedule.sequence_slices > 1:
         return None
     last = schedule.num_stages - 1
     pipes = {pipe for pipe, stage in schedule.replicas_of_rank(pipeline_rank)
@@ -84,14 +86,15 @@ class ExecutorFactory:
         return self.transports[sizes]
 
     def train_executor(self, schedule: Schedule) -> PipelineExecutor:
-        """The training executor of ``schedule`` (losses divided by its N x W)."""
-        divisor = schedule.num_microbatches * self.data_parallel_size
+        """The training executor of ``schedule`` (losses divided by its sequences x W: a
+        sliced schedule's slice losses already sum to their sequence's)."""
+        divisor = schedule.num_sequences * self.data_parallel_size
         return PipelineExecutor(schedule, self.topology, self.work,
                                 Gradients(divisor, self.grad_sync, self.scale_loss),
                                 transport=self._transport(schedule))
 
     def __call__(self, schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
-        divisor = schedule.num_microbatches * self.data_parallel_size
+        divisor = schedule.num_sequences * self.data_parallel_size
         return (self.train_executor(schedule),
                 PipelineExecutor(schedule, self.topology, self.work, Gradients(divisor),
                                  transport=self._transport(schedule)))
@@ -144,13 +147,13 @@ class RunningSchedule:
     def batch_size(self) -> int:
         """The global batch of the running schedule (smaller during ``--rampup-batch-size``)."""
         training = self.config.training
-        return self.schedule.num_microbatches * (training.global_batch_size
-                                                 // training.num_microbatches)
+        return self.schedule.num_sequences * (training.global_batch_size
+                                              // training.num_microbatches)
 
     def use_microbatches(self, num_microbatches: int) -> None:
         """Train with ``num_microbatches`` per iteration from now on (``--rampup-batch-size``):
         each N's schedule, executor and read micro-batches are built on first use and kept."""
-        current = self.schedule.num_microbatches
+        current = self.schedule.num_sequences  # data micro-batches (a sliced one: k units)
         if num_microbatches == current:
             return
         self._by_microbatches[current] = self._training

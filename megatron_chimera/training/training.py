@@ -38,8 +38,9 @@ from megatron_chimera.data.samplers import (
     microbatch_first_samples,
     next_microbatches,
 )
-from megatron_chimera.model.dropout_rng import KeyedMicrobatch, microbatch_key
+from megatron_chimera.model.dropout_rng import KeyedMicrobatch, microbatch_key, slice_key
 from megatron_chimera.model.family import GPT2, ModelFamily
+from megatron_chimera.model.sequence_slices import split_into_slices
 from megatron_chimera.pipeline.profiling import (
     PROFILED_KEY,
     profiling_for,
@@ -106,6 +107,22 @@ def keyed_microbatches(run: Run, batches: list[Any], consumed_samples: int) -> l
             for first, batch in zip(firsts, batches)]
 
 
+def sliced_units(batches: list[Any], slices: int) -> list[Any]:
+    """The pipeline units of one iteration's micro-batches: each read micro-batch (a sequence)
+    cut into ``slices`` consecutive slices (``--pipeline-sequence-slices``; unit ``q k + j`` is
+    slice ``j`` of sequence ``q``), each slice keyed for its own dropout masks."""
+    if slices == 1:
+        return batches
+    units: list[Any] = []
+    for batch in batches:
+        keyed = isinstance(batch, KeyedMicrobatch)
+        data = batch.batch if keyed else batch
+        parts = [None] * slices if data is None else split_into_slices(data, slices)
+        units += ([KeyedMicrobatch(slice_key(batch.key, j), part)
+                   for j, part in enumerate(parts)] if keyed else parts)
+    return units
+
+
 _NO_METER = contextlib.nullcontext()
 
 
@@ -125,11 +142,13 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     """
     run.timers("batch-generator").start()
     pipeline = run.pipeline
-    batches = next_microbatches(data_iterator, pipeline.schedule.num_microbatches,
+    schedule = pipeline.schedule
+    batches = next_microbatches(data_iterator, schedule.num_sequences,
                                 pipeline.needed_microbatches)
     run.timers("batch-generator").stop()
     if consumed_samples is not None:
         batches = keyed_microbatches(run, batches, consumed_samples)
+    batches = sliced_units(batches, schedule.sequence_slices)
     run.optimizer.zero_grad()
     trace = run.instruments.trace if iteration is not None else None
     if trace is not None:
@@ -181,6 +200,7 @@ def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
         for _ in range(num_iters):
             batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
                                         run.pipeline.eval_needed_microbatches)
+            batches = sliced_units(batches, run.config.parallel.pipeline_sequence_slices)
             results.append(run.pipeline.eval_executor.run(batches, forward_only=True))
     for module in (s.module for s in run.stages):
         module.train()

@@ -55,20 +55,32 @@ def predicted_memory(config: TrainConfig, family: ModelFamily, schedule: Schedul
                      partition: list[tuple[int, int]], device_type: str) -> list[MemoryFigures]:
     """Predicted figures of every pipeline rank (one tensor rank's share; with context
     parallelism one context rank's: its s/CP tokens, the optimizer sharded over data x context
-    ranks)."""
+    ranks; with k sequence slices each live unit is one slice of s/k tokens plus the keys and
+    values of its sequence's earlier slices, :func:`~megatron_chimera.tuning.memory.
+    slice_cache_bytes`)."""
     from megatron_chimera.tuning.costs import ModelSpec, pieces_of
-    from megatron_chimera.tuning.memory import rank_memory, receive_buffers
+    from megatron_chimera.tuning.memory import (
+        rank_memory,
+        receive_buffers,
+        slice_cache_bytes,
+        sliced_rank_memory,
+    )
 
     parallel, model = config.parallel, config.model
-    cp = parallel.context_parallel_size
-    local = model if cp == 1 else dataclasses.replace(
-        model, seq_length=model.seq_length // cp, max_position_embeddings=model.max_positions)
+    cp, k = parallel.context_parallel_size, schedule.sequence_slices
+    local = model if cp * k == 1 else dataclasses.replace(
+        model, seq_length=model.seq_length // (cp * k),
+        max_position_embeddings=model.max_positions)
     spec = ModelSpec(local, family)
-    ranks = rank_memory(spec, schedule, pieces_of(partition), config.training.micro_batch_size,
+    pieces = pieces_of(partition)
+    ranks = rank_memory(spec, schedule, pieces, config.training.micro_batch_size,
                         model.recompute_granularity == "full", device_type,
                         parallel.tensor_model_parallel_size, model.sequence_parallel,
                         parallel.data_parallel_size * cp, config.ddp.use_distributed_optimizer,
                         config.ddp.grad_reduce_in_fp32)
+    ranks = sliced_rank_memory(ranks, schedule, slice_cache_bytes(
+        ModelSpec(model, family), pieces, config.training.micro_batch_size, k,
+        parallel.tensor_model_parallel_size))
     seq = local.seq_length
     if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
         seq //= parallel.tensor_model_parallel_size

@@ -33,10 +33,12 @@ from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.model.stage_layout import expand_layout, is_layout
 from megatron_chimera.schedules.registry import SCHEDULE_NAMES, ScheduleSpec, get_spec
+from megatron_chimera.schedules.slices import SLICED_SCHEDULES
 from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingLayout
 
 DEFAULT_SCHEDULES = SCHEDULE_NAMES
-JSON_KEYS = ("schedule", "pipes", "T", "D", "W", "B", "N", "recompute", "recompute_granularity",
+JSON_KEYS = ("schedule", "pipes", "T", "CP", "k", "D", "W", "B", "N", "recompute",
+             "recompute_granularity",
              "sequence_parallel", "distributed_optimizer", "iteration_s", "samples_per_s",
              "peak_memory_bytes")
 
@@ -65,6 +67,11 @@ class SearchSpace:
     pipeline_parallel_sizes: tuple[int, ...] | None = None
     num_attention_heads: int = 0  # for the automatic T (0: T = 1 only)
     gpus_per_node: int = 1  # for the automatic T
+    # CP to try (--context-parallel-sizes: ring attention over CP ranks per sequence)
+    context_parallel_sizes: tuple[int, ...] = (1,)
+    # k to try (--pipeline-sequence-slices: the sliced orders of 1f1b, zb-h1, chimera,
+    # chimera-zb; k > 1 with the schedule's default options, D > 1 and CP = 1)
+    sequence_slices: tuple[int, ...] = (1,)
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -90,6 +97,10 @@ class SearchSpace:
                                                             default=0) < 1:
             raise ConfigError(f"--pipeline-model-parallel-sizes must be positive, got "
                               f"{self.pipeline_parallel_sizes}")
+        for flag, sizes in (("--context-parallel-sizes", self.context_parallel_sizes),
+                            ("--pipeline-sequence-slices", self.sequence_slices)):
+            if not sizes or min(sizes) < 1:
+                raise ConfigError(f"{flag} must be positive, got {sizes}")
         if self.tensor_parallel_sizes is not None and (
                 not self.tensor_parallel_sizes or min(self.tensor_parallel_sizes) < 1):
             raise ConfigError(f"--tensor-model-parallel-sizes must be positive, got "
@@ -182,29 +193,48 @@ def _without_pipeline(specs: Sequence[ScheduleSpec]) -> list[ScheduleSpec]:
     return plain[:1]
 
 
+def _slices_for(space: SearchSpace, spec: ScheduleSpec, D: int, CP: int) -> list[int]:
+    """The k to try for ``spec``: 1, and the others where the sliced orders exist."""
+    sliced = (D > 1 and CP == 1 and spec.name in SLICED_SCHEDULES
+              and space.num_layers % D == 0)
+    return [k for k in sorted(set(space.sequence_slices)) if k == 1 or sliced]
+
+
 def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
     """Every layout of the search space (sizes not yet checked against the generators); at
-    D = 1 one schedule (:func:`_without_pipeline`)."""
+    D = 1 one schedule (:func:`_without_pipeline`); context-parallel sizes CP and sequence
+    slices k as the space allows (a sliced layout with the schedule's default options)."""
     specs = [get_spec(name) for name in space.schedules]
-    for T in space.tensor_sizes():
+    for T, CP, D, W, B, N in _sizes(space):
         sequence_parallel = space.sequence_parallel and T > 1
-        for D in space.pipeline_sizes(T):
-            W = ParallelLayout.from_world(space.num_gpus, T, D).data
-            for B in space.micro_batches_for(W):
-                N = space.global_batch_size // (W * B)
-                for spec in specs if D > 1 else _without_pipeline(specs):
-                    for options in _variants(space, spec, D, N):
-                        replicated = W * getattr(options, "pipes", 1) > 1
-                        stages = D * getattr(options, "virtual_pipeline_size", 1)
-                        for partition in _partitions_for(space, stages):
-                            for recompute, granularity in _recomputations(space):
-                                for sharded in space.distributed_optimizer:
-                                    if sharded and not replicated:
-                                        continue  # every stage-replica group has one rank
-                                    yield TrainingLayout(spec.name, D, W, B, N, recompute,
-                                                         options, partition, T,
-                                                         sequence_parallel, sharded,
-                                                         granularity)
+        for spec in specs if D > 1 else _without_pipeline(specs):
+            for k in _slices_for(space, spec, D, CP):
+                variants = ([spec.options_type()] if k > 1
+                            else list(_variants(space, spec, D, N)))
+                for options in variants:
+                    replicated = W * CP * getattr(options, "pipes", 1) > 1
+                    stages = D * getattr(options, "virtual_pipeline_size", 1)
+                    for partition in _partitions_for(space, stages):
+                        for recompute, granularity in _recomputations(space):
+                            for sharded in space.distributed_optimizer:
+                                if sharded and not replicated:
+                                    continue  # every stage-replica group has one rank
+                                yield TrainingLayout(spec.name, D, W, B, N, recompute,
+                                                     options, partition, T,
+                                                     sequence_parallel, sharded,
+                                                     granularity, CP, k)
+
+
+def _sizes(space: SearchSpace) -> Iterator[tuple[int, int, int, int, int, int]]:
+    """(T, CP, D, W, B, N) of the space: W = P / (T CP D)."""
+    for T in space.tensor_sizes():
+        for CP in sorted(set(space.context_parallel_sizes)):
+            if space.num_gpus % (T * CP):
+                continue
+            for D in space.pipeline_sizes(T * CP):
+                W = ParallelLayout.from_world(space.num_gpus, T, D, CP).data
+                for B in space.micro_batches_for(W):
+                    yield T, CP, D, W, B, space.global_batch_size // (W * B)
 
 
 @dataclass
@@ -308,6 +338,8 @@ def to_records(predictions: Sequence[Prediction]) -> list[dict]:
             "schedule": p.layout.label,
             "pipes": p.layout.pipes,
             "T": p.layout.T,
+            "CP": p.layout.CP,
+            "k": p.layout.slices,
             "D": p.layout.D,
             "W": p.layout.W,
             "B": p.layout.B,
@@ -335,9 +367,11 @@ def format_table(predictions: Sequence[Prediction], memory_limit_bytes: int,
     def row(index: str, layout: TrainingLayout, cells: str, peak: int) -> str:
         fits = "yes" if peak <= memory_limit_bytes else "no"
         tensor = f"{layout.T}{'s' if layout.sequence_parallel else ''}"
+        label = layout.label + (f" CP={layout.CP}" if layout.CP > 1 else "") + (
+            f" k={layout.slices}" if layout.slices > 1 else "")
         recompute = {None: "no", "full": "yes", "selective": "sel"}[layout.recompute_mode]
         sharded = "yes" if layout.distributed_optimizer else "no"
-        return (f"{index:>3}  {layout.label:<32}{layout.pipes:>5}{tensor:>4}{layout.D:>5}"
+        return (f"{index:>3}  {label:<32}{layout.pipes:>5}{tensor:>4}{layout.D:>5}"
                 f"{layout.W:>5}{layout.B:>5}{layout.N:>6}{recompute:>7}{sharded:>9}"
                 f"{cells}{peak / 2**30:>16.2f}{fits:>6}")
 

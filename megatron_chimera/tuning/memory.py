@@ -26,6 +26,8 @@ with T.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -197,3 +199,29 @@ def receive_buffers(schedule: Schedule, lookahead: int = DEFAULT_LOOKAHEAD) -> l
                 releasing = held.pop((op.pipe, op.stage, op.microbatch), 0)
         peaks.append(peak)
     return peaks
+
+
+def slice_cache_bytes(spec: ModelSpec, partition: Sequence[StagePiece], micro_batch: int,
+                      slices: int, tensor_parallel: int = 1) -> list[int]:
+    """Per stage, the bytes a sliced unit saves beyond an unsliced micro-batch of its ``s / k``
+    tokens (``--pipeline-sequence-slices k``): its attention's keys and values concatenated with
+    those of the sequence's earlier slices, up to ``(k - 1) s / k`` tokens of them per layer
+    (the last slice's: a bound for every unit). The cached leaves share the earlier slices'
+    storage, so they add nothing more. ``spec`` has the whole sequence."""
+    if slices == 1:
+        return [0] * len(partition)
+    cfg = spec.config
+    kv = cfg.query_groups * cfg.head_dim // tensor_parallel
+    per_layer = 2 * (slices - 1) * (cfg.seq_length // slices) * micro_batch * kv
+    return [piece.num_layers * per_layer * spec.dtype_bytes for piece in partition]
+
+
+def sliced_rank_memory(memory: list[RankMemory], schedule: Schedule,
+                       cache_bytes: Sequence[int]) -> list[RankMemory]:
+    """``memory`` (priced at one slice's tokens) with the key/value bytes of the live units
+    (:func:`slice_cache_bytes`) at their peak."""
+    if schedule.sequence_slices == 1:
+        return memory
+    extra = peak_activation_bytes(schedule, list(cache_bytes))
+    return [dataclasses.replace(m, activation_bytes=m.activation_bytes + e)
+            for m, e in zip(memory, extra, strict=True)]

@@ -25,6 +25,7 @@ Recomputation is ``full`` or ``selective`` (``TrainingLayout.recompute_granulari
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,6 +37,7 @@ from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
 from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
+from megatron_chimera.schedules.slices import sliced_schedule
 from megatron_chimera.tuning.costs import (
     ModelSpec,
     StagePiece,
@@ -47,7 +49,12 @@ from megatron_chimera.tuning.costs import (
     tensor_parallel_comm_seconds,
 )
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
-from megatron_chimera.tuning.memory import RankMemory, rank_memory
+from megatron_chimera.tuning.memory import (
+    RankMemory,
+    rank_memory,
+    slice_cache_bytes,
+    sliced_rank_memory,
+)
 from megatron_chimera.tuning.operators import (
     attention_core_forward,
     check_recompute,
@@ -82,6 +89,8 @@ class TrainingLayout:
     # with ``recompute``: --recompute-granularity full (the whole layer) or selective (the
     # attention core)
     recompute_granularity: str = "full"
+    CP: int = 1  # --context-parallel-size (ring attention, --cp-comm-type p2p)
+    slices: int = 1  # --pipeline-sequence-slices k (N sequences run as N k units)
 
     def __post_init__(self) -> None:
         if self.options is None:
@@ -107,8 +116,8 @@ class TrainingLayout:
 
     @property
     def num_gpus(self) -> int:
-        """Ranks of the layout: T x W x D."""
-        return self.T * self.W * self.D
+        """Ranks of the layout: T x CP x W x D."""
+        return self.T * self.CP * self.W * self.D
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -135,8 +144,15 @@ class TrainingLayout:
         """Model stages: D, or D x v for the interleaved and V-shaped schedules."""
         return self.D * self.virtual
 
-    def build_schedule(self) -> Schedule:
-        """The layout's schedule (ValueError if it cannot run at these sizes)."""
+    def build_schedule(self, attention_fraction: float = 0.0) -> Schedule:
+        """The layout's schedule (ValueError if it cannot run at these sizes); with slices the
+        sliced order, built for ``attention_fraction`` of the work in attention."""
+        if self.slices > 1:
+            if self.options != self.spec.options_type():
+                raise ValueError("--pipeline-sequence-slices takes the schedule's default "
+                                 "options only")
+            return sliced_schedule(self.schedule, self.D, self.N, self.slices,
+                                   attention_fraction=attention_fraction)
         return self.spec.build(self.D, self.N, self.options)
 
     @property
@@ -151,6 +167,8 @@ class TrainingLayout:
         pipes = f" pipes={self.pipes}" if self.pipes > 1 else ""
         tensor = f" T={self.T}" if self.T > 1 else ""
         sp = " sequence-parallel" if self.sequence_parallel and self.T > 1 else ""
+        tensor += f" CP={self.CP}" if self.CP > 1 else ""
+        tensor += f" k={self.slices}" if self.slices > 1 else ""
         return (f"{self.label}{pipes}{tensor} D={self.D} W={self.W} B={self.B} N={self.N}"
                 f"{' recompute' if self.recompute else ''}"
                 f"{'-selective' if self.recompute_mode == 'selective' else ''}{sp}"
@@ -290,9 +308,9 @@ class PerformanceModel:
     # ------------------------------------------------------------------ building blocks
     def schedule(self, layout: TrainingLayout) -> Schedule:
         """The layout's schedule (cached by its generator arguments)."""
-        key = (layout.schedule, layout.D, layout.N, layout.options)
+        key = (layout.schedule, layout.D, layout.N, layout.options, layout.slices)
         if key not in self._schedules:
-            self._schedules[key] = layout.build_schedule()
+            self._schedules[key] = layout.build_schedule(self.attention_fraction())
         return self._schedules[key]
 
     def partition(self, layout: TrainingLayout) -> list[StagePiece]:
@@ -305,27 +323,101 @@ class PerformanceModel:
             self._partitions[key] = partition_stages(self.spec, *key)
         return list(self._partitions[key])
 
-    def memory(self, layout: TrainingLayout) -> list[RankMemory]:
-        """Peak memory of every pipeline rank (of one tensor-parallel rank)."""
-        check_tensor_parallel(self.spec, layout.T, layout.sequence_parallel)
-        return rank_memory(self.spec, self.schedule(layout), self.partition(layout), layout.B,
-                           layout.recompute_mode, self.device_type, layout.T,
-                           layout.sequence_parallel, data_parallel_size=layout.W,
-                           distributed_optimizer=layout.distributed_optimizer)
+    def attention_fraction(self) -> float:
+        """The share of a causal sequence's forward work in attention, ``s / (s + 12 h)`` (the
+        sliced orders are built for it, as in training)."""
+        cfg = self.spec.config
+        return cfg.seq_length / (cfg.seq_length + 12 * cfg.hidden_size)
 
-    def _global_rank(self, layout: TrainingLayout, pipeline_rank: int, replica: int = 0) -> int:
+    def check_sequence(self, layout: TrainingLayout) -> None:
+        """ConfigError when CP or k cannot split the sequence (or are combined)."""
+        seq = self.spec.config.seq_length
+        if layout.CP > 1 and seq % (2 * layout.CP):
+            raise ConfigError(f"--context-parallel-size {layout.CP}: --seq-length {seq} is not "
+                              f"divisible by 2 x CP")
+        if layout.slices > 1 and seq % layout.slices:
+            raise ConfigError(f"--pipeline-sequence-slices {layout.slices} does not divide "
+                              f"--seq-length {seq}")
+        if layout.slices > 1 and layout.CP > 1:
+            raise ConfigError("--pipeline-sequence-slices with --context-parallel-size > 1 is "
+                              "not supported")
+
+    def local_spec(self, layout: TrainingLayout) -> ModelSpec:
+        """The model as one rank's unit sees it: ``s / (CP k)`` tokens."""
+        parts = layout.CP * layout.slices
+        if parts == 1:
+            return self.spec
+        cfg = self.spec.config
+        return ModelSpec(dataclasses.replace(cfg, seq_length=cfg.seq_length // parts,
+                                             max_position_embeddings=cfg.max_positions),
+                         self.spec.family)
+
+    def memory(self, layout: TrainingLayout) -> list[RankMemory]:
+        """Peak memory of every pipeline rank (of one tensor-parallel and context rank: its
+        ``s / CP`` tokens, the distributed optimizer sharded over data x context ranks; with k
+        slices each live unit holds ``s / k`` tokens and the keys/values of its sequence's
+        earlier slices)."""
+        check_tensor_parallel(self.spec, layout.T, layout.sequence_parallel)
+        self.check_sequence(layout)
+        schedule, partition = self.schedule(layout), self.partition(layout)
+        memory = rank_memory(self.local_spec(layout), schedule, partition, layout.B,
+                             layout.recompute_mode, self.device_type, layout.T,
+                             layout.sequence_parallel, data_parallel_size=layout.W * layout.CP,
+                             distributed_optimizer=layout.distributed_optimizer)
+        return sliced_rank_memory(memory, schedule, slice_cache_bytes(
+            self.spec, partition, layout.B, layout.slices, layout.T))
+
+    def _global_rank(self, layout: TrainingLayout, pipeline_rank: int, replica: int = 0,
+                     context_rank: int = 0) -> int:
         """Global rank of a pipeline rank in data-parallel replica ``replica``, tensor rank 0."""
-        return ParallelLayout(layout.T, layout.W, layout.D).global_rank(pipeline_rank, replica)
+        return ParallelLayout(layout.T, layout.W, layout.D, layout.CP).global_rank(
+            pipeline_rank, replica, context_rank=context_rank)
+
+    def context_parallel_link(self, layout: TrainingLayout) -> LinkProfile:
+        """The link of the ring of one sequence's CP ranks (intra-node when T x CP ranks fit
+        in a node: Megatron's rank order puts them next to each other)."""
+        return self.p2p_link or self.hardware.link_for(
+            [self._global_rank(layout, 0, 0, c) for c in range(layout.CP)])
+
+    def ring_seconds(self, layout: TrainingLayout, piece: StagePiece) -> tuple[float, float]:
+        """(forward, backward) seconds of ring attention's traffic for one micro-batch through
+        ``piece`` on one rank: per layer ``CP - 1`` key/value blocks of ``s / CP`` tokens
+        forward; backward the blocks again and their dK/dV (twice the bytes), each step one
+        message on the ring's link."""
+        if layout.CP == 1 or not piece.num_layers:
+            return 0.0, 0.0
+        cfg = self.spec.config
+        kv = cfg.query_groups * cfg.head_dim // layout.T
+        block = 2 * (cfg.seq_length // layout.CP) * layout.B * kv * self.spec.dtype_bytes
+        link = self.context_parallel_link(layout)
+        steps = piece.num_layers * (layout.CP - 1)
+        return (steps * (link.alpha_s + link.beta_s_per_byte * block),
+                steps * (link.alpha_s + 2 * link.beta_s_per_byte * block))
 
     def tensor_parallel_link(self, layout: TrainingLayout) -> LinkProfile:
         """The link of a tensor-parallel group (T consecutive global ranks)."""
         return self.hardware.link_for(range(layout.T))
 
     def stage_times(self, layout: TrainingLayout, piece: StagePiece) -> StageTimes:
-        """One micro-batch through one stage on one of T ranks: the compute of one rank (the
-        analytic model prices the narrower GEMMs; a measured source is divided by T) plus the
-        tensor-parallel collectives and, with Megatron's scatter/gather of pipeline messages,
-        the all-gather of a received message (forward and backward; none in W)."""
+        """One micro-batch (a whole sequence; the simulator gives each slice its share) through
+        one stage on one of T ranks: the compute of one rank (the analytic model prices the
+        narrower GEMMs; a measured source is divided by T) plus the tensor-parallel collectives
+        and, with Megatron's scatter/gather of pipeline messages, the all-gather of a received
+        message (forward and backward; none in W). With CP ranks each computes ``1 / CP`` of it
+        (the zigzag split balances the causal work) while ring attention's key/value blocks
+        travel (:meth:`ring_seconds`); a transfer hides behind the attention compute of the
+        block before it, so only what exceeds the attention share of the time is added."""
+        times = self._tensor_stage_times(layout, piece)
+        if layout.CP == 1:
+            return times
+        cp, share = layout.CP, self.attention_fraction()
+        ring_f, ring_b = self.ring_seconds(layout, piece)
+        forward, backward = times.forward / cp, times.backward / cp
+        return StageTimes(forward + max(0.0, ring_f - share * forward),
+                          backward + max(0.0, ring_b - share * (backward - times.weight / cp)),
+                          times.weight / cp)
+
+    def _tensor_stage_times(self, layout: TrainingLayout, piece: StagePiece) -> StageTimes:
         mode = layout.recompute_mode
         per_rank = getattr(self.compute, "rank_stage_times", None)
         if per_rank is not None:
@@ -370,8 +462,9 @@ class PerformanceModel:
         if self.p2p_link is not None:
             return self.p2p_link
         groups = [
-            [self._global_rank(layout, schedule.rank_of(pipe, stage), w)
-             for w in range(layout.W) for pipe in range(schedule.num_pipes)]
+            [self._global_rank(layout, schedule.rank_of(pipe, stage), w, c)
+             for w in range(layout.W) for c in range(layout.CP)
+             for pipe in range(schedule.num_pipes)]
             for stage in range(schedule.num_stages)
         ]
         spans = any(self.hardware.link_for(g) is self.hardware.inter_node for g in groups)
@@ -396,7 +489,7 @@ class PerformanceModel:
             allreduce_alpha=link.alpha_s * half,
             allreduce_beta=link.beta_s_per_byte,
             grad_bytes=tuple(b * half for b in self._grad_bytes(pieces, layout.T)),
-            data_parallel_size=layout.W,
+            data_parallel_size=layout.W * layout.CP,
             action_overhead=self.hardware.action_overhead_s,
         )
 
@@ -417,8 +510,8 @@ class PerformanceModel:
 
     def message_bytes(self, layout: TrainingLayout) -> int:
         """Bytes one rank sends per pipeline message: ``[s, b, h]``, its ``1/T`` share under
-        sequence parallelism or Megatron's scatter/gather (T > 1)."""
-        return activation_message_bytes(self.spec, layout.B, layout.T,
+        sequence parallelism or Megatron's scatter/gather (T > 1); ``s / (CP k)`` tokens."""
+        return activation_message_bytes(self.local_spec(layout), layout.B, layout.T,
                                         layout.sequence_parallel or layout.T > 1)
 
     def _grad_bytes(self, pieces: list[StagePiece], tensor_parallel: int = 1) -> list[float]:

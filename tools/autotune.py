@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-sizes", type=_int_list, default=None,
                    help="comma-separated pipeline sizes D to try (default: every D dividing "
                         "--num-gpus / T, odd sizes and 1 included, at most one stage per layer)")
+    g.add_argument("--context-parallel-sizes", type=_int_list, default=(1,),
+                   help="comma-separated context-parallel sizes CP to try (ring attention over "
+                        "CP ranks per sequence; default 1)")
+    g.add_argument("--pipeline-sequence-slices", type=_int_list, default=(1,),
+                   help="comma-separated sequence slices k to try with 1f1b, zb-h1, chimera "
+                        "and chimera-zb (default 1: unsliced)")
     g.add_argument("--no-sequence-parallel", action="store_false", dest="sequence_parallel",
                    help="with T > 1, do not split the residual stream over the sequence")
     g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
@@ -271,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                             distributed_optimizer=choices[args.distributed_optimizer],
                             recompute_granularities=granularities[args.recompute_granularities],
                             num_attention_heads=cfg.num_attention_heads,
-                            gpus_per_node=hardware.gpus_per_node)
+                            gpus_per_node=hardware.gpus_per_node,
+                            context_parallel_sizes=args.context_parallel_sizes,
+                            sequence_slices=args.pipeline_sequence_slices)
         result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)
         over = sorted(result.over_memory, key=lambda lp: lp[1])[: args.show_over_memory]
         print(f"{spec.family.title}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "

@@ -43,8 +43,13 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
         flags += ["--tensor-model-parallel-size", str(layout.T)]
         if layout.sequence_parallel:
             flags.append("--sequence-parallel")
+    if layout.CP > 1:  # ring attention; no dropout with CP (the training flags refuse it)
+        flags += ["--context-parallel-size", str(layout.CP), "--cp-comm-type", "p2p",
+                  "--hidden-dropout", "0", "--attention-dropout", "0"]
     flags += ["--pipeline-model-parallel-size", str(layout.D)]
     flags += layout.spec.to_flags(layout.options)
+    if layout.slices > 1:
+        flags += ["--pipeline-sequence-slices", str(layout.slices)]
     if layout.partition != "uniform":  # the stages proposed, as Megatron's layout string
         pieces = partition_stages(spec, layout.num_stages, layout.partition)
         flags += ["--pipeline-model-parallel-layout",

@@ -26,8 +26,8 @@ Chimera and 17.9% for 1F1B at k = 8; Chimera-ZB (W = B/2) idles 9.9% at k = 4 an
 k = 8 (tests/unit/schedules/test_sequence_slices.py).
 
 The executor runs these orders (``model/sequence_slices.py`` keeps the keys/values of a
-sequence's earlier slices; tests/distributed/test_sequence_slices.py); the training flag is not
-wired yet, see docs/LONG_SEQUENCES.md.
+sequence's earlier slices; tests/distributed/test_sequence_slices.py); training takes them with
+``--pipeline-sequence-slices k`` (docs/LONG_SEQUENCES.md).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from megatron_chimera.model.context_parallel import (
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
-from megatron_chimera.model.sequence_slices import SLICE, SequenceSlice, split_into_slices
+from megatron_chimera.model.sequence_slices import SLICE, SequenceSlice
 from megatron_chimera.training import pretrain_from_flags, run_main
 
 

@@ -27,7 +27,6 @@ with T.
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 

@@ -5,9 +5,9 @@ process training the whole sequences."""
 
 from __future__ import annotations
 
-import pretrain_gpt2
 from megatron_chimera import parallel_state
 from megatron_chimera.distributed.grad_sync import assert_replicas_identical
+from megatron_chimera.model.sequence_slices import split_into_slices
 from megatron_chimera.schedules.slices import sliced_schedule
 from megatron_chimera.schedules.validate import validate
 from tests.helpers.tensor_parallel import full_state
@@ -42,7 +42,7 @@ def run_sliced_case(rank: int, world_size: int, case: TPCase) -> None:
         results = []
         for step in range(STEPS):
             optimizer.zero_grad()
-            units = [part for m in range(n) for part in pretrain_gpt2.split_into_slices(
+            units = [part for m in range(n) for part in split_into_slices(
                 make_batch("gpt2", step, 0, m, case.reset_positions), k)]
             result = executor.run(units)
             if result.executed != schedule.actions[prank]:

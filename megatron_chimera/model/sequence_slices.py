@@ -30,6 +30,40 @@ class _AddCachedGrad(torch.autograd.Function):
         return (grad if extra is None else grad + extra), None
 
 
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BACKWARD = getattr(torch.ops.aten,
+                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _EarlierAndOwn(torch.autograd.Function):
+    """Causal attention of a slice's queries to the earlier slices' keys (no mask: all before
+    it) and to its own (square causal), with CPU flash kernels that skip the hidden half of the
+    own block instead of computing every score under a boolean mask. The two partial results
+    are merged by their log-sum-exp; the backward of each block uses the merged output and
+    log-sum-exp (FlashAttention's recurrence), so the gradients are those of one softmax."""
+
+    @staticmethod
+    def forward(ctx, query, earlier_key, earlier_value, key, value, scale):
+        o1, l1 = _FLASH_CPU(query, earlier_key, earlier_value, 0.0, False, scale=scale)
+        o2, l2 = _FLASH_CPU(query, key, value, 0.0, True, scale=scale)
+        lse = torch.logaddexp(l1, l2)
+        out = (o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None])
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, earlier_key, earlier_value, key, value, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, earlier_key, earlier_value, key, value, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq1, dk1, dv1 = _FLASH_CPU_BACKWARD(grad, query, earlier_key, earlier_value, out, lse,
+                                            0.0, False, scale=ctx.scale)
+        dq2, dk2, dv2 = _FLASH_CPU_BACKWARD(grad, query, key, value, out, lse, 0.0, True,
+                                            scale=ctx.scale)
+        return dq1 + dq2, dk1, dv1, dk2, dv2, None
+
+
 class SequenceCache:
     """Everything a stage keeps of one sequence's earlier slices: their token positions and
     document ids, and per layer the keys and values (leaves) they produced."""
@@ -107,10 +141,33 @@ class SliceTokens:
         leaves = (key.detach().requires_grad_(key.requires_grad),
                   value.detach().requires_grad_(value.requires_grad))
         key, value = _AddCachedGrad.apply(key, leaves[0]), _AddCachedGrad.apply(value, leaves[1])
-        keys = torch.cat([k for k, _ in cached] + [key], dim=2)
-        values = torch.cat([v for _, v in cached] + [value], dim=2)
+        earlier = list(cached)
         cached.append(leaves)
+        if earlier and self._split_causal(query):
+            per_group = query.shape[1] // key.shape[1]
+            parts = [torch.cat([k for k, _ in earlier], dim=2),
+                     torch.cat([v for _, v in earlier], dim=2), key, value]
+            if per_group > 1:
+                parts = [t.repeat_interleave(per_group, dim=1) for t in parts]
+            return _EarlierAndOwn.apply(query.contiguous(),
+                                        *[t.contiguous() for t in parts], scale)
+        keys = torch.cat([k for k, _ in earlier] + [key], dim=2)
+        values = torch.cat([v for _, v in earlier] + [value], dim=2)
         return masked_attention(query, keys, values, self.allowed(query.device), scale)
+
+    def _split_causal(self, query: torch.Tensor) -> bool:
+        """Whether this slice's attention is all of the earlier slices' keys plus its own
+        square causal block (causal, no documents, positions following the earlier slices'),
+        run by :class:`_EarlierAndOwn` on the CPU (float32 / float64 inputs)."""
+        if (_FLASH_CPU is None or _FLASH_CPU_BACKWARD is None or query.device.type != "cpu"
+                or not self.causal or query.dtype not in (torch.float32, torch.float64)
+                or self.cache.documents[self.index] is not None):
+            return False
+        first = int(self.cache.positions[self.index][0])
+        earlier = sum(len(p) for p in self.cache.positions[:self.index])
+        ordered = torch.equal(self.cache.positions[self.index],
+                              torch.arange(first, first + len(self.cache.positions[self.index])))
+        return ordered and first == earlier and int(self.cache.positions[0][0]) == 0
 
 
 SLICE = "sequence_slice"  # the SequenceSlice record of a sliced micro-batch

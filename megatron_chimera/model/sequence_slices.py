@@ -7,6 +7,11 @@ slices' backwards accumulate the leaves' ``.grad``. The slice's own keys and val
 an identity (:class:`_AddCachedGrad`) whose backward adds that accumulated gradient to what its
 own attention returns. This is exact when the backward of slice ``j`` runs after the backwards
 of every later slice of the sequence on that stage -- the slice-order rule the schedules keep.
+
+On the CPU (float32/float64, no document mask) a slice attends to the earlier slices' keys and
+to its own square causal block with the CPU flash kernels, merged by their log-sum-exp
+(:class:`_EarlierAndOwn`), so it skips the hidden half of its own block as the whole sequence's
+causal kernel does; otherwise one boolean mask over the concatenated keys.
 """
 
 from __future__ import annotations

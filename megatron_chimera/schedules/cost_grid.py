@@ -29,7 +29,7 @@ from typing import Any
 from megatron_chimera.schedules.chimera import chimera_placement
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import of_schedule, predict
-from megatron_chimera.schedules.measured import rebuild_for_costs
+from megatron_chimera.schedules.rebuild import rebuild_for_costs
 from megatron_chimera.schedules.registry import ChimeraOptions, ChimeraZBOptions, build_schedule
 from megatron_chimera.schedules.zero_bubble import makespan_lower_bound
 
@@ -55,7 +55,8 @@ def measured_costs(costs: StageCosts, noise: float, seed: int) -> StageCosts:
     def off(values: Sequence[float]) -> tuple[float, ...]:
         return tuple(v * (1 + rng.uniform(-noise, noise)) for v in values)
 
-    return StageCosts(off(costs.forward), off(costs.backward), off(costs.weight), costs.p2p)
+    return StageCosts(off(costs.forward), off(costs.backward), off(costs.weight), costs.p2p,
+                      costs.all_to_all)
 
 
 @dataclass

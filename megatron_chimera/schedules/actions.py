@@ -17,6 +17,11 @@ Conventions
   ``[p * N/P, (p+1) * N/P)``.
 * ``kind`` is ``F`` (forward), ``B`` (backward; input-gradient only when the schedule splits the
   backward) or ``W`` (weight-gradient only; present only when ``split_backward`` is true).
+* ``pairs[rank]`` (MoE expert-parallel overlap, ``--overlap-moe-expert-parallel-comm``): list
+  indices ``i`` where ``actions[rank][i]`` and ``actions[rank][i+1]`` -- a forward and a backward of
+  two *independent* micro-batches (:func:`independent`) -- run as one paired action: the pair
+  starts when both inputs are there, and each half's all-to-all hides behind the other half's
+  compute. Empty for every schedule without overlap (the lists themselves never change).
 """
 
 from __future__ import annotations
@@ -93,6 +98,24 @@ def output_to(action: Action, num_stages: int) -> Action | None:
     return None
 
 
+def independent(first: Action, second: Action) -> str | None:
+    """Why ``first`` and ``second`` may *not* run as one paired action (None: they may).
+
+    The pairing rule in one place: a pair is a forward and a backward (input-gradient B, or the
+    whole backward) of *different micro-batches*. :func:`input_of` only links actions of one pipe
+    and one micro-batch, so two actions of different micro-batches never depend on each other,
+    directly or through a chain: neither half waits for the other, and both can start together.
+    """
+    if {first.kind, second.kind} != {FORWARD, BACKWARD}:
+        return (f"a pair is one F and one B, got {first.short()} and {second.short()} "
+                f"(W carries no all-to-all to hide)")
+    if first.microbatch == second.microbatch:
+        return (f"{first.short()} and {second.short()} are not independent: both belong to "
+                f"micro-batch {first.microbatch} (pipe {first.pipe}), so one may depend on the "
+                f"other through the dependency rule (input_of)")
+    return None
+
+
 def consumers(action: Action, num_stages: int, split_backward: bool) -> list[Action]:
     """Every action whose input (:func:`input_of`) is ``action``'s output."""
     kind, pipe, stage, mb = action
@@ -123,6 +146,8 @@ class Schedule:
     actions: list[list[Action]]
     split_backward: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    # per rank, sorted list indices i: actions[rank][i] and [i+1] run as one paired action
+    pairs: list[list[int]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ derived views
     @property
@@ -175,10 +200,23 @@ class Schedule:
         """Rank holding the next stage of ``pipe`` (None at the last stage)."""
         return None if stage == self.num_stages - 1 else self.placement[pipe][stage + 1]
 
+    def pair_starts(self) -> list[frozenset[int]]:
+        """Per rank, the list indices where a paired action starts (empty sets: no pairs)."""
+        if not self.pairs:
+            return [frozenset()] * self.num_ranks
+        return [frozenset(p) for p in self.pairs]
+
+    def num_pairs(self) -> int:
+        """How many paired actions the schedule has over all ranks."""
+        return sum(len(p) for p in self.pairs)
+
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form; actions become ``[kind, pipe, stage, microbatch]`` lists."""
+        """Plain-JSON form; actions become ``[kind, pipe, stage, microbatch]`` lists (``pairs``
+        only when there are some, so schedules without overlap keep their old form)."""
         data = asdict(self)
+        if not self.pairs:
+            del data["pairs"]
         data["actions"] = [
             [[a.kind, a.pipe, a.stage, a.microbatch] for a in rank_actions]
             for rank_actions in self.actions
@@ -191,6 +229,7 @@ class Schedule:
         fields = dict(data)
         fields["actions"] = [[Action(*a) for a in rank_actions] for rank_actions in data["actions"]]
         fields["placement"] = [list(p) for p in data["placement"]]
+        fields["pairs"] = [list(p) for p in data.get("pairs", [])]
         return cls(**fields)
 
     def to_json(self) -> str:
@@ -211,6 +250,7 @@ class Schedule:
             f"{self.name} D={self.num_ranks} stages={self.num_stages} pipes={self.num_pipes} "
             f"N={self.num_microbatches}{' split-backward' if self.split_backward else ''}"
             f"{(' ' + extra) if extra else ''}"
+            f"{f' pairs={self.num_pairs()}' if self.pairs else ''}"
         )
 
 

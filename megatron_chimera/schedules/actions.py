@@ -101,13 +101,15 @@ def output_to(action: Action, num_stages: int) -> Action | None:
 def independent(first: Action, second: Action) -> str | None:
     """Why ``first`` and ``second`` may *not* run as one paired action (None: they may).
 
-    The pairing rule in one place: a pair is a forward and a backward (input-gradient B, or the
-    whole backward) of *different micro-batches*. :func:`input_of` only links actions of one pipe
+    The pairing rule in one place: a pair is two F or B actions (input-gradient B, or the whole
+    backward) of *different micro-batches* -- a forward with a backward in the steady state
+    (DualPipe's and Megatron's pairs), and in Chimera also two forwards of its two pipes in the
+    warm-up and two backwards in the cool-down. :func:`input_of` only links actions of one pipe
     and one micro-batch, so two actions of different micro-batches never depend on each other,
     directly or through a chain: neither half waits for the other, and both can start together.
     """
-    if {first.kind, second.kind} != {FORWARD, BACKWARD}:
-        return (f"a pair is one F and one B, got {first.short()} and {second.short()} "
+    if first.kind == WEIGHT or second.kind == WEIGHT:
+        return (f"a pair is two F or B actions, got {first.short()} and {second.short()} "
                 f"(W carries no all-to-all to hide)")
     if first.microbatch == second.microbatch:
         return (f"{first.short()} and {second.short()} are not independent: both belong to "

@@ -16,14 +16,12 @@ no code of theirs):
   virtual stages and one extra warm-up forward, so that each steady-state forward finds an
   independent backward to pair with (:func:`~.pairing.extra_warmup_pairs`).
 
-The DualPipe shapes come from one rule (:func:`~.pairing.slot_order`) (our derivation, Chimera's slot formula run over *all*
-micro-batches of a pipe instead of units of D): in a pipe of S stages, micro-batch j (local
-index) runs forward at slot ``s + 2j`` and backward at slot ``2S - 1 - s + 2j`` on the rank holding
-stage s. On a rank, slots hold a forward of one pipe or chunk and a backward of the other at
-once -- different micro-batches, so independent: that collision is the pair. Sorting by slot
-gives the order: warm-up forwards, steady-state pairs, cool-down backwards. With a split
-backward each W follows its B, except after the rank's last forward, where the Ws move to the
-end (they fill the cool-down, as ZB-H1's and DualPipe's last steps do).
+DualPipe and DualPipeV are the slot order of their placement (:func:`~.pairing.slot_order`, our
+derivation: Chimera's slot formula run over all micro-batches of a pipe; a slot holding a forward
+and a backward of different micro-batches is a pair). They are built as published, F&B pairs
+only, whatever the costs; Chimera-EP (``--overlap-moe-expert-parallel-comm`` on Chimera) starts
+from the same slot order and also pairs its warm-up forwards and cool-down backwards when that
+helps under the costs (:func:`~.pairing.with_overlap`).
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ from megatron_chimera.schedules.actions import (
     Action,
     Schedule,
     independent,
-    input_of,
 )
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.simulate import simulate

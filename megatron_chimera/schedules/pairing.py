@@ -36,7 +36,7 @@ from megatron_chimera.schedules.actions import (
     independent,
 )
 from megatron_chimera.schedules.costs import StageCosts
-from megatron_chimera.schedules.simulate import simulate
+from megatron_chimera.schedules.simulate import peak_activations, simulate
 from megatron_chimera.schedules.validate import validate
 from megatron_chimera.schedules.walk import run_in_order, stalled
 
@@ -209,21 +209,27 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
                  megatron: bool = False) -> Schedule:
     """``schedule`` with paired actions (what ``--overlap-moe-expert-parallel-comm`` does):
     the fastest (then least exposed) valid candidate under ``costs`` (default
-    :data:`DEFAULT_EP_COSTS`) among its own order with neighbouring F&B paired, and for
-    two-pipe Chimera placements the slot order (:func:`slot_order`), each then
-    improved by :func:`improve_pairs`; with ``megatron`` (1F1B, interleaved) also Megatron's
-    extra-warm-up pairing of its own order (:func:`extra_warmup_pairs`)."""
+    :data:`DEFAULT_EP_COSTS`) among its own order (unpaired, and with neighbouring F&B
+    paired) and either, with ``megatron`` (1F1B, interleaved, ZB-H1), Megatron's extra-warm-up
+    pairing of its own order (:func:`extra_warmup_pairs`) or else the slot order of its
+    placement (:func:`slot_order`, DualPipe's shape), each improved by :func:`improve_pairs`.
+    A candidate may hold at most max(the schedule's own peak, D + 1) live activations per rank
+    (L/D-layer units; D + 1 is DualPipe's), so the overlap never costs more memory than
+    DualPipe. Never slower than the schedule without pairs under ``costs``."""
     costs = ep_costs(costs, schedule.num_ranks, schedule.num_stages)
-    candidates = [pair_adjacent(schedule)]
+    candidates = [schedule, pair_adjacent(schedule)]
     if megatron:
         candidates.append(extra_warmup_pairs(schedule))
-    if not megatron:
+    else:
         candidates.append(slot_order(schedule.name, schedule.num_ranks, schedule.num_stages,
                                      schedule.placement, schedule.num_microbatches,
                                      schedule.split_backward, schedule.meta))
+    # memory: no more live activations than the schedule's own peak or DualPipe's D + 1
+    limit = max(max(peak_activations(schedule)), schedule.num_ranks + 1)
     scored = []
     for candidate in candidates:
-        if _score(candidate, costs) is None:
+        if (max(peak_activations(candidate)) > limit + 1e-9
+                or _score(candidate, costs) is None):
             continue
         candidate = improve_pairs(candidate, costs)
         scored.append((_score(candidate, costs), len(scored), candidate))

@@ -342,6 +342,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
+# the published F&B-overlap schedules (always paired), built to compare with Chimera-EP
+PAIRED_SCHEDULES = ("dualpipe", "dualpipev", "combined-1f1b")
 SPLIT_BACKWARD_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.split_backward)
 
 
@@ -468,8 +470,8 @@ def options_dict(options: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "ScheduleSpec", "SCHEDULES", "SCHEDULE_NAMES", "NoOptions", "OverlapOptions",
-    "CombinedOptions", "ChimeraOptions",
+    "ScheduleSpec", "SCHEDULES", "SCHEDULE_NAMES", "PAIRED_SCHEDULES", "NoOptions",
+    "OverlapOptions", "CombinedOptions", "ChimeraOptions",
     "ChimeraZBOptions", "ZBH1Options", "InterleavedOptions", "VShapeOptions", "FALLBACKS",
     "parse_costs",
     "get_spec", "build_schedule", "all_option_flags",

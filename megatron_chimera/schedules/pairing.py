@@ -206,7 +206,7 @@ def improve_pairs(schedule: Schedule, costs: StageCosts) -> Schedule:
 
 
 def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None = None,
-                 megatron: bool = False) -> Schedule:
+                 megatron: bool = False, activation_limit: float | None = None) -> Schedule:
     """``schedule`` with paired actions (what ``--overlap-moe-expert-parallel-comm`` does):
     the fastest (then least exposed) valid candidate under ``costs`` (default
     :data:`DEFAULT_EP_COSTS`) among its own order (unpaired, and with neighbouring F&B
@@ -215,7 +215,8 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
     placement (:func:`slot_order`, DualPipe's shape), each improved by :func:`improve_pairs`.
     A candidate may hold at most max(the schedule's own peak, D + 1) live activations per rank
     (L/D-layer units; D + 1 is DualPipe's), so the overlap never costs more memory than
-    DualPipe. Never slower than the schedule without pairs under ``costs``."""
+    DualPipe; ``activation_limit`` (the user's cap) replaces that bound. Never slower than the
+    schedule without pairs under ``costs``."""
     costs = ep_costs(costs, schedule.num_ranks, schedule.num_stages)
     candidates = [schedule, pair_adjacent(schedule)]
     if megatron:
@@ -225,7 +226,8 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
                                      schedule.placement, schedule.num_microbatches,
                                      schedule.split_backward, schedule.meta))
     # memory: no more live activations than the schedule's own peak or DualPipe's D + 1
-    limit = max(max(peak_activations(schedule)), schedule.num_ranks + 1)
+    limit = max(max(peak_activations(schedule)), schedule.num_ranks + 1
+                if activation_limit is None else activation_limit)
     scored = []
     for candidate in candidates:
         if (max(peak_activations(candidate)) > limit + 1e-9

@@ -230,9 +230,13 @@ class ScheduleSpec:
         schedule = self.generator(num_ranks, num_microbatches, **kwargs)
         if getattr(options, "overlap_moe_expert_parallel_comm", None):
             costs = getattr(options, "costs", None)
-            schedule = with_overlap(schedule, None if costs is None else
-                                    StageCosts.of(costs, 1) if not isinstance(costs, StageCosts)
-                                    else costs, megatron=self.megatron_pairing)
+            if costs is not None and not isinstance(costs, StageCosts):
+                costs = StageCosts.of(costs, 1)
+            # a cap the user gave holds for the paired order too
+            cap = getattr(options, "activation_cap", None) or getattr(options, "max_inflight",
+                                                                       None)
+            schedule = with_overlap(schedule, costs, megatron=self.megatron_pairing,
+                                    activation_limit=cap)
         return schedule
 
     def options_from(self, source: Any, strict: bool = True) -> Any:

@@ -219,3 +219,15 @@ def test_issue_41_done_when(table):
     assert ep["exposed_share"] <= 0.05
     assert ep["makespan"] <= min(table[n]["makespan"]
                                  for n in ("dualpipe", "dualpipev", "combined-1f1b v2"))
+
+
+def test_overlap_keeps_the_activation_cap_the_user_gave():
+    """Unlimited, the paired Chimera-ZB order may hold DualPipe's D + 1 activations; with
+    --pipeline-activation-cap it keeps to the cap (or to the schedule's own peak)."""
+    from megatron_chimera.schedules.simulate import peak_activations
+
+    free = build_schedule("chimera-zb", 4, 8, **OVERLAP)
+    assert max(peak_activations(free)) <= 4 + 1
+    plain = build_schedule("chimera-zb", 4, 8, activation_cap=3.0)
+    capped = build_schedule("chimera-zb", 4, 8, activation_cap=3.0, **OVERLAP)
+    assert max(peak_activations(capped)) <= max(3.0, max(peak_activations(plain)))

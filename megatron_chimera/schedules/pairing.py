@@ -6,18 +6,16 @@ as much as its compute. Running the forward of one micro-batch together with the
 behind the other half's compute; the simulator charges such a pair ``max(compute, all-to-all)``
 (:mod:`.simulate`). This module proposes the pairs:
 
-* :func:`pair_list_schedule`: a greedy list scheduler over any placement (Chimera's pipes,
-  BitPipe's V pipes, DualPipe, DualPipeV) that, whenever a rank is free, runs an F with a B of
-  another micro-batch (preferring the other pipe: on a Chimera worker the down pipe's F and the
-  up pipe's B are always independent), waits for a partner when it arrives sooner than the
-  all-to-all it would hide, fills waits with W (split backward) and keeps live activations under
-  a cap. Its result is a :class:`~.actions.Schedule` with ``pairs``.
+* :func:`slot_order`: Chimera's slot formula run over all micro-batches of each pipe; a slot of
+  a rank holding a forward of one pipe (or chunk) and a backward of another is a pair. DualPipe
+  and DualPipeV are this order on their placements (:mod:`.dualpipe`).
 * :func:`pair_adjacent`: pairs neighbouring independent F/B in a fixed order.
 * :func:`extra_warmup_pairs`: Megatron's combined 1F1B on a 1F1B or interleaved order: one more
   warm-up forward, then each steady-state forward runs with the backward before it.
+* :func:`improve_pairs`: adds pairs of neighbouring independent actions (F&B, and Chimera's
+  F&F in the warm-up and B&B in the cool-down) while they help under the costs.
 * :func:`with_overlap`: what the flag does to a built schedule (the registry calls it): the
-  better, under the costs, of the list scheduler on its placement (at its own activation peak)
-  and, for 1F1B and interleaved, Megatron's pairing.
+  fastest of these candidates under the costs, within DualPipe's D + 1 activations per rank.
 
 Torch-free, like the rest of the IR.
 """

@@ -59,7 +59,7 @@ def ep_costs(costs: StageCosts | Sequence[float] | None, num_ranks: int,
 
 def slot_order(name: str, num_ranks: int, num_stages: int, placement: list[list[int]],
                num_microbatches: int, split_backward: bool,
-               meta: dict | None = None) -> Schedule:
+               meta: dict | None = None, staggered: bool = False) -> Schedule:
     """Chimera's slot formula over all of a pipe's micro-batches, F&B collisions paired.
 
     In a pipe of S stages, local micro-batch j runs forward at slot ``s + 2j`` and backward at
@@ -68,7 +68,11 @@ def slot_order(name: str, num_ranks: int, num_stages: int, placement: list[list[
     and a backward of another (different micro-batches: independent) is a pair. Sorted by slot:
     warm-up forwards, steady-state pairs, cool-down backwards (DualPipe's shape). With a split
     backward each W follows its B, except after the rank's last forward, where the Ws go to the
-    end (they fill the cool-down, as ZB-H1's and DualPipe's last steps do)."""
+    end (they fill the cool-down, as ZB-H1's and DualPipe's last steps do).
+
+    ``staggered`` (two pipes): pipe p's micro-batch j takes slot offset ``4j + 2p`` instead of
+    ``2j``, the pipes alternating micro-batches; on BitPipe's placement (each rank holds two
+    chunks of each pipe) this keeps one F and one B per slot and D + 1 activations."""
     pipes = len(placement)
     per_pipe = num_microbatches // pipes
     keyed: list[list[tuple[tuple[int, int], Action]]] = [[] for _ in range(num_ranks)]
@@ -77,8 +81,9 @@ def slot_order(name: str, num_ranks: int, num_stages: int, placement: list[list[
             rank = placement[p][s]
             for j in range(per_pipe):
                 m = p * per_pipe + j
-                keyed[rank].append(((s + 2 * j, 0), Action(FORWARD, p, s, m)))
-                keyed[rank].append(((2 * num_stages - 1 - s + 2 * j, 1),
+                offset = 4 * j + 2 * p if staggered else 2 * j
+                keyed[rank].append(((s + offset, 0), Action(FORWARD, p, s, m)))
+                keyed[rank].append(((2 * num_stages - 1 - s + offset, 1),
                                     Action(BACKWARD, p, s, m)))
     actions, pairs = [], []
     for rank_ops in keyed:
@@ -220,9 +225,10 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
     if megatron:
         candidates.append(extra_warmup_pairs(schedule))
     else:
-        candidates.append(slot_order(schedule.name, schedule.num_ranks, schedule.num_stages,
-                                     schedule.placement, schedule.num_microbatches,
-                                     schedule.split_backward, schedule.meta))
+        for staggered in (False, True)[:schedule.num_pipes]:
+            candidates.append(slot_order(schedule.name, schedule.num_ranks, schedule.num_stages,
+                                         schedule.placement, schedule.num_microbatches,
+                                         schedule.split_backward, schedule.meta, staggered))
     # memory: no more live activations than the schedule's own peak or DualPipe's D + 1
     limit = max(max(peak_activations(schedule)), schedule.num_ranks + 1
                 if activation_limit is None else activation_limit)

@@ -39,7 +39,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
-from megatron_chimera.checkpoint.dcp_io import failure_message, save_chunks
+from megatron_chimera.checkpoint.dcp_io import (
+    failure_message,
+    save_chunks,
+    write_errors_reported,
+)
 from megatron_chimera.checkpoint.host_memory import PeakHostMemory
 from megatron_chimera.checkpoint.sharded import collect_save_chunks, load_sharded_tensors
 from megatron_chimera.checkpoint.stages import (  # noqa: F401 - re-exported
@@ -141,8 +145,13 @@ def read_tracker(root: str) -> int | None:
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` made atomic (temp file, fsync, rename)."""
-    atomic_write(path, lambda handle: torch.save(obj, handle))
+    """``torch.save`` made atomic (temp file, fsync, rename); a failed write names ``path``."""
+    try:
+        atomic_write(path, lambda handle: torch.save(obj, handle))
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, path) from None
 
 
 def safe_torch_load(path: str) -> Any:
@@ -212,11 +221,12 @@ def save_checkpoint(root: str, contents: CheckpointContents, *, rank: int, world
     if optimizer is not None:
         optimizer.finish_param_sync()  # the weights saved are the updated ones
     optimizer = optimizer if contents.save_optim else None
-    _save_stage_files(staging, stages, optimizer)
-    atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
-    if rank == 0:
-        atomic_torch_save(_common_payload(contents, optimizer, world_size, FORMAT_TORCH),
-                          os.path.join(staging, COMMON_FILENAME))
+    with write_errors_reported(staging, iteration, remove=False):
+        _save_stage_files(staging, stages, optimizer)
+        atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            atomic_torch_save(_common_payload(contents, optimizer, world_size, FORMAT_TORCH),
+                              os.path.join(staging, COMMON_FILENAME))
     barrier()
     if rank == 0:
         _publish(root, staging, final, iteration)
@@ -260,10 +270,13 @@ class SaveJob:
         """Collectively write and publish (``barrier`` and DCP's collectives on
         ``process_group``; None: the default group)."""
         staging = _make_staging(self.root, self.final, self.rank, barrier)
-        save_chunks(staging, self.chunks, process_group)
-        atomic_torch_save(self.rng, os.path.join(staging, "rng", f"rank_{self.rank:05d}.pt"))
-        if self.common is not None:
-            atomic_torch_save(self.common, os.path.join(staging, COMMON_FILENAME))
+        with write_errors_reported(staging, self.iteration, remove=self.rank == 0):
+            save_chunks(staging, self.chunks, process_group)
+        with write_errors_reported(staging, self.iteration, remove=False):
+            atomic_torch_save(self.rng, os.path.join(staging, "rng",
+                                                     f"rank_{self.rank:05d}.pt"))
+            if self.common is not None:
+                atomic_torch_save(self.common, os.path.join(staging, COMMON_FILENAME))
         barrier()
         if self.rank == 0:
             _publish(self.root, staging, self.final, self.iteration)

@@ -98,7 +98,7 @@ def output_to(action: Action, num_stages: int) -> Action | None:
     return None
 
 
-def independent(first: Action, second: Action) -> str | None:
+def independent(first: Action, second: Action, sequence_slices: int = 1) -> str | None:
     """Why ``first`` and ``second`` may *not* run as one paired action (None: they may).
 
     The pairing rule in one place: a pair is two F or B actions (input-gradient B, or the whole
@@ -107,6 +107,8 @@ def independent(first: Action, second: Action) -> str | None:
     warm-up and two backwards in the cool-down. :func:`input_of` only links actions of one pipe
     and one micro-batch, so two actions of different micro-batches never depend on each other,
     directly or through a chain: neither half waits for the other, and both can start together.
+    With ``sequence_slices`` k > 1 the k slices of one sequence are linked by the slice order,
+    so the halves must belong to different sequences (micro-batch // k).
     """
     if first.kind == WEIGHT or second.kind == WEIGHT:
         return (f"a pair is two F or B actions, got {first.short()} and {second.short()} "
@@ -115,6 +117,10 @@ def independent(first: Action, second: Action) -> str | None:
         return (f"{first.short()} and {second.short()} are not independent: both belong to "
                 f"micro-batch {first.microbatch} (pipe {first.pipe}), so one may depend on the "
                 f"other through the dependency rule (input_of)")
+    k = sequence_slices
+    if k > 1 and first.microbatch // k == second.microbatch // k:
+        return (f"{first.short()} and {second.short()} are not independent: both are slices of "
+                f"sequence {first.microbatch // k}, which the slice order links")
     return None
 
 
@@ -150,6 +156,9 @@ class Schedule:
     meta: dict[str, Any] = field(default_factory=dict)
     # per rank, sorted list indices i: actions[rank][i] and [i+1] run as one paired action
     pairs: list[list[int]] = field(default_factory=list)
+    # k > 1: each sequence is k consecutive micro-batches (pipeline units) that must run in
+    # slice order on each stage (schedules/slices.py)
+    sequence_slices: int = 1
 
     # ------------------------------------------------------------------ derived views
     @property

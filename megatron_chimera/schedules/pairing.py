@@ -148,7 +148,8 @@ def pair_adjacent(schedule: Schedule, mixed_only: bool = True) -> Schedule:
         mine, i = [], 0
         while i < len(actions) - 1:
             a, b = actions[i], actions[i + 1]
-            if independent(a, b) is None and (a.kind != b.kind or not mixed_only):
+            if (independent(a, b, schedule.sequence_slices) is None
+                    and (a.kind != b.kind or not mixed_only)):
                 mine.append(i)
                 i += 2
             else:
@@ -194,7 +195,8 @@ def improve_pairs(schedule: Schedule, costs: StageCosts) -> Schedule:
         i = 0
         while i < len(actions) - 1:
             taken = set(pairs[rank]) | {j + 1 for j in pairs[rank]}
-            if i in taken or i + 1 in taken or independent(actions[i], actions[i + 1]):
+            if i in taken or i + 1 in taken or independent(actions[i], actions[i + 1],
+                                                               schedule.sequence_slices):
                 i += 1
                 continue
             trial = sorted(pairs[rank] + [i])
@@ -222,7 +224,9 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
     schedule without pairs under ``costs``."""
     costs = ep_costs(costs, schedule.num_ranks, schedule.num_stages)
     candidates = [schedule, pair_adjacent(schedule)]
-    if megatron:
+    if schedule.sequence_slices > 1:
+        pass  # sequence slices: its own order only (the slot order knows no slice order)
+    elif megatron:
         candidates.append(extra_warmup_pairs(schedule))
     else:
         for staggered in (False, True)[:schedule.num_pipes]:

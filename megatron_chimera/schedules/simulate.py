@@ -239,6 +239,12 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
     free = [0.0] * schedule.num_ranks
     events: list[Event] = []
 
+    work = schedule.meta.get("slice_work") if schedule.sequence_slices > 1 else None
+
+    def scale(a: Action) -> float:
+        """A sequence slice's share of the work (1 without slices)."""
+        return 1.0 if work is None else work[a.microbatch % schedule.sequence_slices]
+
     def ready(rank: int, dep: Action | None) -> float:
         if dep is None:
             return 0.0
@@ -247,8 +253,8 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
 
     def run(rank: int, a: Action, dep: Action | None) -> None:
         start = max(free[rank], ready(rank, dep)) + overhead
-        comm = a2a[a.kind][a.stage]
-        end = start + compute[a.kind][a.stage] + comm
+        comm = a2a[a.kind][a.stage] * scale(a)
+        end = start + compute[a.kind][a.stage] * scale(a) + comm
         exposed[rank] += comm
         free[rank] = end
         finished[a] = (rank, end)
@@ -258,11 +264,12 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
                  second: tuple[Action, Action | None]) -> None:
         (a, dep_a), (b, dep_b) = first, second
         start = max(free[rank], ready(rank, dep_a), ready(rank, dep_b)) + overhead
-        work = compute[a.kind][a.stage] + compute[b.kind][b.stage]
-        comm = a2a[a.kind][a.stage] + a2a[b.kind][b.stage]
-        end = start + max(work, comm)
-        exposed[rank] += max(0.0, comm - work)
-        split = start + (end - start) * (compute[a.kind][a.stage] / work if work else 0.5)
+        c_a, c_b = compute[a.kind][a.stage] * scale(a), compute[b.kind][b.stage] * scale(b)
+        busy = c_a + c_b
+        comm = a2a[a.kind][a.stage] * scale(a) + a2a[b.kind][b.stage] * scale(b)
+        end = start + max(busy, comm)
+        exposed[rank] += max(0.0, comm - busy)
+        split = start + (end - start) * (c_a / busy if busy else 0.5)
         free[rank] = end
         finished[a] = finished[b] = (rank, end)
         events.append(Event(rank, a.kind, a.pipe, a.stage, a.microbatch, start, split))

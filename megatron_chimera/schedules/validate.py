@@ -163,7 +163,7 @@ def check_pairs(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {rank}: pairs at indices {previous} and {i} overlap "
                                     f"or are not sorted")
             previous = i
-            why = independent(actions[i], actions[i + 1])
+            why = independent(actions[i], actions[i + 1], s.sequence_slices)
             if why is not None:
                 raise ScheduleError(f"dependent pair at {_where(rank, i, actions[i])}: {why}")
 
@@ -194,12 +194,24 @@ def _check_deadlock(schedule: Schedule) -> None:
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` unless ``schedule`` is well formed, complete, deadlock free."""
+    """Raise :class:`ScheduleError` unless ``schedule`` is well formed, complete, in slice order
+    (sequence-sliced schedules) and deadlock free."""
     _check_shape(schedule)
     _check_actions(schedule)
     _check_complete(schedule)
     check_pairs(schedule)
+    _check_slice_order(schedule)
     _check_deadlock(schedule)
+
+
+def _check_slice_order(schedule: Schedule) -> None:
+    """Sequence slices run in slice order on every stage (:mod:`.slices`)."""
+    from megatron_chimera.schedules.slices import slice_order_errors  # (slices builds on chimera)
+
+    errors = slice_order_errors(schedule)
+    if errors:
+        raise ScheduleError("; ".join(errors[:3]) + (f" (+{len(errors) - 3} more)"
+                                                     if len(errors) > 3 else ""))
 
 
 # ----------------------------------------------------------------------------- lowered schedules

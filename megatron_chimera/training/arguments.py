@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from megatron_chimera.checkpoint.megatron_format import refuse_megatron_checkpoint
 from megatron_chimera.checkpoint.saved_args import read_common, saved_run_flags
 from megatron_chimera.config import (
     DEFAULT_PROFILE_ITERATIONS,
@@ -112,6 +113,7 @@ def _checkpoint_flags(args: argparse.Namespace) -> list[str]:
         raise ConfigError("--use-checkpoint-args requires --load")
     if not os.path.isdir(args.load):
         raise ConfigError(f"--load directory {args.load} does not exist")
+    refuse_megatron_checkpoint(args.load)
     common = read_common(args.load)
     flags = saved_run_flags(common) if common is not None else []
     if not flags and not args.exit_on_missing_checkpoint and os.environ.get("RANK", "0") == "0":
@@ -130,7 +132,8 @@ def _build_config(
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")
     pipeline_size = args.pipeline_model_parallel_size
     data_parallel = ParallelLayout.from_world(world_size, args.tensor_model_parallel_size,
-                                              pipeline_size).data
+                                              pipeline_size,
+                                              args.context_parallel_size).data
     global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
     if global_batch % (args.micro_batch_size * data_parallel):
         raise ConfigError(

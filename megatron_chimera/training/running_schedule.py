@@ -37,10 +37,10 @@ from megatron_chimera.training.config_checks import schedule_for_microbatches
 
 
 def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
-    """Shape of every pipeline message: ``[s, b, h]``, or ``[s/T, b, h]`` (this rank's chunk of
-    the sequence) under sequence parallelism."""
+    """Shape of every pipeline message: ``[s/CP, b, h]`` (this context rank's tokens), or
+    ``[s/(CP T), b, h]`` (this rank's chunk of them) under sequence parallelism."""
     model, parallel = config.model, config.parallel
-    seq = model.seq_length
+    seq = model.seq_length // parallel.context_parallel_size
     if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
         seq //= parallel.tensor_model_parallel_size
     return (seq, config.training.micro_batch_size, model.hidden_size)

@@ -31,6 +31,7 @@ from megatron_chimera.checkpoint.checkpointing import (
     set_rng_state,
     stage_named_parameters,
 )
+from megatron_chimera.checkpoint.saved_args import checkpoint_family_error
 from megatron_chimera.config import ConfigError, TrainConfig
 from megatron_chimera.data.samplers import (
     build_data_iterator,
@@ -463,6 +464,9 @@ def pretrain_from_flags(
     """
     start_time = time.time()
     config, schedule = parse_args_and_schedule(argv)
+    wrong_checkpoint = checkpoint_family_error(config.checkpoint.load, family)
+    if wrong_checkpoint is not None:  # before its flags (--use-checkpoint-args) are blamed
+        raise ConfigError(wrong_checkpoint)
     for message in family_flag_errors(config, family):
         raise ConfigError(message)
     tokenizer, config = build_tokenizer_for(config)

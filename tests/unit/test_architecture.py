@@ -39,6 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     # one-process inference, then Hugging Face interop on top of it: tools' library code
     "inference": {"base", "model", "data", "checkpoint"},
     "hf": {"base", "model", "data", "checkpoint", "inference"},
+    # Megatron-LM checkpoints in and out (tools' library code; reuses import-hf's record)
+    "megatron_lm": {"base", "model", "data", "checkpoint", "inference", "hf"},
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -250,3 +251,58 @@ def test_torch_dist_metadata_never_runs_a_pickle(tmp_path):
         load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched),
                         rank=0, world_size=1)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_torch_dist_bit_rot_is_refused_in_one_line_naming_file_tensor_and_iteration(tmp_path):
+    from megatron_chimera.checkpoint.dcp_io import read_metadata
+
+    stages, opt, sched = build([(0, 4)])
+    save_whole(tmp_path, 2, stages, opt, sched)
+    path = checkpoint_dir(str(tmp_path), 2)
+    # 4 KiB zeroed in place (same size) inside the word embedding's values (104 x 32 fp32)
+    info = next(i for k, i in read_metadata(path).storage_data.items()
+                if k.fqn == "model/tied_word_embeddings")
+    target = os.path.join(path, info.relative_path)
+    size = os.path.getsize(target)
+    with open(target, "r+b") as handle:
+        handle.seek(info.offset + info.length // 2 - 2048)
+        handle.write(bytes(4096))
+    assert os.path.getsize(target) == size
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched), rank=0,
+                            world_size=1)
+    line = str(error.value)
+    assert "\n" not in line and line.count("__0_0.distcp") == 1, line
+    assert re.search(r"iter_0000002/__0_0.distcp: model/tied_word_embeddings \(chunk at "
+                     r"\(0, 0\)\) of iteration 2 is corrupt: bytes \d+-\d+ of its values fail "
+                     r"their CRC-32 check", line), line
+
+
+@pytest.mark.parametrize("fmt,victim", [("torch", "layers_000-004.pt"),
+                                        ("torch_dist", "__0_0.distcp")])
+def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_previous(tmp_path, monkeypatch,
+                                                                        fmt, victim):
+    import errno
+
+    from megatron_chimera.checkpoint import dcp_io
+    from megatron_chimera.checkpoint.dcp_io import CheckpointWriteError
+
+    stages, opt, sched = build([(0, 4)])
+    save_whole(tmp_path, 1, stages, opt, sched, ckpt_format=fmt)
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: full() if isinstance(
+        obj, dict) and "layer_range" in obj else real_save(obj, f, *a, **k))
+    monkeypatch.setattr(dcp_io.ArchiveChunkWriter, "_write_chunk", staticmethod(full))
+    with pytest.raises(CheckpointWriteError) as error:
+        save_whole(tmp_path, 2, stages, opt, sched, ckpt_format=fmt)
+    staging = checkpoint_dir(str(tmp_path), 2) + ".staging"
+    assert str(error.value) == (f"No space left on device: {staging}/{victim} (the checkpoint "
+                                "of iteration 2 was not saved; the previous checkpoint is intact)")
+    assert open(tmp_path / TRACKER_FILENAME).read().strip() == "1"
+    loaded = load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched), rank=0,
+                            world_size=1)
+    assert loaded.iteration == 1

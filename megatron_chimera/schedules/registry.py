@@ -348,7 +348,11 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 SCHEDULE_NAMES = tuple(SCHEDULES)
 # the published F&B-overlap schedules (always paired), built to compare with Chimera-EP
 PAIRED_SCHEDULES = ("dualpipe", "dualpipev", "combined-1f1b")
-SPLIT_BACKWARD_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.split_backward)
+# the split-backward schedules whose order is built for the costs (profiled and rebuilt during
+# training); DualPipe's and DualPipeV's orders are fixed
+SPLIT_BACKWARD_SCHEDULES = tuple(
+    name for name, spec in SCHEDULES.items()
+    if spec.split_backward and any(f.name == "costs" for f in spec.option_fields()))
 
 
 def get_spec(name: str) -> ScheduleSpec:

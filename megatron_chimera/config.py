@@ -25,6 +25,89 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")  # --normalization (Megatron's spellin
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")  # --position-embedding-type
 
 
+MOE_ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")  # --moe-router-score-function
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")  # --moe-router-load-balancing-type
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather")  # --moe-token-dispatcher-type
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (Megatron-core's flags); ``num_experts`` None: every MLP is dense.
+
+    ``moe_layer_freq`` is an int k (layers 0, k, 2k, ... are MoE) or Megatron's list string, e.g.
+    ``"[1,0,1,0]"`` or ``"([1]*3+[0])*2"`` (one 0/1 per layer; see :meth:`moe_layers`)."""
+
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None  # default: the dense --ffn-hidden-size
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"  # one of MOE_ROUTER_SCORE_FUNCTIONS
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k
+    moe_router_load_balancing_type: str = "aux_loss"  # one of MOE_LOAD_BALANCING_TYPES
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_expert_capacity_factor: float | None = None  # None: dropless
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_layer_freq: int | str = 1
+    moe_token_dispatcher_type: str = "alltoall"  # one of MOE_TOKEN_DISPATCHERS
+    moe_grouped_gemm: bool = False
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: 1 (experts are not tensor-split)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the model has MoE layers."""
+        return self.num_experts is not None
+
+    def moe_layers(self, num_layers: int) -> tuple[bool, ...]:
+        """Which of the ``num_layers`` layers (0-based) are MoE layers (Megatron's
+        ``--moe-layer-freq``: int k -> every k-th layer from layer 0; a list -> its 0/1 pattern,
+        one entry per layer)."""
+        if not self.enabled:
+            return (False,) * num_layers
+        return parse_moe_layer_freq(self.moe_layer_freq, num_layers)
+
+
+def parse_moe_layer_freq(freq: int | str, num_layers: int) -> tuple[bool, ...]:
+    """``--moe-layer-freq`` as one flag per layer; ConfigError naming the flag when malformed.
+    A string is an int or a Python list expression of 0/1 built from list literals, ``+`` and
+    ``*`` (evaluated on its syntax tree, never by ``eval``)."""
+    if isinstance(freq, str):
+        freq = _layer_freq_value(freq)
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq < 1:
+            raise ConfigError(f"--moe-layer-freq {freq} must be >= 1")
+        return tuple(i % freq == 0 for i in range(num_layers))
+    pattern = list(freq)
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ConfigError(f"--moe-layer-freq {pattern} must hold one 0 or 1 per layer "
+                          f"(--num-layers {num_layers})")
+    return tuple(bool(v) for v in pattern)
+
+
+def _layer_freq_value(text: str) -> int | list[int]:
+    """The int or list a ``--moe-layer-freq`` string denotes (list literals, ``+``, ``*``)."""
+    import ast
+
+    def value(node: ast.AST):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ConfigError(f"--moe-layer-freq {text!r}: only ints, lists, + and * are allowed")
+
+    try:
+        result = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, TypeError) as error:
+        raise ConfigError(f"--moe-layer-freq {text!r} is not an int or a list expression "
+                          f"({error})") from None
+    if isinstance(result, list) and any(isinstance(v, list) for v in result):
+        raise ConfigError(f"--moe-layer-freq {text!r} must be a flat list of 0/1")
+    return result
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Transformer shape, regularisation, initialisation, precision and recomputation settings."""
@@ -84,6 +167,7 @@ class ModelConfig:
     rotary_percent: float = 1.0  # fraction of the head dimension RoPE rotates
     use_rope_scaling: bool = False  # Llama-3's frequency scaling (--rope-scaling-factor)
     rope_scaling_factor: float = 8.0
+    moe: MoEConfig = MoEConfig()  # mixture of experts (default: dense MLPs)
 
     @property
     def ffn_size(self) -> int:

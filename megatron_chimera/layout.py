@@ -11,6 +11,15 @@ tensor-parallel ranks innermost (consecutive ranks, so a node holds a whole tens
 group), then data-parallel replicas, then pipeline ranks. A *placement* (``Schedule.placement``:
 ``placement[pipe][stage]`` = pipeline rank) says which pipeline ranks hold which stage; the
 stage-replica and embedding groups follow from it.
+
+Expert parallelism (Megatron's "parallel folding"): the ``T x W`` ranks of one pipeline rank
+(local index ``i = data_parallel_rank x T + tensor_rank``, i.e. the global rank minus
+``pipeline_rank x T x W``) regroup into ``EP`` expert-parallel x ``T x W / EP`` expert-data-
+parallel ranks, expert-parallel innermost: ``expert rank = i mod EP``, ``expert-data rank =
+i div EP``. An expert-parallel group therefore holds ranks of one pipeline rank only -- ranks
+that run the same action list -- so with Chimera workers ``w`` and ``D-1-w`` never share one.
+The experts of a stage are reduced over the ranks holding that stage with the same expert rank
+(every pipe, every expert-data rank).
 """
 
 from __future__ import annotations
@@ -51,16 +60,25 @@ class ParallelLayout:
     tensor: int = 1
     data: int = 1
     pipeline: int = 1
+    expert: int = 1  # EP: expert-parallel ranks, folded out of the T x W ranks of a pipeline rank
+
+    def __post_init__(self) -> None:
+        if self.expert < 1 or (self.tensor * self.data) % self.expert:
+            raise ConfigError(
+                f"--expert-model-parallel-size {self.expert} does not divide "
+                f"--tensor-model-parallel-size {self.tensor} x data-parallel size {self.data} "
+                f"(expert-parallel ranks are folded out of one pipeline rank's ranks)")
 
     @classmethod
-    def from_world(cls, world_size: int, tensor: int = 1, pipeline: int = 1) -> ParallelLayout:
+    def from_world(cls, world_size: int, tensor: int = 1, pipeline: int = 1,
+                   expert: int = 1) -> ParallelLayout:
         """W = world / (T x D); ConfigError naming the flags when they do not divide the world."""
         if tensor < 1 or pipeline < 1 or world_size % (pipeline * tensor):
             raise ConfigError(
                 f"--tensor-model-parallel-size {tensor} x --pipeline-model-parallel-size "
                 f"{pipeline} does not divide the world size {world_size} "
                 f"(world = tensor x data-parallel x pipeline size)")
-        return cls(tensor, world_size // (pipeline * tensor), pipeline)
+        return cls(tensor, world_size // (pipeline * tensor), pipeline, expert)
 
     @property
     def world_size(self) -> int:
@@ -156,3 +174,41 @@ class ParallelLayout:
         last = len(placement[0]) - 1
         return self.replica_ranks((pipe[s] for pipe in placement for s in (0, last)),
                                   tensor_rank)
+
+    # ------------------------------------------------------------------ experts
+    @property
+    def expert_data(self) -> int:
+        """Expert-data-parallel ranks per pipeline rank: ``T x W / EP``."""
+        return self.tensor * self.data // self.expert
+
+    def check_experts(self, num_experts: int) -> None:
+        """ConfigError when EP does not divide ``--num-experts``."""
+        if num_experts % self.expert:
+            raise ConfigError(f"--num-experts {num_experts} is not divisible by "
+                              f"--expert-model-parallel-size {self.expert}")
+
+    def expert_coordinates(self, rank: int) -> tuple[int, int]:
+        """``(expert_rank, expert_data_rank)`` of a global rank."""
+        local = rank % (self.tensor * self.data)
+        return local % self.expert, local // self.expert
+
+    def _expert_global(self, pipeline_rank: int, expert_rank: int, expert_data_rank: int) -> int:
+        return (pipeline_rank * self.tensor * self.data + expert_data_rank * self.expert
+                + expert_rank)
+
+    def expert_parallel_ranks(self, pipeline_rank: int, expert_data_rank: int) -> list[int]:
+        """The EP ranks of one pipeline rank and expert-data rank, by expert rank."""
+        return [self._expert_global(pipeline_rank, e, expert_data_rank)
+                for e in range(self.expert)]
+
+    def expert_replica_ranks(self, pipeline_ranks: Iterable[int], expert_rank: int) -> list[int]:
+        """Every rank of ``expert_rank`` on the given pipeline ranks, every expert-data rank."""
+        return [self._expert_global(p, expert_rank, d)
+                for p in sorted(set(pipeline_ranks)) for d in range(self.expert_data)]
+
+    def expert_stage_replica_ranks(self, placement: Sequence[Sequence[int]], stage: int,
+                                   expert_rank: int) -> list[int]:
+        """Holders of the experts of ``expert_rank`` in ``stage``: every pipe, every expert-data
+        rank (where the expert gradients are reduced and the distributed optimizer shards
+        them)."""
+        return self.expert_replica_ranks((pipe[stage] for pipe in placement), expert_rank)

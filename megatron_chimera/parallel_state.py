@@ -91,6 +91,12 @@ class _ModelParallelState:
     embedding_group: dist.ProcessGroup | None = None
     embedding_ranks: list[int] = field(default_factory=list)
     p2p_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    expert_rank: int = 0
+    expert_data_rank: int = 0
+    expert_group: dist.ProcessGroup | None = None
+    expert_ranks: list[int] = field(default_factory=list)
+    expert_stage_replica_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    expert_stage_replica_ranks: dict[int, list[int]] = field(default_factory=dict)
     all_groups: list[dist.ProcessGroup] = field(default_factory=list)
     collective_groups: list[dist.ProcessGroup] = field(default_factory=list)
 
@@ -137,6 +143,7 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     timeout: timedelta | None = None,
     p2p_direction_groups: bool | None = None,
+    expert_model_parallel_size: int = 1,
 ) -> None:
     """Create tensor, pipeline, data-parallel, model-parallel, stage-replica and embedding groups
     (same order everywhere).
@@ -151,6 +158,8 @@ def initialize_model_parallel(
     NCCL-semantics test mode) adds one 2-rank
     group per direction between pipe neighbours, so that the two directions between a pair of
     ranks run on separate NCCL communicators and streams and never wait behind each other.
+    ``expert_model_parallel_size`` (EP) folds each pipeline rank's ranks into expert-parallel
+    groups and adds one expert stage-replica group per stage and expert rank (see ``layout``).
     """
     global _STATE
     if not dist.is_initialized():
@@ -160,7 +169,7 @@ def initialize_model_parallel(
     if _STATE is not None:
         raise RuntimeError("model parallel groups are already initialized; destroy them first")
     layout = ParallelLayout.from_world(dist.get_world_size(), tensor_model_parallel_size,
-                                       pipeline_model_parallel_size)
+                                       pipeline_model_parallel_size, expert_model_parallel_size)
     d, w, t_size = layout.pipeline, layout.data, layout.tensor
     _validate_placement(placement, num_stages, d)
     rank = dist.get_rank()
@@ -218,6 +227,8 @@ def initialize_model_parallel(
         group = new_group(ranks)
         if t == tensor_rank:
             state.embedding_ranks, state.embedding_group = ranks, group
+    if layout.expert > 1:
+        _expert_groups(state, new_group)
     if p2p_direction_groups is None:
         p2p_direction_groups = dist.get_backend() == "nccl" or nccl_semantics_requested()
     if p2p_direction_groups:
@@ -231,6 +242,27 @@ def initialize_model_parallel(
     state.all_groups = created
     state.collective_groups = collective
     _STATE = state
+
+
+def _expert_groups(state: _ModelParallelState, new_group) -> None:
+    """Expert-parallel groups (one per pipeline rank and expert-data rank) and expert
+    stage-replica groups (one per stage and expert rank), in one global order."""
+    layout, placement = state.layout, state.placement
+    state.expert_rank, state.expert_data_rank = layout.expert_coordinates(state.rank)
+    for p in range(layout.pipeline):
+        for d in range(layout.expert_data):
+            ranks = layout.expert_parallel_ranks(p, d)
+            group = new_group(ranks)
+            if group is not None:
+                state.expert_group, state.expert_ranks = group, ranks
+    for stage in range(state.num_stages):
+        for e in range(layout.expert):
+            ranks = layout.expert_stage_replica_ranks(placement, stage, e)
+            group = new_group(ranks)
+            if e == state.expert_rank and stage in state.stage_replica_groups:
+                state.expert_stage_replica_ranks[stage] = ranks
+            if group is not None:
+                state.expert_stage_replica_groups[stage] = group
 
 
 def _neighbour_directions(placement: list[list[int]]) -> list[tuple[int, int]]:
@@ -436,3 +468,43 @@ def get_p2p_group(src: int, dst: int) -> dist.ProcessGroup | None:
 def pipeline_rank_to_global_rank(pipeline_rank: int) -> int:
     """Global rank of ``pipeline_rank`` in this rank's data-parallel replica and tensor rank."""
     return _state().to_global(pipeline_rank)
+
+
+# ---------------------------------------------------------------- experts
+def get_expert_model_parallel_world_size() -> int:
+    """EP: expert-parallel ranks (1 before ``initialize_model_parallel``)."""
+    return _STATE.layout.expert if _STATE is not None else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's index in its expert-parallel group (0 before ``initialize_model_parallel``)."""
+    return _STATE.expert_rank if _STATE is not None else 0
+
+
+def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
+    """This rank's expert-parallel group (ranks of its pipeline rank; None with EP = 1)."""
+    return _state().expert_group
+
+
+def get_expert_model_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's expert-parallel group, by expert rank."""
+    return list(_state().expert_ranks)
+
+
+def get_expert_stage_replica_group(stage: int) -> dist.ProcessGroup:
+    """Holders of this rank's experts of stage ``stage`` (every pipe, every expert-data rank);
+    with EP = 1 the stage-replica group."""
+    s = _state()
+    if s.layout.expert == 1:
+        return get_stage_replica_group(stage)
+    if stage not in s.expert_stage_replica_groups:
+        raise ValueError(f"rank {s.rank} holds no replica of stage {stage}")
+    return s.expert_stage_replica_groups[stage]
+
+
+def get_expert_stage_replica_ranks(stage: int) -> list[int]:
+    """Global ranks of :func:`get_expert_stage_replica_group`."""
+    s = _state()
+    if s.layout.expert == 1:
+        return get_stage_replica_ranks(stage)
+    return list(s.expert_stage_replica_ranks[stage])

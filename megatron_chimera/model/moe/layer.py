@@ -1,0 +1,75 @@
+"""The MoE layer: a transformer layer's MLP replaced by routed experts (plus an optional shared
+expert), Megatron-core's ``MoELayer``.
+
+``[s, b, h] -> ([s, b, h], None)`` like ``ParallelMLP``: route the ``s x b`` tokens, dispatch them
+to the experts of their expert-parallel ranks, run this rank's experts, combine, and add the
+shared expert's output (a dense MLP of ``--moe-shared-expert-intermediate-size`` every token
+takes). The expert-parallel group comes from ``parallel_state`` when the model is built (one
+rank and no group before ``initialize_model_parallel``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from megatron_chimera import parallel_state
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.moe.experts import Experts
+from megatron_chimera.model.moe.router import TopKRouter
+from megatron_chimera.model.moe.token_dispatcher import TokenDispatcher
+
+
+def check_moe(config: ModelConfig, tensor_parallel: int) -> None:
+    """ConfigError naming the flag for MoE settings this build cannot run."""
+    moe = config.moe
+    if moe.expert_tensor_parallel_size not in (None, 1):
+        raise ConfigError(f"--expert-tensor-parallel-size {moe.expert_tensor_parallel_size}: "
+                          "only 1 is supported (experts are not tensor-split)")
+    if tensor_parallel > 1:
+        raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 is not supported "
+                          "yet (the MoE layer needs --sequence-parallel token splitting)")
+    if moe.expert_model_parallel_size < 1:
+        raise ConfigError(f"--expert-model-parallel-size {moe.expert_model_parallel_size} must "
+                          f"be >= 1")
+
+
+class MoELayer(nn.Module):
+    """Router, this rank's experts, token dispatcher and optional shared expert of the MoE layer
+    ``layer_number`` (1-based, global)."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, seed: int) -> None:
+        super().__init__()
+        check_moe(config, parallel_state.get_tensor_model_parallel_world_size())
+        moe = config.moe
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.dispatcher = TokenDispatcher(
+            moe.moe_token_dispatcher_type, moe.num_experts, ep_size, ep_rank,
+            parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None)
+        self.router = TopKRouter(config, layer_number, seed)
+        self.experts = Experts(config, layer_number, self.dispatcher.first_local,
+                               self.dispatcher.num_local, seed)
+        self.shared_experts = None
+        if moe.moe_shared_expert_intermediate_size:
+            from megatron_chimera.model.transformer import ParallelMLP, init_mlp
+            shared = dataclasses.replace(
+                config, ffn_hidden_size=moe.moe_shared_expert_intermediate_size)
+            self.shared_experts = ParallelMLP(shared)
+            init_mlp(self.shared_experts, config, f"layer.{layer_number - 1}.shared_expert",
+                     seed)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``[s, b, h] -> ([s, b, h], None)`` (biases are added inside)."""
+        s, b, h = hidden.shape
+        tokens = hidden.reshape(s * b, h)
+        probs, routing_map = self.router(tokens, s)
+        dispatched = self.dispatcher.dispatch(tokens, probs, routing_map)
+        expert_output = self.experts(dispatched.tokens, dispatched.counts)
+        out = self.dispatcher.combine(expert_output, dispatched).view(s, b, h)
+        if self.shared_experts is not None:
+            shared, bias = self.shared_experts(hidden)
+            out = out + (shared if bias is None else shared + bias)
+        return out, None

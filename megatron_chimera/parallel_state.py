@@ -227,6 +227,7 @@ def initialize_model_parallel(
         group = new_group(ranks)
         if t == tensor_rank:
             state.embedding_ranks, state.embedding_group = ranks, group
+    state.expert_rank, state.expert_data_rank = layout.expert_coordinates(rank)
     if layout.expert > 1:
         _expert_groups(state, new_group)
     if p2p_direction_groups is None:
@@ -248,7 +249,6 @@ def _expert_groups(state: _ModelParallelState, new_group) -> None:
     """Expert-parallel groups (one per pipeline rank and expert-data rank) and expert
     stage-replica groups (one per stage and expert rank), in one global order."""
     layout, placement = state.layout, state.placement
-    state.expert_rank, state.expert_data_rank = layout.expert_coordinates(state.rank)
     for p in range(layout.pipeline):
         for d in range(layout.expert_data):
             ranks = layout.expert_parallel_ranks(p, d)
@@ -479,6 +479,11 @@ def get_expert_model_parallel_world_size() -> int:
 def get_expert_model_parallel_rank() -> int:
     """This rank's index in its expert-parallel group (0 before ``initialize_model_parallel``)."""
     return _STATE.expert_rank if _STATE is not None else 0
+
+
+def get_expert_data_parallel_rank() -> int:
+    """This rank's expert-data-parallel index (0 before ``initialize_model_parallel``)."""
+    return _STATE.expert_data_rank if _STATE is not None else 0
 
 
 def get_expert_model_parallel_group() -> dist.ProcessGroup | None:

@@ -18,6 +18,7 @@ draw the same mask on every tensor rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 
 import torch
@@ -323,6 +324,17 @@ def init_mlp(mlp: ParallelMLP, config: ModelConfig, key: str, seed: int) -> None
                  generator)
 
 
+def moe_layer(config: ModelConfig, layer_number: int, seed: int) -> MoELayer:
+    """The MoE layer ``layer_number`` with its shared expert (a dense MLP of
+    ``--moe-shared-expert-intermediate-size``, initialised from its own key) when asked."""
+    shared = None
+    size = config.moe.moe_shared_expert_intermediate_size
+    if size:
+        shared = ParallelMLP(dataclasses.replace(config, ffn_hidden_size=size))
+        init_mlp(shared, config, f"{layer_key(layer_number - 1)}.shared_expert", seed)
+    return MoELayer(config, layer_number, seed, shared)
+
+
 class ParallelTransformerLayer(nn.Module):
     """One pre-LN transformer layer; ``layer_number`` is its 1-based global number."""
 
@@ -337,7 +349,7 @@ class ParallelTransformerLayer(nn.Module):
         self.self_attention = ParallelAttention(config, layer_number, causal)
         self.post_attention_layernorm = sequence_parallel_layer_norm(config, backend)
         self.is_moe = config.moe.moe_layers(config.num_layers)[layer_number - 1]
-        self.mlp = MoELayer(config, layer_number, seed) if self.is_moe else ParallelMLP(config)
+        self.mlp = moe_layer(config, layer_number, seed) if self.is_moe else ParallelMLP(config)
         self.site = layer_site(layer_number)  # its keyed-dropout site
         self.residual_sites = (f"{self.site}:attention-residual", f"{self.site}:mlp-residual")
         self._init_weights(config, seed)

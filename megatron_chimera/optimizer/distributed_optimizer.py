@@ -40,6 +40,7 @@ from megatron_chimera.distributed.grad_buffer import (
     GradBuffer,
     ModelGradBuffers,
     ShardGroup,
+    expert_unit,
 )
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.optimizer.grad_scaler import MegatronGradScaler
@@ -60,7 +61,7 @@ from megatron_chimera.tensor_parallel.utils import param_is_not_tensor_parallel_
 InnerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
-Unit = int | str  # a stage id, or TIED
+Unit = int | str  # a stage id, TIED, or a stage's experts (expert_unit)
 
 
 @dataclass
@@ -122,6 +123,8 @@ class DistributedOptimizer(MegatronOptimizer):
             s: grad_buffers.stages[s] for s in sorted(grad_buffers.stages, reverse=True)}
         if grad_buffers.tied is not None:
             self.units[TIED] = [grad_buffers.tied]
+        for s in sorted(grad_buffers.experts, reverse=True):  # expert parallelism
+            self.units[expert_unit(s)] = grad_buffers.experts[s]
         self.fragments: dict[Unit, list[Fragment]] = {}
         by_param: dict[int, list[Fragment]] = {}
         for unit, buffers in self.units.items():
@@ -203,7 +206,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def wait_for_stage(self, stage: int) -> None:
         """Block until the parameters of ``stage`` (and the tied embedding, which the first and
         last stages read) are gathered."""
-        for unit in (stage, TIED):
+        for unit in (stage, TIED, expert_unit(stage)):
             for work in self._pending.pop(unit, []):
                 work.wait()
 

@@ -65,9 +65,10 @@ class AuxLossLog:
 
 
 def moe_routers(modules: Iterable[nn.Module]) -> list[nn.Module]:
-    """Every MoE router inside ``modules`` (the stage modules of a rank)."""
-    from megatron_chimera.model.moe.router import TopKRouter
-    return [m for module in modules for m in module.modules() if isinstance(m, TopKRouter)]
+    """Every MoE router inside ``modules`` (the stage modules of a rank): the modules keeping an
+    :class:`AuxLossLog` as ``aux_log``."""
+    return [m for module in modules for m in module.modules()
+            if isinstance(getattr(m, "aux_log", None), AuxLossLog)]
 
 
 def set_aux_loss_scale(modules: Iterable[nn.Module], scale: float) -> None:

@@ -10,8 +10,6 @@ rank and no group before ``initialize_model_parallel``).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -38,9 +36,12 @@ def check_moe(config: ModelConfig, tensor_parallel: int) -> None:
 
 class MoELayer(nn.Module):
     """Router, this rank's experts, token dispatcher and optional shared expert of the MoE layer
-    ``layer_number`` (1-based, global)."""
+    ``layer_number`` (1-based, global). ``shared_experts``: the dense MLP of
+    ``--moe-shared-expert-intermediate-size`` (``transformer.moe_layer`` builds it), or None.
+    Its output ``(out, bias)`` is added to the routed experts'."""
 
-    def __init__(self, config: ModelConfig, layer_number: int, seed: int) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, seed: int,
+                 shared_experts: nn.Module | None = None) -> None:
         super().__init__()
         check_moe(config, parallel_state.get_tensor_model_parallel_world_size())
         moe = config.moe
@@ -52,14 +53,7 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(config, layer_number, seed)
         self.experts = Experts(config, layer_number, self.dispatcher.first_local,
                                self.dispatcher.num_local, seed)
-        self.shared_experts = None
-        if moe.moe_shared_expert_intermediate_size:
-            from megatron_chimera.model.transformer import ParallelMLP, init_mlp
-            shared = dataclasses.replace(
-                config, ffn_hidden_size=moe.moe_shared_expert_intermediate_size)
-            self.shared_experts = ParallelMLP(shared)
-            init_mlp(self.shared_experts, config, f"layer.{layer_number - 1}.shared_expert",
-                     seed)
+        self.shared_experts = shared_experts
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``[s, b, h] -> ([s, b, h], None)`` (biases are added inside)."""

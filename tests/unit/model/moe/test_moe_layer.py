@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megatron_chimera.config import ConfigError, ModelConfig, MoEConfig, parse_moe_layer_freq
 from megatron_chimera.model.moe.aux_loss import pop_aux_losses, set_aux_loss_scale
 from megatron_chimera.model.moe.layer import MoELayer
+from megatron_chimera.model.transformer import moe_layer
 
 S, B, H = 6, 2, 16
 
@@ -153,7 +154,7 @@ def test_aux_losses_values_and_gradients(balancing):
 def test_shared_expert_adds_a_dense_mlp():
     torch.manual_seed(5)
     cfg = config(moe_shared_expert_intermediate_size=12)
-    layer = MoELayer(cfg, 1, seed=3)
+    layer = moe_layer(cfg, 1, seed=3)
     hidden = torch.randn(S, B, H)
     out, _ = layer(hidden)
     shared, bias = layer.shared_experts(hidden)

@@ -52,6 +52,7 @@ class MoEConfig:
     moe_grouped_gemm: bool = False
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None  # None: 1 (experts are not tensor-split)
+    moe_per_layer_logging: bool = False  # log each MoE layer's auxiliary losses too
 
     @property
     def enabled(self) -> bool:

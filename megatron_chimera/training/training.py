@@ -39,6 +39,7 @@ from megatron_chimera.data.samplers import (
 )
 from megatron_chimera.model.dropout_rng import KeyedMicrobatch, microbatch_key
 from megatron_chimera.model.family import GPT2, ModelFamily
+from megatron_chimera.model.moe.aux_loss import aux_loss_figures, reduce_aux_losses
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.rebuild import RebuildReport
 from megatron_chimera.training.arguments import build_schedule_for, parse_args_and_schedule
@@ -273,11 +274,23 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
         gathered = run.executor.gather([result for _, result in pending])
     for stats, _ in pending:  # the iteration's timer events are complete by now
         stats.resolve_timers()
+    aux = _moe_aux_losses(run)  # the interval's mean of every MoE auxiliary loss (collective)
     for (stats, _), figures in zip(pending, gathered or []):
-        stats.losses = _average_losses(figures.losses)
+        stats.losses = {**_average_losses(figures.losses), **aux}
         stats.busy_seconds = figures.busy_seconds_per_rank
         run.monitor.record(stats)
     pending.clear()
+
+
+def _moe_aux_losses(run: Run) -> dict[str, float]:
+    """The MoE auxiliary losses since the last report, averaged over their micro-batches and
+    layers (a collective over the world; nothing without MoE layers)."""
+    model = run.config.model
+    if not model.moe.enabled:
+        return {}
+    per_layer = reduce_aux_losses([s.module for s in run.stages], model.num_layers,
+                                  device=run.device)
+    return aux_loss_figures(per_layer, model.moe.moe_per_layer_logging)
 
 
 def train(run: Run, state: TrainState, train_iterator, valid_iterator,

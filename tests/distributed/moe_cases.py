@@ -83,3 +83,117 @@ def run_expert_parallel_layer(rank: int, world_size: int, cases: list[tuple[int,
                                            atol=1e-6, msg=f"EP={ep} {fields}: {name}")
         finally:
             parallel_state.destroy_model_parallel()
+
+
+# ---------------------------------------------------------------------------- training
+# (GPT stages through the executor on D x W ranks with EP, against one process)
+def _tp():
+    from . import tp_cases  # imports the entry scripts: only where training runs
+    return tp_cases
+
+
+def moe_training_case(schedule: str, pipeline_size: int, ep: int, num_microbatches: int,
+                      llama: bool = False, sharded: bool = False, options=()):
+    """A ``TPCase`` (T = 1) whose model has MoE layers at layers 1 and 3 of 4 (stages 1 and 3
+    of D = 4 hold none): 4 experts, top-2, capacity factor 1.5 (tokens are dropped), load
+    balancing and z losses; ``llama``: SwiGLU experts in the Llama-shaped decoder."""
+    tp = _tp()
+    moe = MoEConfig(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
+                    moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+                    moe_expert_capacity_factor=1.5, moe_layer_freq=2,
+                    expert_model_parallel_size=ep)
+    model = (tp.LLAMA_MODEL if llama else ()) + (("moe", moe),)
+    ddp = tp.SHARDED_OVERLAP if sharded else tp.DDPConfig()
+    return tp.TPCase("gpt2", schedule, 1, pipeline_size, num_microbatches, tuple(options),
+                     model=model, ddp=ddp)
+
+
+def _reference(case, data_parallel_size: int, config: ModelConfig):
+    """One process, the whole model: per-step losses and grad norms, the final parameters and
+    each layer's mean auxiliary losses over every micro-batch."""
+    from megatron_chimera.model.moe.aux_loss import pop_aux_losses
+    from megatron_chimera.optimizer import get_megatron_optimizer
+    tp = _tp()
+    entry = tp.FAMILIES[case.family]
+    model = entry.model_provider(config, tp.SEED)
+    optimizer = get_megatron_optimizer(tp.OPTIMIZER, [model])
+    n, w = case.num_microbatches, data_parallel_size
+    set_aux_loss_scale([model], 1.0 / (n * w))
+    losses, norms = [], []
+    for step in range(tp.STEPS):
+        optimizer.zero_grad()
+        step_losses = []
+        for dp in range(w):
+            for m in range(n):
+                loss, stats = tp._loss_stats(case.family, entry.forward_step(
+                    tp.make_batch(case.family, step, dp, m), model))
+                (loss / (n * w)).backward()
+                step_losses.append(stats)
+        _, norm, _ = optimizer.step()
+        losses.append(step_losses)
+        norms.append(norm)
+    aux = {name: {layer: float(v) for layer, v in layers.items()}
+           for name, layers in pop_aux_losses([model]).items()}
+    return losses, norms, {k: p.detach().clone() for k, p in model.named_parameters()}, aux
+
+
+def run_moe_training_case(rank: int, world_size: int, case) -> None:
+    """Train 3 steps on the case's layout and compare with one process: every micro-batch's
+    loss, the clipped grad norm, the final weights (each rank's experts against their slice of
+    the whole layer's) and each layer's auxiliary losses (1e-5 relative, fp32)."""
+    from megatron_chimera.model.moe.aux_loss import reduce_aux_losses
+    from megatron_chimera.schedules import build_schedule
+    from megatron_chimera.schedules.validate import validate
+    from tests.helpers.tensor_parallel import full_state
+    tp = _tp()
+    schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches,
+                              **dict(case.options))
+    validate(schedule)
+    w = world_size // case.pipeline_size
+    config = case.model_config()
+    ref_losses, ref_norms, ref_params, ref_aux = _reference(case, w, config)
+    assert set(ref_aux) == {"load_balancing_loss", "z_loss"} and set(ref_aux["z_loss"]) == {1, 3}
+    parallel_state.initialize_model_parallel(
+        case.pipeline_size, schedule.placement, schedule.num_stages, 1,
+        timeout=timedelta(seconds=60),
+        expert_model_parallel_size=config.moe.expert_model_parallel_size)
+    try:
+        modules, optimizer, executor, partition = tp.build_run(case, config, schedule)
+        dp = parallel_state.get_data_parallel_rank()
+        results = []
+        for step in range(tp.STEPS):
+            optimizer.zero_grad()
+            results.append(executor.run([tp.make_batch(case.family, step, dp, m)
+                                         for m in range(case.num_microbatches)]))
+            _, norm, _ = optimizer.step()
+            tp._check_close(norm, ref_norms[step], f"{case.name}: step {step} grad norm")
+        for step, figures in enumerate(executor.gather(results) or []):
+            for i, (got, want) in enumerate(zip(figures.losses, ref_losses[step], strict=True)):
+                tp._check_close(got["lm loss"], want["lm loss"],
+                                f"{case.name}: step {step} micro-batch {i}")
+        aux = reduce_aux_losses(modules.values(), config.num_layers)
+        for name, layers in ref_aux.items():
+            for layer, want in layers.items():
+                tp._check_close(aux[name][layer], want, f"{case.name}: {name} layer {layer}")
+        optimizer.finish_param_sync()
+        from megatron_chimera.distributed.grad_sync import assert_replicas_identical
+        assert_replicas_identical(modules)
+        for stage, module in modules.items():
+            start = partition[stage][0]
+            for local, value in full_state(module).items():
+                want = ref_params[tp._reference_name(module, local, start)]
+                if ".experts." in local:
+                    layer = module.get_submodule(local.rsplit(".", 1)[0])
+                    want = want[layer.first:layer.first + layer.num_local]
+                err = float((value - want).abs().max() / want.abs().max().clamp_min(1e-12))
+                if err > tp.RTOL:
+                    raise AssertionError(f"{case.name}: stage {stage} {local}: rel. error "
+                                         f"{err:.2e}")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def run_moe_training_cases(rank: int, world_size: int, cases: list) -> None:
+    """Each case in sequence in this world (the failing one named)."""
+    from .cases import run_each
+    run_each(rank, world_size, cases, run_moe_training_case)

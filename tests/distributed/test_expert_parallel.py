@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from .harness import spawn_world
-from .moe_cases import run_expert_parallel_layer
+from .moe_cases import moe_training_case, run_expert_parallel_layer, run_moe_training_cases
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 CASES = [
     (1, {}),
@@ -22,3 +22,14 @@ CASES = [
 
 def test_expert_parallel_layer_equals_one_process():
     spawn_world(run_expert_parallel_layer, 4, CASES, timeout_s=100, pg_timeout_s=60)
+
+
+def test_chimera_and_1f1b_with_expert_parallelism_train_like_one_process():
+    """8 ranks (D = 4 x W = 2, EP = 2: each expert group joins the two replicas of one pipeline
+    rank): Chimera (GELU experts; then Llama-shaped with SwiGLU experts under the distributed
+    optimizer with overlapped reduction) and 1F1B train 3 steps like one process -- losses,
+    clipped grad norms, weights and per-layer auxiliary losses 1e-5 relative."""
+    cases = [moe_training_case("chimera", 4, 2, 4),
+             moe_training_case("chimera", 4, 2, 4, llama=True, sharded=True),
+             moe_training_case("1f1b", 4, 2, 4)]
+    spawn_world(run_moe_training_cases, 8, cases, timeout_s=240, pg_timeout_s=120)

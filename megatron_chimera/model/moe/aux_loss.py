@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -45,6 +46,9 @@ def attach_aux_loss(output: torch.Tensor, aux_loss: torch.Tensor, scale: float) 
     return _AttachAuxLoss.apply(output, aux_loss, scale)
 
 
+AUX_LOSS_LOG_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "z_loss")
+
+
 class AuxLossLog:
     """Per-name running (sum, count) of one layer's logged auxiliary losses (detached)."""
 
@@ -52,16 +56,20 @@ class AuxLossLog:
         self.values: dict[str, tuple[torch.Tensor, int]] = {}
 
     def record(self, name: str, value: torch.Tensor) -> None:
-        """Add one forward's value of ``name``."""
+        """Add one forward's value of ``name`` (one of :data:`AUX_LOSS_LOG_NAMES`)."""
         total, count = self.values.get(name, (None, 0))
         value = value.detach().float()
         self.values[name] = (value if total is None else total + value, count + 1)
 
+    def pop_sums(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """(sum, count) of each name since the last pop, and forget them."""
+        sums = dict(self.values)
+        self.values.clear()
+        return sums
+
     def pop(self) -> dict[str, torch.Tensor]:
         """The mean of each name since the last pop, and forget them."""
-        means = {name: total / count for name, (total, count) in self.values.items()}
-        self.values.clear()
-        return means
+        return {name: total / count for name, (total, count) in self.pop_sums().items()}
 
 
 def moe_routers(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -86,3 +94,37 @@ def pop_aux_losses(modules: Iterable[nn.Module]) -> dict[str, dict[int, torch.Te
         for name, value in router.aux_log.pop().items():
             out.setdefault(name, {})[router.layer_number] = value
     return out
+
+
+def reduce_aux_losses(modules: Iterable[nn.Module], num_layers: int,
+                      group: dist.ProcessGroup | None = None,
+                      device: torch.device | None = None) -> dict[str, dict[int, float]]:
+    """``{name: {layer_number: mean}}`` over every forward of every rank of ``group`` (the
+    world by default) since the last call: one all-reduce of (sum, count) per name and layer, so
+    a layer's mean is over all its micro-batches whatever the pipeline layout (replicas holding
+    a layer, tensor-parallel duplicates, recomputed forwards all weigh alike). Every rank of the
+    group calls it."""
+    names = AUX_LOSS_LOG_NAMES
+    table = torch.zeros(len(names), num_layers, 2, dtype=torch.float64, device=device)
+    for router in moe_routers(modules):
+        for name, (total, count) in router.aux_log.pop_sums().items():
+            table[names.index(name), router.layer_number - 1] += torch.stack(
+                [total.to(table), torch.tensor(float(count), dtype=table.dtype,
+                                               device=table.device)])
+    if dist.is_initialized():
+        dist.all_reduce(table, group=group)
+    return {name: {layer + 1: float(table[i, layer, 0] / table[i, layer, 1])
+                   for layer in range(num_layers) if table[i, layer, 1] > 0}
+            for i, name in enumerate(names) if bool((table[i, :, 1] > 0).any())}
+
+
+def aux_loss_figures(per_layer: dict[str, dict[int, float]], per_layer_logging: bool
+                     ) -> dict[str, float]:
+    """The logged figures (Megatron's): each auxiliary loss averaged over the MoE layers, and
+    with ``--moe-per-layer-logging`` each layer's as ``<name> layer <n>``."""
+    figures: dict[str, float] = {}
+    for name, layers in per_layer.items():
+        figures[name] = sum(layers.values()) / len(layers)
+        if per_layer_logging:
+            figures.update({f"{name} layer {n}": v for n, v in sorted(layers.items())})
+    return figures

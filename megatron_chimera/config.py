@@ -50,8 +50,6 @@ class MoEConfig:
     moe_layer_freq: int | str = 1
     moe_token_dispatcher_type: str = "alltoall"  # one of MOE_TOKEN_DISPATCHERS
     moe_grouped_gemm: bool = False
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int | None = None  # None: 1 (experts are not tensor-split)
     moe_per_layer_logging: bool = False  # log each MoE layer's auxiliary losses too
 
     @property
@@ -255,12 +253,16 @@ class ParallelConfig:
     distributed_backend: str | None = None  # None: nccl on CUDA, gloo on CPU
     distributed_timeout_minutes: float = 10.0
     allow_cpu_training: bool = False  # gloo on a machine with CUDA devices is deliberate
+    # expert parallelism (MoE): EP ranks folded out of each pipeline rank's T x W ranks
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: 1 (experts are not tensor-split)
 
     @property
     def layout(self) -> ParallelLayout:
-        """The T x W x D layout (the one owner of every size rule and of the rank order)."""
+        """The T x W x D layout with EP folded in (the one owner of every size rule and of the
+        rank order)."""
         return ParallelLayout(self.tensor_model_parallel_size, self.data_parallel_size,
-                              self.pipeline_model_parallel_size)
+                              self.pipeline_model_parallel_size, self.expert_model_parallel_size)
 
     @property
     def world_size(self) -> int:

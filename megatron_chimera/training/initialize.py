@@ -119,6 +119,7 @@ def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -
         config.pipeline_model_parallel_size, schedule.placement, schedule.num_stages,
         config.tensor_model_parallel_size,
         timeout=timedelta(minutes=config.distributed_timeout_minutes),
+        expert_model_parallel_size=config.expert_model_parallel_size,
     )
     parallel_state.connect_communicators(device)
     set_random_seed(seed)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,20 +94,34 @@ def _tp():
     return tp_cases
 
 
+@dataclass(frozen=True)
+class MoECase:
+    """A training case: the ``TPCase`` (T = 1) of the model and schedule, and EP."""
+
+    tp: Any
+    ep: int
+    label: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.tp.schedule} D={self.tp.pipeline_size} EP={self.ep} {self.label}"
+
+
 def moe_training_case(schedule: str, pipeline_size: int, ep: int, num_microbatches: int,
-                      llama: bool = False, sharded: bool = False, options=()):
-    """A ``TPCase`` (T = 1) whose model has MoE layers at layers 1 and 3 of 4 (stages 1 and 3
+                      llama: bool = False, sharded: bool = False, options=()) -> MoECase:
+    """A case (T = 1) whose model has MoE layers at layers 1 and 3 of 4 (stages 1 and 3
     of D = 4 hold none): 4 experts, top-2, capacity factor 1.5 (tokens are dropped), load
     balancing and z losses; ``llama``: SwiGLU experts in the Llama-shaped decoder."""
     tp = _tp()
     moe = MoEConfig(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
                     moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
-                    moe_expert_capacity_factor=1.5, moe_layer_freq=2,
-                    expert_model_parallel_size=ep)
+                    moe_expert_capacity_factor=1.5, moe_layer_freq=2)
     model = (tp.LLAMA_MODEL if llama else ()) + (("moe", moe),)
     ddp = tp.SHARDED_OVERLAP if sharded else tp.DDPConfig()
-    return tp.TPCase("gpt2", schedule, 1, pipeline_size, num_microbatches, tuple(options),
-                     model=model, ddp=ddp)
+    label = ("llama SwiGLU experts" if llama else "GELU experts") + (
+        " +dist-opt+overlap" if sharded else "")
+    return MoECase(tp.TPCase("gpt2", schedule, 1, pipeline_size, num_microbatches,
+                             tuple(options), model=model, ddp=ddp), ep, label)
 
 
 def _reference(case, data_parallel_size: int, config: ModelConfig):
@@ -137,7 +153,7 @@ def _reference(case, data_parallel_size: int, config: ModelConfig):
     return losses, norms, {k: p.detach().clone() for k, p in model.named_parameters()}, aux
 
 
-def run_moe_training_case(rank: int, world_size: int, case) -> None:
+def run_moe_training_case(rank: int, world_size: int, moe_case: MoECase) -> None:
     """Train 3 steps on the case's layout and compare with one process: every micro-batch's
     loss, the clipped grad norm, the final weights (each rank's experts against their slice of
     the whole layer's) and each layer's auxiliary losses (1e-5 relative, fp32)."""
@@ -146,6 +162,7 @@ def run_moe_training_case(rank: int, world_size: int, case) -> None:
     from megatron_chimera.schedules.validate import validate
     from tests.helpers.tensor_parallel import full_state
     tp = _tp()
+    case, name = moe_case.tp, moe_case.name
     schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches,
                               **dict(case.options))
     validate(schedule)
@@ -156,7 +173,7 @@ def run_moe_training_case(rank: int, world_size: int, case) -> None:
     parallel_state.initialize_model_parallel(
         case.pipeline_size, schedule.placement, schedule.num_stages, 1,
         timeout=timedelta(seconds=60),
-        expert_model_parallel_size=config.moe.expert_model_parallel_size)
+        expert_model_parallel_size=moe_case.ep)
     try:
         modules, optimizer, executor, partition = tp.build_run(case, config, schedule)
         dp = parallel_state.get_data_parallel_rank()
@@ -166,15 +183,15 @@ def run_moe_training_case(rank: int, world_size: int, case) -> None:
             results.append(executor.run([tp.make_batch(case.family, step, dp, m)
                                          for m in range(case.num_microbatches)]))
             _, norm, _ = optimizer.step()
-            tp._check_close(norm, ref_norms[step], f"{case.name}: step {step} grad norm")
+            tp._check_close(norm, ref_norms[step], f"{name}: step {step} grad norm")
         for step, figures in enumerate(executor.gather(results) or []):
             for i, (got, want) in enumerate(zip(figures.losses, ref_losses[step], strict=True)):
                 tp._check_close(got["lm loss"], want["lm loss"],
-                                f"{case.name}: step {step} micro-batch {i}")
+                                f"{name}: step {step} micro-batch {i}")
         aux = reduce_aux_losses(modules.values(), config.num_layers)
         for name, layers in ref_aux.items():
             for layer, want in layers.items():
-                tp._check_close(aux[name][layer], want, f"{case.name}: {name} layer {layer}")
+                tp._check_close(aux[name][layer], want, f"{name}: {name} layer {layer}")
         optimizer.finish_param_sync()
         from megatron_chimera.distributed.grad_sync import assert_replicas_identical
         assert_replicas_identical(modules)
@@ -187,7 +204,7 @@ def run_moe_training_case(rank: int, world_size: int, case) -> None:
                     want = want[layer.first:layer.first + layer.num_local]
                 err = float((value - want).abs().max() / want.abs().max().clamp_min(1e-12))
                 if err > tp.RTOL:
-                    raise AssertionError(f"{case.name}: stage {stage} {local}: rel. error "
+                    raise AssertionError(f"{name}: stage {stage} {local}: rel. error "
                                          f"{err:.2e}")
     finally:
         parallel_state.destroy_model_parallel()

@@ -20,18 +20,14 @@ from megatron_chimera.model.moe.router import TopKRouter
 from megatron_chimera.model.moe.token_dispatcher import TokenDispatcher
 
 
-def check_moe(config: ModelConfig, tensor_parallel: int) -> None:
-    """ConfigError naming the flag for MoE settings this build cannot run."""
-    moe = config.moe
-    if moe.expert_tensor_parallel_size not in (None, 1):
-        raise ConfigError(f"--expert-tensor-parallel-size {moe.expert_tensor_parallel_size}: "
-                          "only 1 is supported (experts are not tensor-split)")
+def check_moe(tensor_parallel: int, expert_tensor_parallel: int | None = None) -> None:
+    """ConfigError naming the flag for MoE parallel settings this build cannot run."""
+    if expert_tensor_parallel not in (None, 1):
+        raise ConfigError(f"--expert-tensor-parallel-size {expert_tensor_parallel}: only 1 is "
+                          "supported (experts are not tensor-split)")
     if tensor_parallel > 1:
         raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 is not supported "
-                          "yet (the MoE layer needs --sequence-parallel token splitting)")
-    if moe.expert_model_parallel_size < 1:
-        raise ConfigError(f"--expert-model-parallel-size {moe.expert_model_parallel_size} must "
-                          f"be >= 1")
+                          "yet (the MoE layer would need --sequence-parallel's token split)")
 
 
 class MoELayer(nn.Module):
@@ -43,7 +39,7 @@ class MoELayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, seed: int,
                  shared_experts: nn.Module | None = None) -> None:
         super().__init__()
-        check_moe(config, parallel_state.get_tensor_model_parallel_world_size())
+        check_moe(parallel_state.get_tensor_model_parallel_world_size())
         moe = config.moe
         ep_size = parallel_state.get_expert_model_parallel_world_size()
         ep_rank = parallel_state.get_expert_model_parallel_rank()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from megatron_chimera.config import ConfigError, ModelConfig, MoEConfig, parse_moe_layer_freq
 from megatron_chimera.model.moe.aux_loss import pop_aux_losses, set_aux_loss_scale
-from megatron_chimera.model.moe.layer import MoELayer
+from megatron_chimera.model.moe.layer import MoELayer, check_moe
 from megatron_chimera.model.transformer import moe_layer
 
 S, B, H = 6, 2, 16
@@ -192,7 +192,9 @@ def test_layer_freq_patterns():
 
 def test_unsupported_settings_name_their_flag():
     with pytest.raises(ConfigError, match="--expert-tensor-parallel-size"):
-        MoELayer(config(expert_tensor_parallel_size=2), 1, seed=3)
+        check_moe(1, 2)
+    with pytest.raises(ConfigError, match="--tensor-model-parallel-size"):
+        check_moe(2)
     with pytest.raises(ConfigError, match="--moe-router-topk"):
         MoELayer(config(moe_router_topk=5), 1, seed=3)
     with pytest.raises(ConfigError, match="--moe-router-pre-softmax"):

@@ -26,7 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_chimera import parallel_state
-from megatron_chimera.config import GELU_VARIANTS, ConfigError, ModelConfig
+from megatron_chimera.config import (
+    GELU_VARIANTS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    ConfigError,
+    ModelConfig,
+)
 from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.document_attention import DocumentMask, document_attention
 from megatron_chimera.model.dropout_rng import (
@@ -58,13 +64,10 @@ from megatron_chimera.tensor_parallel import (
 )
 from megatron_chimera.tensor_parallel.utils import mark_sequence_parallel
 
-RECOMPUTE_GRANULARITIES = (None, "selective", "full")
-RECOMPUTE_METHODS = ("uniform", "block")
-
 
 def validate_recompute(config: ModelConfig) -> None:
     """Reject inconsistent ``--recompute-*`` flags with a message naming the flag."""
-    if config.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+    if config.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
         raise ConfigError(
             f"--recompute-granularity must be 'selective' or 'full', got "
             f"{config.recompute_granularity!r}")

@@ -226,3 +226,32 @@ def test_schedule_ir_is_torch_free():
         "assert not bad, bad[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _add_argument_calls(path: Path) -> list[int]:
+    """Lines of ``*.add_argument(...)`` calls in ``path``."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"]
+
+
+# The training flags are declared on the config fields and gathered by one parser; the schedule
+# registry declares its options; the tools' shared argument pieces (inference, model presets,
+# schedule sizes and costs) build the tools' own small parsers.
+FLAG_DECLARING_MODULES = {"training/argument_parser.py", "schedules/registry.py",
+                          "config/flag.py", "inference/cli.py", "model/presets.py",
+                          "schedules/cli.py"}
+
+
+def test_flags_are_declared_only_where_flags_live():
+    stray = [f"{path.relative_to(PACKAGE)}:{line}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             if str(path.relative_to(PACKAGE)) not in FLAG_DECLARING_MODULES
+             for line in _add_argument_calls(path)]
+    assert not stray, f"declare a flag on its config field (config/flag.py), not here: {stray}"
+
+
+def test_the_flag_home_check_can_fail(tmp_path):
+    module = tmp_path / "stray.py"
+    module.write_text("def f(parser):\n    parser.add_argument('--x')\n")
+    assert _add_argument_calls(module) == [2]

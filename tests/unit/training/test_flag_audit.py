@@ -44,7 +44,7 @@ def test_flags_doc_is_generated_and_current():
 
 def test_every_flag_has_a_description():
     missing = [a.option_strings[0] for a in _actions() if not a.help]
-    assert not missing, f"add these to flag_catalog.HELP: {missing}"
+    assert not missing, f"give these flags a help text: {missing}"
 
 
 # the schedule registry's flags: read by ScheduleSpec.options_from into parallel.schedule_options
@@ -106,8 +106,6 @@ def test_catalog_tables_are_consistent():
     assert set(flag_catalog.CONSUMED_WHILE_PARSING) <= dests
     assert set(flag_catalog.READ_OUTSIDE_CONFIG) <= dests
     tool = _tool()
-    for dest in flag_catalog.FAMILY:  # family checks compare config fields to their defaults
-        assert tool.config_fields(dest), dest
     megatron = set(flag_catalog.MEGATRON_FLAGS)
     assert len(megatron) == len(flag_catalog.MEGATRON_FLAGS)  # no duplicates
     for flag in megatron - flags:

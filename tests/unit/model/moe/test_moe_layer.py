@@ -5,6 +5,7 @@ the ``--moe-layer-freq`` patterns."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_chimera.config import ConfigError, ModelConfig, MoEConfig, parse_moe_layer_freq
+from megatron_chimera.config.moe import layer_freq
 from megatron_chimera.model.moe.aux_loss import pop_aux_losses, set_aux_loss_scale
 from megatron_chimera.model.moe.layer import MoELayer, check_moe
 from megatron_chimera.model.transformer import moe_layer
@@ -188,6 +190,9 @@ def test_layer_freq_patterns():
     for bad in ("[1,0]", "__import__('os')", "[2,0,1]", "0"):
         with pytest.raises(ConfigError, match="--moe-layer-freq"):
             parse_moe_layer_freq(bad, 3)
+    assert layer_freq("2") == 2 and layer_freq(" [1,0]*2") == " [1,0]*2"
+    with pytest.raises(argparse.ArgumentTypeError, match="only ints, lists"):
+        layer_freq("open('x')")
 
 
 def test_unsupported_settings_name_their_flag():

@@ -28,7 +28,8 @@ def config(**moe) -> ModelConfig:
     fields.update(moe)
     swiglu = fields.pop("swiglu", False)
     return ModelConfig(num_layers=2, hidden_size=H, num_attention_heads=2, swiglu=swiglu,
-                       hidden_dropout=0.0, attention_dropout=0.0, gelu="erf",
+                       hidden_dropout=0.0, attention_dropout=0.0,
+                       gelu="megatron" if swiglu else "erf",
                        init_method_std=0.5, moe=MoEConfig(**fields))
 
 
@@ -205,3 +206,22 @@ def test_unsupported_settings_name_their_flag():
     with pytest.raises(ConfigError, match="--moe-router-pre-softmax"):
         MoELayer(config(moe_router_pre_softmax=True, moe_router_score_function="sigmoid"), 1,
                  seed=3)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(),
+    dict(swiglu=True, moe_shared_expert_intermediate_size=12),
+])
+@pytest.mark.parametrize("bias", [True, False])
+def test_parameter_counts_match_the_modules(fields, bias):
+    from megatron_chimera.model.fused import FusedBackend
+    from megatron_chimera.model.partition import expert_parameters, layer_parameters
+    from megatron_chimera.model.transformer import ParallelTransformerLayer
+    cfg = dataclasses.replace(config(moe_layer_freq="[0,1]", **fields), add_bias_linear=bias)
+    for index in range(2):
+        layer = ParallelTransformerLayer(cfg, index + 1, True, FusedBackend(apex=False), seed=1)
+        counted = sum(p.numel() for p in layer.parameters())
+        assert layer_parameters(cfg, layer=index) == counted
+        experts = sum(p.numel() for p in layer.parameters() if getattr(p, "is_expert", False))
+        assert expert_parameters(cfg, index, index + 1) == experts
+        assert expert_parameters(cfg, index, index + 1, expert_parallel=2) == experts // 2

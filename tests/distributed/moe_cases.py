@@ -108,18 +108,24 @@ class MoECase:
 
 
 def moe_training_case(schedule: str, pipeline_size: int, ep: int, num_microbatches: int,
-                      llama: bool = False, sharded: bool = False, options=()) -> MoECase:
+                      llama: bool = False, sharded: bool = False, options=(),
+                      recompute: bool = False) -> MoECase:
     """A case (T = 1) whose model has MoE layers at layers 1 and 3 of 4 (stages 1 and 3
     of D = 4 hold none): 4 experts, top-2, capacity factor 1.5 (tokens are dropped), load
-    balancing and z losses; ``llama``: SwiGLU experts in the Llama-shaped decoder."""
+    balancing and z losses; ``llama``: SwiGLU experts in the Llama-shaped decoder;
+    ``recompute``: full recomputation of every layer (the all-to-alls run again in the
+    backward)."""
     tp = _tp()
     moe = MoEConfig(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
                     moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
                     moe_expert_capacity_factor=1.5, moe_layer_freq=2)
     model = (tp.LLAMA_MODEL if llama else ()) + (("moe", moe),)
+    if recompute:
+        model += (("recompute_granularity", "full"), ("recompute_method", "uniform"),
+                  ("recompute_num_layers", 1))
     ddp = tp.SHARDED_OVERLAP if sharded else tp.DDPConfig()
     label = ("llama SwiGLU experts" if llama else "GELU experts") + (
-        " +dist-opt+overlap" if sharded else "")
+        " +dist-opt+overlap" if sharded else "") + (" +full recompute" if recompute else "")
     return MoECase(tp.TPCase("gpt2", schedule, 1, pipeline_size, num_microbatches,
                              tuple(options), model=model, ddp=ddp), ep, label)
 

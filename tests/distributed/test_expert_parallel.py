@@ -28,8 +28,9 @@ def test_chimera_and_1f1b_with_expert_parallelism_train_like_one_process():
     """8 ranks (D = 4 x W = 2, EP = 2: each expert group joins the two replicas of one pipeline
     rank): Chimera (Llama-shaped, SwiGLU experts, the distributed optimizer sharding experts
     over their own replicas, overlapped reduction) and 1F1B (GPT-2, GELU experts, local
-    optimizer) train 3 steps like one process -- losses, clipped grad norms, weights and
-    per-layer auxiliary losses 1e-5 relative."""
+    optimizer, full recomputation: the all-to-alls run again in the backward) train 3 steps like
+    one process -- losses, clipped grad norms, weights and per-layer auxiliary losses 1e-5
+    relative."""
     cases = [moe_training_case("chimera", 4, 2, 4, llama=True, sharded=True),
-             moe_training_case("1f1b", 4, 2, 4)]
+             moe_training_case("1f1b", 4, 2, 4, recompute=True)]
     spawn_world(run_moe_training_cases, 8, cases, timeout_s=240, pg_timeout_s=120)

@@ -24,6 +24,7 @@ from megatron_chimera.data.dataset_utils import SPLIT_NAMES, parse_data_paths, p
 from megatron_chimera.data.tokenizers import check_tokenizer_args
 from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.moe.layer import check_moe
+from megatron_chimera.model.moe.router import check_router
 from megatron_chimera.model.stage_layout import split_partition
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
@@ -127,6 +128,7 @@ def _validate_experts(config: TrainConfig) -> None:
             raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
         return
     check_moe(parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size)
+    check_router(config.model)
     parallel.layout.check_experts(moe.num_experts)
     if parallel.expert_model_parallel_size > 1 and (config.checkpoint.save
                                                     or config.checkpoint.load):

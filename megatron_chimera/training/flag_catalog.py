@@ -230,10 +230,11 @@ def family_flag_errors(config: object, family: ModelFamily) -> list[str]:
     """One message per flag of the other model family that ``config`` (a TrainConfig) sets away
     from its default, so an entry script rejects it instead of ignoring it."""
     errors = []
-    for section in dataclasses.fields(config):
-        part = getattr(config, section.name)
-        if not dataclasses.is_dataclass(part):
-            continue
+    parts = [getattr(config, section.name) for section in dataclasses.fields(config)]
+    parts = [p for p in parts if dataclasses.is_dataclass(p)]
+    parts += [getattr(p, f.name) for p in parts for f in dataclasses.fields(p)
+              if dataclasses.is_dataclass(getattr(p, f.name))]  # nested: ModelConfig.moe
+    for part in parts:
         for field, spec in flag_fields(type(part)):
             if spec.family is None or spec.family == family.name:
                 continue

@@ -232,8 +232,8 @@ def family_flag_errors(config: object, family: ModelFamily) -> list[str]:
     errors = []
     parts = [getattr(config, section.name) for section in dataclasses.fields(config)]
     parts = [p for p in parts if dataclasses.is_dataclass(p)]
-    parts += [getattr(p, f.name) for p in parts for f in dataclasses.fields(p)
-              if dataclasses.is_dataclass(getattr(p, f.name))]  # nested: ModelConfig.moe
+    parts += [getattr(p, f.name) for p in parts for f in dataclasses.fields(p)  # ModelConfig.moe
+              if hasattr(getattr(p, f.name), "FLAG_GROUP")]  # (a nested flag section)
     for part in parts:
         for field, spec in flag_fields(type(part)):
             if spec.family is None or spec.family == family.name:

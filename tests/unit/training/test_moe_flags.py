@@ -72,3 +72,13 @@ def test_megatron_defaults_and_model_flags_round_trip():
 def test_unsupported_combinations_name_their_flag(extra, world, flag):
     with pytest.raises(ConfigError, match=flag.replace("-", r"\-")):
         parse_args([*BASE, *extra.split()], world_size=world)
+
+
+def test_family_check_reads_nested_flag_sections_only():
+    """A schedule's options record is a dataclass too, but not a flag section."""
+    config = parse_args([*BASE, "--num-experts", "4", "--pipeline-model-parallel-size", "2",
+                         "--pipeline-schedule", "chimera-zb", "--global-batch-size", "8"],
+                        world_size=2)
+    assert family_flag_errors(config, GPT2) == []
+    assert family_flag_errors(config, BERT) == [
+        e for e in family_flag_errors(config, BERT) if e.startswith("--num-experts")]

@@ -54,6 +54,7 @@ __all__ = ["TOKENIZER_TYPES", "DataConfig", "Flag", "flag", "flag_fields", "flag
            "DOCUMENT_ATTENTIONS", "DTYPE_BYTES", "GELU_VARIANTS", "NORMALIZATIONS",
            "POSITION_EMBEDDING_TYPES", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS",
            "ModelConfig", "MOE_LOAD_BALANCING_TYPES", "MOE_ROUTER_SCORE_FUNCTIONS",
-           "MOE_TOKEN_DISPATCHERS", "MoEConfig", "parse_moe_layer_freq", "DDPConfig", "ParallelConfig", "FLAG_SECTIONS", "CheckpointConfig",
+           "MOE_TOKEN_DISPATCHERS", "MoEConfig", "parse_moe_layer_freq", "DDPConfig",
+           "ParallelConfig", "FLAG_SECTIONS", "CheckpointConfig",
            "LoggingConfig", "TrainConfig", "DEFAULT_PROFILE_ITERATIONS", "PARTITION_METHODS",
            "LayerSplit", "OptimizerConfig", "TrainingConfig", "ConfigError", "pad_vocab_size"]

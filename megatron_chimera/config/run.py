@@ -116,6 +116,6 @@ class TrainConfig:
 
 
 # The sections that declare flags, in the order the parser reads them.
-FLAG_SECTIONS: tuple[type, ...] = (ModelConfig, MoEConfig, ParallelConfig, TrainingConfig, LayerSplit,
-                                   OptimizerConfig, DDPConfig, DataConfig, CheckpointConfig,
-                                   LoggingConfig)
+FLAG_SECTIONS: tuple[type, ...] = (ModelConfig, MoEConfig, ParallelConfig, TrainingConfig,
+                                   LayerSplit, OptimizerConfig, DDPConfig, DataConfig,
+                                   CheckpointConfig, LoggingConfig)

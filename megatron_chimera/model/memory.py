@@ -54,8 +54,8 @@ from megatron_chimera.config import DTYPE_BYTES, ConfigError, ModelConfig
 from megatron_chimera.model.family import ModelFamily
 from megatron_chimera.model.partition import (
     embedding_parameters,
-    head_parameters,
     expert_parameters,
+    head_parameters,
     layers_parameters,
 )
 

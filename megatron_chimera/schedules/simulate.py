@@ -55,6 +55,10 @@ class CostModel:
     # host seconds before every compute action (the executor's work between two actions, and
     # the wake-up after a wait): the schedules with more, shorter actions pay it more often
     action_overhead: float = 0.0
+    # MoE with expert parallelism: the all-to-alls (dispatch and combine of every MoE layer) of
+    # one micro-batch through one stage in one direction; an F and a B (the whole backward when
+    # it is not split; never a W) each pay it after their compute, exposed (nothing overlaps it)
+    all_to_all_cost: PerStage = 0.0
 
     def per_stage(self, name: str, num_stages: int) -> list[float]:
         """The field ``name`` as a list of ``num_stages`` floats (scalars broadcast)."""
@@ -187,8 +191,11 @@ def model_copies(schedule: Schedule) -> list[float]:
 
 def _durations(schedule: Schedule, costs: CostModel) -> dict[str, list[float]]:
     n = schedule.num_stages
-    fwd = costs.per_stage("forward_cost", n)
-    bwd = costs.per_stage("backward_cost", n)
+    a2a = costs.per_stage("all_to_all_cost", n)
+    if any(not (math.isfinite(v) and v >= 0) for v in a2a):
+        raise ValueError(f"CostModel.all_to_all_cost must be >= 0, got {a2a}")
+    fwd = [f + a for f, a in zip(costs.per_stage("forward_cost", n), a2a)]
+    bwd = [b + a for b, a in zip(costs.per_stage("backward_cost", n), a2a)]
     wgt = costs.per_stage("weight_cost", n)
     if not schedule.split_backward:
         return {FORWARD: fwd, BACKWARD: bwd, WEIGHT: [0.0] * n}

@@ -77,7 +77,8 @@ def run_expert_parallel_layer(rank: int, world_size: int, cases: list[tuple[int,
             torch.testing.assert_close(router, ref_sum["router.weight"], rtol=1e-5, atol=1e-6,
                                        msg=f"EP={ep} {fields}: router gradient")
             first, num = layer.experts.first, layer.experts.num_local
-            assert num == EXPERTS // ep and first == parallel_state.get_expert_model_parallel_rank() * num
+            assert num == EXPERTS // ep
+            assert first == parallel_state.get_expert_model_parallel_rank() * num
             for name in ("experts.weight1", "experts.weight2", "experts.bias1", "experts.bias2"):
                 grad = grads[name]
                 dist.all_reduce(grad, group=parallel_state.get_expert_stage_replica_group(0))

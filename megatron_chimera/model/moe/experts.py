@@ -21,7 +21,7 @@ from megatron_chimera.model.fused import gelu, swiglu
 from megatron_chimera.model.utils import layer_key, make_generator, scaled_init_std
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` exists and runs forward and backward on this device type
     and dtype (probed once on a tiny aligned problem)."""

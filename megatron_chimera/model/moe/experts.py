@@ -54,8 +54,9 @@ class _ContiguousGrad(torch.autograd.Function):
 def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: list[int],
                    grouped: bool) -> torch.Tensor:
     """Rows of ``x`` ``[N, k]`` in groups of ``counts`` times ``weights[i]`` ``[k, n]``:
-    ``[N, n]``. ``grouped``: one ``torch._grouped_mm``; else one matmul per group."""
-    if grouped:
+    ``[N, n]``. ``grouped``: one ``torch._grouped_mm`` (with rows: its backward rejects an
+    empty gradient); else one matmul per group."""
+    if grouped and x.shape[0]:
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x, weights, offs=offsets))
     outs = [chunk @ weights[i] for i, chunk in enumerate(x.split(counts))]

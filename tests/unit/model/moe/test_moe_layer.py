@@ -225,3 +225,20 @@ def test_parameter_counts_match_the_modules(fields, bias):
         experts = sum(p.numel() for p in layer.parameters() if getattr(p, "is_expert", False))
         assert expert_parameters(cfg, index, index + 1) == experts
         assert expert_parameters(cfg, index, index + 1, expert_parallel=2) == experts // 2
+
+
+@pytest.mark.parametrize("counts", [[0, 5, 0], [2, 0, 3], [0, 0, 0]])
+def test_grouped_matmul_with_empty_experts(counts):
+    """Experts (or a whole rank) receiving no token: grouped and looped agree, backward too."""
+    from megatron_chimera.model.moe.experts import grouped_matmul
+    torch.manual_seed(7)
+    x = torch.randn(sum(counts), 8, requires_grad=True)
+    w = torch.randn(3, 8, 4, requires_grad=True)
+    outs, grads = [], []
+    for grouped in (True, False):
+        out = grouped_matmul(x, w, counts, grouped)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), (x, w)))
+    torch.testing.assert_close(outs[0], outs[1])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -34,6 +34,12 @@ With T=1 and W=2 the same Chimera D=4 is::
     stage-replica groups: stage 0 [0 1 6 7]  stage 1 [2 3 4 5]  stage 2 [2 3 4 5]  stage 3 [0 1 6 7]
     embedding group (holders of stage 0 or 3):     [0 1 6 7]
 
+and with expert parallelism EP=2 (``expert_model_parallel_size``, folded out of each pipeline
+rank's T x W ranks, see ``layout``)::
+
+    expert-parallel groups (one per pipeline rank): [0 1] [2 3] [4 5] [6 7]
+    expert stage-replica groups: stage 0 [0 6] (expert rank 0) [1 7] (expert rank 1), ...
+
 A rank holds the tensor-parallel shard ``tensor_rank`` of its stages; every group but the tensor
 and model-parallel groups joins equal tensor ranks only. Gradient all-reduce runs over the
 stage-replica groups (all 2f x W holders of a stage's shard). The *model-parallel group* (Megatron's

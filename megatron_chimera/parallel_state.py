@@ -103,6 +103,8 @@ class _ModelParallelState:
     expert_ranks: list[int] = field(default_factory=list)
     expert_stage_replica_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
     expert_stage_replica_ranks: dict[int, list[int]] = field(default_factory=dict)
+    # the experts have their own groups (expert stage-replica groups differ from the dense ones)
+    has_expert_groups: bool = False
     all_groups: list[dist.ProcessGroup] = field(default_factory=list)
     collective_groups: list[dist.ProcessGroup] = field(default_factory=list)
 
@@ -150,6 +152,7 @@ def initialize_model_parallel(
     timeout: timedelta | None = None,
     p2p_direction_groups: bool | None = None,
     expert_model_parallel_size: int = 1,
+    expert_groups: bool | None = None,
 ) -> None:
     """Create tensor, pipeline, data-parallel, model-parallel, stage-replica and embedding groups
     (same order everywhere).
@@ -166,6 +169,9 @@ def initialize_model_parallel(
     ranks run on separate NCCL communicators and streams and never wait behind each other.
     ``expert_model_parallel_size`` (EP) folds each pipeline rank's ranks into expert-parallel
     groups and adds one expert stage-replica group per stage and expert rank (see ``layout``).
+    ``expert_groups`` (default: EP > 1) creates those groups also with EP = 1 -- an MoE model
+    with T > 1, whose experts see different tokens on each tensor rank (sequence parallelism)
+    and are reduced over all T x W ranks of each stage.
     """
     global _STATE
     if not dist.is_initialized():
@@ -234,7 +240,9 @@ def initialize_model_parallel(
         if t == tensor_rank:
             state.embedding_ranks, state.embedding_group = ranks, group
     state.expert_rank, state.expert_data_rank = layout.expert_coordinates(rank)
-    if layout.expert > 1:
+    if expert_groups is None:
+        expert_groups = layout.expert > 1
+    if expert_groups and (layout.expert > 1 or layout.tensor > 1):  # else the dense ones serve
         _expert_groups(state, new_group)
     if p2p_direction_groups is None:
         p2p_direction_groups = dist.get_backend() == "nccl" or nccl_semantics_requested()
@@ -255,6 +263,7 @@ def _expert_groups(state: _ModelParallelState, new_group) -> None:
     """Expert-parallel groups (one per pipeline rank and expert-data rank) and expert
     stage-replica groups (one per stage and expert rank), in one global order."""
     layout, placement = state.layout, state.placement
+    state.has_expert_groups = True
     for p in range(layout.pipeline):
         for d in range(layout.expert_data):
             ranks = layout.expert_parallel_ranks(p, d)
@@ -502,11 +511,17 @@ def get_expert_model_parallel_ranks() -> list[int]:
     return list(_state().expert_ranks)
 
 
+def has_expert_groups() -> bool:
+    """Whether the experts are reduced over groups of their own (EP > 1, or an MoE model with
+    T > 1); otherwise over the stage-replica groups like every other parameter."""
+    return _STATE is not None and _STATE.has_expert_groups
+
+
 def get_expert_stage_replica_group(stage: int) -> dist.ProcessGroup:
     """Holders of this rank's experts of stage ``stage`` (every pipe, every expert-data rank);
-    with EP = 1 the stage-replica group."""
+    the stage-replica group when the experts have no groups of their own."""
     s = _state()
-    if s.layout.expert == 1:
+    if not s.has_expert_groups:
         return get_stage_replica_group(stage)
     if stage not in s.expert_stage_replica_groups:
         raise ValueError(f"rank {s.rank} holds no replica of stage {stage}")
@@ -516,6 +531,6 @@ def get_expert_stage_replica_group(stage: int) -> dist.ProcessGroup:
 def get_expert_stage_replica_ranks(stage: int) -> list[int]:
     """Global ranks of :func:`get_expert_stage_replica_group`."""
     s = _state()
-    if s.layout.expert == 1:
+    if not s.has_expert_groups:
         return get_stage_replica_ranks(stage)
     return list(s.expert_stage_replica_ranks[stage])

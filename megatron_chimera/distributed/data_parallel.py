@@ -72,8 +72,8 @@ def _norm_filter(stage_modules: dict[int, nn.Module], experts: bool = False) -> 
                 continue
             if experts and not (experts_here if is_expert(param) else dense_here):
                 continue
-            if param_is_not_tensor_parallel_duplicate(param):
-                counted.add(id(param))
+            if is_expert(param) or param_is_not_tensor_parallel_duplicate(param):
+                counted.add(id(param))  # (experts differ on each rank of an expert group)
     return lambda param: id(param) in counted
 
 
@@ -88,7 +88,7 @@ def _shard_groups(modules: dict[int, nn.Module]) -> dict[int | str, ShardGroup]:
         ranks = parallel_state.get_stage_replica_ranks(stage)
         shards[stage] = ShardGroup(parallel_state.get_stage_replica_group(stage), len(ranks),
                                    ranks.index(rank), (min(ranks),))
-        if parallel_state.get_expert_model_parallel_world_size() > 1:
+        if parallel_state.has_expert_groups():
             ranks = parallel_state.get_expert_stage_replica_ranks(stage)
             shards[expert_unit(stage)] = ShardGroup(
                 parallel_state.get_expert_stage_replica_group(stage), len(ranks),
@@ -131,7 +131,7 @@ def build_data_parallel(ddp: DDPConfig, modules: dict[int, nn.Module]) -> DataPa
     sharded = ddp.use_distributed_optimizer
     shards = _shard_groups(modules) if sharded else None
     group_sizes = {s: len(parallel_state.get_stage_replica_ranks(s)) for s in modules}
-    experts = parallel_state.get_expert_model_parallel_world_size() > 1
+    experts = parallel_state.has_expert_groups()
     buffers = build_grad_buffers(
         modules, ddp.grad_reduce_in_fp32,
         bucket_sizes={s: ddp.bucket_elements(n) for s, n in group_sizes.items()},

@@ -300,7 +300,7 @@ def _replica_sets(stage: int, module: nn.Module
     """A stage's parameters by the group whose ranks hold identical copies: the stage-replica
     group, and with expert parallelism the experts' own group."""
     params = list(module.parameters())
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
+    if not parallel_state.has_expert_groups():
         return [(params, parallel_state.get_stage_replica_group(stage),
                  parallel_state.get_stage_replica_ranks(stage))]
     return [([p for p in params if not is_expert(p)],

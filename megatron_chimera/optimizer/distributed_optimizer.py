@@ -41,6 +41,7 @@ from megatron_chimera.distributed.grad_buffer import (
     ModelGradBuffers,
     ShardGroup,
     expert_unit,
+    is_expert,
 )
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.optimizer.grad_scaler import MegatronGradScaler
@@ -146,7 +147,8 @@ class DistributedOptimizer(MegatronOptimizer):
                     if id(frag.main) not in seen:
                         seen.add(id(frag.main))
                         group_mains.append(frag.main)
-                        counts.append(param_is_not_tensor_parallel_duplicate(frag.param))
+                        counts.append(is_expert(frag.param)  # (an expert group's ranks
+                                      or param_is_not_tensor_parallel_duplicate(frag.param))
             mains += group_mains
             inner_groups.append({**group, "params": group_mains})
         super().__init__(make_inner(inner_groups), mains, counts, clip_grad,

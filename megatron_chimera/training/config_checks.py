@@ -127,7 +127,8 @@ def _validate_experts(config: TrainConfig) -> None:
         if parallel.expert_model_parallel_size > 1:
             raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
         return
-    check_moe(parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size)
+    check_moe(parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size,
+              config.model.sequence_parallel)
     check_router(config.model)
     parallel.layout.check_experts(moe.num_experts)
     if parallel.expert_model_parallel_size > 1 and (config.checkpoint.save

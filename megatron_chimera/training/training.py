@@ -415,7 +415,8 @@ def _pretrain(train_valid_test_datasets_provider: DatasetsProvider,
               clock: tuple[float, SignalFlag | None]) -> TrainState:
     state = TrainState()
     check_outputs(config, family)  # every rank, before any process group: fail in seconds
-    device = initialize_megatron(config.parallel, schedule, config.training.seed)
+    device = initialize_megatron(config.parallel, schedule, config.training.seed,
+                                 experts=config.model.moe.enabled)
     exits = _exit_check(config, device, *clock)
     run, saved_args = setup_run(config, family, schedule, model_provider, forward_step_func,
                                 state, device)

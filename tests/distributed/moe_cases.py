@@ -15,6 +15,7 @@ from megatron_chimera.model.moe.aux_loss import set_aux_loss_scale
 from megatron_chimera.model.moe.layer import MoELayer
 
 S, B, H, EXPERTS = 4, 2, 8, 8
+STEPS = 2  # training steps of the end-to-end cases (the second runs on updated weights)
 
 
 def moe_config(**moe) -> ModelConfig:
@@ -110,25 +111,30 @@ class MoECase:
 
 def moe_training_case(schedule: str, pipeline_size: int, ep: int, num_microbatches: int,
                       llama: bool = False, sharded: bool = False, options=(),
-                      recompute: bool = False) -> MoECase:
+                      recompute: bool = False, tensor: int = 1) -> MoECase:
     """A case (T = 1) whose model has MoE layers at layers 1 and 3 of 4 (stages 1 and 3
     of D = 4 hold none): 4 experts, top-2, capacity factor 1.5 (tokens are dropped), load
     balancing and z losses; ``llama``: SwiGLU experts in the Llama-shaped decoder;
     ``recompute``: full recomputation of every layer (the all-to-alls run again in the
-    backward)."""
+    backward); ``tensor`` > 1: sequence parallel (each tensor rank routes its positions; no
+    capacity -- it would drop per rank -- and the per-sequence load-balancing loss)."""
     tp = _tp()
     moe = MoEConfig(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
                     moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
-                    moe_expert_capacity_factor=1.5, moe_layer_freq=2)
+                    moe_expert_capacity_factor=1.5 if tensor == 1 else None,
+                    moe_router_load_balancing_type="aux_loss" if tensor == 1 else "seq_aux_loss",
+                    moe_layer_freq=2)
     model = (tp.LLAMA_MODEL if llama else ()) + (("moe", moe),)
     if recompute:
         model += (("recompute_granularity", "full"), ("recompute_method", "uniform"),
                   ("recompute_num_layers", 1))
     ddp = tp.SHARDED_OVERLAP if sharded else tp.DDPConfig()
     label = ("llama SwiGLU experts" if llama else "GELU experts") + (
-        " +dist-opt+overlap" if sharded else "") + (" +full recompute" if recompute else "")
-    return MoECase(tp.TPCase("gpt2", schedule, 1, pipeline_size, num_microbatches,
-                             tuple(options), model=model, ddp=ddp), ep, label)
+        " +dist-opt+overlap" if sharded else "") + (" +full recompute" if recompute else "") + (
+        f" T={tensor} +SP" if tensor > 1 else "")
+    return MoECase(tp.TPCase("gpt2", schedule, tensor, pipeline_size, num_microbatches,
+                             tuple(options), model=model, ddp=ddp,
+                             sequence_parallel=tensor > 1), ep, label)
 
 
 def _reference(case, data_parallel_size: int, config: ModelConfig):
@@ -143,7 +149,7 @@ def _reference(case, data_parallel_size: int, config: ModelConfig):
     n, w = case.num_microbatches, data_parallel_size
     set_aux_loss_scale([model], 1.0 / (n * w))
     losses, norms = [], []
-    for step in range(tp.STEPS):
+    for step in range(STEPS):
         optimizer.zero_grad()
         step_losses = []
         for dp in range(w):
@@ -161,7 +167,7 @@ def _reference(case, data_parallel_size: int, config: ModelConfig):
 
 
 def run_moe_training_case(rank: int, world_size: int, moe_case: MoECase) -> None:
-    """Train 3 steps on the case's layout and compare with one process: every micro-batch's
+    """Train 2 steps on the case's layout and compare with one process: every micro-batch's
     loss, the clipped grad norm, the final weights (each rank's experts against their slice of
     the whole layer's) and each layer's auxiliary losses (1e-5 relative, fp32)."""
     from megatron_chimera.model.moe.aux_loss import reduce_aux_losses
@@ -173,19 +179,19 @@ def run_moe_training_case(rank: int, world_size: int, moe_case: MoECase) -> None
     schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches,
                               **dict(case.options))
     validate(schedule)
-    w = world_size // case.pipeline_size
+    w = world_size // (case.pipeline_size * case.tensor_size)
     config = case.model_config()
     ref_losses, ref_norms, ref_params, ref_aux = _reference(case, w, config)
-    assert set(ref_aux) == {"load_balancing_loss", "z_loss"} and set(ref_aux["z_loss"]) == {1, 3}
+    assert len(ref_aux) == 2 and set(ref_aux["z_loss"]) == {1, 3}
     parallel_state.initialize_model_parallel(
-        case.pipeline_size, schedule.placement, schedule.num_stages, 1,
+        case.pipeline_size, schedule.placement, schedule.num_stages, case.tensor_size,
         timeout=timedelta(seconds=60),
-        expert_model_parallel_size=moe_case.ep)
+        expert_model_parallel_size=moe_case.ep, expert_groups=True)
     try:
         modules, optimizer, executor, partition = tp.build_run(case, config, schedule)
         dp = parallel_state.get_data_parallel_rank()
         results = []
-        for step in range(tp.STEPS):
+        for step in range(STEPS):
             optimizer.zero_grad()
             results.append(executor.run([tp.make_batch(case.family, step, dp, m)
                                          for m in range(case.num_microbatches)]))

@@ -25,12 +25,15 @@ def test_expert_parallel_layer_equals_one_process():
 
 
 def test_chimera_and_1f1b_with_expert_parallelism_train_like_one_process():
-    """8 ranks (D = 4 x W = 2, EP = 2: each expert group joins the two replicas of one pipeline
+    """8 ranks. D = 4 x W = 2, EP = 2 (each expert group joins the two replicas of one pipeline
     rank): Chimera (Llama-shaped, SwiGLU experts, the distributed optimizer sharding experts
     over their own replicas, overlapped reduction) and 1F1B (GPT-2, GELU experts, local
-    optimizer, full recomputation: the all-to-alls run again in the backward) train 3 steps like
-    one process -- losses, clipped grad norms, weights and per-layer auxiliary losses 1e-5
+    optimizer, full recomputation: the all-to-alls run again in the backward). Chimera D = 2 x
+    T = 2 x W = 2, EP = 2 with sequence parallelism (expert groups fold tensor and data ranks;
+    the per-sequence load-balancing loss over the tensor ranks' positions). Each trains 2 steps
+    like one process -- losses, clipped grad norms, weights and per-layer auxiliary losses 1e-5
     relative."""
     cases = [moe_training_case("chimera", 4, 2, 4, llama=True, sharded=True),
-             moe_training_case("1f1b", 4, 2, 4, recompute=True)]
+             moe_training_case("1f1b", 4, 2, 4, recompute=True),
+             moe_training_case("chimera", 2, 2, 4, tensor=2)]
     spawn_world(run_moe_training_cases, 8, cases, timeout_s=240, pg_timeout_s=120)

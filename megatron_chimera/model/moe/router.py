@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -124,9 +125,13 @@ def switch_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Te
 class TopKRouter(nn.Module):
     """Routes ``[tokens, h]`` to ``--moe-router-topk`` of ``--num-experts`` experts."""
 
-    def __init__(self, config: ModelConfig, layer_number: int, seed: int) -> None:
+    def __init__(self, config: ModelConfig, layer_number: int, seed: int,
+                 sequence_group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         check_router(config)
+        # sequence parallelism: the tensor ranks holding the other positions of the sequences
+        self.sequence_group = sequence_group
+        self.sequence_split = dist.get_world_size(sequence_group) if sequence_group else 1
         moe = config.moe
         self.layer_number = layer_number
         self.num_experts = moe.num_experts
@@ -146,14 +151,18 @@ class TopKRouter(nn.Module):
 
     def forward(self, tokens: torch.Tensor, seq_length: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, h]`` (sequence-major, ``seq_length`` positions) -> routing probabilities
-        ``[T, E]`` (fp32, zero where not routed) and the routing map ``[T, E]`` (bool)."""
+        """``[T, h]`` (sequence-major, ``seq_length`` positions of this rank) -> routing
+        probabilities ``[T, E]`` (fp32, zero where not routed) and the routing map ``[T, E]``
+        (bool). With sequence parallelism each auxiliary loss is this rank's share of the loss
+        of the whole sequences (the shares sum to it over the tensor ranks, as the router's
+        gradients do); the logged value is scaled so that its mean over the ranks is the
+        whole."""
         logits = F.linear(tokens, self.weight)
         training = self.training and torch.is_grad_enabled()
         if training and self.z_loss_coeff:
-            loss = z_loss(logits, self.z_loss_coeff)
+            loss = z_loss(logits, self.z_loss_coeff) / self.sequence_split
             logits = attach_aux_loss(logits, loss, self.aux_loss_scale)
-            self.aux_log.record("z_loss", loss / self.z_loss_coeff)
+            self.aux_log.record("z_loss", self._whole(loss) / self.z_loss_coeff)
         top, indices = topk_scores(logits, self.topk, self.score_function, self.pre_softmax)
         probs = torch.zeros_like(logits, dtype=top.dtype).scatter(1, indices, top)
         routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, indices, True)
@@ -168,16 +177,31 @@ class TopKRouter(nn.Module):
     def _load_balancing(self, probs: torch.Tensor, logits: torch.Tensor,
                         seq_length: int) -> torch.Tensor:
         scores, chosen = aux_loss_scores(logits, self.topk, self.score_function)
-        num_tokens = scores.shape[0]
+        num_tokens, whole = scores.shape[0], self.sequence_split  # (whole: the tensor ranks)
         if self.load_balancing == "seq_aux_loss":
             # fold the b sequences into the expert dimension: one loss per sequence, averaged
             batch = num_tokens // seq_length
             scores = scores.reshape(seq_length, batch * self.num_experts)
             chosen = chosen.reshape(seq_length, batch * self.num_experts)
-            loss = switch_load_balancing_loss(scores, chosen.sum(dim=0), seq_length, self.topk,
-                                              self.num_experts, self.aux_loss_coeff) / batch
+            loss = switch_load_balancing_loss(
+                scores, self._counts(chosen), seq_length * whole, self.topk, self.num_experts,
+                self.aux_loss_coeff) / batch
         else:
-            loss = switch_load_balancing_loss(scores, chosen.sum(dim=0), num_tokens, self.topk,
-                                              self.num_experts, self.aux_loss_coeff)
-        self.aux_log.record(AUX_LOSS_NAMES[self.load_balancing], loss / self.aux_loss_coeff)
+            loss = switch_load_balancing_loss(scores, self._counts(chosen), num_tokens * whole,
+                                              self.topk, self.num_experts, self.aux_loss_coeff)
+        self.aux_log.record(AUX_LOSS_NAMES[self.load_balancing],
+                            self._whole(loss) / self.aux_loss_coeff)
         return attach_aux_loss(probs, loss, self.aux_loss_scale)
+
+    def _counts(self, chosen: torch.Tensor) -> torch.Tensor:
+        """Tokens choosing each expert (column), over the whole sequences."""
+        counts = chosen.sum(dim=0)
+        if self.sequence_group is not None:
+            dist.all_reduce(counts, group=self.sequence_group)
+        return counts
+
+    def _whole(self, share: torch.Tensor) -> torch.Tensor:
+        """What this rank logs for a loss whose share it holds: the share times the tensor
+        ranks, so that the mean over the ranks (:func:`aux_loss.reduce_aux_losses`) is the
+        whole sequences' loss (no collective in the forward)."""
+        return share.detach() * self.sequence_split

@@ -40,6 +40,13 @@ def test_moe_flags_build_the_config():
     assert len(errors) == sum(w.startswith("--") for w in MOE) + 1  # + --moe-layer-freq
 
 
+def test_tensor_parallel_moe_needs_sequence_parallelism():
+    config = parse_args([*BASE, "--num-experts", "4", "--tensor-model-parallel-size", "2",
+                         "--sequence-parallel", "--expert-model-parallel-size", "2"],
+                        world_size=4)
+    assert config.parallel.layout.expert_parallel_ranks(0, 0) == [0, 1]  # both tensor ranks
+
+
 def test_megatron_defaults_and_model_flags_round_trip():
     assert parse_args(BASE, world_size=1).model.moe == MoEConfig()
     defaults = parse_args([*BASE, "--num-experts", "4"], world_size=1).model.moe
@@ -59,7 +66,7 @@ def test_megatron_defaults_and_model_flags_round_trip():
     ("--num-experts 6 --expert-model-parallel-size 4", 4, "--num-experts"),
     ("--num-experts 8 --expert-model-parallel-size 3", 3, "--expert-model-parallel-size"),
     ("--expert-model-parallel-size 2", 2, "--expert-model-parallel-size"),
-    ("--num-experts 4 --tensor-model-parallel-size 2", 2, "--tensor-model-parallel-size"),
+    ("--num-experts 4 --tensor-model-parallel-size 2", 2, "--sequence-parallel"),
     ("--num-experts 4 --expert-tensor-parallel-size 2", 1, "--expert-tensor-parallel-size"),
     ("--num-experts 4 --expert-model-parallel-size 2 --save /tmp/x", 2, "--save"),
     ("--num-experts 4 --moe-layer-freq [0,0,0,0]", 1, "--moe-layer-freq"),

@@ -48,6 +48,7 @@ from benchmark_layer import (
 from megatron_chimera.atomic import atomic_write_text
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
+    CheckpointTarget,
     StageSlice,
     load_checkpoint,
     save_checkpoint,
@@ -166,8 +167,8 @@ def check_resume(report: Report, device: torch.device) -> None:
         save_checkpoint(root, CheckpointContents(3, [stage], [(0, 2)], optimizer=opt), rank=0,
                         world_size=1)
         model, opt = build()
-        load_checkpoint(root, [StageSlice(0, (0, 2), model)], 1, opt, None, rank=0,
-                        world_size=1)
+        load_checkpoint(root, CheckpointTarget([StageSlice(0, (0, 2), model)], 1, opt),
+                        rank=0, world_size=1)
     placed = all(s["step"].device == p.device for p, s in opt.optimizer.state.items()
                  if torch.is_tensor(s.get("step")))
     steps(model, opt, range(3, 6))

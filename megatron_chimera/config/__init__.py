@@ -17,6 +17,7 @@ never read a global args object. Field names follow Megatron's flags (``--hidden
 from megatron_chimera.config.data import TOKENIZER_TYPES, DataConfig
 from megatron_chimera.config.flag import Flag, flag, flag_fields, flag_spec
 from megatron_chimera.config.model import (
+    CP_COMM_TYPES,
     DOCUMENT_ATTENTIONS,
     DTYPE_BYTES,
     GELU_VARIANTS,
@@ -51,7 +52,7 @@ from megatron_chimera.errors import ConfigError  # re-exported: the flags' error
 from megatron_chimera.layout import pad_vocab_size  # re-exported for the checkpoint checks
 
 __all__ = ["TOKENIZER_TYPES", "DataConfig", "Flag", "flag", "flag_fields", "flag_spec",
-           "DOCUMENT_ATTENTIONS", "DTYPE_BYTES", "GELU_VARIANTS", "NORMALIZATIONS",
+           "CP_COMM_TYPES", "DOCUMENT_ATTENTIONS", "DTYPE_BYTES", "GELU_VARIANTS", "NORMALIZATIONS",
            "POSITION_EMBEDDING_TYPES", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS",
            "ModelConfig", "MOE_LOAD_BALANCING_TYPES", "MOE_ROUTER_SCORE_FUNCTIONS",
            "MOE_TOKEN_DISPATCHERS", "MoEConfig", "parse_moe_layer_freq", "DDPConfig",

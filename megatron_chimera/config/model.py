@@ -24,6 +24,7 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")  # --recompute-granularity (None
 RECOMPUTE_METHODS = ("uniform", "block")  # --recompute-method
 # --document-attention: the per-document attention kernel with --reset-attention-mask
 DOCUMENT_ATTENTIONS = ("auto", "varlen", "flex", "loop", "mask")
+CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # --cp-comm-type (model/context_parallel)
 
 GPT = "gpt2"  # the family of the flags only GPT models read
 BERT = "bert"
@@ -102,6 +103,13 @@ class ModelConfig:
         help="GPT --reset-attention-mask kernel: varlen (flash, CUDA 16-bit, no attention "
              "dropout), flex (flex_attention, CUDA), loop (SDPA per document), mask "
              "(block-diagonal mask); auto picks")
+    # Megatron-core's TransformerConfig.cp_comm_type
+    cp_comm_type: str = flag(
+        "p2p", "--cp-comm-type", choices=CP_COMM_TYPES, family=GPT,
+        help="how attention reaches across the --context-parallel-size ranks: p2p (ring "
+             "attention, key/value blocks rotate), a2a (all-to-all between sequence and heads; "
+             "CP divides the key/value heads per tensor rank), allgather (keys/values "
+             "all-gathered)")
     gelu: str = flag("megatron", "--gelu", choices=GELU_VARIANTS, model=True,
                      help="megatron: tanh approximation in the MLP, exact in BERT's LM head; "
                           "tanh / erf: that form everywhere (Hugging Face's gelu_new / gelu)")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from megatron_chimera.config.flag import flag, non_negative, positive
+from megatron_chimera.config.model import GPT
 from megatron_chimera.layout import ParallelLayout
 
 
@@ -16,7 +17,7 @@ def _timeout(minutes: float) -> str | None:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Parallel layout and schedule: world = tensor x data-parallel x pipeline size.
+    """Parallel layout and schedule: world = tensor x context x data-parallel x pipeline size.
 
     ``schedule_options`` is the typed options dataclass of ``pipeline_schedule`` from the
     schedule registry (``megatron_chimera.schedules.registry``, whose options declare their own
@@ -31,8 +32,13 @@ class ParallelConfig:
              "(world = T x W x D)")
     pipeline_model_parallel_size: int = flag(
         1, "--pipeline-model-parallel-size", check=positive,
-        help="pipeline stages D (data-parallel size W = world / (T x D))")
-    data_parallel_size: int = 1  # W = world / (T x D)
+        help="pipeline stages D (data-parallel size W = world / (T x CP x D))")
+    context_parallel_size: int = flag(
+        1, "--context-parallel-size", check=positive, family=GPT,
+        help="context-parallel size CP: each sequence split over CP ranks (s / CP tokens each, "
+             "zigzag chunks i and 2CP-1-i for causal balance); attention by --cp-comm-type, "
+             "gradients reduced over data x context ranks (world = T x CP x W x D)")
+    data_parallel_size: int = 1  # W = world / (T x CP x D)
     pipeline_schedule: str = "1f1b"  # a name of the schedule registry
     schedule_options: Any = None  # None: the schedule's defaults
     distributed_backend: str | None = flag(
@@ -49,21 +55,22 @@ class ParallelConfig:
     expert_model_parallel_size: int = flag(
         1, "--expert-model-parallel-size", check=positive, after="--pipeline-model-parallel-size",
         help="expert-parallel size EP: each MoE layer's experts split over EP ranks folded out of "
-             "each pipeline rank's T x W ranks (EP divides T x W and --num-experts)")
+             "each pipeline rank's T x CP x W ranks (EP divides T x CP x W and --num-experts)")
     expert_tensor_parallel_size: int | None = flag(
         None, "--expert-tensor-parallel-size", type=int, check=positive,
         help="tensor-parallel size of the experts (only 1: experts are not tensor-split)")
 
     @property
     def layout(self) -> ParallelLayout:
-        """The T x W x D layout with EP folded in (the one owner of every size rule and of the
-        rank order)."""
+        """The T x CP x W x D layout with EP folded in (the one owner of every size rule and of
+        the rank order)."""
         return ParallelLayout(self.tensor_model_parallel_size, self.data_parallel_size,
-                              self.pipeline_model_parallel_size, self.expert_model_parallel_size)
+                              self.pipeline_model_parallel_size, self.context_parallel_size,
+                              self.expert_model_parallel_size)
 
     @property
     def world_size(self) -> int:
-        """Total ranks: T x W x D."""
+        """Total ranks: T x CP x W x D."""
         return self.layout.world_size
 
 

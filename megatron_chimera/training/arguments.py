@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from megatron_chimera.checkpoint.megatron_format import refuse_megatron_checkpoint
 from megatron_chimera.checkpoint.saved_args import read_common, saved_run_flags
 from megatron_chimera.config import (
     DEFAULT_PROFILE_ITERATIONS,
@@ -44,9 +45,13 @@ from megatron_chimera.training.argument_parser import (
     build_parser,
     field_flags,
 )
-from megatron_chimera.training.config_checks import build_schedule_for, validate
+from megatron_chimera.training.config_checks import (
+    build_schedule_for,
+    check_config_and_build_schedule,
+)
 
-__all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
+__all__ = ["build_parser", "parse_args", "parse_args_and_schedule",
+           "check_config_and_build_schedule",
            "build_schedule_for", "add_architecture_arguments", "architecture_fields"]
 
 def _field_names(cls: type) -> set[str]:
@@ -98,7 +103,7 @@ def parse_args_and_schedule(
     extra_names = sorted(_known_flags(parser) - _known_flags(base_parser))
     extra = tuple((name, getattr(args, name)) for name in extra_names)
     config = _build_config(args, world_size, extra)
-    return config, validate(config, world_size)
+    return config, check_config_and_build_schedule(config, world_size)
 
 
 def _checkpoint_flags(args: argparse.Namespace) -> list[str]:
@@ -109,6 +114,7 @@ def _checkpoint_flags(args: argparse.Namespace) -> list[str]:
         raise ConfigError("--use-checkpoint-args requires --load")
     if not os.path.isdir(args.load):
         raise ConfigError(f"--load directory {args.load} does not exist")
+    refuse_megatron_checkpoint(args.load)
     common = read_common(args.load)
     flags = saved_run_flags(common) if common is not None else []
     if not flags and not args.exit_on_missing_checkpoint and os.environ.get("RANK", "0") == "0":
@@ -127,7 +133,8 @@ def _build_config(
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")
     pipeline_size = args.pipeline_model_parallel_size
     data_parallel = ParallelLayout.from_world(world_size, args.tensor_model_parallel_size,
-                                              pipeline_size).data
+                                              pipeline_size,
+                                              args.context_parallel_size).data
     global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
     if global_batch % (args.micro_batch_size * data_parallel):
         raise ConfigError(

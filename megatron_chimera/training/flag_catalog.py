@@ -91,7 +91,6 @@ REFUSED: dict[str, str] = {
     "--distribute-saved-activations": "not implemented: full recomputation keeps each "
                                       "checkpointed layer input whole on every tensor-parallel "
                                       "rank (--sequence-parallel splits it)",
-    "--context-parallel-size": "context parallelism is not implemented",
     "--model-parallel-size": "removed in Megatron-LM: use --tensor-model-parallel-size",
     "--dataloader-type": "only Megatron's default single (sequential, resumable) sampler",
     "--no-persist-layer-norm": "there is no persistent layer-norm kernel to turn off; drop "
@@ -193,7 +192,7 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
     "--account-for-loss-in-pipeline-split",
     "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
-    "--context-parallel-size",
+    "--context-parallel-size", "--cp-comm-type",
     # validation
     "--eval-iters", "--eval-interval", "--skip-train",
     # data and tokenizer

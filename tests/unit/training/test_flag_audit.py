@@ -105,7 +105,11 @@ def test_catalog_tables_are_consistent():
     assert set(flag_catalog.ALWAYS_ON) <= dests
     assert set(flag_catalog.CONSUMED_WHILE_PARSING) <= dests
     assert set(flag_catalog.READ_OUTSIDE_CONFIG) <= dests
-    tool = _tool()
+    from megatron_chimera.model.family import FAMILIES
+    from megatron_chimera.training.argument_parser import field_flags
+
+    families = {spec.family for _, _, spec in field_flags() if spec.family}
+    assert families <= set(FAMILIES)  # a family check compares config fields to their defaults
     megatron = set(flag_catalog.MEGATRON_FLAGS)
     assert len(megatron) == len(flag_catalog.MEGATRON_FLAGS)  # no duplicates
     for flag in megatron - flags:

@@ -68,6 +68,7 @@ def test_megatron_defaults_and_model_flags_round_trip():
     ("--expert-model-parallel-size 2", 2, "--expert-model-parallel-size"),
     ("--num-experts 4 --tensor-model-parallel-size 2", 2, "--sequence-parallel"),
     ("--num-experts 4 --expert-tensor-parallel-size 2", 1, "--expert-tensor-parallel-size"),
+    ("--num-experts 4 --context-parallel-size 2", 2, "--context-parallel-size"),
     ("--num-experts 4 --expert-model-parallel-size 2 --save /tmp/x", 2, "--save"),
     ("--num-experts 4 --moe-layer-freq [0,0,0,0]", 1, "--moe-layer-freq"),
     ("--num-experts 4 --moe-layer-freq [1,0]", 1, "--moe-layer-freq"),

@@ -99,10 +99,11 @@ def set_random_seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed + offset)
 
 
-def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -> torch.device:
+def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int,
+                        experts: bool = False) -> torch.device:
     """Distributed start-up, model-parallel groups for ``schedule``'s placement (every
     communicator connected before the first iteration), and seeding; returns this rank's
-    device."""
+    device. ``experts``: the model has MoE layers (their groups, see ``parallel_state``)."""
     device = initialize_distributed(config)
     if schedule.num_ranks != config.pipeline_model_parallel_size:
         raise ConfigError(
@@ -114,6 +115,7 @@ def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -
         config.tensor_model_parallel_size,
         timeout=timedelta(minutes=config.distributed_timeout_minutes),
         context_parallel_size=config.context_parallel_size,
+        expert_model_parallel_size=config.expert_model_parallel_size, expert_groups=experts,
     )
     parallel_state.connect_communicators(device)
     set_random_seed(seed)

@@ -12,6 +12,8 @@ that did not report). The rank that claims the report joins the lines into a wai
 (rank -> the rank it waits for) and names the rank where the waits end -- one that computes,
 or one that did not report (stopped, or stuck outside the interpreter) -- or the cycle. On a
 timeout every live rank then exits (the error is the graph line); ``SIGUSR1`` only logs.
+The same thread beats the rank's heartbeat in the store (:func:`~.failures.silent_ranks`: the
+failure report names a rank that was killed).
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_chimera.pipeline.failures import first_failure, record_failure
+from megatron_chimera.pipeline.failures import (
+    HEARTBEAT_S,
+    first_failure,
+    heartbeat,
+    mark_left,
+    record_failure,
+)
 
 _KEY = "megatron_chimera/hang"
 _DIRECTIONS = ("activation", "gradient")
@@ -132,8 +140,10 @@ class HangWatch:
         return self
 
     def stop(self) -> None:
-        """Stop the thread (end of training)."""
+        """Stop the thread (end of training): its heartbeats end, and the rank is marked as
+        left, not dead."""
         self._stop.set()
+        mark_left(self.rank, self.store)
 
     @contextlib.contextmanager
     def watching(self, section: str) -> Iterator[None]:
@@ -169,8 +179,14 @@ class HangWatch:
         return False
 
     def _loop(self) -> None:
-        last, since, polls = None, time.monotonic(), 0
-        while not self._stop.wait(self.poll_s):
+        last, since, polls, beat = None, time.monotonic(), 0, -HEARTBEAT_S
+        while True:
+            if time.monotonic() - beat >= HEARTBEAT_S:  # who died: see failures.silent_ranks
+                beat = time.monotonic()
+                with contextlib.suppress(Exception):  # (the store may have left with its host)
+                    heartbeat(self.store, self.rank)
+            if self._stop.wait(self.poll_s):
+                return
             polls += 1
             executor = self.get_executor()
             run = executor.active if executor is not None else None

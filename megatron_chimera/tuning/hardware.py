@@ -22,7 +22,8 @@ Small micro-batches run below the large-GEMM efficiency: the achieved rate is
 A100, 1024 for the H100: bigger devices need bigger GEMMs to fill). ``--profile`` measures instead.
 
 A JSON file with the fields of :class:`HardwareProfile` (links as ``{"alpha_s", "bandwidth_gbps"}``
-objects, bandwidth in GB/s) defines a custom profile.
+objects, bandwidth in GB/s) defines a custom profile; ``tools/gpu_check.sh`` writes one from a
+GEMM sweep and a bandwidth measurement on the lent GPU (``hardware_profile.json``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class HardwareProfile:
     # host seconds before every compute action (the runtime's bookkeeping between two actions;
     # ``tools/benchmark_schedules.py --trace`` measures it): matters when actions are short
     action_overhead_s: float = 0.0
+    # device-memory bandwidth, GB/s (``tools/gpu_check.sh`` measures it; 0: unknown): recorded
+    # with a measured profile, not used by the cost model yet
+    memory_bandwidth_gbps: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.efficiency <= 1.0:
@@ -141,7 +145,8 @@ PRESETS: dict[str, HardwareProfile] = {
 def _profile_from_dict(data: dict, source: str) -> HardwareProfile:
     known = {f.name for f in fields(HardwareProfile)}
     unknown = set(data) - known
-    missing = known - set(data) - {"name", "half_efficiency_tokens", "action_overhead_s"}
+    missing = known - set(data) - {"name", "half_efficiency_tokens", "action_overhead_s",
+                                   "memory_bandwidth_gbps"}
     if unknown or missing:
         raise ConfigError(
             f"--hardware {source}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}"

@@ -9,8 +9,8 @@ or ``--debug-tracebacks`` is given); every later rank prints one quiet line nami
 death (a closed connection, torchrun's SIGTERM), the first rank watches the ranks' heartbeats in
 the store (:func:`~megatron_chimera.pipeline.failures.silent_ranks`) and every line names the rank
 that stopped beating: ``error: lost contact with another rank: rank 2 died (...)`` and
-``rank 3: stopped (rank 2 died (...); see rank 1's error)``. Exit codes are non-zero (2 for a bad flag,
-1 otherwise, 130 for Ctrl-C). Before the process group exists (flag validation) every rank
+``rank 3: stopped (rank 2 died (...); see rank 1's error)``. Exit codes are non-zero (2 for a
+bad flag, 1 otherwise, 130 for Ctrl-C). Before the process group exists (flag validation) every rank
 checks the same flags and prints the same ``error:`` line.
 
 Under torchrun the first rank's line is also written to ``TORCHELASTIC_ERROR_FILE``, so the

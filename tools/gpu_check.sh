@@ -37,10 +37,10 @@ LOG="$OUT/gpu_check.log"
 # tools/gpu_check.py and one line here.
 STEPS=(
   "env 45"
-  "layer_mfu 90"
+  "layer_mfu 75"
   "training 90"
   "sync_audit 45"
-  "recompute 60"
+  "recompute 75"
   "resume 75"
   "memory 30"
   "hardware 45"

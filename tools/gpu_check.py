@@ -56,7 +56,6 @@ shapes in fp32 -- the dry run that shows the script works before a lease is spen
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import json
@@ -77,6 +76,8 @@ sys.path.insert(0, str(ROOT))  # a bare checkout: nothing installed
 sys.path.insert(0, str(ROOT / "tools"))
 
 import torch  # noqa: E402
+
+from megatron_chimera.errors import ToolArgumentParser, run_tool  # noqa: E402
 
 RESULTS = "results.jsonl"
 MFU_TARGET = 0.45  # of the spec peak at hidden 2048 / seq 2048, GPT shape (issue 32)
@@ -789,7 +790,7 @@ def summarize(out: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``step NAME`` or ``summary`` (see the module docstring)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ToolArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=("step", "summary", "list"))
     p.add_argument("name", nargs="?", help="the step (with 'step')")
     p.add_argument("--out", default=os.environ.get("OUT"), help="output folder (default $OUT)")
@@ -813,4 +814,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

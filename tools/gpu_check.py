@@ -284,7 +284,7 @@ def check_layer_mfu(ctx: Context) -> dict:
                 torch.cuda.empty_cache()
         tflops = model_flops_per_step(config, batch) / seconds / 1e12
         row = {"shape": name, "micro_batch": batch, "ms": round(seconds * 1e3, 3),
-               "tflops": round(tflops, 2), "mfu_measured_peak": round(tflops / peak, 4),
+               "tflops": round(tflops, 4), "mfu_measured_peak": round(tflops / peak, 4),
                "mfu_spec": round(tflops / spec, 4) if spec else None,
                "grad_accumulation_fusion": fused_acc}
         rows.append(row)
@@ -716,8 +716,9 @@ def append_result(out: Path, entry: dict) -> None:
         handle.write(json.dumps(entry, default=str) + "\n")
 
 
-class StepTimeout(Exception):
-    """SIGTERM from the shell's ``timeout``: end the step (its subprocesses are killed)."""
+class StepTimeout(BaseException):
+    """SIGTERM from the shell's ``timeout``: end the step (its subprocesses are killed). Not an
+    Exception: nothing on the way (a compile probe's fallback) may take it for a failure."""
 
 
 def _raise_timeout(signum, frame) -> None:  # noqa: ARG001 - signal handler signature

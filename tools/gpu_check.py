@@ -292,7 +292,7 @@ def check_layer_mfu(ctx: Context) -> dict:
             verdict = tflops / spec >= MFU_TARGET
     result = {"peak_tflops_measured": round(peak, 1), "spec_peak_tflops": spec, "rows": rows,
               "status": "INFO" if verdict is None else ("PASS" if verdict else "FAIL")}
-    parts = [f"matmul peak {peak:.0f} TFLOP/s measured, spec {spec or '-'}"]
+    parts = [f"matmul peak {peak:.3g} TFLOP/s measured, spec {spec or '-'}"]
     for r in rows:
         if "tflops" not in r:
             parts.append(f"{r['shape']}: {r['error']}")

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from megatron_chimera.config import ModelConfig, TrainConfig
 from megatron_chimera.data.bert_dataset import (
+    BertSampling,
+    BertTokens,
     MockBertDataset,
     build_train_valid_test_datasets,
     get_bert_batch,
@@ -64,10 +66,11 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
             if n > 0 else None
             for name, n in zip(("train", "valid", "test"), num_samples))
     return build_train_valid_test_datasets(
-        data.data_path, data.split, num_samples, seq_length, seed, tokenizer.vocab_size, cls_id,
-        sep_id, mask_id, pad_id, short_seq_prob=data.short_seq_prob, binary_head=binary_head,
+        data.data_path, data.split, num_samples, seq_length, seed,
+        BertTokens(tokenizer.vocab_size, cls_id, sep_id, mask_id, pad_id),
+        BertSampling(short_seq_prob=data.short_seq_prob, binary_head=binary_head, **masking),
         cache_dir=data.data_cache_path, embedding_size=config.model.padded_vocab_size,
-        split_paths=data.split_data_paths, **masking)
+        split_paths=data.split_data_paths)
 
 
 def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tensor):

@@ -22,9 +22,15 @@ from megatron_chimera.data.gpt_dataset import (
 )
 from megatron_chimera.data.gpt_sample_fields import GPTSampleDataset, LtorOptions
 from megatron_chimera.data.samplers import batch_to_device
+from megatron_chimera.model.context_parallel import (
+    context_parallel_size,
+    sequence_mean_loss,
+    split_batch,
+)
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
+from megatron_chimera.model.sequence_slices import SequenceCache, SequenceSlice
 from megatron_chimera.training import pretrain_from_flags, run_main
 
 
@@ -63,11 +69,44 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean per-token loss over the unmasked tokens of the micro-batch."""
+    """Mean per-token loss over the unmasked tokens of the micro-batch (with context
+    parallelism: over the whole sequence, every context rank's tokens)."""
+    if context_parallel_size() > 1:
+        loss, reported = sequence_mean_loss(output_tensor.float(), loss_mask)
+        return loss, {"lm loss": reported}
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).to(losses.dtype)
     loss = torch.sum(losses * mask) / mask.sum()
     return loss, {"lm loss": loss.detach()}
+
+
+SLICE = "sequence_slice"  # the SequenceSlice record of a sliced micro-batch
+
+
+def split_into_slices(batch: dict, slices: int) -> list[dict]:
+    """A collated GPT micro-batch as ``slices`` equal consecutive slices of its sequence, in
+    order (sequence-sliced pipelines): each holds its share of every per-token field (``text``
+    one token more, for the labels) and a :class:`SequenceSlice` sharing one cache."""
+    seq = batch["text"].shape[1] - 1
+    if seq % slices:
+        raise ValueError(f"--seq-length {seq} is not divisible into {slices} equal slices")
+    length, cache = seq // slices, SequenceCache()
+    tokens = batch["loss_mask"].float().sum()
+    parts = []
+    for j in range(slices):
+        a, b = j * length, (j + 1) * length
+        part = {key: value[:, a:b] for key, value in batch.items() if key != "text"}
+        part["text"] = batch["text"][:, a:b + 1]
+        part[SLICE] = SequenceSlice(cache, a, b, slices, tokens)
+        parts.append(part)
+    return parts
+
+
+def slice_loss_func(piece: SequenceSlice, loss_mask: torch.Tensor,
+                    output_tensor: torch.Tensor):
+    """One slice's share of its sequence's mean per-token loss (:meth:`SequenceSlice.loss`)."""
+    loss, reported = piece.loss(output_tensor.float(), loss_mask)
+    return loss, {"lm loss": reported}
 
 
 def reads_positions(model: GPTModel) -> bool:
@@ -96,9 +135,17 @@ def forward_step(batch, model: GPTModel):
     fields this stage reads move to its device, asynchronously from pinned memory."""
     if batch is None:
         return model(None, None), None
+    piece = batch.get(SLICE)  # one slice of a sequence (sequence-sliced pipelines)
     device = next(model.parameters()).device
     batch = batch_to_device(batch, device, batch_fields(model))
-    tokens, labels, loss_mask, document_ids, position_ids = get_batch(batch)
+    # (context parallelism: this rank's zigzag share of every per-token field)
+    tokens, labels, loss_mask, document_ids, position_ids = split_batch(*get_batch(batch))
+    if piece is not None:
+        output = model(tokens if model.pre_process else None,
+                       position_ids if reads_positions(model) else None,
+                       attention_mask=piece.mask(document_ids),
+                       labels=labels if model.post_process else None)
+        return output, functools.partial(slice_loss_func, piece, loss_mask)
     mask = None if document_ids is None else DocumentMask(document_ids, device)
     output = model(tokens if model.pre_process else None,
                    position_ids if reads_positions(model) else None,

@@ -1,14 +1,19 @@
-"""The parallel layout: one owner of world = T x W x D, of every size T must divide, of Megatron's
-rank order and of which ranks each group joins (torchtitan's ``ParallelDims``, torch-free).
+"""The parallel layout: one owner of world = T x CP x W x D, of every size T (and CP) must divide,
+of Megatron's rank order and of which ranks each group joins (torchtitan's ``ParallelDims``,
+torch-free).
 
 :class:`ParallelLayout` is built once from the flags (``ParallelConfig.layout``) or from the
 world (:meth:`ParallelLayout.from_world`); ``parallel_state`` creates its groups from it, the
 config checks, the cost model and the model ask it. Rank order (Megatron's)::
 
-    global rank = (pipeline_rank x W + data_parallel_rank) x T + tensor_rank
+    global rank = ((pipeline_rank x W + data_parallel_rank) x CP + context_rank) x T + tensor_rank
 
 tensor-parallel ranks innermost (consecutive ranks, so a node holds a whole tensor-parallel
-group), then data-parallel replicas, then pipeline ranks. A *placement* (``Schedule.placement``:
+group), then context-parallel ranks (``--context-parallel-size``: each holds ``s / CP`` tokens of
+every sequence), then data-parallel replicas, then pipeline ranks (Megatron's ``tp-cp-dp-pp``).
+The CP ranks of one data-parallel replica read the same samples and hold the same weights: a
+stage's gradients are reduced over its data x context ranks (the stage-replica group).
+A *placement* (``Schedule.placement``:
 ``placement[pipe][stage]`` = pipeline rank) says which pipeline ranks hold which stage; the
 stage-replica and embedding groups follow from it.
 """
@@ -46,33 +51,38 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int,
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """T tensor-parallel ranks per stage, W data-parallel replicas, D pipeline ranks."""
+    """T tensor-parallel ranks per stage, W data-parallel replicas, D pipeline ranks, CP
+    context-parallel ranks per replica."""
 
     tensor: int = 1
     data: int = 1
     pipeline: int = 1
+    context: int = 1
 
     @classmethod
-    def from_world(cls, world_size: int, tensor: int = 1, pipeline: int = 1) -> ParallelLayout:
-        """W = world / (T x D); ConfigError naming the flags when they do not divide the world."""
-        if tensor < 1 or pipeline < 1 or world_size % (pipeline * tensor):
+    def from_world(cls, world_size: int, tensor: int = 1, pipeline: int = 1,
+                   context: int = 1) -> ParallelLayout:
+        """W = world / (T x CP x D); ConfigError naming the flags when they do not divide the
+        world."""
+        if tensor < 1 or pipeline < 1 or context < 1 or world_size % (pipeline * tensor * context):
             raise ConfigError(
-                f"--tensor-model-parallel-size {tensor} x --pipeline-model-parallel-size "
-                f"{pipeline} does not divide the world size {world_size} "
-                f"(world = tensor x data-parallel x pipeline size)")
-        return cls(tensor, world_size // (pipeline * tensor), pipeline)
+                f"--tensor-model-parallel-size {tensor} x --context-parallel-size {context} x "
+                f"--pipeline-model-parallel-size {pipeline} does not divide the world size "
+                f"{world_size} (world = tensor x context x data-parallel x pipeline size)")
+        return cls(tensor, world_size // (pipeline * tensor * context), pipeline, context)
 
     @property
     def world_size(self) -> int:
-        """T x W x D."""
-        return self.tensor * self.data * self.pipeline
+        """T x CP x W x D."""
+        return self.tensor * self.context * self.data * self.pipeline
 
     def check_world(self, world_size: int) -> None:
         """ConfigError when the layout does not fill a world of ``world_size`` ranks."""
         if self.world_size != world_size:
             raise ConfigError(
-                f"--tensor-model-parallel-size {self.tensor} x --pipeline-model-parallel-size "
-                f"{self.pipeline} x data-parallel {self.data} != world size {world_size}")
+                f"--tensor-model-parallel-size {self.tensor} x --context-parallel-size "
+                f"{self.context} x --pipeline-model-parallel-size {self.pipeline} x "
+                f"data-parallel {self.data} != world size {world_size}")
 
     # ------------------------------------------------------------------ what T must divide
     def split(self, size: int, flag: str) -> int:
@@ -99,8 +109,14 @@ class ParallelLayout:
         sizes += [("--hidden-size", model.hidden_size), ("--ffn-hidden-size", model.ffn_size)]
         for flag, size in sizes:
             self.split(size, flag)
-        if sequence_parallel and model.seq_length % self.tensor:
-            raise ConfigError(f"--seq-length {model.seq_length} is not divisible by "
+        if self.context > 1 and model.seq_length % (2 * self.context):
+            raise ConfigError(f"--seq-length {model.seq_length} is not divisible by 2 x "
+                              f"--context-parallel-size ({2 * self.context}): each context-"
+                              f"parallel rank holds two equal chunks of the sequence")
+        if sequence_parallel and (model.seq_length // self.context) % self.tensor:
+            per_rank = (f" / --context-parallel-size {self.context}" if self.context > 1
+                        else "")
+            raise ConfigError(f"--seq-length {model.seq_length}{per_rank} is not divisible by "
                               f"--tensor-model-parallel-size {self.tensor} (--sequence-parallel "
                               f"splits the sequence)")
 
@@ -110,45 +126,66 @@ class ParallelLayout:
 
     # ------------------------------------------------------------------ ranks
     def global_rank(self, pipeline_rank: int, data_parallel_rank: int = 0,
-                    tensor_rank: int = 0) -> int:
-        """Global rank of ``(pipeline_rank, data_parallel_rank, tensor_rank)``."""
-        return global_rank(pipeline_rank, data_parallel_rank, self.data, tensor_rank,
-                           self.tensor)
+                    tensor_rank: int = 0, context_rank: int = 0) -> int:
+        """Global rank of ``(pipeline_rank, data_parallel_rank, tensor_rank, context_rank)``."""
+        return global_rank(pipeline_rank, data_parallel_rank * self.context + context_rank,
+                           self.data * self.context, tensor_rank, self.tensor)
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """``(pipeline_rank, data_parallel_rank, tensor_rank)`` of a global rank."""
-        return rank_coordinates(rank, self.data, self.tensor)
+        """``(pipeline_rank, data_parallel_rank, tensor_rank)`` of a global rank (its context
+        rank: :meth:`context_rank`)."""
+        pipeline_rank, replica, tensor_rank = rank_coordinates(
+            rank, self.data * self.context, self.tensor)
+        return pipeline_rank, replica // self.context, tensor_rank
+
+    def context_rank(self, rank: int) -> int:
+        """The context-parallel rank (0 .. CP-1) of a global rank."""
+        return (rank // self.tensor) % self.context
 
     # ------------------------------------------------------------------ groups
-    def pipeline_ranks(self, data_parallel_rank: int, tensor_rank: int) -> list[int]:
-        """The D ranks of one data-parallel replica and tensor rank, by pipeline rank."""
-        return [self.global_rank(p, data_parallel_rank, tensor_rank)
+    def pipeline_ranks(self, data_parallel_rank: int, tensor_rank: int,
+                       context_rank: int = 0) -> list[int]:
+        """The D ranks of one data-parallel replica, tensor and context rank, by pipeline rank."""
+        return [self.global_rank(p, data_parallel_rank, tensor_rank, context_rank)
                 for p in range(self.pipeline)]
 
-    def data_parallel_ranks(self, pipeline_rank: int, tensor_rank: int) -> list[int]:
-        """The W ranks of one pipeline rank and tensor rank (Megatron's data-parallel group)."""
-        return [self.global_rank(pipeline_rank, w, tensor_rank) for w in range(self.data)]
+    def data_parallel_ranks(self, pipeline_rank: int, tensor_rank: int,
+                            context_rank: int = 0) -> list[int]:
+        """The W ranks of one pipeline, tensor and context rank (Megatron's data-parallel
+        group: the ranks that read different samples)."""
+        return [self.global_rank(pipeline_rank, w, tensor_rank, context_rank)
+                for w in range(self.data)]
 
-    def tensor_ranks(self, pipeline_rank: int, data_parallel_rank: int) -> list[int]:
-        """The T ranks of one pipeline rank and data-parallel replica."""
-        return [self.global_rank(pipeline_rank, data_parallel_rank, t)
+    def context_ranks(self, pipeline_rank: int, data_parallel_rank: int,
+                      tensor_rank: int) -> list[int]:
+        """The CP ranks that share one sequence (Megatron's context-parallel group)."""
+        return [self.global_rank(pipeline_rank, data_parallel_rank, tensor_rank, c)
+                for c in range(self.context)]
+
+    def tensor_ranks(self, pipeline_rank: int, data_parallel_rank: int,
+                     context_rank: int = 0) -> list[int]:
+        """The T ranks of one pipeline rank, data-parallel replica and context rank."""
+        return [self.global_rank(pipeline_rank, data_parallel_rank, t, context_rank)
                 for t in range(self.tensor)]
 
-    def model_parallel_ranks(self, data_parallel_rank: int) -> list[int]:
-        """Tensor x pipeline ranks of one data-parallel replica: one whole model."""
-        return [self.global_rank(p, data_parallel_rank, t)
+    def model_parallel_ranks(self, data_parallel_rank: int, context_rank: int = 0) -> list[int]:
+        """Tensor x pipeline ranks of one data-parallel replica and context rank: one whole
+        model."""
+        return [self.global_rank(p, data_parallel_rank, t, context_rank)
                 for p in range(self.pipeline) for t in range(self.tensor)]
 
     def replica_ranks(self, pipeline_ranks: Iterable[int], tensor_rank: int) -> list[int]:
         """Every rank of ``tensor_rank`` on the given pipeline ranks, in every data-parallel
-        replica (ordered by pipeline rank, then replica)."""
-        return [self.global_rank(p, w, tensor_rank)
-                for p in sorted(set(pipeline_ranks)) for w in range(self.data)]
+        replica and context rank (ordered by pipeline rank, then replica, then context rank)."""
+        return [self.global_rank(p, w, tensor_rank, c)
+                for p in sorted(set(pipeline_ranks)) for w in range(self.data)
+                for c in range(self.context)]
 
     def stage_replica_ranks(self, placement: Sequence[Sequence[int]], stage: int,
                             tensor_rank: int) -> list[int]:
         """Holders of ``stage``'s shard ``tensor_rank``: every pipe, every data-parallel replica
-        (where its gradients are reduced and the distributed optimizer shards it)."""
+        and context rank (where its gradients are reduced and the distributed optimizer shards
+        it)."""
         return self.replica_ranks((pipe[stage] for pipe in placement), tensor_rank)
 
     def embedding_ranks(self, placement: Sequence[Sequence[int]], tensor_rank: int) -> list[int]:

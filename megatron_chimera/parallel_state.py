@@ -6,7 +6,12 @@ creates every group, in the same order on every rank; ``destroy_model_parallel``
 
 Rank layout (Megatron's): ``global rank = (pipeline_rank * W + data_parallel_rank) * T +
 tensor_rank`` -- tensor-parallel ranks innermost (one node holds a tensor-parallel group), then
-data-parallel replicas, then pipeline ranks. Example: T=2, W=1, D=4, Chimera with 2 pipes (down
+data-parallel replicas, then pipeline ranks. With context parallelism (CP > 1) the context ranks
+sit between tensor and data-parallel ranks (``layout.ParallelLayout``); each context rank has
+its own pipeline, tensor and model-parallel groups, the context group joins the CP ranks of one
+sequence, and stage-replica and embedding groups span every context rank.
+
+Example: T=2, W=1, D=4, Chimera with 2 pipes (down
 pipe 0: stage s on pipeline rank s; up pipe 1: stage s on pipeline rank D-1-s)::
 
     global rank      0  1 | 2  3 | 4  5 | 6  7
@@ -78,12 +83,15 @@ class _ModelParallelState:
     pipeline_rank: int
     data_parallel_rank: int
     tensor_rank: int
+    context_rank: int = 0
     pipeline_group: dist.ProcessGroup | None = None
     pipeline_ranks: list[int] = field(default_factory=list)
     data_parallel_group: dist.ProcessGroup | None = None
     data_parallel_ranks: list[int] = field(default_factory=list)
     tensor_group: dist.ProcessGroup | None = None
     tensor_ranks: list[int] = field(default_factory=list)
+    context_group: dist.ProcessGroup | None = None
+    context_ranks: list[int] = field(default_factory=list)
     model_parallel_group: dist.ProcessGroup | None = None
     model_parallel_ranks: list[int] = field(default_factory=list)
     stage_replica_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
@@ -99,7 +107,7 @@ class _ModelParallelState:
         """Global rank of a pipeline rank (default: this rank's data-parallel and tensor rank)."""
         dp = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
         t = self.tensor_rank if tensor_rank is None else tensor_rank
-        return self.layout.global_rank(pipeline_rank, dp, t)
+        return self.layout.global_rank(pipeline_rank, dp, t, self.context_rank)
 
 
 _STATE: _ModelParallelState | None = None
@@ -137,6 +145,7 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     timeout: timedelta | None = None,
     p2p_direction_groups: bool | None = None,
+    context_parallel_size: int = 1,
 ) -> None:
     """Create tensor, pipeline, data-parallel, model-parallel, stage-replica and embedding groups
     (same order everywhere).
@@ -145,6 +154,10 @@ def initialize_model_parallel(
     data-parallel groups, the model-parallel and pipeline groups at T=1) gets one group; the two
     directions between pipe neighbours are the one deliberate exception (separate NCCL
     communicators, hence streams).
+
+    ``context_parallel_size`` (CP) ranks share each sequence (Megatron's rank order: tensor,
+    context, data, pipeline); each has its own pipeline, and the stage-replica and embedding
+    groups span every context rank (gradients are reduced over data x context ranks).
 
     ``placement[pipe][stage]`` is the pipeline rank holding that stage replica
     (``Schedule.placement``). ``p2p_direction_groups`` (default: on with NCCL and in the
@@ -160,8 +173,8 @@ def initialize_model_parallel(
     if _STATE is not None:
         raise RuntimeError("model parallel groups are already initialized; destroy them first")
     layout = ParallelLayout.from_world(dist.get_world_size(), tensor_model_parallel_size,
-                                       pipeline_model_parallel_size)
-    d, w, t_size = layout.pipeline, layout.data, layout.tensor
+                                       pipeline_model_parallel_size, context_parallel_size)
+    d, w, t_size, cp = layout.pipeline, layout.data, layout.tensor, layout.context
     _validate_placement(placement, num_stages, d)
     rank = dist.get_rank()
     pipeline_rank, data_parallel_rank, tensor_rank = layout.coordinates(rank)
@@ -186,6 +199,7 @@ def initialize_model_parallel(
         layout=layout, num_stages=num_stages,
         placement=[list(p) for p in placement], rank=rank, pipeline_rank=pipeline_rank,
         data_parallel_rank=data_parallel_rank, tensor_rank=tensor_rank,
+        context_rank=layout.context_rank(rank),
     )
 
     def keep(ranks: list[int], attribute: str) -> None:
@@ -195,16 +209,25 @@ def initialize_model_parallel(
             setattr(state, f"{attribute}_ranks", ranks)
 
     for dp in range(w):
-        for t in range(t_size):
-            keep(layout.pipeline_ranks(dp, t), "pipeline")
+        for c in range(cp):
+            for t in range(t_size):
+                keep(layout.pipeline_ranks(dp, t, c), "pipeline")
     for p in range(d):
-        for t in range(t_size):
-            keep(layout.data_parallel_ranks(p, t), "data_parallel")
+        for c in range(cp):
+            for t in range(t_size):
+                keep(layout.data_parallel_ranks(p, t, c), "data_parallel")
     for p in range(d):
         for dp in range(w):
-            keep(layout.tensor_ranks(p, dp), "tensor")
+            for c in range(cp):
+                keep(layout.tensor_ranks(p, dp, c), "tensor")
     for dp in range(w):
-        keep(layout.model_parallel_ranks(dp), "model_parallel")
+        for c in range(cp):
+            keep(layout.model_parallel_ranks(dp, c), "model_parallel")
+    if cp > 1:  # (at CP = 1 a context group would be one rank: none is created)
+        for p in range(d):
+            for dp in range(w):
+                for t in range(t_size):
+                    keep(layout.context_ranks(p, dp, t), "context")
     for stage in range(num_stages):
         for t in range(t_size):
             ranks = layout.stage_replica_ranks(placement, stage, t)
@@ -223,11 +246,13 @@ def initialize_model_parallel(
     if p2p_direction_groups:
         for src, dst in _neighbour_directions(placement):
             for dp in range(w):
-                for t in range(t_size):
-                    ranks = [layout.global_rank(src, dp, t), layout.global_rank(dst, dp, t)]
-                    group = new_group(ranks, purpose=f"p2p {src}->{dst}")
-                    if group is not None:
-                        state.p2p_groups[(ranks[0], ranks[1])] = group
+                for c in range(cp):
+                    for t in range(t_size):
+                        ranks = [layout.global_rank(src, dp, t, c),
+                                 layout.global_rank(dst, dp, t, c)]
+                        group = new_group(ranks, purpose=f"p2p {src}->{dst}")
+                        if group is not None:
+                            state.p2p_groups[(ranks[0], ranks[1])] = group
     state.all_groups = created
     state.collective_groups = collective
     _STATE = state
@@ -310,6 +335,29 @@ def get_data_parallel_group() -> dist.ProcessGroup:
     """Ranks with this pipeline and tensor rank in every data-parallel replica (Megatron's DP
     group)."""
     return _state().data_parallel_group
+
+
+def get_context_parallel_world_size() -> int:
+    """CP: ranks sharing one sequence (1 before ``initialize_model_parallel``)."""
+    return _STATE.layout.context if _STATE is not None else 1
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's context-parallel rank (0 .. CP-1; 0 before ``initialize_model_parallel``):
+    it holds the sequence's chunks ``rank`` and ``2 CP - 1 - rank``."""
+    return _STATE.context_rank if _STATE is not None else 0
+
+
+def get_context_parallel_group() -> dist.ProcessGroup | None:
+    """The CP ranks sharing this rank's sequences (same pipeline, data-parallel and tensor
+    rank); None at CP = 1."""
+    return _state().context_group
+
+
+def get_context_parallel_global_ranks() -> list[int]:
+    """Global ranks of this rank's context-parallel group, by context rank."""
+    s = _state()
+    return list(s.context_ranks) or [s.rank]
 
 
 def get_tensor_model_parallel_world_size() -> int:

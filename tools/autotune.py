@@ -28,6 +28,7 @@ from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.presets import MODEL_PRESETS
+from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
 from megatron_chimera.training.arguments import add_architecture_arguments, architecture_fields
 from megatron_chimera.tuning.autotune import (
     DEFAULT_SCHEDULES,
@@ -38,8 +39,9 @@ from megatron_chimera.tuning.autotune import (
 )
 from megatron_chimera.tuning.command import torchrun_command
 from megatron_chimera.tuning.costs import ModelSpec
-from megatron_chimera.tuning.hardware import GB, load_hardware
-from megatron_chimera.tuning.perf_model import PerformanceModel
+from megatron_chimera.tuning.hardware import GB, PRESETS, HardwareProfile, load_hardware
+from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingLayout
+from megatron_chimera.tuning.published import megatron_flops
 
 DEFAULT_VOCAB = {"gpt2": 50257, "bert": 30522}
 
@@ -56,9 +58,8 @@ def _name_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The CLI: model flags as pretrain_gpt2.py / pretrain_bert.py plus the search space."""
-    p = ToolArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model flags, as pretrain_gpt2.py / pretrain_bert.py."""
     g = p.add_argument_group("model (as pretrain_gpt2.py / pretrain_bert.py)")
     g.add_argument("--model", choices=("gpt2", "bert"), default="gpt2")
     g.add_argument("--preset", choices=tuple(MODEL_PRESETS), default=None,
@@ -84,14 +85,31 @@ def build_parser() -> argparse.ArgumentParser:
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true")
     precision.add_argument("--bf16", action="store_true")
+
+
+
+def _add_machine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The machine flags (GPU count, hardware profile, memory)."""
     g = p.add_argument_group("machine")
     g.add_argument("--num-gpus", type=int, required=True)
     g.add_argument("--hardware", default="p100",
-                   help="preset (p100, a100, h100) or a JSON profile file")
+                   help=f"preset ({', '.join(PRESETS)}) or a JSON profile file (schema: "
+                        f"megatron_chimera/tuning/hardware.py)")
     g.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="device memory in GB (default: the hardware profile's)")
     g.add_argument("--memory-headroom", type=float, default=0.9,
                    help="usable fraction of the memory (allocator, CUDA context, buffers)")
+    return g
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI: model flags as pretrain_gpt2.py / pretrain_bert.py plus the search space."""
+    p = ToolArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--predict", action="store_true",
+                   help="predict one layout given by training flags instead of searching "
+                        "(see --predict --help)")
+    _add_model_arguments(p)
+    g = _add_machine_arguments(p)
     g.add_argument("--profile", action="store_true",
                    help="time the stages with the real model classes on this machine")
     g.add_argument("--profile-device", default=None, help="device for --profile (default: "
@@ -105,12 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--schedules", type=_name_list, default=DEFAULT_SCHEDULES,
                    help=f"comma-separated schedules (default: {','.join(DEFAULT_SCHEDULES)})")
     g.add_argument("--chimera-pipes", type=_int_list, default=(2, 4))
-    g.add_argument("--tensor-model-parallel-sizes", type=_int_list, default=(1,),
+    g.add_argument("--tensor-model-parallel-sizes", type=_int_list, default=None,
                    help="comma-separated tensor-parallel sizes T to try, e.g. 1,2,4,8 "
-                   "(default: 1, no tensor parallelism); T > 1 runs sequence parallel")
+                   "(default: every T dividing the attention heads within one node); T > 1 "
+                   "runs sequence parallel")
+    g.add_argument("--pipeline-model-parallel-sizes", type=_int_list, default=None,
+                   help="comma-separated pipeline sizes D to try (default: every D dividing "
+                        "--num-gpus / T, odd sizes and 1 included, at most one stage per layer)")
     g.add_argument("--no-sequence-parallel", action="store_false", dest="sequence_parallel",
                    help="with T > 1, do not split the residual stream over the sequence")
     g.add_argument("--recompute", choices=("both", "on", "off"), default="both")
+    g.add_argument("--recompute-granularities", choices=("both", "full", "selective"),
+                   default="both",
+                   help="what a recomputing layout recomputes: the whole layer (full), the "
+                        "attention core (selective, Megatron's), or try both")
     g.add_argument("--distributed-optimizer", choices=("both", "on", "off"), default="both",
                    help="try --use-distributed-optimizer (optimizer state sharded over each "
                         "stage-replica group), plain data parallelism, or both")
@@ -193,17 +219,27 @@ def write_json(path: str, records: list[dict] | dict) -> None:
     atomic_write(str(target), lambda f: json.dump(records, f, indent=1), mode="w")
 
 
+def _memory_limit(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[float, int]:
+    """(device GB, usable bytes) from --gpu-memory-gb / the profile and --memory-headroom."""
+    if not 0 < args.memory_headroom <= 1:
+        raise ConfigError("--memory-headroom must be in (0, 1]")
+    memory_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else hardware.memory_gb
+    if memory_gb <= 0:
+        raise ConfigError("--gpu-memory-gb must be positive")
+    return memory_gb, int(memory_gb * GB * args.memory_headroom)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the search and print the table and the command of the best layout."""
+    """Run the search and print the table and the command of the best layout (or, with
+    ``--predict``, the prediction of one layout)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--predict" in argv:
+        return predict_main([a for a in argv if a != "--predict"])
     args = build_parser().parse_args(argv)
     try:
         spec = model_spec(args)
         hardware = load_hardware(args.hardware)
-        if not 0 < args.memory_headroom <= 1:
-            raise ConfigError("--memory-headroom must be in (0, 1]")
-        memory_gb = args.gpu_memory_gb if args.gpu_memory_gb is not None else hardware.memory_gb
-        if memory_gb <= 0:
-            raise ConfigError("--gpu-memory-gb must be positive")
+        memory_gb, limit = _memory_limit(args, hardware)
         if args.top < 1:
             raise ConfigError("--top must be positive")
         compute, p2p_link = None, None
@@ -219,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{p2p_link.bandwidth_gbps:.2f} GB/s")
         model = PerformanceModel(spec, hardware, compute=compute, p2p_link=p2p_link)
         choices = {"both": (False, True), "on": (True,), "off": (False,)}
+        granularities = {"both": ("full", "selective"), "full": ("full",),
+                         "selective": ("selective",)}
         recompute = choices[args.recompute]
         cfg = spec.config
         space = SearchSpace(args.num_gpus, args.global_batch_size, cfg.num_layers,
@@ -228,9 +266,12 @@ def main(argv: list[str] | None = None) -> int:
                             partition_methods=(*args.partition_methods,
                                                *args.pipeline_model_parallel_layout),
                             tensor_parallel_sizes=args.tensor_model_parallel_sizes,
+                            pipeline_parallel_sizes=args.pipeline_model_parallel_sizes,
                             sequence_parallel=args.sequence_parallel,
-                            distributed_optimizer=choices[args.distributed_optimizer])
-        limit = int(memory_gb * GB * args.memory_headroom)
+                            distributed_optimizer=choices[args.distributed_optimizer],
+                            recompute_granularities=granularities[args.recompute_granularities],
+                            num_attention_heads=cfg.num_attention_heads,
+                            gpus_per_node=hardware.gpus_per_node)
         result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)
         over = sorted(result.over_memory, key=lambda lp: lp[1])[: args.show_over_memory]
         print(f"{spec.family.title}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
@@ -254,6 +295,100 @@ def main(argv: list[str] | None = None) -> int:
             write_json(args.stage_costs_json, costs.to_dict() | {"layout": best.layout.describe()})
             print(f"wrote the per-stage costs of {best.layout.describe()} to "
                   f"{args.stage_costs_json} (--chimera-zb-costs @{args.stage_costs_json})")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def build_predict_parser() -> argparse.ArgumentParser:
+    """``--predict``: the model flags, the machine and one layout as training flags."""
+    p = ToolArgumentParser(prog="autotune.py --predict", allow_abbrev=False,
+                           description="Predict one layout: iteration time, TFLOP/s per GPU "
+                                       "(Megatron's formula), bubble and peak memory per rank.")
+    _add_model_arguments(p)
+    _add_machine_arguments(p)
+    g = p.add_argument_group("layout (as pretrain_gpt2.py / pretrain_bert.py)")
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--partition-method", default="uniform",
+                   help="uniform, parameters or a --pipeline-model-parallel-layout string")
+    add_schedule_arguments(g)
+    g.add_argument("--json", default=None, help="write the prediction to this path")
+    return p
+
+
+def predict_layout(args: argparse.Namespace, spec: ModelSpec) -> TrainingLayout:
+    """The layout the --predict flags describe (ConfigError naming the flag that does not fit)."""
+    T, D, B = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+               args.micro_batch_size)
+    for flag, value in (("--tensor-model-parallel-size", T),
+                        ("--pipeline-model-parallel-size", D), ("--micro-batch-size", B)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be positive, got {value}")
+    if args.num_gpus % (T * D):
+        raise ConfigError(f"--num-gpus {args.num_gpus} is not a multiple of "
+                          f"--tensor-model-parallel-size x --pipeline-model-parallel-size "
+                          f"= {T * D}")
+    W = args.num_gpus // (T * D)
+    if args.global_batch_size % (W * B):
+        raise ConfigError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                          f"--micro-batch-size x data-parallel size = {B} x {W}")
+    if args.sequence_parallel and T == 1:
+        raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+    try:
+        schedule, options = spec_and_options_from(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return TrainingLayout(schedule.name, D, W, B, args.global_batch_size // (W * B),
+                          args.recompute_granularity is not None, options,
+                          args.partition_method, T, args.sequence_parallel,
+                          args.use_distributed_optimizer, args.recompute_granularity or "full")
+
+
+def predict_main(argv: list[str]) -> int:
+    """Print (and with --json write) the prediction of the layout the flags give."""
+    args = build_predict_parser().parse_args(argv)
+    try:
+        spec = model_spec(args)
+        hardware = load_hardware(args.hardware)
+        memory_gb, limit = _memory_limit(args, hardware)
+        layout = predict_layout(args, spec)
+        model = PerformanceModel(spec, hardware)
+        try:
+            prediction = model.predict(layout)
+        except ValueError as exc:
+            raise ConfigError(str(exc).splitlines()[0]) from None
+        tflops = (megatron_flops(spec.config, layout.global_batch_size) / layout.num_gpus
+                  / prediction.iteration_s / 1e12)
+        record = {"layout": layout.describe(), "schedule": layout.label, "T": layout.T,
+                  "D": layout.D, "W": layout.W, "B": layout.B, "N": layout.N,
+                  "num_gpus": layout.num_gpus, "hardware": hardware.name,
+                  "iteration_s": prediction.iteration_s,
+                  "samples_per_s": prediction.samples_per_s,
+                  "tflops_per_gpu": tflops, "bubble_ratio": prediction.bubble_ratio,
+                  "peak_memory_bytes": prediction.peak_memory_bytes,
+                  "memory_limit_bytes": limit,
+                  "fits": prediction.peak_memory_bytes <= limit}
+        print(f"{spec.family.title}: {spec.config.num_layers} layers, hidden "
+              f"{spec.config.hidden_size}, {spec.config.num_attention_heads} heads, seq "
+              f"{spec.config.seq_length}, {spec.config.params_dtype}; {layout.num_gpus} x "
+              f"{hardware.name} ({memory_gb:g} GB)")
+        print(f"layout: {layout.describe()}")
+        print(f"iteration: {prediction.iteration_s:.4f} s ({prediction.samples_per_s:.2f} "
+              f"samples/s)")
+        print(f"TFLOP/s per GPU: {tflops:.1f} (Megatron's 96 B s l h^2 (1 + s/6h + V/16lh))")
+        print(f"bubble: {prediction.bubble_ratio:.3f}")
+        print(f"peak memory per rank: {prediction.peak_memory_bytes / 2**30:.2f} GiB "
+              f"({'fits' if record['fits'] else 'does not fit'} the "
+              f"{limit / 2**30:.2f} GiB limit)")
+        if args.json:
+            write_json(args.json, record)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

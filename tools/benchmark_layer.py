@@ -18,9 +18,12 @@ forward and backward, at tiny host-bound shapes (fp32 on the CPU), against a pla
 layer of the same math (``nn.LayerNorm``, ``nn.Linear``, SDPA, tanh GeLU, dropout, residuals).
 Ours runs as in training: keyed dropout, gradient buffers with their hooks and
 gradient-accumulation fusion, T = 1. It prints both per-layer times and their ratios (JSON keys
-``forward_ratio``, ``backward_ratio`` with ``--json FILE``)::
+``forward_ratio``, ``backward_ratio`` with ``--json FILE``); ``--clock cpu`` times this thread's
+CPU time instead of the wall clock, which leaves out the time a busy machine gives other
+processes::
 
     python tools/benchmark_layer.py --host-overhead --json host.json
+    python tools/benchmark_layer.py --host-overhead --clock cpu
 """
 
 from __future__ import annotations
@@ -138,18 +141,24 @@ class PlainLayer(nn.Module):
         return x + F.dropout(mlp, p, self.training)
 
 
-def _step_times(step, layers: int) -> tuple[float, float]:
+# ``--clock``: wall time, or this thread's CPU time -- the host work itself, without the time
+# the scheduler gave other processes (on the CPU, one thread: autograd runs the backward of a
+# CPU graph in the calling thread, so both phases are this thread's work)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def _step_times(step, layers: int, clock=time.perf_counter) -> tuple[float, float]:
     """Forward and backward seconds per layer of one ``step()`` -> (output, grad)."""
-    start = time.perf_counter()
+    start = clock()
     output, grad = step()
-    middle = time.perf_counter()
+    middle = clock()
     output.backward(grad)
-    end = time.perf_counter()
+    end = clock()
     return (middle - start) / layers, (end - middle) / layers
 
 
-def _interleaved_medians(steps: dict, layers: int, count: int, warmup: int
-                         ) -> dict[str, tuple[float, float]]:
+def _interleaved_medians(steps: dict, layers: int, count: int, warmup: int,
+                         clock=time.perf_counter) -> dict[str, tuple[float, float]]:
     """Median forward and backward seconds per layer of each step, the steps taken in turn
     (one of each per round, the order rotated every round so that none always follows the
     same one), so that a change of machine load or cache state hits them alike."""
@@ -157,7 +166,7 @@ def _interleaved_medians(steps: dict, layers: int, count: int, warmup: int
     names = list(steps)
     for i in range(warmup + count):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            measured = _step_times(steps[name], layers)
+            measured = _step_times(steps[name], layers, clock)
             if i >= warmup:
                 times[name].append(measured)
     medians = {}
@@ -180,13 +189,14 @@ def _our_stack(config: ModelConfig, split_backward: bool, fuse: bool):
 
 def host_overhead(layers: int, steps: int, warmup: int, hidden: int = 32, heads: int = 2,
                   seq: int = 4, batch: int = 1, dropout: float = 0.1,
-                  repeats: int = 1) -> dict[str, float]:
+                  repeats: int = 1, clock: str = "wall") -> dict[str, float]:
     """Per-layer forward/backward microseconds of our layer stack and the plain one (CPU, fp32,
     T = 1), and their ratios. ``ours`` is trained as on this device by a schedule without a
     split backward (gradient-accumulation fusion where :func:`fusion_saves_work`: not on the
     CPU); ``split`` is the path of a split-backward schedule, and of fusion on CUDA: every
     linear through our deferrable autograd function. The steps run interleaved; with
-    ``repeats`` > 1 each figure is the least of that many medians."""
+    ``repeats`` > 1 each figure is the least of that many medians. ``clock``: ``"wall"`` or
+    ``"cpu"`` (this thread's CPU time, see :data:`CLOCKS`)."""
     torch.set_num_threads(1)
     config = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                          seq_length=seq, hidden_dropout=dropout, attention_dropout=dropout)
@@ -210,8 +220,8 @@ def host_overhead(layers: int, steps: int, warmup: int, hidden: int = 32, heads:
     stacks = {"ours": stepper(ours), "split": stepper(split), "plain": lambda: (plain(x), grad)}
     result: dict[str, float] = {}
     for _ in range(repeats):
-        for name, (forward, backward) in _interleaved_medians(stacks, layers, steps,
-                                                              warmup).items():
+        for name, (forward, backward) in _interleaved_medians(stacks, layers, steps, warmup,
+                                                              CLOCKS[clock]).items():
             for phase, seconds in (("forward", forward), ("backward", backward)):
                 key = f"{name}_{phase}_us"
                 result[key] = min(result.get(key, float("inf")), 1e6 * seconds)
@@ -303,6 +313,10 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="--host-overhead: write the figures here")
     parser.add_argument("--repeats", type=int, default=5,
                         help="--host-overhead: the least of this many medians (default 5)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="--host-overhead: time by the wall clock (default) or by this "
+                             "thread's CPU time (the host work without the time other "
+                             "processes took: steadier on a busy machine)")
     args = parser.parse_args()
     if args.host_overhead:
         _print_host_overhead(args)
@@ -320,7 +334,8 @@ def main() -> None:
 
 def _print_host_overhead(args: argparse.Namespace) -> None:
     figures = host_overhead(args.num_layers, max(args.steps, 50), args.warmup,
-                            repeats=args.repeats)
+                            repeats=args.repeats, clock=args.clock)
+    print(f"clock: {args.clock}")
     print("| layer | forward us | backward us |\n|---|---|---|")
     for name, label in (("ours", "ours (as trained here)"),
                         ("split", "ours, split-backward / fused path"), ("plain", "plain eager")):

@@ -84,7 +84,7 @@ from megatron_chimera.pipeline.emulated import (
     emulated_stage_costs,
 )
 from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
-from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
+from megatron_chimera.pipeline.profiling import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
 from megatron_chimera.pipeline.trace import GapBreakdown, Timeline, TracingTransport, gap_breakdown

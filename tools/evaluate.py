@@ -21,8 +21,13 @@ import numpy as np
 from megatron_chimera.config import ConfigError
 from megatron_chimera.data.indexed_dataset import IndexedDatasetError, MMapIndexedDataset
 from megatron_chimera.errors import ToolArgumentParser
-from megatron_chimera.inference.cli import add_checkpoint_args, load_gpt, run_cli, write_json
 from megatron_chimera.inference.evaluation import lambada_accuracy, lambada_example, perplexity
+from megatron_chimera.inference.tool_support import (
+    add_checkpoint_args,
+    load_gpt,
+    run_cli,
+    write_json,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Generate docs/FLAGS.md from the argument parser and megatron_chimera/training/flag_catalog.py.
+"""Generate docs/FLAGS.md from the argument parser (the flags declared on the configuration fields)
+and megatron_chimera/training/flag_catalog.py.
 
     python tools/gen_flags_doc.py            # rewrite docs/FLAGS.md
     python tools/gen_flags_doc.py --check    # exit 1 when docs/FLAGS.md is not current
@@ -24,19 +25,27 @@ sys.path.insert(0, str(ROOT))
 from megatron_chimera.config import TrainConfig  # noqa: E402
 from megatron_chimera.errors import ToolArgumentParser, run_tool  # noqa: E402
 from megatron_chimera.training import flag_catalog  # noqa: E402
+from megatron_chimera.training.argument_parser import field_flags  # noqa: E402
 from megatron_chimera.training.arguments import build_parser  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "FLAGS.md"
 
 
 def config_fields(dest: str) -> list[str]:
-    """``section.field`` of every TrainConfig section holding a field named ``dest``."""
+    """``section.field`` of every TrainConfig section holding a field named ``dest`` (a nested
+    record's fields as ``section.record.field``)."""
     hints = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
     found = []
     for section in dataclasses.fields(TrainConfig):
         cls = _section_class(section.name, hints)
-        if cls is not None and dest in {f.name for f in dataclasses.fields(cls)}:
-            found.append(f"{section.name}.{dest}")
+        if cls is None:
+            continue
+        for f in dataclasses.fields(cls):
+            if f.name == dest:
+                found.append(f"{section.name}.{dest}")
+            elif dataclasses.is_dataclass(f.default) and dest in {
+                    g.name for g in dataclasses.fields(f.default)}:
+                found.append(f"{section.name}.{f.name}.{dest}")
     return found
 
 
@@ -46,6 +55,12 @@ def _section_class(name: str, hints: dict[str, object]):
     type_name = hints[name] if isinstance(hints[name], str) else hints[name].__name__
     cls = getattr(config, type_name, None)
     return cls if dataclasses.is_dataclass(cls) else None
+
+
+def family_of(dest: str) -> str:
+    """The model family column: ``gpt2`` or ``bert`` for a flag only that family reads."""
+    families = {f.name: spec.family for _, f, spec in field_flags() if spec.family}
+    return families.get(dest, "both")
 
 
 def flag_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -111,7 +126,7 @@ def render() -> str:
         lines += [f"### {group.title}", "",
                   "| flag | default | sets | model | meaning |", "|---|---|---|---|---|"]
         for action in group_actions:
-            family = flag_catalog.FAMILY.get(action.dest, "both").upper().replace("BOTH", "both")
+            family = family_of(action.dest).upper().replace("BOTH", "both")
             meaning = (action.help or "").replace("|", "\\|")
             lines.append(f"| {_usage(action)} | {_default(action)} | {_sets(action)} | "
                          f"{family} | {meaning} |")

@@ -20,8 +20,8 @@ import torch
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError
 from megatron_chimera.errors import ToolArgumentParser
-from megatron_chimera.inference.cli import add_checkpoint_args, load_gpt, run_cli
 from megatron_chimera.inference.generation import SamplingParams, generate
+from megatron_chimera.inference.tool_support import add_checkpoint_args, load_gpt, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:

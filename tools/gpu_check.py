@@ -46,9 +46,11 @@ script's step list):
     the memory model's per-layer estimate against the allocator (``max_memory_allocated``), and
     the training log's predicted vs measured totals (from ``training``).
 ``hardware``
-    a GEMM-efficiency sweep (tokens x hidden 4096) and the HBM bandwidth (a device copy), written
-    as ``hardware_profile.json``: a :class:`~megatron_chimera.tuning.hardware.HardwareProfile`
-    that ``--hardware FILE`` loads (the links are the preset's: one GPU measures no network).
+    a GEMM-efficiency sweep (tokens x hidden 4096), the HBM bandwidth (a device copy) and the
+    gap per kernel, written as ``hardware_profile.json``: a
+    :class:`~megatron_chimera.tuning.hardware.HardwareProfile` that ``--hardware FILE`` loads
+    (the preset's data-sheet peaks with the measured fractions of them; the links are the
+    preset's: one GPU measures no network).
 
 ``--device cpu`` (``bash tools/gpu_check.sh --device cpu``) runs the CPU-runnable parts at tiny
 shapes in fp32 -- the dry run that shows the script works before a lease is spent.
@@ -632,16 +634,38 @@ def copy_bandwidth_gbps(device: torch.device, nbytes: int, iters: int) -> float:
     return 2 * nbytes / best / 1e9
 
 
-def fit_half_tokens(points: list[tuple[int, float]], peak: float) -> float:
-    """``m_half`` of ``rate(m) = peak x m / (m + m_half)`` fitted to the sweep (median of the
-    per-point solutions ``m x (peak / rate - 1)`` where the rate is under the peak)."""
-    solutions = sorted(m * (peak / rate - 1) for m, rate in points if rate < peak)
-    return float(solutions[len(solutions) // 2]) if solutions else 0.0
+def kernel_gap_s(device: torch.device, launches: int) -> float:
+    """Seconds per kernel of ``launches`` back-to-back tiny kernels (an upper bound on the device
+    gap between two kernels: eager launches, so the host's launch rate may set it)."""
+    x = torch.zeros(16, device=device)
+    for _ in range(10):
+        x.add_(1)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(launches):
+        x.add_(1)
+    synchronize(device)
+    return (time.perf_counter() - start) / launches
+
+
+def preset_for(device_name: str):
+    """The published preset of this device (``tuning/hardware.py``), or None."""
+    from megatron_chimera.tuning.hardware import PRESETS
+
+    name = device_name.lower()
+    for key in ("h200", "h100", "a100"):
+        if key in name and "pcie" not in name and "nvl" not in name:
+            return PRESETS[key]
+    return None
 
 
 @step("hardware", "GEMM-efficiency sweep and HBM bandwidth -> hardware_profile.json")
 def check_hardware(ctx: Context) -> dict:
-    """The sweep, the bandwidth, and a profile ``--hardware`` loads."""
+    """The sweep, the bandwidth, and a profile ``--hardware`` loads: the data-sheet peaks and
+    HBM bandwidth of the device's preset, with the measured fractions of them (``efficiency``:
+    the best GEMM of the sweep over the bf16 peak; ``memory_efficiency``: the device copy over
+    the HBM bandwidth), the SM count and the measured gap per kernel. For a device without a
+    preset (and on the CPU) the measured figures are the peaks (fractions 1)."""
     from megatron_chimera.tuning.hardware import PRESETS, load_hardware
 
     half = torch.bfloat16 if ctx.gpu else torch.float32
@@ -653,48 +677,52 @@ def check_hardware(ctx: Context) -> dict:
         up = gemm_tflops(ctx.device, half, m, hidden, 4 * hidden, iters)
         down = gemm_tflops(ctx.device, half, m, 4 * hidden, hidden, iters)
         sweep.append((m, (up + down) / 2))
-    peak_half = max(rate for _, rate in sweep)
+    best = max(rate for _, rate in sweep)
     if ctx.gpu:
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
-        peak_fp32 = gemm_tflops(ctx.device, torch.float32, 8192, 8192, 8192, 5)
+        fp32 = gemm_tflops(ctx.device, torch.float32, 8192, 8192, 8192, 5)
         torch.backends.cuda.matmul.allow_tf32 = tf32
+        props = torch.cuda.get_device_properties(ctx.device)
+        name, memory_gb, per_node, sms = (props.name, props.total_memory / 1e9,
+                                          torch.cuda.device_count(), props.multi_processor_count)
     else:
-        peak_fp32 = peak_half
+        fp32 = best
+        name, memory_gb, per_node, sms = "cpu-dry-run", 1.0, 1, 0
     bandwidth = copy_bandwidth_gbps(ctx.device, (2 << 30) if ctx.gpu else (64 << 20),
                                     10 if ctx.gpu else 3)
-    layer = read_results(ctx.out).get("layer_mfu", {})
-    big = [r for r in layer.get("rows", []) if "tflops" in r]
-    efficiency = (max(r["tflops"] for r in big) / peak_half) if big else 0.5
-    preset = PRESETS["h100"]
-    if ctx.gpu:
-        props = torch.cuda.get_device_properties(ctx.device)
-        name, memory_gb, per_node = props.name, props.total_memory / 1e9, \
-            torch.cuda.device_count()
-    else:
-        name, memory_gb, per_node = "cpu-dry-run", 1.0, 1
+    gap = kernel_gap_s(ctx.device, 2000 if ctx.gpu else 200)
+    preset = preset_for(name) if ctx.gpu else None
+    links = preset or PRESETS["h100"]
+    peak_half = preset.peak_tflops_half if preset else best
+    hbm = preset.hbm_bandwidth_gbps if preset and preset.hbm_bandwidth_gbps else bandwidth
     profile = {
-        "name": name, "peak_tflops_fp32": round(peak_fp32, 2),
-        "peak_tflops_half": round(peak_half, 2), "efficiency": round(min(efficiency, 1.0), 4),
+        "name": name.replace(" ", "-").lower() + "-measured" if ctx.gpu else name,
+        "peak_tflops_fp32": preset.peak_tflops_fp32 if preset else round(fp32, 2),
+        "peak_tflops_half": peak_half, "efficiency": round(min(best / peak_half, 1.0), 4),
         "memory_gb": round(memory_gb, 2), "gpus_per_node": per_node,
-        "intra_node": {"alpha_s": preset.intra_node.alpha_s,
-                       "bandwidth_gbps": preset.intra_node.bandwidth_gbps},
-        "inter_node": {"alpha_s": preset.inter_node.alpha_s,
-                       "bandwidth_gbps": preset.inter_node.bandwidth_gbps},
-        "half_efficiency_tokens": round(fit_half_tokens(sweep, peak_half), 1),
-        "memory_bandwidth_gbps": round(bandwidth, 1),
+        "intra_node": {"alpha_s": links.intra_node.alpha_s,
+                       "bandwidth_gbps": links.intra_node.bandwidth_gbps},
+        "inter_node": {"alpha_s": links.inter_node.alpha_s,
+                       "bandwidth_gbps": links.inter_node.bandwidth_gbps},
+        "hbm_bandwidth_gbps": round(hbm, 1),
+        "memory_efficiency": round(min(bandwidth / hbm, 1.0), 4),
+        "num_sms": sms, "kernel_overhead_s": round(gap, 9),
     }
     path = ctx.out / "hardware_profile.json"
     path.write_text(json.dumps(profile, indent=2) + "\n")
     loaded = load_hardware(str(path))  # the performance model reads it back
-    return {"status": "INFO", "profile": profile,
-            "sweep": [{"tokens": m, "tflops": round(r, 2)} for m, r in sweep],
-            "summary": f"{'bf16' if ctx.gpu else 'fp32'} GEMM peak {peak_half:.1f} TFLOP/s "
-                       f"(half rate at {profile['half_efficiency_tokens']:.0f} tokens), fp32 "
-                       f"{peak_fp32:.1f}; copy bandwidth {bandwidth:.0f} GB/s; layer efficiency "
-                       f"{loaded.efficiency:.2f} of the GEMM peak"
-                       f"{'' if big else ' (no layer_mfu figure: default 0.5)'}; "
-                       f"hardware_profile.json (links: the h100 preset's)"}
+    layer = read_results(ctx.out).get("layer_mfu", {})
+    layer_best = max((r["tflops"] for r in layer.get("rows", []) if "tflops" in r), default=None)
+    return {"status": "INFO", "profile": profile, "fp32_tflops_measured": round(fp32, 2),
+            "copy_bandwidth_gbps": round(bandwidth, 1),
+            "sweep": [{"tokens": m, "tflops": round(r, 3)} for m, r in sweep],
+            "summary": f"{'bf16' if ctx.gpu else 'fp32'} GEMM best {best:.3g} TFLOP/s "
+                       f"({loaded.efficiency:.0%} of {peak_half:.4g}; smallest sweep point "
+                       f"{sweep[0][1]:.3g}), fp32 {fp32:.3g}; copy {bandwidth:.0f} GB/s "
+                       f"({loaded.memory_efficiency:.0%} of {hbm:.0f}); {1e6 * gap:.1f} us per "
+                       f"kernel; best layer {layer_best} TFLOP/s; hardware_profile.json (links: "
+                       f"the {links.name} preset's)"}
 
 
 # ------------------------------------------------------------------------------ running

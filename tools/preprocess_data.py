@@ -32,6 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
+from megatron_chimera.config import TOKENIZER_TYPES  # noqa: E402
 from megatron_chimera.data.indexed_dataset import (
     IndexedDatasetBuilder,
     data_file_path,
@@ -40,7 +41,7 @@ from megatron_chimera.data.indexed_dataset import (
 )
 from megatron_chimera.data.sentence_splitter import split_sentences
 from megatron_chimera.data.text_files import read_lines
-from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_chimera.data.tokenizers import build_tokenizer
 from megatron_chimera.errors import InputFileError, ToolArgumentParser, run_tool
 
 CHUNK_LINES = 64  # lines per task sent to a worker

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Predicted vs measured iteration times of ``tools/benchmark_schedules.py`` (emulated compute).
+"""Predicted vs measured iteration times of ``tools/benchmark_schedules.py`` (emulated compute),
+or (``--published``) predicted vs published throughput of real clusters.
 
-Example::
+Examples::
 
     python tools/validate_perf_model.py bench.json --forward-ms 20 --backward-ms 40 \\
         --weight-ms 20 --measure-p2p
+    python tools/validate_perf_model.py --published [--hardware a100] [--json out.json]
 """
 
 from __future__ import annotations
@@ -12,25 +14,78 @@ from __future__ import annotations
 import json
 
 from megatron_chimera.errors import ToolArgumentParser, run_tool
-from megatron_chimera.tuning.hardware import LinkProfile
+from megatron_chimera.tuning.hardware import LinkProfile, load_hardware
 from megatron_chimera.tuning.validation import EmulatedCompute, compare, format_comparison
 
 
+def published(hardware_name: str, json_path: str | None) -> int:
+    """Print (and optionally write) the published-table comparisons: Table 1 (the issue's
+    target) and Table 2's PTD-P rows (out of sample)."""
+    from megatron_chimera.tuning.published import (
+        MEGATRON_SOURCE,
+        MEGATRON_TABLE1,
+        MEGATRON_TABLE2,
+        MEGATRON_TABLE2_SOURCE,
+        format_published,
+        predict_run,
+        summarize,
+    )
+
+    hardware = load_hardware(hardware_name)
+    tables = {}
+    for key, source, runs in (("table1", MEGATRON_SOURCE, MEGATRON_TABLE1),
+                              ("table2", MEGATRON_TABLE2_SOURCE, MEGATRON_TABLE2)):
+        rows = [predict_run(run, hardware) for run in runs]
+        if key != "table1":
+            print()
+        print(format_published(rows, f"{source}; model: --hardware {hardware.name}"))
+        summary = summarize(rows)
+        tables[key] = {
+            "source": source,
+            "rows": [{"params": r.run.params, "gpus": r.run.gpus, "layout": r.layout.describe(),
+                      "iteration_s": r.iteration_s, "predicted_tflops": r.predicted_tflops,
+                      "published_tflops": r.run.tflops, "ratio": r.ratio} for r in rows],
+            "mean_error": summary.mean_error, "worst": summary.worst.run.params,
+            "spearman": summary.spearman}
+    if json_path:
+        records = {"hardware": hardware.name, **tables["table1"],
+                   "out_of_sample": tables["table2"]}
+        with open(json_path, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Compare a benchmark JSON with the model's predictions."""
+    """Compare a benchmark JSON with the model's predictions, or the published tables."""
     p = ToolArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("bench_json")
-    p.add_argument("--forward-ms", type=float, required=True)
-    p.add_argument("--backward-ms", type=float, required=True)
+    p.add_argument("bench_json", nargs="?", default=None)
+    p.add_argument("--published", action="store_true",
+                   help="compare with Narayanan et al. SC'21 Table 1 and, out of sample, its "
+                        "Table 2's PTD-P rows (megatron_chimera/tuning/published.py) instead "
+                        "of a benchmark JSON")
+    p.add_argument("--hardware", default="a100",
+                   help="with --published: the profile to predict with (preset or JSON file)")
+    p.add_argument("--json", default=None, help="with --published: write the rows here")
+    p.add_argument("--forward-ms", type=float)
+    p.add_argument("--backward-ms", type=float)
     p.add_argument("--weight-ms", type=float, default=0.0)
-    link_group = p.add_mutually_exclusive_group(required=True)
-    link_group.add_argument("--measure-p2p", action="store_true")
-    link_group.add_argument("--p2p-alpha-us", type=float)
+    p.add_argument("--measure-p2p", action="store_true")
+    p.add_argument("--p2p-alpha-us", type=float)
     p.add_argument("--action-overhead-us", type=float, default=0.0,
                    help="host time before each compute action (benchmark_schedules.py --trace "
                         "prints the run's: host costs ... ms per action; pass its ms per message "
                         "as --p2p-alpha-us)")
     args = p.parse_args(argv)
+    if args.published:
+        if args.bench_json is not None:
+            p.error("--published takes no benchmark JSON")
+        return published(args.hardware, args.json)
+    if args.bench_json is None:
+        p.error("give a benchmark JSON (tools/benchmark_schedules.py --json) or --published")
+    if args.forward_ms is None or args.backward_ms is None:
+        p.error("--forward-ms and --backward-ms are required with a benchmark JSON")
+    if args.measure_p2p == (args.p2p_alpha_us is not None):
+        p.error("give exactly one of --measure-p2p and --p2p-alpha-us")
     if args.action_overhead_us < 0:
         p.error(f"--action-overhead-us must be >= 0, got {args.action_overhead_us}")
     if args.measure_p2p:

@@ -39,7 +39,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
-from megatron_chimera.checkpoint.dcp_io import failure_message, save_chunks
+from megatron_chimera.checkpoint.dcp_io import (
+    failure_message,
+    save_chunks,
+    write_errors_reported,
+)
 from megatron_chimera.checkpoint.host_memory import PeakHostMemory
 from megatron_chimera.checkpoint.sharded import collect_save_chunks, load_sharded_tensors
 from megatron_chimera.checkpoint.stages import (  # noqa: F401 - re-exported
@@ -89,6 +93,25 @@ class CheckpointContents:
 
 
 @dataclass(frozen=True)
+class CheckpointTarget:
+    """What one rank restores a checkpoint into (the mirror of :class:`CheckpointContents`): its
+    stage slices out of ``num_stages``, the optimizer (its state loaded when ``load_optim``; None:
+    weights only) and the LR scheduler (None: not restored), the RNG state when ``load_rng``.
+    ``finetune`` loads weights only and restarts at iteration 0 with no consumed samples
+    (Megatron's ``--finetune``); ``check_args(saved args, checkpoint dir)`` may refuse the
+    checkpoint before any tensor is read."""
+
+    stages: list[StageSlice]
+    num_stages: int
+    optimizer: Any | None = None
+    scheduler: Any | None = None
+    load_optim: bool = True
+    load_rng: bool = True
+    finetune: bool = False
+    check_args: Callable[[dict[str, Any], str], None] | None = None
+
+
+@dataclass(frozen=True)
 class LoadedCheckpoint:
     """What ``load_checkpoint`` restored besides the module and optimizer tensors."""
 
@@ -122,8 +145,13 @@ def read_tracker(root: str) -> int | None:
 
 
 def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` made atomic (temp file, fsync, rename)."""
-    atomic_write(path, lambda handle: torch.save(obj, handle))
+    """``torch.save`` made atomic (temp file, fsync, rename); a failed write names ``path``."""
+    try:
+        atomic_write(path, lambda handle: torch.save(obj, handle))
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, path) from None
 
 
 def safe_torch_load(path: str) -> Any:
@@ -193,11 +221,12 @@ def save_checkpoint(root: str, contents: CheckpointContents, *, rank: int, world
     if optimizer is not None:
         optimizer.finish_param_sync()  # the weights saved are the updated ones
     optimizer = optimizer if contents.save_optim else None
-    _save_stage_files(staging, stages, optimizer)
-    atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
-    if rank == 0:
-        atomic_torch_save(_common_payload(contents, optimizer, world_size, FORMAT_TORCH),
-                          os.path.join(staging, COMMON_FILENAME))
+    with write_errors_reported(staging, iteration, remove=False):
+        _save_stage_files(staging, stages, optimizer)
+        atomic_torch_save(get_rng_state(), os.path.join(staging, "rng", f"rank_{rank:05d}.pt"))
+        if rank == 0:
+            atomic_torch_save(_common_payload(contents, optimizer, world_size, FORMAT_TORCH),
+                              os.path.join(staging, COMMON_FILENAME))
     barrier()
     if rank == 0:
         _publish(root, staging, final, iteration)
@@ -241,10 +270,13 @@ class SaveJob:
         """Collectively write and publish (``barrier`` and DCP's collectives on
         ``process_group``; None: the default group)."""
         staging = _make_staging(self.root, self.final, self.rank, barrier)
-        save_chunks(staging, self.chunks, process_group)
-        atomic_torch_save(self.rng, os.path.join(staging, "rng", f"rank_{self.rank:05d}.pt"))
-        if self.common is not None:
-            atomic_torch_save(self.common, os.path.join(staging, COMMON_FILENAME))
+        with write_errors_reported(staging, self.iteration, remove=self.rank == 0):
+            save_chunks(staging, self.chunks, process_group)
+        with write_errors_reported(staging, self.iteration, remove=False):
+            atomic_torch_save(self.rng, os.path.join(staging, "rng",
+                                                     f"rank_{self.rank:05d}.pt"))
+            if self.common is not None:
+                atomic_torch_save(self.common, os.path.join(staging, COMMON_FILENAME))
         barrier()
         if self.rank == 0:
             _publish(self.root, staging, self.final, self.iteration)
@@ -372,27 +404,16 @@ def _overlapping_files(common: dict[str, Any], stage: StageSlice, num_stages: in
     return files
 
 
-def load_checkpoint(
-    root: str,
-    stages: list[StageSlice],
-    num_stages: int,
-    optimizer: Any | None,
-    opt_param_scheduler: Any | None,
-    *,
-    rank: int,
-    world_size: int,
-    load_optim: bool = True,
-    load_rng: bool = True,
-    finetune: bool = False,
-    check_args: Callable[[dict[str, Any], str], None] | None = None,
-) -> LoadedCheckpoint | None:
-    """Restore this rank's stage modules (and optimizer, scheduler, RNG) from ``root``.
+def load_checkpoint(root: str, target: CheckpointTarget, *, rank: int,
+                    world_size: int) -> LoadedCheckpoint | None:
+    """Restore this rank's stage modules (and optimizer, scheduler, RNG) from ``root`` into
+    ``target`` (the mirror of :func:`save_checkpoint`'s contents).
 
-    Returns None when ``root`` has no tracker file. ``finetune`` loads weights only and restarts
-    at iteration 0 with no consumed samples (Megatron's ``--finetune``); a release checkpoint
-    (``save_checkpoint(release=True)``) is always loaded that way. ``check_args(saved args,
-    checkpoint dir)`` may refuse the checkpoint before any tensor is read.
+    Returns None when ``root`` has no tracker file. A release checkpoint
+    (``save_checkpoint(release=True)``) is always loaded as ``finetune`` does.
     """
+    stages, num_stages, optimizer = target.stages, target.num_stages, target.optimizer
+    check_args = target.check_args
     iteration = read_tracker(root)
     if iteration is None:
         return None
@@ -402,8 +423,8 @@ def load_checkpoint(
         raise CheckpointError(f"{path}/{COMMON_FILENAME}: unsupported checkpoint version")
     if check_args is not None:
         check_args(common.get("args") or {}, path)
-    finetune = finetune or bool(common.get("release", False))
-    load_optim = load_optim and not finetune and optimizer is not None
+    finetune = target.finetune or bool(common.get("release", False))
+    load_optim = target.load_optim and not finetune and optimizer is not None
     if common.get("format", FORMAT_TORCH) == FORMAT_TORCH_DIST:
         bytes_read = _load_sharded(path, common, stages, optimizer if load_optim else None)
     else:
@@ -412,9 +433,9 @@ def load_checkpoint(
         optimizer.load_collected_state(common.get("optimizer") or {})
     if finetune:
         return LoadedCheckpoint(0, 0, 0, path, bytes_read)
-    if opt_param_scheduler is not None and common.get("opt_param_scheduler") is not None:
-        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
-    if load_rng:
+    if target.scheduler is not None and common.get("opt_param_scheduler") is not None:
+        target.scheduler.load_state_dict(common["opt_param_scheduler"])
+    if target.load_rng:
         _load_rng(path, rank, world_size, common)
     return LoadedCheckpoint(int(common["iteration"]), int(common["consumed_train_samples"]),
                             int(common["consumed_valid_samples"]), path, bytes_read)

@@ -8,12 +8,16 @@ reads only the saved chunks that overlap them.
 
 Our planners describe the chunks directly (DCP's default planner only knows whole tensors,
 DTensors and ShardedTensors); the save planner caches DCP's global plan, so a save whose chunks
-are those of the previous one sends no plan to the coordinator. Each rank writes its chunks as
-raw row-major bytes into one file (:class:`RawChunkWriter`; marked ``raw`` in the metadata): no
-per-chunk ``torch.save`` archive to build on save or to parse on load. Loading never executes a
-pickle: chunks are read as bytes (``torch.save`` archives of older checkpoints through their zip
-directory only) and the metadata file with an unpickler that admits only DCP's metadata
-classes, torch sizes and dtypes.
+are those of the previous one sends no plan to the coordinator. Each rank writes its chunks into
+one file, each a ``torch.save`` archive that stock readers load (``dcp.load``,
+``dcp_to_torch_save``; :class:`ArchiveChunkWriter`), built around the values without
+``torch.save``; the CRC-32 of every block of a chunk's values goes into its storage info in the
+metadata (:data:`CHECKSUMS`) and a load checks every block it reads (:class:`ChecksumError`).
+
+Loading never executes a pickle: chunks are read as bytes (a ``torch.save`` archive through its
+zip directory only; the ``raw`` chunks of the format before, row-major bytes, as they are) and
+the metadata file with an unpickler that admits only DCP's metadata classes, torch sizes and
+dtypes. Chunks saved without checksums (both earlier formats) load unchecked.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import io
 import itertools
 import os
 import pickle
+import re
+import shutil
 import struct
 import warnings
 import zipfile
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,10 +69,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from megatron_chimera.checkpoint.chunks import Rect
+from megatron_chimera.checkpoint.torch_archive import BlockChecksums, archive_parts
+from megatron_chimera.errors import UserError
 
 ChunkKey = tuple[str, tuple[int, ...]]  # (fqn, offsets)
 METADATA_FILENAME = ".metadata"
-RAW = "raw"  # a chunk stored as its row-major bytes (its storage info's transform descriptor)
+RAW = "raw"  # the #28 format's chunk: row-major bytes (its storage info's transform descriptor)
+# the attribute of a chunk's storage info holding its block checksums (a plain value: stock
+# readers unpickle the metadata without us and ignore it)
+CHECKSUMS = "chimera_crc32"
 
 
 @dataclasses.dataclass
@@ -121,32 +133,49 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return self._by_index[dataclasses.replace(index, index=None)]
 
 
-class RawChunkWriter(FileSystemWriter):
-    """DCP's file writer storing each chunk as its raw row-major bytes, one file per rank
-    (fsynced), instead of a ``torch.save`` archive per chunk."""
+class ArchiveChunkWriter(FileSystemWriter):
+    """DCP's file writer storing each chunk as a ``torch.save`` archive (what stock DCP readers
+    read) built around the chunk's bytes (:func:`.torch_archive.archive_parts`: the values are
+    written straight from the tensor), one file per rank (fsynced), with the CRC-32 of its
+    blocks in the chunk's storage info (:data:`CHECKSUMS`). A failed write names the file."""
 
     def __init__(self, path: str) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
         name = f"{plan.storage_data.prefix}0.distcp"
+        path = os.path.join(str(self.path), name)
         results = []
-        with open(os.path.join(str(self.path), name), "wb") as handle:
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    raise ValueError(f"{item.index.fqn}: only tensors are written as raw chunks")
-                tensor = planner.resolve_data(item).detach()
-                data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-                offset = handle.tell()
-                handle.write(memoryview(data))
-                results.append(WriteResult(index=item.index, size_in_bytes=data.size,
-                                           storage_data=_StorageInfo(name, offset, data.size,
-                                                                     [RAW])))
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            with open(path, "wb") as handle:
+                for item in plan.items:
+                    results.append(self._write_chunk(handle, name, item, planner))
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, path) from None
         future: Future = Future()
         future.set_result(results)
         return future
+
+    write_checksums = True  # a CRC-32 per block in the storage info (off only to measure them)
+
+    @classmethod
+    def _write_chunk(cls, handle, name: str, item: WriteItem, planner: SavePlanner) -> WriteResult:
+        if item.type == WriteItemType.BYTE_IO:
+            raise ValueError(f"{item.index.fqn}: only tensors are written as chunks")
+        tensor = planner.resolve_data(item).detach().contiguous()
+        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        head, tail = archive_parts(tensor.dtype, tuple(tensor.shape), len(data))
+        offset = handle.tell()
+        handle.write(head)
+        handle.write(data)
+        handle.write(tail)
+        length = len(head) + len(data) + len(tail)
+        info = _StorageInfo(name, offset, length)
+        if cls.write_checksums:
+            setattr(info, CHECKSUMS, BlockChecksums.of(data).encode())
+        return WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
@@ -244,7 +273,13 @@ class SafeReader(FileSystemReader):
                     try:
                         if info.offset not in starts:
                             starts[info.offset] = self._data_start(handle, info)
-                        self._read_box(handle, starts[info.offset], item, target)
+                        self._read_box(handle, starts[info.offset], item, target,
+                                       getattr(info, CHECKSUMS, None))
+                    except ChecksumError as exc:
+                        raise ChecksumError(
+                            f"{path}: {item.storage_index.fqn} (chunk at "
+                            f"{tuple(item.storage_index.offset)}) of iteration "
+                            f"{_iteration_of(str(self.path))} is corrupt: {exc}") from None
                     except (ValueError, KeyError, zipfile.BadZipFile, struct.error) as exc:
                         raise ValueError(f"{path}: chunk of {item.storage_index.fqn} at "
                                          f"{tuple(item.storage_index.offset)} is corrupt or "
@@ -272,27 +307,112 @@ class SafeReader(FileSystemReader):
         self.bytes_read += view.count
         return info.offset + member.header_offset + 30 + name_length + extra_length
 
-    def _read_box(self, handle, start: int, item: Any, target: torch.Tensor) -> None:
+    def _read_box(self, handle, start: int, item: Any, target: torch.Tensor,
+                  checksums: Any) -> None:
         """Read the requested box of a saved chunk, as byte runs from ``start``, into ``target``:
         straight into its memory when it is contiguous and of the saved dtype (no copy of the
         tensor; a tool reading tensor by tensor holds about one tensor), else through one
-        buffer of the box."""
+        buffer of the box. With ``checksums`` (the chunk's encoded :class:`BlockChecksums`) the
+        blocks holding the runs are read and checked instead (through a bounded buffer)."""
         shape, dtype = self._saved_chunk(item.storage_index)
         box_offsets, box_lengths = tuple(item.storage_offsets), tuple(item.lengths)
         direct = target.is_contiguous() and target.dtype == dtype
         dest = target if direct else torch.empty(box_lengths, dtype=dtype)
         itemsize = dest.element_size()
         memory = memoryview(dest.reshape(-1).view(torch.uint8).numpy())
-        at = 0
-        for offset, count in _byte_runs(shape, box_offsets, box_lengths):
-            handle.seek(start + offset * itemsize)
-            size = count * itemsize
-            if handle.readinto(memory[at:at + size]) != size:
-                raise ValueError("the file ends early")
-            at += size
-        self.bytes_read += at
+        runs = [(offset * itemsize, count * itemsize)
+                for offset, count in _byte_runs(shape, box_offsets, box_lengths)]
+        if checksums is not None:
+            nbytes = itemsize
+            for size in shape:
+                nbytes *= size
+            self.bytes_read += _read_checked(handle, start, nbytes, runs, memory,
+                                             BlockChecksums.decode(checksums))
+        else:
+            at = 0
+            for offset, size in runs:
+                handle.seek(start + offset)
+                if handle.readinto(memory[at:at + size]) != size:
+                    raise ValueError("the file ends early")
+                at += size
+            self.bytes_read += at
         if not direct:
             target.copy_(dest)
+
+
+class ChecksumError(ValueError):
+    """Bytes read from a checkpoint chunk do not match the checksum recorded when it was saved."""
+
+
+_PIECE = 1 << 20  # bytes a checked read holds at a time (or one block, if larger)
+
+
+def _read_checked(handle, start: int, nbytes: int, runs: list[tuple[int, int]],
+                  memory: memoryview, checksums: BlockChecksums) -> int:
+    """Copy the byte ``runs`` (offset, size; ascending) of a chunk of ``nbytes`` bytes at file
+    offset ``start`` into ``memory`` (one after the other), reading the whole blocks that hold
+    them, a bounded piece at a time, and checking each block's CRC; returns the bytes read."""
+    block, crcs = checksums.block, checksums.crcs
+    if len(crcs) != -(-nbytes // block):
+        raise ValueError(f"{len(crcs)} checksums recorded for {nbytes} bytes in blocks of {block}")
+    if all(offset % block == 0 and ((offset + size) % block == 0 or offset + size == nbytes)
+           for offset, size in runs):  # whole blocks (a whole chunk): read in place, checked
+        dest_at = 0
+        for offset, size in runs:
+            handle.seek(start + offset)
+            if handle.readinto(memory[dest_at:dest_at + size]) != size:
+                raise ValueError("the file ends early")
+            for at in range(0, size, block):
+                _check_block(memory[dest_at + at:dest_at + min(size, at + block)],
+                             crcs, (offset + at) // block, block, nbytes)
+            dest_at += size
+        return dest_at
+    spans: list[list[int]] = []  # [first block, end block) holding the runs, merged
+    for offset, size in runs:
+        first, end = offset // block, -(-(offset + size) // block)
+        if spans and first <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([first, end])
+    piece_blocks = max(1, _PIECE // block)
+    buffer = bytearray(min(nbytes, piece_blocks * block))
+    view = memoryview(buffer)
+    run, dest_at, total = 0, 0, 0
+    for first, end in spans:
+        for piece in range(first, end, piece_blocks):
+            lo, hi = piece * block, min(nbytes, min(end, piece + piece_blocks) * block)
+            handle.seek(start + lo)
+            if handle.readinto(view[:hi - lo]) != hi - lo:
+                raise ValueError("the file ends early")
+            total += hi - lo
+            for b in range(piece, -(-hi // block)):
+                _check_block(view[b * block - lo:min(hi, (b + 1) * block) - lo], crcs, b, block,
+                             nbytes)
+            while run < len(runs) and runs[run][0] < hi:
+                offset, size = runs[run]
+                a, z = max(offset, lo), min(offset + size, hi)
+                memory[dest_at + a - offset:dest_at + z - offset] = view[a - lo:z - lo]
+                if offset + size > hi:
+                    break
+                dest_at += size
+                run += 1
+    return total
+
+
+def _check_block(data: memoryview, crcs: tuple[int, ...], index: int, block: int,
+                 nbytes: int) -> None:
+    """ChecksumError when block ``index`` (``data``) does not have its saved CRC."""
+    got = zlib.crc32(data)
+    if got != crcs[index]:
+        raise ChecksumError(f"bytes {index * block}-{min(nbytes, (index + 1) * block) - 1} of "
+                            f"its values fail their CRC-32 check ({got:08x}, saved "
+                            f"{crcs[index]:08x})")
+
+
+def _iteration_of(path: str) -> str:
+    """The iteration of a checkpoint directory ``.../iter_0000002`` ("?" for another name)."""
+    match = re.search(r"iter_(\d+)", os.path.basename(os.path.normpath(path)))
+    return str(int(match.group(1))) if match else "?"
 
 
 class _CountingView(io.RawIOBase):
@@ -362,7 +482,7 @@ def save_chunks(path: str, chunks: dict[ChunkKey, SaveChunk], process_group=None
     """Collectively write every rank's ``chunks`` under directory ``path`` (DCP files plus
     ``.metadata``; every file fsynced)."""
     with _single_process_quiet():
-        dcp.save({}, storage_writer=RawChunkWriter(path),
+        dcp.save({}, storage_writer=ArchiveChunkWriter(path),
                  planner=ChunkSavePlanner(chunks), process_group=process_group,
                  no_dist=not dist.is_initialized())
 
@@ -406,6 +526,43 @@ def failure_message(exc: BaseException) -> str:
         return f"rank {rank}: {text[0] if text else type(inner).__name__}"
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint that could not be written (a full disk, a quota, an I/O error); the message
+    names the file and says that the previous checkpoint is kept."""
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind a failed save: ``exc`` itself or, in a CheckpointException, the first
+    failing rank's."""
+    if isinstance(exc, OSError):
+        return exc
+    for _rank, (inner, _trace) in sorted((getattr(exc, "failures", None) or {}).items(),
+                                         key=lambda item: item[0]):
+        if isinstance(inner, OSError):
+            return inner
+    return None
+
+
+@contextlib.contextmanager
+def write_errors_reported(staging: str, iteration: int, remove: bool) -> Iterator[None]:
+    """Turn a failed write into the staging directory (``No space left on device`` and other
+    OSErrors, on this rank or, through DCP, on another) into one CheckpointWriteError line
+    naming the file; ``remove``: delete the unpublished staging directory then (frees the
+    space; one rank does it)."""
+    try:
+        yield
+    except BaseException as exc:  # noqa: BLE001 - DCP wraps every rank's failure
+        error = _os_error(exc)
+        if error is None:
+            raise
+        if remove:
+            shutil.rmtree(staging, ignore_errors=True)
+        where = error.filename or staging
+        raise CheckpointWriteError(
+            f"{error.strerror or error}: {where} (the checkpoint of iteration {iteration} was "
+            f"not saved; the previous checkpoint is intact)") from None
 
 
 def load_chunks(path: str, requests: dict[ChunkKey, torch.Tensor], process_group=None,

@@ -44,6 +44,7 @@ from megatron_chimera.config import (
     TrainConfig,
     pad_vocab_size,
 )
+from megatron_chimera.model.family import FAMILIES
 from megatron_chimera.model.flags import model_flags
 
 
@@ -200,6 +201,29 @@ def read_common(root: str) -> dict[str, Any] | None:
     if not os.path.isdir(path) and os.path.isdir(path + ".old"):
         path += ".old"  # crashed while replacing a re-saved iteration (as load_checkpoint does)
     return safe_torch_load(os.path.join(path, COMMON_FILENAME))
+
+
+def checkpoint_family_error(load: str | None, family: Any) -> str | None:
+    """The line for an entry script of ``family`` (a ModelFamily) given ``--load`` of a
+    checkpoint of the other family: what it holds and which entry script trains it. None when
+    ``load`` holds no checkpoint, an unreadable one (the load names the problem) or one of
+    ``family``."""
+    if load is None or not os.path.isdir(load):
+        return None
+    try:
+        common = read_common(load)
+    except CheckpointError:
+        return None
+    saved = ((common or {}).get("args") or {}).get(FAMILY_KEY)
+    saved = LEGACY_FAMILY_NAMES.get(saved, saved)
+    if not saved or saved == family.name:
+        return None
+    other = FAMILIES.get(saved)
+    if other is None:
+        return f"--load {load} holds a model of family {saved!r}, which no entry script trains"
+    kind = "GPT-family" if other.name == "gpt2" else other.title
+    return (f"--load {load} holds a {kind} model: train it with {other.entry_point}, not "
+            f"{family.entry_point}")
 
 
 def _build(cls: type, values: dict[str, Any] | None) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -236,18 +237,40 @@ class MockBertDataset(torch.utils.data.Dataset):
                                      self.binary_head, self.word_starts, self.max_ngram)
 
 
+@dataclass(frozen=True)
+class BertTokens:
+    """The vocabulary a BERT sample is drawn in: its size and the special token ids."""
+
+    vocab_size: int
+    cls_id: int
+    sep_id: int
+    mask_id: int
+    pad_id: int
+
+
+@dataclass(frozen=True)
+class BertSampling:
+    """How a BERT training sample is made: the share of masked tokens, whole-word masking
+    (``word_starts``) and n-gram spans up to ``max_ngram`` (:mod:`.masking`), the chance of a
+    short sequence, and whether the pair's order is a target (the binary head)."""
+
+    masked_lm_prob: float = 0.15
+    word_starts: np.ndarray | None = None
+    max_ngram: int = 3
+    short_seq_prob: float = 0.1
+    binary_head: bool = True
+
+
 def build_train_valid_test_datasets(
     data_prefix: Sequence[str] | None, splits_string: str,
-    train_valid_test_num_samples: Sequence[int], seq_length: int, seed: int, vocab_size: int,
-    cls_id: int, sep_id: int, mask_id: int, pad_id: int, masked_lm_prob: float = 0.15,
-    short_seq_prob: float = 0.1, binary_head: bool = True, cache_dir: str | None = None,
-    build_cache: bool = True, word_starts: np.ndarray | None = None, max_ngram: int = 3,
-    embedding_size: int | None = None,
+    train_valid_test_num_samples: Sequence[int], seq_length: int, seed: int,
+    tokens: BertTokens, sampling: BertSampling = BertSampling(),
+    cache_dir: str | None = None, build_cache: bool = True, embedding_size: int | None = None,
     split_paths: Sequence[Sequence[str] | None] | None = None,
 ) -> tuple[torch.utils.data.Dataset | None, ...]:
-    """(train, valid, test) BERT datasets; the split is over documents, as Megatron's, or with
-    ``split_paths`` (``--train-data-path`` ...) each split is every document of its own files.
-    ``word_starts`` / ``max_ngram``: whole-word and n-gram masking (:mod:`.masking`). An empty
+    """(train, valid, test) BERT datasets of ``tokens``' vocabulary, samples made as
+    ``sampling`` says; the split is over documents, as Megatron's, or with ``split_paths``
+    (``--train-data-path`` ...) each split is every document of its own files. An empty
     dataset, or one with a token id ``>= embedding_size`` (padded vocabulary), is an error."""
     from megatron_chimera.data.blended_dataset import (
         blend_split_datasets,
@@ -257,9 +280,10 @@ def build_train_valid_test_datasets(
     def build(name: str, prefix: str, indexed: MMapIndexedDataset, documents: range,
               num_samples: int) -> BertDataset:
         return BertDataset(
-            name, prefix, indexed, documents, num_samples, seq_length, seed, vocab_size, cls_id,
-            sep_id, mask_id, pad_id, masked_lm_prob, short_seq_prob, binary_head, cache_dir,
-            build_cache, word_starts, max_ngram)
+            name, prefix, indexed, documents, num_samples, seq_length, seed, tokens.vocab_size,
+            tokens.cls_id, tokens.sep_id, tokens.mask_id, tokens.pad_id,
+            sampling.masked_lm_prob, sampling.short_seq_prob, sampling.binary_head, cache_dir,
+            build_cache, sampling.word_starts, sampling.max_ngram)
 
     def opened(prefix: str) -> MMapIndexedDataset:
         return open_checked_dataset(prefix, embedding_size, cache_dir, build_cache)

@@ -23,18 +23,8 @@ import os
 import re
 from abc import ABC, abstractmethod
 
-from megatron_chimera.config import ConfigError
+from megatron_chimera.config import TOKENIZER_TYPES, ConfigError
 from megatron_chimera.layout import pad_vocab_size
-
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "NullTokenizer",
-    "HuggingFaceTokenizer",
-)
 
 
 class MegatronTokenizer(ABC):

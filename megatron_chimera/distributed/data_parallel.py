@@ -101,7 +101,8 @@ def _fuses_weight_grads(ddp: DDPConfig, modules: dict[int, nn.Module]) -> bool:
     if dist.is_initialized() and dist.get_rank() == 0:
         logger.info("gradient-accumulation fusion: no fused kernel for %s parameters into %s "
                     "gradients on %s (it is a CUDA kernel; half precision needs Apex's "
-                    "fused_weight_gradient_mlp_cuda); the gradient buffers' hooks add the "
+                    "fused_weight_gradient_mlp_cuda or torch's addmm(out_dtype=float32)); the "
+                    "gradient buffers' hooks add the "
                     "gradients instead (same sums)", param.dtype, grad_dtype, param.device.type)
     return False
 

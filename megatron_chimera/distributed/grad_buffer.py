@@ -3,8 +3,10 @@
 Megatron's ``ParamAndGradBuffer`` for this runtime. Each parameter's gradient accumulates in
 ``param.main_grad``, a view into one flat tensor: fp32 with ``--accumulate-allreduce-grads-in-fp32``
 (always with ``--bf16``), else the parameter dtype. A post-accumulate-grad hook adds every
-backward's ``param.grad`` into ``main_grad`` and frees it, so there is no second full copy of the
-gradients and each micro-batch's gradient is summed in the buffer's precision.
+backward's ``param.grad`` into ``main_grad`` and frees it -- or, where the buffer has the
+parameter's dtype, points ``.grad`` at ``main_grad``, so that autograd accumulates the next
+micro-batches into the buffer in place -- so there is no second full copy of the gradients and
+each micro-batch's gradient is summed in the buffer's precision.
 
 Parameters are laid out in reverse registration order (the order backward finalises them) and cut
 into buckets of about ``bucket_size`` elements; each bucket is reduced by one collective. With the
@@ -208,16 +210,28 @@ class ModelGradBuffers:
         self._on_ready = callback
 
     def _accumulate(self, param: nn.Parameter) -> None:
+        """The post-accumulate-grad hook: ``param.grad`` into ``main_grad``. A parameter whose
+        buffer has its dtype keeps ``.grad`` pointing at ``main_grad`` after the first add, so
+        that autograd adds the next micro-batches' gradients into the buffer itself, in place
+        (in C++, as for a plain eager model: no Python add per parameter per micro-batch);
+        16-bit parameters with fp32 buffers drop ``.grad`` each time, and so does a weight whose
+        gradient was fused into ``main_grad`` (its ``.grad`` is the placeholder)."""
+        # (cheap in the common case: this runs for every parameter of every micro-batch)
         grad = param.grad
         if grad is None:
             return
-        if getattr(param, "grad_added_to_main_grad", False):  # gradient-accumulation fusion
+        main_grad = param.main_grad
+        if param.grad_added_to_main_grad:  # gradient-accumulation fusion
             param.grad_added_to_main_grad = False
-        elif grad.data_ptr() != param.main_grad.data_ptr():  # else autograd added in place
-            param.main_grad.add_(grad)
-        param.grad = None
-        if self._on_ready is not None:
-            self._on_ready(param)
+            param.grad = None
+        elif grad is not main_grad and grad.data_ptr() != main_grad.data_ptr():
+            # (else autograd added into the buffer in place)
+            main_grad.add_(grad)
+            # (a fused weight never gets here: its gradient arrives as the placeholder)
+            param.grad = main_grad if main_grad.dtype == grad.dtype else None
+        on_ready = self._on_ready
+        if on_ready is not None:
+            on_ready(param)
 
     def register_hooks(self) -> None:
         """Route every backward's gradient into ``main_grad`` (once per parameter)."""
@@ -230,6 +244,9 @@ class ModelGradBuffers:
             for param in params:
                 if id(param) not in seen:
                     seen.add(id(param))
+                    # (the hook reads these as plain attributes: no getattr default per call)
+                    param.grad_added_to_main_grad = getattr(param, "grad_added_to_main_grad",
+                                                            False)
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate))
 
     def remove_hooks(self) -> None:

@@ -10,7 +10,7 @@ A bucket is ready once its gradients are final: with ``overlap_grad_reduce``, as
 parameter of the bucket received its gradient in the stage's last backward on this rank (the
 executor announces that action); otherwise when that action is over and its sends are posted
 (the executor reports it before the next action). Where collectives are issued is part of the
-schedule validator's device-sync check (``schedules.sync_check``): a stage whose collective
+schedule validator's device-sync check (``schedules.device_sync_check``): a stage whose collective
 could, issued that early, make a device-wide sync wait on another rank's later work is deferred
 to the end of the iteration (the schedule's collective plan, passed to
 :meth:`~GradientSynchronizer.start_iteration`). Buckets are issued in one global order --
@@ -156,8 +156,9 @@ class GradientSynchronizer:
             self._tied = _Item(None, buffers.tied, bucket, embedding_group, scatter,
                                _sequence_parallel(buffers.tied, bucket), tensor_group)
             self._items.append(self._tied)
-        # the embedding's reduction follows every final backward of the rank (the plan's model,
-        # schedules.sync_check.gradient_collectives), not only those of the stages with a copy
+        # the embedding's reduction follows every final backward of the rank (the plan's
+        # model, schedules.device_sync_check.gradient_collectives), not only those of the
+        # stages with a copy
         self._stages = set(buffers.stages)  # (every stage of the rank, with a copy or not)
         self._final: set[int] = set()
         self._done: set[int] = set()
@@ -184,7 +185,7 @@ class GradientSynchronizer:
                         deferred: frozenset[str] = frozenset()) -> None:
         """Forget the previous iteration's progress (the buffers are zeroed by the optimizer);
         ``watcher`` hears of every collective this iteration issues. ``deferred`` (``stage s``,
-        ``embedding``: the schedule's :class:`~megatron_chimera.schedules.sync_check.
+        ``embedding``: the schedule's :class:`~megatron_chimera.schedules.device_sync_check.
         CollectivePlan`) are issued only by :meth:`finish` -- issued as soon as ready, a
         device-wide sync could wait for them while their group needs this rank's later work --
         after every other collective of the iteration, in the global order (every rank of a

@@ -22,7 +22,7 @@ import torch
 
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.hf.common import HFError, TensorSource, gelu_from_hf, require
-from megatron_chimera.hf.layouts import (
+from megatron_chimera.hf.tensor_formats import (
     pad_vocab_rows,
     qkv_from_megatron,
     qkv_to_megatron,

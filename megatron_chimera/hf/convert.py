@@ -110,7 +110,7 @@ def read_hf_config(hf_dir: str) -> tuple[ModelFamily, Any]:
         raise HFError(f"{os.path.join(hf_dir, CONFIG_FILE)}: invalid config ({exc})") from None
 
 
-def _checkpoint_args(model: ModelConfig, tokenizer: TokenizerSettings, family: ModelFamily,
+def checkpoint_args(model: ModelConfig, tokenizer: TokenizerSettings, family: ModelFamily,
                      provenance: dict[str, Any]) -> dict[str, Any]:
     """The argument record of an imported checkpoint (the same shape training saves)."""
     data = DataConfig(tokenizer_type=tokenizer.tokenizer_type, vocab_file=tokenizer.vocab_file,
@@ -183,7 +183,7 @@ def import_hf(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
                   "weights": os.path.basename(weights_file)}
     layers = (0, model_config.num_layers)
     path = save_checkpoint(save, CheckpointContents(0, [StageSlice(0, layers, model)], [layers],
-                                                    args=_checkpoint_args(model_config, tokenizer,
+                                                    args=checkpoint_args(model_config, tokenizer,
                                                     family, provenance), save_optim=False,
                                                     release=True), rank=0, world_size=1,
                            ckpt_format=ckpt_format)

@@ -19,7 +19,7 @@ import torch
 
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.hf.common import HFError, TensorSource, gelu_from_hf, require
-from megatron_chimera.hf.layouts import (
+from megatron_chimera.hf.tensor_formats import (
     conv1d_to_linear,
     fused_qkv_from_megatron,
     fused_qkv_to_megatron,

@@ -24,7 +24,7 @@ import torch
 
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.hf.common import HFError, TensorSource, require
-from megatron_chimera.hf.layouts import pad_vocab_rows, trim_vocab_rows
+from megatron_chimera.hf.tensor_formats import pad_vocab_rows, trim_vocab_rows
 from megatron_chimera.model.rotary import (
     LLAMA3_HIGH_FREQ_FACTOR,
     LLAMA3_LOW_FREQ_FACTOR,

@@ -17,6 +17,7 @@ from torch import nn
 
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointError,
+    CheckpointTarget,
     StageSlice,
     checkpoint_dir,
     load_checkpoint,
@@ -94,8 +95,8 @@ def load_model(root: str, device: str | torch.device = "cpu",
     family = detect_family(root, common)
     model = build_model(family, config)
     stage = StageSlice(0, (0, config.num_layers), model)
-    loaded = load_checkpoint(root, [stage], 1, None, None, rank=0, world_size=1,
-                             load_optim=False, load_rng=False)
+    loaded = load_checkpoint(root, CheckpointTarget([stage], 1, load_optim=False, load_rng=False),
+                             rank=0, world_size=1)
     model.to(device).eval()
     return LoadedModel(model, family, config, saved_data_config(common), root,
                        int(loaded.iteration if loaded else 0), common)

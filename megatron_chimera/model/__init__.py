@@ -1,9 +1,18 @@
-"""GPT-2 and BERT in Megatron's layout, built whole or as one pipeline stage's slice.
+"""The GPT family (GPT-2 and Llama-style: RoPE, SwiGLU, RMSNorm, grouped-query attention) and
+BERT in Megatron's layout, built whole or as one pipeline stage's slice.
 
-Modules: ``gpt2`` (GPTModel, build_gpt_stage), ``bert`` (BertModel, build_bert_stage),
-``language_model`` (embeddings, pooler, tied-embedding bookkeeping), ``transformer`` (layers,
-recomputation), ``fused`` (Apex / torch-native kernels), ``linear`` (deferrable weight gradient),
-``partition`` (layers -> stages, parameter counts), ``stage_layout`` (Megatron's uneven-stage
-flags: the layout string, first/last stage layers), ``memory`` (per-stage and per-rank bytes),
-``utils`` (deterministic, layout-independent initialisation).
+* :mod:`.gpt2` (GPTModel, build_gpt_stage), :mod:`.bert` (BertModel, build_bert_stage),
+  :mod:`.family` (what the driver and the analytic models know of each family),
+  :mod:`.presets` (named model configurations).
+* :mod:`.language_model` -- embeddings, pooler, tied-embedding bookkeeping;
+  :mod:`.transformer` -- layers, recomputation; :mod:`.architecture` -- the architecture
+  flags' rules; :mod:`.rotary` -- RoPE; :mod:`.document_attention` -- attention within each
+  packed document.
+* :mod:`.linear` -- deferrable weight gradient (split backward); :mod:`.fused` -- Apex /
+  torch-native kernels; :mod:`.dropout_rng` -- keyed dropout (masks independent of the rank).
+* :mod:`.partition` -- layers -> stages, parameter counts; :mod:`.stage_layout` -- Megatron's
+  uneven-stage flags (the layout string, first/last stage layers).
+* :mod:`.memory` -- per-stage and per-rank bytes; :mod:`.flops` -- the one FLOP count.
+* :mod:`.flags` -- a model configuration written back as training flags; :mod:`.utils` --
+  deterministic, layout-independent initialisation.
 """

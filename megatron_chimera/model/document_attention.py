@@ -25,10 +25,8 @@ import warnings
 
 import torch
 
-from megatron_chimera.config import ConfigError
+from megatron_chimera.config import DOCUMENT_ATTENTIONS, ConfigError
 from megatron_chimera.model.fused import attention, sdpa
-
-IMPLEMENTATIONS = ("auto", "varlen", "flex", "loop", "mask")  # --document-attention choices
 
 
 class DocumentMask:
@@ -87,8 +85,8 @@ class DocumentMask:
 def choose_implementation(requested: str, query: torch.Tensor, dropout_p: float, fused: bool
                           ) -> str:
     """The kernel ``auto`` stands for (see the module docstring); others are returned as is."""
-    if requested not in IMPLEMENTATIONS:
-        raise ConfigError(f"--document-attention must be one of {IMPLEMENTATIONS}, "
+    if requested not in DOCUMENT_ATTENTIONS:
+        raise ConfigError(f"--document-attention must be one of {DOCUMENT_ATTENTIONS}, "
                           f"got {requested!r}")
     if requested != "auto":
         return requested

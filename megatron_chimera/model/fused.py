@@ -294,28 +294,63 @@ def _flash_backends() -> list:
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          allowed: torch.Tensor | None, dropout_p: float, is_causal: bool,
-         flash_only: bool = False) -> torch.Tensor:
+         flash_only: bool = False, enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention``; ``flash_only`` limits it to the flash and
-    memory-efficient kernels and turns "no kernel" into a ConfigError naming torch's reasons."""
+    memory-efficient kernels and turns "no kernel" into a ConfigError naming torch's reasons.
+    ``enable_gqa``: key and value have fewer heads than the query, each shared by a group of
+    consecutive query heads (:func:`sdpa_handles_gqa` says when the kernel takes them so)."""
     if not flash_only:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
-                                              dropout_p=dropout_p, is_causal=is_causal)
+                                              dropout_p=dropout_p, is_causal=is_causal,
+                                              enable_gqa=enable_gqa)
     from torch.nn.attention import sdpa_kernel
 
     try:
         with sdpa_kernel(_flash_backends()):
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
-                                                 dropout_p=dropout_p, is_causal=is_causal)
+                                                 dropout_p=dropout_p, is_causal=is_causal,
+                                                 enable_gqa=enable_gqa)
     except RuntimeError as exc:
         if "No available kernel" not in str(exc):
             raise
         raise ConfigError(_no_flash_kernel_message(query, key, value, allowed, dropout_p,
-                                                   is_causal)) from None
-    _note_flash_kernel(query, key, value, allowed, dropout_p, is_causal)
+                                                   is_causal, enable_gqa)) from None
+    _note_flash_kernel(query, key, value, allowed, dropout_p, is_causal, enable_gqa)
     return out
 
 
-def _no_flash_kernel_message(query, key, value, allowed, dropout_p, is_causal) -> str:
+_GQA_KERNEL: dict[tuple, bool] = {}  # sdpa_handles_gqa's answers, by what decides them
+
+
+def sdpa_handles_gqa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     allowed: torch.Tensor | None, dropout_p: float, is_causal: bool) -> bool:
+    """Whether SDPA should get grouped-query keys and values as they are (``enable_gqa``)
+    rather than repeated per query head: on the CPU (its kernels read the shared heads; the
+    same results), and on CUDA where the flash kernel takes this call with ``enable_gqa`` --
+    the memory-efficient kernel does not, and SDPA would fall back to its math kernel, slower
+    than repeating the heads for the memory-efficient one. Decided once per dtype, head size,
+    mask, dropout and causality (what the flash kernel's checks depend on here)."""
+    if not query.is_cuda:
+        return True
+    what = (query.device, query.dtype, query.shape[-1], allowed is None, dropout_p > 0,
+            is_causal)
+    handled = _GQA_KERNEL.get(what)
+    if handled is None:
+        from torch.nn.attention import SDPAParams, can_use_flash_attention
+
+        params = SDPAParams(query, key, value, allowed, dropout_p, is_causal, True)
+        handled = _GQA_KERNEL[what] = bool(can_use_flash_attention(params))
+    return handled
+
+
+def repeat_heads(tensor: torch.Tensor, times: int) -> torch.Tensor:
+    """Grouped-query keys or values ``[b, groups, s, d]`` repeated for each query head of their
+    group (``[b, groups x times, s, d]``)."""
+    return tensor if times == 1 else tensor.repeat_interleave(times, dim=1)
+
+
+def _no_flash_kernel_message(query, key, value, allowed, dropout_p, is_causal,
+                             enable_gqa=False) -> str:
     """Why SDPA has neither kernel: rerun the selection, collecting torch's warnings."""
     from torch.nn.attention import sdpa_kernel
 
@@ -324,7 +359,8 @@ def _no_flash_kernel_message(query, key, value, allowed, dropout_p, is_causal) -
         try:
             with sdpa_kernel(_flash_backends()):
                 F.scaled_dot_product_attention(query, key, value, attn_mask=allowed,
-                                               dropout_p=dropout_p, is_causal=is_causal)
+                                               dropout_p=dropout_p, is_causal=is_causal,
+                                               enable_gqa=enable_gqa)
         except RuntimeError:
             pass
     reasons = []
@@ -339,13 +375,14 @@ def _no_flash_kernel_message(query, key, value, allowed, dropout_p, is_causal) -
             f"kernel for this configuration ({what}): {'; '.join(reasons) or 'no reason given'}")
 
 
-def _note_flash_kernel(query, key, value, allowed, dropout_p, is_causal) -> None:
+def _note_flash_kernel(query, key, value, allowed, dropout_p, is_causal,
+                       enable_gqa=False) -> None:
     """Say once which of the two kernels SDPA can use (CUDA only)."""
     if not query.is_cuda:
         return
     from torch.nn.attention import SDPAParams, can_use_flash_attention
 
-    params = SDPAParams(query, key, value, allowed, dropout_p, is_causal, False)
+    params = SDPAParams(query, key, value, allowed, dropout_p, is_causal, enable_gqa)
     kernel = "flash" if can_use_flash_attention(params) else "memory-efficient"
     if f"kernel:{kernel}" not in _NOTICES:
         _NOTICES.add(f"kernel:{kernel}")
@@ -363,16 +400,27 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ``layer_scale`` (Megatron's query-key layer scaling: divide the scores by it, multiply back
     in the fp32 softmax; mathematically a no-op that guards the fp16 range) concern the unfused
     path; the fused kernels accumulate the softmax in fp32 anyway. ``flash_only``: see
-    :func:`sdpa` (fused path only).
+    :func:`sdpa` (fused path only). Grouped-query attention: ``key`` and ``value`` may have
+    fewer heads than ``query`` (each shared by consecutive query heads); SDPA takes them as
+    they are where its kernel can (:func:`sdpa_handles_gqa`), else they are repeated per head.
     """
     p = dropout_p if training else 0.0
+    repeats = query.shape[-3] // key.shape[-3]
     if fused:
         allowed = None if mask is None else ~mask
         if allowed is not None and causal:
             sq, sk = query.shape[-2], key.shape[-2]
             allowed = allowed & _causal_allowed(sq, sk, query.device)
             causal = False
+        if repeats > 1 and sdpa_handles_gqa(query, key, value, allowed, p, causal):
+            # (own copies of the few key and value heads: views of the layer's QKV buffer
+            # would keep all of it alive for the backward)
+            return sdpa(query, key.contiguous(), value.contiguous(), allowed, p, causal,
+                        flash_only, enable_gqa=True)
+        key, value = repeat_heads(key, repeats), repeat_heads(value, repeats)
         return sdpa(query, key, value, allowed, p, causal, flash_only)
+
+    key, value = repeat_heads(key, repeats), repeat_heads(value, repeats)
 
     b, heads, sq, hd = query.shape
     sk = key.shape[-2]

@@ -38,10 +38,11 @@ the tensor-parallel regions (QKV, attention, MLP inner activations; in general
 :func:`tensor_parallel_elements`: SwiGLU keeps gate and up, ``--kv-channels`` changes the attention
 width) and the attention core are divided by T; the two LayerNorm inputs and dropout masks
 (``2*sbh*B + masks``) and the inputs of the two column-parallel linears (``2*sbh*B``) are whole on
-every rank. Sequence parallelism divides the LayerNorm inputs and masks by T too; the
-column-parallel linears keep their all-gathered input for the (deferrable) weight gradient, so those
-``2*sbh*B`` stay whole (Megatron re-gathers them in the backward instead). Weights, gradients and
-optimizer state are the per-rank parameter counts of :mod:`~megatron_chimera.model.partition`.
+every rank. Sequence parallelism divides the LayerNorm inputs and masks by T too, and the
+column-parallel linears' inputs: each keeps its ``[s/T, b, h]`` chunk and all-gathers it again for
+the (deferrable) weight gradient, as Megatron (Korthikanti et al.'s ``sbh(34 + 5as/h)/T``).
+Weights, gradients and optimizer state are the per-rank parameter counts of
+:mod:`~megatron_chimera.model.partition`.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def layer_activation_bytes(config: ModelConfig, micro_batch_size: int,
     hidden_masks = 2 * sbh * mask if config.hidden_dropout > 0 else 0
     norms = 2 * sbh * norm_bytes_per_element(config)
     residual = (norms + hidden_masks) // chunks  # the two norms' saved inputs, dropout masks
-    total = residual + 2 * sbh * width + tensor_parallel_elements(config) * s * b * width // t
+    column_inputs = 2 * sbh * width // chunks  # sequence parallel: the chunk, gathered again
+    total = residual + column_inputs + tensor_parallel_elements(config) * s * b * width // t
     if recompute == "selective":
         return total
     if recompute is not None:
@@ -137,10 +139,15 @@ def layer_activation_bytes(config: ModelConfig, micro_batch_size: int,
 
 def tensor_parallel_elements(config: ModelConfig) -> int:
     """Elements per token a layer saves inside its tensor-parallel regions: query, key and value
-    as the attention core sees them (keys and values repeated per query head) and the dense
-    input (``4 x heads x head_dim``), the MLP's activation input and the second linear's input
-    (``2f``; SwiGLU: gate and up, silu(gate) and the product, ``4f``): ``12h`` for GPT-2."""
-    attention = 4 * config.num_attention_heads * config.head_dim
+    as the attention core sees them and the dense input (``4 x heads x head_dim``; with
+    grouped-query attention the fused kernel keeps the keys and values of the query groups,
+    ``(2 x heads + 2 x groups) x head_dim``, where the unfused core repeats them per head -- as
+    SDPA on CUDA does for inputs its flash kernel cannot take, fp32: there this is low), the
+    MLP's activation input and the second linear's input (``2f``; SwiGLU: gate and up,
+    silu(gate) and the product, ``4f``): ``12h`` for GPT-2."""
+    heads = config.num_attention_heads
+    kv_heads = config.query_groups if config.masked_softmax_fusion else heads
+    attention = (2 * heads + 2 * kv_heads) * config.head_dim
     return attention + (4 if config.swiglu else 2) * config.ffn_size
 
 

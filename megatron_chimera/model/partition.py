@@ -17,11 +17,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.config import PARTITION_METHODS, ConfigError, ModelConfig
 from megatron_chimera.model.bert import bert_num_tokentypes
 from megatron_chimera.model.family import GPT2, ModelFamily
 
-PARTITION_METHODS = ("uniform", "parameters", "time")
 
 # --------------------------------------------------------------------------- parameter counts
 def norm_parameters(config: ModelConfig) -> int:

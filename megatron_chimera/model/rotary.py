@@ -28,10 +28,13 @@ LLAMA3_ORIGINAL_MAX_POSITIONS = 8192
 class RotaryTables(NamedTuple):
     """cos and sin of the rotation angles (computed in fp32), ``[s, rot]`` (shared by the batch)
     or ``[b, 1, s, rot]`` (per-sample positions); they broadcast against
-    ``[b, heads, s, head_dim]``."""
+    ``[b, heads, s, head_dim]``. ``signed_sin`` is ``sin`` with its first half negated, so that
+    ``rotate_half(x) * sin == roll(x, rot/2) * signed_sin`` (one kernel instead of a negation
+    and a concatenation)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    signed_sin: torch.Tensor
 
 
 def rotary_dim(config: ModelConfig) -> int:
@@ -82,7 +85,9 @@ class RotaryEmbedding:
             positions = torch.arange(length, dtype=torch.float32)
             angles = torch.outer(positions, self.inv_freq)
             angles = torch.cat((angles, angles), dim=-1)
-            table = RotaryTables(angles.cos().to(device), angles.sin().to(device))
+            sin = angles.sin()
+            signed = torch.cat((-sin[:, :sin.shape[-1] // 2], sin[:, sin.shape[-1] // 2:]), -1)
+            table = RotaryTables(angles.cos().to(device), sin.to(device), signed.to(device))
             self._tables[device] = table
         return table
 
@@ -92,24 +97,48 @@ class RotaryEmbedding:
         ``dtype`` (the activations': cast once per micro-batch, not per layer)."""
         if position_ids is None:
             table = self._table(seq_length, device)
-            return RotaryTables(table.cos[:seq_length].to(dtype),
-                                table.sin[:seq_length].to(dtype))
+            return RotaryTables(*(t[:seq_length].to(dtype) for t in table))
         # gathered from a table of every position the model takes (no host sync on the ids):
         # training positions stay below the sequence length, generation's below
         # --max-position-embeddings
         table = self._table(max(seq_length, self.max_positions), device)
-        return RotaryTables(table.cos[position_ids].unsqueeze(1).to(dtype),
-                            table.sin[position_ids].unsqueeze(1).to(dtype))
+        return RotaryTables(*(t[position_ids].unsqueeze(1).to(dtype) for t in table))
 
 
 def apply_rotary_pos_emb(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
     """Rotate the first ``rot`` channels of ``x`` ``[b, heads, s, head_dim]`` (rotate-half
-    convention); cos/sin are cast to ``x``'s dtype, as Megatron and transformers do."""
-    rot = tables.cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    first, second = x_rot.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    out = x_rot * tables.cos.to(x.dtype) + rotated * tables.sin.to(x.dtype)
-    if x_pass.shape[-1] == 0:
-        return out
-    return torch.cat((out, x_pass), dim=-1)
+    convention); cos/sin are cast to ``x``'s dtype, as Megatron and transformers do
+    (:func:`_rotate`)."""
+    return _rotate(x, tables.cos.to(x.dtype), tables.signed_sin.to(x.dtype))
+
+
+def rotate_sequence_first(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """:func:`apply_rotary_pos_emb` for ``x`` laid out ``[s, b, ...heads..., head_dim]`` (any
+    number of head dimensions: a layer's queries and keys, grouped, in one call), in the layout
+    of the layer's QKV buffer -- the output stays sequence-first, so the attention output it
+    leads to is too, and going back to ``[s, b, h]`` after attention is a view."""
+    heads = x.dim() - 3
+
+    def laid_out(table: torch.Tensor) -> torch.Tensor:
+        if table.dim() == 2:  # [s, rot]
+            return table.view(table.shape[0], *([1] * (heads + 1)), table.shape[-1])
+        # per-sample [b, 1, s, rot] -> [s, b, 1.., rot]
+        return table[:, 0].transpose(0, 1).reshape(table.shape[2], table.shape[0],
+                                                   *([1] * heads), table.shape[-1])
+
+    return _rotate(x, laid_out(tables.cos.to(x.dtype)),
+                   laid_out(tables.signed_sin.to(x.dtype)))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x cos + rotate_half(x) sin`` on the first ``rot`` channels in three kernels, each one
+    pass over ``x``: ``roll`` (the halves swapped), ``x * cos``, and ``addcmul`` adding
+    ``roll(x) * signed_sin`` -- where the unfused composition runs a negation, a concatenation,
+    two products and a sum. The same values: ``rotate_half``'s negation is folded into the table
+    (exact), and the sum rounds once instead of after each product too."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return torch.addcmul(x * cos, x.roll(rot // 2, -1), signed_sin)
+    x_rot = x[..., :rot]
+    out = torch.addcmul(x_rot * cos, x_rot.roll(rot // 2, -1), signed_sin)
+    return torch.cat((out, x[..., rot:]), dim=-1)

@@ -25,8 +25,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_chimera import parallel_state
-from megatron_chimera.config import GELU_VARIANTS, ConfigError, ModelConfig
+from megatron_chimera.config import (
+    GELU_VARIANTS,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    ConfigError,
+    ModelConfig,
+)
 from megatron_chimera.model.architecture import check_architecture
+from megatron_chimera.model.context_parallel import (
+    ContextTokens,
+    context_parallel_attention,
+    context_parallel_size,
+    stage_tokens,
+)
 from megatron_chimera.model.document_attention import DocumentMask, document_attention
 from megatron_chimera.model.dropout_rng import (
     current_stream,
@@ -43,10 +55,12 @@ from megatron_chimera.model.fused import (
     attention,
     bias_dropout_add,
     gelu,
+    repeat_heads,
     swiglu,
     warn_once,
 )
-from megatron_chimera.model.rotary import RotaryEmbedding, RotaryTables, apply_rotary_pos_emb
+from megatron_chimera.model.rotary import RotaryEmbedding, RotaryTables, rotate_sequence_first
+from megatron_chimera.model.sequence_slices import SliceTokens
 from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
 from megatron_chimera.tensor_parallel import (
     ColumnParallelLinear,
@@ -56,29 +70,33 @@ from megatron_chimera.tensor_parallel import (
 )
 from megatron_chimera.tensor_parallel.utils import mark_sequence_parallel
 
-RECOMPUTE_GRANULARITIES = (None, "selective", "full")
-RECOMPUTE_METHODS = ("uniform", "block")
-
 
 def validate_recompute(config: ModelConfig) -> None:
-    """Reject inconsistent ``--recompute-*`` flags with a message naming the flag."""
-    if config.recompute_granularity not in RECOMPUTE_GRANULARITIES:
+    """The one ``--recompute-*`` rule, checked when the flags are parsed and when a model is
+    built: reject inconsistent flags with a message naming the flag."""
+    granularity, method = config.recompute_granularity, config.recompute_method
+    num_layers = config.recompute_num_layers
+    if granularity not in (None, *RECOMPUTE_GRANULARITIES):
         raise ConfigError(
-            f"--recompute-granularity must be 'selective' or 'full', got "
-            f"{config.recompute_granularity!r}")
-    if config.recompute_granularity == "full":
-        if config.recompute_method not in RECOMPUTE_METHODS:
-            raise ConfigError(
-                f"--recompute-method must be 'uniform' or 'block' with "
-                f"--recompute-granularity full, got {config.recompute_method!r}")
-        if not config.recompute_num_layers or config.recompute_num_layers < 1:
-            raise ConfigError(
-                "--recompute-num-layers must be >= 1 with --recompute-granularity full")
-    elif config.recompute_method is not None:
+            f"--recompute-granularity must be 'selective' or 'full', got {granularity!r}")
+    if granularity == "full" and method is None:
+        raise ConfigError("--recompute-granularity full requires --recompute-method")
+    if method is not None and granularity != "full":
         raise ConfigError("--recompute-method requires --recompute-granularity full")
+    if method is not None and num_layers is None:
+        raise ConfigError("--recompute-method requires --recompute-num-layers")
+    if num_layers is not None and method is None:
+        raise ConfigError("--recompute-num-layers requires --recompute-method")
+    if method is not None and method not in RECOMPUTE_METHODS:
+        raise ConfigError(
+            f"--recompute-method must be 'uniform' or 'block' with "
+            f"--recompute-granularity full, got {method!r}")
+    if num_layers is not None and num_layers < 1:
+        raise ConfigError(
+            "--recompute-num-layers must be >= 1 with --recompute-granularity full")
 
 
-AttentionMask = torch.Tensor | DocumentMask | None
+AttentionMask = torch.Tensor | DocumentMask | ContextTokens | SliceTokens | None
 
 
 def uses_sequence_parallel(config: ModelConfig) -> bool:
@@ -163,8 +181,11 @@ class CoreAttention(nn.Module):
         if isinstance(mask, DocumentMask):
             if not self.causal:
                 raise ValueError("a document mask needs causal (GPT) attention")
-            return document_attention(query, key, value, mask, self.dropout_p, self.training,
-                                      implementation=self.document_attention, **options)
+            repeats = query.shape[1] // key.shape[1]  # grouped-query heads, repeated
+            return document_attention(query, repeat_heads(key, repeats),
+                                      repeat_heads(value, repeats), mask, self.dropout_p,
+                                      self.training, implementation=self.document_attention,
+                                      **options)
         return attention(query, key, value, mask, self.causal, self.dropout_p, self.training,
                          **options)
 
@@ -225,6 +246,8 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
             sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
+        self.cp_comm_type = config.cp_comm_type
+        self.layer_number = layer_number
 
     def query_key_value_heads(self, qkv: torch.Tensor, rotary: RotaryTables | None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -232,6 +255,14 @@ class ParallelAttention(nn.Module):
         ``[b, groups, s, d]`` (this rank's), RoPE applied to query and key."""
         s, b, _ = qkv.shape
         d, per_group = self.head_dim, self.heads_per_group
+        if rotary is not None:
+            # a group's query heads and its key are neighbours in the buffer: rotated together,
+            # [s, b, groups, heads/g + 1, d], in one call
+            heads = qkv.view(s, b, self.num_groups, per_group + 2, d)
+            query_key = rotate_sequence_first(heads[:, :, :, :per_group + 1], rotary)
+            query = query_key[:, :, :, :per_group].reshape(s, b, self.num_heads, d)
+            return (query.permute(1, 2, 0, 3), query_key[:, :, :, per_group].permute(1, 2, 0, 3),
+                    heads[:, :, :, per_group + 1].permute(1, 2, 0, 3))
         qkv = qkv.view(s, b, self.num_groups, (per_group + 2) * d)
         # (split_with_sizes: Tensor.split's Python wrapper costs as much again; one query head
         # per group is already [s, b, heads, d], so no reshape node in the graph)
@@ -239,19 +270,12 @@ class ParallelAttention(nn.Module):
         if per_group > 1:
             query = query.reshape(s, b, self.num_heads, d)
         query = query.permute(1, 2, 0, 3)
-        key, value = key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
-        if rotary is not None:
-            query = apply_rotary_pos_emb(query, rotary)
-            key = apply_rotary_pos_emb(key, rotary)
-        return query, key, value
+        return query, key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
 
     def repeat_key_value(self, key: torch.Tensor, value: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[b, groups, t, d]`` repeated for each query head of their group."""
-        if self.heads_per_group == 1:
-            return key, value
-        return (key.repeat_interleave(self.heads_per_group, dim=1),
-                value.repeat_interleave(self.heads_per_group, dim=1))
+        return repeat_heads(key, self.heads_per_group), repeat_heads(value, self.heads_per_group)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask,
                 rotary: RotaryTables | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -261,9 +285,22 @@ class ParallelAttention(nn.Module):
         ``--no-bias-dropout-fusion``, else None (already added)."""
         qkv, _ = self.query_key_value(hidden)
         s, b, _ = qkv.shape
+        # grouped-query keys and values stay at their group count: the attention core repeats
+        # them per query head only where its kernel cannot share them (fused.attention)
         query, key, value = self.query_key_value_heads(qkv, rotary)
-        if self.heads_per_group > 1:
-            key, value = self.repeat_key_value(key, value)
+        if isinstance(mask, ContextTokens):  # context parallel: keys/values stay grouped
+            # (contiguous: the kernel saves them, and as views of the rotated and the QKV
+            # buffers they would keep both whole buffers alive for the backward)
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+            context = context_parallel_attention(
+                query, key, value, mask, parallel_state.get_context_parallel_group(),
+                self.cp_comm_type)
+            context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+            return self.dense(context)
+        if isinstance(mask, SliceTokens):  # one slice of a sequence: cached earlier keys/values
+            context = mask.attend(self.layer_number, query, key, value, self.head_dim ** -0.5)
+            context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+            return self.dense(context)
         if (self.recompute_core and self.training and torch.is_grad_enabled()
                 and not self.core_attention.stores_no_scores(query, mask)):
             context = checkpoint(with_current_stream(self.core_attention), query, key, value,
@@ -383,6 +420,21 @@ class ParallelTransformer(nn.Module):
         self.rotary = (RotaryEmbedding(config) if config.position_embedding_type == "rope"
                        else None)
         self.sequence_parallel = uses_sequence_parallel(config)
+        self.causal = causal
+        self.context_parallel = context_parallel_size() > 1
+        if self.context_parallel and not causal:
+            raise ConfigError("--context-parallel-size > 1 is for causal models (GPT, Llama): "
+                              "BERT's bidirectional attention with a padding mask has no "
+                              "context-parallel form here")
+        if self.context_parallel and self.training_dropout(config):
+            raise ConfigError("--context-parallel-size > 1 needs --hidden-dropout 0 and "
+                              "--attention-dropout 0 (each context rank holds other tokens, so "
+                              "dropout masks would differ from one process's)")
+
+    @staticmethod
+    def training_dropout(config: ModelConfig) -> bool:
+        """Whether the model drops anything out in training."""
+        return config.hidden_dropout > 0 or config.attention_dropout > 0
 
     def _run(self, first: int, last: int, stream: int | None, rotary: RotaryTables | None):
         # ``stream`` (the keyed-dropout micro-batch, captured at the forward) and the rotary
@@ -408,9 +460,13 @@ class ParallelTransformer(nn.Module):
         ``position_ids`` ``[b, s]`` when given (``--reset-position-ids``)."""
         if self.rotary is None:
             return None
-        seq = hidden.shape[0] * (parallel_state.get_tensor_model_parallel_world_size()
-                                 if self.sequence_parallel else 1)
+        seq = self._local_seq_length(hidden)
         return self.rotary.tables(seq, position_ids, hidden.device, hidden.dtype)
+
+    def _local_seq_length(self, hidden: torch.Tensor) -> int:
+        """Tokens of this rank's share of the sequence (all of its tensor ranks')."""
+        return hidden.shape[0] * (parallel_state.get_tensor_model_parallel_world_size()
+                                  if self.sequence_parallel else 1)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -418,6 +474,11 @@ class ParallelTransformer(nn.Module):
         ``0..s-1``) place the rotary embedding."""
         n = len(self.layers)
         stream = current_stream()
+        if self.context_parallel:  # this rank's zigzag tokens: their positions and masks
+            mask = stage_tokens(mask, self._local_seq_length(hidden), self.causal,
+                                hidden.device)
+            if position_ids is None:
+                position_ids = mask.positions[mask.rank][None].to(hidden.device)
         rotary = self.rotary_tables(hidden, position_ids)
         full = (self.recompute_granularity == "full" and self.training
                 and torch.is_grad_enabled())

@@ -9,8 +9,9 @@
 * :mod:`.topology` -- where this rank sits (pipeline rank, data-parallel rank, peers' global ranks
   and p2p groups), injected into the executor.
 * :mod:`.failures` -- first-failure reporting through the c10d store.
-* :mod:`.profiler` / :mod:`.profile_rebuild` -- measured F, B, W per stage and the schedule
-  rebuilt from them.
+* :mod:`.profiling` -- ``--profile-iterations``: measured F, B, W per stage, agreed on by the
+  ranks, and the schedule rebuilt from them (the torch-free rebuild and the trace format are
+  :mod:`megatron_chimera.schedules.measured`).
 * :mod:`.trace` -- where a traced iteration's time goes between compute actions;
   :mod:`.chrome_trace` -- ``--pipeline-trace``: the measured timeline as a Chrome/Perfetto trace;
   :mod:`.hang` -- who waits for whom when an iteration stops moving (timeout, SIGUSR1).

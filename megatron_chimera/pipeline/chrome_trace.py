@@ -27,8 +27,9 @@ import torch.distributed as dist
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.pipeline.trace import SENT, WAITED, Timeline, TracingTransport
 from megatron_chimera.schedules.actions import Action
+from megatron_chimera.schedules.measured import TraceFormat as T
 
-COMPUTE, P2P, GRADS, OPTIMIZER = "compute", "p2p", "grad-reduction", "optimizer"
+COMPUTE, P2P, GRADS, OPTIMIZER = T.COMPUTE, T.P2P, T.GRADS, T.OPTIMIZER
 _DIRECTIONS = ("activation", "gradient")
 
 
@@ -59,15 +60,16 @@ class PipelineTrace:
 
     def span(self, name: str, cat: str, start: float, end: float, **args: Any) -> None:
         """One complete event from ``start`` to ``end`` (host ``perf_counter`` seconds)."""
-        self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": cat,
-                            "ts": self._ts(start), "dur": max(0.0, (end - start) * 1e6),
-                            "args": {"iteration": self.iteration, **args}})
+        self.events.append({"name": name, T.CATEGORY: cat, "ph": "X", T.PID: self.rank,
+                            "tid": cat, T.START: self._ts(start),
+                            T.DURATION: max(0.0, (end - start) * 1e6),
+                            T.ARGS: {T.ITERATION: self.iteration, **args}})
 
     def compute(self, action: Action, start: float, end: float) -> None:
         """The executor's hook: one compute action ran from ``start`` to ``end``."""
         self.span(f"{action.kind}{action.pipe}.{action.microbatch} s{action.stage}", COMPUTE,
-                  start, end, kind=action.kind, pipe=action.pipe, stage=action.stage,
-                  microbatch=action.microbatch)
+                  start, end, **{T.KIND: action.kind, T.PIPE: action.pipe, T.STAGE: action.stage,
+                                 T.MICROBATCH: action.microbatch})
 
     @contextlib.contextmanager
     def region(self, name: str, cat: str, **args: Any) -> Iterator[None]:
@@ -116,8 +118,8 @@ class PipelineTrace:
             sent = event[0] == SENT
             self.span(f"{'send' if sent else 'wait'} {m.short()}", P2P, event[2], event[3],
                       peer_pipeline_rank=m.dst if sent else m.src,
-                      direction=_DIRECTIONS[m.direction], pipe=m.pipe, stage=m.stage,
-                      microbatch=m.microbatch)
+                      direction=_DIRECTIONS[m.direction],
+                      **{T.PIPE: m.pipe, T.STAGE: m.stage, T.MICROBATCH: m.microbatch})
 
     def write(self) -> None:
         """Gather every rank's events on rank 0 and write the trace. Collective."""
@@ -129,15 +131,15 @@ class PipelineTrace:
             return
         events: list[dict[str, Any]] = []
         for rank, meta, rank_events in gathered:
-            events.append({"name": "process_name", "ph": "M", "pid": rank,
-                           "args": {"name": f"rank {rank} ({meta.get('place', '')})"}})
-            events.append({"name": "process_sort_index", "ph": "M", "pid": rank,
-                           "args": {"sort_index": rank}})
+            events.append({"name": "process_name", "ph": "M", T.PID: rank,
+                           T.ARGS: {"name": f"rank {rank} ({meta.get('place', '')})"}})
+            events.append({"name": "process_sort_index", "ph": "M", T.PID: rank,
+                           T.ARGS: {"sort_index": rank}})
             events += rank_events
-        trace = {"traceEvents": events, "displayTimeUnit": "ms",
-                 "otherData": {"iterations": list(self.iterations),
-                               "schedule": self.schedule.to_dict(),
-                               "ranks": {str(r): meta for r, meta, _ in gathered}}}
+        trace = {T.EVENTS: events, "displayTimeUnit": "ms",
+                 T.METADATA: {T.ITERATIONS: list(self.iterations),
+                              T.SCHEDULE: self.schedule.to_dict(),
+                              T.RANKS: {str(r): meta for r, meta, _ in gathered}}}
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         atomic_write(self.path, lambda handle: json.dump(trace, handle), mode="w")
         print(f" wrote the pipeline trace of iterations {list(self.iterations)} to "

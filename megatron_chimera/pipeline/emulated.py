@@ -211,9 +211,10 @@ class SleepingWeightGradStore(WeightGradStore):
         self._sleep_s = 0.0
         self.timeline = timeline  # records the W's start and end if set
 
-    def put(self, weight, bias, inputs, grad_output) -> None:  # noqa: D102 - see base class
+    def put(self, weight, bias, inputs, grad_output,  # noqa: D102 - see base class
+            sequence_sharded: bool = False) -> None:
         self._sleep_s += getattr(weight, "emulated_weight_seconds", 0.0)
-        super().put(weight, bias, inputs, grad_output)
+        super().put(weight, bias, inputs, grad_output, sequence_sharded)
 
     def flush(self) -> None:
         """Compute the (tiny) real gradients, then sleep until the queued weight-gradient time

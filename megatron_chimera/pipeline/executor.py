@@ -55,7 +55,6 @@ from torch import nn
 from torch.autograd import Variable
 
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
-from megatron_chimera.model.linear import WeightGradStore, defer_weight_grad
 from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
@@ -68,6 +67,7 @@ from megatron_chimera.pipeline.program import Compute, Post, Program, compile_pr
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
+from megatron_chimera.schedules.device_sync_check import plan_gradient_collectives
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
     DEFAULT_LOOKAHEAD,
@@ -77,11 +77,12 @@ from megatron_chimera.schedules.lowering import (
     connection_order,
     lower,
 )
-from megatron_chimera.schedules.sync_check import plan_gradient_collectives
 from megatron_chimera.schedules.validate import validate_lowered
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
 from megatron_chimera.tensor_parallel.random import restored_tracker_states
 from megatron_chimera.tensor_parallel.weight_grad import (
+    WeightGradStore,
+    defer_weight_grad,
     deferrable_modules,
     set_weight_grad_deferral,
 )

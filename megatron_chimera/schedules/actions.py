@@ -123,6 +123,9 @@ class Schedule:
     actions: list[list[Action]]
     split_backward: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    # k > 1: each sequence is k consecutive micro-batches (pipeline units) that must run in
+    # slice order on each stage (schedules/slices.py)
+    sequence_slices: int = 1
 
     # ------------------------------------------------------------------ derived views
     @property

@@ -29,7 +29,7 @@ from typing import Any
 from megatron_chimera.schedules.chimera import chimera_placement
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import of_schedule, predict
-from megatron_chimera.schedules.rebuild import rebuild_for_costs
+from megatron_chimera.schedules.measured import rebuild_for_costs
 from megatron_chimera.schedules.registry import ChimeraOptions, ChimeraZBOptions, build_schedule
 from megatron_chimera.schedules.zero_bubble import makespan_lower_bound
 

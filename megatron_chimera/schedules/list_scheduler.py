@@ -231,52 +231,7 @@ class _ListScheduler:
         only grow while micro-batches retire, so each pipe scans its path down from the last
         stage once, counting the slots its micro-batches still need, as far as they have to.
         """
-        free = [cap - live for cap, live in zip(self.caps, self.live)]
-        free[rank] -= 1
-        # per pipe, its started micro-batches oldest first: stages started, slots held
-        starts = [list(map(started.__getitem__, active))
-                  for started, active in zip(self.stages_started, self.active)]
-        helds = [list(self.active[p].values()) for p in range(self.num_pipes)]
-        if a.stage == 0:  # ``a``'s micro-batch also holds the slot ``a`` takes on ``rank``
-            starts[a.pipe].append(1)
-            helds[a.pipe].append({})
-            own_index = len(starts[a.pipe]) - 1
-        else:
-            own_index = list(self.active[a.pipe]).index(a.microbatch)
-            starts[a.pipe][own_index] = a.stage + 1
-        heads = [0] * self.num_pipes
-        returned = [0] * self.num_pipes  # retired micro-batches whose slots are in ``free``
-        scan = [self.num_stages - 1] * self.num_pipes  # highest stage not yet covered
-        covered = [[0] * self.num_ranks for _ in range(self.num_pipes)]  # slots per rank
-        progress = True
-        while progress:
-            progress = False
-            for pipe, queue in enumerate(starts):
-                ranks, need, k, h = self.placement[pipe], covered[pipe], scan[pipe], heads[pipe]
-                if h == len(queue):
-                    continue
-                target = min(queue[h:])  # cover the path down to the least advanced
-                while True:
-                    while k >= target and need[ranks[k]] < free[ranks[k]]:
-                        need[ranks[k]] += 1
-                        k -= 1
-                    if k < target:  # every one left can retire
-                        progress, h = True, len(queue)
-                        break
-                    while queue[h] > k:  # retire oldest first up to the first blocked one
-                        progress, h = True, h + 1
-                    heads[pipe] = h
-                    if heads == returned:
-                        break
-                    for q, held_slots in enumerate(helds):  # return the retired slots
-                        for held in held_slots[returned[q]:heads[q]]:
-                            for r, n in held.items():
-                                free[r] += n
-                    if returned[a.pipe] <= own_index < heads[a.pipe]:
-                        free[rank] += 1
-                    returned = heads.copy()
-                heads[pipe], scan[pipe] = h, k
-        return all(h == len(q) for h, q in zip(heads, starts))
+        return _BankerCheck(self, rank, a).safe()
 
     def _may_start_forward(self, rank: int, a: Action) -> bool:
         guard = self.priority.guard
@@ -411,3 +366,75 @@ def list_schedule(
     """
     return _ListScheduler(placement, pipe_microbatches, costs, caps, priority,
                           split_backward).run()
+
+
+class _BankerCheck:
+    """One banker's check of :meth:`_ListScheduler._is_safe_after`: the free slots per rank and,
+    per pipe, its started micro-batches oldest first (the stage each has started, the slots it
+    holds), then how far each pipe has retired, covered and returned its slots."""
+
+    def __init__(self, scheduler: _ListScheduler, rank: int, a: Action) -> None:
+        self.placement, self.rank, self.pipe = scheduler.placement, rank, a.pipe
+        free = [cap - live for cap, live in zip(scheduler.caps, scheduler.live)]
+        free[rank] -= 1
+        starts = [list(map(started.__getitem__, active))
+                  for started, active in zip(scheduler.stages_started, scheduler.active)]
+        helds = [list(active.values()) for active in scheduler.active]
+        if a.stage == 0:  # ``a``'s micro-batch also holds the slot ``a`` takes on ``rank``
+            starts[a.pipe].append(1)
+            helds[a.pipe].append({})
+            own_index = len(starts[a.pipe]) - 1
+        else:
+            own_index = list(scheduler.active[a.pipe]).index(a.microbatch)
+            starts[a.pipe][own_index] = a.stage + 1
+        self.free, self.starts, self.helds, self.own_index = free, starts, helds, own_index
+        pipes = scheduler.num_pipes
+        self.heads = [0] * pipes  # per pipe, how many of its micro-batches can retire
+        self.returned = [0] * pipes  # retired micro-batches whose slots are in ``free``
+        self.scan = [scheduler.num_stages - 1] * pipes  # highest stage not yet covered
+        self.covered = [[0] * scheduler.num_ranks for _ in range(pipes)]  # slots per rank
+
+    def safe(self) -> bool:
+        """Whether every started micro-batch (``a``'s included) can retire."""
+        progress = True
+        while progress:
+            progress = False
+            for pipe, queue in enumerate(self.starts):
+                if self.heads[pipe] != len(queue):
+                    progress = self._advance(pipe, queue) or progress
+        return all(h == len(q) for h, q in zip(self.heads, self.starts))
+
+    def _advance(self, pipe: int, queue: list[int]) -> bool:
+        """Cover ``pipe``'s path down to its least advanced micro-batch with free slots and
+        retire its micro-batches oldest first up to the first blocked one, returning their
+        slots as they retire; whether any retired."""
+        ranks, need = self.placement[pipe], self.covered[pipe]
+        k, h = self.scan[pipe], self.heads[pipe]
+        free, progress = self.free, False
+        target = min(queue[h:])  # cover the path down to the least advanced
+        while True:
+            while k >= target and need[ranks[k]] < free[ranks[k]]:
+                need[ranks[k]] += 1
+                k -= 1
+            if k < target:  # every one left can retire
+                progress, h = True, len(queue)
+                break
+            while queue[h] > k:  # retire oldest first up to the first blocked one
+                progress, h = True, h + 1
+            self.heads[pipe] = h
+            if self.heads == self.returned:
+                break
+            self._return_retired()
+        self.heads[pipe], self.scan[pipe] = h, k
+        return progress
+
+    def _return_retired(self) -> None:
+        """Give back the slots of every micro-batch retired since the last return (``a``'s own
+        slot on its rank included)."""
+        for q, held_slots in enumerate(self.helds):
+            for held in held_slots[self.returned[q]:self.heads[q]]:
+                for r, n in held.items():
+                    self.free[r] += n
+        if self.returned[self.pipe] <= self.own_index < self.heads[self.pipe]:
+            self.free[self.rank] += 1
+        self.returned = self.heads.copy()

@@ -210,13 +210,16 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
     free = [0.0] * schedule.num_ranks
     events: list[Event] = []
 
+    work = schedule.meta.get("slice_work") if schedule.sequence_slices > 1 else None
+
     def run(rank: int, a: Action, dep: Action | None) -> None:
         ready = 0.0
         if dep is not None:
             dep_rank, dep_end = finished[dep]
             ready = dep_end + (edges.get((dep_rank, rank), p2p) if dep_rank != rank else 0.0)
         start = max(free[rank], ready) + overhead
-        end = start + durations[a.kind][a.stage]
+        end = start + durations[a.kind][a.stage] * (
+            1.0 if work is None else work[a.microbatch % schedule.sequence_slices])
         free[rank] = end
         finished[a] = (rank, end)
         events.append(Event(rank, a.kind, a.pipe, a.stage, a.microbatch, start, end))

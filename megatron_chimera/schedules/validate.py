@@ -20,6 +20,11 @@ from collections.abc import Sequence
 
 from megatron_chimera.errors import ScheduleError
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, input_of
+from megatron_chimera.schedules.device_sync_check import (
+    CollectivePlan,
+    check_sync_anywhere,
+    plan_gradient_collectives,
+)
 from megatron_chimera.schedules.lowering import (
     RECV,
     SEND,
@@ -29,11 +34,6 @@ from megatron_chimera.schedules.lowering import (
     iteration_actions,
     needed_message,
     produced_message,
-)
-from megatron_chimera.schedules.sync_check import (
-    CollectivePlan,
-    check_sync_anywhere,
-    plan_gradient_collectives,
 )
 from megatron_chimera.schedules.walk import run_in_order, stalled
 
@@ -152,11 +152,23 @@ def _check_deadlock(schedule: Schedule) -> None:
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` unless ``schedule`` is well formed, complete, deadlock free."""
+    """Raise :class:`ScheduleError` unless ``schedule`` is well formed, complete, in slice order
+    (sequence-sliced schedules) and deadlock free."""
     _check_shape(schedule)
     _check_actions(schedule)
     _check_complete(schedule)
+    _check_slice_order(schedule)
     _check_deadlock(schedule)
+
+
+def _check_slice_order(schedule: Schedule) -> None:
+    """Sequence slices run in slice order on every stage (:mod:`.slices`)."""
+    from megatron_chimera.schedules.slices import slice_order_errors  # (slices builds on chimera)
+
+    errors = slice_order_errors(schedule)
+    if errors:
+        raise ScheduleError("; ".join(errors[:3]) + (f" (+{len(errors) - 3} more)"
+                                                     if len(errors) > 3 else ""))
 
 
 # ----------------------------------------------------------------------------- lowered schedules
@@ -219,7 +231,7 @@ def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = Non
     pending send or receive (checked for ``ranks``, default all: a rank of a job checks its own
     list), or, in training, on a gradient collective of the stage-replica or embedding groups:
     then it returns the collectives' plan for ``overlap_grad_reduce``
-    (:func:`.sync_check.plan_gradient_collectives`, every rank checked: each reaches the same
+    (:func:`.device_sync_check.plan_gradient_collectives`, every rank checked: each reaches the same
     plan), which defers to the end of the iteration the collectives that could hang a sync.
     Without ``gradient_collectives`` (a runner that reduces no gradients) only the
     point-to-point part is checked, for ``ranks``, and None returned."""

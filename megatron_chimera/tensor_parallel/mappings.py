@@ -71,16 +71,17 @@ def _split_first(tensor: torch.Tensor) -> torch.Tensor:
         parallel_state.get_tensor_model_parallel_rank()]
 
 
-def gather_along_first_dim(tensor: torch.Tensor) -> torch.Tensor:
+def gather_along_first_dim(tensor: torch.Tensor, async_op: bool = False):
     """All-gather ``tensor`` along its first dimension over the tensor-parallel group (no
-    autograd: for a function that does its own backward)."""
+    autograd: for a function that does its own backward). With ``async_op``: ``(gathered,
+    work)``, the result valid once ``work`` (None with T = 1) was waited on."""
     if _world() == 1:
-        return tensor
+        return (tensor, None) if async_op else tensor
     shape = list(tensor.shape)
     shape[0] *= _world()
     out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-    all_gather_single(out, tensor.contiguous(), group=_group())
-    return out
+    work = all_gather_single(out, tensor.contiguous(), group=_group(), async_op=async_op)
+    return (out, work) if async_op else out
 
 
 def _reduce_scatter_first(tensor: torch.Tensor) -> torch.Tensor:

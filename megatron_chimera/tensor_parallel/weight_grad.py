@@ -19,14 +19,17 @@ input gradient's all-reduce or reduce-scatter happens in ``B`` and ``W`` is loca
 
 **Gradient-accumulation fusion** (Megatron's, on unless ``--no-gradient-accumulation-fusion``): a
 weight whose gradient buffer marked it (``weight.fuse_wgrad_accumulation``) gets its gradient
-computed straight into ``weight.main_grad`` -- Apex's ``wgrad_gemm_accum_fp32`` when its CUDA
-extension is importable (half-precision inputs, fp32 accumulation in the GEMM), else one
-``addmm_`` into ``main_grad`` when the dtypes agree -- instead of materialising it and adding it
-in the buffer's post-accumulate hook. The backward then hands autograd a zero
-placeholder and sets ``weight.grad_added_to_main_grad``, which tells the hook to skip the add
-(its readiness callback still fires, so overlapped reductions see the parameter as final). The
-deferred ``W`` of split-backward schedules accumulates the same way. It is turned on where it
-saves a kernel (:func:`fusion_saves_work`: CUDA), as Megatron's needs its CUDA extension.
+computed straight into ``weight.main_grad`` -- Apex's ``wgrad_gemm_accum_fp32`` /
+``_fp16`` (chosen by ``main_grad``'s dtype) when its CUDA extension is importable, one
+``addmm_`` into ``main_grad`` when the dtypes agree, or without Apex torch's ``addmm(...,
+out_dtype=torch.float32, out=main_grad)`` for half-precision inputs into fp32 gradients where
+the installed torch has that CUDA kernel (:func:`wgrad_accumulation_path`) -- instead of
+materialising it and adding it in the buffer's post-accumulate hook. The backward then hands
+autograd a placeholder and sets ``weight.grad_added_to_main_grad``, which tells the hook to
+skip the add (its readiness callback still fires, so overlapped reductions see the parameter as
+final). The deferred ``W`` of split-backward schedules accumulates the same way. It is turned on
+where it saves a kernel (:func:`fusion_saves_work`: CUDA), as Megatron's needs its CUDA
+extension.
 
 **Host cost**: a layer whose weight gradient is neither deferrable (the executor turns that on
 for split-backward schedules only, :func:`set_weight_grad_deferral`) nor fused runs torch's own
@@ -54,9 +57,8 @@ class WeightGradStore:
     """Weight-gradient work queued by the B of one (pipe, stage, micro-batch), run by its W."""
 
     def __init__(self) -> None:
-        self._pending: list[
-            tuple[nn.Parameter | None, nn.Parameter | None, torch.Tensor | None, torch.Tensor]
-        ] = []
+        self._pending: list[tuple[nn.Parameter | None, nn.Parameter | None,
+                                  torch.Tensor | None, torch.Tensor, bool]] = []
 
     def put(
         self,
@@ -64,10 +66,13 @@ class WeightGradStore:
         bias: nn.Parameter | None,
         inputs: torch.Tensor | None,
         grad_output: torch.Tensor,
+        sequence_sharded: bool = False,
     ) -> None:
         """Queue the weight (and bias) gradient of one linear layer (``weight`` None: the bias
-        gradient only, of a bias added after a reduction)."""
-        self._pending.append((weight, bias, inputs, grad_output))
+        gradient only, of a bias added after a reduction). ``sequence_sharded``: ``inputs`` is
+        this rank's sequence chunk, all-gathered over the tensor-parallel group when W runs
+        (the queue keeps ``[s/T, b, h]``, as the forward saved it)."""
+        self._pending.append((weight, bias, inputs, grad_output, sequence_sharded))
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -76,7 +81,9 @@ class WeightGradStore:
         """Compute every queued weight/bias gradient, accumulate it into ``main_grad`` (or
         ``.grad``), free inputs."""
         with torch.no_grad():
-            for weight, bias, inputs, grad_output in self._pending:
+            for weight, bias, inputs, grad_output, sequence_sharded in self._pending:
+                if weight is not None and sequence_sharded:
+                    inputs = gather_along_first_dim(inputs)
                 if weight is not None and fuses_weight_grad(weight):
                     accumulate_weight_grad_(weight, inputs, grad_output)
                 elif weight is not None:
@@ -107,20 +114,78 @@ def apex_wgrad_kernel():
         return None
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _gpu_kernels(device: torch.device) -> bool:
+    """Whether ``device`` runs the fused GEMMs below (CUDA; one place, so a CPU test can stand
+    in for it)."""
+    return device.type == "cuda"
+
+
+@functools.cache
+def native_out_dtype_accumulation(device: torch.device) -> bool:
+    """Whether this torch accumulates a half-precision product into an fp32 tensor in one GEMM
+    on ``device``: ``torch.addmm(main_grad, a, b, out_dtype=torch.float32, out=main_grad)``
+    (``aten::addmm.dtype_out``, a CUDA kernel of recent torch; absent on the CPU). Probed once
+    per device on a tiny product, checked against the unfused sum, so a torch without the
+    overload, without the kernel or with an ``out`` that may not alias ``self`` falls back."""
+    if not _gpu_kernels(device) or not torch.cuda.is_available():
+        return False
+    try:
+        mat1 = torch.arange(12, dtype=torch.bfloat16, device=device).reshape(3, 4) / 8
+        mat2 = torch.arange(8, dtype=torch.bfloat16, device=device).reshape(4, 2) / 4
+        acc = torch.ones(3, 2, dtype=torch.float32, device=device)
+        expected = acc + mat1.float() @ mat2.float()
+        torch.addmm(acc, mat1, mat2, out_dtype=torch.float32, out=acc)
+        return bool(torch.allclose(acc, expected))
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def wgrad_accumulation_path(grad_dtype: torch.dtype, dtype: torch.dtype,
+                            device: torch.device) -> str:
+    """How :func:`accumulate_weight_grad_` adds ``grad_output^T @ inputs`` (``dtype`` on
+    ``device``) into a ``main_grad`` of ``grad_dtype``:
+
+    * ``"apex_fp32"`` / ``"apex_fp16"`` -- Apex's ``wgrad_gemm_accum_fp32`` for an fp32
+      ``main_grad``, ``wgrad_gemm_accum_fp16`` for a 16-bit one (of the inputs' dtype): chosen by
+      ``main_grad.dtype``, as Megatron does (fp16 inputs into fp32 gradients -- ``--fp16
+      --accumulate-allreduce-grads-in-fp32`` -- take the fp32 kernel), half-precision CUDA
+      inputs only;
+    * ``"addmm"`` -- ``main_grad.addmm_`` when the dtypes agree (one GEMM with beta = 1);
+    * ``"out_dtype"`` -- without Apex, half-precision inputs into an fp32 buffer through torch's
+      ``addmm(..., out_dtype=torch.float32, out=main_grad)`` where it has that kernel
+      (:func:`native_out_dtype_accumulation`);
+    * ``"unfused"`` -- else the product, then the add."""
+    if _gpu_kernels(device) and dtype in HALF_DTYPES and apex_wgrad_kernel() is not None:
+        if grad_dtype == torch.float32:
+            return "apex_fp32"
+        if grad_dtype == dtype:
+            return "apex_fp16"
+    if grad_dtype == dtype:
+        return "addmm"
+    if (grad_dtype == torch.float32 and dtype in HALF_DTYPES
+            and native_out_dtype_accumulation(device)):
+        return "out_dtype"
+    return "unfused"
+
+
 def fusion_saves_work(device: torch.device, param_dtype: torch.dtype,
                       grad_dtype: torch.dtype) -> bool:
     """Whether gradient-accumulation fusion saves a kernel for parameters of ``param_dtype`` on
     ``device`` with a ``grad_dtype`` buffer: on CUDA, one ``addmm_`` into a ``main_grad`` of the
-    parameters' dtype, or Apex's fp32-accumulating GEMM for half-precision parameters (as
-    Megatron, whose fusion is that CUDA kernel). Elsewhere -- the CPU, half precision without
-    Apex -- the fused backward would run the same product and add as the buffer's hook, only
-    through a Python autograd function (host time at every linear)."""
-    if device.type != "cuda":
+    parameters' dtype, or an fp32-accumulating GEMM for half-precision parameters into fp32
+    gradients -- Apex's (as Megatron, whose fusion is that CUDA kernel) or torch's own
+    ``out_dtype`` GEMM where it has one. Elsewhere -- the CPU, half precision without either --
+    the fused backward would run the same product and add as the buffer's hook, only through a
+    Python autograd function (host time at every linear)."""
+    if not _gpu_kernels(device):
         return False
     if param_dtype == grad_dtype:
         return True
-    return (apex_wgrad_kernel() is not None and grad_dtype == torch.float32
-            and param_dtype in (torch.float16, torch.bfloat16))
+    return (grad_dtype == torch.float32 and param_dtype in HALF_DTYPES
+            and (apex_wgrad_kernel() is not None or native_out_dtype_accumulation(device)))
 
 
 def fuses_weight_grad(weight: nn.Parameter) -> bool:
@@ -132,21 +197,22 @@ def fuses_weight_grad(weight: nn.Parameter) -> bool:
 def accumulate_weight_grad_(weight: nn.Parameter, inputs: torch.Tensor,
                             grad_output: torch.Tensor) -> None:
     """``weight.main_grad += grad_output^T @ inputs`` without a separate gradient tensor where a
-    kernel allows: Apex's fp32-accumulating GEMM for half-precision inputs into an fp32 buffer,
-    ``addmm_`` when the dtypes agree, else (no Apex, mixed dtypes) the product then the add."""
+    kernel allows (:func:`wgrad_accumulation_path`)."""
     main_grad = weight.main_grad
     flat_in = inputs.reshape(-1, inputs.shape[-1])
     flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-    kernel = apex_wgrad_kernel()
-    if main_grad.dtype == flat_in.dtype:
+    path = wgrad_accumulation_path(main_grad.dtype, flat_in.dtype, flat_in.device)
+    if path == "addmm":
         main_grad.addmm_(flat_grad.t(), flat_in)
-    elif (kernel is not None and main_grad.dtype == torch.float32 and flat_in.is_cuda
-          and flat_in.dtype in (torch.float16, torch.bfloat16)):
-        fused = (kernel.wgrad_gemm_accum_fp32 if flat_in.dtype == torch.bfloat16
+    elif path == "out_dtype":
+        torch.addmm(main_grad, flat_grad.t(), flat_in, out_dtype=torch.float32, out=main_grad)
+    elif path == "unfused":
+        main_grad.add_(flat_grad.t().matmul(flat_in))
+    else:
+        kernel = apex_wgrad_kernel()
+        fused = (kernel.wgrad_gemm_accum_fp32 if path == "apex_fp32"
                  else kernel.wgrad_gemm_accum_fp16)
         fused(flat_in.contiguous(), flat_grad.contiguous(), main_grad)
-    else:
-        main_grad.add_(flat_grad.t().matmul(flat_in))
 
 
 def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -166,13 +232,17 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
 def _weight_grad_or_placeholder(weight: nn.Parameter, inputs: torch.Tensor,
                                 grad_output: torch.Tensor) -> torch.Tensor:
     """The weight gradient for autograd, or -- with gradient-accumulation fusion -- the gradient
-    already added to ``main_grad`` and a zero placeholder that the buffer's hook discards
-    (``grad_added_to_main_grad``); zeros, not uninitialised memory, so that a ``.grad`` an fp32
-    optimizer left aliasing ``main_grad`` is added nothing when autograd accumulates into it."""
+    already added to ``main_grad`` and a placeholder that the buffer's hook discards
+    (``grad_added_to_main_grad``): uninitialised memory (no memset per parameter and
+    micro-batch) when the weight has no ``.grad`` -- autograd then only stores it in ``.grad``
+    and the hook drops it unread -- and zeros when it has one (a ``.grad`` an fp32 optimizer left
+    aliasing ``main_grad``, which autograd adds the placeholder into)."""
     if not fuses_weight_grad(weight):
         return _weight_grad(inputs, grad_output)
     accumulate_weight_grad_(weight, inputs, grad_output)
     weight.grad_added_to_main_grad = True
+    if weight.grad is None:
+        return torch.empty_like(weight)
     return torch.zeros_like(weight)
 
 
@@ -182,19 +252,30 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inputs, weight, bias, module, dgrad_group=None,  # type: ignore[override]
                 sequence_parallel=False):
-        if sequence_parallel:  # the sequence chunks of the ranks gathered: the full input
-            inputs = gather_along_first_dim(inputs)
+        # sequence parallel: the sequence chunks of the ranks gathered into the full input, of
+        # which only this rank's chunk is kept for the backward (Megatron: it is gathered again
+        # there, so the saved activation is [s/T, b, h], not [s, b, h])
+        total = gather_along_first_dim(inputs) if sequence_parallel else inputs
         ctx.save_for_backward(inputs, weight)
         ctx.has_bias = bias is not None
         ctx.module = module
         ctx.dgrad_group = dgrad_group
         ctx.sequence_parallel = sequence_parallel
-        return torch.nn.functional.linear(inputs, weight, bias)  # one addmm with a bias
+        return torch.nn.functional.linear(total, weight, bias)  # one addmm with a bias
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         inputs, weight = ctx.saved_tensors
+        store: WeightGradStore | None = ctx.module.weight_grad_store
+        wgrad_now = store is None and ctx.needs_input_grad[1]
+        gathering = None
+        if ctx.sequence_parallel and wgrad_now:
+            # the full input again for the weight gradient, gathered while the input gradient
+            # is computed (a deferred W gathers it itself, when it runs)
+            inputs, gathering = gather_along_first_dim(inputs, async_op=True)
         grad_input = grad_output.matmul(weight) if ctx.needs_input_grad[0] else None
+        if gathering is not None:
+            gathering.wait()
         reducing = None
         if grad_input is not None and ctx.sequence_parallel:
             # sequence parallel: the input gradient is reduce-scattered back to this rank's
@@ -204,13 +285,13 @@ class LinearWithDeferrableWeightGrad(torch.autograd.Function):
             # Megatron's async all-reduce: the input gradient travels over the tensor-parallel
             # group while this rank computes (or queues) the weight gradient
             reducing = dist.all_reduce(grad_input, group=ctx.dgrad_group, async_op=True)
-        store: WeightGradStore | None = ctx.module.weight_grad_store
         bias = ctx.module.bias if ctx.has_bias else None
         grad_weight = grad_bias = None
         if store is not None:
-            store.put(ctx.module.weight, bias, inputs, grad_output)
+            store.put(ctx.module.weight, bias, inputs, grad_output,
+                      sequence_sharded=ctx.sequence_parallel)
         else:
-            if ctx.needs_input_grad[1]:
+            if wgrad_now:
                 grad_weight = _weight_grad_or_placeholder(ctx.module.weight, inputs,
                                                           grad_output)
             if ctx.has_bias and ctx.needs_input_grad[2]:

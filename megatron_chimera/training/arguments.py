@@ -1,7 +1,8 @@
 """Megatron's command-line flags parsed into frozen configuration dataclasses.
 
-The flags themselves are defined in :mod:`.argument_parser`; this module validates the parsed
-namespace and builds the configuration from it.
+The flags are declared on the configuration fields (:mod:`megatron_chimera.config.flag`) and
+gathered into a parser by :mod:`.argument_parser`; this module validates the parsed namespace and
+builds the configuration from it.
 
 ``parse_args(argv, world_size)`` returns a validated :class:`~megatron_chimera.config.TrainConfig`;
 ``parse_args_and_schedule`` also returns the run's schedule, built once during validation.
@@ -18,8 +19,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from megatron_chimera.checkpoint.megatron_format import refuse_megatron_checkpoint
 from megatron_chimera.checkpoint.saved_args import read_common, saved_run_flags
 from megatron_chimera.config import (
+    DEFAULT_PROFILE_ITERATIONS,
     CheckpointConfig,
     ConfigError,
     DataConfig,
@@ -36,23 +39,29 @@ from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.registry import SPLIT_BACKWARD_SCHEDULES, spec_and_options_from
 from megatron_chimera.training.argument_parser import (
-    DEFAULT_PROFILE_ITERATIONS,
+    HAND_FLAGS,
     add_architecture_arguments,
     build_parser,
+    field_flags,
 )
-from megatron_chimera.training.config_checks import build_schedule_for, validate
+from megatron_chimera.training.config_checks import (
+    build_schedule_for,
+    check_config_and_build_schedule,
+)
 
-__all__ = ["build_parser", "parse_args", "parse_args_and_schedule", "validate",
+__all__ = ["build_parser", "parse_args", "parse_args_and_schedule",
+           "check_config_and_build_schedule",
            "build_schedule_for", "add_architecture_arguments", "architecture_fields"]
 
 def _field_names(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def _require(args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        if getattr(args, name) is None:
-            raise ConfigError(f"--{name.replace('_', '-')} is required")
+def _require(args: argparse.Namespace) -> None:
+    """Every flag declared ``required`` is given."""
+    for _, field, spec in field_flags():
+        if spec.required and getattr(args, field.name) is None:
+            raise ConfigError(f"{spec.name} is required")
 
 
 def _known_flags(parser: argparse.ArgumentParser) -> set[str]:
@@ -93,7 +102,7 @@ def parse_args_and_schedule(
     extra_names = sorted(_known_flags(parser) - _known_flags(base_parser))
     extra = tuple((name, getattr(args, name)) for name in extra_names)
     config = _build_config(args, world_size, extra)
-    return config, validate(config, world_size)
+    return config, check_config_and_build_schedule(config, world_size)
 
 
 def _checkpoint_flags(args: argparse.Namespace) -> list[str]:
@@ -104,6 +113,7 @@ def _checkpoint_flags(args: argparse.Namespace) -> list[str]:
         raise ConfigError("--use-checkpoint-args requires --load")
     if not os.path.isdir(args.load):
         raise ConfigError(f"--load directory {args.load} does not exist")
+    refuse_megatron_checkpoint(args.load)
     common = read_common(args.load)
     flags = saved_run_flags(common) if common is not None else []
     if not flags and not args.exit_on_missing_checkpoint and os.environ.get("RANK", "0") == "0":
@@ -116,14 +126,14 @@ def _build_config(
     args: argparse.Namespace, world_size: int, extra: tuple[tuple[str, object], ...]
 ) -> TrainConfig:
     """Namespace -> TrainConfig, checking the flags that must be present and derivations."""
-    _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-             "micro_batch_size", "lr")
-    _check_positive(args)
+    _require(args)
+    _check_values(args)
     if args.fp16 and args.bf16:
         raise ConfigError("--fp16 and --bf16 are mutually exclusive")
     pipeline_size = args.pipeline_model_parallel_size
     data_parallel = ParallelLayout.from_world(world_size, args.tensor_model_parallel_size,
-                                              pipeline_size).data
+                                              pipeline_size,
+                                              args.context_parallel_size).data
     global_batch = args.global_batch_size or args.micro_batch_size * data_parallel
     if global_batch % (args.micro_batch_size * data_parallel):
         raise ConfigError(
@@ -159,10 +169,7 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
     if given and args.split is not None:
         raise ConfigError(f"--split applies to --data-path, not to {given[0]} (each per-split "
                           "path is one whole split)")
-    return _pick(DataConfig, args, split=args.split or DataConfig.split,
-                 **{name: tuple(getattr(args, name)) if getattr(args, name) is not None else None
-                    for name in ("data_path", "train_data_path", "valid_data_path",
-                                 "test_data_path")})
+    return _pick(DataConfig, args, split=args.split or DataConfig.split)
 
 
 def _check_rampup(args: argparse.Namespace, global_batch: int, per_microbatch: int) -> None:
@@ -204,40 +211,22 @@ def _ddp_config(args: argparse.Namespace) -> DDPConfig:
 def _pick(cls: type, args: argparse.Namespace, **overrides: object):
     """Build dataclass ``cls`` from the namespace entries named like its fields."""
     values = {name: getattr(args, name) for name in _field_names(cls) if hasattr(args, name)}
+    values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     values.update(overrides)
     return cls(**values)
 
 
-def _check_positive(args: argparse.Namespace) -> None:
-    positive = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                "micro_batch_size", "global_batch_size", "train_iters", "train_samples",
-                "pipeline_model_parallel_size", "tensor_model_parallel_size", "ffn_hidden_size",
-                "chimera_max_inflight",
-                "max_position_embeddings", "make_vocab_size_divisible_by", "log_interval",
-                "eval_interval", "save_interval", "exit_interval", "exit_duration_in_mins",
-                "vocab_size",
-                "num_layers_per_virtual_pipeline_stage", "chimera_pipes",
-                "num_virtual_stages_per_pipeline_rank", "ddp_bucket_size",
-                "recompute_num_layers", "loss_scale_window", "hysteresis",
-                "tensorboard_log_interval", "lr_decay_iters", "lr_decay_samples",
-                "masking_max_ngram", "kv_channels", "num_query_groups")
-    for name in positive:
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    non_negative = ("eval_iters", "num_workers", "lr", "min_lr", "weight_decay", "clip_grad",
-                    "max_consecutive_skipped_iterations",
-                    "lr_warmup_iters", "lr_warmup_samples", "distributed_timeout_minutes")
-    for name in non_negative:
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    if args.distributed_timeout_minutes == 0:
-        raise ConfigError("--distributed-timeout-minutes must be positive")
-    for name in ("hidden_dropout", "attention_dropout", "mask_prob", "short_seq_prob"):
-        value = getattr(args, name)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}")
+def _check_values(args: argparse.Namespace) -> None:
+    """Each flag's declared range check (positive, >= 0, a probability, ...), on given values."""
+    checks = [(spec.name, field.name, spec.check) for _, field, spec in field_flags()
+              if spec.check is not None]
+    checks += [(f"--{dest.replace('_', '-')}", dest, check)
+               for hand in HAND_FLAGS for dest, check in hand.checks]
+    for name, dest, check in checks:
+        value = getattr(args, dest)
+        problem = check(value) if value is not None else None
+        if problem:
+            raise ConfigError(f"{name} {problem}")
 
 
 def _schedule(args: argparse.Namespace, pipeline_size: int) -> tuple[str, object]:
@@ -280,8 +269,6 @@ def _profile_iterations(args: argparse.Namespace, schedule: str, global_batch: i
                 or args.rampup_batch_size is not None):
             return 0
         return max(0, min(DEFAULT_PROFILE_ITERATIONS, total - 1))
-    if given < 0:
-        raise ConfigError(f"--profile-iterations must be >= 0, got {given}")
     if given and schedule not in SPLIT_BACKWARD_SCHEDULES:
         raise ConfigError(f"--profile-iterations applies to split-backward schedules "
                           f"({', '.join(SPLIT_BACKWARD_SCHEDULES)}), not --pipeline-schedule "
@@ -365,8 +352,6 @@ def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerC
             f"--lr-warmup-iters/--lr-warmup-samples ({warmup} samples) exceed the decay "
             f"period ({decay} samples)"
         )
-    if args.loss_scale is not None and args.loss_scale <= 0:
-        raise ConfigError(f"--loss-scale must be positive, got {args.loss_scale}")
     if args.initial_loss_scale <= 0 or args.min_loss_scale <= 0:
         raise ConfigError("--initial-loss-scale and --min-loss-scale must be positive")
     return _pick(OptimizerConfig, args, lr_decay_samples=decay, lr_warmup_samples=warmup,
@@ -376,22 +361,15 @@ def _optimizer_config(args: argparse.Namespace, global_batch: int) -> OptimizerC
 def _training_config(
     args: argparse.Namespace, global_batch: int, num_microbatches: int
 ) -> TrainingConfig:
-    ramp = tuple(args.rampup_batch_size) if args.rampup_batch_size is not None else None
     return _pick(TrainingConfig, args, global_batch_size=global_batch,
-                 num_microbatches=num_microbatches, rampup_batch_size=ramp,
-                 layer_split=_layer_split(args))
+                 num_microbatches=num_microbatches, layer_split=_layer_split(args))
 
 
 def _layer_split(args: argparse.Namespace) -> LayerSplit:
     """Megatron's uneven-stage flags; the combinations Megatron-LM refuses are refused here
     (a layout with any other split flag, first/last with the account-for flags), and any of
     them with a ``--partition-method`` other than uniform."""
-    split = LayerSplit(
-        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
-        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
-        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+    split = _pick(LayerSplit, args)
     if not split.given:
         return split
     first_last = (split.decoder_first_pipeline_num_layers is not None

@@ -12,18 +12,23 @@ import dataclasses
 import os
 
 from megatron_chimera.checkpoint.checkpointing import TRACKER_FILENAME, read_tracker
+from megatron_chimera.checkpoint.megatron_format import refuse_megatron_checkpoint
 from megatron_chimera.config import (
     CheckpointConfig,
     ConfigError,
     DataConfig,
     LoggingConfig,
     ModelConfig,
+    ParallelConfig,
     TrainConfig,
 )
 from megatron_chimera.data.dataset_utils import SPLIT_NAMES, parse_data_paths, parse_split
 from megatron_chimera.data.tokenizers import check_tokenizer_args
 from megatron_chimera.model.architecture import check_architecture
+from megatron_chimera.model.context_parallel import COMM_TYPES
+from megatron_chimera.model.context_parallel.gathered import check_heads
 from megatron_chimera.model.stage_layout import split_partition
+from megatron_chimera.model.transformer import validate_recompute
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_schedule
@@ -99,7 +104,7 @@ def _validate_rampup(config: TrainConfig) -> None:
                               f"iteration: {exc}") from None
 
 
-def validate(config: TrainConfig, world_size: int) -> Schedule:
+def check_config_and_build_schedule(config: TrainConfig, world_size: int) -> Schedule:
     """Cross-flag consistency checks (no process group needed); returns the run's schedule."""
     parallel = config.parallel
     parallel.layout.check_world(world_size)
@@ -112,6 +117,7 @@ def validate(config: TrainConfig, world_size: int) -> Schedule:
     _validate_logging(config.logging)
     check_wandb_flags(config.logging, config.checkpoint.save)
     _validate_attention(config.model, config.data)
+    _validate_context_parallel(config.model, parallel)
     check_backend(parallel)
     return schedule
 
@@ -123,15 +129,7 @@ def _validate_model(model: ModelConfig) -> None:
             f"{model.max_position_embeddings}"
         )
     check_architecture(model)
-    granularity, method = model.recompute_granularity, model.recompute_method
-    if granularity == "full" and method is None:
-        raise ConfigError("--recompute-granularity full requires --recompute-method")
-    if method is not None and granularity != "full":
-        raise ConfigError("--recompute-method requires --recompute-granularity full")
-    if method is not None and model.recompute_num_layers is None:
-        raise ConfigError("--recompute-method requires --recompute-num-layers")
-    if model.recompute_num_layers is not None and method is None:
-        raise ConfigError("--recompute-num-layers requires --recompute-method")
+    validate_recompute(model)
 
 
 def _check_data_files(paths: tuple[str, ...] | None, flag: str) -> None:
@@ -170,6 +168,7 @@ def _validate_data(data: DataConfig) -> None:
 def _validate_checkpoint(checkpoint: CheckpointConfig) -> None:
     if checkpoint.load is not None and not os.path.isdir(checkpoint.load):
         raise ConfigError(f"--load directory {checkpoint.load} does not exist")
+    refuse_megatron_checkpoint(checkpoint.load)
     if checkpoint.finetune and checkpoint.load is None:
         raise ConfigError("--finetune requires --load")
     if checkpoint.exit_on_missing_checkpoint:
@@ -194,6 +193,28 @@ def _validate_logging(logging: LoggingConfig) -> None:
                          ("--log-memory-to-tensorboard", logging.log_memory_to_tensorboard)):
             if on:
                 raise ConfigError(f"{flag} requires --tensorboard-dir")
+
+
+def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """--context-parallel-size and --cp-comm-type (the sequence rule is the layout's)."""
+    cp = parallel.context_parallel_size
+    if model.cp_comm_type not in COMM_TYPES:
+        raise ConfigError(f"--cp-comm-type must be one of {COMM_TYPES}, got "
+                          f"{model.cp_comm_type!r}")
+    if cp == 1:
+        return
+    if model.hidden_dropout > 0 or model.attention_dropout > 0:
+        raise ConfigError("--context-parallel-size > 1 needs --hidden-dropout 0 and "
+                          "--attention-dropout 0 (each context rank holds other tokens, so "
+                          "dropout masks would differ from one process's)")
+    if model.document_attention != "auto":
+        raise ConfigError(f"--document-attention {model.document_attention} does not apply with "
+                          "--context-parallel-size > 1: the --cp-comm-type kernel masks the "
+                          "documents itself")
+    if model.cp_comm_type == "a2a":
+        layout = parallel.layout
+        check_heads(layout.split(model.num_attention_heads, "--num-attention-heads"),
+                    layout.split(model.query_groups, "--num-query-groups"), cp)
 
 
 def _validate_attention(model: ModelConfig, data: DataConfig) -> None:

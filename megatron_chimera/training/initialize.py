@@ -89,13 +89,7 @@ def initialize_distributed(config: ParallelConfig) -> torch.device:
     missing = [k for k in required if k not in os.environ]
     if missing:
         raise ConfigError(f"environment lacks {missing}: launch with torchrun")
-    world = int(os.environ["WORLD_SIZE"])
-    if world != config.world_size:
-        raise ConfigError(
-            f"world size {world} != --data-parallel-size {config.data_parallel_size} x "
-            f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size} x "
-            f"--tensor-model-parallel-size {config.tensor_model_parallel_size}"
-        )
+    config.layout.check_world(int(os.environ["WORLD_SIZE"]))  # the one world check
     dist.init_process_group(init_method="env://", **options)
     return device
 
@@ -135,6 +129,7 @@ def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -
         config.pipeline_model_parallel_size, schedule.placement, schedule.num_stages,
         config.tensor_model_parallel_size,
         timeout=timedelta(minutes=config.distributed_timeout_minutes),
+        context_parallel_size=config.context_parallel_size,
     )
     parallel_state.connect_communicators(device)
     set_random_seed(seed)

@@ -53,18 +53,23 @@ class MemoryFigures:
 
 def predicted_memory(config: TrainConfig, family: ModelFamily, schedule: Schedule,
                      partition: list[tuple[int, int]], device_type: str) -> list[MemoryFigures]:
-    """Predicted figures of every pipeline rank (one tensor rank's share)."""
+    """Predicted figures of every pipeline rank (one tensor rank's share; with context
+    parallelism one context rank's: its s/CP tokens, the optimizer sharded over data x context
+    ranks)."""
     from megatron_chimera.tuning.costs import ModelSpec, pieces_of
     from megatron_chimera.tuning.memory import rank_memory, receive_buffers
 
     parallel, model = config.parallel, config.model
-    spec = ModelSpec(model, family)
+    cp = parallel.context_parallel_size
+    local = model if cp == 1 else dataclasses.replace(
+        model, seq_length=model.seq_length // cp, max_position_embeddings=model.max_positions)
+    spec = ModelSpec(local, family)
     ranks = rank_memory(spec, schedule, pieces_of(partition), config.training.micro_batch_size,
                         model.recompute_granularity == "full", device_type,
                         parallel.tensor_model_parallel_size, model.sequence_parallel,
-                        parallel.data_parallel_size, config.ddp.use_distributed_optimizer,
+                        parallel.data_parallel_size * cp, config.ddp.use_distributed_optimizer,
                         config.ddp.grad_reduce_in_fp32)
-    seq = model.seq_length
+    seq = local.seq_length
     if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
         seq //= parallel.tensor_model_parallel_size
     message = seq * config.training.micro_batch_size * model.hidden_size * model.dtype_bytes
@@ -202,7 +207,7 @@ class MemoryReport:
             return
         pipeline_rank = parallel_state.get_pipeline_model_parallel_rank()
         mine = (dist.get_rank(), pipeline_rank, self.predicted[pipeline_rank],
-                measured_memory(run.stages, run.optimizer, run.executor, self.activations),
+                measured_memory(run.stages, run.optimizer, run.pipeline.executor, self.activations),
                 allocator_line())
         self.activations = None
         world, logging_rank = dist.get_world_size(), dist.get_world_size() - 1

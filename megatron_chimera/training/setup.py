@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch import nn
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
 from megatron_chimera.checkpoint.checkpointing import (
+    CheckpointTarget,
     StageSlice,
     get_rng_state,
     load_checkpoint,
@@ -29,27 +30,22 @@ from megatron_chimera.checkpoint.saved_args import check_checkpoint_args
 from megatron_chimera.config import TrainConfig
 from megatron_chimera.distributed.data_parallel import build_data_parallel
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
-from megatron_chimera.model.dropout_rng import keyed_forward_step
 from megatron_chimera.model.family import ModelFamily
 from megatron_chimera.model.flops import training_flops
 from megatron_chimera.model.stage_layout import format_layout, stage_partition
-from megatron_chimera.optimizer import OptimizerParamScheduler, get_data_parallel_optimizer
-from megatron_chimera.pipeline.chrome_trace import PipelineTrace, traced_iterations
-from megatron_chimera.pipeline.executor import (
-    Gradients,
-    PipelineExecutor,
-    StageWork,
-    make_transport,
+from megatron_chimera.optimizer import (
+    MegatronOptimizer,
+    OptimizerParamScheduler,
+    get_data_parallel_optimizer,
 )
+from megatron_chimera.pipeline.chrome_trace import PipelineTrace, traced_iterations
 from megatron_chimera.pipeline.hang import HangWatch
-from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
-from megatron_chimera.pipeline.topology import PipelineTopology
-from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import Schedule
-from megatron_chimera.training.measured_costs import time_partition
+from megatron_chimera.schedules.measured import TraceFormat
 from megatron_chimera.training.memory_report import MemoryFigures, MemoryReport, predicted_memory
 from megatron_chimera.training.monitor import Timers, TrainingMonitor, predicted_bubble_ratio
 from megatron_chimera.training.preflight import check_resume_iteration
+from megatron_chimera.training.running_schedule import ExecutorFactory, RunningSchedule
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -66,62 +62,39 @@ class TrainState:
     consecutive_skipped: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
+class Instruments:
+    """What watches the run without changing it: the ``--pipeline-trace`` recorder, the memory
+    report of the first iteration and the hang watch (who waits for whom when an iteration
+    stops moving)."""
+
+    trace: PipelineTrace | None
+    memory: MemoryReport | None
+    hang_watch: HangWatch | None
+
+
+@dataclass(frozen=True)
 class Run:
-    """Everything the loop works on: the configuration, the schedule and this rank's stages,
-    optimizer and executors, the monitor, which micro-batches this rank reads (None: all), the
-    RNG state to start from, and the profile-guided rebuild's state."""
+    """Everything the loop works on: the configuration, this rank's stages, optimizer and LR
+    schedule, the running schedule (with its executors and the profile-guided rebuild), the
+    monitor and timers, the RNG state to start from (seeded or restored, re-applied before the
+    loop), the instruments and the ``--async-save`` writer."""
 
     config: TrainConfig
     family: ModelFamily
-    schedule: Schedule
     partition: list[tuple[int, int]]
     stages: list[StageSlice]
-    optimizer: Any
+    optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
-    executors: ExecutorFactory
-    executor: PipelineExecutor
-    eval_executor: PipelineExecutor
+    pipeline: RunningSchedule
     monitor: TrainingMonitor
     timers: Timers
-    needed_microbatches: list[int] | None
     rank: int
     world_size: int
-    rng_state: dict[str, Any] | None = None  # seeded or restored state, re-applied before the loop
-    device: torch.device | None = None
-    profile: ProfileRebuild | None = None
-    profiled: dict[str, Any] | None = None  # measured costs and the schedule they rebuilt
-    trace: PipelineTrace | None = None  # --pipeline-trace
-    memory: MemoryReport | None = None  # the per-rank memory report after the first iteration
-    hang_watch: HangWatch | None = None  # who waits for whom when an iteration stops moving
-    # the evaluation's micro-batches (its schedule keeps the full batch during a ramp-up)
-    eval_needed_microbatches: list[int] | None = None
-    # --async-save: the background checkpoint writer (its own gloo group)
-    checkpointer: AsyncCheckpointer | None = None
-    # --rampup-batch-size: each N's training schedule, executor and read micro-batches, kept
-    by_microbatches: dict[int, tuple[Schedule, PipelineExecutor, list[int] | None]] = \
-        field(default_factory=dict)
-
-
-def p2p_tensor_shape(config: TrainConfig) -> tuple[int, int, int]:
-    """Shape of every pipeline message: ``[s, b, h]``, or ``[s/T, b, h]`` (this rank's chunk of
-    the sequence) under sequence parallelism."""
-    model, parallel = config.model, config.parallel
-    seq = model.seq_length
-    if model.sequence_parallel and parallel.tensor_model_parallel_size > 1:
-        seq //= parallel.tensor_model_parallel_size
-    return (seq, config.training.micro_batch_size, model.hidden_size)
-
-
-def needed_microbatches(schedule: Schedule, pipeline_rank: int,
-                        all_stages: bool) -> list[int] | None:
-    """Micro-batches whose first or last stage this rank holds (None: every one)."""
-    if all_stages:
-        return None
-    last = schedule.num_stages - 1
-    pipes = {pipe for pipe, stage in schedule.replicas_of_rank(pipeline_rank)
-             if stage in (0, last)}
-    return [m for p in sorted(pipes) for m in schedule.microbatches_of_pipe(p)]
+    device: torch.device
+    rng_state: dict[str, Any] | None
+    instruments: Instruments
+    checkpointer: AsyncCheckpointer | None  # --async-save: its own gloo group
 
 
 def train_valid_test_num_samples(config: TrainConfig) -> list[int]:
@@ -141,6 +114,8 @@ def build_stages(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     replica rank writes its checkpoint file."""
     rank = dist.get_rank()
     if config.training.partition_method == "time":
+        from megatron_chimera.tuning.profile import time_partition
+
         partition = time_partition(config, family, schedule, device, rank == 0)
     else:
         partition = stage_partition(config.training.layer_split,
@@ -161,7 +136,7 @@ def build_stages(config: TrainConfig, family: ModelFamily, schedule: Schedule,
 
 
 def build_optimizer(config: TrainConfig, stages: list[StageSlice]
-                    ) -> tuple[GradientSynchronizer, Any, OptimizerParamScheduler]:
+                    ) -> tuple[GradientSynchronizer, MegatronOptimizer, OptimizerParamScheduler]:
     """The gradient synchronizer, the optimizer over this rank's stages and the LR schedule."""
     data_parallel = build_data_parallel(config.ddp, {s.stage: s.module for s in stages})
     optimizer = get_data_parallel_optimizer(config.optimizer, data_parallel)
@@ -171,8 +146,8 @@ def build_optimizer(config: TrainConfig, stages: list[StageSlice]
 
 
 def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
-               stages: list[StageSlice], optimizer: Any, scheduler: OptimizerParamScheduler,
-               state: TrainState) -> dict[str, Any]:
+               stages: list[StageSlice], optimizer: MegatronOptimizer,
+               scheduler: OptimizerParamScheduler, state: TrainState) -> dict[str, Any]:
     """Resume from ``--load`` when it holds a checkpoint (its model arguments checked against
     this run); returns the loaded checkpoint's arguments (empty when nothing was loaded)."""
     ckpt = config.checkpoint
@@ -190,10 +165,10 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
         check_resume_iteration(saved_iteration, config,
                                resolve_checkpoint_dir(ckpt.load, saved_iteration))
     memory = PeakHostMemory()
-    loaded = load_checkpoint(
-        ckpt.load, stages, schedule.num_stages, optimizer, scheduler, rank=rank,
-        world_size=world_size, load_optim=not ckpt.no_load_optim,
+    target = CheckpointTarget(
+        stages, schedule.num_stages, optimizer, scheduler, load_optim=not ckpt.no_load_optim,
         load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune, check_args=check_args)
+    loaded = load_checkpoint(ckpt.load, target, rank=rank, world_size=world_size)
     if loaded is not None:
         state.iteration = loaded.iteration
         state.consumed_train_samples = loaded.consumed_train_samples
@@ -230,46 +205,6 @@ def build_datasets(provider: DatasetsProvider, config: TrainConfig) -> tuple[Any
     return provider(num_samples) if rank != 0 else datasets
 
 
-class ExecutorFactory:
-    """Both executors (training, evaluation) of any schedule of this run; each lowers and
-    validates it. They share the transport of the running schedule, so its connections stay
-    and only a direction it never used is connected, in the one global order, before the first
-    iteration (message tags depend on the pipes and N: other ones get their own transport).
-    They share the one gradient synchronizer too: it depends on the buffers, not on the
-    order."""
-
-    def __init__(self, config: TrainConfig, stages: list[StageSlice],
-                 forward_step_func: Callable, grad_sync: GradientSynchronizer,
-                 optimizer: Any, device: torch.device) -> None:
-        self.topology = PipelineTopology.from_parallel_state()
-        model = config.model
-        self.work = StageWork({s.stage: s.module for s in stages},
-                              keyed_forward_step(forward_step_func, device),
-                              p2p_tensor_shape(config), model.torch_dtype, device)
-        self.data_parallel_size = config.parallel.data_parallel_size
-        self.grad_sync, self.scale_loss = grad_sync, optimizer.scale_loss
-        self.transports: dict[tuple[int, int], Transport] = {}
-
-    def _transport(self, schedule: Schedule) -> Transport:
-        sizes = (schedule.num_pipes, schedule.num_microbatches)
-        if sizes not in self.transports:
-            self.transports[sizes] = make_transport(self.topology, lambda m: m.tag(*sizes))
-        return self.transports[sizes]
-
-    def train_executor(self, schedule: Schedule) -> PipelineExecutor:
-        """The training executor of ``schedule`` (losses divided by its N x W)."""
-        divisor = schedule.num_microbatches * self.data_parallel_size
-        return PipelineExecutor(schedule, self.topology, self.work,
-                                Gradients(divisor, self.grad_sync, self.scale_loss),
-                                transport=self._transport(schedule))
-
-    def __call__(self, schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
-        divisor = schedule.num_microbatches * self.data_parallel_size
-        return (self.train_executor(schedule),
-                PipelineExecutor(schedule, self.topology, self.work, Gradients(divisor),
-                                 transport=self._transport(schedule)))
-
-
 def build_monitor(config: TrainConfig, family: ModelFamily, schedule: Schedule,
                   partition: list[tuple[int, int]]) -> TrainingMonitor:
     """The log lines and TensorBoard writer, on the logging rank (the last: where the executor
@@ -300,26 +235,46 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     saved_args = load_state(config, family, schedule, stages, optimizer, scheduler, state)
     rng_state = get_rng_state()  # seeded, or restored from the checkpoint
     executors = ExecutorFactory(config, stages, forward_step_func, grad_sync, optimizer, device)
-    executor, eval_executor = executors(schedule)
-    # BERT's padding mask, GPT's document mask (--reset-attention-mask) and the per-document
-    # rotary positions (--reset-position-ids with RoPE) reach every stage
+    pipeline = RunningSchedule(config, schedule, executors,
+                               all_stages=every_stage_reads_batch(config, family))
+    run = Run(config=config, family=family, partition=partition, stages=stages,
+              optimizer=optimizer, scheduler=scheduler, pipeline=pipeline,
+              monitor=build_monitor(config, family, schedule, partition),
+              timers=Timers(config.logging.timing_log_level), rank=rank,
+              world_size=world_size, device=device, rng_state=rng_state,
+              instruments=build_instruments(config, family, partition, state, pipeline, device),
+              checkpointer=build_checkpointer(config))
+    return run, saved_args
+
+
+def every_stage_reads_batch(config: TrainConfig, family: ModelFamily) -> bool:
+    """Whether every stage reads the whole batch: BERT's padding mask, GPT's document mask
+    (--reset-attention-mask) and the per-document rotary positions (--reset-position-ids with
+    RoPE) reach every stage."""
     rotary_positions = (config.data.reset_position_ids
                         and config.model.position_embedding_type == "rope")
-    needed = needed_microbatches(schedule, parallel_state.get_pipeline_model_parallel_rank(),
-                                 all_stages=family.every_stage_reads_batch
-                                 or config.data.reset_attention_mask or rotary_positions)
-    run = Run(config, family, schedule, partition, stages, optimizer, scheduler, executors,
-              executor, eval_executor, build_monitor(config, family, schedule, partition),
-              Timers(config.logging.timing_log_level),
-              needed, rank, world_size, rng_state, device, eval_needed_microbatches=needed)
-    run.trace = build_trace(config, state, device)
-    run.memory = build_memory_report(config, family, schedule, partition, state, device)
-    if config.checkpoint.async_save:  # every rank creates the group, in the same order
-        run.checkpointer = AsyncCheckpointer(dist.new_group(backend="gloo"))
+    return (family.every_stage_reads_batch or config.data.reset_attention_mask
+            or rotary_positions)
+
+
+def build_instruments(config: TrainConfig, family: ModelFamily,
+                      partition: list[tuple[int, int]], state: TrainState,
+                      pipeline: RunningSchedule, device: torch.device) -> Instruments:
+    """The trace recorder, the memory report and the started hang watch of the run."""
+    trace = build_trace(config, state, device)
+    memory = build_memory_report(config, family, pipeline.schedule, partition, state, device)
     # the report done before the backend's own timeout error: 60% of the timeout
     threshold = 0.6 * 60 * config.parallel.distributed_timeout_minutes
-    run.hang_watch = HangWatch(lambda: run.executor, threshold).start()
-    return run, saved_args
+    hang_watch = HangWatch(lambda: pipeline.executor, threshold).start()
+    return Instruments(trace=trace, memory=memory, hang_watch=hang_watch)
+
+
+def build_checkpointer(config: TrainConfig) -> AsyncCheckpointer | None:
+    """The background writer of ``--async-save`` (every rank creates its group, in the same
+    order), else None."""
+    if not config.checkpoint.async_save:
+        return None
+    return AsyncCheckpointer(dist.new_group(backend="gloo"))
 
 
 def build_memory_report(config: TrainConfig, family: ModelFamily, schedule: Schedule,
@@ -342,9 +297,9 @@ def build_trace(config: TrainConfig, state: TrainState, device: torch.device
     path = config.logging.pipeline_trace
     if path is None:
         return None
-    place = {"pipeline_rank": parallel_state.get_pipeline_model_parallel_rank(),
-             "data_parallel_rank": parallel_state.get_data_parallel_rank(),
-             "tensor_rank": parallel_state.get_tensor_model_parallel_rank()}
+    place = {TraceFormat.PIPELINE_RANK: parallel_state.get_pipeline_model_parallel_rank(),
+             TraceFormat.DATA_PARALLEL_RANK: parallel_state.get_data_parallel_rank(),
+             TraceFormat.TENSOR_RANK: parallel_state.get_tensor_model_parallel_rank()}
     place["place"] = ", ".join(f"{k.split('_')[0]} {v}" for k, v in place.items())
     iterations = traced_iterations(state.iteration, config.training.total_train_iters)
     return PipelineTrace(path, iterations, dist.get_rank(), device, place)

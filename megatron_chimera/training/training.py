@@ -31,6 +31,7 @@ from megatron_chimera.checkpoint.checkpointing import (
     set_rng_state,
     stage_named_parameters,
 )
+from megatron_chimera.checkpoint.saved_args import checkpoint_family_error
 from megatron_chimera.config import ConfigError, TrainConfig
 from megatron_chimera.data.samplers import (
     build_data_iterator,
@@ -39,10 +40,16 @@ from megatron_chimera.data.samplers import (
 )
 from megatron_chimera.model.dropout_rng import KeyedMicrobatch, microbatch_key
 from megatron_chimera.model.family import GPT2, ModelFamily
+from megatron_chimera.pipeline.profiling import (
+    PROFILED_KEY,
+    profiling_for,
+    rebuild_scalars,
+    resumed_rebuild,
+    save_profiled_costs,
+)
 from megatron_chimera.schedules.actions import Schedule
-from megatron_chimera.schedules.rebuild import RebuildReport
+from megatron_chimera.schedules.measured import RebuildReport
 from megatron_chimera.training.arguments import build_schedule_for, parse_args_and_schedule
-from megatron_chimera.training.config_checks import schedule_for_microbatches
 from megatron_chimera.training.exit_conditions import ExitCheck, SignalFlag, agreed_start_time
 from megatron_chimera.training.flag_catalog import family_flag_errors
 from megatron_chimera.training.health import (
@@ -52,14 +59,6 @@ from megatron_chimera.training.health import (
     raise_nonfinite_grad_norm,
 )
 from megatron_chimera.training.initialize import initialize_megatron
-from megatron_chimera.training.measured_costs import (
-    PROFILED_KEY,
-    profiled_record,
-    profiling_for,
-    rebuild_scalars,
-    resumed_rebuild,
-    save_profiled_costs,
-)
 from megatron_chimera.training.monitor import (
     IterationStats,
     gather_memory_stats,
@@ -72,7 +71,6 @@ from megatron_chimera.training.setup import (
     Run,
     TrainState,
     build_datasets,
-    needed_microbatches,
     setup_run,
 )
 
@@ -113,28 +111,8 @@ _NO_METER = contextlib.nullcontext()
 
 def _watched(run: Run, section: str):
     """The hang watch armed for ``section`` (a no-op without one)."""
-    return run.hang_watch.watching(section) if run.hang_watch is not None else _NO_METER
-def current_batch_size(run: Run) -> int:
-    """The global batch of the running schedule (smaller during ``--rampup-batch-size``)."""
-    training = run.config.training
-    return run.schedule.num_microbatches * (training.global_batch_size
-                                            // training.num_microbatches)
-
-
-def use_microbatches(run: Run, num_microbatches: int) -> None:
-    """Train with ``num_microbatches`` per iteration from now on (``--rampup-batch-size``):
-    each N's schedule, executor and read micro-batches are built on first use and kept."""
-    current = run.schedule.num_microbatches
-    if num_microbatches == current:
-        return
-    run.by_microbatches[current] = (run.schedule, run.executor, run.needed_microbatches)
-    if num_microbatches not in run.by_microbatches:
-        schedule = schedule_for_microbatches(run.config, num_microbatches)
-        needed = needed_microbatches(schedule, parallel_state.get_pipeline_model_parallel_rank(),
-                                     all_stages=run.needed_microbatches is None)
-        run.by_microbatches[num_microbatches] = (
-            schedule, run.executors.train_executor(schedule), needed)
-    run.schedule, run.executor, run.needed_microbatches = run.by_microbatches[num_microbatches]
+    watch = run.instruments.hang_watch
+    return watch.watching(section) if watch is not None else _NO_METER
 
 
 def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
@@ -146,19 +124,21 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     Returns (executor result, skipped, grad norm, pipeline seconds).
     """
     run.timers("batch-generator").start()
-    batches = next_microbatches(data_iterator, run.schedule.num_microbatches,
-                                run.needed_microbatches)
+    pipeline = run.pipeline
+    batches = next_microbatches(data_iterator, pipeline.schedule.num_microbatches,
+                                pipeline.needed_microbatches)
     run.timers("batch-generator").stop()
     if consumed_samples is not None:
         batches = keyed_microbatches(run, batches, consumed_samples)
     run.optimizer.zero_grad()
-    trace = run.trace if run.trace is not None and iteration is not None else None
+    trace = run.instruments.trace if iteration is not None else None
     if trace is not None:
-        trace.begin(run.executor, iteration)
+        trace.begin(pipeline.executor, iteration)
     run.timers("forward-backward").start()
-    meter = run.memory.meter(run.stages, iteration) if run.memory and iteration else _NO_METER
+    memory = run.instruments.memory
+    meter = memory.meter(run.stages, iteration) if memory and iteration else _NO_METER
     with meter:
-        result = run.executor.run(batches)
+        result = pipeline.executor.run(batches)
     run.timers("forward-backward").stop()
     nan_check = iteration is not None and run.config.training.check_for_nan_in_loss_and_grad
     folded = nan_check and grad_norm_covers_gradients(run.config.optimizer)
@@ -174,11 +154,11 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
         _check_nan(run, iteration, result)  # names the rank and the value, then raises
         raise_nonfinite_grad_norm(iteration, grad_norm)
     if update_successful:
-        run.scheduler.step(current_batch_size(run))
+        run.scheduler.step(pipeline.batch_size())
     if trace is not None:
         trace.end()
-    if run.memory is not None and iteration is not None:
-        run.memory.report(run, iteration)
+    if memory is not None and iteration is not None:
+        memory.report(run, iteration)
     return result, not update_successful, grad_norm, result.iteration_seconds
 
 
@@ -200,11 +180,11 @@ def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
     with torch.no_grad():
         for _ in range(num_iters):
             batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
-                                        run.eval_needed_microbatches)
-            results.append(run.eval_executor.run(batches, forward_only=True))
+                                        run.pipeline.eval_needed_microbatches)
+            results.append(run.pipeline.eval_executor.run(batches, forward_only=True))
     for module in (s.module for s in run.stages):
         module.train()
-    for gathered in run.eval_executor.gather(results) or []:
+    for gathered in run.pipeline.eval_executor.gather(results) or []:
         losses += gathered.losses
     return _average_losses(losses)
 
@@ -230,7 +210,7 @@ def save(run: Run, state: TrainState) -> None:
         consumed_train_samples=state.consumed_train_samples,
         consumed_valid_samples=state.consumed_valid_samples,
         args={**dataclasses.asdict(run.config), "model_family": run.family.name,
-              **({PROFILED_KEY: run.profiled} if run.profiled else {})},
+              **({PROFILED_KEY: run.pipeline.profiled} if run.pipeline.profiled else {})},
         save_optim=not ckpt.no_save_optim)
     if ckpt.ckpt_format == FORMAT_TORCH_DIST:  # --async-save: staged now, written later
         job = prepare_sharded_save(ckpt.save, contents, rank=run.rank,
@@ -270,7 +250,7 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     if not pending:
         return
     with _watched(run, "gathering the losses to the logging rank (collective)"):
-        gathered = run.executor.gather([result for _, result in pending])
+        gathered = run.pipeline.executor.gather([result for _, result in pending])
     for stats, _ in pending:  # the iteration's timer events are complete by now
         stats.resolve_timers()
     for (stats, _), figures in zip(pending, gathered or []):
@@ -289,40 +269,10 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
     one collective brings every pending iteration's figures to the logging rank.
     """
     exits = exits or ExitCheck(run.config.training, time.time())
-    training, ckpt, log = run.config.training, run.config.checkpoint, run.config.logging
-    total = training.total_train_iters
+    training, ckpt = run.config.training, run.config.checkpoint
     pending: list[tuple[IterationStats, Any]] = []
-    while state.iteration < total:
-        if run.profile is not None:
-            run.profile.start_iteration(run.executor)
-        use_microbatches(run, training.num_microbatches_at(state.consumed_train_samples))
-        batch_size = current_batch_size(run)
-        run.timers("interval-time").start()
-        with _watched(run, f"iteration {state.iteration + 1} outside the pipeline (collectives: "
-                           f"gradient norm, NaN check, optimizer)"):
-            result, skipped, grad_norm, pipeline_seconds = train_step(
-                run, train_iterator, state.consumed_train_samples, state.iteration + 1)
-        run.timers("interval-time").stop()
-        state.iteration += 1
-        state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
-        if run.profile is not None:
-            report = run.profile.finish_iteration(run.executor)
-            if report is not None:
-                apply_rebuild(run, report, state.iteration)
-        state.consumed_train_samples += batch_size
-        readings = run.timers.take_all()  # resolved at the logging iteration (no sync now)
-        memory = None  # a collective: every rank, on the iterations TensorBoard is written
-        if (log.log_memory_to_tensorboard and log.tensorboard_dir
-                and state.iteration % log.tensorboard_log_interval == 0):
-            memory = gather_memory_stats(run.world_size - 1)
-        pending.append((IterationStats(
-            iteration=state.iteration, consumed_samples=state.consumed_train_samples,
-            batch_size=batch_size, losses={}, learning_rate=run.scheduler.get_lr(),
-            loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
-            iteration_seconds=pipeline_seconds, pipeline_seconds=pipeline_seconds,
-            timer_readings=readings, memory=memory), result))
-        if state.iteration % log.log_interval == 0 or state.iteration == total:
-            _report(run, pending)
+    while state.iteration < training.total_train_iters:
+        _iteration(run, state, train_iterator, pending)
         check_skipped(state.consecutive_skipped, training.max_consecutive_skipped_iterations,
                       state.iteration, run.optimizer.get_loss_scale())
         if training.eval_interval and state.iteration % training.eval_interval == 0:
@@ -339,21 +289,50 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
     return None
 
 
+def _iteration(run: Run, state: TrainState, train_iterator,
+               pending: list[tuple[IterationStats, Any]]) -> None:
+    """One training iteration of the loop: the running schedule for this iteration's batch
+    size, the step, the rebuild at the end of a profiling window, the iteration's figures
+    (reported at a log iteration)."""
+    training, log = run.config.training, run.config.logging
+    pipeline = run.pipeline
+    pipeline.start_iteration()
+    pipeline.use_microbatches(training.num_microbatches_at(state.consumed_train_samples))
+    batch_size = pipeline.batch_size()
+    run.timers("interval-time").start()
+    with _watched(run, f"iteration {state.iteration + 1} outside the pipeline (collectives: "
+                       f"gradient norm, NaN check, optimizer)"):
+        result, skipped, grad_norm, pipeline_seconds = train_step(
+            run, train_iterator, state.consumed_train_samples, state.iteration + 1)
+    run.timers("interval-time").stop()
+    state.iteration += 1
+    state.consecutive_skipped = state.consecutive_skipped + 1 if skipped else 0
+    report = pipeline.finish_iteration()
+    if report is not None:
+        apply_rebuild(run, report, state.iteration)
+    state.consumed_train_samples += batch_size
+    readings = run.timers.take_all()  # resolved at the logging iteration (no sync now)
+    memory = None  # a collective: every rank, on the iterations TensorBoard is written
+    if (log.log_memory_to_tensorboard and log.tensorboard_dir
+            and state.iteration % log.tensorboard_log_interval == 0):
+        memory = gather_memory_stats(run.world_size - 1)
+    pending.append((IterationStats(
+        iteration=state.iteration, consumed_samples=state.consumed_train_samples,
+        batch_size=batch_size, losses={}, learning_rate=run.scheduler.get_lr(),
+        loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
+        iteration_seconds=pipeline_seconds, pipeline_seconds=pipeline_seconds,
+        timer_readings=readings, memory=memory), result))
+    if state.iteration % log.log_interval == 0 or state.iteration == training.total_train_iters:
+        _report(run, pending)
+
+
 def apply_rebuild(run: Run, report: RebuildReport, iteration: int) -> None:
     """Run the rebuilt schedule from the next iteration on, log the switch (stdout line and
     TensorBoard on the logging rank), and keep the measured costs next to the checkpoints
     (``<save>/profiled_stage_costs.json``, for ``--chimera-zb-costs @file``)."""
-    run.profile = None
-    run.profiled = profiled_record(report)  # saved with the checkpoints
-    if report.changed:
-        run.schedule = report.schedule
-        run.executor, run.eval_executor = run.executors(report.schedule)
-        run.needed_microbatches = needed_microbatches(  # same placement: the same stages
-            report.schedule, parallel_state.get_pipeline_model_parallel_rank(),
-            all_stages=run.needed_microbatches is None)
-        run.eval_needed_microbatches = run.needed_microbatches
-        if run.monitor.predicted_bubble is not None:
-            run.monitor.predicted_bubble = predicted_bubble_ratio(report.schedule)
+    run.pipeline.adopt(report)  # the record is saved with the checkpoints
+    if report.changed and run.monitor.predicted_bubble is not None:
+        run.monitor.predicted_bubble = predicted_bubble_ratio(report.schedule)
     run.monitor.log_schedule_rebuild(iteration, report.line(), rebuild_scalars(report))
     if run.config.checkpoint.save is not None and run.rank == 0:
         save_profiled_costs(run.config.checkpoint.save, report.costs)
@@ -407,22 +386,9 @@ def _pretrain(train_valid_test_datasets_provider: DatasetsProvider,
     run, saved_args = setup_run(config, family, schedule, model_provider, forward_step_func,
                                 state, device)
     train_ds, valid_ds, test_ds = build_datasets(train_valid_test_datasets_provider, config)
-    run.profile = profiling_for(config, schedule, device, verbose=run.rank == 0)
-    report = resumed_rebuild(run.profile, schedule, saved_args, config.checkpoint.finetune,
-                             verbose=run.rank == 0)
-    if report is not None:
-        apply_rebuild(run, report, state.iteration)
+    _start_profiling(run, schedule, saved_args, state)
     training = config.training
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dp_size = parallel_state.get_data_parallel_world_size()
-    workers = config.data.num_workers
-
-    reads = run.needed_microbatches is None or bool(run.needed_microbatches)
-
-    def iterator(dataset, consumed):
-        return build_data_iterator(dataset, consumed, training.micro_batch_size, dp_rank,
-                                   dp_size, workers, read=reads)
-
+    iterator = _iterator_builder(run)
     # On an exception the process exits without further collectives; torchrun stops the others.
     remaining = training.total_train_iters - state.iteration
     check_splits(config, train_ds, valid_ds, test_ds, remaining,
@@ -437,16 +403,50 @@ def _pretrain(train_valid_test_datasets_provider: DatasetsProvider,
             _evaluate_and_log(run, "validation end of training", valid_iterator, state)
         save(run, state)
         _evaluate_and_log(run, "test end of training", iterator(test_ds, 0), state)
+    _teardown(run)
+    return state
+
+
+def _start_profiling(run: Run, schedule: Schedule, saved_args: dict[str, Any],
+                     state: TrainState) -> None:
+    """Open the ``--profile-iterations`` window; a resume after it repeats the rebuild its
+    checkpoint recorded instead."""
+    config, verbose = run.config, run.rank == 0
+    run.pipeline.start_profiling(profiling_for(config, schedule, run.device, verbose=verbose))
+    report = resumed_rebuild(run.pipeline.profile, schedule, saved_args,
+                             config.checkpoint.finetune, verbose=verbose)
+    if report is not None:
+        apply_rebuild(run, report, state.iteration)
+
+
+def _iterator_builder(run: Run) -> Callable[[Any, int], Any]:
+    """``iterator(dataset, consumed samples)``: this rank's data iterator over a dataset (it
+    reads nothing when this rank holds neither end of any micro-batch's pipe)."""
+    training = run.config.training
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    workers = run.config.data.num_workers
+    needed = run.pipeline.needed_microbatches
+    reads = needed is None or bool(needed)
+
+    def iterator(dataset, consumed):
+        return build_data_iterator(dataset, consumed, training.micro_batch_size, dp_rank,
+                                   dp_size, workers, read=reads)
+    return iterator
+
+
+def _teardown(run: Run) -> None:
+    """The end of a run: no collective in flight, the last checkpoint published, the watch and
+    monitor closed, the process groups destroyed."""
     run.optimizer.finish_param_sync()  # no collective may be in flight at teardown
     if run.checkpointer is not None:
         run.checkpointer.wait()  # the last checkpoint is published before the exit
-    if run.hang_watch is not None:
-        run.hang_watch.stop()
+    if run.instruments.hang_watch is not None:
+        run.instruments.hang_watch.stop()
     run.monitor.close()
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
-    return state
 
 
 def pretrain_from_flags(
@@ -464,6 +464,9 @@ def pretrain_from_flags(
     """
     start_time = time.time()
     config, schedule = parse_args_and_schedule(argv)
+    wrong_checkpoint = checkpoint_family_error(config.checkpoint.load, family)
+    if wrong_checkpoint is not None:  # before its flags (--use-checkpoint-args) are blamed
+        raise ConfigError(wrong_checkpoint)
     for message in family_flag_errors(config, family):
         raise ConfigError(message)
     tokenizer, config = build_tokenizer_for(config)

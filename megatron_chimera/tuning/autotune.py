@@ -2,17 +2,20 @@
 keep what fits; rank by throughput.
 
 For ``P`` GPUs and a mini-batch ``B̂`` it tries every allowed tensor-parallel size ``T``
-(``SearchSpace.tensor_parallel_sizes``, default 1 only; with sequence parallelism when T > 1;
-T must divide the heads, hidden and MLP sizes), every even ``D`` dividing ``P / T`` (at most one
-stage per layer), ``W = P / (T D)``, every micro-batch size ``B`` with ``N = B̂ / (W B)``
-integral, every registered schedule variant the sizes allow (GPipe, 1F1B, interleaved with ``v``
-dividing the layers, Chimera and Chimera-ZB with 2 and 4 pipes and every concatenation, ZB-H1),
-layers partitioned uniformly or balanced by parameters (``--partition-method``; the balanced
-split moves layers off the stages holding the embedding and the LM head), with and without full
-recomputation, and with and without the distributed optimizer
+(``SearchSpace.tensor_parallel_sizes``; None, the CLI's default: every T that divides the
+attention heads and fits in one node; with sequence parallelism when T > 1; T must also divide
+the hidden and MLP sizes), every ``D`` dividing ``P / T`` with at most one stage per layer (odd
+sizes and D = 1 included: the schedules that need an even D reject the others; at D = 1 one
+plain schedule stands for all), ``W = P / (T D)``, every micro-batch size ``B`` with
+``N = B̂ / (W B)`` integral, every registered schedule variant the sizes allow (GPipe, 1F1B,
+interleaved with ``v`` dividing the layers, Chimera and Chimera-ZB with 2 and 4 pipes and every
+concatenation, ZB-H1), layers partitioned uniformly or balanced by parameters
+(``--partition-method``; the balanced split moves layers off the stages holding the embedding
+and the LM head), with and without recomputation (``SearchSpace.recompute_granularities``: full
+and/or selective), and with and without the distributed optimizer
 (``SearchSpace.distributed_optimizer``; only where a stage-replica group has more than one
 rank). The memory model drops layouts over the device memory before anything is simulated; a
-recomputing layout is simulated only when the same layout without recomputation does not fit
+recomputing layout is simulated only when the same layout with less recomputation does not fit
 (recomputation only adds work, so otherwise it is dominated). The rest are simulated by
 :class:`~megatron_chimera.tuning.perf_model.PerformanceModel` and ranked by samples/s.
 """
@@ -33,8 +36,9 @@ from megatron_chimera.schedules.registry import SCHEDULE_NAMES, ScheduleSpec, ge
 from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingLayout
 
 DEFAULT_SCHEDULES = SCHEDULE_NAMES
-JSON_KEYS = ("schedule", "pipes", "T", "D", "W", "B", "N", "recompute", "sequence_parallel",
-             "distributed_optimizer", "iteration_s", "samples_per_s", "peak_memory_bytes")
+JSON_KEYS = ("schedule", "pipes", "T", "D", "W", "B", "N", "recompute", "recompute_granularity",
+             "sequence_parallel", "distributed_optimizer", "iteration_s", "samples_per_s",
+             "peak_memory_bytes")
 
 
 @dataclass(frozen=True)
@@ -51,14 +55,24 @@ class SearchSpace:
     # (e.g. {"pipes": (2, 4, 8), "virtual_pipeline_size": (2,)})
     option_values: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     partition_methods: tuple[str, ...] = ("uniform", "parameters")
-    tensor_parallel_sizes: tuple[int, ...] = (1,)  # T to try (--tensor-model-parallel-sizes)
+    # T to try (--tensor-model-parallel-sizes); None: every T dividing ``num_attention_heads``
+    # up to ``gpus_per_node`` (tensor parallelism stays inside a node)
+    tensor_parallel_sizes: tuple[int, ...] | None = (1,)
     sequence_parallel: bool = True  # with T > 1, split the residual stream too
     distributed_optimizer: tuple[bool, ...] = (False, True)
+    recompute_granularities: tuple[str, ...] = ("full",)  # what a recomputing layout recomputes
+    # D to try (--pipeline-model-parallel-sizes); None: every divisor of P / T up to the layers
+    pipeline_parallel_sizes: tuple[int, ...] | None = None
+    num_attention_heads: int = 0  # for the automatic T (0: T = 1 only)
+    gpus_per_node: int = 1  # for the automatic T
 
     def __post_init__(self) -> None:
-        if self.num_gpus < 2:
-            raise ConfigError(f"--num-gpus must be >= 2 for pipeline parallelism, got "
-                              f"{self.num_gpus}")
+        if self.num_gpus < 1:
+            raise ConfigError(f"--num-gpus must be positive, got {self.num_gpus}")
+        if not self.recompute_granularities or set(self.recompute_granularities) - {
+                "full", "selective"}:
+            raise ConfigError(f"--recompute-granularity: choose full and/or selective, got "
+                              f"{self.recompute_granularities}")
         if self.global_batch_size < 1:
             raise ConfigError(f"--global-batch-size must be positive, got "
                               f"{self.global_batch_size}")
@@ -72,18 +86,53 @@ class SearchSpace:
                               f"{self.micro_batch_sizes}")
         for name in self.schedules:
             get_spec(name)  # ValueError naming the choices for an unknown schedule
-        if not self.tensor_parallel_sizes or min(self.tensor_parallel_sizes) < 1:
+        if self.pipeline_parallel_sizes is not None and min(self.pipeline_parallel_sizes,
+                                                            default=0) < 1:
+            raise ConfigError(f"--pipeline-model-parallel-sizes must be positive, got "
+                              f"{self.pipeline_parallel_sizes}")
+        if self.tensor_parallel_sizes is not None and (
+                not self.tensor_parallel_sizes or min(self.tensor_parallel_sizes) < 1):
             raise ConfigError(f"--tensor-model-parallel-sizes must be positive, got "
                               f"{self.tensor_parallel_sizes}")
 
+    def candidate_tensor_sizes(self) -> list[int]:
+        """The T to try before the GPU count is considered: the given ones, or every divisor
+        of the heads up to one node."""
+        if self.tensor_parallel_sizes is not None:
+            return sorted(set(self.tensor_parallel_sizes))
+        heads = max(self.num_attention_heads, 1)
+        return [t for t in range(1, max(self.gpus_per_node, 1) + 1) if heads % t == 0]
+
     def tensor_sizes(self) -> list[int]:
         """The allowed T that divide the GPU count."""
-        return sorted({t for t in self.tensor_parallel_sizes if self.num_gpus % t == 0})
+        return [t for t in self.candidate_tensor_sizes() if self.num_gpus % t == 0]
 
     def pipeline_sizes(self, tensor_parallel: int = 1) -> list[int]:
-        """Even D dividing the GPU count / T, at most one stage per layer."""
+        """Every D dividing the GPU count / T (odd and 1 included), at most one stage per
+        layer."""
         gpus = self.num_gpus // tensor_parallel
-        return [d for d in range(2, gpus + 1, 2) if gpus % d == 0 and d <= self.num_layers]
+        allowed = self.pipeline_parallel_sizes
+        return [d for d in range(1, gpus + 1) if gpus % d == 0 and d <= self.num_layers
+                and (allowed is None or d in allowed)]
+
+    def why_empty(self) -> str | None:
+        """One line naming the size constraint that leaves no layout to try (None: some
+        (T, D, B) combination exists)."""
+        if not self.tensor_sizes():
+            return (f"no tensor-parallel size T: none of {self.candidate_tensor_sizes()} "
+                    f"divides --num-gpus {self.num_gpus}")
+        if not any(self.pipeline_sizes(t) for t in self.tensor_sizes()):
+            given = ("" if self.pipeline_parallel_sizes is None else
+                     f" among --pipeline-model-parallel-sizes {self.pipeline_parallel_sizes}")
+            return (f"no pipeline size D: --num-gpus {self.num_gpus} / T has no divisor <= "
+                    f"--num-layers {self.num_layers}{given}")
+        widths = sorted({self.num_gpus // (t * d) for t in self.tensor_sizes()
+                         for d in self.pipeline_sizes(t)})
+        if not any(self.micro_batches_for(w) for w in widths):
+            return (f"no micro-batch size: --global-batch-size {self.global_batch_size} is not "
+                    f"a multiple of any data-parallel width W in {widths} (times a "
+                    f"--micro-batch-sizes value)")
+        return None
 
     def micro_batches_for(self, W: int) -> list[int]:
         """Micro-batch sizes B with B̂ / (W B) a positive integer."""
@@ -115,8 +164,27 @@ def _partitions_for(space: SearchSpace, num_stages: int) -> Iterator[str]:
             yield method
 
 
+def _recomputations(space: SearchSpace) -> Iterator[tuple[bool, str]]:
+    """(recompute, granularity) pairs to try: none, then selective before full."""
+    for recompute in space.recompute:
+        if not recompute:
+            yield False, "full"
+            continue
+        for granularity in sorted(space.recompute_granularities, reverse=True):
+            yield True, granularity
+
+
+def _without_pipeline(specs: Sequence[ScheduleSpec]) -> list[ScheduleSpec]:
+    """The schedules to try at D = 1: every schedule is then one rank running its micro-batches
+    in turn, so only the first plain one (one pipe, one chunk per rank) is kept."""
+    plain = [s for s in specs if s.pipes() == 1 and s.stages_per_rank() == 1
+             and not s.split_backward]
+    return plain[:1]
+
+
 def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
-    """Every layout of the search space (sizes not yet checked against the generators)."""
+    """Every layout of the search space (sizes not yet checked against the generators); at
+    D = 1 one schedule (:func:`_without_pipeline`)."""
     specs = [get_spec(name) for name in space.schedules]
     for T in space.tensor_sizes():
         sequence_parallel = space.sequence_parallel and T > 1
@@ -124,18 +192,19 @@ def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
             W = ParallelLayout.from_world(space.num_gpus, T, D).data
             for B in space.micro_batches_for(W):
                 N = space.global_batch_size // (W * B)
-                for spec in specs:
+                for spec in specs if D > 1 else _without_pipeline(specs):
                     for options in _variants(space, spec, D, N):
                         replicated = W * getattr(options, "pipes", 1) > 1
                         stages = D * getattr(options, "virtual_pipeline_size", 1)
                         for partition in _partitions_for(space, stages):
-                            for recompute in space.recompute:
+                            for recompute, granularity in _recomputations(space):
                                 for sharded in space.distributed_optimizer:
                                     if sharded and not replicated:
                                         continue  # every stage-replica group has one rank
                                     yield TrainingLayout(spec.name, D, W, B, N, recompute,
                                                          options, partition, T,
-                                                         sequence_parallel, sharded)
+                                                         sequence_parallel, sharded,
+                                                         granularity)
 
 
 @dataclass
@@ -151,13 +220,32 @@ class TuneResult:
     memory_limit_bytes: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    empty_reason: str | None = None  # the size constraint that left nothing to try
+
+    def why_empty(self) -> str:
+        """One line naming the constraint that emptied the search."""
+        if self.empty_reason is not None:
+            return f"no layout to try: {self.empty_reason}"
+        if self.over_memory:
+            layout, peak = min(self.over_memory, key=lambda lp: lp[1])
+            return (f"no layout fits in memory: the smallest peak is {peak / 2**30:.2f} GiB per "
+                    f"rank ({layout.describe()}) over the {self.memory_limit_bytes / 2**30:.2f} "
+                    f"GiB limit: raise --gpu-memory-gb, add GPUs, allow recomputation or lower "
+                    f"--global-batch-size / --micro-batch-sizes")
+        if self.invalid:
+            reasons: dict[str, int] = {}
+            for _, reason in self.invalid:
+                reasons[reason] = reasons.get(reason, 0) + 1
+            reason = max(reasons, key=reasons.get)
+            return (f"every one of the {len(self.invalid)} layouts is invalid; the most common "
+                    f"reason: {reason}")
+        return "no layout to try: the schedules allow none of the sizes"
 
     @property
     def best(self) -> Prediction:
         """The highest-throughput layout that fits."""
         if not self.ranked:
-            raise ConfigError("no layout fits in memory: raise --gpu-memory-gb, add GPUs or "
-                              "lower --global-batch-size / --micro-batch-sizes")
+            raise ConfigError(self.why_empty())
         return self.ranked[0]
 
 
@@ -171,7 +259,8 @@ def autotune(model: PerformanceModel, space: SearchSpace, memory_limit_bytes: in
     of the exhaustive search (``keep=None``) while far fewer schedules are built and simulated.
     """
     start = time.perf_counter()
-    result = TuneResult([], [], [], memory_limit_bytes=memory_limit_bytes)
+    result = TuneResult([], [], [], memory_limit_bytes=memory_limit_bytes,
+                        empty_reason=space.why_empty())
     layouts = list(enumerate_layouts(space))
     bounds = {layout: model.work_lower_bound(layout) for layout in layouts}
     if keep is not None:
@@ -182,8 +271,10 @@ def autotune(model: PerformanceModel, space: SearchSpace, memory_limit_bytes: in
         if keep is not None and len(times) >= keep and bounds[layout] > times[keep - 1]:
             result.pruned = len(layouts) - index
             break
-        plain = dataclasses.replace(layout, recompute=False)
-        if layout.recompute and fits.get(plain, False):
+        lighter = [dataclasses.replace(layout, recompute=False, recompute_granularity="full")]
+        if layout.recompute_mode == "full":  # selective recomputes less
+            lighter.append(dataclasses.replace(layout, recompute_granularity="selective"))
+        if layout.recompute and any(fits.get(other, False) for other in lighter):
             result.dominated += 1
             continue
         try:
@@ -222,6 +313,7 @@ def to_records(predictions: Sequence[Prediction]) -> list[dict]:
             "B": p.layout.B,
             "N": p.layout.N,
             "recompute": p.layout.recompute,
+            "recompute_granularity": p.layout.recompute_mode,
             "sequence_parallel": p.layout.sequence_parallel,
             "distributed_optimizer": p.layout.distributed_optimizer,
             "iteration_s": p.iteration_s,
@@ -243,7 +335,7 @@ def format_table(predictions: Sequence[Prediction], memory_limit_bytes: int,
     def row(index: str, layout: TrainingLayout, cells: str, peak: int) -> str:
         fits = "yes" if peak <= memory_limit_bytes else "no"
         tensor = f"{layout.T}{'s' if layout.sequence_parallel else ''}"
-        recompute = "yes" if layout.recompute else "no"
+        recompute = {None: "no", "full": "yes", "selective": "sel"}[layout.recompute_mode]
         sharded = "yes" if layout.distributed_optimizer else "no"
         return (f"{index:>3}  {layout.label:<32}{layout.pipes:>5}{tensor:>4}{layout.D:>5}"
                 f"{layout.W:>5}{layout.B:>5}{layout.N:>6}{recompute:>7}{sharded:>9}"

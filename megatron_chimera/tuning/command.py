@@ -51,7 +51,9 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
                   format_layout([p.layer_range for p in pieces])]
     flags += ["--micro-batch-size", str(layout.B),
               "--global-batch-size", str(layout.global_batch_size)]
-    if layout.recompute:
+    if layout.recompute_mode == "selective":
+        flags += ["--recompute-granularity", "selective"]
+    elif layout.recompute:
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
     if layout.distributed_optimizer:

@@ -100,7 +100,8 @@ def stage_forward_flops(spec: ModelSpec, piece: StagePiece,
 def activation_message_bytes(spec: ModelSpec, micro_batch: int, tensor_parallel: int = 1,
                              sequence_parallel: bool = False) -> int:
     """Bytes of one activation (or gradient) message between stages: ``[s, b, h]``, or this
-    rank's chunk ``[s/T, b, h]`` under sequence parallelism."""
+    rank's chunk ``[s/T, b, h]`` under sequence parallelism (or Megatron's scatter/gather of
+    pipeline messages: pass True for it too)."""
     cfg = spec.config
     full = cfg.seq_length * micro_batch * cfg.hidden_size * spec.dtype_bytes
     return full // tensor_parallel if sequence_parallel else full
@@ -151,3 +152,15 @@ def tensor_parallel_comm_seconds(spec: ModelSpec, piece: StagePiece, micro_batch
     if recompute:
         backward += forward
     return forward, backward
+
+
+def pipeline_gather_seconds(spec: ModelSpec, micro_batch: int, tensor_parallel: int,
+                            sequence_parallel: bool, link: LinkProfile) -> float:
+    """Megatron's scatter/gather of pipeline messages (T > 1, no sequence parallelism): each of
+    the T ranks sends ``1/T`` of the ``[s, b, h]`` message over its own link and the receiver
+    all-gathers the pieces over the tensor-parallel link. Sequence parallelism needs no gather
+    (the stage consumes the scattered chunk)."""
+    if tensor_parallel <= 1 or sequence_parallel:
+        return 0.0
+    full = float(activation_message_bytes(spec, micro_batch))
+    return ring_collective_seconds(full, tensor_parallel, link)

@@ -29,7 +29,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_chimera.model.memory import StageMemory, bytes_per_parameter, estimate_stage_memory
+from megatron_chimera.model.memory import (
+    StageMemory,
+    bytes_per_parameter,
+    estimate_stage_memory,
+    layer_activation_bytes,
+)
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
@@ -84,6 +89,16 @@ def stage_memory(spec: ModelSpec, partition: Sequence[StagePiece], micro_batch: 
                                  grad_reduce_in_fp32=grad_reduce_in_fp32)
 
 
+def attention_core_bytes(spec: ModelSpec, micro_batch: int, device_type: str = "cuda",
+                         tensor_parallel: int = 1, sequence_parallel: bool = False) -> int:
+    """Bytes of one layer's attention core that selective recomputation does not keep."""
+    sp = sequence_parallel and tensor_parallel > 1
+    kept = layer_activation_bytes(spec.config, micro_batch, None, device_type, tensor_parallel, sp)
+    selective = layer_activation_bytes(spec.config, micro_batch, "selective", device_type,
+                                       tensor_parallel, sp)
+    return kept - selective
+
+
 def stage_replicas(schedule: Schedule) -> list[int]:
     """Pipeline ranks holding each stage (its stage-replica group is that times ``W``)."""
     counts = [0] * schedule.num_stages
@@ -101,19 +116,28 @@ def embedding_group_size(schedule: Schedule, data_parallel_size: int = 1) -> int
 
 
 def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePiece],
-                micro_batch: int, recompute: bool, device_type: str = "cuda",
+                micro_batch: int, recompute: bool | str | None, device_type: str = "cuda",
                 tensor_parallel: int = 1, sequence_parallel: bool = False,
                 data_parallel_size: int = 1, distributed_optimizer: bool = False,
                 grad_reduce_in_fp32: bool | None = None) -> list[RankMemory]:
     """Peak memory of every pipeline rank of ``schedule`` (one entry per rank; with tensor
-    parallelism, of each of its T ranks)."""
+    parallelism, of each of its T ranks). ``recompute``: False / None, True / ``"full"``, or
+    ``"selective"`` (each layer keeps all but its attention core's ``s x s`` tensors; one
+    layer's core is the working set)."""
+    mode = "full" if recompute is True else (recompute or None)
     if len(partition) != schedule.num_stages:
         raise ValueError(f"partition has {len(partition)} stages, schedule {schedule.num_stages}")
     stages = stage_memory(spec, partition, micro_batch, device_type, tensor_parallel,
                           sequence_parallel, grad_reduce_in_fp32)
     per_param = bytes_per_parameter(spec.config.params_dtype,
                                     grad_reduce_in_fp32=grad_reduce_in_fp32)
-    per_mb = [m.activation_bytes_recompute if recompute else m.activation_bytes for m in stages]
+    per_mb = [m.activation_bytes_recompute if mode == "full" else m.activation_bytes
+              for m in stages]
+    core = 0
+    if mode == "selective":
+        core = attention_core_bytes(spec, micro_batch, device_type, tensor_parallel,
+                                    sequence_parallel)
+        per_mb = [b - piece.num_layers * core for b, piece in zip(per_mb, partition, strict=True)]
     peaks = peak_activation_bytes(schedule, per_mb)
     replicas = stage_replicas(schedule)
     embedding_group = embedding_group_size(schedule, data_parallel_size)
@@ -121,6 +145,8 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
     for rank in range(schedule.num_ranks):
         held = schedule.stages_of_rank(rank)
         working = max((stages[s].recompute_working_bytes for s in held), default=0)
+        if mode == "selective":
+            working = core if any(partition[s].num_layers for s in held) else 0
         tied = max((stages[s].tied_parameters for s in held), default=0)  # one per rank
         own = {s: stages[s].parameters - stages[s].tied_parameters for s in held}
         owned = sum(own.values())  # elements whose optimizer state this rank keeps
@@ -134,7 +160,7 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
             param_bytes=(sum(own.values()) + tied) * per_param["param"],
             grad_bytes=(sum(own.values()) + tied) * per_param["grad"],
             optimizer_bytes=round(owned * per_param["optimizer"]),
-            activation_bytes=peaks[rank] + (working if recompute else 0),
+            activation_bytes=peaks[rank] + (working if mode else 0),
             transient_bytes=round(owned * per_param["main_grad"])))
     return result
 

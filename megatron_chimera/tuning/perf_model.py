@@ -9,26 +9,30 @@ over ``2f W`` replicas with Rabenseifner's alpha-beta cost -- and lets the one s
 eager gradient synchronisation included. With zero communication and uniform stages this is
 exactly Eq. (1) (:func:`chimera_eq1_time`; checked by the tests).
 
-Stage times come from :class:`AnalyticCompute` (FLOPs / achieved FLOP/s of a hardware profile) or
-from measured timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
+Stage times come from :class:`AnalyticCompute` (every kernel of the stage priced by its shape or
+its bytes on a hardware profile, :mod:`megatron_chimera.tuning.operators`) or from measured
+timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
 
-With tensor parallelism (``layout.T``) every stage's compute is divided by T and its
-tensor-parallel collectives (:func:`~megatron_chimera.tuning.costs.tensor_parallel_comm_seconds`,
-on the link the T consecutive ranks share) are added to its forward and backward (they are on
-the critical path); the weight-gradient part (W) has none. Gradient buckets, optimizer state and
-activations are per tensor-parallel rank; messages between stages shrink to ``[s/T, b, h]`` with
-sequence parallelism.
+With tensor parallelism (``layout.T``) the analytic model prices every GEMM at its ``1/T`` shape
+(a measured source is divided by T), and the stage's tensor-parallel collectives
+(:func:`~megatron_chimera.tuning.costs.tensor_parallel_comm_seconds`, on the link the T
+consecutive ranks share) are added to its forward and backward (they are on the critical path),
+as is the all-gather of Megatron's scatter/gather of pipeline messages; the weight-gradient part
+(W) has none. Gradient buckets, optimizer state and activations are per tensor-parallel rank;
+messages between stages shrink to ``1/T`` (sequence parallelism or scatter/gather).
+Recomputation is ``full`` or ``selective`` (``TrainingLayout.recompute_granularity``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.model.memory import bytes_per_parameter
-from megatron_chimera.schedules.actions import Schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
 from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
@@ -38,12 +42,23 @@ from megatron_chimera.tuning.costs import (
     activation_message_bytes,
     check_tensor_parallel,
     partition_stages,
-    stage_forward_flops,
+    pipeline_gather_seconds,
     stage_parameters,
     tensor_parallel_comm_seconds,
 )
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
 from megatron_chimera.tuning.memory import RankMemory, rank_memory
+from megatron_chimera.tuning.operators import (
+    attention_core_forward,
+    check_recompute,
+    embedding_ops,
+    head_ops,
+    layer_backward_ops,
+    layer_forward_ops,
+    layer_shapes,
+    ops_seconds,
+    optimizer_bytes_per_parameter,
+)
 
 
 @dataclass(frozen=True)
@@ -64,18 +79,31 @@ class TrainingLayout:
     # --use-distributed-optimizer (with --overlap-param-gather): optimizer state sharded over
     # each stage-replica group, gradients reduce-scattered, parameters all-gathered
     distributed_optimizer: bool = False
+    # with ``recompute``: --recompute-granularity full (the whole layer) or selective (the
+    # attention core)
+    recompute_granularity: str = "full"
 
     def __post_init__(self) -> None:
         if self.options is None:
             object.__setattr__(self, "options", self.spec.options_type())
+        if self.recompute_granularity not in ("full", "selective"):
+            raise ConfigError(f"--recompute-granularity must be 'full' or 'selective', got "
+                              f"{self.recompute_granularity!r}")
+
+    @property
+    def recompute_mode(self) -> str | None:
+        """None, ``full`` or ``selective``."""
+        return self.recompute_granularity if self.recompute else None
 
     @classmethod
     def of(cls, schedule: str, D: int, W: int, B: int, N: int, recompute: bool = False,
            partition: str = "uniform", T: int = 1, sequence_parallel: bool = False,
-           distributed_optimizer: bool = False, **options: Any) -> TrainingLayout:
+           distributed_optimizer: bool = False, recompute_granularity: str = "full",
+           **options: Any) -> TrainingLayout:
         """A layout with the schedule's options given as keywords (``pipes=4, concat=...``)."""
         return cls(schedule, D, W, B, N, recompute, get_spec(schedule).options_type(**options),
-                   partition, T, sequence_parallel, distributed_optimizer)
+                   partition, T, sequence_parallel, distributed_optimizer,
+                   recompute_granularity)
 
     @property
     def num_gpus(self) -> int:
@@ -124,7 +152,8 @@ class TrainingLayout:
         tensor = f" T={self.T}" if self.T > 1 else ""
         sp = " sequence-parallel" if self.sequence_parallel and self.T > 1 else ""
         return (f"{self.label}{pipes}{tensor} D={self.D} W={self.W} B={self.B} N={self.N}"
-                f"{' recompute' if self.recompute else ''}{sp}"
+                f"{' recompute' if self.recompute else ''}"
+                f"{'-selective' if self.recompute_mode == 'selective' else ''}{sp}"
                 f"{' dist-opt' if self.distributed_optimizer else ''}")
 
 
@@ -147,28 +176,64 @@ class ComputeCosts(Protocol):
 
 @dataclass(frozen=True)
 class AnalyticCompute:
-    """Stage times from FLOPs: backward = 2 x forward, recomputation adds a forward."""
+    """Stage times from the stage's kernels (:mod:`megatron_chimera.tuning.operators`): every
+    GEMM by its shape on the profile's roofline, every memory-bound kernel by its bytes."""
 
     spec: ModelSpec
     hardware: HardwareProfile
 
     def stage_times(self, piece: StagePiece, micro_batch: int, recompute: bool) -> StageTimes:
-        """FLOPs of the stage divided by the profile's achieved FLOP/s."""
-        tokens = micro_batch * self.spec.config.seq_length
-        rate = self.hardware.achieved_flops(self.spec.config.params_dtype, tokens)
-        weights, other = stage_forward_flops(self.spec, piece, micro_batch)
-        forward = (weights + other) / rate
-        backward = 2 * forward + (forward if recompute else 0.0)
-        return StageTimes(forward, backward, weights / rate)
+        """One micro-batch through the whole stage (T = 1), full recomputation or none."""
+        return self.rank_stage_times(piece, micro_batch, "full" if recompute else None)
 
-    def tensor_parallel_slowdown(self, micro_batch: int, tensor_parallel: int) -> float:
-        """How much slower per FLOP the stage runs on 1/T of every weight matrix: the
-        efficiency curve taken at ``B s / T`` tokens (a GEMM T times narrower does the work of
-        one with T times fewer tokens), relative to ``B s``."""
-        tokens = micro_batch * self.spec.config.seq_length
-        dtype = self.spec.config.params_dtype
-        return (self.hardware.achieved_flops(dtype, tokens)
-                / self.hardware.achieved_flops(dtype, tokens / tensor_parallel))
+    def rank_stage_times(self, piece: StagePiece, micro_batch: int, recompute: str | None,
+                         tensor_parallel: int = 1, sequence_parallel: bool = False
+                         ) -> StageTimes:
+        """One micro-batch through the stage on one of ``tensor_parallel`` ranks (compute only;
+        the collectives are the caller's), with ``recompute`` None, ``full`` or ``selective``
+        (cached: the tuner asks for the same stage many times)."""
+        return _rank_stage_times(self, piece, micro_batch, recompute, tensor_parallel,
+                                 sequence_parallel)
+
+    def _price(self, piece: StagePiece, micro_batch: int, recompute: str | None,
+               tensor_parallel: int, sequence_parallel: bool) -> StageTimes:
+        check_recompute(recompute)
+        cfg = self.spec.config
+        shapes = layer_shapes(cfg, micro_batch, tensor_parallel,
+                              sequence_parallel and tensor_parallel > 1)
+        forward_layer = layer_forward_ops(cfg, shapes)
+        backward_layer = layer_backward_ops(cfg, shapes)
+        if recompute == "full":
+            backward_layer = backward_layer + forward_layer
+        elif recompute == "selective":
+            backward_layer = backward_layer + attention_core_forward(cfg, shapes)
+        dtype = cfg.params_dtype
+        forward_s, _ = ops_seconds(self.hardware, forward_layer, dtype)
+        backward_s, weight_s = ops_seconds(self.hardware, backward_layer, dtype)
+        n = piece.num_layers
+        forward, backward, weight = n * forward_s, n * backward_s, n * weight_s
+        ends = []
+        if piece.pre_process:
+            ends.append(embedding_ops(cfg, shapes))
+        if piece.post_process:
+            ends.append(head_ops(cfg, self.spec.family, shapes, tensor_parallel))
+        for f_ops, b_ops in ends:
+            forward += ops_seconds(self.hardware, f_ops, dtype)[0]
+            b, w = ops_seconds(self.hardware, b_ops, dtype)
+            backward, weight = backward + b, weight + w
+        return StageTimes(forward, backward, weight)
+
+    def optimizer_step_s(self, parameters: float) -> float:
+        """Adam's memory-bound step over ``parameters`` (this rank's share)."""
+        per = optimizer_bytes_per_parameter(self.spec.config.params_dtype)
+        return parameters * per / self.hardware.memory_bytes_per_s()
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_stage_times(compute: AnalyticCompute, piece: StagePiece, micro_batch: int,
+                      recompute: str | None, tensor_parallel: int,
+                      sequence_parallel: bool) -> StageTimes:
+    return compute._price(piece, micro_batch, recompute, tensor_parallel, sequence_parallel)
 
 
 def chimera_eq1_time(forward: float, backward: float, N: int, D: int, p2p: float = 0.0,
@@ -244,7 +309,7 @@ class PerformanceModel:
         """Peak memory of every pipeline rank (of one tensor-parallel rank)."""
         check_tensor_parallel(self.spec, layout.T, layout.sequence_parallel)
         return rank_memory(self.spec, self.schedule(layout), self.partition(layout), layout.B,
-                           layout.recompute, self.device_type, layout.T,
+                           layout.recompute_mode, self.device_type, layout.T,
                            layout.sequence_parallel, data_parallel_size=layout.W,
                            distributed_optimizer=layout.distributed_optimizer)
 
@@ -257,19 +322,32 @@ class PerformanceModel:
         return self.hardware.link_for(range(layout.T))
 
     def stage_times(self, layout: TrainingLayout, piece: StagePiece) -> StageTimes:
-        """One micro-batch through one stage on one of T ranks: compute / T (at the efficiency of
-        the narrower matrices, when the compute source models it) plus the tensor-parallel
-        collectives (forward and backward; none in W)."""
-        times = self.compute.stage_times(piece, layout.B, layout.recompute)
+        """One micro-batch through one stage on one of T ranks: the compute of one rank (the
+        analytic model prices the narrower GEMMs; a measured source is divided by T) plus the
+        tensor-parallel collectives and, with Megatron's scatter/gather of pipeline messages,
+        the all-gather of a received message (forward and backward; none in W)."""
+        mode = layout.recompute_mode
+        per_rank = getattr(self.compute, "rank_stage_times", None)
+        if per_rank is not None:
+            times = per_rank(piece, layout.B, mode, layout.T, layout.sequence_parallel)
+        else:
+            if mode == "selective":
+                raise ConfigError("--recompute-granularity selective needs the analytic compute "
+                                  "model (measured stage times cover full recomputation only)")
+            whole = self.compute.stage_times(piece, layout.B, layout.recompute)
+            times = StageTimes(whole.forward / layout.T, whole.backward / layout.T,
+                               whole.weight / layout.T)
         if layout.T == 1:
             return times
-        slowdown = getattr(self.compute, "tensor_parallel_slowdown", None)
-        share = (slowdown(layout.B, layout.T) if slowdown else 1.0) / layout.T
+        link = self.tensor_parallel_link(layout)
         forward, backward = tensor_parallel_comm_seconds(
-            self.spec, piece, layout.B, layout.T, layout.sequence_parallel,
-            self.tensor_parallel_link(layout), layout.recompute)
-        return StageTimes(times.forward * share + forward, times.backward * share + backward,
-                          times.weight * share)
+            self.spec, piece, layout.B, layout.T, layout.sequence_parallel, link,
+            mode == "full")
+        gather = pipeline_gather_seconds(self.spec, layout.B, layout.T,
+                                         layout.sequence_parallel, link)
+        forward += 0.0 if piece.pre_process else gather
+        backward += 0.0 if piece.post_process else gather
+        return StageTimes(times.forward + forward, times.backward + backward, times.weight)
 
     def _p2p_edges(self, layout: TrainingLayout,
                    schedule: Schedule) -> tuple[tuple[int, int, float, float], ...]:
@@ -314,8 +392,7 @@ class PerformanceModel:
             backward_cost=tuple(t.backward for t in times),
             weight_cost=tuple(t.weight for t in times) if split else 0.0,
             p2p_edges=self._p2p_edges(layout, schedule),
-            activation_bytes=float(activation_message_bytes(
-                self.spec, layout.B, layout.T, layout.sequence_parallel)),
+            activation_bytes=float(self.message_bytes(layout)),
             allreduce_alpha=link.alpha_s * half,
             allreduce_beta=link.beta_s_per_byte,
             grad_bytes=tuple(b * half for b in self._grad_bytes(pieces, layout.T)),
@@ -330,13 +407,19 @@ class PerformanceModel:
         cross (the simulator itself prices each link, :meth:`_p2p_edges`)."""
         schedule = self.schedule(layout)
         times = [self.stage_times(layout, p) for p in self.partition(layout)]
-        size = activation_message_bytes(self.spec, layout.B, layout.T, layout.sequence_parallel)
+        size = self.message_bytes(layout)
         edges = self._p2p_edges(layout, schedule)
         p2p = (sum(alpha + beta * size for _, _, alpha, beta in edges) / len(edges)
                if edges else 0.0)
         return StageCosts(tuple(t.forward for t in times),
                           tuple(t.backward - t.weight for t in times),
                           tuple(t.weight for t in times), p2p)
+
+    def message_bytes(self, layout: TrainingLayout) -> int:
+        """Bytes one rank sends per pipeline message: ``[s, b, h]``, its ``1/T`` share under
+        sequence parallelism or Megatron's scatter/gather (T > 1)."""
+        return activation_message_bytes(self.spec, layout.B, layout.T,
+                                        layout.sequence_parallel or layout.T > 1)
 
     def _grad_bytes(self, pieces: list[StagePiece], tensor_parallel: int = 1) -> list[float]:
         """Bytes of each stage's gradient buffer on one of ``tensor_parallel`` ranks (fp32 for
@@ -381,13 +464,51 @@ class PerformanceModel:
             raise ConfigError(f"layout sizes must be positive: {layout.describe()}")
         sim = self.simulate(layout)
         memory = self.memory(layout) if with_memory else []
-        seconds = sim.makespan + self.optimizer_step_s(layout) + self.exposed_param_gather_s(layout)
+        # the simulator gives the pipeline messages and the gradient all-reduces separate
+        # channels; where they share one link (one NIC per GPU) its bytes bound the iteration
+        busy = max(sim.makespan, self.link_busy_s(layout))
+        seconds = busy + self.optimizer_step_s(layout) + self.exposed_param_gather_s(layout)
         return Prediction(layout, seconds, sim.bubble_ratio, memory, sim)
+
+    def link_busy_s(self, layout: TrainingLayout) -> float:
+        """The most seconds any rank's link is busy sending in one iteration: the pipeline
+        messages it sends (each on its edge's link) plus its share of the stage gradient
+        all-reduces on theirs (Rabenseifner: ``2 (r - 1) / r`` of the stage's bytes per rank; the
+        reduce-scatter half with the distributed optimizer), bandwidth terms only, per kind of
+        link. The simulator prices the messages and the all-reduces on separate channels; where
+        both go through one NIC (one GPU per node, as on Piz Daint) the iteration cannot be
+        shorter than the NIC's bytes over its bandwidth."""
+        schedule = self.schedule(layout)
+        costs = self.cost_model(layout)
+        size = costs.activation_bytes
+        betas = {(a, b): beta for a, b, _, beta in costs.p2p_edges}
+        link = self._allreduce_link(layout, schedule)
+        replicas = schedule.num_pipes * layout.W
+        grad_bytes = costs.per_stage("grad_bytes", schedule.num_stages)
+        worst = 0.0
+        for rank in range(schedule.num_ranks):
+            per_link: dict[float, float] = {}
+            for action in schedule.actions[rank]:
+                nxt = (action.stage + 1 if action.kind == FORWARD else
+                       action.stage - 1 if action.kind == BACKWARD else None)
+                if nxt is None or not 0 <= nxt < schedule.num_stages:
+                    continue
+                other = schedule.rank_of(action.pipe, nxt)
+                if other != rank and (rank, other) in betas:
+                    beta = betas[(rank, other)]
+                    per_link[beta] = per_link.get(beta, 0.0) + size * beta
+            if replicas > 1:
+                beta = link.beta_s_per_byte
+                share = 2 * (replicas - 1) / replicas
+                for stage in schedule.stages_of_rank(rank):
+                    per_link[beta] = per_link.get(beta, 0.0) + share * grad_bytes[stage] * beta
+            worst = max([worst, *per_link.values()])
+        return worst
 
     def optimizer_step_s(self, layout: TrainingLayout) -> float:
         """Seconds of the optimizer step after the last all-reduce (slowest rank), when the
-        compute source models it (measured profiles do; the analytic model counts it as 0: a
-        memory-bound Adam step is milliseconds on a GPU)."""
+        compute source models it (measured profiles time it; the analytic model prices Adam's
+        memory-bound step by its bytes)."""
         step = getattr(self.compute, "optimizer_step_s", None)
         if step is None:
             return 0.0

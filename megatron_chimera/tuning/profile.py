@@ -6,6 +6,8 @@ one transformer layer (a middle stage of one layer), the extra cost of the first
 a stage of ``n`` layers costs ``n`` layers plus its extras. It also times an Adam step per
 parameter, which the model adds after the last gradient all-reduce. :func:`measure_p2p_link`
 runs a gloo ping-pong between two local processes at two message sizes and fits alpha and beta.
+:func:`time_partition` is ``--partition-method time``: the same layer timings, agreed on by every
+rank, balance the stages of a training run.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-from megatron_chimera.model.family import GPT2
+from megatron_chimera.config import TrainConfig
+from megatron_chimera.model.family import GPT2, ModelFamily
+from megatron_chimera.model.partition import partition_layers
+from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.tuning.costs import ModelSpec, StagePiece, stage_forward_flops
 from megatron_chimera.tuning.hardware import LinkProfile
 from megatron_chimera.tuning.perf_model import StageTimes
@@ -228,3 +234,31 @@ def measure_p2p_link(small: int = 4096, large: int = 4 << 20, rounds: int = 20,
     beta = max((t_large - t_small) / (large - small), 1e-15)
     alpha = max(t_small - small * beta, 0.0)
     return LinkProfile(alpha_s=alpha, bandwidth_gbps=1.0 / beta / 1e9)
+
+
+def time_partition(config: TrainConfig, family: ModelFamily, schedule: Schedule,
+                   device: torch.device, verbose: bool) -> list[tuple[int, int]]:
+    """``--partition-method time``: time one transformer layer and the extra cost of the first
+    (embeddings) and last stage (final norm, LM head, loss) with the real classes on this rank's
+    device, average over all ranks (one all-reduce, so every rank splits alike), and balance the
+    ranks' total time over the stages each holds (both replicas for Chimera)."""
+    compute = MeasuredCompute(ModelSpec(config.model, family), device=str(device))
+    layer, first, last = compute.measure(config.training.micro_batch_size)
+    recompute = config.model.recompute_granularity == "full"  # the backward re-runs the forward
+    seconds = [t.forward * (2 if recompute else 1) + t.backward for t in (layer, first, last)]
+    times = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(times)
+    unit = float(times[0]) / dist.get_world_size()
+    layer_s, first_s, last_s = (round(float(t) / dist.get_world_size() / unit, 3)
+                                for t in times)
+    rank_stages = [schedule.stages_of_rank(r) for r in range(schedule.num_ranks)]
+    partition = partition_layers(config.model.num_layers, schedule.num_stages, "time",
+                                 layer_times=[layer_s] * config.model.num_layers,
+                                 embedding_time=first_s, head_time=last_s,
+                                 rank_stages=rank_stages)
+    if verbose:
+        print(f" --partition-method time: layer {unit * 1e3:.3g} ms (forward + backward per "
+              f"micro-batch), first stage +{first_s:.3g} layers, last stage +{last_s:.3g} "
+              f"layers -> layers per stage {[end - start for start, end in partition]}",
+              flush=True)
+    return partition

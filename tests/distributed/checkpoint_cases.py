@@ -10,6 +10,7 @@ derived only from what the second layout loaded, so equality means the load was 
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -18,13 +19,14 @@ import signal
 import torch
 import torch.distributed as dist
 
-from megatron_chimera.checkpoint import checkpointing
+from megatron_chimera.checkpoint import checkpointing, dcp_io
 from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
     checkpoint_dir,
     prepare_sharded_save,
 )
+from megatron_chimera.checkpoint.dcp_io import CheckpointWriteError
 from megatron_chimera.checkpoint.sharded import read_full_tensors
 from megatron_chimera.config import DDPConfig
 from megatron_chimera.schedules import build_schedule
@@ -94,11 +96,9 @@ def _async_job(root: str, iteration: int, stages, partition, optimizer):
                                 copy=True)
 
 
-def run_async_save_killed(rank: int, world_size: int, root: str, victim: int,
-                          moment: str) -> None:
-    """Two ranks save iteration 1 with --async-save's checkpointer, then start saving
-    iteration 2 while training on; rank ``victim`` is killed (SIGKILL) at ``moment``: right
-    after the save started, inside the tensor write, or when publishing the directory."""
+def _first_save(root: str):
+    """Two ranks (1F1B D=2) train a step and save iteration 1 with --async-save's checkpointer;
+    rank 0 snapshots what it holds. Returns (checkpointer, step, job maker)."""
     case = TPCase("gpt2", "1f1b", 1, 2, 2)
     schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches)
     _init_groups(case, schedule)
@@ -112,13 +112,46 @@ def run_async_save_killed(rank: int, world_size: int, root: str, victim: int,
         executor.run([make_batch(case.family, index, 0, m) for m in range(2)])
         optimizer.step()
 
+    def job(iteration: int):
+        return _async_job(root, iteration, stages, partition, optimizer)
+
     step(0)
-    saver.start(_async_job(root, 1, stages, partition, optimizer))
+    saver.start(job(1))
     saver.wait()
-    if rank == 0:  # what the previous checkpoint holds, to compare after the crash
+    if dist.get_rank() == 0:  # what the previous checkpoint holds, to compare afterwards
         torch.save(dict(read_full_tensors(checkpoint_dir(root, 1))),
                    os.path.join(root, "snapshot.pt"))
     dist.barrier()
+    return saver, step, job
+
+
+def run_disk_full(rank: int, world_size: int, root: str) -> None:
+    """After iteration 1 is saved, rank 1's disk is full while the async save of iteration 2
+    writes its chunks; every rank writes the error it gets to ``root/error_<rank>.txt``."""
+    saver, step, job = _first_save(root)
+    step(1)
+    if rank == 1:
+        def full(*_args, **_kwargs):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        dcp_io.ArchiveChunkWriter._write_chunk = staticmethod(full)
+    saver.start(job(2))
+    step(2)
+    try:
+        saver.wait()
+    except CheckpointWriteError as exc:
+        with open(os.path.join(root, f"error_{rank}.txt"), "w") as handle:
+            handle.write(str(exc))
+    else:
+        raise AssertionError("the save on a full disk did not fail")
+
+
+def run_async_save_killed(rank: int, world_size: int, root: str, victim: int,
+                          moment: str) -> None:
+    """Two ranks save iteration 1 with --async-save's checkpointer, then start saving
+    iteration 2 while training on; rank ``victim`` is killed (SIGKILL) at ``moment``: right
+    after the save started, inside the tensor write, or when publishing the directory."""
+    saver, step, job = _first_save(root)
     step(1)
     die = lambda *_args, **_kwargs: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
     if rank == victim and moment == "write":
@@ -127,7 +160,7 @@ def run_async_save_killed(rank: int, world_size: int, root: str, victim: int,
         real = os.replace
         os.replace = lambda src, dst: die() if str(dst).endswith("iter_0000002") \
             else real(src, dst)
-    saver.start(_async_job(root, 2, stages, partition, optimizer))
+    saver.start(job(2))
     if rank == victim and moment == "start":
         die()
     step(2)  # training goes on while the save is in flight

@@ -27,7 +27,8 @@ def test_world_size_must_match_the_layout(monkeypatch):
         monkeypatch.setenv(key, value)
     config = ParallelConfig(pipeline_model_parallel_size=4, data_parallel_size=2,
                             distributed_backend="gloo")
-    with pytest.raises(ConfigError, match="world size 6 != --data-parallel-size 2"):
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-size 4 x data-parallel 2 "
+                                          r"!= world size 6"):
         initialize_distributed(config)
 
 

@@ -38,7 +38,7 @@ def _profile_and_rebuild(rank: int, world_size: int) -> None:
         emulated_forward_step,
     )
     from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
-    from megatron_chimera.pipeline.profile_rebuild import ProfileRebuild
+    from megatron_chimera.pipeline.profiling import ProfileRebuild
     from megatron_chimera.pipeline.topology import PipelineTopology
     from megatron_chimera.schedules import build_schedule
     from megatron_chimera.schedules.lowering import connection_order, lower

@@ -24,6 +24,7 @@ import pretrain_gpt2
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
+    CheckpointTarget,
     StageSlice,
     checkpoint_dir,
     global_name,
@@ -89,6 +90,8 @@ class TPCase:
     ddp: DDPConfig = DDPConfig()  # the data-parallel flags (default: Megatron's defaults)
     model: tuple[tuple[str, Any], ...] = ()  # ModelConfig overrides (e.g. LLAMA_MODEL)
     reset_positions: bool = False  # positions restart mid-sequence (--reset-position-ids)
+    context_size: int = 1  # --context-parallel-size (W = world / (T x CP x D))
+    slices: int = 1  # sequence slices per micro-batch (pipeline messages [s / k, b, h])
 
     @property
     def name(self) -> str:
@@ -98,8 +101,10 @@ class TPCase:
             "" if self.ddp == DDPConfig() else f" {self.ddp}"
         model = " +" + ",".join(f"{k}={v}" for k, v in self.model) if self.model else ""
         reset = " +reset-positions" if self.reset_positions else ""
+        cp = f" CP={self.context_size}" if self.context_size > 1 else ""
+        cp += f" slices={self.slices}" if self.slices > 1 else ""
         return (f"{self.family} {self.schedule}[{opts}] T={self.tensor_size} "
-                f"D={self.pipeline_size} N={self.num_microbatches}{sp}{ddp}{model}{reset}")
+                f"D={self.pipeline_size}{cp} N={self.num_microbatches}{sp}{ddp}{model}{reset}")
 
     def model_config(self, **overrides: Any) -> ModelConfig:
         """The tiny model of the case."""
@@ -215,7 +220,8 @@ def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = Fal
         held = sum(p.numel() for m in modules.values() for p in m.parameters())
         if sum(m.numel() for m in optimizer.main_params) >= held:
             raise AssertionError("the distributed optimizer holds every parameter")
-    seq = SEQ // case.tensor_size if case.sequence_parallel else SEQ
+    seq = SEQ // (case.context_size * case.slices)
+    seq = seq // case.tensor_size if case.sequence_parallel else seq
     executor = PipelineExecutor(
         schedule, PipelineTopology.from_parallel_state(),
         StageWork(modules, entry.forward_step, (seq, MICRO_BATCH, config.hidden_size),
@@ -229,7 +235,7 @@ def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = Fal
 def _init_groups(case: TPCase, schedule) -> None:
     parallel_state.initialize_model_parallel(
         case.pipeline_size, schedule.placement, schedule.num_stages, case.tensor_size,
-        timeout=datetime.timedelta(seconds=60))
+        timeout=datetime.timedelta(seconds=60), context_parallel_size=case.context_size)
     model_parallel_cuda_manual_seed(1234 + 100 * parallel_state.get_pipeline_model_parallel_rank())
 
 
@@ -238,7 +244,7 @@ def run_tp_case(rank: int, world_size: int, case: TPCase) -> dict[str, int]:
     schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches,
                               **dict(case.options))
     validate(schedule)
-    w = world_size // (case.tensor_size * case.pipeline_size)
+    w = world_size // (case.tensor_size * case.pipeline_size * case.context_size)
     config = case.model_config()
     ref_losses, ref_norms, ref_params = reference_training(case, w, config)
     if ref_norms[0] <= OPTIMIZER.clip_grad:
@@ -403,8 +409,8 @@ def _layout_run(case: TPCase, config: ModelConfig, steps: int, root_in: str | No
         rank, world = dist.get_rank(), dist.get_world_size()
         result: dict[str, Any] = {"read": 0}
         if root_in is not None:
-            loaded = load_checkpoint(root_in, stages, schedule.num_stages, optimizer, None,
-                                     rank=rank, world_size=world)
+            target = CheckpointTarget(stages, schedule.num_stages, optimizer)
+            loaded = load_checkpoint(root_in, target, rank=rank, world_size=world)
             result["read"] = loaded.bytes_read
         if keep_states:
             result["loaded"] = _local_state(optimizer, stages)

@@ -44,7 +44,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert [r["shape"] for r in results["layer_mfu"]["rows"]] == ["gpt tiny", "llama tiny"]
     assert "bitwise equal" in results["resume"]["summary"]
     profile = load_hardware(str(out / "hardware_profile.json"))
-    assert profile.name == "cpu-dry-run" and profile.memory_bandwidth_gbps > 0
+    assert profile.name == "cpu-dry-run" and profile.hbm_bandwidth_gbps > 0
+    assert profile.memory_efficiency == 1.0 and profile.kernel_overhead_s > 0
     table = (out / "gpu_check.md").read_text()
     assert "| step | status | s | result |" in table and "| gpt tiny | 2 |" in table
     assert proc.stdout.rstrip().endswith(f"0 failed step(s); files in {out}")

@@ -39,6 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     # one-process inference, then Hugging Face interop on top of it: tools' library code
     "inference": {"base", "model", "data", "checkpoint"},
     "hf": {"base", "model", "data", "checkpoint", "inference"},
+    # Megatron-LM checkpoints in and out (tools' library code; reuses import-hf's record)
+    "megatron_lm": {"base", "model", "data", "checkpoint", "inference", "hf"},
 }
 
 
@@ -226,3 +228,78 @@ def test_schedule_ir_is_torch_free():
         "assert not bad, bad[:5]\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _add_argument_calls(path: Path) -> list[int]:
+    """Lines of ``*.add_argument(...)`` calls in ``path``."""
+    return [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_argument"]
+
+
+# The training flags are declared on the config fields and gathered by one parser; the schedule
+# registry declares its options; the tools' shared argument pieces (inference, model presets,
+# schedule sizes and costs) build the tools' own small parsers.
+FLAG_DECLARING_MODULES = {"training/argument_parser.py", "schedules/registry.py",
+                          "config/flag.py", "inference/tool_support.py", "model/presets.py",
+                          "schedules/cli.py"}
+
+
+def test_flags_are_declared_only_where_flags_live():
+    stray = [f"{path.relative_to(PACKAGE)}:{line}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             if str(path.relative_to(PACKAGE)) not in FLAG_DECLARING_MODULES
+             for line in _add_argument_calls(path)]
+    assert not stray, f"declare a flag on its config field (config/flag.py), not here: {stray}"
+
+
+def test_the_flag_home_check_can_fail(tmp_path):
+    module = tmp_path / "stray.py"
+    module.write_text("def f(parser):\n    parser.add_argument('--x')\n")
+    assert _add_argument_calls(module) == [2]
+
+
+# The driver stays readable: every function of training/ fits on a screen.
+MAX_DRIVER_FUNCTION_LINES = 50
+
+
+def long_functions(directory: Path, limit: int) -> list[str]:
+    """``module:function (n lines)`` for every function (methods and nested ones included) of
+    the modules directly in ``directory`` longer than ``limit`` lines."""
+    found = []
+    for path in sorted(directory.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    found.append(f"{path.name}:{node.name} ({lines} lines)")
+    return found
+
+
+def test_no_driver_function_over_fifty_lines():
+    long = long_functions(PACKAGE / "training", MAX_DRIVER_FUNCTION_LINES)
+    assert not long, (f"functions of training/ over {MAX_DRIVER_FUNCTION_LINES} lines (split "
+                      f"them into named steps):\n" + "\n".join(long))
+
+
+def test_the_function_length_check_can_fail(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(50))
+    (tmp_path / "probe.py").write_text(f"def short():\n    return 1\n\n\ndef long():\n{body}")
+    assert long_functions(tmp_path, 50) == ["probe.py:long (51 lines)"]
+
+
+def test_a_run_is_a_small_typed_record_and_load_mirrors_save():
+    """``Run`` stays what a run is (the running schedule has its own owner) and is not patched
+    after construction; ``load_checkpoint`` takes one record, as ``save_checkpoint`` does."""
+    import dataclasses
+    import inspect
+
+    from megatron_chimera.checkpoint.checkpointing import load_checkpoint
+    from megatron_chimera.training.setup import Run
+
+    fields = dataclasses.fields(Run)
+    assert len(fields) <= 15, [f.name for f in fields]
+    assert not [f.name for f in fields if f.type == "Any"]
+    assert Run.__dataclass_params__.frozen
+    assert list(inspect.signature(load_checkpoint).parameters) == [
+        "root", "target", "rank", "world_size"]

@@ -118,3 +118,49 @@ def test_the_flags_and_the_cost_model_give_the_layouts_error():
     with pytest.raises(ConfigError) as layout:
         ParallelLayout(tensor=2).check_model(config)
     assert str(flags.value) == str(tuning.value) == str(layout.value)
+
+
+@pytest.mark.parametrize("T,W,D,CP", [(1, 1, 2, 2), (2, 2, 2, 2), (1, 2, 2, 4)])
+def test_context_ranks_sit_between_tensor_and_data_ranks(T, W, D, CP):
+    """Megatron's order tp-cp-dp-pp: a context group is T apart within one data replica; every
+    rank is in one group of each kind; stage replicas span data x context ranks."""
+    layout = ParallelLayout(T, W, D, CP)
+    world = set(range(layout.world_size))
+    assert layout.world_size == T * W * D * CP
+    for rank in world:
+        p, w, t = layout.coordinates(rank)
+        c = layout.context_rank(rank)
+        assert layout.global_rank(p, w, t, c) == rank
+        assert rank == ((p * W + w) * CP + c) * T + t
+    kinds = {
+        "pipeline": [layout.pipeline_ranks(w, t, c) for w in range(W) for t in range(T)
+                     for c in range(CP)],
+        "data": [layout.data_parallel_ranks(p, t, c) for p in range(D) for t in range(T)
+                 for c in range(CP)],
+        "context": [layout.context_ranks(p, w, t) for p in range(D) for w in range(W)
+                    for t in range(T)],
+        "tensor": [layout.tensor_ranks(p, w, c) for p in range(D) for w in range(W)
+                   for c in range(CP)],
+        "model": [layout.model_parallel_ranks(w, c) for w in range(W) for c in range(CP)],
+    }
+    for kind, groups in kinds.items():
+        members = list(itertools.chain.from_iterable(groups))
+        assert sorted(members) == sorted(world), kind
+    assert all(g == list(range(g[0], g[0] + T * CP, T)) for g in kinds["context"])
+    placement = build_schedule("1f1b", D, D).placement
+    assert len(layout.stage_replica_ranks(placement, 0, 0)) == W * CP
+    assert ParallelLayout.from_world(T * W * D * CP, T, D, CP) == layout
+
+
+def test_context_parallel_sequence_rules():
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=12)
+    with pytest.raises(ConfigError, match="--context-parallel-size"):
+        ParallelLayout(context=4).check_model(model)
+    ParallelLayout(context=3).check_model(model)
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=12,
+                        sequence_parallel=True)
+    with pytest.raises(ConfigError, match="--sequence-parallel"):
+        ParallelLayout(tensor=4, context=2).check_model(model)  # 12 / 2 = 6 tokens per rank
+    ParallelLayout(tensor=2, context=2).check_model(model)
+    with pytest.raises(ConfigError, match="--context-parallel-size 3"):
+        ParallelLayout.from_world(8, 2, 1, 3)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ from megatron_chimera.checkpoint.checkpointing import (
     TRACKER_FILENAME,
     CheckpointContents,
     CheckpointError,
+    CheckpointTarget,
     StageSlice,
     checkpoint_dir,
     load_checkpoint,
@@ -99,7 +101,8 @@ def test_resume_whole_model_is_exact(tmp_path, fmt):
     expected = global_state(stages)
 
     stages2, opt2, sched2 = build([(0, 4)], seed=99)  # different init: must be overwritten
-    loaded = load_checkpoint(str(tmp_path), stages2, 1, opt2, sched2, rank=0, world_size=1)
+    loaded = load_checkpoint(str(tmp_path), CheckpointTarget(stages2, 1, opt2, sched2),
+                             rank=0, world_size=1)
     assert loaded.iteration == 2 and loaded.consumed_train_samples == 4
     train_step(stages2, opt2, sched2, 2)
     got = global_state(stages2)
@@ -117,7 +120,7 @@ def test_whole_model_checkpoint_loads_into_two_stages(tmp_path, fmt):
     expected = global_state(stages)
 
     split, opt2, sched2 = build([(0, 3), (3, 4)], seed=5)
-    load_checkpoint(str(tmp_path), split, 2, opt2, sched2, rank=0, world_size=1)
+    load_checkpoint(str(tmp_path), CheckpointTarget(split, 2, opt2, sched2), rank=0, world_size=1)
     emb = "language_model.embedding.word_embeddings.weight"
     train_step(split, opt2, sched2, 1)
     got = global_state(split)
@@ -140,7 +143,7 @@ def test_two_stage_checkpoint_loads_into_other_split(tmp_path, fmt):
     else:
         assert names == [".metadata", "__0_0.distcp", "common.pt", "rng"]
     other, opt2, sched2 = build([(0, 1), (1, 4)], seed=5)
-    load_checkpoint(str(tmp_path), other, 2, opt2, sched2, rank=0, world_size=1)
+    load_checkpoint(str(tmp_path), CheckpointTarget(other, 2, opt2, sched2), rank=0, world_size=1)
     before = global_state(stages)
     after = global_state(other)
     for key in after:
@@ -154,7 +157,8 @@ def test_corrupt_file_is_named(tmp_path):
     data = open(target, "rb").read()
     open(target, "wb").write(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="layers_000-004.pt"):
-        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+        load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched),
+                        rank=0, world_size=1)
 
 
 @FORMATS
@@ -162,12 +166,14 @@ def test_no_save_optim_requires_no_load_optim(tmp_path, fmt):
     stages, opt, sched = build([(0, 4)])
     save_whole(tmp_path, 1, stages, opt, sched, fmt, save_optim=False)
     with pytest.raises(CheckpointError, match="--no-load-optim"):
-        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
-    loaded = load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1,
-                             load_optim=False)
+        load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched),
+                        rank=0, world_size=1)
+    loaded = load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched,
+                                                             load_optim=False),
+                             rank=0, world_size=1)
     assert loaded.iteration == 1
-    fine = load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1,
-                           finetune=True)
+    fine = load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched, finetune=True),
+                           rank=0, world_size=1)
     assert fine.iteration == 0 and fine.consumed_train_samples == 0
 
 
@@ -201,7 +207,8 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, victim):
     assert proc.returncode == -9, proc.stderr
     assert open(tmp_path / TRACKER_FILENAME).read().strip() == "1"
     stages, opt, sched = build([(0, 4)], seed=3)
-    loaded = load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+    loaded = load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched),
+                             rank=0, world_size=1)
     assert loaded.iteration == 1 and loaded.consumed_train_samples == 1
 
 
@@ -210,7 +217,8 @@ def test_tracker_naming_a_missing_iteration_lists_the_present_ones(tmp_path):
     save_whole(tmp_path, 3, stages, opt, sched)
     (tmp_path / TRACKER_FILENAME).write_text("7\n")
     with pytest.raises(CheckpointError, match=r"names iteration 7, .*iterations present: 3\)"):
-        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+        load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched),
+                        rank=0, world_size=1)
 
 
 def test_torch_dist_truncated_chunk_is_named(tmp_path):
@@ -220,7 +228,8 @@ def test_torch_dist_truncated_chunk_is_named(tmp_path):
     data = open(target, "rb").read()
     open(target, "wb").write(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"__0_0.distcp: chunk of .* is corrupt or trunc"):
-        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+        load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched),
+                        rank=0, world_size=1)
 
 
 def test_torch_dist_metadata_never_runs_a_pickle(tmp_path):
@@ -239,5 +248,61 @@ def test_torch_dist_metadata_never_runs_a_pickle(tmp_path):
     with open(path, "wb") as handle:
         pickle.dump(Evil(), handle)
     with pytest.raises(CheckpointError, match="refusing to load"):
-        load_checkpoint(str(tmp_path), stages, 1, opt, sched, rank=0, world_size=1)
+        load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched),
+                        rank=0, world_size=1)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_torch_dist_bit_rot_is_refused_in_one_line_naming_file_tensor_and_iteration(tmp_path):
+    from megatron_chimera.checkpoint.dcp_io import read_metadata
+
+    stages, opt, sched = build([(0, 4)])
+    save_whole(tmp_path, 2, stages, opt, sched)
+    path = checkpoint_dir(str(tmp_path), 2)
+    # 4 KiB zeroed in place (same size) inside the word embedding's values (104 x 32 fp32)
+    info = next(i for k, i in read_metadata(path).storage_data.items()
+                if k.fqn == "model/tied_word_embeddings")
+    target = os.path.join(path, info.relative_path)
+    size = os.path.getsize(target)
+    with open(target, "r+b") as handle:
+        handle.seek(info.offset + info.length // 2 - 2048)
+        handle.write(bytes(4096))
+    assert os.path.getsize(target) == size
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched), rank=0,
+                            world_size=1)
+    line = str(error.value)
+    assert "\n" not in line and line.count("__0_0.distcp") == 1, line
+    assert re.search(r"iter_0000002/__0_0.distcp: model/tied_word_embeddings \(chunk at "
+                     r"\(0, 0\)\) of iteration 2 is corrupt: bytes \d+-\d+ of its values fail "
+                     r"their CRC-32 check", line), line
+
+
+@pytest.mark.parametrize("fmt,victim", [("torch", "layers_000-004.pt"),
+                                        ("torch_dist", "__0_0.distcp")])
+def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_previous(tmp_path, monkeypatch,
+                                                                        fmt, victim):
+    import errno
+
+    from megatron_chimera.checkpoint import dcp_io
+    from megatron_chimera.checkpoint.dcp_io import CheckpointWriteError
+
+    stages, opt, sched = build([(0, 4)])
+    save_whole(tmp_path, 1, stages, opt, sched, ckpt_format=fmt)
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f, *a, **k: full() if isinstance(
+        obj, dict) and "layer_range" in obj else real_save(obj, f, *a, **k))
+    monkeypatch.setattr(dcp_io.ArchiveChunkWriter, "_write_chunk", staticmethod(full))
+    with pytest.raises(CheckpointWriteError) as error:
+        save_whole(tmp_path, 2, stages, opt, sched, ckpt_format=fmt)
+    staging = checkpoint_dir(str(tmp_path), 2) + ".staging"
+    assert str(error.value) == (f"No space left on device: {staging}/{victim} (the checkpoint "
+                                "of iteration 2 was not saved; the previous checkpoint is intact)")
+    assert open(tmp_path / TRACKER_FILENAME).read().strip() == "1"
+    loaded = load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched), rank=0,
+                            world_size=1)
+    assert loaded.iteration == 1

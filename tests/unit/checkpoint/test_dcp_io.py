@@ -1,17 +1,25 @@
-"""dcp_io: chunks written as raw bytes (and read back by box), older torch.save chunks still
-read, the cached save plan followed when the chunks change."""
+"""dcp_io: chunks written as torch.save archives (read back by box, by us and by stock torch),
+checksummed (a flipped or zeroed byte is refused by name), both earlier formats (raw bytes; DCP's
+own torch.save chunks) still read, the cached save plan followed when the chunks change."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 
 import pytest  # noqa: F401
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
+from megatron_chimera.checkpoint import dcp_io
 from megatron_chimera.checkpoint.dcp_io import (
+    CHECKSUMS,
     RAW,
     ChunkSavePlanner,
     SaveChunk,
@@ -20,6 +28,7 @@ from megatron_chimera.checkpoint.dcp_io import (
     read_metadata,
     save_chunks,
 )
+from megatron_chimera.checkpoint.torch_archive import MAX_BLOCKS, BlockChecksums
 
 
 def _chunks(seed: int, rows: int = 6) -> dict:
@@ -50,15 +59,139 @@ def _check(out: dict, chunks: dict) -> None:
     assert out["step"].item() == 3.0
 
 
-def test_chunks_are_raw_bytes_and_read_back_by_box(tmp_path):
+def test_chunks_are_torch_save_archives_that_stock_dcp_reads(tmp_path):
     chunks = _chunks(0)
     save_chunks(str(tmp_path), chunks)
     infos = read_metadata(str(tmp_path)).storage_data.values()
-    assert all(list(info.transform_descriptors) == [RAW] for info in infos)
-    # the file holds the values and nothing else
-    assert os.path.getsize(tmp_path / "__0_0.distcp") == \
-        sum(c.tensor.numel() * c.tensor.element_size() for c in chunks.values())
+    assert not any(getattr(info, "transform_descriptors", None) for info in infos)
+    assert all(getattr(info, CHECKSUMS, None) for info in infos)
+    # each chunk is a torch.save archive: its values plus well under a KiB of zip and pickle
+    values = sum(c.tensor.numel() * c.tensor.element_size() for c in chunks.values())
+    assert values < os.path.getsize(tmp_path / "__0_0.distcp") < values + 1024 * len(chunks)
     _check(_read_back(str(tmp_path), chunks), chunks)
+    # stock DCP (its own reader, torch.load(weights_only=True) per chunk)
+    stock = {"w": torch.zeros(6, 5), "b": torch.zeros(7, dtype=torch.bfloat16),
+             "step": torch.zeros(())}
+    dcp.load(stock, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    full = torch.cat([chunks[("w", (0, 0))].tensor, chunks[("w", (2, 0))].tensor])
+    assert torch.equal(stock["w"], full) and torch.equal(stock["b"], chunks[("b", (0,))].tensor)
+    assert stock["step"].item() == 3.0
+
+
+class _RawChunkWriter(FileSystemWriter):
+    """The format before (#28): every chunk as its row-major bytes, marked ``raw`` (what
+    RawChunkWriter wrote then)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+
+    def write_data(self, plan, planner):
+        name = f"{plan.storage_data.prefix}0.distcp"
+        results = []
+        with open(os.path.join(str(self.path), name), "wb") as handle:
+            for item in plan.items:
+                assert item.type != WriteItemType.BYTE_IO
+                data = planner.resolve_data(item).detach().contiguous().reshape(-1)
+                data = data.view(torch.uint8).numpy()
+                offset = handle.tell()
+                handle.write(memoryview(data))
+                results.append(WriteResult(index=item.index, size_in_bytes=data.size,
+                                           storage_data=_StorageInfo(name, offset, data.size,
+                                                                     [RAW])))
+        future = Future()
+        future.set_result(results)
+        return future
+
+
+def test_raw_chunks_of_the_format_before_still_load(tmp_path):
+    chunks = _chunks(7)
+    dcp.save({}, storage_writer=_RawChunkWriter(str(tmp_path)),
+             planner=ChunkSavePlanner(chunks), no_dist=True)
+    infos = read_metadata(str(tmp_path)).storage_data.values()
+    assert all(list(info.transform_descriptors) == [RAW] for info in infos)
+    _check(_read_back(str(tmp_path), chunks), chunks)
+
+
+def _data_at(path, chunks) -> int:
+    """File offset of the values of ``w``'s first chunk (found by its bytes)."""
+    blob = (path / "__0_0.distcp").read_bytes()
+    at = blob.find(chunks[("w", (0, 0))].tensor.numpy().tobytes())
+    assert at > 0
+    return at
+
+
+@pytest.mark.parametrize("damage", ["flip", "zero"])
+def test_a_damaged_chunk_is_refused_naming_file_tensor_and_iteration(tmp_path, damage):
+    root = tmp_path / "iter_0000002"
+    g = torch.Generator().manual_seed(9)
+    chunks = {("w", (0, 0)): SaveChunk((64, 256), torch.randn(64, 256, generator=g)),
+              ("b", (0,)): SaveChunk((7,), torch.randn(7, generator=g))}
+    save_chunks(str(root), chunks)
+    at, size = _data_at(root, chunks), os.path.getsize(root / "__0_0.distcp")
+    with open(root / "__0_0.distcp", "r+b") as handle:  # same size, in place
+        handle.seek(at + 5000)
+        if damage == "flip":
+            byte = handle.read(1)
+            handle.seek(at + 5000)
+            handle.write(bytes([byte[0] ^ 0x10]))
+        else:
+            handle.write(bytes(4096))
+    assert os.path.getsize(root / "__0_0.distcp") == size
+    out = torch.zeros(64, 256)
+    load_chunks(str(root), {("b", (0,)): torch.zeros(7)})  # an intact chunk still loads
+    for box, key in ((out, ("w", (0, 0))), (torch.zeros(2, 8), ("w", (4, 224)))):
+        with pytest.raises(BaseException) as info:  # DCP wraps it in a CheckpointException
+            load_chunks(str(root), {key: box})
+        line = failure_message(info.value)
+        assert "\n" not in line
+        assert re.search(r"iter_0000002/__0_0.distcp: w \(chunk at \(0, 0\)\) of iteration 2 "
+                         r"is corrupt: bytes \d+-\d+ of its values fail their CRC-32 check", line)
+    # a box away from the damage reads (only its blocks are checked), and reads about its size
+    box = torch.zeros(4, 256)
+    read = load_chunks(str(root), {("w", (60, 0)): box})
+    assert torch.equal(box, chunks[("w", (0, 0))].tensor[60:])
+    assert box.numel() * 4 <= read <= box.numel() * 4 + 2 * BlockChecksums.block_size(64 * 1024)
+
+
+def test_a_read_of_part_of_a_chunk_reads_its_blocks(tmp_path):
+    # a large chunk's blocks are 1/MAX_BLOCKS of it: a quarter read reads about a quarter
+    chunks = {("w", (0, 0)): SaveChunk((512, 512), torch.randn(512, 512))}
+    save_chunks(str(tmp_path), chunks)
+    quarter = torch.zeros(128, 512)
+    read = load_chunks(str(tmp_path), {("w", (200, 0)): quarter})
+    assert torch.equal(quarter, chunks[("w", (0, 0))].tensor[200:328])
+    assert read <= quarter.numel() * 4 * (1 + 2 * 4 / MAX_BLOCKS) + 1024
+    # a column slice of every row reads the blocks of every row, checked
+    strip = torch.zeros(512, 3)
+    load_chunks(str(tmp_path), {("w", (0, 100)): strip})
+    assert torch.equal(strip, chunks[("w", (0, 0))].tensor[:, 100:103])
+
+
+def test_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    real_open = open
+
+    class _Full:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dcp_io, "open", lambda p, mode="r", *a: _Full(real_open(p, mode, *a)),
+                        raising=False)
+    with pytest.raises(BaseException) as info:
+        save_chunks(str(tmp_path), _chunks(0))
+    assert failure_message(info.value) == \
+        f"rank 0: [Errno 28] No space left on device: '{tmp_path}/__0_0.distcp'"
 
 
 def test_older_torch_save_chunks_still_load(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
     CheckpointError,
+    CheckpointTarget,
     StageSlice,
     load_checkpoint,
     save_checkpoint,
@@ -76,10 +77,13 @@ def test_a_4_layer_checkpoint_does_not_load_into_2_layers(tmp_path):
     model2 = GPTModel(dataclasses.replace(two.model, vocab_size=500))
     stage = [StageSlice(0, (0, 2), model2)]
     # the shapes fit: without the check this loads silently
-    load_checkpoint(str(tmp_path), stage, 1, None, None, rank=0, world_size=1)
+    load_checkpoint(str(tmp_path), CheckpointTarget(stage, 1), rank=0, world_size=1)
+    def check(args, path):
+        check_checkpoint_args(two, args, path)
+
     with pytest.raises(CheckpointError, match="--num-layers: 4 in the checkpoint, 2 now"):
-        load_checkpoint(str(tmp_path), stage, 1, None, None, rank=0, world_size=1,
-                        check_args=lambda args, path: check_checkpoint_args(two, args, path))
+        load_checkpoint(str(tmp_path), CheckpointTarget(stage, 1, check_args=check),
+                        rank=0, world_size=1)
 
 
 # ----------------------------------------------------------------- one check for every checkpoint

@@ -10,6 +10,7 @@ import torch
 
 from megatron_chimera.data.bert_dataset import (
     BertDataset,
+    BertTokens,
     MockBertDataset,
     build_samples_mapping,
     build_train_valid_test_datasets,
@@ -146,8 +147,8 @@ def test_truncation_respects_seq_length(tmp_path):
 def test_splits_and_batch(tmp_path):
     prefix, _, _ = _sentence_corpus(tmp_path, num_docs=100)
     train, valid, test = build_train_valid_test_datasets(
-        [prefix], "80,20,0", [50, 10, 0], seq_length=24, seed=2, vocab_size=VOCAB, cls_id=CLS,
-        sep_id=SEP, mask_id=MASK, pad_id=PAD, cache_dir=str(tmp_path))
+        [prefix], "80,20,0", [50, 10, 0], seq_length=24, seed=2,
+        tokens=BertTokens(VOCAB, CLS, SEP, MASK, PAD), cache_dir=str(tmp_path))
     assert test is None and len(train) >= 50 and len(valid) >= 10
     assert np.all(train.samples_mapping[:, 0] < 100 * 5)
     from megatron_chimera.data.samplers import collate_samples

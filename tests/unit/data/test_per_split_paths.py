@@ -50,8 +50,8 @@ def test_gpt_splits_come_from_their_own_files(tmp_path):
 
 def test_bert_splits_come_from_their_own_files(tmp_path):
     prefix, _, _ = _sentence_corpus(tmp_path, num_docs=60)
-    common = dict(seq_length=24, seed=2, vocab_size=VOCAB, cls_id=CLS, sep_id=SEP, mask_id=MASK,
-                  pad_id=PAD, cache_dir=str(tmp_path))
+    common = dict(seq_length=24, seed=2, tokens=bert_dataset.BertTokens(VOCAB, CLS, SEP, MASK, PAD),
+                  cache_dir=str(tmp_path))
     train, valid, test = bert_dataset.build_train_valid_test_datasets(
         None, "unused", [20, 5, 0], split_paths=([prefix], [prefix], None), **common)
     alone, _, _ = bert_dataset.build_train_valid_test_datasets([prefix], "1,0,0", [20, 0, 0],

@@ -92,6 +92,11 @@ class _Tied(nn.Module):
         return self.word
 
 
+def _no_second_copy(param: nn.Parameter) -> bool:
+    """``.grad`` freed, or pointing at ``main_grad`` (autograd then adds into the buffer)."""
+    return param.grad is None or param.grad.data_ptr() == param.main_grad.data_ptr()
+
+
 def test_hooks_accumulate_into_main_grad_and_free_grad():
     first, last = _Tied(None), _Tied(None)  # two distinct copies on one rank
     buffers = build_grad_buffers({0: first, 3: last}, grad_reduce_in_fp32=True)
@@ -100,7 +105,7 @@ def test_hooks_accumulate_into_main_grad_and_free_grad():
     x = torch.randn(2, 3)
     for _ in range(3):
         (first.linear(x).sum() + (first.word * 2).sum() + (last.word * 3).sum()).backward()
-    assert first.linear.weight.grad is None and first.word.grad is None
+    assert _no_second_copy(first.linear.weight) and _no_second_copy(first.word)
     assert torch.allclose(first.linear.bias.main_grad, torch.full((3,), 6.0))
     # both copies' gradients land in the one shared buffer: 3 x (2 + 3)
     assert torch.allclose(first.word.main_grad, torch.full((7, 3), 15.0))
@@ -160,7 +165,36 @@ def test_a_grad_left_pointing_at_the_buffer_is_not_counted_twice():
     module.weight.grad = module.weight.main_grad  # as FP32Optimizer leaves it
     module(x).sum().backward()
     assert torch.equal(module.weight.main_grad, torch.full((2, 2), 2.0))
-    assert module.weight.grad is None
+    assert _no_second_copy(module.weight)
+    buffers.remove_hooks()
+
+
+def test_a_16_bit_parameter_into_fp32_gradients_drops_its_grad_each_time():
+    """Only a buffer of the parameter's own dtype can be autograd's accumulation target."""
+    module = nn.Linear(2, 2).to(torch.bfloat16)
+    buffers = build_grad_buffers({0: module}, grad_reduce_in_fp32=True)
+    x = torch.ones(1, 2, dtype=torch.bfloat16)
+    for step in range(3):
+        module(x).sum().backward()
+        assert module.weight.grad is None
+        assert torch.equal(module.weight.main_grad, torch.full((2, 2), float(step + 1)))
+    buffers.remove_hooks()
+
+
+def test_micro_batches_accumulate_in_place_into_the_buffer():
+    """After the first micro-batch ``.grad`` is ``main_grad`` itself: autograd adds the next ones
+    there (the hook adds nothing more), and clearing ``.grad`` (``zero_grad``) starts over."""
+    module = nn.Linear(2, 2)
+    buffers = build_grad_buffers({0: module}, grad_reduce_in_fp32=False)
+    x = torch.ones(1, 2)
+    for step in range(3):
+        module(x).sum().backward()
+        assert module.weight.grad.data_ptr() == module.weight.main_grad.data_ptr()
+        assert torch.equal(module.weight.main_grad, torch.full((2, 2), float(step + 1)))
+    module.weight.grad = None
+    buffers.zero_()
+    module(x).sum().backward()
+    assert torch.equal(module.weight.main_grad, torch.ones(2, 2))
     buffers.remove_hooks()
 
 
@@ -239,16 +273,18 @@ def test_gradient_accumulation_fusion_marks_weights_and_skips_the_hook_add():
 
 
 def test_gradient_accumulation_fusion_is_used_where_it_saves_a_kernel():
-    """CUDA with the parameters' dtype (one addmm_) or Apex's fp32-accumulating GEMM; not the
-    CPU, nor half precision without Apex (the same product and add as the hook, with a Python
-    autograd function's host cost at every linear)."""
+    """CUDA with the parameters' dtype (one addmm_) or an fp32-accumulating GEMM (Apex's, or
+    torch's ``out_dtype`` one); not the CPU, nor half precision without either (the same
+    product and add as the hook, with a Python autograd function's host cost at every
+    linear)."""
     from megatron_chimera.tensor_parallel import weight_grad
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert weight_grad.fusion_saves_work(cuda, torch.float32, torch.float32)
     assert weight_grad.fusion_saves_work(cuda, torch.bfloat16, torch.bfloat16)
     assert not weight_grad.fusion_saves_work(cpu, torch.float32, torch.float32)
-    if weight_grad.apex_wgrad_kernel() is None:
+    if (weight_grad.apex_wgrad_kernel() is None
+            and not weight_grad.native_out_dtype_accumulation(cuda)):
         assert not weight_grad.fusion_saves_work(cuda, torch.bfloat16, torch.float32)
     from megatron_chimera.config import DDPConfig
     from megatron_chimera.distributed import data_parallel

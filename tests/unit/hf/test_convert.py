@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
+    CheckpointTarget,
     StageSlice,
     load_checkpoint,
     save_checkpoint,
@@ -35,7 +36,7 @@ from megatron_chimera.config import (
 from megatron_chimera.data.tokenizers import build_tokenizer
 from megatron_chimera.hf.common import HFError
 from megatron_chimera.hf.convert import export_hf, import_hf
-from megatron_chimera.hf.layouts import (
+from megatron_chimera.hf.tensor_formats import (
     fused_qkv_from_megatron,
     fused_qkv_to_megatron,
     qkv_from_megatron,
@@ -275,8 +276,9 @@ def test_imported_checkpoint_loads_with_a_fresh_optimizer(tmp_path):
     model = build_model(GPT2, result.model_config)
     from megatron_chimera.config import OptimizerConfig as Opt
     optimizer = get_megatron_optimizer(Opt(lr=1e-3), [model])
-    loaded = load_checkpoint(str(tmp_path / "ckpt"), [StageSlice(0, (0, 4), model)], 1,
-                             optimizer, None, rank=0, world_size=4)  # plain --load, no flags
+    target = CheckpointTarget([StageSlice(0, (0, 4), model)], 1, optimizer)
+    loaded = load_checkpoint(str(tmp_path / "ckpt"), target, rank=0,
+                             world_size=4)  # plain --load, no flags
     assert loaded.iteration == 0 and loaded.consumed_train_samples == 0
     assert all(not state for state in optimizer.optimizer.state.values())
     hf = reload_gpt2(tmp_path / "hf")

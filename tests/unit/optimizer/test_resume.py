@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
+    CheckpointTarget,
     StageSlice,
     load_checkpoint,
     save_checkpoint,
@@ -103,7 +104,7 @@ def save(root, model, optimizer, iteration: int, fmt: str = "torch") -> None:
 def resume(root, kind: str):
     model, optimizer = build(kind)
     stage = StageSlice(0, (0, CONFIG.num_layers), model)
-    load_checkpoint(str(root), [stage], 1, optimizer, None, rank=0, world_size=1)
+    load_checkpoint(str(root), CheckpointTarget([stage], 1, optimizer), rank=0, world_size=1)
     return model, optimizer
 
 

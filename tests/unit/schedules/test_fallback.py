@@ -10,7 +10,7 @@ from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.cost_grid import grid_point
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import FallbackRefused, decide, of_schedule
-from megatron_chimera.schedules.rebuild import rebuild_for_costs
+from megatron_chimera.schedules.measured import rebuild_for_costs
 from megatron_chimera.schedules.registry import ChimeraZBOptions, ZBH1Options
 from megatron_chimera.schedules.simulate import simulate
 from megatron_chimera.training.arguments import parse_args_and_schedule

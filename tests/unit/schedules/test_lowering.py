@@ -6,6 +6,12 @@ import pytest
 
 from megatron_chimera.schedules import SCHEDULES, build_schedule
 from megatron_chimera.schedules.actions import FORWARD
+from megatron_chimera.schedules.device_sync_check import (
+    CollectiveHang,
+    check_sync_anywhere,
+    gradient_collectives,
+    plan_gradient_collectives,
+)
 from megatron_chimera.schedules.lowering import (
     RECV,
     SEND,
@@ -15,12 +21,6 @@ from megatron_chimera.schedules.lowering import (
     lower,
     needed_message,
     produced_message,
-)
-from megatron_chimera.schedules.sync_check import (
-    CollectiveHang,
-    check_sync_anywhere,
-    gradient_collectives,
-    plan_gradient_collectives,
 )
 from megatron_chimera.schedules.validate import ScheduleError, validate_lowered
 

@@ -117,13 +117,13 @@ def test_profiled_rebuild_builds_for_the_given_message_time(monkeypatch):
     """ProfileRebuild: F/B/W as measured (agreed over the ranks), p2p from --chimera-zb-costs."""
     from types import SimpleNamespace
 
-    from megatron_chimera.pipeline import profile_rebuild
+    from megatron_chimera.pipeline import profiling
     from megatron_chimera.schedules import build_schedule
 
     measured = StageCosts.uniform(0.01, 0.02, 0.01, 4)
-    monkeypatch.setattr(profile_rebuild, "agree_stage_costs", lambda *args: measured)
+    monkeypatch.setattr(profiling, "agree_stage_costs", lambda *args: measured)
     options = ChimeraZBOptions(costs=parse_costs("1,2,1;p2p=0.5"))
-    profile = profile_rebuild.ProfileRebuild(build_schedule("chimera-zb", 4, 8), options, 1)
+    profile = profiling.ProfileRebuild(build_schedule("chimera-zb", 4, 8), options, 1)
     executor = SimpleNamespace(action_timer=None)
     profile.start_iteration(executor)
     report = profile.finish_iteration(executor)

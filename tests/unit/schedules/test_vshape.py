@@ -187,7 +187,7 @@ def test_rebuild_from_measured_chunk_costs_and_never_slower(name):
     """Measured per-chunk costs (one entry per stage of the V schedule) rebuild the order; the
     decision never predicts a slower iteration than the running one, and unsplit schedules on
     another placement are only reported."""
-    from megatron_chimera.schedules.rebuild import rebuild_for_costs
+    from megatron_chimera.schedules.measured import rebuild_for_costs
 
     running = build_schedule(name, 4, 8)
     skew = [1.0 + 0.5 * (s in (0, 7)) for s in range(8)]  # heavy first and last chunk

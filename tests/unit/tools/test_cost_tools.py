@@ -62,12 +62,14 @@ def test_generation_benchmark(tmp_path, capsys):
     assert "| 4 | 8 | skewed |" in capsys.readouterr().out
 
 
-def test_layer_host_overhead_compares_our_layer_with_a_plain_one(tmp_path):
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_layer_host_overhead_compares_our_layer_with_a_plain_one(tmp_path, clock):
     """``benchmark_layer.py --host-overhead`` times both stacks and writes the ratios; the two
     stacks compute the same math, so the plain layer is a fair baseline (its output shape and
-    gradient flow are checked here, the ratio target is the benchmark's to report)."""
+    gradient flow are checked here, the ratio target is the benchmark's to report). ``--clock
+    cpu`` times the thread's CPU time."""
     bench = tool("benchmark_layer")
-    figures = bench.host_overhead(layers=1, steps=3, warmup=1)
+    figures = bench.host_overhead(layers=1, steps=3, warmup=1, clock=clock)
     for key in ("ours_forward_us", "ours_backward_us", "plain_forward_us", "plain_backward_us",
                 "split_forward_us", "split_backward_us"):
         assert figures[key] > 0, key

@@ -217,7 +217,7 @@ def test_stage_costs_file_and_time_partition_accepted(tmp_path):
 
 
 def test_profile_iterations_help_names_the_default():
-    from megatron_chimera.training.arguments import DEFAULT_PROFILE_ITERATIONS
-    from megatron_chimera.training.flag_catalog import HELP
+    from megatron_chimera.config import DEFAULT_PROFILE_ITERATIONS, TrainingConfig, flag_fields
 
-    assert f"(default {DEFAULT_PROFILE_ITERATIONS}," in HELP["profile_iterations"]
+    help_text = dict((f.name, spec.help) for f, spec in flag_fields(TrainingConfig))
+    assert f"(default {DEFAULT_PROFILE_ITERATIONS}," in help_text["profile_iterations"]

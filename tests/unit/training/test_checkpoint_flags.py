@@ -23,13 +23,14 @@ MODEL = ("--num-layers 3 --hidden-size 48 --num-attention-heads 6 --seq-length 2
          "--untie-embeddings-and-output-weights --vocab-size 300").split()
 
 
-def fake_checkpoint(root, argv, iteration=5):
-    """A checkpoint directory whose common.pt records the configuration ``argv`` parses to."""
+def fake_checkpoint(root, argv, iteration=5, family="gpt2"):
+    """A checkpoint directory whose common.pt records the configuration ``argv`` parses to (and
+    model family ``family``)."""
     config = parse_args(argv, world_size=1)
     path = checkpoint_dir(str(root), iteration)
     (root / f"iter_{iteration:07d}").mkdir(parents=True)
     atomic_torch_save({"iteration": iteration, "args": {**dataclasses.asdict(config),
-                                                        "model_family": "gpt2"}},
+                                                        "model_family": family}},
                       f"{path}/{COMMON_FILENAME}")
     (root / TRACKER_FILENAME).write_text(f"{iteration}\n")
     return config
@@ -98,3 +99,21 @@ def test_async_save_needs_save_and_torch_dist(extra, message):
 def test_ckpt_format_defaults_to_torch_dist():
     config = parse_args([*TRAINING, *MODEL], world_size=1)
     assert config.checkpoint.ckpt_format == "torch_dist" and not config.checkpoint.async_save
+
+
+@pytest.mark.parametrize("script,saved,message", [
+    ("pretrain_bert", "gpt2", "holds a GPT-family model: train it with pretrain_gpt2.py, not "
+                              "pretrain_bert.py"),
+    ("pretrain_gpt2", "bert", "holds a BERT model: train it with pretrain_bert.py, not "
+                              "pretrain_gpt2.py"),
+])
+def test_a_checkpoint_of_the_other_family_names_its_entry_script(tmp_path, script, saved,
+                                                                 message):
+    import importlib
+
+    # GPT's untied output layer is a flag BERT refuses: the checkpoint is named, not the flag
+    fake_checkpoint(tmp_path, [*TRAINING, *MODEL], family=saved)
+    main = importlib.import_module(script).main
+    with pytest.raises(ConfigError) as info:
+        main([*TRAINING, "--load", str(tmp_path), "--use-checkpoint-args"])
+    assert str(info.value) == f"--load {tmp_path} {message}"

@@ -44,7 +44,7 @@ def test_flags_doc_is_generated_and_current():
 
 def test_every_flag_has_a_description():
     missing = [a.option_strings[0] for a in _actions() if not a.help]
-    assert not missing, f"add these to flag_catalog.HELP: {missing}"
+    assert not missing, f"give these flags a help text: {missing}"
 
 
 # the schedule registry's flags: read by ScheduleSpec.options_from into parallel.schedule_options
@@ -105,9 +105,11 @@ def test_catalog_tables_are_consistent():
     assert set(flag_catalog.ALWAYS_ON) <= dests
     assert set(flag_catalog.CONSUMED_WHILE_PARSING) <= dests
     assert set(flag_catalog.READ_OUTSIDE_CONFIG) <= dests
-    tool = _tool()
-    for dest in flag_catalog.FAMILY:  # family checks compare config fields to their defaults
-        assert tool.config_fields(dest), dest
+    from megatron_chimera.model.family import FAMILIES
+    from megatron_chimera.training.argument_parser import field_flags
+
+    families = {spec.family for _, _, spec in field_flags() if spec.family}
+    assert families <= set(FAMILIES)  # a family check compares config fields to their defaults
     megatron = set(flag_catalog.MEGATRON_FLAGS)
     assert len(megatron) == len(flag_catalog.MEGATRON_FLAGS)  # no duplicates
     for flag in megatron - flags:

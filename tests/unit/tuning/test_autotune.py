@@ -36,33 +36,41 @@ def gpt(num_layers: int = 8) -> ModelSpec:
                                  seq_length=32, vocab_size=500), "gpt2")
 
 
-def hand_space(distributed_optimizer: tuple[bool, ...] = (False,)) -> SearchSpace:
+def hand_space(distributed_optimizer: tuple[bool, ...] = (False,),
+               pipeline_sizes: tuple[int, ...] | None = (2, 4)) -> SearchSpace:
     return SearchSpace(num_gpus=4, global_batch_size=8, num_layers=8,
                        schedules=("gpipe", "1f1b", "chimera"), micro_batch_sizes=(2,),
                        recompute=(False,), option_values=(("pipes", (2,)),),
                        partition_methods=("uniform",),
-                       distributed_optimizer=distributed_optimizer)
+                       distributed_optimizer=distributed_optimizer,
+                       pipeline_parallel_sizes=pipeline_sizes)
 
 
 # Hand-checked iteration times (forward F = B x layers per stage, backward 2F, no communication):
 # D=2 (W=2, N=2, F=8):  GPipe / 1F1B (N+D-1) 3F = 72;  Chimera basic unit (5D-4) F = 48
 # D=4 (W=1, N=4, F=4):  GPipe / 1F1B (N+D-1) 3F = 84;  Chimera basic unit (5D-4) F = 64
+# D=1 (W=4, N=1, F=16): no pipeline, 3F = 48 (one schedule stands for all: the first plain one)
 HAND_TIMES = {("gpipe", 2): 72.0, ("1f1b", 2): 72.0, ("chimera", 2): 48.0,
-              ("gpipe", 4): 84.0, ("1f1b", 4): 84.0, ("chimera", 4): 64.0}
+              ("gpipe", 4): 84.0, ("1f1b", 4): 84.0, ("chimera", 4): 64.0,
+              ("gpipe", 1): 48.0}
 
 
 def test_enumeration_of_the_hand_space():
-    layouts = list(enumerate_layouts(hand_space()))
+    """Every D dividing the GPUs is tried, D = 1 included (as one schedule: without a pipeline
+    they all run the micro-batches in turn)."""
+    layouts = list(enumerate_layouts(hand_space(pipeline_sizes=None)))
     assert {(layout.schedule, layout.D, layout.W, layout.B, layout.N) for layout in layouts} == {
         (s, D, 4 // D, 2, 8 // (4 // D * 2)) for s, D in HAND_TIMES}
+    pinned = hand_space()  # --pipeline-model-parallel-sizes 2,4
+    assert {layout.D for layout in enumerate_layouts(pinned)} == {2, 4}
 
 
 def test_picks_the_best_of_a_hand_checked_space():
     model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
-    result = autotune(model, hand_space(), memory_limit_bytes=10**12)
+    result = autotune(model, hand_space(pipeline_sizes=None), memory_limit_bytes=10**12)
     times = {(p.layout.schedule, p.layout.D): p.iteration_s for p in result.ranked}
-    assert times == pytest.approx(HAND_TIMES)
-    assert (result.best.layout.schedule, result.best.layout.D) == ("chimera", 2)
+    assert times == pytest.approx(HAND_TIMES) and not result.invalid
+    assert result.best.iteration_s == pytest.approx(48.0)
     assert result.best.samples_per_s == pytest.approx(8 / 48.0)
     assert [p.samples_per_s for p in result.ranked] == sorted(
         (p.samples_per_s for p in result.ranked), reverse=True)
@@ -109,7 +117,8 @@ def test_recomputation_is_tried_only_when_the_plain_layout_does_not_fit():
     model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
     space = SearchSpace(num_gpus=4, global_batch_size=32, num_layers=8, schedules=("gpipe",),
                         micro_batch_sizes=(4,), recompute=(False, True),
-                        partition_methods=("uniform",), distributed_optimizer=(False,))
+                        partition_methods=("uniform",), distributed_optimizer=(False,),
+                        pipeline_parallel_sizes=(2, 4))
     plain = TrainingLayout("gpipe", 2, 2, 4, 4)
     peak_plain = max(m.total_bytes for m in model.memory(plain))
     loose = autotune(model, space, memory_limit_bytes=10**12)
@@ -163,7 +172,9 @@ def test_cli_json_records(tmp_path, capsys):
     assert records and all(tuple(r) == JSON_KEYS for r in records)
     rates = [r["samples_per_s"] for r in records]
     assert rates == sorted(rates, reverse=True)
-    assert all(r["D"] * r["W"] == 4 and r["B"] * r["N"] * r["W"] == 16 for r in records)
+    # T: every divisor of the 4 heads within the 8-GPU node that divides the 4 GPUs
+    assert all(r["T"] * r["D"] * r["W"] == 4 and r["B"] * r["N"] * r["W"] == 16 for r in records)
+    assert {r["T"] for r in records} <= {1, 2, 4} and {r["D"] for r in records} >= {1, 2}
     assert "--bf16" in capsys.readouterr().out
 
 
@@ -207,6 +218,8 @@ def test_cli_rejects_bad_input(capsys):
     TrainingLayout("1f1b", 2, 2, 2, 4, T=4),
     TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True,
                       distributed_optimizer=True, pipes=2),
+    TrainingLayout("1f1b", 1, 4, 1, 2, True, recompute_granularity="selective"),
+    TrainingLayout("1f1b", 1, 2, 1, 2, T=2),  # no pipeline: D = 1
 ])
 def test_generated_flags_parse_into_the_same_layout(layout):
     """The command's flags go through the framework's own parser to the chosen layout."""
@@ -236,7 +249,7 @@ def test_generated_flags_parse_into_the_same_layout(layout):
                                                              layout.partition)]
     assert (config.training.layer_split.pipeline_model_parallel_layout is None) == \
         (layout.partition == "uniform")
-    assert (config.model.recompute_granularity == "full") == layout.recompute
+    assert config.model.recompute_granularity == layout.recompute_mode
     assert parallel.schedule_options == layout.options
     assert config.ddp.use_distributed_optimizer == layout.distributed_optimizer
 
@@ -249,8 +262,9 @@ def test_tensor_parallel_sizes_are_searched_and_reach_the_command(capsys):
                         micro_batch_sizes=(2,), recompute=(False,),
                         partition_methods=("uniform",), tensor_parallel_sizes=(1, 2, 8))
     layouts = list(enumerate_layouts(space))
-    assert {(lay.T, lay.D, lay.W) for lay in layouts} == {(1, 2, 4), (1, 4, 2), (1, 8, 1),
-                                                          (2, 2, 2), (2, 4, 1)}
+    assert {(lay.T, lay.D, lay.W) for lay in layouts} == {(1, 1, 8), (1, 2, 4), (1, 4, 2),
+                                                          (1, 8, 1), (2, 1, 4), (2, 2, 2),
+                                                          (2, 4, 1), (8, 1, 1)}
     assert all(lay.sequence_parallel == (lay.T > 1) for lay in layouts)
     result = autotune(PerformanceModel(gpt(), PRESETS["a100"]), dataclasses.replace(
         space, tensor_parallel_sizes=(1, 2, 8), num_gpus=16), 10**12)
@@ -267,13 +281,15 @@ def test_tensor_parallel_sizes_are_searched_and_reach_the_command(capsys):
 
 def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
     """Per rank, T = 2 holds about half the weights and activations; its stage times are half
-    the compute (at the efficiency of half-width matrices) plus the tensor-parallel collectives,
+    the compute (each GEMM priced at its half-width shape) plus the tensor-parallel collectives,
     which vanish on a free link."""
     spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
                                  seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
     one = TrainingLayout("1f1b", 4, 1, 2, 8)
     two = dataclasses.replace(one, T=2, sequence_parallel=True)
-    flat = dataclasses.replace(PRESETS["a100"], half_efficiency_tokens=0.0)  # no size effect
+    # an ideal device: no GEMM shape effect, no memory-bound time, no kernel gaps
+    flat = dataclasses.replace(PRESETS["a100"], num_sms=0, hbm_bandwidth_gbps=0.0,
+                               kernel_overhead_s=0.0)
     model = PerformanceModel(spec, flat)
     m1, m2 = (max(m.total_bytes for m in model.memory(lay)) for lay in (one, two))
     assert 0.45 < m2 / m1 < 0.6
@@ -284,10 +300,11 @@ def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
     free = PerformanceModel(spec, dataclasses.replace(flat, intra_node=FREE))
     t_free = free.stage_times(two, piece)
     assert t_free.forward == pytest.approx(t1.forward / 2)
-    # the a100 preset's efficiency m / (m + 512) at m = B s = 1024 tokens vs 512 for half-width
+    # on the a100 preset the half-width GEMMs (fewer tiles: a part-empty wave) run at no more
+    # than the full-width ones' rate per FLOP (the model prices each GEMM's shape)
     sized = PerformanceModel(spec, PRESETS["a100"])
     ratio = sized.stage_times(two, piece).weight / sized.stage_times(one, piece).weight
-    assert ratio == pytest.approx((1024 / 1536) / (512 / 1024) / 2)
+    assert 0.5 <= ratio < 1.0
     # 2 layers x (2 all-gathers + 2 reduce-scatters of one [s, b, h] bf16 activation) forward
     link = flat.intra_node
     activation = 512 * 2 * 1024 * 2
@@ -397,3 +414,118 @@ def test_v_shaped_schedules_are_searched_with_their_chunks_and_weight_copies():
     result = autotune(model, two_gpus, memory_limit_bytes=limit)
     assert {p.layout.schedule for p in result.ranked} == {"1f1b", "zbv"}
     assert [layout.schedule for layout, _ in result.over_memory] == ["bitpipe-zb"]
+
+
+# ------------------------------------------------------------ odd D, D = 1, empty searches
+def test_odd_pipeline_sizes_and_no_pipeline_are_searched():
+    """6 GPUs, 6 layers: D in {1, 2, 3, 6}; 1F1B runs at every D, Chimera only at even D (at
+    D = 1 only the first plain schedule is tried)."""
+    space = SearchSpace(num_gpus=6, global_batch_size=12, num_layers=6,
+                        schedules=("1f1b", "chimera"), micro_batch_sizes=(1,),
+                        recompute=(False,), option_values=(("pipes", (2,)),),
+                        partition_methods=("uniform",), distributed_optimizer=(False,))
+    assert space.pipeline_sizes() == [1, 2, 3, 6]
+    result = autotune(PerformanceModel(gpt(6), ZERO_COMM, compute=PerLayerCompute()), space,
+                      memory_limit_bytes=10**12)
+    ranked = {(p.layout.schedule, p.layout.D) for p in result.ranked}
+    assert {("1f1b", 1), ("1f1b", 2), ("1f1b", 3), ("1f1b", 6)} <= ranked
+    assert ("chimera", 2) in ranked and ("chimera", 6) in ranked
+    assert {layout.D for layout, _ in result.invalid if layout.schedule == "chimera"} == {3}
+    assert {p.layout.schedule for p in result.ranked if p.layout.D == 1} == {"1f1b"}
+
+
+def test_automatic_tensor_sizes_divide_the_heads_within_a_node():
+    space = SearchSpace(num_gpus=48, global_batch_size=48, num_layers=8,
+                        tensor_parallel_sizes=None, num_attention_heads=12, gpus_per_node=8)
+    assert space.tensor_sizes() == [1, 2, 3, 4, 6]  # 12 heads, <= 8 per node, divides 48
+    assert SearchSpace(num_gpus=4, global_batch_size=4, num_layers=2,
+                       tensor_parallel_sizes=None).tensor_sizes() == [1]
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"num_gpus": 6, "tensor_parallel_sizes": (4,)},
+     "no tensor-parallel size T: none of [4] divides --num-gpus 6"),
+    ({"num_gpus": 7, "num_layers": 2}, "no pipeline size D"),
+    ({"global_batch_size": 3, "micro_batch_sizes": (2,)}, "no micro-batch size"),
+])
+def test_an_empty_search_names_the_constraint_that_emptied_it(changes, message):
+    space = dataclasses.replace(hand_space(pipeline_sizes=None), **changes)
+    if "num_layers" in changes:  # 7 GPUs, 2 layers: D = 1 is the only divisor <= 2, and the
+        space = dataclasses.replace(space, pipeline_parallel_sizes=(7,))  # allowed D is 7
+    result = autotune(PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute()), space,
+                      memory_limit_bytes=10**12)
+    with pytest.raises(ConfigError) as info:
+        _ = result.best
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_an_empty_search_over_memory_names_the_smallest_peak():
+    result = autotune(PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute()),
+                      hand_space(), memory_limit_bytes=1)
+    with pytest.raises(ConfigError, match=r"no layout fits in memory: the smallest peak is "
+                                          r"[0-9.]+ GiB per rank \(.*\) over the 0.00 GiB limit"):
+        _ = result.best
+
+
+def test_2520_gpus_at_t8_find_the_paper_layout():
+    """The issue's example: 529.6B on 2,520 GPUs at T = 8 has a layout (D = 35, odd)."""
+    from megatron_chimera.tuning.published import MEGATRON_TABLE1, run_spec
+
+    run = next(r for r in MEGATRON_TABLE1 if r.params == "529.6B")
+    space = SearchSpace(num_gpus=run.gpus, global_batch_size=run.batch, num_layers=run.layers,
+                        schedules=("1f1b",), micro_batch_sizes=(1,), recompute=(True,),
+                        partition_methods=("uniform",), tensor_parallel_sizes=(8,),
+                        distributed_optimizer=(False,), sequence_parallel=False)
+    assert 35 in space.pipeline_sizes(8) and space.why_empty() is None
+    model = PerformanceModel(run_spec(run), PRESETS["a100"])
+    memory = model.memory(TrainingLayout("1f1b", 35, 9, 1, 280, True, T=8))
+    assert max(m.total_bytes for m in memory) < 80e9
+
+
+# ---------------------------------------------------------------------------------- --predict
+PREDICT = ["--predict", "--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+           "--seq-length", "32", "--vocab-size", "500", "--num-gpus", "8",
+           "--global-batch-size", "16", "--hardware", "a100", "--bf16"]
+
+
+def test_predict_prints_and_writes_one_layout(tmp_path, capsys):
+    """--predict prices exactly the layout the training flags give: the same numbers as the
+    performance model, Megatron's TFLOP/s formula over that time."""
+    from megatron_chimera.tuning.published import megatron_flops
+
+    path = tmp_path / "predict.json"
+    rc = _cli().main([*PREDICT, "--tensor-model-parallel-size", "2",
+                      "--pipeline-model-parallel-size", "4", "--micro-batch-size", "2",
+                      "--pipeline-schedule", "chimera", "--chimera-pipes", "2",
+                      "--sequence-parallel", "--recompute-granularity", "selective",
+                      "--json", str(path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for text in ("iteration:", "TFLOP/s per GPU:", "bubble:", "peak memory per rank:"):
+        assert text in out
+    record = json.loads(path.read_text())
+    layout = TrainingLayout.of("chimera", 4, 1, 2, 8, True, T=2, sequence_parallel=True,
+                               recompute_granularity="selective", pipes=2)
+    spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4,
+                                 seq_length=32, vocab_size=500, params_dtype="bf16"), "gpt2")
+    expected = PerformanceModel(spec, PRESETS["a100"]).predict(layout)
+    assert record["layout"] == layout.describe()
+    assert record["iteration_s"] == pytest.approx(expected.iteration_s)
+    assert record["peak_memory_bytes"] == expected.peak_memory_bytes
+    assert record["tflops_per_gpu"] == pytest.approx(
+        megatron_flops(spec.config, 16) / 8 / expected.iteration_s / 1e12)
+    assert f"{record['iteration_s']:.4f} s" in out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--pipeline-model-parallel-size", "3"], "--num-gpus 8 is not a multiple"),
+    (["--micro-batch-size", "3"], "--global-batch-size 16 is not a multiple"),
+    (["--sequence-parallel"], "--sequence-parallel needs"),
+    (["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+      "--chimera-pipes", "2"], "--chimera-pipes does not apply"),
+    (["--pipeline-model-parallel-size", "1", "--pipeline-schedule", "chimera"],
+     "--pipeline-model-parallel-size must be even"),
+])
+def test_predict_rejects_a_layout_that_cannot_run(capsys, extra, message):
+    assert _cli().main([*PREDICT, *extra]) == 2
+    assert message in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.simulate import CostModel, simulate
 from megatron_chimera.tuning.costs import ModelSpec, StagePiece, stage_forward_flops
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile, load_hardware
+from megatron_chimera.tuning.operators import K_FILL, Gemm, gemm_seconds, shape_efficiency
 from megatron_chimera.tuning.perf_model import (
     PerformanceModel,
     StageTimes,
@@ -66,11 +68,16 @@ def test_zero_communication_model_equals_simulator_on_flop_costs(name, options, 
     prediction = PerformanceModel(spec, ZERO_COMM).predict(layout)
     s, h, v = 32, 64, spec.config.padded_vocab_size
     rate = 10e12 * 0.5
-    layer = 24 * B * s * h**2 + 4 * B * s**2 * h
-    forward = [2 * layer / rate] * D  # 8 layers over 4 stages
-    forward[-1] += 2 * B * s * h * v / rate  # LM head
+    weights, attention = 24 * B * s * h**2, 4 * B * s**2 * h
+    forward = [2 * (weights + attention) / rate] * D  # 8 layers over 4 stages
+    # the backward: two GEMMs per weight GEMM; the fused attention core recomputes its scores
+    # (5 products of s x s x d against the forward's 2)
+    backward = [2 * (2 * weights + 2.5 * attention) / rate] * D
+    head = 2 * B * s * h * v / rate  # LM head
+    forward[-1] += head
+    backward[-1] += 2 * head
     expected = simulate(build_schedule(name, D, N, **options),
-                        CostModel(forward_cost=forward, backward_cost=[2 * f for f in forward]))
+                        CostModel(forward_cost=forward, backward_cost=backward))
     assert prediction.iteration_s == pytest.approx(expected.makespan, rel=1e-12)
     assert prediction.bubble_ratio == pytest.approx(expected.bubble_ratio, rel=1e-12)
 
@@ -172,10 +179,21 @@ def test_hardware_json_profile_and_errors(tmp_path):
         load_hardware("v100")
 
 
-def test_small_micro_batches_run_below_peak_efficiency():
-    hw = PRESETS["p100"]
-    assert hw.achieved_flops("fp32", 128) == pytest.approx(hw.achieved_flops("fp32") / 2)
-    assert hw.achieved_flops("fp32", 1e9) == pytest.approx(hw.achieved_flops("fp32"), rel=1e-6)
+def test_gemm_shape_efficiency_follows_tiles_waves_and_depth():
+    """Large GEMMs run at the profile's efficiency; a GEMM filling one partial wave of tiles,
+    a short reduction, or a thin (memory-bound) product runs below it."""
+    hw = PRESETS["a100"]
+    big = Gemm("big", 8192, 8192, 8192)
+    assert shape_efficiency(hw, big) == pytest.approx(8192 / (8192 + K_FILL), rel=0.02)
+    # 108 SMs: 109 tiles of 256 x 128 take two waves (the library then prefers smaller tiles)
+    assert shape_efficiency(hw, Gemm("wave", 256 * 109, 128, 8192)) < 0.95
+    assert shape_efficiency(hw, Gemm("short", 8192, 8192, 64)) < 0.4
+    thin = Gemm("thin", 2048, 2048, 64, batch=16)  # attention scores, head dim 64
+    compute = thin.flops / (hw.achieved_flops("fp16") * shape_efficiency(hw, thin))
+    assert gemm_seconds(hw, thin, "fp16") >= compute
+    ideal = dataclasses.replace(hw, num_sms=0, hbm_bandwidth_gbps=0.0, kernel_overhead_s=0.0)
+    assert gemm_seconds(ideal, thin, "fp16") == pytest.approx(
+        thin.flops / ideal.achieved_flops("fp16"))
 
 
 def test_emulated_compute_prediction_is_the_simulator_with_the_benchmark_costs():
@@ -258,3 +276,26 @@ def test_measured_optimizer_step_is_added_after_the_makespan():
     params = [p.numel() for p in GPTModel(spec.config, True, False, (0, 2)).parameters()]
     step = compute.optimizer_step_s(sum(params))
     assert prediction.iteration_s - model.simulate(layout).makespan >= step * 0.99
+
+
+def test_link_busy_time_counts_the_messages_and_the_all_reduce_shares_each_rank_sends():
+    """One NIC per GPU carries both the pipeline messages and the gradient all-reduces: by hand,
+    GPipe at D = 2, W = 2, N = 4, zero compute -- rank 0 sends N activations and its share
+    ``2 (r - 1) / r L_0`` of stage 0's all-reduce (r = W = 2), rank 1 N gradients and its share of
+    stage 1's. On a slow link that bound is the iteration: the simulator alone lets the N
+    messages fly at once and prices the all-reduces on a separate channel, so it gives less."""
+    spec = gpt()
+    bandwidth = 0.01  # GB/s: the link dominates
+    link = LinkProfile(0.0, bandwidth)
+    hw = HardwareProfile("nic", 10.0, 20.0, 0.5, 16.0, 1, link, link)
+    model = PerformanceModel(spec, hw, compute=UniformCompute(0.0, 0.0))
+    layout = TrainingLayout.of("gpipe", 2, 2, 1, 4)
+    beta = 1 / (bandwidth * 1e9)
+    message = spec.config.seq_length * spec.config.hidden_size * 4  # one [s, b, h] fp32
+    grads = model.cost_model(layout).grad_bytes
+    expected = max(4 * message * beta + grads[0] * beta, 4 * message * beta + grads[1] * beta)
+    assert model.link_busy_s(layout) == pytest.approx(expected, rel=1e-12)
+    assert model.simulate(layout).makespan < expected
+    assert model.predict(layout).iteration_s == pytest.approx(expected, rel=1e-12)
+    # D = 1 without data parallelism sends nothing
+    assert model.link_busy_s(TrainingLayout.of("1f1b", 1, 1, 1, 4)) == 0.0

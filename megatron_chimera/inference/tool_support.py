@@ -11,8 +11,8 @@ import torch
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.checkpoint.tokenizer_record import TokenizerSettings
-from megatron_chimera.config import ConfigError
-from megatron_chimera.data.tokenizers import TOKENIZER_TYPES, MegatronTokenizer
+from megatron_chimera.config import TOKENIZER_TYPES, ConfigError
+from megatron_chimera.data.tokenizers import MegatronTokenizer
 from megatron_chimera.errors import UserError, run_tool
 from megatron_chimera.inference.loader import LoadedModel, load_model, load_tokenizer
 from megatron_chimera.model.family import GPT2

@@ -1,0 +1,90 @@
+"""Sequence-sliced pipelines in the schedule IR: the slice-order rule is enforced by the
+validator, the generators' orders keep it (and NCCL's rules once lowered), the simulator costs
+slices by their attention work, and at D=8 with 4 sequences per iteration (F = B) slicing brings
+Chimera's bubble under 20% where unsliced 1F1B idles 64% of the time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_chimera.errors import ScheduleError
+from megatron_chimera.schedules import build_schedule
+from megatron_chimera.schedules.actions import BACKWARD, Action
+from megatron_chimera.schedules.lowering import lower
+from megatron_chimera.schedules.simulate import CostModel, simulate
+from megatron_chimera.schedules.slices import (
+    balanced_slice_lengths,
+    slice_order_errors,
+    slice_work,
+    sliced_schedule,
+)
+from megatron_chimera.schedules.validate import validate, validate_lowered
+
+EQUAL = CostModel(forward_cost=1.0, backward_cost=1.0)
+
+
+@pytest.mark.parametrize("name,ranks,sequences,slices", [
+    ("1f1b", 4, 2, 2), ("1f1b", 4, 3, 4), ("chimera", 4, 2, 4), ("chimera", 8, 4, 2),
+    ("zb-h1", 4, 2, 3), ("chimera-zb", 4, 2, 4)])
+def test_generated_orders_are_valid_and_keep_slice_order(name, ranks, sequences, slices):
+    schedule = sliced_schedule(name, ranks, sequences, slices, attention_fraction=0.4)
+    validate(schedule)
+    validate_lowered(lower(schedule), gradient_collectives=False)
+    assert schedule.num_microbatches == sequences * slices
+    assert slice_order_errors(schedule) == []
+    again = type(schedule).from_json(schedule.to_json())
+    assert again.sequence_slices == slices
+
+
+def test_validator_refuses_a_backward_before_the_next_slices():
+    schedule = sliced_schedule("1f1b", 2, 1, 2)
+    actions = [list(a) for a in schedule.actions]
+    last = actions[1]  # the last stage: swap its two backwards (slice 0 first: wrong)
+    i, j = (last.index(Action(BACKWARD, 0, 1, m)) for m in (0, 1))
+    last[i], last[j] = last[j], last[i]
+    broken = dataclasses.replace(schedule, actions=actions)
+    with pytest.raises(ScheduleError, match="slice order"):
+        validate(broken)
+
+
+def test_slice_work_grows_along_the_sequence_and_balanced_lengths_shrink():
+    work = slice_work(4, 0.5)
+    assert sum(work) == pytest.approx(1.0)
+    assert work == sorted(work) and work[-1] > work[0]
+    lengths = balanced_slice_lengths(4096, 4, 0.5)
+    assert sum(lengths) == 4096 and lengths == sorted(lengths, reverse=True)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n / 4096)
+    per_slice = [0.5 * (b - a) + 0.5 * (b * b - a * a) for a, b in zip(bounds, bounds[1:])]
+    assert max(per_slice) - min(per_slice) < 1e-3  # equal compute
+
+
+def test_simulator_costs_later_slices_more():
+    schedule = sliced_schedule("1f1b", 2, 1, 4, attention_fraction=0.6)
+    events = [e for e in simulate(schedule, EQUAL).events if e.rank == 0 and e.kind == "F"]
+    durations = [e.end - e.start for e in sorted(events, key=lambda e: e.microbatch)]
+    assert durations == pytest.approx(slice_work(4, 0.6))
+
+
+def test_sliced_chimera_bubble_at_d8_with_four_sequences():
+    """F = B, D = 8, 4 sequences: unsliced 1F1B idles (D-1)/(N+D-1) = 64%; sliced into 8
+    (32 pipeline units) Chimera stays under 20% (and below sliced 1F1B)."""
+    unsliced = simulate(build_schedule("1f1b", 8, 4), EQUAL).bubble_ratio
+    assert unsliced == pytest.approx(7 / 11)
+    chimera = simulate(sliced_schedule("chimera", 8, 4, 8), EQUAL).bubble_ratio
+    one_f_one_b = simulate(sliced_schedule("1f1b", 8, 4, 8), EQUAL).bubble_ratio
+    print(f"\nD=8, 4 sequences, F=B: 1F1B {unsliced:.1%}, sliced (k=8) 1F1B "
+          f"{one_f_one_b:.1%}, sliced Chimera {chimera:.1%}")
+    assert chimera <= 0.20
+    assert chimera < one_f_one_b
+
+
+def test_split_backward_fills_the_sliced_bubbles():
+    """Chimera-ZB's order on slices (W = half the backward) idles less than sliced Chimera's."""
+    costs = CostModel(forward_cost=1.0, backward_cost=1.0, weight_cost=0.5)
+    zb = simulate(sliced_schedule("chimera-zb", 8, 4, 4), costs).bubble_ratio
+    plain = simulate(sliced_schedule("chimera", 8, 4, 4), EQUAL).bubble_ratio
+    assert zb < plain

@@ -139,18 +139,20 @@ def skip(why: str) -> dict:
 
 
 # ------------------------------------------------------------------------------ env
-SDPA_SHAPES = (  # (name, heads, seq, head_dim)
-    ("h2048 16 heads", 16, 2048, 128), ("h2048 32 heads", 32, 2048, 64),
-    ("gpt2-1.3b h1280", 20, 632, 64))
+SDPA_SHAPES = (  # (name, heads, K/V heads, seq, head_dim)
+    ("h2048 16 heads", 16, 16, 2048, 128), ("h2048 32 heads GQA 8", 32, 8, 2048, 64),
+    ("gpt2-1.3b h1280", 20, 20, 632, 64))
 
 
-def sdpa_choice(device: torch.device, dtype: torch.dtype, heads: int, seq: int, head_dim: int,
-                dropout: float) -> str:
+def sdpa_choice(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, seq: int,
+                head_dim: int, dropout: float) -> str:
     """The kernel ``scaled_dot_product_attention`` selects for causal attention without a mask
-    (the model's call; grouped-query K/V at the query heads' count)."""
+    (the model's call; grouped-query K/V passed with ``enable_gqa``)."""
     q = torch.empty(1, heads, seq, head_dim, device=device, dtype=dtype)
-    kv = torch.empty(1, heads, seq, head_dim, device=device, dtype=dtype)
-    choice = torch._fused_sdp_choice(q, kv, kv, None, dropout, True)  # noqa: SLF001
+    kv = torch.empty(1, kv_heads, seq, head_dim, device=device, dtype=dtype)
+    choice = torch._fused_sdp_choice(q, kv, kv, attn_mask=None,  # noqa: SLF001
+                                     dropout_p=dropout, is_causal=True,
+                                     enable_gqa=kv_heads < heads)
     from torch.nn.attention import SDPBackend
 
     return SDPBackend(choice).name
@@ -183,11 +185,13 @@ def check_env(ctx: Context) -> dict:
     info["fused_backend"] = fused.get_fused_backend().name
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
     info["sdpa"] = {}
-    for name, heads, seq, head_dim in SDPA_SHAPES:
+    for name, heads, kv, seq, head_dim in SDPA_SHAPES:
         for dropout in (0.0, 0.1):
-            with contextlib.suppress(Exception):
+            try:
                 info["sdpa"][f"{name}, dropout {dropout:g}"] = sdpa_choice(
-                    ctx.device, dtype, heads, seq if ctx.gpu else 64, head_dim, dropout)
+                    ctx.device, dtype, heads, kv, seq if ctx.gpu else 64, head_dim, dropout)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                info["sdpa"][f"{name}, dropout {dropout:g}"] = f"{type(exc).__name__}: {exc}"
     if ctx.gpu:  # training compiles bias-dropout-add on CUDA only
         start = time.perf_counter()
         compiled = fused.fused_bias_dropout_add(ctx.device, dtype)

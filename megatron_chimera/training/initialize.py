@@ -48,6 +48,21 @@ def check_backend(config: ParallelConfig) -> str:
     return backend
 
 
+# torch's NCCL flight recorder (read when its process group is created): the last collectives
+# and point-to-point operations of every group with their state, dumped per rank to
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (default /tmp/nccl_trace_rank_<rank>) when NCCL's watchdog
+# times out; the hang report reads it too (pipeline/hang.py). A setting in the environment wins.
+NCCL_FLIGHT_RECORDER_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                            "TORCH_FR_BUFFER_SIZE": "2000",
+                            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def enable_nccl_flight_recorder() -> None:
+    """Turn the NCCL flight recorder on (unless the environment says otherwise)."""
+    for key, value in NCCL_FLIGHT_RECORDER_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def initialize_distributed(config: ParallelConfig) -> torch.device:
     """``init_process_group`` with the configured backend and timeout; returns this rank's device.
 
@@ -63,6 +78,7 @@ def initialize_distributed(config: ParallelConfig) -> torch.device:
         return device
     if backend == "nccl":
         torch.cuda.set_device(device)
+        enable_nccl_flight_recorder()
     options = {"backend": backend, "timeout": timedelta(minutes=config.distributed_timeout_minutes)}
     if backend == "nccl":
         options["device_id"] = device

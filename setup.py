@@ -8,7 +8,9 @@ setup(
     packages=find_packages(include=["megatron_chimera", "megatron_chimera.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch",  # install torch==2.13.0 first (see README); an unpinned torch pulls CUDA packages
+        # supported: torch 2.11 through 2.13 (the unit tests pass on both ends); install
+        # torch==2.13.0 first (tools/install.sh), or a machine's own CUDA build in that range
+        "torch>=2.11,<2.14",
         "numpy",
         "sentencepiece",
         "tokenizers",

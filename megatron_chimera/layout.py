@@ -16,6 +16,15 @@ stage's gradients are reduced over its data x context ranks (the stage-replica g
 A *placement* (``Schedule.placement``:
 ``placement[pipe][stage]`` = pipeline rank) says which pipeline ranks hold which stage; the
 stage-replica and embedding groups follow from it.
+
+Expert parallelism (Megatron's "parallel folding"): the ``T x CP x W`` ranks of one pipeline
+rank (local index ``i`` = the global rank minus ``pipeline_rank x T x CP x W``) regroup into
+``EP`` expert-parallel x ``T x CP x W / EP`` expert-data-parallel ranks, expert-parallel
+innermost: ``expert rank = i mod EP``, ``expert-data rank =
+i div EP``. An expert-parallel group therefore holds ranks of one pipeline rank only -- ranks
+that run the same action list -- so with Chimera workers ``w`` and ``D-1-w`` never share one.
+The experts of a stage are reduced over the ranks holding that stage with the same expert rank
+(every pipe, every expert-data rank).
 """
 
 from __future__ import annotations
@@ -58,10 +67,20 @@ class ParallelLayout:
     data: int = 1
     pipeline: int = 1
     context: int = 1
+    # EP: expert-parallel ranks, folded out of the T x CP x W ranks of a pipeline rank
+    expert: int = 1
+
+    def __post_init__(self) -> None:
+        if self.expert < 1 or self.ranks_per_pipeline_rank % self.expert:
+            raise ConfigError(
+                f"--expert-model-parallel-size {self.expert} does not divide "
+                f"--tensor-model-parallel-size {self.tensor} x --context-parallel-size "
+                f"{self.context} x data-parallel size {self.data} (expert-parallel ranks are "
+                f"folded out of one pipeline rank's ranks)")
 
     @classmethod
     def from_world(cls, world_size: int, tensor: int = 1, pipeline: int = 1,
-                   context: int = 1) -> ParallelLayout:
+                   context: int = 1, expert: int = 1) -> ParallelLayout:
         """W = world / (T x CP x D); ConfigError naming the flags when they do not divide the
         world."""
         if tensor < 1 or pipeline < 1 or context < 1 or world_size % (pipeline * tensor * context):
@@ -69,7 +88,13 @@ class ParallelLayout:
                 f"--tensor-model-parallel-size {tensor} x --context-parallel-size {context} x "
                 f"--pipeline-model-parallel-size {pipeline} does not divide the world size "
                 f"{world_size} (world = tensor x context x data-parallel x pipeline size)")
-        return cls(tensor, world_size // (pipeline * tensor * context), pipeline, context)
+        return cls(tensor, world_size // (pipeline * tensor * context), pipeline, context,
+                   expert)
+
+    @property
+    def ranks_per_pipeline_rank(self) -> int:
+        """T x CP x W: the ranks of one pipeline rank (what the expert groups fold)."""
+        return self.tensor * self.context * self.data
 
     @property
     def world_size(self) -> int:
@@ -193,3 +218,41 @@ class ParallelLayout:
         last = len(placement[0]) - 1
         return self.replica_ranks((pipe[s] for pipe in placement for s in (0, last)),
                                   tensor_rank)
+
+    # ------------------------------------------------------------------ experts
+    @property
+    def expert_data(self) -> int:
+        """Expert-data-parallel ranks per pipeline rank: ``T x CP x W / EP``."""
+        return self.ranks_per_pipeline_rank // self.expert
+
+    def check_experts(self, num_experts: int) -> None:
+        """ConfigError when EP does not divide ``--num-experts``."""
+        if num_experts % self.expert:
+            raise ConfigError(f"--num-experts {num_experts} is not divisible by "
+                              f"--expert-model-parallel-size {self.expert}")
+
+    def expert_coordinates(self, rank: int) -> tuple[int, int]:
+        """``(expert_rank, expert_data_rank)`` of a global rank."""
+        local = rank % self.ranks_per_pipeline_rank
+        return local % self.expert, local // self.expert
+
+    def _expert_global(self, pipeline_rank: int, expert_rank: int, expert_data_rank: int) -> int:
+        return (pipeline_rank * self.ranks_per_pipeline_rank + expert_data_rank * self.expert
+                + expert_rank)
+
+    def expert_parallel_ranks(self, pipeline_rank: int, expert_data_rank: int) -> list[int]:
+        """The EP ranks of one pipeline rank and expert-data rank, by expert rank."""
+        return [self._expert_global(pipeline_rank, e, expert_data_rank)
+                for e in range(self.expert)]
+
+    def expert_replica_ranks(self, pipeline_ranks: Iterable[int], expert_rank: int) -> list[int]:
+        """Every rank of ``expert_rank`` on the given pipeline ranks, every expert-data rank."""
+        return [self._expert_global(p, expert_rank, d)
+                for p in sorted(set(pipeline_ranks)) for d in range(self.expert_data)]
+
+    def expert_stage_replica_ranks(self, placement: Sequence[Sequence[int]], stage: int,
+                                   expert_rank: int) -> list[int]:
+        """Holders of the experts of ``expert_rank`` in ``stage``: every pipe, every expert-data
+        rank (where the expert gradients are reduced and the distributed optimizer shards
+        them)."""
+        return self.expert_replica_ranks((pipe[stage] for pipe in placement), expert_rank)

@@ -39,6 +39,12 @@ With T=1 and W=2 the same Chimera D=4 is::
     stage-replica groups: stage 0 [0 1 6 7]  stage 1 [2 3 4 5]  stage 2 [2 3 4 5]  stage 3 [0 1 6 7]
     embedding group (holders of stage 0 or 3):     [0 1 6 7]
 
+and with expert parallelism EP=2 (``expert_model_parallel_size``, folded out of each pipeline
+rank's T x W ranks, see ``layout``)::
+
+    expert-parallel groups (one per pipeline rank): [0 1] [2 3] [4 5] [6 7]
+    expert stage-replica groups: stage 0 [0 6] (expert rank 0) [1 7] (expert rank 1), ...
+
 A rank holds the tensor-parallel shard ``tensor_rank`` of its stages; every group but the tensor
 and model-parallel groups joins equal tensor ranks only. Gradient all-reduce runs over the
 stage-replica groups (all 2f x W holders of a stage's shard). The *model-parallel group* (Megatron's
@@ -99,6 +105,14 @@ class _ModelParallelState:
     embedding_group: dist.ProcessGroup | None = None
     embedding_ranks: list[int] = field(default_factory=list)
     p2p_groups: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    expert_rank: int = 0
+    expert_data_rank: int = 0
+    expert_group: dist.ProcessGroup | None = None
+    expert_ranks: list[int] = field(default_factory=list)
+    expert_stage_replica_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
+    expert_stage_replica_ranks: dict[int, list[int]] = field(default_factory=dict)
+    # the experts have their own groups (expert stage-replica groups differ from the dense ones)
+    has_expert_groups: bool = False
     all_groups: list[dist.ProcessGroup] = field(default_factory=list)
     collective_groups: list[dist.ProcessGroup] = field(default_factory=list)
 
@@ -146,6 +160,8 @@ def initialize_model_parallel(
     timeout: timedelta | None = None,
     p2p_direction_groups: bool | None = None,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_groups: bool | None = None,
 ) -> None:
     """Create tensor, pipeline, data-parallel, model-parallel, stage-replica and embedding groups
     (same order everywhere).
@@ -164,6 +180,11 @@ def initialize_model_parallel(
     NCCL-semantics test mode) adds one 2-rank
     group per direction between pipe neighbours, so that the two directions between a pair of
     ranks run on separate NCCL communicators and streams and never wait behind each other.
+    ``expert_model_parallel_size`` (EP) folds each pipeline rank's ranks into expert-parallel
+    groups and adds one expert stage-replica group per stage and expert rank (see ``layout``).
+    ``expert_groups`` (default: EP > 1) creates those groups also with EP = 1 -- an MoE model
+    with T > 1, whose experts see different tokens on each tensor rank (sequence parallelism)
+    and are reduced over all T x W ranks of each stage.
     """
     global _STATE
     if not dist.is_initialized():
@@ -173,7 +194,8 @@ def initialize_model_parallel(
     if _STATE is not None:
         raise RuntimeError("model parallel groups are already initialized; destroy them first")
     layout = ParallelLayout.from_world(dist.get_world_size(), tensor_model_parallel_size,
-                                       pipeline_model_parallel_size, context_parallel_size)
+                                       pipeline_model_parallel_size, context_parallel_size,
+                                       expert_model_parallel_size)
     d, w, t_size, cp = layout.pipeline, layout.data, layout.tensor, layout.context
     _validate_placement(placement, num_stages, d)
     rank = dist.get_rank()
@@ -241,6 +263,11 @@ def initialize_model_parallel(
         group = new_group(ranks)
         if t == tensor_rank:
             state.embedding_ranks, state.embedding_group = ranks, group
+    state.expert_rank, state.expert_data_rank = layout.expert_coordinates(rank)
+    if expert_groups is None:
+        expert_groups = layout.expert > 1
+    if expert_groups and (layout.expert > 1 or layout.tensor > 1 or layout.context > 1):
+        _expert_groups(state, new_group)
     if p2p_direction_groups is None:
         p2p_direction_groups = dist.get_backend() == "nccl" or nccl_semantics_requested()
     if p2p_direction_groups:
@@ -256,6 +283,27 @@ def initialize_model_parallel(
     state.all_groups = created
     state.collective_groups = collective
     _STATE = state
+
+
+def _expert_groups(state: _ModelParallelState, new_group) -> None:
+    """Expert-parallel groups (one per pipeline rank and expert-data rank) and expert
+    stage-replica groups (one per stage and expert rank), in one global order."""
+    layout, placement = state.layout, state.placement
+    state.has_expert_groups = True
+    for p in range(layout.pipeline):
+        for d in range(layout.expert_data):
+            ranks = layout.expert_parallel_ranks(p, d)
+            group = new_group(ranks)
+            if group is not None:
+                state.expert_group, state.expert_ranks = group, ranks
+    for stage in range(state.num_stages):
+        for e in range(layout.expert):
+            ranks = layout.expert_stage_replica_ranks(placement, stage, e)
+            group = new_group(ranks)
+            if e == state.expert_rank and stage in state.stage_replica_groups:
+                state.expert_stage_replica_ranks[stage] = ranks
+            if group is not None:
+                state.expert_stage_replica_groups[stage] = group
 
 
 def _neighbour_directions(placement: list[list[int]]) -> list[tuple[int, int]]:
@@ -484,3 +532,54 @@ def get_p2p_group(src: int, dst: int) -> dist.ProcessGroup | None:
 def pipeline_rank_to_global_rank(pipeline_rank: int) -> int:
     """Global rank of ``pipeline_rank`` in this rank's data-parallel replica and tensor rank."""
     return _state().to_global(pipeline_rank)
+
+
+# ---------------------------------------------------------------- experts
+def get_expert_model_parallel_world_size() -> int:
+    """EP: expert-parallel ranks (1 before ``initialize_model_parallel``)."""
+    return _STATE.layout.expert if _STATE is not None else 1
+
+
+def get_expert_model_parallel_rank() -> int:
+    """This rank's index in its expert-parallel group (0 before ``initialize_model_parallel``)."""
+    return _STATE.expert_rank if _STATE is not None else 0
+
+
+def get_expert_data_parallel_rank() -> int:
+    """This rank's expert-data-parallel index (0 before ``initialize_model_parallel``)."""
+    return _STATE.expert_data_rank if _STATE is not None else 0
+
+
+def get_expert_model_parallel_group() -> dist.ProcessGroup | None:
+    """This rank's expert-parallel group (ranks of its pipeline rank; None with EP = 1)."""
+    return _state().expert_group
+
+
+def get_expert_model_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's expert-parallel group, by expert rank."""
+    return list(_state().expert_ranks)
+
+
+def has_expert_groups() -> bool:
+    """Whether the experts are reduced over groups of their own (EP > 1, or an MoE model with
+    T > 1); otherwise over the stage-replica groups like every other parameter."""
+    return _STATE is not None and _STATE.has_expert_groups
+
+
+def get_expert_stage_replica_group(stage: int) -> dist.ProcessGroup:
+    """Holders of this rank's experts of stage ``stage`` (every pipe, every expert-data rank);
+    the stage-replica group when the experts have no groups of their own."""
+    s = _state()
+    if not s.has_expert_groups:
+        return get_stage_replica_group(stage)
+    if stage not in s.expert_stage_replica_groups:
+        raise ValueError(f"rank {s.rank} holds no replica of stage {stage}")
+    return s.expert_stage_replica_groups[stage]
+
+
+def get_expert_stage_replica_ranks(stage: int) -> list[int]:
+    """Global ranks of :func:`get_expert_stage_replica_group`."""
+    s = _state()
+    if not s.has_expert_groups:
+        return get_stage_replica_ranks(stage)
+    return list(s.expert_stage_replica_ranks[stage])

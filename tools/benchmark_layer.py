@@ -236,13 +236,17 @@ def host_overhead(layers: int, steps: int, warmup: int, hidden: int = 32, heads:
 
 
 def time_training_phases(config: ModelConfig, batch: int, device: torch.device, steps: int,
-                         warmup: int, gradient_accumulation_fusion: bool = True
+                         warmup: int, gradient_accumulation_fusion: bool | None = None
                          ) -> tuple[float, float]:
     """Median seconds of (forward + backward into the gradient buffers, optimizer step) of a
-    middle stage, timed apart: the buffers as in training (fp32 ``main_grad`` for bf16, with or
-    without gradient-accumulation fusion), the optimizer reading them."""
+    middle stage, timed apart: the buffers as in training (fp32 ``main_grad`` for bf16, with
+    gradient-accumulation fusion where training uses it -- :func:`fusion_saves_work` -- unless
+    ``gradient_accumulation_fusion`` forces it on or off), the optimizer reading them."""
     model = GPTModel(config, pre_process=False, post_process=False).to(device)
     bf16 = config.params_dtype == "bf16"
+    if gradient_accumulation_fusion is None:
+        gradient_accumulation_fusion = fusion_saves_work(
+            device, config.torch_dtype, torch.float32 if bf16 else config.torch_dtype)
     buffers = build_grad_buffers({0: model}, grad_reduce_in_fp32=bf16,
                                  fuse_wgrad_accumulation=gradient_accumulation_fusion)
     optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-4, bf16=bf16, clip_grad=1.0),

@@ -21,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from megatron_chimera.errors import ToolArgumentParser, run_tool  # noqa: E402
+
 
 def _peak_rss_kib() -> int:
     """This process's peak RSS (``VmHWM``: unlike ``ru_maxrss`` not inherited over fork + exec)."""
@@ -46,7 +48,7 @@ def _child(source: str, save: str) -> None:
 
 def main() -> None:
     """Write both layouts, import each in a subprocess, print the ratios."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ToolArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -69,4 +71,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -23,6 +23,14 @@ split-backward ones built for each cost and cap), beside the anchors' published 
 with free point-to-point messages and once at 0.1 F per message::
 
     python tools/compare_schedules.py --anchor-table --json anchors.json
+
+``--moe-table`` prints issue 41's table (``megatron_chimera/schedules/compare.py: moe_table``):
+MoE expert parallelism at -D, -N (default 8, 32), F:B:W = 1:1:1 per stage and an all-to-all of
+``--all-to-all-cost`` (default 1 = the forward: DeepSeek's 1:1) per stage and direction; 1F1B,
+interleaved, Chimera(-ZB) and BitPipe(-ZB) without and with ``--overlap-moe-expert-parallel-comm``
+beside DualPipe, DualPipeV and Megatron's combined 1F1B: makespan and exposed all-to-all::
+
+    python tools/compare_schedules.py --moe-table -D 8 -N 32
 """
 
 from __future__ import annotations
@@ -34,8 +42,9 @@ from megatron_chimera.atomic import atomic_write
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.schedules.anchor_table import anchor_table, format_rows
 from megatron_chimera.schedules.cli import add_size_and_cost_arguments, check_costs, sizes
-from megatron_chimera.schedules.compare import compare, format_table
+from megatron_chimera.schedules.compare import compare, format_moe_table, format_table, moe_table
 from megatron_chimera.schedules.cost_grid import cost_grid, format_grid
+from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import SCHEDULE_NAMES, add_schedule_arguments
 
 COST_FLAGS = {"forward_cost": 1.0, "backward_cost": 2.0, "weight_cost": 0.0}
@@ -92,6 +101,36 @@ def run_anchor_table(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     return 0
 
 
+def run_moe_table(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--moe-table``: print (and write) the MoE overlap table; only -D, -N, --json and
+    --all-to-all-cost."""
+    defaults = parser.parse_args([])
+    allowed = ("moe_table", "json", "all_to_all_cost", "num_microbatches",
+               "pipeline_model_parallel_size")
+    given = [k for k, v in vars(args).items() if k not in allowed and v != getattr(defaults, k)]
+    if given:
+        parser.error(f"--moe-table sets the costs and the schedules itself; drop "
+                     f"{' '.join('--' + k.replace('_', '-') for k in given)}")
+    if not args.all_to_all_cost >= 0:
+        parser.error(f"--all-to-all-cost must be >= 0, got {args.all_to_all_cost}")
+    if args.num_microbatches is None:
+        args.num_microbatches = 32  # the issue's table: N = 32
+    try:
+        D, N = sizes(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    costs = StageCosts.uniform(1.0, 1.0, 1.0, 1, all_to_all=args.all_to_all_cost)
+    print(f"D={D} N={N} F:B:W = 1:1:1 per stage, all-to-all {args.all_to_all_cost:g} per stage "
+          f"and direction; an unpaired F or B pays its all-to-all, a pair max(compute, "
+          f"all-to-all); exposed = all-to-all not hidden behind compute (worst rank)")
+    rows = moe_table(D, N, costs)
+    print(format_moe_table(rows))
+    if args.json:
+        atomic_write(args.json, lambda handle: json.dump(rows, handle, indent=1), mode="w")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, compare the schedules, print the table and optionally write JSON."""
     parser = ToolArgumentParser(description=__doc__.split("\n")[0])
@@ -112,7 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--anchor-table", action="store_true",
                         help="print issue 30's table: D=8, N 8 and 32, three F:B:W, caps 8 and "
                              "5, p2p 0 and 0.1 F, beside the anchors' published figures")
+    moe = parser.add_argument_group("MoE overlap table")
+    moe.add_argument("--moe-table", action="store_true",
+                     help="print issue 41's table: makespan and exposed all-to-all of every "
+                          "schedule with and without --overlap-moe-expert-parallel-comm, "
+                          "DualPipe, DualPipeV, combined 1F1B (F:B:W 1:1:1)")
+    moe.add_argument("--all-to-all-cost", type=float, default=1.0,
+                     help="--moe-table: all-to-all time per stage and direction (default 1)")
     args = parser.parse_args(argv)
+    if args.moe_table:
+        return run_moe_table(args, parser)
+    if args.all_to_all_cost != 1.0:
+        parser.error("--all-to-all-cost applies only with --moe-table")
     if args.anchor_table:
         return run_anchor_table(args, parser)
     if args.pipeline_schedule is not None or args.chimera_split_backward:

@@ -140,9 +140,10 @@ def render() -> str:
         "",
         f"Of the {len(megatron)} flags of Megatron-LM's network-size, regularization, training, "
         "initialization, learning-rate, checkpointing, mixed-precision, distributed, validation, "
-        "data, logging and transformer-engine groups (23.06, plus later common ones) "
+        "data, logging, mixture-of-experts and transformer-engine groups (23.06, plus later "
+        "common ones) "
         f"{len(supported)} are supported and {len(refused)} refused. Megatron's inference, "
-        "retro, biencoder, vision, autoresume, MoE and RL groups are out of scope.",
+        "retro, biencoder, vision, autoresume and RL groups are out of scope.",
         "",
         f"### Supported ({len(supported)})",
         "",

@@ -1,221 +1,92 @@
 #!/usr/bin/env python
-"""One command that checks the CUDA path on one GPU and prints the figures for docs/GPU.md.
+"""The steps of ``tools/gpu_check.sh``: one GPU lease, one run, every figure written to ``$OUT``.
 
-Example (one GPU, under 10 minutes)::
+``tools/gpu_check.sh`` runs each step as its own process under ``timeout`` (so one hang or crash
+costs only its step) and then ``summary``::
 
-    python tools/gpu_check.py --output docs/GPU.md
+    python tools/gpu_check.py step <name> --out DIR [--device cuda|cpu] [--budget SECONDS]
+    python tools/gpu_check.py summary --out DIR
 
-Sections, each with its figures and PASS / FAIL:
+A step appends one JSON line to ``DIR/results.jsonl``: ``{"step", "status", "seconds",
+"summary", ...figures}`` with status PASS, FAIL, INFO (figures, no verdict) or SKIP (not on this
+device). ``summary`` turns the lines into ``DIR/gpu_check.md`` (a table per step) and
+``DIR/gpu_check.json`` and prints both. Files under ``DIR`` (at most 8; only ``$OUT`` comes back
+from a lent machine): ``results.jsonl``, ``gpu_check.log`` (every step's output, written by the
+shell script), ``gpu_check.md``, ``gpu_check.json``, ``sync_audit.txt``, ``hardware_profile.json``.
 
-1. bf16 and fp16 GPT-2 training in one process (``pretrain_gpt2.py``, mock data): the loss falls,
-   the fp16 loss scale behaves (finite, few skipped iterations);
-2. the fused-AdamW resume round trip on CUDA: a resumed run equals the uninterrupted one bit for
-   bit, and every ``step`` tensor sits on the parameter's device;
-3. the attention kernel scaled_dot_product_attention actually selects (flash, memory-efficient)
-   at the model's shapes, and the model's ``--use-flash-attn`` path;
-4. ``tools/benchmark_layer.py``: TFLOP/s and MFU at hidden 1280 / seq 632 and hidden 2048 / seq
-   2048 against the bf16 matmul peak measured in the same run and against the device's dense
-   bf16 spec peak (989 TFLOP/s on H100 SXM; issue 32's bar: 45% at hidden 2048 / seq 2048);
-   forward + backward through the gradient buffers timed apart from the optimizer step, with and
-   without gradient-accumulation fusion;
-5. the memory model's per-stage estimate against ``torch.cuda.max_memory_allocated``;
-6. with more than one GPU visible: ``torchrun`` over NCCL -- Chimera D=2, bf16, the distributed
-   optimizer and overlapped reduction on 2 GPUs, and T=2 x D=2 on 4 -- trains without a hang and
-   its loss falls;
-7. the training log's memory report (``pretrain_gpt2.py``, D=1, bf16): each rank's predicted
-   total against the measured one (the allocator's peak on CUDA) within 10%.
+The steps, in priority order (:data:`STEPS`; a later check -- grouped expert GEMMs, ring
+attention -- is one more function registered with :func:`step` and one line in the shell
+script's step list):
 
-``--device cpu --quick`` runs the same code with tiny shapes (CI checks the script works; the
-CUDA-only parts report "skipped").
+``env``
+    torch, CUDA, NCCL, cuDNN, Triton versions, the device; whether NVIDIA Apex loaded; the
+    attention kernel ``scaled_dot_product_attention`` selects at the model's shapes; whether
+    ``torch.compile`` runs here (the bias-dropout-add fusion's probe).
+``layer_mfu``
+    a stack of transformer layers, forward + backward into the fp32 gradient buffers as training
+    runs it (gradient-accumulation fusion where training uses it; no optimizer step), bf16, at
+    hidden 2048 / seq 2048 and hidden 4096 / seq 4096, GPT and Llama shapes: TFLOP/s and MFU
+    against the spec peak and the matmul peak measured in the same run. Model FLOPs as Megatron
+    counts them (``layer_forward_flops`` x 3; attention over the full square, recomputation not
+    counted). Verdict: issue 32's bar, 45% of the spec peak at hidden 2048 / seq 2048 (GPT).
+``training``
+    ``pretrain_gpt2.py`` bf16 and fp16 (one process, mock data): the loss falls; fp16's loss
+    scale stays finite with few skipped iterations. Keeps the log's memory-report lines.
+``sync_audit``
+    20 training iterations in this process under ``torch.cuda.set_sync_debug_mode("warn")``:
+    every synchronizing call site with its count and Python stack (``sync_audit.txt``); FAIL when
+    one is inside the micro-batch loop (the pipeline executor).
+``recompute``
+    full recomputation (``--recompute-granularity full``) with dropout on, so the compiled
+    bias-dropout-add runs and is replayed: the losses equal the run without recomputation.
+``resume``
+    ``--async-save`` torch_dist checkpoints: a run stopped at iteration 10 and resumed gives the
+    losses and, bit for bit, the iteration-20 checkpoint of the uninterrupted run.
+``memory``
+    the memory model's per-layer estimate against the allocator (``max_memory_allocated``), and
+    the training log's predicted vs measured totals (from ``training``).
+``hardware``
+    a GEMM-efficiency sweep (tokens x hidden 4096), the HBM bandwidth (a device copy) and the
+    gap per kernel, written as ``hardware_profile.json``: a
+    :class:`~megatron_chimera.tuning.hardware.HardwareProfile` that ``--hardware FILE`` loads
+    (the preset's data-sheet peaks with the measured fractions of them; the links are the
+    preset's: one GPU measures no network).
+
+``--device cpu`` (``bash tools/gpu_check.sh --device cpu``) runs the CPU-runnable parts at tiny
+shapes in fp32 -- the dry run that shows the script works before a lease is spent.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import json
+import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from benchmark_layer import (
-    matmul_peak_tflops,
-    model_flops_per_step,
-    time_training_phases,
-    time_training_step,
-)
-
-from megatron_chimera.atomic import atomic_write_text
-from megatron_chimera.checkpoint.checkpointing import (
-    CheckpointContents,
-    CheckpointTarget,
-    StageSlice,
-    load_checkpoint,
-    save_checkpoint,
-)
-from megatron_chimera.config import ModelConfig, OptimizerConfig
-from megatron_chimera.errors import ToolArgumentParser, run_tool
-from megatron_chimera.model.family import GPT2
-from megatron_chimera.model.gpt2 import GPTModel
-from megatron_chimera.model.memory import estimate_stage_memory
-from megatron_chimera.optimizer import get_megatron_optimizer
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # a bare checkout: nothing installed
+sys.path.insert(0, str(ROOT / "tools"))
 
+import torch  # noqa: E402
 
-class Report:
-    """Markdown sections with a PASS / FAIL verdict each."""
+from megatron_chimera.errors import ToolArgumentParser, run_tool  # noqa: E402
 
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.failures: list[str] = []
-
-    def section(self, title: str) -> None:
-        self.lines += ["", f"## {title}", ""]
-        print(f"\n== {title}", flush=True)
-
-    def line(self, text: str) -> None:
-        self.lines.append(text)
-        print(text, flush=True)
-
-    def verdict(self, name: str, ok: bool, detail: str) -> None:
-        self.line(f"- **{'PASS' if ok else 'FAIL'}** {name}: {detail}")
-        if not ok:
-            self.failures.append(name)
-
-
-# ------------------------------------------------------------------------------ 1. training
-def train_run(precision: str, quick: bool, device: str) -> dict[str, list[float]]:
-    """One process of pretrain_gpt2.py; returns its TensorBoard scalars."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    size = (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-             "--seq-length", "64", "--train-iters", "40"] if quick else
-            ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
-             "--seq-length", "1024", "--train-iters", "100"])
-    with tempfile.TemporaryDirectory() as tb:
-        cmd = [sys.executable, str(ROOT / "pretrain_gpt2.py"), *size,
-               "--max-position-embeddings", size[size.index("--seq-length") + 1],
-               "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "3e-3",
-               "--lr-warmup-fraction", "0.1", "--mock-data", "--vocab-size", "256",
-               "--log-interval", "10", "--eval-iters", "0", "--num-workers", "2",
-               "--tensorboard-dir", tb, f"--{precision}"]
-        if precision == "fp16":
-            cmd += ["--initial-loss-scale", "65536"]
-        if device == "cpu":
-            cmd += ["--distributed-backend", "gloo", "--allow-cpu-training"]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        if proc.returncode:
-            raise RuntimeError(f"pretrain_gpt2.py --{precision} failed:\n{proc.stderr[-3000:]}")
-        events = EventAccumulator(tb)
-        events.Reload()
-        tags = set(events.Tags()["scalars"])
-        return {tag: [e.value for e in events.Scalars(tag)]
-                for tag in ("lm loss", "loss-scale", "skipped-iterations") if tag in tags}
-
-
-def check_training(report: Report, quick: bool, device: str) -> None:
-    report.section("1. bf16 and fp16 GPT-2 training (one process, mock data)")
-    for precision in ("bf16", "fp16"):
-        if precision == "fp16" and device == "cpu":
-            report.line("- fp16: skipped (CPU)")
-            continue
-        start = time.perf_counter()
-        scalars = train_run(precision, quick, device)
-        loss = scalars["lm loss"]
-        head, tail = sum(loss[:5]) / 5, sum(loss[-5:]) / 5
-        report.verdict(f"{precision} loss falls", tail < 0.9 * head,
-                       f"mean of the first 5 iterations {head:.3f}, last 5 {tail:.3f} "
-                       f"({time.perf_counter() - start:.0f} s)")
-        if precision == "fp16":
-            scales = scalars.get("loss-scale", [])
-            skipped = scalars.get("skipped-iterations", [0])[-1]
-            ok = bool(scales) and all(0 < s < float("inf") for s in scales) and skipped <= 20
-            report.verdict("fp16 loss scale", ok, f"from {scales[0]:.0f} to {scales[-1]:.0f}, "
-                                                  f"{skipped:.0f} skipped iterations")
-
-
-# ------------------------------------------------------------------------------ 2. resume
-def check_resume(report: Report, device: torch.device) -> None:
-    report.section("2. fused-AdamW resume round trip")
-    config = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                         vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0,
-                         use_apex=False)
-    optim = OptimizerConfig(lr=1e-2, clip_grad=1.0, use_apex=False)
-
-    def build():
-        model = GPTModel(config, seed=3).to(device)
-        return model, get_megatron_optimizer(optim, [model])
-
-    def steps(model, optimizer, span):
-        for step in span:
-            g = torch.Generator().manual_seed(step)
-            tokens = torch.randint(0, 256, (2, 32), generator=g).to(device)
-            positions = torch.arange(32, device=device).expand(2, -1)
-            optimizer.zero_grad()
-            model(tokens, positions, labels=tokens.roll(-1, 1)).mean().backward()
-            optimizer.step()
-
-    straight, opt = build()
-    steps(straight, opt, range(6))
-    kind = type(opt.optimizer).__name__ + (" (fused)" if opt.optimizer.defaults.get("fused")
-                                           else "")
-    model, opt = build()
-    steps(model, opt, range(3))
-    with tempfile.TemporaryDirectory() as root:
-        stage = StageSlice(0, (0, 2), model)
-        save_checkpoint(root, CheckpointContents(3, [stage], [(0, 2)], optimizer=opt), rank=0,
-                        world_size=1)
-        model, opt = build()
-        load_checkpoint(root, CheckpointTarget([StageSlice(0, (0, 2), model)], 1, opt),
-                        rank=0, world_size=1)
-    placed = all(s["step"].device == p.device for p, s in opt.optimizer.state.items()
-                 if torch.is_tensor(s.get("step")))
-    steps(model, opt, range(3, 6))
-    equal = all(torch.equal(a, b) for a, b in zip(straight.parameters(), model.parameters()))
-    report.verdict(f"{kind} on {device}", equal and placed,
-                   f"resumed == uninterrupted bitwise: {equal}; step tensors on the parameter "
-                   f"device: {placed}")
-
-
-# ------------------------------------------------------------------------------ 3. attention
-def check_attention(report: Report, device: torch.device, quick: bool) -> None:
-    report.section("3. attention kernels (scaled_dot_product_attention)")
-    if device.type != "cuda":
-        report.line("- skipped (no CUDA: flash and memory-efficient kernels are CUDA kernels)")
-        return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    for name, heads, seq, head_dim in (("gpt2-1.3b", 20, 632, 64), ("h2048", 16, 2048, 128)):
-        q, k, v = (torch.randn(2, heads, seq, head_dim, device=device, dtype=torch.bfloat16)
-                   for _ in range(3))
-        found = []
-        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
-            try:
-                with sdpa_kernel([backend]):
-                    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-                found.append(backend.name)
-            except RuntimeError:
-                pass
-        report.verdict(f"{name} (heads {heads}, seq {seq}, bf16, causal)", bool(found),
-                       f"usable fused kernels: {', '.join(found) or 'none'}")
-    config = ModelConfig(num_layers=1, hidden_size=1280, num_attention_heads=20, seq_length=632,
-                         vocab_size=1024, params_dtype="bf16", use_flash_attn=True,
-                         attention_dropout=0.0)
-    model = GPTModel(config).to(device)
-    tokens = torch.randint(0, 1024, (2, 632), device=device)
-    try:
-        model(tokens, torch.arange(632, device=device).expand(2, -1)).float().sum().backward()
-        report.verdict("model with --use-flash-attn", True, "forward and backward ran")
-    except Exception as exc:  # noqa: BLE001 - reported, not raised
-        report.verdict("model with --use-flash-attn", False, f"{type(exc).__name__}: {exc}")
-
-
-# ------------------------------------------------------------------------------ 4. throughput
+RESULTS = "results.jsonl"
+MFU_TARGET = 0.45  # of the spec peak at hidden 2048 / seq 2048, GPT shape (issue 32)
 # dense bf16 tensor-core peaks (TFLOP/s) from the vendors' data sheets, by device-name substring
 # (checked in this order: the PCIe H100 before the SXM default)
-SPEC_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("A100", 312.0))
-MFU_TARGET = 0.45  # of the spec peak at hidden 2048 / seq 2048 (issue 32)
+SPEC_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0),
+                    ("H200", 989.0), ("A100", 312.0))
 
 
 def spec_peak_tflops(device_name: str) -> float | None:
@@ -226,207 +97,753 @@ def spec_peak_tflops(device_name: str) -> float | None:
     return None
 
 
-def check_throughput(report: Report, device: torch.device, quick: bool) -> None:
-    report.section("4. one layer stack: TFLOP/s and MFU (tools/benchmark_layer.py)")
-    gpu = device.type == "cuda"
-    dtype = torch.bfloat16 if gpu else torch.float32
-    peak = matmul_peak_tflops(device, dtype, 8192 if gpu else 256, iters=10)
-    spec = spec_peak_tflops(torch.cuda.get_device_name(device)) if gpu else None
-    report.line(f"measured {str(dtype).split('.')[-1]} matmul peak: {peak:.1f} TFLOP/s; spec "
-                f"peak: {f'{spec:.0f} TFLOP/s' if spec else 'unknown device'}")
-    report.line("")
-    report.line("| shape | path | step ms | TFLOP/s | MFU (measured peak) | MFU (spec peak) |")
-    report.line("|---|---|---|---|---|---|")
-    shapes = ([("gpt2-1.3b", 1280, 20, 632, 8), ("h2048-s2048", 2048, 16, 2048, 2)] if gpu
-              else [("tiny", 64, 4, 32, 2)])
-    for name, hidden, heads, seq, batch in shapes:
-        for fused in (True, False):
-            config = ModelConfig(num_layers=4, hidden_size=hidden, num_attention_heads=heads,
-                                 seq_length=seq, params_dtype="bf16" if gpu else "fp32",
-                                 masked_softmax_fusion=fused, bias_gelu_fusion=fused,
-                                 bias_dropout_fusion=fused)
-            seconds = time_training_step(config, batch, device, 3 if quick else 10, 3)
-            tflops = model_flops_per_step(config, batch) / seconds / 1e12
-            of_spec = f"{100 * tflops / spec:.1f}%" if spec else "-"
-            report.line(f"| {name} | {'fused' if fused else 'unfused'} | {seconds * 1e3:.2f} | "
-                        f"{tflops:.2f} | {100 * tflops / peak:.1f}% | {of_spec} |")
-            if spec and fused and hidden == 2048:
-                mfu = tflops / spec
-                report.verdict(f"MFU at hidden 2048 / seq 2048 >= {MFU_TARGET:.0%} of spec",
-                               mfu >= MFU_TARGET, f"{mfu:.1%} ({tflops:.0f} of {spec:.0f})")
-            if gpu:
+@dataclass(frozen=True)
+class Context:
+    """What every step gets: the device, the output folder and the step's deadline."""
+
+    device: torch.device
+    out: Path
+    deadline: float  # time.monotonic() by which the step must be done
+
+    @property
+    def gpu(self) -> bool:
+        """Whether the step runs on CUDA (else the CPU dry run)."""
+        return self.device.type == "cuda"
+
+    def remaining(self, reserve: float = 5.0) -> float:
+        """Seconds left for a subprocess, keeping ``reserve`` for the step's own report."""
+        return max(1.0, self.deadline - time.monotonic() - reserve)
+
+
+StepFunction = Callable[[Context], dict]
+STEPS: dict[str, tuple[str, StepFunction]] = {}  # name -> (title, function), priority order
+
+
+def step(name: str, title: str) -> Callable[[StepFunction], StepFunction]:
+    """Register a step (the hook point for later checks: MoE expert GEMMs, ring attention)."""
+    def register(function: StepFunction) -> StepFunction:
+        STEPS[name] = (title, function)
+        return function
+    return register
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels (CUDA) before reading the clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def skip(why: str) -> dict:
+    """A step's result where it cannot run on this device."""
+    return {"status": "SKIP", "summary": why}
+
+
+# ------------------------------------------------------------------------------ env
+SDPA_SHAPES = (  # (name, heads, K/V heads, seq, head_dim)
+    ("h2048 16 heads", 16, 16, 2048, 128), ("h2048 32 heads GQA 8", 32, 8, 2048, 64),
+    ("gpt2-1.3b h1280", 20, 20, 632, 64))
+
+
+def sdpa_choice(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, seq: int,
+                head_dim: int, dropout: float) -> str:
+    """The kernel ``scaled_dot_product_attention`` selects for causal attention without a mask
+    (the model's call; grouped-query K/V passed with ``enable_gqa``)."""
+    q = torch.empty(1, heads, seq, head_dim, device=device, dtype=dtype)
+    kv = torch.empty(1, kv_heads, seq, head_dim, device=device, dtype=dtype)
+    choice = torch._fused_sdp_choice(q, kv, kv, attn_mask=None,  # noqa: SLF001
+                                     dropout_p=dropout, is_causal=True,
+                                     enable_gqa=kv_heads < heads)
+    from torch.nn.attention import SDPBackend
+
+    return SDPBackend(choice).name
+
+
+def _version(module: str) -> str | None:
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        return version(module)
+    return None
+
+
+@step("env", "environment")
+def check_env(ctx: Context) -> dict:
+    """Versions, device, Apex, the SDPA kernel and whether torch.compile runs here."""
+    from megatron_chimera.model import fused
+
+    info: dict = {"python": sys.version.split()[0], "torch": torch.__version__,
+                  "cuda": torch.version.cuda, "triton": _version("triton"),
+                  "transformers": _version("transformers"), "device": "cpu"}
+    if ctx.gpu:
+        props = torch.cuda.get_device_properties(ctx.device)
+        info.update(device=props.name, device_count=torch.cuda.device_count(),
+                    memory_gib=round(props.total_memory / 2**30, 1),
+                    capability=f"{props.major}.{props.minor}",
+                    nccl=".".join(map(str, torch.cuda.nccl.version())),
+                    cudnn=torch.backends.cudnn.version())
+    info["apex"] = fused.apex_importable()
+    info["fused_backend"] = fused.get_fused_backend().name
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    info["sdpa"] = {}
+    for name, heads, kv, seq, head_dim in SDPA_SHAPES:
+        for dropout in (0.0, 0.1):
+            try:
+                info["sdpa"][f"{name}, dropout {dropout:g}"] = sdpa_choice(
+                    ctx.device, dtype, heads, kv, seq if ctx.gpu else 64, head_dim, dropout)
+            except Exception as exc:  # noqa: BLE001 - recorded
+                info["sdpa"][f"{name}, dropout {dropout:g}"] = f"{type(exc).__name__}: {exc}"
+    if ctx.gpu:  # training compiles bias-dropout-add on CUDA only
+        start = time.perf_counter()
+        compiled = fused.fused_bias_dropout_add(ctx.device, dtype)
+        info["torch_compile"] = ("runs" if compiled is not None else "falls back to eager") + \
+            f" ({time.perf_counter() - start:.1f} s to probe)"
+    else:
+        info["torch_compile"] = "not probed (training compiles on CUDA only)"
+    kernels = sorted(set(info["sdpa"].values()))
+    return {"status": "INFO", **info,
+            "summary": f"{info['device']}; torch {info['torch']}, CUDA {info['cuda']}, NCCL "
+                       f"{info.get('nccl', '-')}, cuDNN {info.get('cudnn', '-')}, Triton "
+                       f"{info['triton']}; Apex {'loaded' if info['apex'] else 'absent'}; SDPA "
+                       f"{'/'.join(kernels)}; torch.compile {info['torch_compile']}"}
+
+
+# ------------------------------------------------------------------------------ layer MFU
+def layer_configs(gpu: bool) -> list[tuple[str, dict, int]]:
+    """(name, ModelConfig fields, micro-batch) of the layer stacks to time."""
+    llama = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                 add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+    gpt = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    if not gpu:
+        return [("gpt tiny", dict(gpt, hidden_size=64, num_attention_heads=4, seq_length=32), 2),
+                ("llama tiny", dict(llama, hidden_size=64, num_attention_heads=4,
+                                    num_query_groups=2, seq_length=32), 2)]
+    return [
+        ("gpt h2048 s2048", dict(gpt, hidden_size=2048, num_attention_heads=16,
+                                 seq_length=2048), 2),
+        ("llama h2048 s2048", dict(llama, hidden_size=2048, num_attention_heads=32,
+                                   num_query_groups=8, ffn_hidden_size=5632,
+                                   seq_length=2048), 2),
+        ("gpt h4096 s4096", dict(gpt, hidden_size=4096, num_attention_heads=32,
+                                 seq_length=4096), 1),
+        ("llama h4096 s4096", dict(llama, hidden_size=4096, num_attention_heads=32,
+                                   num_query_groups=8, ffn_hidden_size=14336,
+                                   seq_length=4096), 1),
+    ]
+
+
+def time_forward_backward(config, batch: int, device: torch.device, steps: int,
+                          warmup: int) -> tuple[float, bool]:
+    """Median seconds of forward + backward of a middle stage into its gradient buffers, built
+    as training builds them (fp32 ``main_grad`` for half-precision parameters; gradient-
+    accumulation fusion where :func:`fusion_saves_work` says training uses it); no optimizer.
+    Returns (seconds, fusion used)."""
+    from megatron_chimera.distributed.grad_buffer import build_grad_buffers
+    from megatron_chimera.model.gpt2 import GPTModel
+    from megatron_chimera.tensor_parallel.weight_grad import fusion_saves_work
+
+    model = GPTModel(config, pre_process=False, post_process=False).to(device)
+    half = config.params_dtype in ("bf16", "fp16")
+    fuse = fusion_saves_work(device, config.torch_dtype,
+                             torch.float32 if half else config.torch_dtype)
+    buffers = build_grad_buffers({0: model}, grad_reduce_in_fp32=half,
+                                 fuse_wgrad_accumulation=fuse)
+    shape = (config.seq_length, batch, config.hidden_size)
+    hidden = torch.randn(shape, device=device, dtype=config.torch_dtype, requires_grad=True)
+    grad = torch.randn(shape, device=device, dtype=config.torch_dtype)
+    positions = torch.arange(config.seq_length, device=device).expand(batch, -1)
+    times = []
+    for i in range(warmup + steps):
+        buffers.zero_()
+        synchronize(device)
+        start = time.perf_counter()
+        model.set_input_tensor(hidden)
+        model(None, positions).backward(grad)
+        synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    buffers.remove_hooks()
+    return sorted(times)[len(times) // 2], fuse
+
+
+@step("layer_mfu", "layer MFU: forward + backward into the fp32 gradient buffers, no optimizer")
+def check_layer_mfu(ctx: Context) -> dict:
+    """TFLOP/s and MFU of each layer stack (see the module docstring)."""
+    from benchmark_layer import matmul_peak_tflops, model_flops_per_step
+
+    from megatron_chimera.config import ModelConfig
+
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    peak = matmul_peak_tflops(ctx.device, dtype, 8192 if ctx.gpu else 256, iters=10)
+    spec = spec_peak_tflops(torch.cuda.get_device_name(ctx.device)) if ctx.gpu else None
+    rows, verdict = [], None
+    for name, fields, batch in layer_configs(ctx.gpu):
+        config = ModelConfig(num_layers=2, params_dtype="bf16" if ctx.gpu else "fp32",
+                             vocab_size=1024, **fields)
+        try:
+            seconds, fused_acc = time_forward_backward(config, batch, ctx.device,
+                                                       10 if ctx.gpu else 3, 3 if ctx.gpu else 1)
+        except torch.OutOfMemoryError as exc:
+            rows.append({"shape": name, "error": f"out of memory: {str(exc)[:120]}"})
+            continue
+        finally:
+            if ctx.gpu:
                 torch.cuda.empty_cache()
-    _phases(report, shapes[-1], device, gpu, quick)
+        tflops = model_flops_per_step(config, batch) / seconds / 1e12
+        row = {"shape": name, "micro_batch": batch, "ms": round(seconds * 1e3, 3),
+               "tflops": round(tflops, 4), "mfu_measured_peak": round(tflops / peak, 4),
+               "mfu_spec": round(tflops / spec, 4) if spec else None,
+               "grad_accumulation_fusion": fused_acc}
+        rows.append(row)
+        if spec and name == "gpt h2048 s2048":
+            verdict = tflops / spec >= MFU_TARGET
+    result = {"peak_tflops_measured": round(peak, 1), "spec_peak_tflops": spec, "rows": rows,
+              "status": "INFO" if verdict is None else ("PASS" if verdict else "FAIL")}
+    parts = [f"matmul peak {peak:.3g} TFLOP/s measured, spec {spec or '-'}"]
+    for r in rows:
+        if "tflops" not in r:
+            parts.append(f"{r['shape']}: {r['error']}")
+            continue
+        share, of = (r["mfu_spec"], "spec") if r["mfu_spec"] else (r["mfu_measured_peak"],
+                                                                     "measured peak")
+        parts.append(f"{r['shape']}: {r['tflops']} TFLOP/s ({100 * share:.1f}% of {of})")
+    result["summary"] = "; ".join(parts)
+    if verdict is not None:
+        result["summary"] += f"; bar: {MFU_TARGET:.0%} of spec at gpt h2048 s2048"
+    return result
 
 
-def _phases(report: Report, shape: tuple, device: torch.device, gpu: bool, quick: bool) -> None:
-    """Forward + backward into the gradient buffers and the optimizer step, timed apart, with
-    and without gradient-accumulation fusion."""
-    name, hidden, heads, seq, batch = shape
-    config = ModelConfig(num_layers=4, hidden_size=hidden, num_attention_heads=heads,
-                         seq_length=seq, params_dtype="bf16" if gpu else "fp32")
-    report.line("")
-    report.line(f"{name}, 4 layers: forward + backward into the gradient buffers, then the "
-                "optimizer step")
-    report.line("")
-    report.line("| gradient-accumulation fusion | forward+backward ms | optimizer ms |")
-    report.line("|---|---|---|")
-    for fusion in (True, False):
-        compute, step = time_training_phases(config, batch, device, 3 if quick else 10, 3,
-                                             gradient_accumulation_fusion=fusion)
-        report.line(f"| {'on' if fusion else 'off'} | {compute * 1e3:.2f} | {step * 1e3:.2f} |")
-        if gpu:
-            torch.cuda.empty_cache()
+# ------------------------------------------------------------------------------ training runs
+LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ .*? lm loss: ([0-9.E+-]+)")
+SCALE_RE = re.compile(r" iteration\s+(\d+)/.*? loss scale: ([0-9.]+).*? number of skipped "
+                      r"iterations:\s+(\d+)")
 
 
-# ------------------------------------------------------------------------------ 5. memory
-def check_memory(report: Report, device: torch.device) -> None:
-    report.section("5. memory model vs torch.cuda.max_memory_allocated")
-    if device.type != "cuda":
-        report.line("- skipped (no CUDA allocator statistics on the CPU)")
-        return
-    config = ModelConfig(num_layers=4, hidden_size=1280, num_attention_heads=20, seq_length=632,
-                         vocab_size=50257, params_dtype="bf16")
-    batch = 4
-    (stage,) = estimate_stage_memory(config, GPT2, [(0, 4)], batch, device_type="cuda")
+def model_flags(gpu: bool, dropout: float = 0.0, layers: int = 4) -> list[str]:
+    """A small GPT-2 for the training steps (tiny on the CPU)."""
+    hidden, heads, seq = (1024, 16, 1024) if gpu else (64, 4, 32)
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads",
+            str(heads), "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--micro-batch-size", "4" if gpu else "2", "--global-batch-size", "16" if gpu else "4",
+            "--lr", "3e-3" if gpu else "1e-2", "--lr-warmup-fraction", "0.1", "--mock-data",
+            "--vocab-size", "512",
+            "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
+            "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout), "--seed", "7"]
+
+
+def pretrain(ctx: Context, flags: list[str], reserve: float = 5.0) -> str:
+    """Run ``pretrain_gpt2.py`` (one process); its stdout, or RuntimeError with its stderr."""
+    cmd = [sys.executable, str(ROOT / "pretrain_gpt2.py"), *flags]
+    if not ctx.gpu:
+        cmd += ["--distributed-backend", "gloo", "--allow-cpu-training"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    print(f"$ {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=ctx.remaining(reserve))
+    print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n", flush=True)
+    if proc.returncode:
+        raise RuntimeError(f"pretrain_gpt2.py exited {proc.returncode}: "
+                           f"{proc.stderr.strip().splitlines()[-1:] or proc.stdout[-300:]}")
+    return proc.stdout
+
+
+def losses(log: str) -> dict[int, str]:
+    """Iteration -> the logged lm loss (as printed, 7 significant digits)."""
+    return {int(m.group(1)): m.group(2) for m in LOSS_RE.finditer(log)}
+
+
+def falls(values: list[float]) -> tuple[bool, float, float]:
+    """Whether the mean of the last 5 values is under 0.9x the mean of the first 5."""
+    head, tail = sum(values[:5]) / 5, sum(values[-5:]) / 5
+    return tail < 0.9 * head, head, tail
+
+
+@step("training", "training bf16 and fp16: the loss falls")
+def check_training(ctx: Context) -> dict:
+    """bf16 and (CUDA) fp16 runs of pretrain_gpt2.py."""
+    iters = 100 if ctx.gpu else 20
+    runs, ok, memory_lines = {}, True, []
+    for precision in ("bf16", "fp16") if ctx.gpu else ("bf16",):
+        flags = model_flags(ctx.gpu, layers=8 if ctx.gpu else 2) + [
+            "--train-iters", str(iters), f"--{precision}"]
+        if precision == "fp16":
+            flags += ["--initial-loss-scale", "65536"]
+        start = time.perf_counter()
+        log = pretrain(ctx, flags, reserve=40.0 if precision == "bf16" and ctx.gpu else 5.0)
+        values = [float(v) for _, v in sorted(losses(log).items())]
+        good, head, tail = falls(values)
+        run = {"falls": good, "first5": round(head, 4), "last5": round(tail, 4),
+               "iterations": len(values), "seconds": round(time.perf_counter() - start, 1)}
+        if precision == "fp16":
+            scales = [(float(m.group(2)), int(m.group(3))) for m in SCALE_RE.finditer(log)]
+            skipped = sum(s for _, s in scales)
+            run.update(loss_scale_first=scales[0][0] if scales else None,
+                       loss_scale_last=scales[-1][0] if scales else None, skipped=skipped)
+            good = good and bool(scales) and all(0 < s < float("inf") for s, _ in scales) \
+                and skipped <= 20
+        memory_lines += [line.strip() for line in log.splitlines()
+                         if "memory (MB) predicted:" in line]
+        runs[precision] = run
+        ok = ok and good
+    return {"status": "PASS" if ok else "FAIL", "runs": runs, "memory_report": memory_lines,
+            "summary": "; ".join(f"{p}: loss {r['first5']} -> {r['last5']} in {r['iterations']} "
+                                 f"iterations ({r['seconds']} s)"
+                                 + (f", loss scale {r['loss_scale_first']} -> "
+                                    f"{r['loss_scale_last']}, {r['skipped']} skipped"
+                                    if p == "fp16" else "") for p, r in runs.items())}
+
+
+# ------------------------------------------------------------------------------ sync audit
+SYNC_MESSAGE = "called a synchronizing CUDA operation"
+
+
+def _where(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
+    """(call site: the innermost frame in the project, region: where in training it is)."""
+    ours = [f for f in stack if str(ROOT) in f.filename and "gpu_check" not in f.filename]
+    site = ours[-1] if ours else stack[-1]
+    files = " ".join(f.filename for f in ours)
+    if "pipeline/executor.py" in files or "pipeline/program.py" in files:
+        region = "micro-batch loop"
+    elif "training/training.py" in files:
+        region = "per iteration (outside the micro-batch loop)"
+    else:
+        region = "setup / other"
+    relative = os.path.relpath(site.filename, ROOT)
+    return f"{relative}:{site.lineno} in {site.name}: {site.line}", region
+
+
+@step("sync_audit", "host-sync audit: 20 iterations under set_sync_debug_mode")
+def check_sync_audit(ctx: Context) -> dict:
+    """Train 20 iterations in this process; record every synchronizing call with its stack.
+    On the CPU the in-process run is exercised (4 iterations) with nothing to audit."""
+    import runpy
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+    regions: dict[str, str] = {}
+    stacks: dict[str, str] = {}
+    original = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if SYNC_MESSAGE not in str(message):
+            return original(message, category, filename, lineno, file, line)
+        stack = traceback.extract_stack()[:-1]
+        site, region = _where(stack)
+        sites[site] += 1
+        regions[site] = region
+        stacks.setdefault(site, "".join(traceback.format_list(stack[-8:])))
+        return None
+
+    warnings.showwarning = record
+    warnings.filterwarnings("always", message=SYNC_MESSAGE)
+    argv = sys.argv
+    sys.argv = ["pretrain_gpt2.py", *model_flags(ctx.gpu), "--train-iters",
+                "20" if ctx.gpu else "4", "--bf16"]
+    if ctx.gpu:
+        torch.cuda.set_sync_debug_mode("warn")
+    else:
+        sys.argv += ["--distributed-backend", "gloo", "--allow-cpu-training"]
+    try:
+        runpy.run_path(str(ROOT / "pretrain_gpt2.py"), run_name="__main__")
+    finally:
+        if ctx.gpu:
+            torch.cuda.set_sync_debug_mode("default")
+        sys.argv, warnings.showwarning = argv, original
+        _timeout_raises()  # run_main ignored SIGTERM from its end on
+    if not ctx.gpu:
+        return skip("trained 4 iterations in this process; set_sync_debug_mode watches CUDA "
+                    "synchronizations only")
+    in_loop = {s: n for s, n in sites.items() if regions[s] == "micro-batch loop"}
+    lines = [f"{n:6d}  [{regions[s]}]  {s}" for s, n in sites.most_common()]
+    text = ["synchronizing call sites over 20 iterations (count, region, innermost project "
+            "frame); stacks below", *lines, ""]
+    for site, stack in stacks.items():
+        text += [f"== {site}", stack]
+    (ctx.out / "sync_audit.txt").write_text("\n".join(text) + "\n")
+    return {"status": "FAIL" if in_loop else "PASS",
+            "sites": [{"site": s, "count": n, "region": regions[s]} for s, n in
+                      sites.most_common()],
+            "summary": f"{sum(sites.values())} synchronizing calls at {len(sites)} sites; "
+                       f"{len(in_loop)} inside the micro-batch loop"
+                       + (f" ({'; '.join(in_loop)})" if in_loop else "")
+                       + " (sync_audit.txt)"}
+
+
+# ------------------------------------------------------------------------------ recompute
+@step("recompute", "full recomputation with the compiled bias-dropout-add")
+def check_recompute(ctx: Context) -> dict:
+    """The same run with and without full recomputation, dropout on: equal losses."""
+    iters = 10 if ctx.gpu else 4
+    base = model_flags(ctx.gpu, dropout=0.1, layers=4) + ["--train-iters", str(iters),
+                                                          "--bf16"]
+    plain = pretrain(ctx, base, reserve=30.0 if ctx.gpu else 15.0)
+    full = pretrain(ctx, base + ["--recompute-granularity", "full", "--recompute-method",
+                                 "uniform", "--recompute-num-layers", "1"])
+    a, b = losses(plain), losses(full)
+    fallback = "torch.compile cannot run" in plain + full
+    same = bool(a) and a == b
+    how = ("eager (the compiler fell back)" if fallback else "compiled" if ctx.gpu
+           else "eager (CPU)")
+    return {"status": "PASS" if same else "FAIL", "losses": a, "recomputed_losses": b,
+            "compile_fell_back": fallback,
+            "summary": f"{len(a)} iterations, losses {'equal' if same else 'DIFFER'} with full "
+                       f"recomputation; bias-dropout-add {how}"}
+
+
+# ------------------------------------------------------------------------------ resume
+@step("resume", "async torch_dist save and exact resume")
+def check_resume(ctx: Context) -> dict:
+    """Uninterrupted run vs a run stopped at half and resumed from its async checkpoint."""
+    from megatron_chimera.checkpoint.checkpointing import read_tracker
+    from megatron_chimera.checkpoint.sharded import read_full_tensors
+
+    iters, half = (20, 10) if ctx.gpu else (6, 3)
+    base = model_flags(ctx.gpu, layers=2) + ["--train-iters", str(iters), "--bf16",
+                                             "--ckpt-format", "torch_dist", "--async-save"]
+    with tempfile.TemporaryDirectory() as root:
+        straight, resumed = Path(root, "straight"), Path(root, "resumed")
+        whole = pretrain(ctx, base + ["--save", str(straight), "--save-interval", str(iters)],
+                         reserve=40.0 if ctx.gpu else 20.0)
+        pretrain(ctx, base + ["--save", str(resumed), "--save-interval", str(half),
+                              "--exit-interval", str(half)], reserve=20.0 if ctx.gpu else 10.0)
+        stopped_at = read_tracker(str(resumed))
+        second = pretrain(ctx, base + ["--save", str(resumed), "--load", str(resumed),
+                                       "--save-interval", str(iters)])
+        a, b = losses(whole), losses(second)
+        later = {i: v for i, v in a.items() if i > half}
+        same_losses = bool(later) and later == b
+        name = f"iter_{iters:07d}"
+        mismatched, count = [], 0
+        tensors = dict(read_full_tensors(str(straight / name)))
+        for fqn, tensor in read_full_tensors(str(resumed / name)):
+            count += 1
+            if fqn not in tensors or not torch.equal(tensors[fqn], tensor):
+                mismatched.append(fqn)
+        if count != len(tensors):
+            mismatched.append(f"{len(tensors)} tensors saved straight, {count} resumed")
+    ok = same_losses and not mismatched and stopped_at == half
+    return {"status": "PASS" if ok else "FAIL", "stopped_at": stopped_at, "losses": a,
+            "resumed_losses": b, "mismatched_tensors": mismatched[:10],
+            "summary": f"stopped at {stopped_at}, resumed: losses of iterations {half + 1}-{iters} "
+                       f"{'equal' if same_losses else 'DIFFER'}; iteration-{iters} checkpoint "
+                       f"{'bitwise equal' if not mismatched else 'DIFFERS'} ({count} tensors, "
+                       f"model and optimizer)"}
+
+
+# ------------------------------------------------------------------------------ memory
+def allocator_check(device: torch.device) -> dict:
+    """The memory model's parameter and activation bytes of a 4-layer middle stage against the
+    allocator (one forward of one micro-batch; the old check compared a whole-model estimate,
+    embedding and head included, with a stage that has neither)."""
+    from megatron_chimera.config import ModelConfig
+    from megatron_chimera.model.family import GPT2
+    from megatron_chimera.model.gpt2 import GPTModel
+    from megatron_chimera.model.memory import estimate_stage_memory
+
+    config = ModelConfig(num_layers=6, hidden_size=2048, num_attention_heads=16,
+                         seq_length=2048, vocab_size=50257, params_dtype="bf16")
+    batch = 2
+    # the middle stage of three: 4 layers, neither the embedding nor the head
+    stage = estimate_stage_memory(config, GPT2, [(0, 1), (1, 5), (5, 6)], batch,
+                                  device_type="cuda")[1]
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    model = GPTModel(config, pre_process=False, post_process=False, layer_range=(0, 4)).to(device)
+    model = GPTModel(config, pre_process=False, post_process=False, layer_range=(1, 5)).to(device)
     weights = torch.cuda.memory_allocated() - base
-    hidden = torch.randn(632, batch, 1280, device=device, dtype=torch.bfloat16,
+    hidden = torch.randn(2048, batch, 2048, device=device, dtype=torch.bfloat16,
                          requires_grad=True)
     model.set_input_tensor(hidden)
     before = torch.cuda.memory_allocated()
     out = model(None, None)
     activations = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
     out.float().sum().backward()
-    layer_estimate = stage.activation_bytes  # this stage holds 4 layers, no ends
-    report.line("| figure | estimate MiB | measured MiB | measured / estimate |")
-    report.line("|---|---|---|---|")
-    for name, est, got in (("parameters", stage.param_bytes, weights),
-                           ("activations of one micro-batch", layer_estimate, activations)):
-        report.line(f"| {name} | {est / 2**20:.1f} | {got / 2**20:.1f} | {got / est:.3f} |")
-    ok = (abs(activations / layer_estimate - 1) < 0.15
-          and abs(weights / stage.param_bytes - 1) < 0.02)
-    report.verdict("estimates within 15% (activations) and 2% (parameters)", ok,
-                   f"peak allocated {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+    return {"param_ratio": round(weights / stage.param_bytes, 4),
+            "activation_ratio": round(activations / stage.activation_bytes, 4),
+            "activation_mib": round(activations / 2**20, 1),
+            "activation_estimate_mib": round(stage.activation_bytes / 2**20, 1),
+            "max_memory_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
 
 
-# ------------------------------------------------------------------------------ 6. multi-GPU
-MULTI_GPU_RUNS = (  # (name, GPUs, flags)
-    ("Chimera D=2, bf16, distributed optimizer, overlapped reduction", 2,
-     ["--pipeline-model-parallel-size", "2", "--chimera-pipes", "2",
-      "--use-distributed-optimizer", "--overlap-grad-reduce", "--bf16"]),
-    ("T=2 x Chimera D=2, bf16, sequence parallel", 4,
-     ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-      "--pipeline-model-parallel-size", "2", "--chimera-pipes", "2", "--bf16"]),
-)
-
-
-def check_multi_gpu(report: Report, quick: bool) -> None:
-    report.section("6. several GPUs: torchrun over NCCL")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus < 2:
-        report.line(f"- skipped ({gpus} GPU visible)")
-        return
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    size = ["--num-layers", "4", "--hidden-size", "256" if quick else "1024",
-            "--num-attention-heads", "8", "--seq-length", "256", "--max-position-embeddings",
-            "256", "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "3e-3",
-            "--train-iters", "30", "--mock-data", "--vocab-size", "512", "--log-interval", "10",
-            "--eval-iters", "0", "--distributed-timeout-minutes", "2"]
-    for name, needed, flags in MULTI_GPU_RUNS:
-        if gpus < needed:
-            report.line(f"- {name}: skipped (needs {needed} GPUs, {gpus} visible)")
-            continue
-        with tempfile.TemporaryDirectory() as tb:
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={needed}",
-                   str(ROOT / "pretrain_gpt2.py"), *size, *flags, "--tensorboard-dir", tb]
-            start = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-            if proc.returncode:
-                report.verdict(name, False, f"exit {proc.returncode}: {proc.stderr[-500:]}")
-                continue
-            events = EventAccumulator(tb)
-            events.Reload()
-            loss = [e.value for e in events.Scalars("lm loss")]
-            report.verdict(name, loss[-1] < 0.9 * loss[0],
-                           f"lm loss {loss[0]:.3f} -> {loss[-1]:.3f} "
-                           f"({time.perf_counter() - start:.0f} s)")
-
-
-# ------------------------------------------------------------------------------ 7. memory report
-def check_memory_report(report: Report, quick: bool, device: str) -> None:
-    report.section("7. the training log's memory report: predicted vs measured per rank")
-    size = (["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-             "--seq-length", "64"] if quick else
-            ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
-             "--seq-length", "1024"])
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt2.py"), *size, "--train-iters", "2",
-           "--max-position-embeddings", size[size.index("--seq-length") + 1],
-           "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "3e-3",
-           "--mock-data", "--vocab-size", "50257", "--eval-iters", "0", "--num-workers", "0",
-           "--bf16"]
-    if device == "cpu":
-        cmd += ["--distributed-backend", "gloo", "--allow-cpu-training"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        raise RuntimeError(f"pretrain_gpt2.py failed:\n{proc.stderr[-3000:]}")
-    lines = [line for line in proc.stdout.splitlines() if "] memory (MB) predicted:" in line]
+def report_ratios(lines: list[str]) -> list[float]:
+    """Predicted / measured totals of the training log's memory-report lines."""
+    ratios = []
     for line in lines:
-        report.line(f"- `{line.strip()}`")
-        predicted = float(line.split("|| measured:")[0].split("total ")[1].split()[0])
-        measured = float(line.split("|| measured:")[1].split("total ")[1].split()[0])
-        report.verdict("predicted total within 10% of measured", bool(lines) and
-                       abs(predicted / measured - 1) <= 0.10,
-                       f"predicted {predicted:.1f} MB, measured {measured:.1f} MB")
-    if not lines:
-        report.verdict("memory report in the log", False, "no memory report line")
+        with contextlib.suppress(IndexError, ValueError):
+            predicted = float(line.split("|| measured:")[0].split("total ")[1].split()[0])
+            measured = float(line.split("|| measured:")[1].split("total ")[1].split()[0])
+            ratios.append(predicted / measured)
+    return ratios
+
+
+@step("memory", "memory model vs the allocator")
+def check_memory(ctx: Context) -> dict:
+    """Allocator check (CUDA) and the training step's memory-report lines."""
+    training = read_results(ctx.out).get("training")
+    if training is None and not ctx.gpu:
+        return skip("the training step did not run; the allocator check is CUDA only")
+    training = training or {}
+    ratios = report_ratios(training.get("memory_report", []))
+    result: dict = {"report_lines": training.get("memory_report", []),
+                    "report_ratios": [round(r, 3) for r in ratios]}
+    ok = bool(ratios) and all(abs(r - 1) <= 0.10 for r in ratios)
+    parts = [f"training log: predicted/measured total {', '.join(f'{r:.3f}' for r in ratios)}"
+             if ratios else "no memory-report line from the training step"]
+    if ctx.gpu:
+        alloc = allocator_check(ctx.device)
+        result["allocator"] = alloc
+        ok = ok and abs(alloc["activation_ratio"] - 1) < 0.15 and abs(alloc["param_ratio"] - 1) \
+            < 0.02
+        parts.append(f"4 layers h2048 s2048 b2: activations {alloc['activation_mib']} MiB "
+                     f"measured / {alloc['activation_estimate_mib']} estimated "
+                     f"({alloc['activation_ratio']}), parameters {alloc['param_ratio']}, peak "
+                     f"{alloc['max_memory_allocated_mib']} MiB")
+    else:
+        parts.append("allocator check skipped (CUDA only)")
+    return {"status": "PASS" if ok else "FAIL", **result, "summary": "; ".join(parts)}
+
+
+# ------------------------------------------------------------------------------ hardware
+def gemm_tflops(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int,
+                iters: int) -> float:
+    """Best TFLOP/s of an ``[m, k] @ [k, n]`` matmul (CUDA events on the GPU)."""
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best / 1e12
+
+
+def copy_bandwidth_gbps(device: torch.device, nbytes: int, iters: int) -> float:
+    """Best device-memory bandwidth of a copy (GB/s; read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize(device)
+    best = float("inf")
+    for _ in range(iters):
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
+
+
+def kernel_gap_s(device: torch.device, launches: int) -> float:
+    """Seconds per kernel of ``launches`` back-to-back tiny kernels (an upper bound on the device
+    gap between two kernels: eager launches, so the host's launch rate may set it)."""
+    x = torch.zeros(16, device=device)
+    for _ in range(10):
+        x.add_(1)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(launches):
+        x.add_(1)
+    synchronize(device)
+    return (time.perf_counter() - start) / launches
+
+
+def preset_for(device_name: str):
+    """The published preset of this device (``tuning/hardware.py``), or None."""
+    from megatron_chimera.tuning.hardware import PRESETS
+
+    name = device_name.lower()
+    for key in ("h200", "h100", "a100"):
+        if key in name and "pcie" not in name and "nvl" not in name:
+            return PRESETS[key]
+    return None
+
+
+@step("hardware", "GEMM-efficiency sweep and HBM bandwidth -> hardware_profile.json")
+def check_hardware(ctx: Context) -> dict:
+    """The sweep, the bandwidth, and a profile ``--hardware`` loads: the data-sheet peaks and
+    HBM bandwidth of the device's preset, with the measured fractions of them (``efficiency``:
+    the best GEMM of the sweep over the bf16 peak; ``memory_efficiency``: the device copy over
+    the HBM bandwidth), the SM count and the measured gap per kernel. For a device without a
+    preset (and on the CPU) the measured figures are the peaks (fractions 1)."""
+    from megatron_chimera.tuning.hardware import PRESETS, load_hardware
+
+    half = torch.bfloat16 if ctx.gpu else torch.float32
+    hidden = 4096 if ctx.gpu else 256
+    tokens = [256, 512, 1024, 2048, 4096, 8192, 16384] if ctx.gpu else [16, 64, 256]
+    iters = 20 if ctx.gpu else 3
+    sweep = []
+    for m in tokens:  # a layer's GEMMs: [tokens, h] x [h, 4h] and [tokens, 4h] x [4h, h]
+        up = gemm_tflops(ctx.device, half, m, hidden, 4 * hidden, iters)
+        down = gemm_tflops(ctx.device, half, m, 4 * hidden, hidden, iters)
+        sweep.append((m, (up + down) / 2))
+    best = max(rate for _, rate in sweep)
+    if ctx.gpu:
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        fp32 = gemm_tflops(ctx.device, torch.float32, 8192, 8192, 8192, 5)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        props = torch.cuda.get_device_properties(ctx.device)
+        name, memory_gb, per_node, sms = (props.name, props.total_memory / 1e9,
+                                          torch.cuda.device_count(), props.multi_processor_count)
+    else:
+        fp32 = best
+        name, memory_gb, per_node, sms = "cpu-dry-run", 1.0, 1, 0
+    bandwidth = copy_bandwidth_gbps(ctx.device, (2 << 30) if ctx.gpu else (64 << 20),
+                                    10 if ctx.gpu else 3)
+    gap = kernel_gap_s(ctx.device, 2000 if ctx.gpu else 200)
+    preset = preset_for(name) if ctx.gpu else None
+    links = preset or PRESETS["h100"]
+    peak_half = preset.peak_tflops_half if preset else best
+    hbm = preset.hbm_bandwidth_gbps if preset and preset.hbm_bandwidth_gbps else bandwidth
+    profile = {
+        "name": name.replace(" ", "-").lower() + "-measured" if ctx.gpu else name,
+        "peak_tflops_fp32": preset.peak_tflops_fp32 if preset else round(fp32, 2),
+        "peak_tflops_half": peak_half, "efficiency": round(min(best / peak_half, 1.0), 4),
+        "memory_gb": round(memory_gb, 2), "gpus_per_node": per_node,
+        "intra_node": {"alpha_s": links.intra_node.alpha_s,
+                       "bandwidth_gbps": links.intra_node.bandwidth_gbps},
+        "inter_node": {"alpha_s": links.inter_node.alpha_s,
+                       "bandwidth_gbps": links.inter_node.bandwidth_gbps},
+        "hbm_bandwidth_gbps": round(hbm, 1),
+        "memory_efficiency": round(min(bandwidth / hbm, 1.0), 4),
+        "num_sms": sms, "kernel_overhead_s": round(gap, 9),
+    }
+    path = ctx.out / "hardware_profile.json"
+    path.write_text(json.dumps(profile, indent=2) + "\n")
+    loaded = load_hardware(str(path))  # the performance model reads it back
+    layer = read_results(ctx.out).get("layer_mfu", {})
+    layer_best = max((r["tflops"] for r in layer.get("rows", []) if "tflops" in r), default=None)
+    return {"status": "INFO", "profile": profile, "fp32_tflops_measured": round(fp32, 2),
+            "copy_bandwidth_gbps": round(bandwidth, 1),
+            "sweep": [{"tokens": m, "tflops": round(r, 3)} for m, r in sweep],
+            "summary": f"{'bf16' if ctx.gpu else 'fp32'} GEMM best {best:.3g} TFLOP/s "
+                       f"({loaded.efficiency:.0%} of {peak_half:.4g}; smallest sweep point "
+                       f"{sweep[0][1]:.3g}), fp32 {fp32:.3g}; copy {bandwidth:.0f} GB/s "
+                       f"({loaded.memory_efficiency:.0%} of {hbm:.0f}); {1e6 * gap:.1f} us per "
+                       f"kernel; best layer {layer_best} TFLOP/s; hardware_profile.json (links: "
+                       f"the {links.name} preset's)"}
+
+
+# ------------------------------------------------------------------------------ running
+def read_results(out: Path) -> dict[str, dict]:
+    """The steps' results so far, by step (the last line of a step wins)."""
+    results: dict[str, dict] = {}
+    path = out / RESULTS
+    if path.exists():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                entry = json.loads(line)
+                results[entry["step"]] = entry
+    return results
+
+
+def append_result(out: Path, entry: dict) -> None:
+    """One JSON line in ``results.jsonl`` (appended: the steps run one after another)."""
+    with open(out / RESULTS, "a") as handle:
+        handle.write(json.dumps(entry, default=str) + "\n")
+
+
+class StepTimeout(BaseException):
+    """SIGTERM from the shell's ``timeout``: end the step (its subprocesses are killed). Not an
+    Exception: nothing on the way (a compile probe's fallback) may take it for a failure."""
+
+
+def _raise_timeout(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    raise StepTimeout()
+
+
+def _timeout_raises() -> None:
+    signal.signal(signal.SIGTERM, _raise_timeout)
+
+
+def run_step(name: str, device: torch.device, out: Path, budget: float) -> int:
+    """Run one step and record its result (a failure is a result too)."""
+    title, function = STEPS[name]
+    print(f"\n== {name}: {title}", flush=True)
+    _timeout_raises()
+    start = time.monotonic()
+    ctx = Context(device, out, start + budget)
+    try:
+        entry = function(ctx)
+    except StepTimeout:
+        entry = {"status": "FAIL", "summary": f"timed out after {budget:.0f} s"}
+    except Exception as exc:  # noqa: BLE001 - recorded as the step's result
+        traceback.print_exc()
+        entry = {"status": "FAIL", "summary": f"{type(exc).__name__}: {str(exc)[:400]}"}
+    entry = {"step": name, "title": title, "seconds": round(time.monotonic() - start, 1),
+             **entry}
+    append_result(out, entry)
+    print(f"-- {name}: {entry['status']} ({entry['seconds']} s): {entry['summary']}", flush=True)
+    return 0
+
+
+def render(results: dict[str, dict]) -> str:
+    """The Markdown report: one summary table, then the layer-MFU table."""
+    lines = ["| step | status | s | result |", "|---|---|---|---|"]
+    for name in [*STEPS, *(n for n in results if n not in STEPS)]:
+        if name in results:
+            r = results[name]
+            lines.append(f"| {name} | {r['status']} | {r.get('seconds', '-')} | "
+                         f"{str(r.get('summary', '')).replace('|', '/')} |")
+    rows = results.get("layer_mfu", {}).get("rows", [])
+    if rows:
+        lines += ["", "| layer stack (2 layers) | micro-batch | ms | TFLOP/s | MFU (spec) | "
+                  "MFU (measured peak) | grad-acc fusion |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "tflops" not in r:
+                lines.append(f"| {r['shape']} | - | - | - | - | - | {r['error']} |")
+                continue
+            spec = f"{100 * r['mfu_spec']:.1f}%" if r.get("mfu_spec") else "-"
+            lines.append(f"| {r['shape']} | {r['micro_batch']} | {r['ms']} | {r['tflops']} | "
+                         f"{spec} | {100 * r['mfu_measured_peak']:.1f}% | "
+                         f"{'on' if r['grad_accumulation_fusion'] else 'off'} |")
+    return "\n".join(lines) + "\n"
+
+
+def summarize(out: Path) -> int:
+    """Write gpu_check.md and gpu_check.json from the steps' lines and print both; exit 1 when
+    a step failed."""
+    results = read_results(out)
+    table = render(results)
+    (out / "gpu_check.md").write_text(table)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print("\n" + table)
+    print(json.dumps({name: {"status": r["status"], "summary": r.get("summary")}
+                      for name, r in results.items()}, indent=1))
+    failed = [n for n, r in results.items() if r["status"] == "FAIL"]
+    print(f"\n{len(failed)} failed step(s){': ' + ', '.join(failed) if failed else ''}; "
+          f"files in {out}")
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run every section, print the report, optionally write it (atomically)."""
+    """``step NAME`` or ``summary`` (see the module docstring)."""
     p = ToolArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto", help="auto | cuda | cpu")
-    p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke test of the script)")
-    p.add_argument("--output", default=None, help="write the Markdown report here")
-    p.add_argument("--sections",
-                   default="training,resume,attention,throughput,memory,multi-gpu,"
-                           "memory-report",
-                   help="comma-separated sections to run (default: all)")
+    p.add_argument("command", choices=("step", "summary", "list"))
+    p.add_argument("name", nargs="?", help="the step (with 'step')")
+    p.add_argument("--out", default=os.environ.get("OUT"), help="output folder (default $OUT)")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--budget", type=float, default=600.0, help="the step's seconds")
     args = p.parse_args(argv)
+    if args.command == "list":
+        print(" ".join(STEPS))
+        return 0
+    if not args.out:
+        p.error("--out (or $OUT) is required")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.command == "summary":
+        return summarize(out)
+    if args.name not in STEPS:
+        p.error(f"unknown step {args.name!r}; choose from {', '.join(STEPS)}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                           if args.device == "auto" else args.device)
-    report = Report()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    report.line(f"# GPU check: {name}")
-    report.line("")
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else "-"
-    report.line(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, "
-                f"`python tools/gpu_check.py{' --quick' if args.quick else ''}`")
-    start = time.perf_counter()
-    checks = {"training": lambda: check_training(report, args.quick, device.type),
-              "resume": lambda: check_resume(report, device),
-              "attention": lambda: check_attention(report, device, args.quick),
-              "throughput": lambda: check_throughput(report, device, args.quick),
-              "memory": lambda: check_memory(report, device),
-              "multi-gpu": lambda: check_multi_gpu(report, args.quick),
-              "memory-report": lambda: check_memory_report(report, args.quick, device.type)}
-    for name in args.sections.split(","):
-        if name not in checks:
-            p.error(f"--sections: unknown section {name!r}; choose from {', '.join(checks)}")
-    for name in args.sections.split(","):
-        try:
-            checks[name]()
-        except Exception as exc:  # noqa: BLE001 - one failing section must not hide others
-            report.verdict(f"{name} section", False, f"{type(exc).__name__}: {exc}")
-    report.line("")
-    report.line(f"{len(report.failures)} failed checks; {time.perf_counter() - start:.0f} s")
-    if args.output:
-        atomic_write_text(args.output, "\n".join(report.lines) + "\n")
-    return 1 if report.failures else 0
+    return run_step(args.name, device, out, args.budget)
 
 
 if __name__ == "__main__":

@@ -117,8 +117,17 @@ class ChunkSavePlanner(DefaultSavePlanner):
         cached = SavePlanner._cached_save_plan.get(self._cached_plans_key)
         if cached is not None and _compare_save_plans(self.plan, cached):
             return SavePlan([], usable=False)
-        self._pending_local_plan = self.plan  # cached by finish_plan once the save succeeds
+        self._chunk_plan_pending = self.plan  # cached by finish_plan once the plan succeeds
         return self.plan
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        # the local plan is cached only once the global plan succeeded (torch 2.13's own rule;
+        # 2.11 cached it in create_local_plan): done here, so every supported torch does it
+        finished = super().finish_plan(new_plan)
+        pending = self.__dict__.pop("_chunk_plan_pending", None)
+        if pending is not None:
+            SavePlanner._cached_save_plan[self._cached_plans_key] = pending
+        return finished
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         return self._by_index[dataclasses.replace(index, index=None)]

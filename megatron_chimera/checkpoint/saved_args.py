@@ -62,6 +62,16 @@ def _get(key: str) -> Callable[[dict[str, Any]], Any]:
     return lambda model: model.get(key, _MISSING)
 
 
+def _moe(key: str) -> Callable[[dict[str, Any]], Any]:
+    """A mixture-of-experts value (``model["moe"]``; a checkpoint from before MoE records none:
+    a dense model, ``num_experts`` None)."""
+    def value_of(model: dict[str, Any]) -> Any:
+        if "hidden_size" not in model:
+            return _MISSING
+        return (model.get("moe") or {}).get(key)
+    return value_of
+
+
 def _ffn(model: dict[str, Any]) -> Any:
     if "hidden_size" not in model:
         return _MISSING
@@ -111,6 +121,12 @@ MODEL_ARGS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "rotary_percent": ("--rotary-percent", _get("rotary_percent")),
     "use_rope_scaling": ("--use-rope-scaling", _get("use_rope_scaling")),
     "rope_scaling_factor": ("--rope-scaling-factor", _get("rope_scaling_factor")),
+    # mixture of experts (what changes the parameters' shapes or their places)
+    "num_experts": ("--num-experts", _moe("num_experts")),
+    "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", _moe("moe_ffn_hidden_size")),
+    "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size",
+                                            _moe("moe_shared_expert_intermediate_size")),
+    "moe_layer_freq": ("--moe-layer-freq", _moe("moe_layer_freq")),
 }
 FAMILY_KEY = "model_family"
 TOKENIZER_KEY = "tokenizer_type"
@@ -227,9 +243,13 @@ def checkpoint_family_error(load: str | None, family: Any) -> str | None:
 
 
 def _build(cls: type, values: dict[str, Any] | None) -> Any:
-    """``cls(**values)`` keeping only its fields (older or newer checkpoints may differ)."""
+    """``cls(**values)`` keeping only its fields (older or newer checkpoints may differ); a
+    nested record (``ModelConfig.moe``) is rebuilt from its dict the same way."""
+    nested = {f.name: type(f.default) for f in dataclasses.fields(cls)
+              if dataclasses.is_dataclass(f.default)}
     names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {k: (tuple(v) if isinstance(v, list) else v)
+    kwargs = {k: (_build(nested[k], v) if k in nested and isinstance(v, dict)
+                  else tuple(v) if isinstance(v, list) else v)
               for k, v in (values or {}).items() if k in names}
     return cls(**kwargs)
 

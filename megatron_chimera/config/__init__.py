@@ -7,6 +7,7 @@ never read a global args object. Field names follow Megatron's flags (``--hidden
 
 * :mod:`.flag` -- ``flag(...)``: a field that carries its flag, help, choices and check.
 * :mod:`.model` -- :class:`ModelConfig` and the model's choice lists.
+* :mod:`.moe` -- :class:`MoEConfig` (``ModelConfig.moe``) and ``--moe-layer-freq``'s parser.
 * :mod:`.parallel` -- :class:`ParallelConfig` (layout, schedule) and :class:`DDPConfig`.
 * :mod:`.training` -- :class:`TrainingConfig`, :class:`LayerSplit`, :class:`OptimizerConfig`.
 * :mod:`.data` -- :class:`DataConfig` and the tokenizer names.
@@ -25,6 +26,13 @@ from megatron_chimera.config.model import (
     RECOMPUTE_GRANULARITIES,
     RECOMPUTE_METHODS,
     ModelConfig,
+)
+from megatron_chimera.config.moe import (
+    MOE_LOAD_BALANCING_TYPES,
+    MOE_ROUTER_SCORE_FUNCTIONS,
+    MOE_TOKEN_DISPATCHERS,
+    MoEConfig,
+    parse_moe_layer_freq,
 )
 from megatron_chimera.config.parallel import DDPConfig, ParallelConfig
 from megatron_chimera.config.run import (
@@ -46,6 +54,8 @@ from megatron_chimera.layout import pad_vocab_size  # re-exported for the checkp
 __all__ = ["TOKENIZER_TYPES", "DataConfig", "Flag", "flag", "flag_fields", "flag_spec",
            "CP_COMM_TYPES", "DOCUMENT_ATTENTIONS", "DTYPE_BYTES", "GELU_VARIANTS", "NORMALIZATIONS",
            "POSITION_EMBEDDING_TYPES", "RECOMPUTE_GRANULARITIES", "RECOMPUTE_METHODS",
-           "ModelConfig", "DDPConfig", "ParallelConfig", "FLAG_SECTIONS", "CheckpointConfig",
+           "ModelConfig", "MOE_LOAD_BALANCING_TYPES", "MOE_ROUTER_SCORE_FUNCTIONS",
+           "MOE_TOKEN_DISPATCHERS", "MoEConfig", "parse_moe_layer_freq", "DDPConfig",
+           "ParallelConfig", "FLAG_SECTIONS", "CheckpointConfig",
            "LoggingConfig", "TrainConfig", "DEFAULT_PROFILE_ITERATIONS", "PARTITION_METHODS",
            "LayerSplit", "OptimizerConfig", "TrainingConfig", "ConfigError", "pad_vocab_size"]

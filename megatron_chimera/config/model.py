@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from megatron_chimera.config.flag import flag, positive, probability
+from megatron_chimera.config.moe import MoEConfig
 from megatron_chimera.layout import ParallelLayout, pad_vocab_size
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}  # bytes per element of each --params-dtype
@@ -173,6 +174,7 @@ class ModelConfig:
     num_tokentypes: int = 0  # BERT's token types (2 with the binary head)
     # None: use NVIDIA Apex kernels when importable; False: torch-native kernels (--no-apex)
     use_apex: bool | None = None
+    moe: MoEConfig = MoEConfig()  # mixture of experts (its own flag section; default: dense)
 
     @property
     def ffn_size(self) -> int:

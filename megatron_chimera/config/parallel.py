@@ -58,11 +58,21 @@ class ParallelConfig:
         help="with --distributed-backend gloo on a machine with CUDA devices: train on the CPU "
              "on purpose (refused otherwise)")
 
+    expert_model_parallel_size: int = flag(
+        1, "--expert-model-parallel-size", check=positive, after="--pipeline-model-parallel-size",
+        help="expert-parallel size EP: each MoE layer's experts split over EP ranks folded out of "
+             "each pipeline rank's T x CP x W ranks (EP divides T x CP x W and --num-experts)")
+    expert_tensor_parallel_size: int | None = flag(
+        None, "--expert-tensor-parallel-size", type=int, check=positive,
+        help="tensor-parallel size of the experts (only 1: experts are not tensor-split)")
+
     @property
     def layout(self) -> ParallelLayout:
-        """The T x CP x W x D layout (the one owner of every size rule and of the rank order)."""
+        """The T x CP x W x D layout with EP folded in (the one owner of every size rule and of
+        the rank order)."""
         return ParallelLayout(self.tensor_model_parallel_size, self.data_parallel_size,
-                              self.pipeline_model_parallel_size, self.context_parallel_size)
+                              self.pipeline_model_parallel_size, self.context_parallel_size,
+                              self.expert_model_parallel_size)
 
     @property
     def world_size(self) -> int:

@@ -8,6 +8,7 @@ from typing import ClassVar
 from megatron_chimera.config.data import DataConfig
 from megatron_chimera.config.flag import flag, positive
 from megatron_chimera.config.model import ModelConfig
+from megatron_chimera.config.moe import MoEConfig
 from megatron_chimera.config.parallel import DDPConfig, ParallelConfig
 from megatron_chimera.config.training import LayerSplit, OptimizerConfig, TrainingConfig
 
@@ -115,6 +116,6 @@ class TrainConfig:
 
 
 # The sections that declare flags, in the order the parser reads them.
-FLAG_SECTIONS: tuple[type, ...] = (ModelConfig, ParallelConfig, TrainingConfig, LayerSplit,
-                                   OptimizerConfig, DDPConfig, DataConfig, CheckpointConfig,
-                                   LoggingConfig)
+FLAG_SECTIONS: tuple[type, ...] = (ModelConfig, MoEConfig, ParallelConfig, TrainingConfig,
+                                   LayerSplit, OptimizerConfig, DDPConfig, DataConfig,
+                                   CheckpointConfig, LoggingConfig)

@@ -22,7 +22,9 @@ from megatron_chimera.distributed.grad_buffer import (
     ModelGradBuffers,
     ShardGroup,
     build_grad_buffers,
+    expert_unit,
     grad_dtype_for,
+    is_expert,
     shared_embedding_weight,
 )
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
@@ -51,10 +53,16 @@ class DataParallel:
     overlap_param_gather: bool = False
 
 
-def _norm_filter(stage_modules: dict[int, nn.Module]) -> NormFilter:
+def _norm_filter(stage_modules: dict[int, nn.Module], experts: bool = False) -> NormFilter:
     """Count each stage once in the global grad norm: on its owner, tied copy with stage 0, and a
-    parameter replicated over the tensor-parallel ranks on tensor rank 0 only."""
+    parameter replicated over the tensor-parallel ranks on tensor rank 0 only. With expert
+    parallelism (``experts``; the norm is then reduced over the world) the dense parameters
+    count on data-parallel rank 0 and the experts on expert-data rank 0 (every expert rank
+    holds different experts)."""
     counted: set[int] = set()
+    if experts:
+        dense_here = parallel_state.get_data_parallel_rank() == 0
+        experts_here = parallel_state.get_expert_data_parallel_rank() == 0
     for stage, module in stage_modules.items():
         if not parallel_state.is_stage_owner(stage):
             continue
@@ -62,8 +70,10 @@ def _norm_filter(stage_modules: dict[int, nn.Module]) -> NormFilter:
         for param in module.parameters():
             if param is shared and stage != 0:
                 continue
-            if param_is_not_tensor_parallel_duplicate(param):
-                counted.add(id(param))
+            if experts and not (experts_here if is_expert(param) else dense_here):
+                continue
+            if is_expert(param) or param_is_not_tensor_parallel_duplicate(param):
+                counted.add(id(param))  # (experts differ on each rank of an expert group)
     return lambda param: id(param) in counted
 
 
@@ -78,6 +88,11 @@ def _shard_groups(modules: dict[int, nn.Module]) -> dict[int | str, ShardGroup]:
         ranks = parallel_state.get_stage_replica_ranks(stage)
         shards[stage] = ShardGroup(parallel_state.get_stage_replica_group(stage), len(ranks),
                                    ranks.index(rank), (min(ranks),))
+        if parallel_state.has_expert_groups():
+            ranks = parallel_state.get_expert_stage_replica_ranks(stage)
+            shards[expert_unit(stage)] = ShardGroup(
+                parallel_state.get_expert_stage_replica_group(stage), len(ranks),
+                ranks.index(rank), (min(ranks),))
     embedding = parallel_state.get_embedding_ranks()
     if rank in embedding:
         ends = (0, parallel_state.get_num_stages() - 1)
@@ -117,15 +132,20 @@ def build_data_parallel(ddp: DDPConfig, modules: dict[int, nn.Module]) -> DataPa
     sharded = ddp.use_distributed_optimizer
     shards = _shard_groups(modules) if sharded else None
     group_sizes = {s: len(parallel_state.get_stage_replica_ranks(s)) for s in modules}
+    experts = parallel_state.has_expert_groups()
     buffers = build_grad_buffers(
         modules, ddp.grad_reduce_in_fp32,
         bucket_sizes={s: ddp.bucket_elements(n) for s, n in group_sizes.items()},
         shard_counts={k: g.size for k, g in shards.items()} if shards else None,
-        param_buffers=sharded, fuse_wgrad_accumulation=_fuses_weight_grads(ddp, modules))
+        param_buffers=sharded, fuse_wgrad_accumulation=_fuses_weight_grads(ddp, modules),
+        split_experts=experts)
     grad_sync = GradientSynchronizer.from_parallel_state(buffers, ddp.overlap_grad_reduce,
                                                          scatter=sharded)
     if sharded:
         return DataParallel(modules, buffers, grad_sync, shards, None, None,
                             ddp.overlap_param_gather)
+    if experts:  # the experts of one replica are spread over the expert-parallel ranks
+        return DataParallel(modules, buffers, grad_sync, None, _norm_filter(modules, True),
+                            dist.group.WORLD)
     return DataParallel(modules, buffers, grad_sync, None, _norm_filter(modules),
                         parallel_state.get_model_replica_group())

@@ -18,7 +18,7 @@ into a parameter buffer of the same layout (the target of the all-gather after t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -194,10 +194,15 @@ class ModelGradBuffers:
     tied_stages: set[int]
     _hooks: list = None  # type: ignore[assignment]
     _on_ready: GradReadyCallback | None = None
+    # with expert parallelism: each stage's expert parameters (``param.is_expert``), reduced
+    # over their own replica group (unit :func:`expert_unit`); empty otherwise
+    experts: dict[int, list[GradBuffer]] = field(default_factory=dict)
 
     def all_buffers(self) -> list[GradBuffer]:
-        """Stage buffers in descending stage order, then the tied embedding's."""
-        found = [b for s in sorted(self.stages, reverse=True) for b in self.stages[s]]
+        """Stage buffers in descending stage order (each stage's expert buffers after its
+        others), then the tied embedding's."""
+        found = [b for s in sorted(self.stages, reverse=True)
+                 for b in self.stages[s] + self.experts.get(s, [])]
         return found + ([self.tied] if self.tied is not None else [])
 
     def zero_(self) -> None:
@@ -280,11 +285,23 @@ def grad_dtype_for(param_dtype: torch.dtype, grad_reduce_in_fp32: bool) -> torch
 TIED = "tied"  # key of the tied embedding in ``shard_counts`` (its embedding-group size)
 
 
+def expert_unit(stage: int) -> str:
+    """Key of ``stage``'s expert parameters in ``shard_counts`` and the distributed optimizer's
+    units (with expert parallelism, where they have their own replica group)."""
+    return f"experts {stage}"
+
+
+def is_expert(param: nn.Parameter) -> bool:
+    """Whether ``param`` belongs to an MoE layer's experts (``param.is_expert``)."""
+    return getattr(param, "is_expert", False)
+
+
 def build_grad_buffers(stage_modules: dict[int, nn.Module], grad_reduce_in_fp32: bool,
                        bucket_sizes: dict[int, int | None] | None = None,
                        shard_counts: dict[int | str, int] | None = None,
                        param_buffers: bool = False,
-                       fuse_wgrad_accumulation: bool = False) -> ModelGradBuffers:
+                       fuse_wgrad_accumulation: bool = False,
+                       split_experts: bool = False) -> ModelGradBuffers:
     """Buffers for every stage module of this rank, one for the tied embedding, and hooks.
 
     ``bucket_sizes[stage]``: elements per bucket (default None: one bucket per buffer).
@@ -295,22 +312,28 @@ def build_grad_buffers(stage_modules: dict[int, nn.Module], grad_reduce_in_fp32:
     linears compute their weight gradients straight into ``main_grad`` (gradient-accumulation
     fusion, see ``tensor_parallel.weight_grad``); never the tied embedding, whose copies take
     gradients from two uses in one backward.
+    ``split_experts`` (expert parallelism): each stage's expert parameters get buffers of their
+    own (``ModelGradBuffers.experts``), sharded over ``shard_counts[expert_unit(stage)]``.
     """
     shard_counts = shard_counts or {}
     bucket_sizes = bucket_sizes or {}
     copies = local_shared_copies(stage_modules)
     tied_ids = {id(c) for c in copies}
     stages: dict[int, list[GradBuffer]] = {}
+    experts: dict[int, list[GradBuffer]] = {}
     for stage, module in stage_modules.items():
-        shards = shard_counts.get(stage, 1)
         size = bucket_sizes.get(stage)
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_kind: dict[tuple[bool, torch.dtype], list[nn.Parameter]] = {}
         for param in module.parameters():
             if param.requires_grad and id(param) not in tied_ids:
-                by_dtype.setdefault(param.dtype, []).append(param)
-        stages[stage] = [GradBuffer(params, grad_dtype_for(dtype, grad_reduce_in_fp32), size,
-                                    shards, param_buffers and shards > 1)
-                         for dtype, params in by_dtype.items()]
+                kind = (split_experts and is_expert(param), param.dtype)
+                by_kind.setdefault(kind, []).append(param)
+        for (expert, dtype), params in by_kind.items():
+            shards = shard_counts.get(expert_unit(stage) if expert else stage, 1)
+            buffer = GradBuffer(params, grad_dtype_for(dtype, grad_reduce_in_fp32), size,
+                                shards, param_buffers and shards > 1)
+            (experts if expert else stages).setdefault(stage, []).append(buffer)
+        stages.setdefault(stage, [])
     tied = None
     if copies:
         shards = shard_counts.get(TIED, 1)
@@ -323,6 +346,6 @@ def build_grad_buffers(stage_modules: dict[int, nn.Module], grad_reduce_in_fp32:
         for param in buffer.params:
             param.fuse_wgrad_accumulation = fuse_wgrad_accumulation
     tied_stages = {s for s, m in stage_modules.items() if shared_embedding_weight(m) is not None}
-    buffers = ModelGradBuffers(stages, tied, copies, tied_stages)
+    buffers = ModelGradBuffers(stages, tied, copies, tied_stages, experts=experts)
     buffers.register_hooks()
     return buffers

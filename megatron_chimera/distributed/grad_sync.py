@@ -48,6 +48,7 @@ from megatron_chimera.distributed.grad_buffer import (
     Bucket,
     GradBuffer,
     ModelGradBuffers,
+    is_expert,
     local_shared_copies,
     shared_embedding_weight,
 )
@@ -130,22 +131,28 @@ class GradientSynchronizer:
 
     ``stage_groups[s]``: the stage-replica group of stage ``s``; ``scatter``: reduce-scatter the
     buckets (distributed optimizer) instead of all-reducing them; ``collectives`` starts them;
-    ``tensor_group``: the tensor-parallel group the sequence-parallel gradients are summed over.
+    ``tensor_group``: the tensor-parallel group the sequence-parallel gradients are summed over;
+    ``expert_groups[s]``: the group of stage ``s``'s expert buffers (expert parallelism: the
+    holders of the same experts), reduced right after the stage's other buckets.
     """
 
     def __init__(self, buffers: ModelGradBuffers, stage_groups: dict[int, dist.ProcessGroup | None],
                  embedding_group: dist.ProcessGroup | None, overlap_grad_reduce: bool = False,
                  scatter: bool = False, collectives: Collectives | None = None,
-                 tensor_group: dist.ProcessGroup | None = None) -> None:
+                 tensor_group: dist.ProcessGroup | None = None,
+                 expert_groups: dict[int, dist.ProcessGroup | None] | None = None) -> None:
         self.buffers = buffers
         self.overlap_grad_reduce = overlap_grad_reduce
         self.collectives = collectives or Collectives()
         self._items: list[_Item] = []
         self._item_of: dict[int, tuple[_Item, int]] = {}  # id(param) -> (item, param index)
+        expert_groups = expert_groups or {}
         for stage in sorted(buffers.stages, reverse=True):
-            for buffer in buffers.stages[stage]:
+            in_order = [(b, stage_groups.get(stage)) for b in buffers.stages[stage]]
+            in_order += [(b, expert_groups.get(stage)) for b in buffers.experts.get(stage, [])]
+            for buffer, group in in_order:
                 for bucket in buffer.buckets:
-                    item = _Item(stage, buffer, bucket, stage_groups.get(stage), scatter,
+                    item = _Item(stage, buffer, bucket, group, scatter,
                                  _sequence_parallel(buffer, bucket), tensor_group)
                     self._items.append(item)
                     for index in bucket.param_indices:
@@ -173,8 +180,10 @@ class GradientSynchronizer:
                             collectives: Collectives | None = None) -> GradientSynchronizer:
         """Synchronizer over the groups of :mod:`megatron_chimera.parallel_state`."""
         groups = {s: parallel_state.get_stage_replica_group(s) for s in buffers.stages}
+        experts = {s: parallel_state.get_expert_stage_replica_group(s) for s in buffers.experts}
         return cls(buffers, groups, parallel_state.get_embedding_group(), overlap_grad_reduce,
-                   scatter, collectives, parallel_state.get_tensor_model_parallel_group())
+                   scatter, collectives, parallel_state.get_tensor_model_parallel_group(),
+                   experts)
 
     @property
     def num_collectives(self) -> int:
@@ -272,13 +281,11 @@ def broadcast_stage_params(stage_modules: dict[int, nn.Module]) -> None:
     """Make all replicas identical: broadcast every stage from the lowest rank of its replica
     group (descending stage order), then the tied embedding over the embedding group."""
     for stage in sorted(stage_modules, reverse=True):
-        group = parallel_state.get_stage_replica_group(stage)
-        src = min(parallel_state.get_stage_replica_ranks(stage))
-        params = [p for p in stage_modules[stage].parameters()]
-        flat = _flat_params(params)
-        if _group_size(group) > 1:
-            dist.broadcast(flat, src=src, group=group)
-        _copy_into(params, flat)
+        for params, group, ranks in _replica_sets(stage, stage_modules[stage]):
+            flat = _flat_params(params)
+            if _group_size(group) > 1:
+                dist.broadcast(flat, src=min(ranks), group=group)
+            _copy_into(params, flat)
     copies = local_shared_copies(stage_modules)
     group = parallel_state.get_embedding_group()
     if copies:
@@ -287,6 +294,22 @@ def broadcast_stage_params(stage_modules: dict[int, nn.Module]) -> None:
             dist.broadcast(value, src=min(parallel_state.get_embedding_ranks()), group=group)
         for copy in copies:
             copy.copy_(value)
+
+
+def _replica_sets(stage: int, module: nn.Module
+                  ) -> list[tuple[list[nn.Parameter], dist.ProcessGroup | None, list[int]]]:
+    """A stage's parameters by the group whose ranks hold identical copies: the stage-replica
+    group, and with expert parallelism the experts' own group."""
+    params = list(module.parameters())
+    if not parallel_state.has_expert_groups():
+        return [(params, parallel_state.get_stage_replica_group(stage),
+                 parallel_state.get_stage_replica_ranks(stage))]
+    return [([p for p in params if not is_expert(p)],
+             parallel_state.get_stage_replica_group(stage),
+             parallel_state.get_stage_replica_ranks(stage)),
+            ([p for p in params if is_expert(p)],
+             parallel_state.get_expert_stage_replica_group(stage),
+             parallel_state.get_expert_stage_replica_ranks(stage))]
 
 
 def _copy_into(params: list[nn.Parameter], flat: torch.Tensor) -> None:
@@ -301,10 +324,8 @@ def assert_replicas_identical(stage_modules: dict[int, nn.Module]) -> None:
     """Raise AssertionError unless every replica of every stage, and every tied-embedding copy,
     is bitwise identical across ranks (a collective over the stage-replica and embedding groups)."""
     for stage in sorted(stage_modules, reverse=True):
-        group = parallel_state.get_stage_replica_group(stage)
-        flat = _flat_params(list(stage_modules[stage].parameters()))
-        _assert_same_everywhere(flat, group, f"stage {stage}",
-                                parallel_state.get_stage_replica_ranks(stage))
+        for params, group, ranks in _replica_sets(stage, stage_modules[stage]):
+            _assert_same_everywhere(_flat_params(params), group, f"stage {stage}", ranks)
     copies = local_shared_copies(stage_modules)
     if copies:
         for copy in copies[1:]:

@@ -6,7 +6,7 @@ differs from its default."""
 
 from __future__ import annotations
 
-from megatron_chimera.config import ModelConfig, flag_fields
+from megatron_chimera.config import ModelConfig, MoEConfig, flag_fields
 
 
 def model_flags(model: ModelConfig, seq_length: int | None = None) -> list[str]:
@@ -30,10 +30,11 @@ def architecture_flags(model: ModelConfig) -> list[str]:
 def _settings(model: ModelConfig, decoder_only: bool) -> list[str]:
     """The flags of the model settings (or only the decoder's) away from their defaults."""
     flags: list[str] = []
-    for field, spec in flag_fields(ModelConfig):
-        if not spec.model or (decoder_only and not spec.decoder):
-            continue
-        value = getattr(model, field.name)
-        if value != field.default:
-            flags += [*spec.needs, *spec.spelled(value, field.default)]
+    for section, values in ((ModelConfig, model), (MoEConfig, model.moe)):
+        for field, spec in flag_fields(section):
+            if not spec.model or (decoder_only and not spec.decoder):
+                continue
+            value = getattr(values, field.name)
+            if value != field.default:
+                flags += [*spec.needs, *spec.spelled(value, field.default)]
     return flags

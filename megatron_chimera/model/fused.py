@@ -14,8 +14,11 @@ the default; ``unfused`` = the reference composition of element-wise ops, for co
   CUDA ``residual + dropout(x)`` as one ``torch.compile``d kernel (Megatron's
   ``bias_dropout_add_fused_train``, which Megatron-core also compiles with ``torch.compile``);
   on the CPU the native ``residual + dropout(x)`` (compiling buys nothing there: host-bound, and
-  a compile per shape). With ``--no-bias-dropout-fusion`` the output projections return their
-  bias and Megatron's unfused ``residual + dropout(x + bias)`` adds it in separate ops.
+  a compile per shape). Where the compiler cannot run (no working Triton or C toolchain on the
+  node) the eager ``residual + dropout(x)`` runs instead, after one warning
+  (:func:`fused_bias_dropout_add`). With ``--no-bias-dropout-fusion`` nothing is compiled: the
+  output projections return their bias and Megatron's unfused ``residual + dropout(x + bias)``
+  adds it in separate ops.
 * ``--use-flash-attn`` (CUDA): SDPA restricted to its flash and memory-efficient kernels; a
   configuration neither supports raises :class:`ConfigError` with torch's reasons instead of
   falling back to the math kernel. On the CPU the flag cannot apply (those are CUDA kernels) and
@@ -35,7 +38,9 @@ import functools
 import importlib
 import logging
 import math
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_chimera.config import ConfigError
+from megatron_chimera.errors import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +165,12 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
     dropout and recomputation replay it) but through the compiler's own random kernel: the masks
     differ from the eager path's, as Megatron's fused masks do."""
     if fused and training and prob > 0:
-        return compiled_bias_dropout_add()(x, bias, residual, prob)
+        compiled = fused_bias_dropout_add(x.device, x.dtype)
+        if compiled is not None:
+            try:
+                return compiled(x, bias, residual, prob)
+            except _compiler_errors() as exc:  # a recompile (new shape) the compiler failed
+                _compiler_failed(BIAS_DROPOUT_ADD_BACKEND, exc)
     if bias is not None:
         x = x + bias
     return residual + F.dropout(x, p=prob, training=training)
@@ -173,11 +184,89 @@ def _bias_dropout_add_train(x: torch.Tensor, bias: torch.Tensor | None,
 
 
 @functools.cache
-def compiled_bias_dropout_add(backend: str = "inductor"):
+def compiled_bias_dropout_add(backend: str | Callable = "inductor"):
     """``residual + dropout(x + bias)`` in training, compiled whole (``fullgraph``: a graph
     break would silently unfuse it) by ``backend`` -- inductor, which fuses it into one kernel
     on CUDA; tests trace it with ``aot_eager`` on the CPU (the same graph, eager kernels)."""
     return torch.compile(_bias_dropout_add_train, fullgraph=True, backend=backend)
+
+
+# the compiler backend of the fused path (tests put a failing one here)
+BIAS_DROPOUT_ADD_BACKEND: str | Callable = "inductor"
+_COMPILER_FAILED: set = set()  # backends that failed once: eager from then on
+
+
+def _compiler_errors() -> tuple[type[BaseException], ...]:
+    """What a failing ``torch.compile`` raises: Dynamo's errors (a backend failure, inductor's
+    errors -- no working Triton included -- are wrapped in them) and inductor's C++ compile
+    error."""
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import CppCompileError
+
+    return TorchDynamoException, CppCompileError
+
+
+def _compiler_failed(backend: str | Callable, exc: BaseException) -> None:
+    """Remember that ``backend`` cannot compile here and say so once."""
+    _COMPILER_FAILED.add(backend)
+    reason = f"{type(exc).__name__}: {one_line(exc)[:200]}"
+    warn_once("--bias-dropout-fusion: torch.compile cannot run on this node "
+              f"({reason}); bias-dropout-add runs eager (unfused) instead. Install a working "
+              "Triton / C compiler, or pass --no-bias-dropout-fusion to silence this")
+
+
+def _bias_dropout_add_probe(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    # the fused function's body under another code object: its compile cache stays apart
+    return residual + F.dropout(x, p=0.5, training=True)
+
+
+def _probe_compiler(backend: str | Callable, device: torch.device, dtype: torch.dtype) -> None:
+    """Compile and run forward *and backward* of a tiny bias-dropout-add with ``backend`` (the
+    backward is compiled lazily, at its first call: a probe of the forward alone would let a
+    failing backward compile end a training step). Runs in its own thread, so none of the
+    caller's autograd context (saved-tensor hooks of activation checkpointing, autocast,
+    no-grad) applies, with the random state forked: the probe's dropout draws nothing from the
+    run's generators."""
+    failure: list[BaseException] = []
+
+    def probe() -> None:
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                       device_type=device.type):
+                compiled = torch.compile(_bias_dropout_add_probe, fullgraph=True,
+                                         backend=backend)
+                x = torch.ones(8, 8, device=device, dtype=dtype, requires_grad=True)
+                compiled(x, torch.zeros(8, 8, device=device, dtype=dtype)).sum().backward()
+        except Exception as exc:  # noqa: BLE001 - handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=probe, name="compile-probe")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+
+
+_PROBED: dict[tuple, bool] = {}
+
+
+def fused_bias_dropout_add(device: torch.device, dtype: torch.dtype) -> Callable | None:
+    """The compiled bias-dropout-add (:func:`compiled_bias_dropout_add` with
+    :data:`BIAS_DROPOUT_ADD_BACKEND`) when the compiler runs on this node for ``device`` and
+    ``dtype`` -- checked once by a probe (:func:`_probe_compiler`) --, else None after one
+    warning: the caller runs the eager ops."""
+    backend = BIAS_DROPOUT_ADD_BACKEND
+    if backend in _COMPILER_FAILED:
+        return None
+    key = (backend, device.type, dtype)
+    if key not in _PROBED:
+        try:
+            _probe_compiler(backend, device, dtype)
+            _PROBED[key] = True
+        except Exception as exc:  # noqa: BLE001 - any failure: the compiler cannot run here
+            _PROBED[key] = False
+            _compiler_failed(backend, exc)
+    return compiled_bias_dropout_add(backend) if _PROBED[key] else None
 
 
 # --------------------------------------------------------------------------- notices

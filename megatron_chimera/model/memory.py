@@ -55,8 +55,9 @@ from megatron_chimera.config import DTYPE_BYTES, ConfigError, ModelConfig
 from megatron_chimera.model.family import ModelFamily
 from megatron_chimera.model.partition import (
     embedding_parameters,
+    expert_parameters,
     head_parameters,
-    layer_parameters,
+    layers_parameters,
 )
 
 
@@ -201,6 +202,8 @@ class StageMemory:
     activation_bytes: int
     activation_bytes_recompute: int
     recompute_working_bytes: int
+    # of ``parameters``, the MoE experts this rank holds (sharded over their own replicas)
+    expert_parameters: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -213,11 +216,13 @@ def estimate_stage_memory(config: ModelConfig, family: ModelFamily,
                           optimizer: str = "adam", sgd_momentum: float = 0.9,
                           device_type: str = "cuda", tensor_parallel: int = 1,
                           sequence_parallel: bool = False,
-                          grad_reduce_in_fp32: bool | None = None) -> list[StageMemory]:
+                          grad_reduce_in_fp32: bool | None = None,
+                          expert_parallel: int = 1) -> list[StageMemory]:
     """:class:`StageMemory` of every stage of ``partition`` on one of ``tensor_parallel`` ranks.
     ``activation_bytes_recompute`` uses the config's recompute method (``uniform`` by default,
     one layer per chunk); ``device_type`` only changes the dropout-mask width (see
-    :func:`mask_bytes`)."""
+    :func:`mask_bytes`). ``expert_parallel``: the MoE layers' experts held per rank are
+    ``experts / expert_parallel`` (the dispatched tokens' activations are not modelled)."""
     per_param = bytes_per_parameter(config.params_dtype, optimizer, sgd_momentum,
                                     grad_reduce_in_fp32)
     t, sp = tensor_parallel, sequence_parallel and tensor_parallel > 1
@@ -229,7 +234,7 @@ def estimate_stage_memory(config: ModelConfig, family: ModelFamily,
     result = []
     for stage, (start, end) in enumerate(partition):
         n = end - start
-        params = n * layer_parameters(config, t)
+        params = layers_parameters(config, start, end, t, expert_parallel)
         extra = 0
         if stage == 0:
             params += embedding_parameters(config, family, t)
@@ -252,5 +257,6 @@ def estimate_stage_memory(config: ModelConfig, family: ModelFamily,
             main_grad_bytes=params * per_param["main_grad"],
             activation_bytes=n * full + extra,
             activation_bytes_recompute=stored + extra,
-            recompute_working_bytes=working))
+            recompute_working_bytes=working,
+            expert_parameters=expert_parameters(config, start, end, expert_parallel)))
     return result

@@ -28,18 +28,53 @@ def norm_parameters(config: ModelConfig) -> int:
     return config.hidden_size * (1 if config.normalization == "RMSNorm" else 2)
 
 
-def layer_parameters(config: ModelConfig, tensor_parallel: int = 1) -> int:
+def layer_parameters(config: ModelConfig, tensor_parallel: int = 1, layer: int | None = None,
+                     expert_parallel: int = 1) -> int:
     """Parameters of one transformer layer (on one of ``tensor_parallel`` ranks): QKV (query
     heads plus a key and value head per query group), dense, the MLP's linears (SwiGLU's fused
-    gate and up), their biases unless disabled, two norms."""
+    gate and up), their biases unless disabled, two norms. ``layer`` (0-based) an MoE layer
+    (``--moe-layer-freq``): the MLP is the router, this rank's ``experts / expert_parallel``
+    experts and the shared expert instead (None: a dense layer)."""
     h, f, t = config.hidden_size, config.ffn_size, tensor_parallel
     bias = int(config.add_bias_linear)
     gated = 2 if config.swiglu else 1
     qkv = h * config.qkv_size + config.qkv_size * int(config.has_qkv_bias)
     dense = config.num_attention_heads * config.head_dim * h
+    moe = config.moe
+    if layer is not None and moe.moe_layers(config.num_layers)[layer]:
+        shared = moe.moe_shared_expert_intermediate_size or 0
+        mlp = gated * shared * (h + bias) + shared * h  # the shared expert (tensor-split)
+        fe = moe.moe_ffn_hidden_size or f
+        experts = moe.num_experts // expert_parallel * (gated * fe * (h + bias) + fe * h
+                                                        + bias * h)
+        return ((qkv + dense + mlp) // t + moe.num_experts * h + experts
+                + (1 + int(shared > 0)) * bias * h + 2 * norm_parameters(config))
     mlp = gated * f * (h + bias) + f * h
     split = qkv + dense + mlp  # column-parallel with their biases, row-parallel weights
     return split // t + 2 * bias * h + 2 * norm_parameters(config)  # + row biases, norms
+
+
+def expert_parameters(config: ModelConfig, start: int, end: int, expert_parallel: int = 1) -> int:
+    """Parameters of the experts one rank holds in layers ``start .. end - 1`` (reduced and
+    sharded over the experts' own replicas, not the stage's)."""
+    moe = config.moe
+    if not moe.enabled:
+        return 0
+    h, bias = config.hidden_size, int(config.add_bias_linear)
+    gated = 2 if config.swiglu else 1
+    fe = moe.moe_ffn_hidden_size or config.ffn_size
+    per_expert = gated * fe * (h + bias) + fe * h + bias * h
+    layers = sum(moe.moe_layers(config.num_layers)[start:end])
+    return layers * moe.num_experts // expert_parallel * per_expert
+
+
+def layers_parameters(config: ModelConfig, start: int, end: int, tensor_parallel: int = 1,
+                      expert_parallel: int = 1) -> int:
+    """Parameters of layers ``start .. end - 1`` (dense and MoE layers alike)."""
+    if not config.moe.enabled:
+        return (end - start) * layer_parameters(config, tensor_parallel)
+    return sum(layer_parameters(config, tensor_parallel, i, expert_parallel)
+               for i in range(start, end))
 
 
 def _vocab_rows(config: ModelConfig, tensor_parallel: int) -> int:
@@ -78,7 +113,7 @@ def head_parameters(config: ModelConfig, family: ModelFamily, num_stages: int = 
 
 def count_parameters(config: ModelConfig, family: ModelFamily = GPT2) -> int:
     """Parameters of the whole (single-stage) model; the tied embedding counted once."""
-    return (embedding_parameters(config, family) + config.num_layers * layer_parameters(config)
+    return (embedding_parameters(config, family) + layers_parameters(config, 0, config.num_layers)
             + head_parameters(config, family, num_stages=1))
 
 
@@ -86,8 +121,7 @@ def stage_parameters(config: ModelConfig, family: ModelFamily,
                      partition: Sequence[tuple[int, int]], tensor_parallel: int = 1) -> list[int]:
     """Parameters held by each stage slice of ``partition`` (the tied copy on the last stage),
     on one of ``tensor_parallel`` ranks."""
-    per_layer = layer_parameters(config, tensor_parallel)
-    counts = [(end - start) * per_layer for start, end in partition]
+    counts = [layers_parameters(config, start, end, tensor_parallel) for start, end in partition]
     counts[0] += embedding_parameters(config, family, tensor_parallel)
     counts[-1] += head_parameters(config, family, len(partition), tensor_parallel)
     return counts
@@ -120,7 +154,7 @@ def partition_layers(num_layers: int, num_stages: int, method: str = "uniform", 
             raise ValueError("partition method 'parameters' needs the model config")
         if config.num_layers != num_layers:
             raise ValueError(f"num_layers {num_layers} != config.num_layers {config.num_layers}")
-        costs = [float(layer_parameters(config))] * num_layers
+        costs = [float(layer_parameters(config, layer=i)) for i in range(num_layers)]
         first = float(embedding_parameters(config, family))
         last = float(head_parameters(config, family, num_stages))
     else:

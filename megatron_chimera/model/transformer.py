@@ -18,6 +18,7 @@ draw the same mask on every tensor rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 
 import torch
@@ -59,6 +60,7 @@ from megatron_chimera.model.fused import (
     swiglu,
     warn_once,
 )
+from megatron_chimera.model.moe.layer import MoELayer
 from megatron_chimera.model.rotary import RotaryEmbedding, RotaryTables, rotate_sequence_first
 from megatron_chimera.model.sequence_slices import SliceTokens
 from megatron_chimera.model.utils import init_linear_, layer_key, make_generator, scaled_init_std
@@ -350,6 +352,26 @@ class ParallelMLP(nn.Module):
         return self.dense_4h_to_h(intermediate)
 
 
+def init_mlp(mlp: ParallelMLP, config: ModelConfig, key: str, seed: int) -> None:
+    """Initialise a dense MLP outside a layer's own draw sequence (an MoE layer's shared
+    expert) from the init key ``key``."""
+    generator = make_generator(seed, key)
+    init_linear_(mlp.dense_h_to_4h, config.init_method_std, generator)
+    init_linear_(mlp.dense_4h_to_h, scaled_init_std(config.init_method_std, config.num_layers),
+                 generator)
+
+
+def moe_layer(config: ModelConfig, layer_number: int, seed: int) -> MoELayer:
+    """The MoE layer ``layer_number`` with its shared expert (a dense MLP of
+    ``--moe-shared-expert-intermediate-size``, initialised from its own key) when asked."""
+    shared = None
+    size = config.moe.moe_shared_expert_intermediate_size
+    if size:
+        shared = ParallelMLP(dataclasses.replace(config, ffn_hidden_size=size))
+        init_mlp(shared, config, f"{layer_key(layer_number - 1)}.shared_expert", seed)
+    return MoELayer(config, layer_number, seed, shared)
+
+
 class ParallelTransformerLayer(nn.Module):
     """One pre-LN transformer layer; ``layer_number`` is its 1-based global number."""
 
@@ -363,7 +385,8 @@ class ParallelTransformerLayer(nn.Module):
         self.input_layernorm = sequence_parallel_layer_norm(config, backend)
         self.self_attention = ParallelAttention(config, layer_number, causal)
         self.post_attention_layernorm = sequence_parallel_layer_norm(config, backend)
-        self.mlp = ParallelMLP(config)
+        self.is_moe = config.moe.moe_layers(config.num_layers)[layer_number - 1]
+        self.mlp = moe_layer(config, layer_number, seed) if self.is_moe else ParallelMLP(config)
         self.site = layer_site(layer_number)  # its keyed-dropout site
         self.residual_sites = (f"{self.site}:attention-residual", f"{self.site}:mlp-residual")
         self._init_weights(config, seed)
@@ -374,8 +397,9 @@ class ParallelTransformerLayer(nn.Module):
         out_std = scaled_init_std(std, config.num_layers)
         init_linear_(self.self_attention.query_key_value, std, generator)
         init_linear_(self.self_attention.dense, out_std, generator)
-        init_linear_(self.mlp.dense_h_to_4h, std, generator)
-        init_linear_(self.mlp.dense_4h_to_h, out_std, generator)
+        if not self.is_moe:  # (an MoE layer initialises its router and experts by their keys)
+            init_linear_(self.mlp.dense_h_to_4h, std, generator)
+            init_linear_(self.mlp.dense_4h_to_h, out_std, generator)
 
     def forward(self, hidden: torch.Tensor, mask: AttentionMask,
                 rotary: RotaryTables | None = None) -> torch.Tensor:

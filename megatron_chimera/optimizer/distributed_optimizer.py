@@ -40,6 +40,8 @@ from megatron_chimera.distributed.grad_buffer import (
     GradBuffer,
     ModelGradBuffers,
     ShardGroup,
+    expert_unit,
+    is_expert,
 )
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.optimizer.grad_scaler import MegatronGradScaler
@@ -60,7 +62,7 @@ from megatron_chimera.tensor_parallel.utils import param_is_not_tensor_parallel_
 InnerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 
 
-Unit = int | str  # a stage id, or TIED
+Unit = int | str  # a stage id, TIED, or a stage's experts (expert_unit)
 
 
 @dataclass
@@ -122,6 +124,8 @@ class DistributedOptimizer(MegatronOptimizer):
             s: grad_buffers.stages[s] for s in sorted(grad_buffers.stages, reverse=True)}
         if grad_buffers.tied is not None:
             self.units[TIED] = [grad_buffers.tied]
+        for s in sorted(grad_buffers.experts, reverse=True):  # expert parallelism
+            self.units[expert_unit(s)] = grad_buffers.experts[s]
         self.fragments: dict[Unit, list[Fragment]] = {}
         by_param: dict[int, list[Fragment]] = {}
         for unit, buffers in self.units.items():
@@ -143,7 +147,8 @@ class DistributedOptimizer(MegatronOptimizer):
                     if id(frag.main) not in seen:
                         seen.add(id(frag.main))
                         group_mains.append(frag.main)
-                        counts.append(param_is_not_tensor_parallel_duplicate(frag.param))
+                        counts.append(is_expert(frag.param)  # (an expert group's ranks
+                                      or param_is_not_tensor_parallel_duplicate(frag.param))
             mains += group_mains
             inner_groups.append({**group, "params": group_mains})
         super().__init__(make_inner(inner_groups), mains, counts, clip_grad,
@@ -203,7 +208,7 @@ class DistributedOptimizer(MegatronOptimizer):
     def wait_for_stage(self, stage: int) -> None:
         """Block until the parameters of ``stage`` (and the tied embedding, which the first and
         last stages read) are gathered."""
-        for unit in (stage, TIED):
+        for unit in (stage, TIED, expert_unit(stage)):
             for work in self._pending.pop(unit, []):
                 work.wait()
 

@@ -55,6 +55,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
+from megatron_chimera.model.moe.aux_loss import moe_routers
 from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
@@ -324,6 +325,7 @@ class PipelineExecutor:
         self.comm = P2PCommunicator(self.transport, uniform_specs(self.tensor_shape, self.dtype),
                                     self.device)
         self._linears = {s: deferrable_modules(m) for s, m in work.modules.items()}
+        self._routers = moe_routers(work.modules.values())  # MoE layers' auxiliary losses
         self._events: list[Any] = []  # CUDA events of the busy timers, reused
         self._connected = not policy.warm_up
         self.action_timer = action_timer
@@ -360,6 +362,8 @@ class PipelineExecutor:
             if self.grad_sync is not None and not forward_only:
                 self.grad_sync.start_iteration(self.transport.collective_issued,
                                                self.deferred_collectives)
+            if self._routers and not forward_only:
+                self._set_aux_loss_scale()
             run.execute()
             self.comm.finish()
             if self.grad_sync is not None and not forward_only:
@@ -377,6 +381,15 @@ class PipelineExecutor:
         return IterationResult(local_losses=run.losses, busy=run.timer,
                                iteration_seconds=time.perf_counter() - start,
                                executed=run.executed, p2p_bytes_sent=self.comm.bytes_sent)
+
+    def _set_aux_loss_scale(self) -> None:
+        """The MoE auxiliary losses get the main loss's factor: 1 / (N x W), times the fp16 loss
+        scale (:mod:`megatron_chimera.model.moe.aux_loss`)."""
+        scale = 1.0 / self.loss_scale_divisor
+        if self.scale_loss is not None:
+            scale *= float(self.scale_loss(torch.ones((), device=self.device)))
+        for router in self._routers:
+            router.aux_loss_scale = scale
 
     def _failure(self, exc: BaseException, op: Any) -> PipelineFailure:
         rank = dist.get_rank() if dist.is_initialized() else self.pipeline_rank

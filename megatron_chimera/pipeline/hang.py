@@ -12,6 +12,16 @@ that did not report). The rank that claims the report joins the lines into a wai
 (rank -> the rank it waits for) and names the rank where the waits end -- one that computes,
 or one that did not report (stopped, or stuck outside the interpreter) -- or the cycle. On a
 timeout every live rank then exits (the error is the graph line); ``SIGUSR1`` only logs.
+The same thread beats the rank's heartbeat in the store (:func:`~.failures.silent_ranks`: the
+failure report names a rank that was killed).
+
+On NCCL the host-side picture is not the whole one: a posted NCCL receive or collective does not
+block the host, which runs ahead to a later synchronisation. There each rank's line also names
+the oldest unfinished operation of torch's NCCL flight recorder (:func:`flight_recorder_line`;
+``initialize_distributed`` turns the recorder on) -- the stuck collective or message, its group
+and sequence number -- and the watch only reports: NCCL's own watchdog ends the ranks at the
+timeout and dumps the recorder per rank (``TORCH_NCCL_DUMP_ON_TIMEOUT``), which ending them at
+0.6x the timeout would prevent.
 """
 
 from __future__ import annotations
@@ -28,7 +38,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_chimera.pipeline.failures import first_failure, record_failure
+from megatron_chimera.pipeline.failures import (
+    HEARTBEAT_S,
+    first_failure,
+    heartbeat,
+    mark_left,
+    record_failure,
+)
 
 _KEY = "megatron_chimera/hang"
 _DIRECTIONS = ("activation", "gradient")
@@ -73,6 +89,39 @@ def rank_state(executor: Any, since: float, section: str | None = None) -> dict[
     return {"rank": rank, "waits_for": None, "line": f"{head}runs {step.short()} {seconds}"}
 
 
+def summarize_flight_record(record: dict[str, Any]) -> str | None:
+    """One line naming the oldest unfinished entry of a flight-recorder dump (torch's JSON form:
+    ``entries`` with ``profiling_name``, ``process_group`` [name, description], the collective
+    or point-to-point sequence number, ``state`` and ``input_sizes``), or None when all are
+    completed."""
+    pending = [e for e in record.get("entries", []) if e.get("state") != "completed"]
+    if not pending:
+        return None
+    entry = min(pending, key=lambda e: (e.get("time_created_ns", 0), e.get("record_id", 0)))
+    name, desc = (list(entry.get("process_group") or ["?", "undefined"]) + ["undefined"])[:2]
+    group = f"{name}:{desc}" if desc not in ("", "undefined") else name
+    kind, seq = (("p2p", entry.get("p2p_seq_id")) if entry.get("is_p2p")
+                 else ("collective", entry.get("collective_seq_id")))
+    return (f"NCCL flight recorder: oldest unfinished {entry.get('profiling_name', '?')} (group "
+            f"{group}, {kind} seq {seq}, {entry.get('state', '?')}, input sizes "
+            f"{entry.get('input_sizes')}; {len(pending)} unfinished)")
+
+
+def flight_recorder_line() -> str | None:
+    """This process's flight recorder, summarised (:func:`summarize_flight_record`); None
+    without a recorder or an unfinished entry."""
+    from torch._C import _distributed_c10d as c10d
+
+    dump = (getattr(c10d, "_dump_fr_trace_json", None)
+            or getattr(c10d, "_dump_nccl_trace_json", None))
+    if dump is None:
+        return None
+    try:
+        return summarize_flight_record(json.loads(dump(True, True)))
+    except Exception:  # noqa: BLE001 - forensics must not fail the report
+        return None
+
+
 def wait_for_graph(states: dict[int, dict[str, Any]], world_size: int,
                    settled: bool = True) -> str:
     """One line naming where the waits end: the rank that computes or did not report, or the
@@ -114,10 +163,16 @@ def wait_for_graph(states: dict[int, dict[str, Any]], world_size: int,
 class HangWatch:
     """The watchdog thread of one rank (see the module docstring)."""
 
+    nccl = False  # the default group is NCCL's: lines name the flight recorder's oldest entry
+
     def __init__(self, get_executor: Callable[[], Any], threshold_s: float,
-                 poll_s: float = 1.0) -> None:
+                 poll_s: float = 1.0, end_ranks: bool | None = None) -> None:
         self.get_executor, self.threshold_s, self.poll_s = get_executor, threshold_s, poll_s
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # end every rank after a timeout report (None: except on NCCL, whose watchdog ends them
+        # at the timeout and dumps its flight recorder)
+        self.nccl = dist.get_backend() == "nccl"
+        self.end_ranks = not self.nccl if end_ranks is None else end_ranks
         self.store = dist.distributed_c10d._get_default_store()  # noqa: SLF001
         self._seen_round = 0
         self._failed = False  # an error of the watch itself was printed
@@ -132,8 +187,10 @@ class HangWatch:
         return self
 
     def stop(self) -> None:
-        """Stop the thread (end of training)."""
+        """Stop the thread (end of training): its heartbeats end, and the rank is marked as
+        left, not dead."""
         self._stop.set()
+        mark_left(self.rank, self.store)
 
     @contextlib.contextmanager
     def watching(self, section: str) -> Iterator[None]:
@@ -169,8 +226,15 @@ class HangWatch:
         return False
 
     def _loop(self) -> None:
-        last, since, polls = None, time.monotonic(), 0
-        while not self._stop.wait(self.poll_s):
+        last, since, polls, beat = None, time.monotonic(), 0, -HEARTBEAT_S
+        reported = None  # the stall already reported (a watch that does not end the ranks)
+        while True:
+            if time.monotonic() - beat >= HEARTBEAT_S:  # who died: see failures.silent_ranks
+                beat = time.monotonic()
+                with contextlib.suppress(Exception):  # (the store may have left with its host)
+                    heartbeat(self.store, self.rank)
+            if self._stop.wait(self.poll_s):
+                return
             polls += 1
             executor = self.get_executor()
             run = executor.active if executor is not None else None
@@ -182,8 +246,10 @@ class HangWatch:
             try:
                 if self._sigusr1():
                     self.report(executor, since, "SIGUSR1", exit_after=False)
-                elif section is not None and time.monotonic() - since > self.threshold_s:
-                    self.report(executor, since, "timeout", exit_after=True)
+                elif (section is not None and time.monotonic() - since > self.threshold_s
+                      and reported != (progress, since)):
+                    reported = (progress, since)
+                    self.report(executor, since, "timeout", exit_after=self.end_ranks)
                 elif polls % ASK_EVERY == 0 or time.monotonic() - since > 2 * self.poll_s:
                     self._answer(executor, since)
             except Exception as exc:  # noqa: BLE001 - the watch must never end the run itself
@@ -203,6 +269,8 @@ class HangWatch:
         """This rank's state, logged as its report line."""
         state = rank_state(executor, since, self.section) if executor is not None else {
             "rank": self.rank, "waits_for": None, "line": f"rank {self.rank}: not training"}
+        if self.nccl and (recorded := flight_recorder_line()) is not None:
+            state["line"] += f"; {recorded}"
         print(f" hang report: {state['line']}", flush=True)
         return state
 
@@ -230,9 +298,10 @@ class HangWatch:
 
     def report(self, executor: Any, since: float, cause: str, exit_after: bool) -> None:
         """Start a round, publish, and (if this rank claims it) join the lines; exit after a
-        timeout."""
+        timeout when ``exit_after``."""
+        stalled = cause == "timeout"
         # after a timeout the backend's own error comes at threshold / 0.6: finish before it
-        wait_s = min(REPORT_WAIT_SECONDS, self.threshold_s / 6) if exit_after else \
+        wait_s = min(REPORT_WAIT_SECONDS, self.threshold_s / 6) if stalled else \
             REPORT_WAIT_SECONDS
         earlier = first_failure(wait_seconds=0.0) if exit_after else None
         if earlier is not None:
@@ -244,13 +313,16 @@ class HangWatch:
             print(f" {line}", flush=True)
             time.sleep(wait_s)
             self._leave()
-        round_ = self._round(join=exit_after)
+        round_ = self._round(join=stalled)
         if self._seen_round != round_:
             self._publish(executor, since, round_)
         claimed = self.store.add(f"{_KEY}/{round_}/claim", 1) == 1
         states = self._gather(round_, wait_s)
         line = f"hang ({cause}, reported by rank {self.rank}): " + wait_for_graph(
-            states, self.world_size, settled=exit_after)
+            states, self.world_size, settled=stalled)
+        if stalled and not exit_after:
+            line += ("; NCCL's watchdog ends the ranks at the timeout and dumps its flight "
+                     "recorder (TORCH_NCCL_DEBUG_INFO_TEMP_FILE, default /tmp/nccl_trace_rank_)")
         if claimed or exit_after:
             print(f" {line}", flush=True)
         if exit_after:

@@ -17,6 +17,11 @@ Conventions
   ``[p * N/P, (p+1) * N/P)``.
 * ``kind`` is ``F`` (forward), ``B`` (backward; input-gradient only when the schedule splits the
   backward) or ``W`` (weight-gradient only; present only when ``split_backward`` is true).
+* ``pairs[rank]`` (MoE expert-parallel overlap, ``--overlap-moe-expert-parallel-comm``): list
+  indices ``i`` where ``actions[rank][i]`` and ``actions[rank][i+1]`` -- a forward and a backward of
+  two *independent* micro-batches (:func:`independent`) -- run as one paired action: the pair
+  starts when both inputs are there, and each half's all-to-all hides behind the other half's
+  compute. Empty for every schedule without overlap (the lists themselves never change).
 """
 
 from __future__ import annotations
@@ -93,6 +98,32 @@ def output_to(action: Action, num_stages: int) -> Action | None:
     return None
 
 
+def independent(first: Action, second: Action, sequence_slices: int = 1) -> str | None:
+    """Why ``first`` and ``second`` may *not* run as one paired action (None: they may).
+
+    The pairing rule in one place: a pair is two F or B actions (input-gradient B, or the whole
+    backward) of *different micro-batches* -- a forward with a backward in the steady state
+    (DualPipe's and Megatron's pairs), and in Chimera also two forwards of its two pipes in the
+    warm-up and two backwards in the cool-down. :func:`input_of` only links actions of one pipe
+    and one micro-batch, so two actions of different micro-batches never depend on each other,
+    directly or through a chain: neither half waits for the other, and both can start together.
+    With ``sequence_slices`` k > 1 the k slices of one sequence are linked by the slice order,
+    so the halves must belong to different sequences (micro-batch // k).
+    """
+    if first.kind == WEIGHT or second.kind == WEIGHT:
+        return (f"a pair is two F or B actions, got {first.short()} and {second.short()} "
+                f"(W carries no all-to-all to hide)")
+    if first.microbatch == second.microbatch:
+        return (f"{first.short()} and {second.short()} are not independent: both belong to "
+                f"micro-batch {first.microbatch} (pipe {first.pipe}), so one may depend on the "
+                f"other through the dependency rule (input_of)")
+    k = sequence_slices
+    if k > 1 and first.microbatch // k == second.microbatch // k:
+        return (f"{first.short()} and {second.short()} are not independent: both are slices of "
+                f"sequence {first.microbatch // k}, which the slice order links")
+    return None
+
+
 def consumers(action: Action, num_stages: int, split_backward: bool) -> list[Action]:
     """Every action whose input (:func:`input_of`) is ``action``'s output."""
     kind, pipe, stage, mb = action
@@ -123,6 +154,8 @@ class Schedule:
     actions: list[list[Action]]
     split_backward: bool = False
     meta: dict[str, Any] = field(default_factory=dict)
+    # per rank, sorted list indices i: actions[rank][i] and [i+1] run as one paired action
+    pairs: list[list[int]] = field(default_factory=list)
     # k > 1: each sequence is k consecutive micro-batches (pipeline units) that must run in
     # slice order on each stage (schedules/slices.py)
     sequence_slices: int = 1
@@ -183,10 +216,23 @@ class Schedule:
         """Rank holding the next stage of ``pipe`` (None at the last stage)."""
         return None if stage == self.num_stages - 1 else self.placement[pipe][stage + 1]
 
+    def pair_starts(self) -> list[frozenset[int]]:
+        """Per rank, the list indices where a paired action starts (empty sets: no pairs)."""
+        if not self.pairs:
+            return [frozenset()] * self.num_ranks
+        return [frozenset(p) for p in self.pairs]
+
+    def num_pairs(self) -> int:
+        """How many paired actions the schedule has over all ranks."""
+        return sum(len(p) for p in self.pairs)
+
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form; actions become ``[kind, pipe, stage, microbatch]`` lists."""
+        """Plain-JSON form; actions become ``[kind, pipe, stage, microbatch]`` lists (``pairs``
+        only when there are some, so schedules without overlap keep their old form)."""
         data = asdict(self)
+        if not self.pairs:
+            del data["pairs"]
         data["actions"] = [
             [[a.kind, a.pipe, a.stage, a.microbatch] for a in rank_actions]
             for rank_actions in self.actions
@@ -199,6 +245,7 @@ class Schedule:
         fields = dict(data)
         fields["actions"] = [[Action(*a) for a in rank_actions] for rank_actions in data["actions"]]
         fields["placement"] = [list(p) for p in data["placement"]]
+        fields["pairs"] = [list(p) for p in data.get("pairs", [])]
         return cls(**fields)
 
     def to_json(self) -> str:
@@ -219,6 +266,7 @@ class Schedule:
             f"{self.name} D={self.num_ranks} stages={self.num_stages} pipes={self.num_pipes} "
             f"N={self.num_microbatches}{' split-backward' if self.split_backward else ''}"
             f"{(' ' + extra) if extra else ''}"
+            f"{f' pairs={self.num_pairs()}' if self.pairs else ''}"
         )
 
 

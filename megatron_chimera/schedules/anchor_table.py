@@ -23,7 +23,7 @@ from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.chimera import chimera_backward_halving
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.lowering import produced_message
-from megatron_chimera.schedules.registry import SCHEDULES, get_spec
+from megatron_chimera.schedules.registry import PAIRED_SCHEDULES, SCHEDULES, get_spec
 from megatron_chimera.schedules.simulate import model_copies, peak_activations, simulate
 from megatron_chimera.schedules.validate import validate
 
@@ -91,10 +91,12 @@ def _variants(name: str, num_ranks: int, num_microbatches: int) -> Iterable[tupl
 
 def rows_at(num_ranks: int, num_microbatches: int, costs: Sequence[float], cap: float,
             p2p: float = 0.0, names: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Every schedule (``names``, default all) at one point of the table (module docstring)."""
+    """Every schedule (``names``, default all but :data:`~.registry.PAIRED_SCHEDULES`) at one
+    point of the table (module docstring)."""
     rows = []
     stage_costs = StageCosts.uniform(*costs, num_ranks, p2p)
-    for name in names or tuple(SCHEDULES):
+    # issue 30's table: the schedules without MoE all-to-all pairs
+    for name in names or tuple(n for n in SCHEDULES if n not in PAIRED_SCHEDULES):
         spec = get_spec(name)
         for label, options in _variants(name, num_ranks, num_microbatches):
             if spec.split_backward:

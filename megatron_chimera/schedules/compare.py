@@ -81,3 +81,84 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     out += ["  ".join((r["schedule"].ljust(widths[0]), r["variant"].ljust(widths[1]), "n/a: "))
             + r["error"] for r in rows if "error" in r]
     return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------- MoE overlap table
+# (label, schedule, options): each Chimera-family and 1F1B-family schedule without and with
+# --overlap-moe-expert-parallel-comm, and the published F&B-overlap schedules
+MOE_ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("1f1b", "1f1b", {}),
+    ("1f1b +overlap", "1f1b", {"overlap_moe_expert_parallel_comm": True}),
+    ("interleaved v2", "interleaved", {}),
+    ("interleaved v2 +overlap", "interleaved", {"overlap_moe_expert_parallel_comm": True}),
+    ("combined-1f1b v2", "combined-1f1b", {}),
+    ("dualpipe", "dualpipe", {}),
+    ("dualpipev", "dualpipev", {}),
+    ("chimera", "chimera", {}),
+    ("chimera-ep (chimera +overlap)", "chimera", {"overlap_moe_expert_parallel_comm": True}),
+    ("chimera-zb", "chimera-zb", {}),
+    ("chimera-ep (chimera-zb +overlap)", "chimera-zb",
+     {"overlap_moe_expert_parallel_comm": True}),
+    ("bitpipe +overlap", "bitpipe", {"overlap_moe_expert_parallel_comm": True}),
+    ("bitpipe-zb +overlap", "bitpipe-zb", {"overlap_moe_expert_parallel_comm": True}),
+)
+CHIMERA_EP_LABELS = ("chimera-ep (chimera +overlap)", "chimera-ep (chimera-zb +overlap)")
+
+
+def moe_table(num_ranks: int, num_microbatches: int, costs: Any,
+              rows: Sequence[tuple[str, str, dict[str, Any]]] = MOE_ROWS) -> list[dict[str, Any]]:
+    """Every row of ``rows`` simulated under ``costs`` (a one-stage :class:`~.costs.StageCosts`
+    with ``all_to_all``: the cost of each of D stages, split over smaller chunks): makespan,
+    exposed all-to-all (the worst rank's, and the mean over ranks) and its share of the
+    makespan, peak activations and weight copies (L/D-layer units) and the number of pairs.
+    The split-backward schedules are built for ``costs`` (``costs=`` option) where they take
+    it; every schedule is simulated with them."""
+    from megatron_chimera.schedules.pairing import ep_costs
+
+    out = []
+    for label, name, options in rows:
+        spec = get_spec(name)
+        given = dict(options)
+        if any(f.name == "costs" for f in spec.option_fields()):
+            given["costs"] = costs
+        row: dict[str, Any] = {"schedule": label}
+        try:
+            schedule = spec.build(num_ranks, num_microbatches, spec.options_type(**given))
+            validate(schedule)
+        except ValueError as exc:
+            row["error"] = str(exc)
+            out.append(row)
+            continue
+        stage_costs = ep_costs(costs, num_ranks, schedule.num_stages)
+        result = simulate(schedule, stage_costs.cost_model(schedule.split_backward))
+        exposed = result.exposed_all_to_all
+        row.update(
+            makespan=result.makespan,
+            exposed_max=max(exposed),
+            exposed_mean=sum(exposed) / len(exposed),
+            exposed_share=max(exposed) / result.makespan,
+            exposed_mean_share=sum(exposed) / len(exposed) / result.makespan,
+            peak_activations=max(result.peak_inflight) * schedule.num_ranks
+            / schedule.num_stages,
+            weight_copies=max(model_copies(schedule)),
+            pairs=schedule.num_pairs(),
+        )
+        out.append(row)
+    return out
+
+
+def format_moe_table(rows: list[dict[str, Any]]) -> str:
+    """Aligned plain-text table of :func:`moe_table` rows."""
+    header = ("schedule", "makespan", "exposed a2a (worst rank)", "share", "mean share",
+              "peak act", "weights", "pairs")
+    lines = [(r["schedule"], f"{r['makespan']:g}", f"{r['exposed_max']:g}",
+              f"{r['exposed_share']:.1%}", f"{r['exposed_mean_share']:.1%}",
+              f"{r['peak_activations']:g}", f"{r['weight_copies']:g}", str(r["pairs"]))
+             for r in rows if "error" not in r]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+              for i, h in enumerate(header)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    out += [f"{r['schedule']}: n/a: {r['error']}" for r in rows if "error" in r]
+    return "\n".join(out)

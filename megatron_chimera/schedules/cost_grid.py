@@ -55,7 +55,8 @@ def measured_costs(costs: StageCosts, noise: float, seed: int) -> StageCosts:
     def off(values: Sequence[float]) -> tuple[float, ...]:
         return tuple(v * (1 + rng.uniform(-noise, noise)) for v in values)
 
-    return StageCosts(off(costs.forward), off(costs.backward), off(costs.weight), costs.p2p)
+    return StageCosts(off(costs.forward), off(costs.backward), off(costs.weight), costs.p2p,
+                      costs.all_to_all)
 
 
 @dataclass

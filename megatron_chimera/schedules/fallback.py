@@ -30,7 +30,7 @@ from typing import Any
 from megatron_chimera.errors import UserError
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts
-from megatron_chimera.schedules.registry import FALLBACKS, ChimeraOptions, NoOptions, get_spec
+from megatron_chimera.schedules.registry import FALLBACKS, ChimeraOptions, OverlapOptions, get_spec
 from megatron_chimera.schedules.simulate import model_copies, peak_activations, simulate
 from megatron_chimera.schedules.validate import validate
 
@@ -89,8 +89,8 @@ def unsplit_alternatives(num_pipes: int, name: str = "") -> list[tuple[str, Any]
     """1F1B and Chimera (its default concatenation) with ``num_pipes`` pipes (2 for one pipe),
     and BitPipe for BitPipe-ZB (``name``: the split schedule)."""
     pipes = num_pipes if num_pipes > 1 else 2
-    extra = [("bitpipe", NoOptions())] if name == "bitpipe-zb" else []
-    return [("1f1b", NoOptions()), ("chimera", ChimeraOptions(pipes=pipes))] + extra
+    extra = [("bitpipe", OverlapOptions())] if name == "bitpipe-zb" else []
+    return [("1f1b", OverlapOptions()), ("chimera", ChimeraOptions(pipes=pipes))] + extra
 
 
 def predict(name: str, options: Any, num_ranks: int, num_microbatches: int,

@@ -15,6 +15,9 @@ Where the operations go (NCCL's rules, see :func:`~.validate.validate_lowered`):
   rank doing anything more -- a device-wide sync (an OOM retry, ``empty_cache``) can never wait
   on it forever. Receives from one sender are posted in the sender's send order: NCCL ignores
   tags and matches the messages of a pair in issue order.
+* A paired action (MoE overlap, :attr:`~.actions.Schedule.pairs`) is one step: the receives of
+  *both* halves are posted before the pair, and the sends of both halves follow the pair (the
+  forward's first), since the halves run interleaved and finish together.
 * ``connections``: every (sender, receiver) direction, in one global order (by rank pair). NCCL
   sets a connection up on the first exchange in each direction and blocks the host until the peer
   arrives; the runtime exchanges one tiny message per direction in this order once, before the
@@ -121,6 +124,13 @@ class LoweredSchedule:
     lookahead: int = DEFAULT_LOOKAHEAD
     meta: dict = field(default_factory=dict)
 
+    def pair_starts(self) -> list[frozenset[int]]:
+        """Per rank, the compute indices (into :meth:`compute_lists`) where a paired action
+        starts; none in forward-only mode (there are no backwards to pair)."""
+        if self.forward_only:
+            return [frozenset()] * self.schedule.num_ranks
+        return self.schedule.pair_starts()
+
     def compute_lists(self) -> list[list[Action]]:
         """Per rank, the compute actions only."""
         return [[op for op in ops if isinstance(op, Action)] for ops in self.lists]
@@ -143,7 +153,8 @@ class _Clocks:
     the last compute action of that rank it depends on (-1: none). Kept in full for actions
     that send to another rank (the receiver merges them) and, per rank, for its neighbours."""
 
-    def __init__(self, schedule: Schedule, lists: Sequence[Sequence[Action]]) -> None:
+    def __init__(self, schedule: Schedule, lists: Sequence[Sequence[Action]],
+                 pairs: Sequence[frozenset[int]] | None = None) -> None:
         num_ranks, num_stages = schedule.num_ranks, schedule.num_stages
         running = [[-1] * num_ranks for _ in range(num_ranks)]
         index = {a: i for actions in lists for i, a in enumerate(actions)}
@@ -167,7 +178,23 @@ class _Clocks:
             if nxt is not None and schedule.rank_of(nxt.pipe, nxt.stage) != rank:
                 self.sent[action] = list(mine)
 
-        run_in_order(lists, num_stages, run)
+        def run_pair(rank: int, first: tuple[Action, Action | None],
+                     second: tuple[Action, Action | None]) -> None:
+            # both inputs arrive before the pair; both outputs leave after it
+            mine = running[rank]
+            for _, dep in (first, second):
+                if dep is not None and dep in self.sent:
+                    mine[:] = [max(x, y) for x, y in zip(mine, self.sent[dep])]
+            mine[rank] = index[second[0]]
+            for _ in range(2):
+                for peer, components in self.toward[rank].items():
+                    components.append(mine[peer])
+            for action, _ in (first, second):
+                nxt = output_to(action, num_stages)
+                if nxt is not None and schedule.rank_of(nxt.pipe, nxt.stage) != rank:
+                    self.sent[action] = list(mine)
+
+        run_in_order(lists, num_stages, run, pairs, run_pair)
 
     def latest_post(self, dst: int, src: int, producer_index: int, consumer_index: int) -> int:
         """The last compute index of ``dst`` before which a receive from ``src`` may be posted so
@@ -194,8 +221,11 @@ def lower(schedule: Schedule, forward_only: bool = False, lookahead: int = DEFAU
     if lookahead < 0:
         raise ValueError(f"lookahead must be >= 0, got {lookahead}")
     compute = [iteration_actions(schedule, r, forward_only) for r in range(schedule.num_ranks)]
-    clocks = _Clocks(schedule, compute)
-    position = {a: (r, i) for r, actions in enumerate(compute) for i, a in enumerate(actions)}
+    pairs = [frozenset()] * schedule.num_ranks if forward_only else schedule.pair_starts()
+    clocks = _Clocks(schedule, compute, pairs)
+    # a pair's halves receive before its first index and send after its second
+    position = {a: (r, i - 1 if i - 1 in pairs[r] else i)
+                for r, actions in enumerate(compute) for i, a in enumerate(actions)}
     # channel (src, dst) -> [(message, earliest, latest, preferred post index)] in send order
     channels: dict[tuple[int, int], list[tuple[Message, int, int, int]]] = {}
     sends_after: dict[tuple[int, int], list[Message]] = {}
@@ -203,6 +233,8 @@ def lower(schedule: Schedule, forward_only: bool = False, lookahead: int = DEFAU
         for i, action in enumerate(actions):
             if action not in clocks.sent:
                 continue
+            if i in pairs[src]:
+                i += 1  # the pair's forward sends after the pair
             message = message_from(action, schedule)
             dst, k = position[output_to(action, schedule.num_stages)]
             earliest = clocks.sent[action][dst] + 1  # the sender no longer needs this rank
@@ -221,6 +253,8 @@ def lower(schedule: Schedule, forward_only: bool = False, lookahead: int = DEFAU
                 post = min(max(preferred, earliest, previous), latest)
             else:  # consumer-driven prefetch, blind to what the sender needs from this rank
                 post = min(max(preferred, previous, 0), latest)
+            if post - 1 in pairs[dst]:
+                post -= 1  # never between a pair's halves: before the pair
             previous = post
             posts.setdefault((dst, post), []).append(message)
     lists: list[list[Op]] = []

@@ -26,22 +26,36 @@ from typing import Any
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.chimera import CONCAT_CHOICES, CONCAT_NAMES, chimera
 from megatron_chimera.schedules.costs import StageCosts, costs_text, parse_costs
+from megatron_chimera.schedules.dualpipe import combined_1f1b, dualpipe, dualpipev
 from megatron_chimera.schedules.gpipe import gpipe
 from megatron_chimera.schedules.interleaved import interleaved
 from megatron_chimera.schedules.one_f_one_b import one_f_one_b
+from megatron_chimera.schedules.pairing import FLAG as OVERLAP_FLAG
+from megatron_chimera.schedules.pairing import with_overlap
 from megatron_chimera.schedules.vshape import bitpipe, bitpipe_zb, v_half, zbv
 from megatron_chimera.schedules.zero_bubble import CAP_FLAG, chimera_zb, zb_h1
 
 
 def option(default: Any, flag: str, help: str, *, parse: Callable[[str], Any] | None = None,
            choices: Sequence[Any] | None = None, search: Sequence[Any] = (),
-           generator: bool = True) -> Any:
+           generator: bool = True, switch: bool = False) -> Any:
     """A schedule option: a dataclass field that knows its flag, parser, choices and the values
     the autotuner tries (``search``; empty: only the default). ``generator=False``: a policy of
-    the driver (not passed to the generator, not part of a variant's label)."""
+    the driver (not passed to the generator, not part of a variant's label). ``switch``: a flag
+    without a value (Megatron's ``store_true`` flags): given, the field is True."""
     return field(default=default, metadata={"flag": flag, "help": help, "parse": parse,
                                             "choices": choices, "search": tuple(search),
-                                            "generator": generator})
+                                            "generator": generator, "switch": switch})
+
+
+def _overlap_option() -> Any:
+    return option(
+        None, OVERLAP_FLAG, "MoE expert parallelism: pair the forward of one micro-batch with "
+        "the backward (or, in Chimera's warm-up and cool-down, the forward or backward) of an "
+        "independent one on the same rank, so that each half's all-to-all hides behind the "
+        "other's compute (Chimera-EP; 1F1B and interleaved pair as Megatron's combined 1F1B). "
+        "The pairs are chosen for the --chimera-zb-costs given (with a2a=) or for F:B:W 1:1:1 "
+        "with all-to-all = forward", generator=False, switch=True)
 
 
 def flag_dest(flag: str) -> str:
@@ -55,6 +69,13 @@ class NoOptions:
 
 
 @dataclass(frozen=True)
+class OverlapOptions:
+    """1F1B, ZB-H1, BitPipe: only the MoE all-to-all overlap."""
+
+    overlap_moe_expert_parallel_comm: bool | None = _overlap_option()
+
+
+@dataclass(frozen=True)
 class ChimeraOptions:
     """Chimera: how many pipes, and how N > D micro-batches are concatenated."""
 
@@ -64,6 +85,7 @@ class ChimeraOptions:
         None, "--chimera-concat", "Chimera: how N > D is built from basic units "
         "(default slot-merge; backward-halving is refused: it is forward-doubling at half the "
         "--micro-batch-size)", choices=CONCAT_CHOICES, search=CONCAT_NAMES)
+    overlap_moe_expert_parallel_comm: bool | None = _overlap_option()
 
 
 FALLBACKS = ("unsplit", "refuse")
@@ -107,6 +129,7 @@ class ChimeraZBOptions:
     costs: Costs = _costs_option()
     fallback: str | None = _fallback_option()
     activation_cap: float | None = _cap_option()
+    overlap_moe_expert_parallel_comm: bool | None = _overlap_option()
 
 
 @dataclass(frozen=True)
@@ -117,6 +140,7 @@ class ZBH1Options:
     costs: Costs = _costs_option()
     fallback: str | None = _fallback_option()
     activation_cap: float | None = _cap_option()
+    overlap_moe_expert_parallel_comm: bool | None = _overlap_option()
 
 
 @dataclass(frozen=True)
@@ -127,11 +151,22 @@ class VShapeOptions:
     activation_cap: float | None = _cap_option()
     costs: Costs = _costs_option()
     fallback: str | None = _fallback_option()
+    overlap_moe_expert_parallel_comm: bool | None = _overlap_option()
 
 
 @dataclass(frozen=True)
 class InterleavedOptions:
     """Interleaved 1F1B: model chunks (virtual stages) per pipeline rank."""
+
+    virtual_pipeline_size: int = option(
+        2, "--num-virtual-stages-per-pipeline-rank", "interleaved: model chunks per pipeline "
+        "rank (default 2)", parse=int, search=(2, 4))
+    overlap_moe_expert_parallel_comm: bool | None = _overlap_option()
+
+
+@dataclass(frozen=True)
+class CombinedOptions:
+    """Megatron's combined 1F1B: model chunks (virtual stages) per pipeline rank."""
 
     virtual_pipeline_size: int = option(
         2, "--num-virtual-stages-per-pipeline-rank", "interleaved: model chunks per pipeline "
@@ -168,6 +203,8 @@ class ScheduleSpec:
     split_backward: bool = False
     chunks: int = 1  # model chunks per rank per pipe (V-shaped: 2), D x chunks stages
     fixed_pipes: int = 1  # pipes when no option says (BitPipe: 2)
+    # --overlap-moe-expert-parallel-comm pairs as Megatron's combined 1F1B (1F1B, interleaved)
+    megatron_pairing: bool = False
 
     def stages_per_rank(self, options: Any = None) -> int:
         """Model stages per pipeline rank and pipe: the schedule has D x this many stages
@@ -190,7 +227,17 @@ class ScheduleSpec:
             raise TypeError(f"{self.name} takes {self.options_type.__name__}, got {options!r}")
         kwargs = {f.name: getattr(options, f.name) for f in self.option_fields()
                   if f.metadata["generator"] and getattr(options, f.name) is not None}
-        return self.generator(num_ranks, num_microbatches, **kwargs)
+        schedule = self.generator(num_ranks, num_microbatches, **kwargs)
+        if getattr(options, "overlap_moe_expert_parallel_comm", None):
+            costs = getattr(options, "costs", None)
+            if costs is not None and not isinstance(costs, StageCosts):
+                costs = StageCosts.of(costs, 1)
+            # a cap the user gave holds for the paired order too
+            cap = getattr(options, "activation_cap", None) or getattr(options, "max_inflight",
+                                                                       None)
+            schedule = with_overlap(schedule, costs, megatron=self.megatron_pairing,
+                                    activation_limit=cap)
+        return schedule
 
     def options_from(self, source: Any, strict: bool = True) -> Any:
         """Options read from ``source``'s flag attributes (an argparse namespace or any object
@@ -216,7 +263,9 @@ class ScheduleSpec:
         flags = ["--pipeline-schedule", self.name]
         for f in self.option_fields():
             value = getattr(options, f.name)
-            if value is not None:
+            if f.metadata["switch"]:
+                flags += [f.metadata["flag"]] if value else []
+            elif value is not None:
                 text = costs_text(value) if f.name == "costs" else str(value)
                 flags += [f.metadata["flag"], text]
         return flags
@@ -259,32 +308,51 @@ class ScheduleSpec:
 SCHEDULES: dict[str, ScheduleSpec] = {
     spec.name: spec for spec in (
         ScheduleSpec("gpipe", gpipe, summary="all forwards, then all backwards"),
-        ScheduleSpec("1f1b", one_f_one_b, summary="1F1B (PipeDream-Flush / DAPPLE)"),
+        ScheduleSpec("1f1b", one_f_one_b, OverlapOptions, summary="1F1B (PipeDream-Flush / DAPPLE)",
+                     megatron_pairing=True),
         ScheduleSpec("interleaved", interleaved, InterleavedOptions,
-                     summary="Megatron's interleaved 1F1B (virtual pipeline)"),
+                     summary="Megatron's interleaved 1F1B (virtual pipeline)",
+                     megatron_pairing=True),
         ScheduleSpec("chimera", chimera, ChimeraOptions,
                      summary="Chimera: 2f bidirectional pipes", canonical=_same_for_n_equal_d),
         ScheduleSpec("chimera-zb", chimera_zb, ChimeraZBOptions,
                      summary="Chimera with split backward, W fills the bubbles",
                      max_search_ranks=16, split_backward=True),
         ScheduleSpec("zb-h1", zb_h1, ZBH1Options,
-                     summary="ZB-H1: 1F1B with delayed weight gradients", split_backward=True),
+                     summary="ZB-H1: 1F1B with delayed weight gradients", split_backward=True,
+                     megatron_pairing=True),
         ScheduleSpec("zbv", zbv, VShapeOptions,
                      summary="zero-bubble V: one V-shaped pipe, split backward, one weight copy",
                      max_search_ranks=16, split_backward=True, chunks=2),
         ScheduleSpec("v-half", v_half, VShapeOptions,
                      summary="V-Half: one V-shaped pipe at about half 1F1B's activations",
                      max_search_ranks=16, split_backward=True, chunks=2),
-        ScheduleSpec("bitpipe", bitpipe,
+        ScheduleSpec("bitpipe", bitpipe, OverlapOptions,
                      summary="BitPipe: two opposite V-shaped pipes (4 half chunks per rank)",
                      max_search_ranks=16, chunks=2, fixed_pipes=2),
         ScheduleSpec("bitpipe-zb", bitpipe_zb, VShapeOptions,
                      summary="BitPipe with a cost-aware B/W split (as Chimera-ZB)",
                      max_search_ranks=16, split_backward=True, chunks=2, fixed_pipes=2),
+        ScheduleSpec("dualpipe", dualpipe,
+                     summary="DeepSeek's DualPipe: Chimera's two pipes, split backward, "
+                             "F&B pairs hiding the MoE all-to-all", split_backward=True,
+                     fixed_pipes=2),
+        ScheduleSpec("dualpipev", dualpipev,
+                     summary="DeepSeek's DualPipeV: one V pipe (DualPipe cut in half), split "
+                             "backward, F&B pairs", split_backward=True, chunks=2),
+        ScheduleSpec("combined-1f1b", combined_1f1b, CombinedOptions,
+                     summary="Megatron's combined 1F1B: interleaved, one extra warm-up "
+                             "forward, F&B pairs"),
     )
 }
 SCHEDULE_NAMES = tuple(SCHEDULES)
-SPLIT_BACKWARD_SCHEDULES = tuple(name for name, spec in SCHEDULES.items() if spec.split_backward)
+# the published F&B-overlap schedules (always paired), built to compare with Chimera-EP
+PAIRED_SCHEDULES = ("dualpipe", "dualpipev", "combined-1f1b")
+# the split-backward schedules whose order is built for the costs (profiled and rebuilt during
+# training); DualPipe's and DualPipeV's orders are fixed
+SPLIT_BACKWARD_SCHEDULES = tuple(
+    name for name, spec in SCHEDULES.items()
+    if spec.split_backward and any(f.name == "costs" for f in spec.option_fields()))
 
 
 def get_spec(name: str) -> ScheduleSpec:
@@ -372,6 +440,10 @@ def add_schedule_arguments(parser: argparse.ArgumentParser | Any,
             if flag in seen:
                 continue
             seen.add(flag)
+            if f.metadata["switch"]:
+                parser.add_argument(flag, action="store_const", const=True, default=None,
+                                    help=f.metadata["help"])
+                continue
             parser.add_argument(flag, type=_argparse_type(f.metadata["parse"] or str),
                                 choices=f.metadata["choices"], default=None,
                                 help=f.metadata["help"])
@@ -406,7 +478,8 @@ def options_dict(options: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "ScheduleSpec", "SCHEDULES", "SCHEDULE_NAMES", "NoOptions", "ChimeraOptions",
+    "ScheduleSpec", "SCHEDULES", "SCHEDULE_NAMES", "PAIRED_SCHEDULES", "NoOptions",
+    "OverlapOptions", "CombinedOptions", "ChimeraOptions",
     "ChimeraZBOptions", "ZBH1Options", "InterleavedOptions", "VShapeOptions", "FALLBACKS",
     "parse_costs",
     "get_spec", "build_schedule", "all_option_flags",

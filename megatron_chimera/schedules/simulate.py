@@ -13,6 +13,17 @@ schedule times ``data_parallel_size``). All ranks issue their all-reduces in one
 descending stage id, one at a time on a communication channel that overlaps compute; an
 all-reduce starts when every replica has reached it and costs Rabenseifner's
 ``2 log2(r) alpha + 2 (r-1)/r bytes beta``.
+
+MoE all-to-all (``CostModel.all_to_all_cost``, A_s per stage and direction): an unpaired F or B
+of stage s pays its compute C plus A_s, exposed (nothing overlaps it). A paired action
+(:attr:`~.actions.Schedule.pairs`: F of stage s, B of stage t, independent micro-batches) starts
+when the rank is free and *both* inputs are there, pays the action overhead once and lasts
+
+    T_pair = max(C_F(s) + C_B(t), A_s + A_t)
+
+(each half's dispatch and combine run while the other half computes, perfect overlap); both
+outputs leave at its end. Its exposed all-to-all is ``max(0, A_s + A_t - C_F(s) - C_B(t))``.
+``SimResult.exposed_all_to_all`` sums, per rank, what its unpaired actions and pairs expose.
 """
 
 from __future__ import annotations
@@ -55,6 +66,10 @@ class CostModel:
     # host seconds before every compute action (the executor's work between two actions, and
     # the wake-up after a wait): the schedules with more, shorter actions pay it more often
     action_overhead: float = 0.0
+    # MoE with expert parallelism: the all-to-alls (dispatch and combine of every MoE layer) of
+    # one micro-batch through one stage in one direction; an F and a B (the whole backward when
+    # it is not split; never a W) each pay it after their compute, exposed (nothing overlaps it)
+    all_to_all_cost: PerStage = 0.0
 
     def per_stage(self, name: str, num_stages: int) -> list[float]:
         """The field ``name`` as a list of ``num_stages`` floats (scalars broadcast)."""
@@ -122,6 +137,8 @@ class SimResult:
     peak_inflight: list[int]
     weight_copies: list[int]
     grad_sync_end: dict[int, float] = field(default_factory=dict)
+    # per rank, all-to-all time not hidden behind compute (MoE; zeros without all-to-all)
+    exposed_all_to_all: list[float] = field(default_factory=list)
 
     def events_of_rank(self, rank: int) -> list[Event]:
         """Events of ``rank`` in execution order."""
@@ -185,7 +202,17 @@ def model_copies(schedule: Schedule) -> list[float]:
     return [c * unit for c in schedule.weight_copies()]
 
 
-def _durations(schedule: Schedule, costs: CostModel) -> dict[str, list[float]]:
+def all_to_all_times(schedule: Schedule, costs: CostModel) -> dict[str, list[float]]:
+    """Per kind, per stage, the all-to-all time an action carries (F and B: A_s; W: 0)."""
+    n = schedule.num_stages
+    a2a = costs.per_stage("all_to_all_cost", n)
+    if any(not (math.isfinite(v) and v >= 0) for v in a2a):
+        raise ValueError(f"CostModel.all_to_all_cost must be >= 0, got {a2a}")
+    return {FORWARD: a2a, BACKWARD: a2a, WEIGHT: [0.0] * n}
+
+
+def compute_times(schedule: Schedule, costs: CostModel) -> dict[str, list[float]]:
+    """Per kind, per stage, the compute time of an action (without its all-to-all)."""
     n = schedule.num_stages
     fwd = costs.per_stage("forward_cost", n)
     bwd = costs.per_stage("backward_cost", n)
@@ -201,8 +228,10 @@ def _durations(schedule: Schedule, costs: CostModel) -> dict[str, list[float]]:
     return {FORWARD: fwd, BACKWARD: [b - w for b, w in zip(bwd, wgt)], WEIGHT: wgt}
 
 
-def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
-    durations = _durations(schedule, costs)
+def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event], list[float]]:
+    compute = compute_times(schedule, costs)
+    a2a = all_to_all_times(schedule, costs)
+    exposed = [0.0] * schedule.num_ranks
     edges = {(a, b): costs.p2p_time(a, b) for a, b, _, _ in costs.p2p_edges}
     p2p = costs.p2p_time()
     overhead = costs.action_overhead
@@ -212,23 +241,46 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> list[Event]:
 
     work = schedule.meta.get("slice_work") if schedule.sequence_slices > 1 else None
 
+    def scale(a: Action) -> float:
+        """A sequence slice's share of the work (1 without slices)."""
+        return 1.0 if work is None else work[a.microbatch % schedule.sequence_slices]
+
+    def ready(rank: int, dep: Action | None) -> float:
+        if dep is None:
+            return 0.0
+        dep_rank, dep_end = finished[dep]
+        return dep_end + (edges.get((dep_rank, rank), p2p) if dep_rank != rank else 0.0)
+
     def run(rank: int, a: Action, dep: Action | None) -> None:
-        ready = 0.0
-        if dep is not None:
-            dep_rank, dep_end = finished[dep]
-            ready = dep_end + (edges.get((dep_rank, rank), p2p) if dep_rank != rank else 0.0)
-        start = max(free[rank], ready) + overhead
-        end = start + durations[a.kind][a.stage] * (
-            1.0 if work is None else work[a.microbatch % schedule.sequence_slices])
+        start = max(free[rank], ready(rank, dep)) + overhead
+        comm = a2a[a.kind][a.stage] * scale(a)
+        end = start + compute[a.kind][a.stage] * scale(a) + comm
+        exposed[rank] += comm
         free[rank] = end
         finished[a] = (rank, end)
         events.append(Event(rank, a.kind, a.pipe, a.stage, a.microbatch, start, end))
 
-    heads = run_in_order(schedule.actions, schedule.num_stages, run)
+    def run_pair(rank: int, first: tuple[Action, Action | None],
+                 second: tuple[Action, Action | None]) -> None:
+        (a, dep_a), (b, dep_b) = first, second
+        start = max(free[rank], ready(rank, dep_a), ready(rank, dep_b)) + overhead
+        c_a, c_b = compute[a.kind][a.stage] * scale(a), compute[b.kind][b.stage] * scale(b)
+        busy = c_a + c_b
+        comm = a2a[a.kind][a.stage] * scale(a) + a2a[b.kind][b.stage] * scale(b)
+        end = start + max(busy, comm)
+        exposed[rank] += max(0.0, comm - busy)
+        split = start + (end - start) * (c_a / busy if busy else 0.5)
+        free[rank] = end
+        finished[a] = finished[b] = (rank, end)
+        events.append(Event(rank, a.kind, a.pipe, a.stage, a.microbatch, start, split))
+        events.append(Event(rank, b.kind, b.pipe, b.stage, b.microbatch, split, end))
+
+    heads = run_in_order(schedule.actions, schedule.num_stages, run, schedule.pair_starts(),
+                         run_pair)
     if stalled(schedule.actions, heads):
         raise ScheduleError("simulation stalled: the schedule deadlocks (validate() says where)")
     events.sort(key=attrgetter("rank", "start", "end"))
-    return events
+    return events, exposed
 
 
 def _allreduces(
@@ -260,7 +312,7 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
     costs = costs or CostModel()
     if costs.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {costs.data_parallel_size}")
-    events = _compute_timeline(schedule, costs)
+    events, exposed = _compute_timeline(schedule, costs)
     allreduces = _allreduces(schedule, costs, events)
     compute_span = max((e.end for e in events), default=0.0)
     makespan = max([compute_span] + [a.end for a in allreduces])
@@ -280,4 +332,5 @@ def simulate(schedule: Schedule, costs: CostModel | None = None) -> SimResult:
         peak_inflight=peak_inflight(schedule),
         weight_copies=schedule.weight_copies(),
         grad_sync_end={a.stage: a.end for a in allreduces},
+        exposed_all_to_all=exposed,
     )

@@ -11,6 +11,9 @@ index and action at fault otherwise:
 3. *Deadlock free*: executing the per-rank lists in order, each rank blocking on the receive its
    next action needs while sends are buffered (the executor posts non-blocking sends and blocks
    only on the receive of its next action), every action eventually runs.
+4. *Pairs* (MoE overlap): every paired action is two neighbours of one rank's list, pairs do not
+   overlap, and the halves are independent (:func:`~.actions.independent`); the deadlock check
+   runs a pair only when both its inputs are there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ from collections import Counter
 from collections.abc import Sequence
 
 from megatron_chimera.errors import ScheduleError
-from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, input_of
+from megatron_chimera.schedules.actions import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Action,
+    Schedule,
+    independent,
+    input_of,
+)
 from megatron_chimera.schedules.device_sync_check import (
     CollectivePlan,
     check_sync_anywhere,
@@ -132,10 +143,37 @@ def _check_complete(schedule: Schedule) -> None:
                                             f"{_where(rank, index, a)}")
 
 
-def _check_deadlock(schedule: Schedule) -> None:
-    """Execute the lists in order with blocking receives and buffered sends."""
+def check_pairs(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless every paired action is two neighbours of one rank's
+    list, no action is in two pairs, and the halves are independent (the rule:
+    :func:`~.actions.independent`)."""
     s = schedule
-    heads = run_in_order(s.actions, s.num_stages)
+    if not s.pairs:
+        return
+    if len(s.pairs) != s.num_ranks:
+        raise ScheduleError(f"pairs has {len(s.pairs)} lists for {s.num_ranks} ranks")
+    for rank, starts in enumerate(s.pairs):
+        actions = s.actions[rank]
+        previous = -2
+        for i in starts:
+            if not 0 <= i < len(actions) - 1:
+                raise ScheduleError(f"rank {rank}: pair index {i} is outside its list of "
+                                    f"{len(actions)} actions (a pair is actions i and i+1)")
+            if i <= previous + 1:
+                raise ScheduleError(f"rank {rank}: pairs at indices {previous} and {i} overlap "
+                                    f"or are not sorted")
+            previous = i
+            why = independent(actions[i], actions[i + 1], s.sequence_slices)
+            if why is not None:
+                raise ScheduleError(f"dependent pair at {_where(rank, i, actions[i])}: {why}")
+
+
+def _check_deadlock(schedule: Schedule) -> None:
+    """Execute the lists in order with blocking receives and buffered sends (a paired action
+    waits for both inputs)."""
+    s = schedule
+    starts = s.pair_starts()
+    heads = run_in_order(s.actions, s.num_stages, pairs=starts)
     if stalled(s.actions, heads):
         located = {a: (r, i) for r, acts in enumerate(s.actions) for i, a in enumerate(acts)}
         blocked = []
@@ -143,6 +181,10 @@ def _check_deadlock(schedule: Schedule) -> None:
             if heads[rank] < len(rank_actions):
                 a = rank_actions[heads[rank]]
                 dep = dependency(s, a)
+                if heads[rank] in starts[rank] and (
+                        dep is None or located[dep][1] < heads[located[dep][0]]):
+                    a = rank_actions[heads[rank] + 1]  # the pair waits for its second half
+                    dep = dependency(s, a)
                 dep_rank, dep_index = located[dep]
                 blocked.append(
                     f"{_where(rank, heads[rank], a)} waits for {dep.short()} "
@@ -157,6 +199,7 @@ def validate(schedule: Schedule) -> None:
     _check_shape(schedule)
     _check_actions(schedule)
     _check_complete(schedule)
+    check_pairs(schedule)
     _check_slice_order(schedule)
     _check_deadlock(schedule)
 
@@ -176,9 +219,11 @@ def _check_messages(lowered: LoweredSchedule) -> None:
     """Every message is sent right after its producer and received before its consumer, once;
     between two ranks the receiver posts its receives in the sender's send order."""
     s = lowered.schedule
+    starts = lowered.pair_starts()
     for rank, ops in enumerate(lowered.lists):
         posted: set[Message] = set()
-        last_compute: Action | None = None
+        last_step: list[Action] = []  # the last compute step: one action, or a pair's two
+        computed = 0
         for index, op in enumerate(ops):
             if isinstance(op, Comm):
                 m = op.message
@@ -189,11 +234,18 @@ def _check_messages(lowered: LoweredSchedule) -> None:
                     if m in posted:
                         raise ScheduleError(f"rank {rank}: {op.short()} posted twice")
                     posted.add(m)
-                elif last_compute is None or produced_message(s, last_compute) != m:
+                elif not any(produced_message(s, a) == m for a in last_step):
                     raise ScheduleError(f"rank {rank}, index {index}: {op.short()} does not "
-                                        f"follow the action that produces it")
+                                        f"follow the action (or pair) that produces it")
                 continue
-            last_compute = op
+            if computed - 1 in starts[rank]:
+                if not isinstance(ops[index - 1], Action):
+                    raise ScheduleError(f"rank {rank}, index {index}: an operation between the "
+                                        f"halves of the pair ending with {op.short()}")
+                last_step.append(op)
+            else:
+                last_step = [op]
+            computed += 1
             needed = needed_message(s, op)
             if needed is not None and needed.src != rank and needed not in posted:
                 raise ScheduleError(f"rank {rank}, index {index}: {op.short()} runs before the "

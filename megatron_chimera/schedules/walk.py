@@ -4,6 +4,9 @@ Each rank executes its list in order and blocks on the input of its next action 
 rule :func:`~.actions.input_of`); outputs are buffered, so a finished action never waits for its
 consumer. The validator (deadlock check), the simulator (timeline) and the Chimera-ZB list
 scheduler (replay of an emitted order) all walk a schedule this way, through :func:`run_in_order`.
+
+A paired action (``pairs``, see :class:`~.actions.Schedule`) is one step: it starts only when the
+inputs of *both* halves are there, then both halves run.
 """
 
 from __future__ import annotations
@@ -13,17 +16,23 @@ from collections.abc import Callable, Sequence
 from megatron_chimera.schedules.actions import Action, input_of
 
 OnRun = Callable[[int, Action, "Action | None"], None]
+Step = tuple[Action, "Action | None"]
+OnPair = Callable[[int, Step, Step], None]
 
 
 def run_in_order(
-    lists: Sequence[Sequence[Action]], num_stages: int, on_run: OnRun | None = None
+    lists: Sequence[Sequence[Action]], num_stages: int, on_run: OnRun | None = None,
+    pairs: Sequence[frozenset[int]] | None = None, on_pair: OnPair | None = None,
 ) -> list[int]:
     """Execute ``lists[rank]`` in order, each rank blocking on the input of its next action.
 
     Calls ``on_run(rank, action, input)`` as each action runs (after its input) and returns, per
-    rank, how many of its actions ran (all of them unless the lists deadlock).
+    rank, how many of its actions ran (all of them unless the lists deadlock). ``pairs[rank]``:
+    indices where a paired action starts; it runs when both halves' inputs are done, reported
+    by ``on_pair(rank, (first, input), (second, input))`` (default: ``on_run`` for each half).
     """
     steps = [[(a, input_of(a, num_stages)) for a in actions] for actions in lists]
+    starts = pairs or [frozenset()] * len(steps)
     done: set[Action] = set()
     heads = [0] * len(steps)
     progress = True
@@ -31,14 +40,28 @@ def run_in_order(
         progress = False
         for rank, rank_steps in enumerate(steps):
             head = heads[rank]
+            paired = starts[rank]
             while head < len(rank_steps):
                 a, dep = rank_steps[head]
                 if dep is not None and dep not in done:
                     break
-                if on_run is not None:
-                    on_run(rank, a, dep)
-                done.add(a)
-                head += 1
+                if head in paired:
+                    b, dep_b = rank_steps[head + 1]
+                    if dep_b is not None and dep_b not in done:
+                        break
+                    if on_pair is not None:
+                        on_pair(rank, (a, dep), (b, dep_b))
+                    elif on_run is not None:
+                        on_run(rank, a, dep)
+                        on_run(rank, b, dep_b)
+                    done.add(a)
+                    done.add(b)
+                    head += 2
+                else:
+                    if on_run is not None:
+                        on_run(rank, a, dep)
+                    done.add(a)
+                    head += 1
                 progress = True
             heads[rank] = head
     return heads

@@ -27,8 +27,8 @@ __all__ = ["build_parser", "add_architecture_arguments", "field_flags", "HAND_FL
            "GROUP_TITLES", "HandFlag"]
 
 # The groups of ``--help`` and docs/FLAGS.md, in order.
-GROUP_TITLES = ("network size", "distributed", "training", "optimizer", "mixed precision",
-                "data and tokenizer", "checkpointing", "logging")
+GROUP_TITLES = ("network size", "mixture of experts", "distributed", "training", "optimizer",
+                "mixed precision", "data and tokenizer", "checkpointing", "logging")
 
 
 class _ArgumentParser(argparse.ArgumentParser):

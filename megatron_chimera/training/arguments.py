@@ -30,6 +30,7 @@ from megatron_chimera.config import (
     LayerSplit,
     LoggingConfig,
     ModelConfig,
+    MoEConfig,
     OptimizerConfig,
     ParallelConfig,
     TrainConfig,
@@ -290,7 +291,7 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     # The vocabulary is known only once the tokenizer is built (pretrain replaces it).
     return _pick(ModelConfig, args, params_dtype=params_dtype, use_apex=use_apex,
                  vocab_size=args.vocab_size or ModelConfig.vocab_size,
-                 **architecture_fields(args))
+                 moe=_pick(MoEConfig, args), **architecture_fields(args))
 
 
 def architecture_fields(args: argparse.Namespace) -> dict[str, object]:

@@ -27,6 +27,8 @@ from megatron_chimera.data.tokenizers import check_tokenizer_args
 from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.context_parallel import COMM_TYPES
 from megatron_chimera.model.context_parallel.gathered import check_heads
+from megatron_chimera.model.moe.layer import check_moe
+from megatron_chimera.model.moe.router import check_router
 from megatron_chimera.model.stage_layout import split_partition
 from megatron_chimera.model.transformer import validate_recompute
 from megatron_chimera.schedules.actions import Schedule
@@ -162,6 +164,7 @@ def check_config_and_build_schedule(config: TrainConfig, world_size: int) -> Sch
     parallel.layout.check_world(world_size)
     _validate_model(config.model)
     parallel.layout.check_model(config.model)
+    _validate_experts(config)
     schedule = build_schedule_for(config)
     _validate_rampup(config)
     _validate_data(config.data)
@@ -173,6 +176,29 @@ def check_config_and_build_schedule(config: TrainConfig, world_size: int) -> Sch
     _validate_sequence_slices(config)
     check_backend(parallel)
     return schedule
+
+
+def _validate_experts(config: TrainConfig) -> None:
+    """MoE and expert parallelism: EP divides the experts; what is not supported yet is
+    rejected naming its flag."""
+    parallel, moe = config.parallel, config.model.moe
+    if not moe.enabled:
+        if parallel.expert_model_parallel_size > 1:
+            raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
+        return
+    check_moe(parallel.tensor_model_parallel_size, parallel.expert_tensor_parallel_size,
+              config.model.sequence_parallel)
+    if parallel.context_parallel_size > 1:
+        raise ConfigError("--num-experts with --context-parallel-size > 1 is not supported yet "
+                          "(the load-balancing counts would have to span the context ranks)")
+    check_router(config.model)
+    parallel.layout.check_experts(moe.num_experts)
+    if parallel.expert_model_parallel_size > 1 and (config.checkpoint.save
+                                                    or config.checkpoint.load):
+        raise ConfigError("--save/--load with --expert-model-parallel-size > 1 is not supported "
+                          "yet (a stage's checkpoint writer holds only its own experts)")
+    if not any(moe.moe_layers(config.model.num_layers)):
+        raise ConfigError(f"--moe-layer-freq {moe.moe_layer_freq!r} makes no layer an MoE layer")
 
 
 def _validate_model(model: ModelConfig) -> None:

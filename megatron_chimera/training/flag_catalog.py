@@ -69,7 +69,6 @@ REFUSED: dict[str, str] = {
                             "transformers' default)",
     "--rotary-seq-len-interpolation-factor": "RoPE position interpolation is not implemented "
                                              "(--use-rope-scaling is Llama 3.1's)",
-    "--num-experts": "mixture of experts is not implemented",
     "--onnx-safe": "no ONNX export",
     "--embedding-weights-in-fp32": "embeddings are kept in the parameter dtype",
     "--log-params-norm": "the parameter norm is not computed",
@@ -125,6 +124,23 @@ REFUSED: dict[str, str] = {
     "--fp8-interval": _TE, "--fp8-amax-history-len": _TE, "--fp8-amax-compute-algo": _TE,
     "--fp8-format": _TE, "--transformer-impl": _TE, "--attention-backend": _TE,
     "--use-mcore-models": "one model implementation (Megatron's legacy module names)",
+    "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism is not "
+                                             "implemented: one --cp-comm-type for every layer",
+    "--moe-router-enable-expert-bias": "aux-loss-free expert-bias routing is not implemented "
+                                       "(--moe-router-load-balancing-type balances instead)",
+    "--moe-router-bias-update-rate": "aux-loss-free expert-bias routing is not implemented",
+    "--moe-router-num-groups": "group-limited routing is not implemented",
+    "--moe-router-group-topk": "group-limited routing is not implemented",
+    "--moe-router-topk-scaling-factor": "the routing weights are not rescaled",
+    "--moe-token-drop-policy": "over capacity, the lowest-probability tokens are dropped "
+                               "(Megatron's default policy, probs)",
+    "--moe-pad-expert-input-to-capacity": "expert inputs are never padded to the capacity",
+    "--moe-input-jitter-eps": "no input jitter in the router",
+    "--moe-permute-fusion": "no fused permutation kernels (torch-native token permutation)",
+    "--moe-enable-deepep": "no DeepEP dispatcher: --moe-token-dispatcher-type alltoall or "
+                           "allgather",
+    "--moe-shared-expert-overlap": "not implemented: --overlap-moe-expert-parallel-comm hides the "
+                                   "all-to-all behind the paired micro-batch instead",
     "--use-legacy-models": "one model implementation (Megatron's legacy module names); drop "
                            "the flag",
 }
@@ -137,7 +153,7 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--use-rotary-position-embeddings", "--rotary-percent", "--no-position-embedding",
     "--make-vocab-size-divisible-by", "--layernorm-epsilon", "--apply-layernorm-1p",
     "--apply-residual-connection-post-layernorm", "--openai-gelu", "--squared-relu", "--swiglu",
-    "--onnx-safe", "--bert-no-binary-head", "--num-experts",
+    "--onnx-safe", "--bert-no-binary-head",
     "--untie-embeddings-and-output-weights", "--embedding-weights-in-fp32",
     "--position-embedding-type", "--normalization", "--group-query-attention",
     "--num-query-groups", "--norm-epsilon", "--add-qkv-bias", "--rotary-base",
@@ -193,7 +209,7 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--decoder-last-pipeline-num-layers", "--account-for-embedding-in-pipeline-split",
     "--account-for-loss-in-pipeline-split",
     "--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size",
-    "--context-parallel-size", "--cp-comm-type",
+    "--context-parallel-size", "--cp-comm-type", "--hierarchical-context-parallel-sizes",
     # validation
     "--eval-iters", "--eval-interval", "--skip-train",
     # data and tokenizer
@@ -203,6 +219,17 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--retriever-seq-length", "--sample-rate", "--mask-prob", "--short-seq-prob", "--mmap-warmup",
     "--num-workers", "--tokenizer-type", "--tokenizer-model", "--data-impl",
     "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
+    # mixture of experts (Megatron-core's MoE group)
+    "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-router-score-function",
+    "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
+    "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
+    "--moe-expert-capacity-factor", "--moe-token-dispatcher-type", "--moe-grouped-gemm",
+    "--moe-per-layer-logging", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--overlap-moe-expert-parallel-comm", "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "--moe-router-num-groups", "--moe-router-group-topk",
+    "--moe-router-topk-scaling-factor", "--moe-token-drop-policy",
+    "--moe-pad-expert-input-to-capacity", "--moe-input-jitter-eps", "--moe-permute-fusion",
+    "--moe-enable-deepep", "--moe-shared-expert-overlap",
     # transformer engine
     "--fp8-e4m3", "--fp8-hybrid", "--no-fp8-wgrad", "--fp8-margin", "--fp8-interval",
     "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-format", "--transformer-impl",
@@ -230,10 +257,11 @@ def family_flag_errors(config: object, family: ModelFamily) -> list[str]:
     """One message per flag of the other model family that ``config`` (a TrainConfig) sets away
     from its default, so an entry script rejects it instead of ignoring it."""
     errors = []
-    for section in dataclasses.fields(config):
-        part = getattr(config, section.name)
-        if not dataclasses.is_dataclass(part):
-            continue
+    parts = [getattr(config, section.name) for section in dataclasses.fields(config)]
+    parts = [p for p in parts if dataclasses.is_dataclass(p)]
+    parts += [getattr(p, f.name) for p in parts for f in dataclasses.fields(p)  # ModelConfig.moe
+              if hasattr(getattr(p, f.name), "FLAG_GROUP")]  # (a nested flag section)
+    for part in parts:
         for field, spec in flag_fields(type(part)):
             if spec.family is None or spec.family == family.name:
                 continue

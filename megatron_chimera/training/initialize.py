@@ -48,6 +48,21 @@ def check_backend(config: ParallelConfig) -> str:
     return backend
 
 
+# torch's NCCL flight recorder (read when its process group is created): the last collectives
+# and point-to-point operations of every group with their state, dumped per rank to
+# TORCH_NCCL_DEBUG_INFO_TEMP_FILE<rank> (default /tmp/nccl_trace_rank_<rank>) when NCCL's watchdog
+# times out; the hang report reads it too (pipeline/hang.py). A setting in the environment wins.
+NCCL_FLIGHT_RECORDER_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                            "TORCH_FR_BUFFER_SIZE": "2000",
+                            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def enable_nccl_flight_recorder() -> None:
+    """Turn the NCCL flight recorder on (unless the environment says otherwise)."""
+    for key, value in NCCL_FLIGHT_RECORDER_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def initialize_distributed(config: ParallelConfig) -> torch.device:
     """``init_process_group`` with the configured backend and timeout; returns this rank's device.
 
@@ -63,6 +78,7 @@ def initialize_distributed(config: ParallelConfig) -> torch.device:
         return device
     if backend == "nccl":
         torch.cuda.set_device(device)
+        enable_nccl_flight_recorder()
     options = {"backend": backend, "timeout": timedelta(minutes=config.distributed_timeout_minutes)}
     if backend == "nccl":
         options["device_id"] = device
@@ -99,10 +115,11 @@ def set_random_seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed + offset)
 
 
-def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -> torch.device:
+def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int,
+                        experts: bool = False) -> torch.device:
     """Distributed start-up, model-parallel groups for ``schedule``'s placement (every
     communicator connected before the first iteration), and seeding; returns this rank's
-    device."""
+    device. ``experts``: the model has MoE layers (their groups, see ``parallel_state``)."""
     device = initialize_distributed(config)
     if schedule.num_ranks != config.pipeline_model_parallel_size:
         raise ConfigError(
@@ -114,6 +131,7 @@ def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int) -
         config.tensor_model_parallel_size,
         timeout=timedelta(minutes=config.distributed_timeout_minutes),
         context_parallel_size=config.context_parallel_size,
+        expert_model_parallel_size=config.expert_model_parallel_size, expert_groups=experts,
     )
     parallel_state.connect_communicators(device)
     set_random_seed(seed)

@@ -77,7 +77,8 @@ def predicted_memory(config: TrainConfig, family: ModelFamily, schedule: Schedul
                         model.recompute_granularity == "full", device_type,
                         parallel.tensor_model_parallel_size, model.sequence_parallel,
                         parallel.data_parallel_size * cp, config.ddp.use_distributed_optimizer,
-                        config.ddp.grad_reduce_in_fp32)
+                        config.ddp.grad_reduce_in_fp32,
+                        expert_parallel=parallel.expert_model_parallel_size)
     ranks = sliced_rank_memory(ranks, schedule, slice_cache_bytes(
         ModelSpec(model, family), pieces, config.training.micro_batch_size, k,
         parallel.tensor_model_parallel_size))

@@ -5,14 +5,19 @@ peer``), so without coordination each rank prints a traceback about the symptom.
 rank to fail claims the failure in the job's c10d store (torchrun's agent store, which outlives
 the workers) and prints ``error: <message> [rank r]`` (its traceback too when the error is a bug
 or ``--debug-tracebacks`` is given); every later rank prints one quiet line naming that rank:
-``rank 3: stopped (rank 1 failed; see its error)``. Exit codes are non-zero (2 for a bad flag,
-1 otherwise, 130 for Ctrl-C). Before the process group exists (flag validation) every rank
+``rank 3: stopped (rank 1 failed; see its error)``. When the failure is the symptom of a peer's
+death (a closed connection, torchrun's SIGTERM), the first rank watches the ranks' heartbeats in
+the store (:func:`~megatron_chimera.pipeline.failures.silent_ranks`) and every line names the rank
+that stopped beating: ``error: lost contact with another rank: rank 2 died (...)`` and
+``rank 3: stopped (rank 2 died (...); see rank 1's error)``. Exit codes are non-zero (2 for a
+bad flag, 1 otherwise, 130 for Ctrl-C). Before the process group exists (flag validation) every rank
 checks the same flags and prints the same ``error:`` line.
 
 Under torchrun the first rank's line is also written to ``TORCHELASTIC_ERROR_FILE``, so the
 launcher's summary names the problem instead of pointing at its documentation. Exiting is
 guarded by a watchdog: if interpreter shutdown hangs (a peer stuck in a collective, a loader
-worker), the process ends anyway (``errors.exit_process``).
+worker), the process ends anyway (``errors.exit_process``); from the moment ``main`` returns or
+fails, SIGTERM is ignored, so it raises nothing inside the report or an ``atexit`` callback.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from megatron_chimera.training.process import die_with_parent, launched_by_torch
 
 _CLAIM_KEY = "megatron_chimera/error_claims"
 _FIRST_KEY = "megatron_chimera/first_error_rank"
+_DEAD_KEY = "megatron_chimera/dead_ranks"  # set by the first rank: the ranks that died, or ""
 
 
 class Terminated(BaseException):
@@ -97,10 +103,47 @@ def _write_torchelastic_error_file(line: str) -> None:
         json.dump(data, handle)
 
 
-def _quiet_line(rank: int | None, first: int, what: str = "") -> None:
+def _quiet_line(rank: int | None, first: int, what: str = "", dead: list[int] | None = None
+                ) -> None:
     me = f"rank {rank}" if rank is not None else "this rank"
-    reason = f"rank {first} {what}" if what else f"rank {first} failed"
-    print(f"{me}: stopped ({reason}; see its error)", file=sys.stderr, flush=True)
+    if dead:
+        reason = f"{_died(dead)}; see rank {first}'s error"
+    else:
+        reason = (f"rank {first} {what}" if what else f"rank {first} failed") + "; see its error"
+    print(f"{me}: stopped ({reason})", file=sys.stderr, flush=True)
+
+
+def _died(dead: list[int]) -> str:
+    ranks = ", ".join(map(str, dead))
+    return (f"rank{'s' if len(dead) > 1 else ''} {ranks} died (stopped heartbeating: killed, out "
+            "of host memory, or a crash outside Python; the launcher's exit code says which)")
+
+
+def _find_dead(rank: int, world: int, look: bool) -> list[int]:
+    """On the rank that claimed the failure: the ranks that died (``look``: the failure is the
+    symptom of a peer's death), published for the other ranks' lines."""
+    from megatron_chimera.pipeline.failures import silent_ranks
+
+    dead = silent_ranks(world, rank) if look else []
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(_DEAD_KEY, ",".join(map(str, dead)))
+    return dead
+
+
+def _published_dead(wait_seconds: float) -> list[int]:
+    """The dead ranks the first rank published (waits for them), or []."""
+    store = _store()
+    if store is None:
+        return []
+    deadline = time.monotonic() + wait_seconds
+    with contextlib.suppress(Exception):
+        while time.monotonic() < deadline:
+            if store.check([_DEAD_KEY]):
+                return [int(r) for r in store.get(_DEAD_KEY).decode().split(",") if r]
+            time.sleep(0.1)
+    return []
 
 
 def is_communication_error(exc: BaseException) -> bool:
@@ -127,6 +170,10 @@ def report_failure(exc: BaseException) -> int:
     naming the first rank) and return the exit code."""
     debug = tracebacks_requested()
     rank, world = _rank_and_world()
+    if rank is not None and world > 1:
+        from megatron_chimera.pipeline.failures import mark_left
+
+        mark_left(rank)  # this rank ends on purpose: not one that died
     if isinstance(exc, StoppedByPeer):
         if debug:
             traceback.print_exception(exc, file=sys.stderr)
@@ -136,19 +183,27 @@ def report_failure(exc: BaseException) -> int:
     if first is not None and first != rank:
         if debug and not isinstance(exc, Terminated):
             traceback.print_exception(exc, file=sys.stderr)
-        _quiet_line(rank, first)
+        from megatron_chimera.pipeline.failures import SILENCE_S
+
+        _quiet_line(rank, first, dead=_published_dead(SILENCE_S + 2.0))
         return 1
+    symptom = user_error_in(exc) is None and (isinstance(exc, Terminated)
+                                              or is_communication_error(exc))
+    dead = _find_dead(rank, world, symptom) if first is not None else []
     if isinstance(exc, Terminated):
-        print(f"rank {rank}: terminated (SIGTERM)" if rank is not None else "terminated",
+        after = f" after {_died(dead)}" if dead else ""
+        print(f"rank {rank}: terminated (SIGTERM){after}" if rank is not None else "terminated",
               file=sys.stderr, flush=True)
         return 128 + signal.SIGTERM
     if isinstance(exc, KeyboardInterrupt):
         print("interrupted", file=sys.stderr, flush=True)
         return INTERRUPTED_EXIT_CODE
     suffix = f" [rank {rank}]" if rank is not None and world > 1 else ""
-    if user_error_in(exc) is None and is_communication_error(exc) and not debug:
-        # another rank died without a word (killed, out of memory): name the symptom once
-        line = f"error: lost contact with another rank: {one_line(exc)[:300]}{suffix}"
+    if symptom and not debug:
+        # another rank died without a word (killed, out of memory): name it (its heartbeat
+        # stopped), else the symptom, once
+        who = f"{_died(dead)}; " if dead else ""
+        line = f"error: lost contact with another rank: {who}{one_line(exc)[:300]}{suffix}"
         print(line, file=sys.stderr, flush=True)
         _write_torchelastic_error_file(line)
         return 1
@@ -162,6 +217,16 @@ def _raise_terminated(signum, frame) -> None:  # noqa: ARG001 - signal handler s
     raise Terminated()
 
 
+def _ignore_sigterm() -> None:
+    """The process is ending (reporting its failure, or shutting down after ``main``): a
+    SIGTERM now (torchrun stopping the workers after a peer died) must not raise
+    :class:`Terminated` inside the report or an ``atexit`` callback. A hung shutdown still
+    ends: the exit watchdog (``errors.exit_process``), or the launcher's SIGKILL."""
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def run_main(main: Callable[[], None]) -> None:
     """Run an entry script's ``main``; on any failure report it once (see the module docstring)
     and exit non-zero. Under torchrun the process also dies with its launcher
@@ -173,6 +238,9 @@ def run_main(main: Callable[[], None]) -> None:
     try:
         main()
     except SystemExit:
+        _ignore_sigterm()
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure ends here, reported once
+        _ignore_sigterm()
         exit_process(report_failure(exc))
+    _ignore_sigterm()

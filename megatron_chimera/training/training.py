@@ -40,6 +40,7 @@ from megatron_chimera.data.samplers import (
 )
 from megatron_chimera.model.dropout_rng import KeyedMicrobatch, microbatch_key, slice_key
 from megatron_chimera.model.family import GPT2, ModelFamily
+from megatron_chimera.model.moe.aux_loss import aux_loss_figures, reduce_aux_losses
 from megatron_chimera.model.sequence_slices import split_into_slices
 from megatron_chimera.pipeline.profiling import (
     PROFILED_KEY,
@@ -273,11 +274,23 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
         gathered = run.pipeline.executor.gather([result for _, result in pending])
     for stats, _ in pending:  # the iteration's timer events are complete by now
         stats.resolve_timers()
+    aux = _moe_aux_losses(run)  # the interval's mean of every MoE auxiliary loss (collective)
     for (stats, _), figures in zip(pending, gathered or []):
-        stats.losses = _average_losses(figures.losses)
+        stats.losses = {**_average_losses(figures.losses), **aux}
         stats.busy_seconds = figures.busy_seconds_per_rank
         run.monitor.record(stats)
     pending.clear()
+
+
+def _moe_aux_losses(run: Run) -> dict[str, float]:
+    """The MoE auxiliary losses since the last report, averaged over their micro-batches and
+    layers (a collective over the world; nothing without MoE layers)."""
+    model = run.config.model
+    if not model.moe.enabled:
+        return {}
+    per_layer = reduce_aux_losses([s.module for s in run.stages], model.num_layers,
+                                  device=run.device)
+    return aux_loss_figures(per_layer, model.moe.moe_per_layer_logging)
 
 
 def train(run: Run, state: TrainState, train_iterator, valid_iterator,
@@ -401,7 +414,8 @@ def _pretrain(train_valid_test_datasets_provider: DatasetsProvider,
               clock: tuple[float, SignalFlag | None]) -> TrainState:
     state = TrainState()
     check_outputs(config, family)  # every rank, before any process group: fail in seconds
-    device = initialize_megatron(config.parallel, schedule, config.training.seed)
+    device = initialize_megatron(config.parallel, schedule, config.training.seed,
+                                 experts=config.model.moe.enabled)
     exits = _exit_check(config, device, *clock)
     run, saved_args = setup_run(config, family, schedule, model_provider, forward_step_func,
                                 state, device)

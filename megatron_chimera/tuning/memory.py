@@ -80,14 +80,16 @@ def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> lis
 def stage_memory(spec: ModelSpec, partition: Sequence[StagePiece], micro_batch: int,
                  device_type: str = "cuda", tensor_parallel: int = 1,
                  sequence_parallel: bool = False,
-                 grad_reduce_in_fp32: bool | None = None) -> list[StageMemory]:
+                 grad_reduce_in_fp32: bool | None = None,
+                 expert_parallel: int = 1) -> list[StageMemory]:
     """Per-stage estimates of :mod:`megatron_chimera.model.memory` for this partition (one
-    tensor-parallel rank's shard)."""
+    tensor-parallel rank's shard; ``experts / expert_parallel`` experts per MoE layer)."""
     return estimate_stage_memory(spec.config, spec.family,
                                  [p.layer_range for p in partition], micro_batch,
                                  device_type=device_type, tensor_parallel=tensor_parallel,
                                  sequence_parallel=sequence_parallel,
-                                 grad_reduce_in_fp32=grad_reduce_in_fp32)
+                                 grad_reduce_in_fp32=grad_reduce_in_fp32,
+                                 expert_parallel=expert_parallel)
 
 
 def attention_core_bytes(spec: ModelSpec, micro_batch: int, device_type: str = "cuda",
@@ -120,16 +122,20 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
                 micro_batch: int, recompute: bool | str | None, device_type: str = "cuda",
                 tensor_parallel: int = 1, sequence_parallel: bool = False,
                 data_parallel_size: int = 1, distributed_optimizer: bool = False,
-                grad_reduce_in_fp32: bool | None = None) -> list[RankMemory]:
+                grad_reduce_in_fp32: bool | None = None,
+                expert_parallel: int = 1) -> list[RankMemory]:
     """Peak memory of every pipeline rank of ``schedule`` (one entry per rank; with tensor
     parallelism, of each of its T ranks). ``recompute``: False / None, True / ``"full"``, or
     ``"selective"`` (each layer keeps all but its attention core's ``s x s`` tensors; one
-    layer's core is the working set)."""
+    layer's core is the working set). ``expert_parallel``: each rank holds ``experts / EP``
+    experts per MoE layer, sharded by the distributed optimizer over ``replicas x T x
+    data_parallel_size / EP`` ranks (``data_parallel_size``: W, times CP with context
+    parallelism)."""
     mode = "full" if recompute is True else (recompute or None)
     if len(partition) != schedule.num_stages:
         raise ValueError(f"partition has {len(partition)} stages, schedule {schedule.num_stages}")
     stages = stage_memory(spec, partition, micro_batch, device_type, tensor_parallel,
-                          sequence_parallel, grad_reduce_in_fp32)
+                          sequence_parallel, grad_reduce_in_fp32, expert_parallel)
     per_param = bytes_per_parameter(spec.config.params_dtype,
                                     grad_reduce_in_fp32=grad_reduce_in_fp32)
     per_mb = [m.activation_bytes_recompute if mode == "full" else m.activation_bytes
@@ -152,7 +158,10 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
         own = {s: stages[s].parameters - stages[s].tied_parameters for s in held}
         owned = sum(own.values())  # elements whose optimizer state this rank keeps
         if distributed_optimizer:
-            owned = (sum(n / (replicas[s] * data_parallel_size) for s, n in own.items())
+            experts = {s: stages[s].expert_parameters for s in held}
+            expert_group = tensor_parallel * data_parallel_size // expert_parallel
+            owned = (sum((n - experts[s]) / (replicas[s] * data_parallel_size)
+                         + experts[s] / (replicas[s] * expert_group) for s, n in own.items())
                      + tied / embedding_group)
         else:
             owned += tied

@@ -75,3 +75,42 @@ def test_die_with_parent_in_a_child_whose_parent_is_killed(tmp_path):
             os.kill(child, signal.SIGKILL)
         parent.stdout.close()
     assert die_with_parent.__doc__
+
+
+def _rank_of(pid: int) -> int:
+    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return int(next(e for e in environ if e.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+@pytest.mark.timeout(240)
+def test_the_failure_report_names_the_killed_worker(tmp_path):
+    """``kill -9`` of rank 0 (it cannot say a word): the surviving rank's line names rank 0 as
+    the one that died -- its heartbeat stopped -- not itself, the rank that noticed; and no
+    rank prints a traceback at shutdown (``Exception ignored in atexit callback``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "pretrain_gpt2.py"), *TINY, "--num-layers", "4", "--train-iters",
+           "100000", "--log-interval", "1", "--pipeline-model-parallel-size", "2"]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{NCCL_SEMANTICS_ENV: "1"})
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    workers: list[int] = []
+    try:
+        lines = []
+        for line in launcher.stdout:  # train a few iterations: every heartbeat has started
+            lines.append(line)
+            if " iteration        3/" in line:
+                break
+        workers = children_of(launcher.pid)
+        assert len(workers) == 2, workers
+        victim = next(w for w in workers if _rank_of(w) == 0)
+        os.kill(victim, signal.SIGKILL)
+        output = "".join(lines) + launcher.communicate(timeout=120)[0]
+    finally:
+        kill_launched(launcher, workers)  # the processes this test started
+    reports = [line for line in output.splitlines()
+               if "lost contact" in line or "terminated (SIGTERM)" in line]
+    assert reports and all("rank 0 died (stopped heartbeating" in r for r in reports), output
+    # (torchrun's own ChildFailedError traceback is the launcher's, not a rank's)
+    assert "Exception ignored" not in output and "Terminated" not in output, output

@@ -164,3 +164,49 @@ def test_context_parallel_sequence_rules():
     ParallelLayout(tensor=2, context=2).check_model(model)
     with pytest.raises(ConfigError, match="--context-parallel-size 3"):
         ParallelLayout.from_world(8, 2, 1, 3)
+
+
+# ---------------------------------------------------------------- expert parallelism
+@pytest.mark.parametrize("tensor,data,pipeline,expert", [
+    (1, 2, 4, 2), (1, 4, 2, 2), (1, 4, 2, 4), (2, 2, 2, 2), (2, 4, 2, 4), (1, 8, 1, 8)])
+def test_expert_groups_fold_one_pipeline_ranks_ranks(tensor, data, pipeline, expert):
+    """Megatron's folding: each pipeline rank's T x W ranks split into EP-sized expert-parallel
+    groups (expert rank innermost); every rank is in exactly one, of its own pipeline rank; the
+    expert-data groups of a pipeline rank partition it again, one rank per expert group."""
+    layout = ParallelLayout(tensor, data, pipeline, expert=expert)
+    assert layout.expert_data == tensor * data // expert
+    seen = []
+    for p in range(pipeline):
+        for d in range(layout.expert_data):
+            ranks = layout.expert_parallel_ranks(p, d)
+            assert len(ranks) == expert
+            assert {layout.coordinates(r)[0] for r in ranks} == {p}
+            assert [layout.expert_coordinates(r) for r in ranks] == [(e, d) for e in
+                                                                     range(expert)]
+            seen += ranks
+        for e in range(expert):
+            replicas = layout.expert_replica_ranks([p], e)
+            assert [layout.expert_coordinates(r) for r in replicas] == [
+                (e, d) for d in range(layout.expert_data)]
+    assert sorted(seen) == list(range(layout.world_size))
+
+
+def test_chimera_expert_groups_never_join_mirrored_workers():
+    """Chimera D=4 x W=2 x EP=2: expert groups [0 1] [2 3] [4 5] [6 7] (one pipeline rank each,
+    so workers w and D-1-w never share one); stage 0's experts of expert rank 1 are reduced over
+    both pipes' holders [1 7]; the dense stage-replica group is [0 1 6 7]."""
+    layout = ParallelLayout(1, 2, 4, expert=2)
+    placement = build_schedule("chimera", 4, 4).placement
+    assert [layout.expert_parallel_ranks(p, 0) for p in range(4)] == [[0, 1], [2, 3], [4, 5],
+                                                                      [6, 7]]
+    assert layout.expert_stage_replica_ranks(placement, 0, 1) == [1, 7]
+    assert layout.expert_stage_replica_ranks(placement, 1, 0) == [2, 4]
+    assert layout.stage_replica_ranks(placement, 0, 0) == [0, 1, 6, 7]
+
+
+@pytest.mark.parametrize("tensor,data,expert", [(1, 2, 4), (2, 3, 4), (1, 4, 3)])
+def test_expert_size_must_divide_a_pipeline_ranks_ranks(tensor, data, expert):
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size"):
+        ParallelLayout(tensor, data, 2, expert=expert)
+    with pytest.raises(ConfigError, match="--num-experts 6"):
+        ParallelLayout(1, 4, 1, expert=4).check_experts(6)

@@ -207,3 +207,88 @@ def test_compiled_bias_dropout_add_is_the_eager_one_traced_whole(with_bias):
     inputs = [t for t in (x, residual, bias) if t is not None]
     grads = [torch.autograd.grad(out.square().sum(), inputs) for out in outputs]
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def _failing_compiler(gm, example_inputs):  # noqa: ARG001 - a torch.compile backend
+    raise RuntimeError("Cannot find a working triton installation (simulated)")
+
+
+def _failing_backward_compiler():
+    """A backend whose forward compiles and whose backward (compiled lazily, at the first
+    backward) fails: only a probe that runs a backward sees it."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=lambda gm, _inputs: make_boxed_func(gm.forward),
+                        bw_compiler=_failing_compiler)
+
+
+@pytest.fixture
+def fresh_compiler_state(monkeypatch):
+    """No compiler verdicts or notices from earlier tests."""
+    monkeypatch.setattr(fused, "_COMPILER_FAILED", set())
+    monkeypatch.setattr(fused, "_PROBED", {})
+    monkeypatch.setattr(fused, "_NOTICES", set())
+
+
+def _bias_dropout_add_twice(fused_on: bool):
+    """Two training calls (seed 5 before each), their outputs and input gradients."""
+    g = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(4, 3, 6, generator=g, requires_grad=True) for _ in range(2))
+    bias = torch.randn(6, generator=g, requires_grad=True)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(5)
+        out = fused.bias_dropout_add(x, bias, residual, 0.3, training=True, fused=fused_on)
+        results.append((out, torch.autograd.grad(out.square().sum(), (x, residual, bias))))
+    return results
+
+
+@pytest.mark.parametrize("broken", ["forward", "backward"])
+def test_bias_dropout_fusion_falls_back_to_eager_with_one_warning(broken, monkeypatch, caplog,
+                                                                  fresh_compiler_state):
+    """Where the compiler cannot run (simulated: a backend that raises as inductor does without
+    Triton, in the forward compile or in the lazily compiled backward), the fused path runs the
+    eager ops -- the same outputs and gradients as the unfused call, the probe drawing nothing
+    from the generator -- after exactly one warning naming the way out."""
+    backend = _failing_compiler if broken == "forward" else _failing_backward_compiler()
+    monkeypatch.setattr(fused, "BIAS_DROPOUT_ADD_BACKEND", backend)
+    with caplog.at_level(logging.WARNING, logger=fused.__name__):
+        fallback = _bias_dropout_add_twice(fused_on=True)
+    eager = _bias_dropout_add_twice(fused_on=False)
+    for (out, grads), (want, want_grads) in zip(fallback, eager):
+        assert torch.equal(out, want)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    warnings_ = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert len(warnings_) == 1, warnings_
+    assert "cannot run on this node" in warnings_[0] and "--no-bias-dropout-fusion" in warnings_[0]
+    assert "triton" in warnings_[0]
+
+
+def test_bias_dropout_fusion_uses_the_compiler_where_it_runs(monkeypatch, caplog,
+                                                             fresh_compiler_state):
+    """A working backend (``aot_eager``: eager kernels, so the same mask) is probed once and
+    used: no warning, and the probe leaves the generator as it was (same mask as eager)."""
+    monkeypatch.setattr(fused, "BIAS_DROPOUT_ADD_BACKEND", "aot_eager")
+    with caplog.at_level(logging.WARNING, logger=fused.__name__):
+        compiled = _bias_dropout_add_twice(fused_on=True)
+    assert fused._PROBED == {("aot_eager", "cpu", torch.float32): True}
+    for (out, grads), (want, want_grads) in zip(compiled, _bias_dropout_add_twice(False)):
+        assert torch.equal(out, want)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert not [r for r in caplog.records if "torch.compile" in r.getMessage()]
+
+
+def test_no_bias_dropout_fusion_never_compiles(monkeypatch, fresh_compiler_state):
+    """``--no-bias-dropout-fusion`` (``fused=False``; the layer passes its config's
+    ``bias_dropout_fusion``) neither probes nor compiles."""
+    monkeypatch.setattr(fused, "BIAS_DROPOUT_ADD_BACKEND", _failing_compiler)
+    _bias_dropout_add_twice(fused_on=False)
+    assert fused._PROBED == {} and fused._COMPILER_FAILED == set()
+    from megatron_chimera.training.arguments import parse_args  # noqa: PLC0415
+
+    base = ("--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 16 "
+            "--micro-batch-size 2 --lr 1e-3 --train-iters 2 --mock-data --vocab-size 100").split()
+    assert parse_args(base, world_size=1).model.bias_dropout_fusion is True
+    assert parse_args([*base, "--no-bias-dropout-fusion"],
+                      world_size=1).model.bias_dropout_fusion is False

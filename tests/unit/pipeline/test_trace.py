@@ -224,3 +224,28 @@ def test_a_report_keeps_the_lines_read_before_the_store_went_away():
     states = watch._gather(7, wait_s=5.0)
     assert sorted(states) == [0, 1, 3] and reads[0] == hang._states_key(7)
     assert "rank 2 did not report" in hang.wait_for_graph(states, 4)
+
+
+def test_the_flight_recorder_line_names_the_oldest_unfinished_nccl_operation():
+    """On NCCL a rank's hang line names what the flight recorder holds unfinished: the oldest
+    entry (by creation time) that is not completed, its group, kind and sequence number."""
+    from megatron_chimera.pipeline.hang import flight_recorder_line, summarize_flight_record
+
+    def entry(record, name, state, created, p2p=False):
+        return {"record_id": record, "profiling_name": name, "state": state,
+                "time_created_ns": created, "process_group": ["3", "stage-replica"],
+                "collective_seq_id": 40 + record, "p2p_seq_id": 7 + record, "is_p2p": p2p,
+                "input_sizes": [[1024]]}
+
+    record = {"entries": [entry(0, "nccl:all_reduce", "completed", 1),
+                          entry(1, "nccl:recv 2<-1", "started", 5, p2p=True),
+                          entry(2, "nccl:all_reduce", "scheduled", 9)]}
+    line = summarize_flight_record(record)
+    assert line == ("NCCL flight recorder: oldest unfinished nccl:recv 2<-1 (group "
+                    "3:stage-replica, p2p seq 8, started, input sizes [[1024]]; 2 unfinished)")
+    record["entries"][1]["state"] = "completed"
+    assert "nccl:all_reduce (group 3:stage-replica, collective seq 42, scheduled" in \
+        summarize_flight_record(record)
+    assert summarize_flight_record({"entries": record["entries"][:2]}) is None
+    assert summarize_flight_record({"version": "2.10"}) is None
+    assert flight_recorder_line() is None  # this process holds no NCCL work

@@ -38,6 +38,9 @@ CASES = [
     ("zbv", 4, 8, {}), ("zbv", 4, 3, {}), ("v-half", 4, 8, {}), ("v-half", 8, 16, {}),
     ("bitpipe", 4, 8, {}), ("bitpipe", 2, 4, {}), ("bitpipe-zb", 4, 8, {}),
     ("bitpipe-zb", 8, 16, {"activation_cap": 5}),
+    ("dualpipe", 4, 8, {}), ("dualpipev", 4, 8, {}), ("combined-1f1b", 4, 8, {}),
+    ("chimera", 4, 8, {"overlap_moe_expert_parallel_comm": True}),
+    ("interleaved", 4, 8, {"overlap_moe_expert_parallel_comm": True}),
 ]
 
 

@@ -35,7 +35,8 @@ def test_every_schedule_builds_with_its_defaults_and_validates():
         validate(schedule)
         assert schedule.name == name
         assert schedule.split_backward == (
-            name in ("chimera-zb", "zb-h1", "zbv", "v-half", "bitpipe-zb"))
+            name in ("chimera-zb", "zb-h1", "zbv", "v-half", "bitpipe-zb", "dualpipe",
+                     "dualpipev"))
 
 
 def test_flags_select_schedule_and_typed_options():

@@ -132,3 +132,38 @@ def test_profiled_rebuild_builds_for_the_given_message_time(monkeypatch):
     assert report.rebuilt.schedule.actions == expected.actions
     assert expected.actions != build_schedule(
         "chimera-zb", 4, 8, costs=measured.quantized()).actions  # the message time mattered
+
+
+# ---------------------------------------------------------------- MoE all-to-all times
+def test_all_to_all_is_paid_by_every_unpaired_f_and_b():
+    """1F1B, uniform stages, no messages: the makespan is (N + D - 1)(F + B) in closed form; an
+    all-to-all time A per direction makes it (N + D - 1)(F + B + 2A), split backward or not."""
+    from megatron_chimera.schedules import build_schedule
+    from megatron_chimera.schedules.simulate import simulate
+    d, n, f, b, w, a = 4, 8, 1.0, 1.5, 0.5, 0.75
+    schedule = build_schedule("1f1b", d, n)
+    plain = simulate(schedule, StageCosts.uniform(f, b, w, d).cost_model(False))
+    moe = StageCosts.uniform(f, b, w, d, all_to_all=a)
+    charged = simulate(schedule, moe.cost_model(False))
+    assert plain.makespan == pytest.approx((n + d - 1) * (f + b + w))
+    assert charged.makespan == pytest.approx((n + d - 1) * (f + b + w + 2 * a))
+    assert moe.durations()["F"] == (f + a,) * d and moe.durations()["W"] == (w,) * d
+    split = simulate(build_schedule("zb-h1", d, n), moe.cost_model(True))
+    busy = n * (f + b + w + 2 * a)  # every rank's compute and all-to-alls, W paying none
+    assert split.busy == pytest.approx([busy] * d)
+
+
+def test_all_to_all_round_trips_through_every_form(tmp_path):
+    costs = StageCosts((1.0, 2.0), (2.0, 3.0), (1.0, 1.0), 0.5, (0.25, 0.5))
+    assert StageCosts.from_dict(costs.to_dict()) == costs
+    assert parse_costs(costs.to_text()) == costs
+    assert parse_costs("1,2,1;2,3,1;p2p=0.5;a2a=0.3").all_to_all == (0.3, 0.3)
+    assert costs.for_stages(1).all_to_all == (0.75,)
+    assert costs.for_stages(4).all_to_all == (0.125, 0.125, 0.25, 0.25)
+    assert costs.scaled(2).all_to_all == (0.5, 1.0)
+    assert StageCosts.of(StageCosts.uniform(1, 2, 1, 1, all_to_all=0.5), 3).all_to_all == (0.5,) * 3
+    assert "all-to-all" in costs.summary(1.0, "s")
+    with pytest.raises(ValueError, match="a2a"):
+        StageCosts((1.0, 2.0), (2.0, 3.0), (1.0, 1.0), 0.0, (0.25,))
+    with pytest.raises(ValueError, match="a2a"):
+        parse_costs("1,2,1;a2a=x")

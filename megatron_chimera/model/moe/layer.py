@@ -1,0 +1,76 @@
+"""The MoE layer: a transformer layer's MLP replaced by routed experts (plus an optional shared
+expert), Megatron-core's ``MoELayer``.
+
+``[s, b, h] -> ([s, b, h], None)`` like ``ParallelMLP`` (``[s/T, b, h]`` with sequence
+parallelism: each tensor rank routes its own positions): route the ``s x b`` tokens, dispatch them
+to the experts of their expert-parallel ranks, run this rank's experts, combine, and add the
+shared expert's output (a dense MLP of ``--moe-shared-expert-intermediate-size`` every token
+takes). The expert-parallel group comes from ``parallel_state`` when the model is built (one
+rank and no group before ``initialize_model_parallel``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_chimera import parallel_state
+from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.moe.experts import Experts
+from megatron_chimera.model.moe.router import TopKRouter
+from megatron_chimera.model.moe.token_dispatcher import TokenDispatcher
+from megatron_chimera.tensor_parallel.utils import mark_sequence_parallel
+
+
+def check_moe(tensor_parallel: int, expert_tensor_parallel: int | None = None,
+              sequence_parallel: bool = False) -> None:
+    """ConfigError naming the flag for MoE parallel settings this build cannot run."""
+    if expert_tensor_parallel not in (None, 1):
+        raise ConfigError(f"--expert-tensor-parallel-size {expert_tensor_parallel}: only 1 is "
+                          "supported (experts are not tensor-split)")
+    if tensor_parallel > 1 and not sequence_parallel:
+        raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 needs "
+                          "--sequence-parallel (each tensor rank routes its share of the tokens)")
+
+
+class MoELayer(nn.Module):
+    """Router, this rank's experts, token dispatcher and optional shared expert of the MoE layer
+    ``layer_number`` (1-based, global). ``shared_experts``: the dense MLP of
+    ``--moe-shared-expert-intermediate-size`` (``transformer.moe_layer`` builds it), or None.
+    Its output ``(out, bias)`` is added to the routed experts'."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, seed: int,
+                 shared_experts: nn.Module | None = None) -> None:
+        super().__init__()
+        tensor = parallel_state.get_tensor_model_parallel_world_size()
+        check_moe(tensor, sequence_parallel=config.sequence_parallel)
+        moe = config.moe
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
+        ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.dispatcher = TokenDispatcher(
+            moe.moe_token_dispatcher_type, moe.num_experts, ep_size, ep_rank,
+            parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None)
+        # with sequence parallelism each tensor rank routes its s/T positions: the router's
+        # gradient is partial (summed over the tensor ranks) and the auxiliary losses count the
+        # tokens of the whole sequence
+        split = tensor > 1
+        self.router = TopKRouter(config, layer_number, seed,
+                                 parallel_state.get_tensor_model_parallel_group() if split
+                                 else None)
+        mark_sequence_parallel(self.router, split)
+        self.experts = Experts(config, layer_number, self.dispatcher.first_local,
+                               self.dispatcher.num_local, seed)
+        self.shared_experts = shared_experts
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``[s, b, h] -> ([s, b, h], None)`` (biases are added inside)."""
+        s, b, h = hidden.shape
+        tokens = hidden.reshape(s * b, h)
+        probs, routing_map = self.router(tokens, s)
+        dispatched = self.dispatcher.dispatch(tokens, probs, routing_map)
+        expert_output = self.experts(dispatched.tokens, dispatched.counts)
+        out = self.dispatcher.combine(expert_output, dispatched).view(s, b, h)
+        if self.shared_experts is not None:
+            shared, bias = self.shared_experts(hidden)
+            out = out + (shared if bias is None else shared + bias)
+        return out, None

@@ -1,0 +1,189 @@
+"""Tokens to their experts and back (Megatron-core's token dispatchers).
+
+``dispatch`` permutes a rank's routed tokens ``[T, h]`` into rows grouped by the experts of this
+rank and returns a :class:`Dispatched` record; ``combine`` brings the experts' outputs back and
+adds them into ``[T, h]``, each weighted by its routing probability
+(``out[t] = sum_k p[t, e_k] x expert_{e_k}(x[t])``). The record, not the dispatcher, carries the
+state between the two, so several micro-batches may be in flight.
+
+The experts are split over the expert-parallel (EP) group: rank r holds experts
+``r x L .. (r + 1) x L - 1`` (``L = experts / EP``).
+
+- ``alltoall``: each rank sends every routed token once per chosen expert to the rank holding the
+  expert (one all-to-all of the per-expert counts, one of the tokens), regroups the received rows
+  from (source rank, local expert) to (local expert, source rank) order, and the combine reverses
+  both steps. The backward of an all-to-all is the all-to-all with the splits swapped.
+- ``allgather``: every rank gathers the tokens, probabilities and routing maps of the whole EP
+  group, runs its experts on the rows routed to them, and a reduce-scatter sums the outputs back
+  to the rank that owns each token (its backward is the all-gather, and the reverse).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_chimera.config import MOE_TOKEN_DISPATCHERS, ConfigError
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; the backward swaps the splits."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup,  # noqa: D102
+                output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        out = x.new_empty(sum(output_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        output_splits, input_splits = ctx.splits
+        return _AllToAll.apply(grad, ctx.group, input_splits, output_splits), None, None, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    """All-gather along dim 0 (equal shares); the backward reduce-scatters (sums) the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: D102
+        ctx.group = group
+        out = x.new_empty(x.shape[0] * dist.get_world_size(group), *x.shape[1:])
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return _ReduceScatterToGroup.apply(grad, ctx.group), None
+
+
+class _ReduceScatterToGroup(torch.autograd.Function):
+    """Sum over the group and keep this rank's share of dim 0; the backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # noqa: D102
+        ctx.group = group
+        out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return _GatherFromGroup.apply(grad, ctx.group), None
+
+
+class Dispatched(NamedTuple):
+    """One micro-batch between ``dispatch`` and ``combine``."""
+
+    tokens: torch.Tensor  # [N, h] rows for this rank's experts, grouped by local expert
+    counts: list[int]  # rows per local expert
+    token_index: torch.Tensor  # [M] source token of each locally permuted row (expert-major)
+    probs: torch.Tensor  # [M] routing probability of each locally permuted row
+    num_tokens: int  # rows of the combined output (T, or EP x T for allgather)
+    send_splits: list[int]  # alltoall: rows sent to each EP rank
+    recv_splits: list[int]  # alltoall: rows received from each EP rank
+    recv_counts: list[list[int]]  # alltoall: [source rank][local expert] rows received
+
+
+def permute(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``tokens`` ``[T, h]`` once per routed expert, grouped by expert (ascending) and
+    by token within an expert: (rows, source token of each row, probability of each row,
+    rows per expert ``[E]``)."""
+    expert_index, token_index = routing_map.t().nonzero(as_tuple=True)
+    return (tokens.index_select(0, token_index), token_index,
+            probs[token_index, expert_index], routing_map.sum(dim=0))
+
+
+def unpermute(rows: torch.Tensor, token_index: torch.Tensor, probs: torch.Tensor,
+              num_tokens: int) -> torch.Tensor:
+    """``out[t] = sum of probs[i] x rows[i]`` over the rows ``i`` of token ``t``: ``[T, h]``."""
+    weighted = rows * probs.to(rows.dtype).unsqueeze(-1)
+    out = rows.new_zeros(num_tokens, rows.shape[-1])
+    return out.index_add(0, token_index, weighted)
+
+
+class TokenDispatcher:
+    """Dispatches to and combines from the ``num_experts / ep_size`` experts of EP rank
+    ``ep_rank`` (``group``: the expert-parallel process group; None with one EP rank)."""
+
+    def __init__(self, kind: str, num_experts: int, ep_size: int, ep_rank: int,
+                 group: dist.ProcessGroup | None) -> None:
+        if kind not in MOE_TOKEN_DISPATCHERS:
+            raise ConfigError(f"--moe-token-dispatcher-type must be one of "
+                              f"{MOE_TOKEN_DISPATCHERS}, got {kind!r}")
+        if num_experts % ep_size:
+            raise ConfigError(f"--num-experts {num_experts} is not divisible by "
+                              f"--expert-model-parallel-size {ep_size}")
+        self.kind, self.num_experts = kind, num_experts
+        self.ep_size, self.ep_rank, self.group = ep_size, ep_rank, group
+        self.num_local = num_experts // ep_size
+        self.first_local = ep_rank * self.num_local
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor,
+                 routing_map: torch.Tensor) -> Dispatched:
+        """``[T, h]`` tokens, ``[T, E]`` probabilities and routing map -> this rank's expert
+        inputs."""
+        if self.ep_size == 1:
+            rows, index, row_probs, per_expert = permute(tokens, probs, routing_map)
+            return Dispatched(rows, per_expert.tolist(), index, row_probs, tokens.shape[0],
+                              [], [], [])
+        if self.kind == "allgather":
+            return self._dispatch_allgather(tokens, probs, routing_map)
+        return self._dispatch_alltoall(tokens, probs, routing_map)
+
+    def combine(self, expert_output: torch.Tensor, state: Dispatched) -> torch.Tensor:
+        """The experts' outputs ``[N, h]`` (order of ``state.tokens``) -> ``[T, h]``."""
+        if self.ep_size == 1:
+            return unpermute(expert_output, state.token_index, state.probs, state.num_tokens)
+        if self.kind == "allgather":
+            out = unpermute(expert_output, state.token_index, state.probs, state.num_tokens)
+            return _ReduceScatterToGroup.apply(out, self.group)
+        rows = self._regroup(expert_output, state.recv_counts, by_expert=False)
+        rows = _AllToAll.apply(rows, self.group, state.send_splits, state.recv_splits)
+        return unpermute(rows, state.token_index, state.probs, state.num_tokens)
+
+    # ------------------------------------------------------------------ alltoall
+    def _dispatch_alltoall(self, tokens: torch.Tensor, probs: torch.Tensor,
+                           routing_map: torch.Tensor) -> Dispatched:
+        rows, index, row_probs, per_expert = permute(tokens, probs, routing_map)
+        counts = torch.empty_like(per_expert)
+        dist.all_to_all_single(counts, per_expert, group=self.group)  # [source][local expert]
+        recv_counts = counts.view(self.ep_size, self.num_local).tolist()
+        send_splits = per_expert.view(self.ep_size, self.num_local).sum(dim=1).tolist()
+        recv_splits = [sum(c) for c in recv_counts]
+        received = _AllToAll.apply(rows, self.group, recv_splits, send_splits)
+        grouped = self._regroup(received, recv_counts, by_expert=True)
+        per_local = [sum(c[e] for c in recv_counts) for e in range(self.num_local)]
+        return Dispatched(grouped, per_local, index, row_probs, tokens.shape[0], send_splits,
+                          recv_splits, recv_counts)
+
+    def _regroup(self, rows: torch.Tensor, recv_counts: list[list[int]],
+                 by_expert: bool) -> torch.Tensor:
+        """Rows in (source rank, local expert) order -> (local expert, source rank) order
+        (``by_expert``), or back."""
+        if self.num_local == 1:
+            return rows
+        ranks, experts = range(self.ep_size), range(self.num_local)
+        if by_expert:
+            chunks = rows.split([n for c in recv_counts for n in c])
+            return torch.cat([chunks[r * self.num_local + e] for e in experts for r in ranks])
+        chunks = rows.split([recv_counts[r][e] for e in experts for r in ranks])
+        return torch.cat([chunks[e * self.ep_size + r] for r in ranks for e in experts])
+
+    # ------------------------------------------------------------------ allgather
+    def _dispatch_allgather(self, tokens: torch.Tensor, probs: torch.Tensor,
+                            routing_map: torch.Tensor) -> Dispatched:
+        all_tokens = _GatherFromGroup.apply(tokens, self.group)
+        all_probs = _GatherFromGroup.apply(probs, self.group)
+        all_map = torch.empty(routing_map.shape[0] * self.ep_size, routing_map.shape[1],
+                              dtype=torch.uint8, device=routing_map.device)
+        dist.all_gather_into_tensor(all_map, routing_map.to(torch.uint8), group=self.group)
+        local = slice(self.first_local, self.first_local + self.num_local)
+        rows, index, row_probs, per_expert = permute(all_tokens, all_probs[:, local],
+                                                     all_map[:, local].bool())
+        return Dispatched(rows, per_expert.tolist(), index, row_probs, all_tokens.shape[0],
+                          [], [], [])

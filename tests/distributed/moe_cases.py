@@ -1,0 +1,229 @@
+"""Rank functions for the expert-parallel tests (imported by the spawned ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_chimera import parallel_state
+from megatron_chimera.config import ModelConfig, MoEConfig
+from megatron_chimera.model.moe.aux_loss import set_aux_loss_scale
+from megatron_chimera.model.moe.layer import MoELayer
+
+S, B, H, EXPERTS = 4, 2, 8, 8
+STEPS = 2  # training steps of the end-to-end cases (the second runs on updated weights)
+
+
+def moe_config(**moe) -> ModelConfig:
+    """Tiny fp32 config: 8 experts of width 8, top-2, load-balancing and z losses."""
+    fields = dict(num_experts=EXPERTS, moe_ffn_hidden_size=8, moe_router_topk=2,
+                  moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+    fields.update(moe)
+    swiglu = fields.pop("swiglu", False)
+    return ModelConfig(num_layers=1, hidden_size=H, num_attention_heads=2, swiglu=swiglu,
+                       hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.5,
+                       moe=MoEConfig(**fields))
+
+
+def rank_tokens(rank: int) -> torch.Tensor:
+    """The tokens ``[s, b, h]`` rank ``rank`` routes (distinct per rank)."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(S, B, H, generator=generator)
+
+
+def loss_and_grads(layer: MoELayer, hidden: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """A loss of the layer's output (aux losses injected with scale 1), its backward, and the
+    gradients of the parameters and of the input."""
+    hidden = hidden.clone().requires_grad_(True)
+    set_aux_loss_scale([layer], 1.0)
+    out, _ = layer(hidden)
+    loss = (out * torch.linspace(-1, 1, H)).square().sum()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    grads["input"] = hidden.grad.clone()
+    return loss.detach(), grads
+
+
+def run_expert_parallel_layer(rank: int, world_size: int, cases: list[tuple[int, dict]]) -> None:
+    """For each (EP, MoE fields): this rank's loss and input gradient equal one process's layer
+    on the same tokens; the router's gradient summed over the world and each local expert's
+    gradient summed over its expert replicas equal one process's, summed over every rank's
+    tokens (fp32: loss 1e-6, gradients 1e-5 relative)."""
+    for ep, fields in cases:
+        cfg = moe_config(**fields)
+        reference = MoELayer(cfg, 1, seed=7).train()  # one process: no groups yet
+        ref_losses, ref_sum = [], {}
+        for r in range(world_size):
+            loss, grads = loss_and_grads(reference, rank_tokens(r))
+            reference.zero_grad()
+            ref_losses.append(loss)
+            if r == rank:
+                ref_input = grads["input"]
+            for n, g in grads.items():
+                ref_sum[n] = ref_sum.get(n, 0) + g
+        parallel_state.initialize_model_parallel(1, [[0]], 1, timeout=timedelta(seconds=60),
+                                                 expert_model_parallel_size=ep)
+        try:
+            layer = MoELayer(cfg, 1, seed=7).train()
+            loss, grads = loss_and_grads(layer, rank_tokens(rank))
+            torch.testing.assert_close(loss, ref_losses[rank], rtol=1e-6, atol=0,
+                                       msg=f"EP={ep} {fields}: loss")
+            torch.testing.assert_close(grads["input"], ref_input, rtol=1e-5, atol=1e-6)
+            router = grads["router.weight"]
+            dist.all_reduce(router, group=parallel_state.get_stage_replica_group(0))
+            torch.testing.assert_close(router, ref_sum["router.weight"], rtol=1e-5, atol=1e-6,
+                                       msg=f"EP={ep} {fields}: router gradient")
+            first, num = layer.experts.first, layer.experts.num_local
+            assert num == EXPERTS // ep
+            assert first == parallel_state.get_expert_model_parallel_rank() * num
+            for name in ("experts.weight1", "experts.weight2", "experts.bias1", "experts.bias2"):
+                grad = grads[name]
+                dist.all_reduce(grad, group=parallel_state.get_expert_stage_replica_group(0))
+                torch.testing.assert_close(grad, ref_sum[name][first:first + num], rtol=1e-5,
+                                           atol=1e-6, msg=f"EP={ep} {fields}: {name}")
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+# ---------------------------------------------------------------------------- training
+# (GPT stages through the executor on D x W ranks with EP, against one process)
+def _tp():
+    from . import tp_cases  # imports the entry scripts: only where training runs
+    return tp_cases
+
+
+@dataclass(frozen=True)
+class MoECase:
+    """A training case: the ``TPCase`` (T = 1) of the model and schedule, and EP."""
+
+    tp: Any
+    ep: int
+    label: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.tp.schedule} D={self.tp.pipeline_size} EP={self.ep} {self.label}"
+
+
+def moe_training_case(schedule: str, pipeline_size: int, ep: int, num_microbatches: int,
+                      llama: bool = False, sharded: bool = False, options=(),
+                      recompute: bool = False, tensor: int = 1) -> MoECase:
+    """A case (T = 1) whose model has MoE layers at layers 1 and 3 of 4 (stages 1 and 3
+    of D = 4 hold none): 4 experts, top-2, capacity factor 1.5 (tokens are dropped), load
+    balancing and z losses; ``llama``: SwiGLU experts in the Llama-shaped decoder;
+    ``recompute``: full recomputation of every layer (the all-to-alls run again in the
+    backward); ``tensor`` > 1: sequence parallel (each tensor rank routes its positions; no
+    capacity -- it would drop per rank -- and the per-sequence load-balancing loss)."""
+    tp = _tp()
+    moe = MoEConfig(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
+                    moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+                    moe_expert_capacity_factor=1.5 if tensor == 1 else None,
+                    moe_router_load_balancing_type="aux_loss" if tensor == 1 else "seq_aux_loss",
+                    moe_layer_freq=2)
+    model = (tp.LLAMA_MODEL if llama else ()) + (("moe", moe),)
+    if recompute:
+        model += (("recompute_granularity", "full"), ("recompute_method", "uniform"),
+                  ("recompute_num_layers", 1))
+    ddp = tp.SHARDED_OVERLAP if sharded else tp.DDPConfig()
+    label = ("llama SwiGLU experts" if llama else "GELU experts") + (
+        " +dist-opt+overlap" if sharded else "") + (" +full recompute" if recompute else "") + (
+        f" T={tensor} +SP" if tensor > 1 else "")
+    return MoECase(tp.TPCase("gpt2", schedule, tensor, pipeline_size, num_microbatches,
+                             tuple(options), model=model, ddp=ddp,
+                             sequence_parallel=tensor > 1), ep, label)
+
+
+def _reference(case, data_parallel_size: int, config: ModelConfig):
+    """One process, the whole model: per-step losses and grad norms, the final parameters and
+    each layer's mean auxiliary losses over every micro-batch."""
+    from megatron_chimera.model.moe.aux_loss import pop_aux_losses
+    from megatron_chimera.optimizer import get_megatron_optimizer
+    tp = _tp()
+    entry = tp.FAMILIES[case.family]
+    model = entry.model_provider(config, tp.SEED)
+    optimizer = get_megatron_optimizer(tp.OPTIMIZER, [model])
+    n, w = case.num_microbatches, data_parallel_size
+    set_aux_loss_scale([model], 1.0 / (n * w))
+    losses, norms = [], []
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        step_losses = []
+        for dp in range(w):
+            for m in range(n):
+                loss, stats = tp._loss_stats(case.family, entry.forward_step(
+                    tp.make_batch(case.family, step, dp, m), model))
+                (loss / (n * w)).backward()
+                step_losses.append(stats)
+        _, norm, _ = optimizer.step()
+        losses.append(step_losses)
+        norms.append(norm)
+    aux = {name: {layer: float(v) for layer, v in layers.items()}
+           for name, layers in pop_aux_losses([model]).items()}
+    return losses, norms, {k: p.detach().clone() for k, p in model.named_parameters()}, aux
+
+
+def run_moe_training_case(rank: int, world_size: int, moe_case: MoECase) -> None:
+    """Train 2 steps on the case's layout and compare with one process: every micro-batch's
+    loss, the clipped grad norm, the final weights (each rank's experts against their slice of
+    the whole layer's) and each layer's auxiliary losses (1e-5 relative, fp32)."""
+    from megatron_chimera.model.moe.aux_loss import reduce_aux_losses
+    from megatron_chimera.schedules import build_schedule
+    from megatron_chimera.schedules.validate import validate
+    from tests.helpers.tensor_parallel import full_state
+    tp = _tp()
+    case, name = moe_case.tp, moe_case.name
+    schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches,
+                              **dict(case.options))
+    validate(schedule)
+    w = world_size // (case.pipeline_size * case.tensor_size)
+    config = case.model_config()
+    ref_losses, ref_norms, ref_params, ref_aux = _reference(case, w, config)
+    assert len(ref_aux) == 2 and set(ref_aux["z_loss"]) == {1, 3}
+    parallel_state.initialize_model_parallel(
+        case.pipeline_size, schedule.placement, schedule.num_stages, case.tensor_size,
+        timeout=timedelta(seconds=60),
+        expert_model_parallel_size=moe_case.ep, expert_groups=True)
+    try:
+        modules, optimizer, executor, partition = tp.build_run(case, config, schedule)
+        dp = parallel_state.get_data_parallel_rank()
+        results = []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            results.append(executor.run([tp.make_batch(case.family, step, dp, m)
+                                         for m in range(case.num_microbatches)]))
+            _, norm, _ = optimizer.step()
+            tp._check_close(norm, ref_norms[step], f"{name}: step {step} grad norm")
+        for step, figures in enumerate(executor.gather(results) or []):
+            for i, (got, want) in enumerate(zip(figures.losses, ref_losses[step], strict=True)):
+                tp._check_close(got["lm loss"], want["lm loss"],
+                                f"{name}: step {step} micro-batch {i}")
+        aux = reduce_aux_losses(modules.values(), config.num_layers)
+        for name, layers in ref_aux.items():
+            for layer, want in layers.items():
+                tp._check_close(aux[name][layer], want, f"{name}: {name} layer {layer}")
+        optimizer.finish_param_sync()
+        from megatron_chimera.distributed.grad_sync import assert_replicas_identical
+        assert_replicas_identical(modules)
+        for stage, module in modules.items():
+            start = partition[stage][0]
+            for local, value in full_state(module).items():
+                want = ref_params[tp._reference_name(module, local, start)]
+                if ".experts." in local:
+                    layer = module.get_submodule(local.rsplit(".", 1)[0])
+                    want = want[layer.first:layer.first + layer.num_local]
+                err = float((value - want).abs().max() / want.abs().max().clamp_min(1e-12))
+                if err > tp.RTOL:
+                    raise AssertionError(f"{name}: stage {stage} {local}: rel. error "
+                                         f"{err:.2e}")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def run_moe_training_cases(rank: int, world_size: int, cases: list) -> None:
+    """Each case in sequence in this world (the failing one named)."""
+    from .cases import run_each
+    run_each(rank, world_size, cases, run_moe_training_case)

@@ -1,0 +1,28 @@
+"""Schedules with paired F&B actions (MoE all-to-all overlap) run on the executor and give the
+single-process losses and weights. The executor runs a pair's halves one after the other (no
+all-to-all to overlap without MoE layers): this checks that the lowered paired lists -- both
+receives before the pair, both sends after it -- execute under NCCL's rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from .cases import Case, run_cases
+from .harness import spawn_world
+
+pytestmark = pytest.mark.distributed
+OVERLAP = (("overlap_moe_expert_parallel_comm", True),)
+
+WORLD_4_PAIRED = [
+    Case("dualpipe", 4, 8, all_ddp_variants=False),
+    Case("combined-1f1b", 4, 8, all_ddp_variants=False),
+    Case("chimera-zb", 4, 8, OVERLAP, all_ddp_variants=False),
+    Case("dualpipev", 2, 4, all_ddp_variants=False),
+]
+
+
+@pytest.mark.timeout(240)
+def test_paired_schedules_are_exact_on_a_world_of_4():
+    """DualPipe, combined 1F1B, Chimera-ZB with --overlap-moe-expert-parallel-comm (D=4) and
+    DualPipeV (D=2 x W=2) give the single-process losses and weights."""
+    spawn_world(run_cases, 4, WORLD_4_PAIRED, timeout_s=220)

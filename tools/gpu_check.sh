@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One GPU check for a short lease (one H100: under 8 minutes), from a bare checkout with the
+# machine's own python: nothing is installed, the package is imported through PYTHONPATH.
+#
+#   bash tools/gpu_check.sh                  # CUDA: every step
+#   bash tools/gpu_check.sh --device cpu     # dry run of the CPU-runnable parts (< 2 minutes)
+#   OUT=/some/dir bash tools/gpu_check.sh --steps env,layer_mfu
+#
+# Every step runs under `timeout` as its own process; everything is written to $OUT (a new
+# temporary folder when unset; at most 8 files): results.jsonl, gpu_check.log, gpu_check.md,
+# gpu_check.json, sync_audit.txt, hardware_profile.json. The last lines printed are the table and
+# the JSON. Exit status 1 when a step failed or timed out. What each step does: tools/gpu_check.py.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+PYTHON=${PYTHON:-python3}
+DEVICE=auto
+ONLY=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --device) DEVICE="$2"; shift 2 ;;
+    --steps) ONLY="$2"; shift 2 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    *) echo "error: unknown argument $1 (use --device auto|cuda|cpu, --steps a,b)" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}
+mkdir -p "$OUT"
+export OUT
+: > "$OUT/results.jsonl"
+LOG="$OUT/gpu_check.log"
+
+# The steps in priority order with their time limits in seconds on one H100 (they add up to
+# 480 s, the 8-minute bound; on the CPU the same limits apply to tiny shapes). Hook point: a new
+# check (grouped expert GEMMs, ring attention) is a function registered with @step in
+# tools/gpu_check.py and one line here.
+STEPS=(
+  "env 45"
+  "layer_mfu 75"
+  "training 90"
+  "sync_audit 45"
+  "recompute 75"
+  "resume 75"
+  "memory 30"
+  "hardware 45"
+)
+
+echo "gpu_check: device $DEVICE, output in $OUT" | tee "$LOG"
+for entry in "${STEPS[@]}"; do
+  read -r name limit <<< "$entry"
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
+  timeout -k 10 "$limit" "$PYTHON" tools/gpu_check.py step "$name" --out "$OUT" \
+    --device "$DEVICE" --budget "$((limit - 5))" >> "$LOG" 2>&1
+  code=$?
+  if ! grep -q "\"step\": \"$name\"" "$OUT/results.jsonl"; then  # ended before recording
+    if [ $code -eq 124 ] || [ $code -eq 137 ]; then why="killed by timeout after $limit s"
+    else why="exited $code (see gpu_check.log)"; fi
+    printf '{"step": "%s", "status": "FAIL", "seconds": null, "summary": "%s"}\n' \
+      "$name" "$why" >> "$OUT/results.jsonl"
+  fi
+  tail -n 1 "$LOG"
+done
+"$PYTHON" tools/gpu_check.py summary --out "$OUT" 2>&1 | tee -a "$LOG"
+exit "${PIPESTATUS[0]}"

@@ -234,14 +234,16 @@ def run_moe_training_cases(rank: int, world_size: int, cases: list) -> None:
 RESUME_STEPS = 4  # the uninterrupted run's steps; checkpoints after steps 2 and 3
 
 
-def _ep_run(ep: int, root_in: str | None, first_step: int, save: dict[int, str]
-            ) -> dict[int, list[float]] | None:
+def _ep_run(ep: int, root_in: str | None, first_step: int, save: dict[int, list[str]],
+            refused: str | None = None) -> dict[int, list[float]] | None:
     """Chimera D = 2 x W = 2 with EP = ``ep`` (GELU experts, distributed optimizer sharding
     the experts over their own replicas, SGD with momentum): load ``root_in`` (if given), save
-    to ``save[step]`` before training global step ``step`` (``first_step`` ... 3), train;
-    returns each step's micro-batch losses on the logging rank (None elsewhere)."""
+    to each of ``save[step]`` (``<dir>:<format>``) before training global step ``step``
+    (``first_step`` ... 3), train; returns each step's micro-batch losses on the logging rank
+    (None elsewhere). ``refused``: a checkpoint whose load must fail first (naming the flag)."""
     from megatron_chimera.checkpoint.checkpointing import (
         CheckpointContents,
+        CheckpointError,
         CheckpointTarget,
         load_checkpoint,
         save_checkpoint,
@@ -258,19 +260,25 @@ def _ep_run(ep: int, root_in: str | None, first_step: int, save: dict[int, str]
         modules, optimizer, executor, partition = tp.build_run(case, config, schedule)
         stages = tp._stage_slices(modules, partition)
         rank, world = dist.get_rank(), dist.get_world_size()
+        target = CheckpointTarget(stages, schedule.num_stages, optimizer)
+        if refused is not None:
+            try:
+                load_checkpoint(refused, target, rank=rank, world_size=world)
+                raise AssertionError(f"EP={ep} loaded the torch-format checkpoint {refused}")
+            except CheckpointError as exc:
+                assert "--expert-model-parallel-size" in str(exc), exc
         if root_in is not None:
-            loaded = load_checkpoint(root_in, CheckpointTarget(stages, schedule.num_stages,
-                                                               optimizer),
-                                     rank=rank, world_size=world)
+            loaded = load_checkpoint(root_in, target, rank=rank, world_size=world)
             assert loaded.iteration == first_step, (loaded.iteration, first_step)
         dp = parallel_state.get_data_parallel_rank()
         results = []
         for step in range(first_step, RESUME_STEPS):
-            if step in save:
-                save_checkpoint(save[step], CheckpointContents(step, stages, partition,
-                                                               optimizer=optimizer),
+            for where in save.get(step, []):
+                directory, ckpt_format = where.rsplit(":", 1)
+                save_checkpoint(directory, CheckpointContents(step, stages, partition,
+                                                              optimizer=optimizer),
                                 rank=rank, world_size=world, barrier=dist.barrier,
-                                ckpt_format="torch_dist")
+                                ckpt_format=ckpt_format)
             optimizer.zero_grad()
             results.append(executor.run([tp.make_batch(case.family, step, dp, m)
                                          for m in range(case.num_microbatches)]))
@@ -286,22 +294,25 @@ def _ep_run(ep: int, root_in: str | None, first_step: int, save: dict[int, str]
 
 def run_expert_parallel_resume(rank: int, world_size: int, root: str) -> None:
     """EP = 2 trains 4 steps, saving after step 2 (``a``); EP = 1 resumes from ``a``, saves
-    after step 3 (``b``); EP = 2 resumes from ``b`` and saves again at once (``c``). The
-    resumed runs' losses equal the uninterrupted run's (1e-6 relative: the expert gradients
-    are summed in another order over another group; same-EP would be bitwise), and ``c``
-    holds bitwise the tensors of ``b`` (weights and momentum of every expert, whatever EP
-    wrote them)."""
+    after step 3 (``b``, and ``legacy`` in the torch format); EP = 2 refuses ``legacy`` (a
+    stage file holds whole layers) naming the flag, resumes from ``b`` and saves again at once
+    (``c``); EP = 1 resumes from ``legacy``. The resumed runs' losses equal the uninterrupted
+    run's (1e-6 relative: the expert gradients may be summed in another order over another
+    group; on CPU they are bitwise equal), and ``c`` holds bitwise the tensors of ``b``
+    (weights and momentum of every expert, whatever EP wrote them)."""
     import os
 
     from megatron_chimera.checkpoint.checkpointing import checkpoint_dir
     from megatron_chimera.checkpoint.sharded import read_full_tensors
-    a, b, c = (os.path.join(root, name) for name in "abc")
-    whole = _ep_run(2, None, 0, {2: a})
-    into_one = _ep_run(1, a, 2, {3: b})
-    back = _ep_run(2, b, 3, {3: c})
+    a, b, c, legacy = (os.path.join(root, name) for name in ("a", "b", "c", "legacy"))
+    whole = _ep_run(2, None, 0, {2: [f"{a}:torch_dist"]})
+    into_one = _ep_run(1, a, 2, {3: [f"{b}:torch_dist", f"{legacy}:torch"]})
+    back = _ep_run(2, b, 3, {3: [f"{c}:torch_dist"]}, refused=legacy)
+    from_legacy = _ep_run(1, legacy, 3, {})  # EP = 1 reads the torch format's expert state
     if rank != world_size - 1:
         return
-    for label, resumed in (("EP=2 -> EP=1", into_one), ("EP=1 -> EP=2", back)):
+    for label, resumed in (("EP=2 -> EP=1", into_one), ("EP=1 -> EP=2", back),
+                           ("EP=1 torch format", from_legacy)):
         for step, losses in resumed.items():
             want = torch.tensor(whole[step], dtype=torch.float64)
             got = torch.tensor(losses, dtype=torch.float64)

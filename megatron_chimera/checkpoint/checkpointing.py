@@ -486,6 +486,7 @@ def _load_stage_files(path: str, common: dict[str, Any], stages: list[StageSlice
         return cache[name]
 
     for stage in stages:
+        _refuse_expert_shards(path, stage)
         files = _overlapping_files(common, stage, num_stages)
         model: dict[str, torch.Tensor] = {}
         optim: dict[str, Any] = {}
@@ -513,6 +514,18 @@ def _load_stage_files(path: str, common: dict[str, Any], stages: list[StageSlice
             except ParamStateError as exc:
                 raise CheckpointError(f"{path}: {exc}") from None
     return sum(os.path.getsize(os.path.join(path, name)) for name in cache)
+
+
+def _refuse_expert_shards(path: str, stage: StageSlice) -> None:
+    """A ``torch`` checkpoint holds whole MoE layers; a stage holding only some experts
+    (expert parallelism) cannot load it."""
+    for name, param in stage_named_parameters(stage).items():
+        if getattr(param, "num_experts", None) not in (None, param.shape[0]):
+            raise CheckpointError(
+                f"{path}: a --ckpt-format torch checkpoint does not load with "
+                f"--expert-model-parallel-size > 1 ({name} holds {param.shape[0]} of "
+                f"{param.num_experts} experts); load it with --expert-model-parallel-size 1 "
+                "and save it as --ckpt-format torch_dist, which loads into any EP")
 
 
 def _alias_shared_embedding(stage: StageSlice, model: dict[str, torch.Tensor],

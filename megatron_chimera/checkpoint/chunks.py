@@ -4,9 +4,12 @@ A sharded checkpoint stores every tensor at its master shape (:func:`master_shap
 tensor-parallel shards joined, the vocabulary padding cut off) as chunks with global offsets.
 This rank's piece is either the whole local shard (model weights) or a flattened range of it (a
 distributed-optimizer fragment). Both are cut into rectangles of the master tensor: a flat range
-of a 2-D shard is at most three rectangles (a partial first row, whole rows, a partial last row),
-each mapped through the shard's place along ``partition_dim`` (one segment, or ``stride`` for
-fused gate+up weights; rows past ``master_size`` dropped).
+of a 2-D shard is at most three rectangles (a partial first row, whole rows, a partial last row;
+of an n-d shard at most 2n - 1), each mapped through the shard's place along ``partition_dim``
+(one segment, or ``stride`` for fused gate+up weights; rows past ``master_size`` dropped). An
+MoE layer's experts (``[experts / EP, ...]`` stacked weights) are rows ``expert_offset ...`` of
+the master ``[num_experts, ...]`` tensor: the expert dimension is sharded over the EP ranks, so
+a checkpoint of one expert-parallel size loads into any other.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ def spec_of(tensor: torch.Tensor, tp_rank: int | None = None,
             tp_world: int | None = None) -> ShardSpec:
     """The shard spec of a parameter (tensor-parallel or replicated) or buffer."""
     shape = tuple(tensor.shape)
+    if getattr(tensor, "num_experts", None) is not None:  # experts: rows of [num_experts, ...]
+        return ShardSpec(shape, (tensor.num_experts,) + shape[1:], 0,
+                         ((0, tensor.expert_offset, shape[0]),))
     if not is_tensor_parallel(tensor):
         return ShardSpec(shape, shape, 0, ((0, 0, shape[0] if shape else 1),))
     rank = parallel_state.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
@@ -56,27 +62,38 @@ def spec_of(tensor: torch.Tensor, tp_rank: int | None = None,
 
 def _local_rects(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[Rect, int]]:
     """Rectangles of the local shard covering flat elements ``[lo, hi)``, each with the flat
-    index where its (row-major, contiguous) values start."""
+    index where its (row-major, contiguous) values start. A range of an n-d tensor is at most
+    ``2n - 1`` rectangles: partial slices of each trailing dimension around whole ones of the
+    first (a 3-d expert weight's distributed-optimizer fragment: up to five)."""
     if len(shape) == 0:
         return [(((), ()), lo)]
     if len(shape) == 1:
         return [(((lo,), (hi - lo,)), lo)]
-    if len(shape) != 2:
-        if lo != 0 or hi != torch.Size(shape).numel():
-            raise ValueError(f"a range of a {len(shape)}-d tensor cannot be described")
-        return [((tuple(0 for _ in shape), shape), 0)]
-    cols = shape[1]
+    if lo >= hi:
+        return []
+    inner = 1
+    for size in shape[1:]:
+        inner *= size
+
+    def in_row(row: int, a: int, b: int) -> list[tuple[Rect, int]]:
+        """Elements ``[a, b)`` of row ``row`` (flat indices of the whole tensor)."""
+        return [(((row,) + offsets, (1,) + sizes), row * inner + start)
+                for (offsets, sizes), start in _local_rects(shape[1:], a - row * inner,
+                                                            b - row * inner)]
+
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last:
+        return in_row(first, lo, hi)
     rects, at = [], lo
-    if at % cols and at < hi:  # partial first row
-        end = min(hi, (at // cols + 1) * cols)
-        rects.append((((at // cols, at % cols), (1, end - at)), at))
-        at = end
-    full = (hi - at) // cols
+    if at % inner:  # partial first row
+        rects += in_row(first, at, (first + 1) * inner)
+        at = (first + 1) * inner
+    full = (hi - at) // inner
     if full:
-        rects.append((((at // cols, 0), (full, cols)), at))
-        at += full * cols
+        rects.append((((at // inner,) + (0,) * (len(shape) - 1), (full,) + shape[1:]), at))
+        at += full * inner
     if at < hi:  # partial last row
-        rects.append((((at // cols, 0), (1, hi - at)), at))
+        rects += in_row(at // inner, at, hi)
     return rects
 
 

@@ -9,7 +9,9 @@ stored at its layout-independent master shape under one name:
   ``main_param``) as the flattened ranges each rank holds (the distributed optimizer's fragments,
   the whole shard otherwise), cut into rectangles of the master tensor; per-parameter scalars
   (``step``) under the same prefix, 0-dimensional;
-* the tied word embedding (and its state) under ``tied_word_embeddings`` wherever it is held.
+* the tied word embedding (and its state) under ``tied_word_embeddings`` wherever it is held;
+* an MoE layer's experts (and their state) as the whole layer's ``[num_experts, ...]`` stacks,
+  each expert-parallel rank writing and reading the rows of its own experts (any EP loads).
 
 A load asks, per tensor, for the rectangles of this rank's shards and fragments in the new
 layout; DCP reads only the saved chunks overlapping them.

@@ -235,7 +235,9 @@ class DistributedOptimizer(MegatronOptimizer):
                 continue
             entries: dict[str, ParamEntry] = {}
             for name, param in params.items():
-                unit = TIED if any(param is c for c in self.tied_copies) else stage
+                unit = TIED if any(param is c for c in self.tied_copies) else \
+                    expert_unit(stage) if is_expert(param) and expert_unit(stage) in full \
+                    else stage
                 found = full.get(unit)
                 if found is None:
                     continue

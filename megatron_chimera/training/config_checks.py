@@ -193,10 +193,12 @@ def _validate_experts(config: TrainConfig) -> None:
                           "(the load-balancing counts would have to span the context ranks)")
     check_router(config.model)
     parallel.layout.check_experts(moe.num_experts)
-    if parallel.expert_model_parallel_size > 1 and (config.checkpoint.save
-                                                    or config.checkpoint.load):
-        raise ConfigError("--save/--load with --expert-model-parallel-size > 1 is not supported "
-                          "yet (a stage's checkpoint writer holds only its own experts)")
+    if parallel.expert_model_parallel_size > 1 and config.checkpoint.save and \
+            config.checkpoint.ckpt_format != "torch_dist":
+        raise ConfigError("--ckpt-format torch with --expert-model-parallel-size > 1 is not "
+                          "supported (a stage's file would hold only its writer's experts); "
+                          "use --ckpt-format torch_dist, which saves the experts as chunks of "
+                          "the whole layer and loads into any expert-parallel size")
     if not any(moe.moe_layers(config.model.num_layers)):
         raise ConfigError(f"--moe-layer-freq {moe.moe_layer_freq!r} makes no layer an MoE layer")
 

@@ -227,3 +227,105 @@ def run_moe_training_cases(rank: int, world_size: int, cases: list) -> None:
     """Each case in sequence in this world (the failing one named)."""
     from .cases import run_each
     run_each(rank, world_size, cases, run_moe_training_case)
+
+
+# ---------------------------------------------------------------------------- checkpoints
+# (torch_dist checkpoints of expert-parallel runs resumed into the same and another EP)
+RESUME_STEPS = 4  # the uninterrupted run's steps; checkpoints after steps 2 and 3
+
+
+def _ep_run(ep: int, root_in: str | None, first_step: int, save: dict[int, list[str]],
+            refused: str | None = None) -> dict[int, list[float]] | None:
+    """Chimera D = 2 x W = 2 with EP = ``ep`` (GELU experts, distributed optimizer sharding
+    the experts over their own replicas, SGD with momentum): load ``root_in`` (if given), save
+    to each of ``save[step]`` (``<dir>:<format>``) before training global step ``step``
+    (``first_step`` ... 3), train; returns each step's micro-batch losses on the logging rank
+    (None elsewhere). ``refused``: a checkpoint whose load must fail first (naming the flag)."""
+    from megatron_chimera.checkpoint.checkpointing import (
+        CheckpointContents,
+        CheckpointError,
+        CheckpointTarget,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from megatron_chimera.schedules import build_schedule
+    tp = _tp()
+    case = moe_training_case("chimera", 2, ep, 4, sharded=True).tp
+    schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches)
+    config = case.model_config()
+    parallel_state.initialize_model_parallel(
+        case.pipeline_size, schedule.placement, schedule.num_stages, 1,
+        timeout=timedelta(seconds=60), expert_model_parallel_size=ep, expert_groups=True)
+    try:
+        modules, optimizer, executor, partition = tp.build_run(case, config, schedule)
+        stages = tp._stage_slices(modules, partition)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        target = CheckpointTarget(stages, schedule.num_stages, optimizer)
+        if refused is not None:
+            try:
+                load_checkpoint(refused, target, rank=rank, world_size=world)
+                raise AssertionError(f"EP={ep} loaded the torch-format checkpoint {refused}")
+            except CheckpointError as exc:
+                assert "--expert-model-parallel-size" in str(exc), exc
+        if root_in is not None:
+            loaded = load_checkpoint(root_in, target, rank=rank, world_size=world)
+            assert loaded.iteration == first_step, (loaded.iteration, first_step)
+        dp = parallel_state.get_data_parallel_rank()
+        results = []
+        for step in range(first_step, RESUME_STEPS):
+            for where in save.get(step, []):
+                directory, ckpt_format = where.rsplit(":", 1)
+                save_checkpoint(directory, CheckpointContents(step, stages, partition,
+                                                              optimizer=optimizer),
+                                rank=rank, world_size=world, barrier=dist.barrier,
+                                ckpt_format=ckpt_format)
+            optimizer.zero_grad()
+            results.append(executor.run([tp.make_batch(case.family, step, dp, m)
+                                         for m in range(case.num_microbatches)]))
+            optimizer.step()
+        gathered = executor.gather(results)
+        if gathered is None:
+            return None
+        return {first_step + i: [loss["lm loss"] for loss in figures.losses]
+                for i, figures in enumerate(gathered)}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def run_expert_parallel_resume(rank: int, world_size: int, root: str) -> None:
+    """EP = 2 trains 4 steps, saving after step 2 (``a``); EP = 1 resumes from ``a``, saves
+    after step 3 (``b``, and ``legacy`` in the torch format); EP = 2 refuses ``legacy`` (a
+    stage file holds whole layers) naming the flag, resumes from ``b`` and saves again at once
+    (``c``); EP = 1 resumes from ``legacy``. The resumed runs' losses equal the uninterrupted
+    run's (1e-6 relative: the expert gradients may be summed in another order over another
+    group; on CPU they are bitwise equal), and ``c`` holds bitwise the tensors of ``b``
+    (weights and momentum of every expert, whatever EP wrote them)."""
+    import os
+
+    from megatron_chimera.checkpoint.checkpointing import checkpoint_dir
+    from megatron_chimera.checkpoint.sharded import read_full_tensors
+    a, b, c, legacy = (os.path.join(root, name) for name in ("a", "b", "c", "legacy"))
+    whole = _ep_run(2, None, 0, {2: [f"{a}:torch_dist"]})
+    into_one = _ep_run(1, a, 2, {3: [f"{b}:torch_dist", f"{legacy}:torch"]})
+    back = _ep_run(2, b, 3, {3: [f"{c}:torch_dist"]}, refused=legacy)
+    from_legacy = _ep_run(1, legacy, 3, {})  # EP = 1 reads the torch format's expert state
+    if rank != world_size - 1:
+        return
+    for label, resumed in (("EP=2 -> EP=1", into_one), ("EP=1 -> EP=2", back),
+                           ("EP=1 torch format", from_legacy)):
+        for step, losses in resumed.items():
+            want = torch.tensor(whole[step], dtype=torch.float64)
+            got = torch.tensor(losses, dtype=torch.float64)
+            err = float(((got - want).abs() / want.abs()).max())
+            if err > 1e-6:
+                raise AssertionError(f"{label}: step {step} losses {losses} vs uninterrupted "
+                                     f"{whole[step]} (rel. error {err:.2e})")
+    saved, again = (dict(read_full_tensors(checkpoint_dir(r, 3))) for r in (b, c))
+    experts = [k for k in saved if ".experts.weight1" in k]
+    assert experts and any(k.startswith("optim/") for k in experts), sorted(saved)[:8]
+    assert all(saved[k].shape[0] == 4 for k in experts)  # every expert, whichever EP wrote it
+    if saved.keys() != again.keys():
+        raise AssertionError(f"names differ: {sorted(saved.keys() ^ again.keys())[:5]}")
+    for name, value in saved.items():
+        if not torch.equal(value, again[name]):
+            raise AssertionError(f"{name}: the EP=2 checkpoint differs from the EP=1 one")

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from .harness import spawn_world
-from .moe_cases import moe_training_case, run_expert_parallel_layer, run_moe_training_cases
+from .moe_cases import (
+    moe_training_case,
+    run_expert_parallel_layer,
+    run_expert_parallel_resume,
+    run_moe_training_cases,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
@@ -37,3 +42,10 @@ def test_chimera_and_1f1b_with_expert_parallelism_train_like_one_process():
              moe_training_case("1f1b", 4, 2, 4, recompute=True),
              moe_training_case("chimera", 2, 2, 4, tensor=2)]
     spawn_world(run_moe_training_cases, 8, cases, timeout_s=240, pg_timeout_s=120)
+
+
+def test_expert_parallel_checkpoints_resume_exactly_into_another_ep(tmp_path):
+    """4 ranks, Chimera D = 2 x W = 2: EP = 2 -> EP = 1 -> EP = 2 through torch_dist
+    checkpoints (experts as chunks of the whole layer, the distributed optimizer's expert
+    fragments likewise) resumes with the uninterrupted run's losses."""
+    spawn_world(run_expert_parallel_resume, 4, str(tmp_path), timeout_s=200, pg_timeout_s=60)

@@ -90,6 +90,9 @@ class Experts(nn.Module):
             self.bias2 = nn.Parameter(torch.zeros(num_local, h, dtype=dtype))
         for p in self.parameters():
             p.is_expert = True  # reduced over the expert-data-parallel replicas
+            # this rank's experts are rows [first, first + num_local) of the layer's stacked
+            # [num_experts, ...] tensor (checkpoints store that tensor: any EP loads it)
+            p.expert_offset, p.num_experts = first, config.moe.num_experts
         self._init(config, layer_number, seed)
         aligned = all(n * torch.finfo(dtype).bits // 8 % 16 == 0 for n in (h, gated * f, f))
         self.grouped = config.moe.moe_grouped_gemm and aligned

@@ -69,7 +69,8 @@ def test_megatron_defaults_and_model_flags_round_trip():
     ("--num-experts 4 --tensor-model-parallel-size 2", 2, "--sequence-parallel"),
     ("--num-experts 4 --expert-tensor-parallel-size 2", 1, "--expert-tensor-parallel-size"),
     ("--num-experts 4 --context-parallel-size 2", 2, "--context-parallel-size"),
-    ("--num-experts 4 --expert-model-parallel-size 2 --save /tmp/x", 2, "--save"),
+    ("--num-experts 4 --expert-model-parallel-size 2 --save /tmp/x --ckpt-format torch", 2,
+     "--ckpt-format"),
     ("--num-experts 4 --moe-layer-freq [0,0,0,0]", 1, "--moe-layer-freq"),
     ("--num-experts 4 --moe-layer-freq [1,0]", 1, "--moe-layer-freq"),
     ("--num-experts 4 --moe-layer-freq __import__('os')", 1, "--moe-layer-freq"),
@@ -80,6 +81,12 @@ def test_megatron_defaults_and_model_flags_round_trip():
 def test_unsupported_combinations_name_their_flag(extra, world, flag):
     with pytest.raises(ConfigError, match=flag.replace("-", r"\-")):
         parse_args([*BASE, *extra.split()], world_size=world)
+
+
+def test_expert_parallel_checkpoints_are_accepted_in_torch_dist(tmp_path):
+    config = parse_args([*BASE, *f"--num-experts 4 --expert-model-parallel-size 2 --save "
+                         f"{tmp_path} --load {tmp_path}".split()], world_size=2)
+    assert config.checkpoint.ckpt_format == "torch_dist"
 
 
 def test_family_check_reads_nested_flag_sections_only():

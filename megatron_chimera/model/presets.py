@@ -52,7 +52,8 @@ DEEPSEEK_V3_LIKE = ModelConfig(
     rotary_base=10000, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
     attention_dropout=0.0, init_method_std=0.006,
     moe=MoEConfig(num_experts=256, moe_ffn_hidden_size=2048, moe_router_topk=8,
-                  moe_router_score_function="sigmoid", moe_router_load_balancing_type="seq_aux_loss",
+                  moe_router_score_function="sigmoid",
+                  moe_router_load_balancing_type="seq_aux_loss",
                   moe_aux_loss_coeff=0.0001, moe_shared_expert_intermediate_size=2048,
                   moe_layer_freq="[0]*3+[1]*58", moe_token_dispatcher_type="alltoall",
                   moe_grouped_gemm=True))

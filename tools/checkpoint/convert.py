@@ -6,9 +6,10 @@
     python tools/checkpoint/convert.py export-megatron --load CKPT_DIR --save MEGATRON_DIR
 
 ``import-hf`` reads a local ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or ``MegatronBertForPreTraining`` / ``MegatronBertForMaskedLM`` directory
-(``config.json`` + safetensors or ``pytorch_model.bin``, loaded without running code) and writes a
-release checkpoint (``--ckpt-format``: ``torch_dist`` by default, or ``torch``) that
+``Qwen2ForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or
+``MegatronBertForPreTraining`` / ``MegatronBertForMaskedLM`` directory (``config.json`` +
+safetensors or ``pytorch_model.bin``, loaded without running code) and writes a release
+checkpoint (``--ckpt-format``: ``torch_dist`` by default, or ``torch``) that
 ``pretrain_gpt2.py`` / ``pretrain_bert.py --load`` trains under any layout with a fresh optimizer;
 it prints the model flags to train it with. ``export-hf`` writes ``config.json``,
 ``model.safetensors`` and the tokenizer files (GPT-2 BPE, WordPiece or a fast tokenizer's

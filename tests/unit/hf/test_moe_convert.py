@@ -158,3 +158,20 @@ def test_shared_expert_gate_needs_a_shared_expert_and_is_part_of_the_checkpoint(
             good.moe, moe_shared_expert_gate=False))
         with pytest.raises(ConfigError, match="--moe-shared-expert-gate"):
             check_model_matches_checkpoint(str(root / "ckpt"), ungated)
+
+
+def test_the_printed_training_flags_build_the_imported_model(imported):
+    """``import-hf`` prints ``model_flags`` of the import: parsed by the training parser they give
+    the same MoE configuration, which the checkpoint accepts."""
+    from megatron_chimera.checkpoint.saved_args import check_model_matches_checkpoint
+    from megatron_chimera.model.flags import model_flags
+    from megatron_chimera.training.arguments import parse_args
+
+    _, _, result, root = imported
+    imported_config = result.model_config
+    argv = model_flags(imported_config, seq_length=imported_config.max_positions)
+    config = parse_args([*argv, "--mock-data", "--train-iters", "1", "--lr", "1e-4",
+                         "--micro-batch-size", "1", "--vocab-size", str(VOCAB),
+                         "--make-vocab-size-divisible-by", "64"], world_size=1)
+    assert config.model.moe == imported_config.moe
+    check_model_matches_checkpoint(str(root / "ckpt"), config.model)

@@ -126,6 +126,7 @@ MODEL_ARGS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", _moe("moe_ffn_hidden_size")),
     "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size",
                                             _moe("moe_shared_expert_intermediate_size")),
+    "moe_shared_expert_gate": ("--moe-shared-expert-gate", _moe("moe_shared_expert_gate")),
     "moe_layer_freq": ("--moe-layer-freq", _moe("moe_layer_freq")),
 }
 FAMILY_KEY = "model_family"

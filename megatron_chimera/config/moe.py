@@ -70,6 +70,11 @@ class MoEConfig:
     moe_shared_expert_intermediate_size: int | None = flag(
         None, "--moe-shared-expert-intermediate-size", type=int, check=positive, model=True,
         family=GPT, help="hidden size of a shared expert every token takes (default: none)")
+    moe_shared_expert_gate: bool = flag(
+        False, "--moe-shared-expert-gate", model=True, family=GPT,
+        help="scale the shared expert's output by sigmoid(x w_g), one gate weight [1, h] per "
+             "layer (Qwen2-MoE's shared_expert_gate; needs "
+             "--moe-shared-expert-intermediate-size)")
     moe_layer_freq: int | str = flag(
         1, "--moe-layer-freq", type=layer_freq, model=True, family=GPT,
         help="MoE layers: an int k (every k-th layer from the first) or a list of 0/1 per "

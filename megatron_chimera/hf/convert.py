@@ -41,6 +41,7 @@ from megatron_chimera.config import (
 )
 from megatron_chimera.data.tokenizers import build_tokenizer
 from megatron_chimera.hf import bert, gpt2, llama
+from megatron_chimera.hf import moe as hf_moe
 from megatron_chimera.hf.common import HFError
 from megatron_chimera.hf.hf_dir import (
     CONFIG_FILE,
@@ -56,9 +57,13 @@ from megatron_chimera.inference.loader import LoadedModel, build_model, load_mod
 from megatron_chimera.model.family import BERT, GPT2, ModelFamily
 
 FAMILY_OF_MODEL_TYPE = {gpt2.MODEL_TYPE: GPT2, bert.MODEL_TYPE: BERT,
-                        **{model_type: GPT2 for model_type in llama.ARCHITECTURES}}
+                        **{model_type: GPT2 for model_type in llama.ARCHITECTURES},
+                        **{model_type: GPT2 for model_type in hf_moe.ARCHITECTURES},
+                        **{model_type: GPT2 for model_type in hf_moe.REFUSED}}
 CONFIG_CLASSES = {gpt2.MODEL_TYPE: "GPT2Config", bert.MODEL_TYPE: "MegatronBertConfig",
-                  "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+                  "llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+                  "mixtral": "MixtralConfig", "qwen2_moe": "Qwen2MoeConfig",
+                  "qwen3_moe": "Qwen3MoeConfig"}
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,11 @@ def import_hf(hf_dir: str, save: str, make_vocab_size_divisible_by: int = 128,
     family, hf = read_hf_config(hf_dir)
     tensors, weights_file = read_weights(hf_dir)
     config_path = os.path.join(hf_dir, CONFIG_FILE)
-    if hf.model_type in llama.ARCHITECTURES:
+    if hf.model_type in hf_moe.ARCHITECTURES or hf.model_type in hf_moe.REFUSED:
+        model_config = hf_moe.model_config_from_hf(hf, config_path, make_vocab_size_divisible_by,
+                                                   max_position_embeddings)
+        state = hf_moe.state_from_hf(tensors, model_config, hf.model_type, weights_file)
+    elif hf.model_type in llama.ARCHITECTURES:
         model_config = llama.model_config_from_hf(hf, config_path, make_vocab_size_divisible_by,
                                                   max_position_embeddings)
         state = llama.state_from_hf(tensors, model_config, weights_file)
@@ -203,33 +212,48 @@ def _special_id(loaded: LoadedModel, name: str) -> int | None:
 
 def llama_model_type(loaded: LoadedModel, model_type: str | None) -> str | None:
     """The Hugging Face architecture a GPT checkpoint exports as: None for GPT-2 (learned
-    positions), else ``model_type`` when given, the imported model's type, or ``qwen2`` with a
-    QKV bias and ``llama`` without."""
+    positions), else ``model_type`` when given, the imported model's type, or (dense) ``qwen2``
+    with a QKV bias and ``llama`` without, (MoE) ``qwen2_moe`` with a shared expert and
+    ``mixtral`` without."""
     config = loaded.model_config
+    is_moe = config.moe.enabled
     if config.position_embedding_type != "rope" and model_type is None:
+        if is_moe:
+            raise HFError("export-hf: an MoE checkpoint exports as mixtral or qwen2_moe, which "
+                          "need RoPE (--position-embedding-type rope), RMSNorm and SwiGLU")
         return None
+    allowed = hf_moe.ARCHITECTURES if is_moe else llama.ARCHITECTURES
     if model_type is not None:
-        if model_type not in llama.ARCHITECTURES:
-            raise HFError(f"--model-type {model_type!r}: choose one of "
-                          f"{', '.join(llama.ARCHITECTURES)}")
+        if model_type not in allowed:
+            kind = "has MoE layers" if is_moe else "has no MoE layers"
+            raise HFError(f"--model-type {model_type!r}: the checkpoint {kind}, choose one of "
+                          f"{', '.join(allowed)}")
         return model_type
     imported = ((loaded.common.get("args") or {}).get("imported_from") or {}).get("model_type")
-    if imported in llama.ARCHITECTURES:
+    if imported in allowed:
         return imported
+    if is_moe:
+        return hf_moe.default_model_type(config)
     return "qwen2" if config.add_qkv_bias else "llama"
 
 
 def export_hf(load: str, hf_dir: str, overwrite: bool = False,
               verify: bool = True, model_type: str | None = None) -> ExportResult:
     """Write the checkpoint under ``load`` as a ``from_pretrained`` directory ``hf_dir``
-    (``model_type``: llama, mistral or qwen2 for a RoPE model; default as imported)."""
+    (``model_type``: llama, mistral or qwen2 for a dense RoPE model, mixtral or qwen2_moe for
+    an MoE one; default as imported)."""
     transformers = require_transformers()
     loaded = load_model(load, "cpu", params_dtype="fp32")
     config = loaded.model_config
     state = {k: v.detach() for k, v in loaded.model.state_dict().items()}
     notes: list[str] = []
     decoder = llama_model_type(loaded, model_type) if loaded.family is GPT2 else None
-    if decoder is not None:
+    if decoder in hf_moe.ARCHITECTURES:
+        tensors = hf_moe.state_to_hf(state, config, decoder)
+        kwargs, moe_notes = hf_moe.hf_config_dict(config, decoder, _special_id(loaded, "eod"))
+        hf_config = getattr(transformers, CONFIG_CLASSES[decoder])(**kwargs)
+        notes += moe_notes
+    elif decoder is not None:
         tensors = llama.state_to_hf(state, config)
         cls = getattr(transformers, CONFIG_CLASSES[decoder])
         hf_config = cls(**llama.hf_config_dict(config, decoder, _special_id(loaded, "eod")))

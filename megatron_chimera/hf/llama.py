@@ -90,7 +90,7 @@ def model_config_from_hf(hf: Any, source: str, make_vocab_size_divisible_by: int
     require(getattr(hf, "hidden_act", "silu") == "silu", source,
             f"hidden_act {hf.hidden_act!r} is not supported (SwiGLU: silu only)")
     window = getattr(hf, "sliding_window", None)
-    if model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
+    if model_type in ("qwen2", "qwen2_moe") and not getattr(hf, "use_sliding_window", False):
         window = None
     require(window is None, source, f"sliding_window = {window}: sliding-window attention is "
                                     "not implemented (full causal attention only)")
@@ -135,11 +135,38 @@ def _attention_from_hf(src: TensorSource, hf: str, ours: str, config: ModelConfi
     out[ours + "self_attention.dense.weight"] = src.take(hf + "self_attn.o_proj.weight")
 
 
+def dense_mlp_from_hf(src: TensorSource, hf: str, ours: str,
+                      out: dict[str, torch.Tensor]) -> None:
+    """``{hf}gate_proj`` and ``up_proj`` -> ``{ours}dense_h_to_4h`` (``[gate; up]``),
+    ``{hf}down_proj`` -> ``{ours}dense_4h_to_h``."""
+    out[ours + "dense_h_to_4h.weight"] = torch.cat(
+        [src.take(hf + "gate_proj.weight"), src.take(hf + "up_proj.weight")])
+    out[ours + "dense_4h_to_h.weight"] = src.take(hf + "down_proj.weight")
+
+
+def dense_mlp_to_hf(state: dict[str, torch.Tensor], hf: str, ours: str,
+                    out: dict[str, torch.Tensor]) -> None:
+    """The inverse of :func:`dense_mlp_from_hf`."""
+    gate, up = state[ours + "dense_h_to_4h.weight"].chunk(2, dim=0)
+    out[hf + "gate_proj.weight"] = gate.contiguous()
+    out[hf + "up_proj.weight"] = up.contiguous()
+    out[hf + "down_proj.weight"] = state[ours + "dense_4h_to_h.weight"]
+
+
 def state_from_hf(tensors: dict[str, torch.Tensor], config: ModelConfig,
                   source: str) -> dict[str, torch.Tensor]:
     """Our whole-model state dict from a Llama / Mistral / Qwen2 ``*ForCausalLM`` state dict."""
     src = TensorSource(tensors, source, prefix="model.",
                        ignore_suffixes=(".rotary_emb.inv_freq",))
+    out = decoder_from_hf(src, config, source, mlp=True)
+    src.check_consumed()
+    return out
+
+
+def decoder_from_hf(src: TensorSource, config: ModelConfig, source: str,
+                    mlp: bool) -> dict[str, torch.Tensor]:
+    """Everything but (``mlp`` False) the MLPs, taken from ``src`` (its leftovers unchecked:
+    an MoE mapping takes the MLPs after)."""
     embed = src.take("embed_tokens.weight")
     if embed.shape[0] != config.vocab_size:
         raise HFError(f"{source}: embed_tokens has {embed.shape[0]} rows but config.json says "
@@ -151,9 +178,8 @@ def state_from_hf(tensors: dict[str, torch.Tensor], config: ModelConfig,
         _attention_from_hf(src, hf, ours, config, out)
         out[ours + "post_attention_layernorm.weight"] = src.take(
             hf + "post_attention_layernorm.weight")
-        out[ours + "mlp.dense_h_to_4h.weight"] = torch.cat(
-            [src.take(hf + "mlp.gate_proj.weight"), src.take(hf + "mlp.up_proj.weight")])
-        out[ours + "mlp.dense_4h_to_h.weight"] = src.take(hf + "mlp.down_proj.weight")
+        if mlp:
+            dense_mlp_from_hf(src, hf + "mlp.", ours + "mlp.", out)
     out[_ENC + "final_layernorm.weight"] = src.take("norm.weight")
     has_head = src.has_raw("lm_head.weight")
     if config.untie_embeddings_and_output_weights:
@@ -163,12 +189,13 @@ def state_from_hf(tensors: dict[str, torch.Tensor], config: ModelConfig,
     elif has_head:
         require(torch.equal(src.take_raw("lm_head.weight").float(), embed), source,
                 "lm_head.weight differs from embed_tokens.weight but tie_word_embeddings is true")
-    src.check_consumed()
     return out
 
 
-def state_to_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """A ``*ForCausalLM`` state dict from our whole-model state dict (vocabulary unpadded)."""
+def state_to_hf(state: dict[str, torch.Tensor], config: ModelConfig,
+                mlp: bool = True) -> dict[str, torch.Tensor]:
+    """A ``*ForCausalLM`` state dict from our whole-model state dict (vocabulary unpadded);
+    ``mlp`` False: without the MLPs (an MoE mapping adds them)."""
     vocab = config.vocab_size
     out = {"model.embed_tokens.weight": trim_vocab_rows(state[_EMB + "word_embeddings.weight"],
                                                         vocab)}
@@ -185,10 +212,8 @@ def state_to_hf(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str
         out[hf + "self_attn.o_proj.weight"] = state[ours + "self_attention.dense.weight"]
         out[hf + "post_attention_layernorm.weight"] = state[
             ours + "post_attention_layernorm.weight"]
-        gate, up = state[ours + "mlp.dense_h_to_4h.weight"].chunk(2, dim=0)
-        out[hf + "mlp.gate_proj.weight"] = gate.contiguous()
-        out[hf + "mlp.up_proj.weight"] = up.contiguous()
-        out[hf + "mlp.down_proj.weight"] = state[ours + "mlp.dense_4h_to_h.weight"]
+        if mlp:
+            dense_mlp_to_hf(state, hf + "mlp.", ours + "mlp.", out)
     out["model.norm.weight"] = state[_ENC + "final_layernorm.weight"]
     if config.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = trim_vocab_rows(state["language_model.output_layer.weight"],

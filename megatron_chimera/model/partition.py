@@ -47,7 +47,8 @@ def layer_parameters(config: ModelConfig, tensor_parallel: int = 1, layer: int |
         fe = moe.moe_ffn_hidden_size or f
         experts = moe.num_experts // expert_parallel * (gated * fe * (h + bias) + fe * h
                                                         + bias * h)
-        return ((qkv + dense + mlp) // t + moe.num_experts * h + experts
+        gate = h * int(shared > 0 and moe.moe_shared_expert_gate)  # replicated [1, h]
+        return ((qkv + dense + mlp) // t + moe.num_experts * h + gate + experts
                 + (1 + int(shared > 0)) * bias * h + 2 * norm_parameters(config))
     mlp = gated * f * (h + bias) + f * h
     split = qkv + dense + mlp  # column-parallel with their biases, row-parallel weights

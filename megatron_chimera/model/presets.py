@@ -1,4 +1,5 @@
-"""Named model configurations (the paper's BERT-48 and 64-layer GPT-2, GPT-2 small and medium) and
+"""Named model configurations (the paper's BERT-48 and 64-layer GPT-2, GPT-2 small and medium,
+Llama 3, and the MoE shapes Mixtral-8x7B and a DeepSeek-V3-like one) and
 the ``--model`` flags the analysis tools share to pick one or describe a custom model."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.config import ConfigError, ModelConfig, MoEConfig
 from megatron_chimera.model.family import BERT, FAMILIES, GPT2, ModelFamily, get_family
 from megatron_chimera.model.partition import count_parameters
 
@@ -29,6 +30,33 @@ LLAMA3_8B = ModelConfig(num_layers=32, hidden_size=4096, num_attention_heads=32,
                         ffn_hidden_size=14336, **_LLAMA3)
 LLAMA3_70B = ModelConfig(num_layers=80, hidden_size=8192, num_attention_heads=64,
                          ffn_hidden_size=28672, **_LLAMA3)
+# Mixtral-8x7B (Mistral AI's config.json): Llama-shaped, every layer 8 SwiGLU experts of 14336,
+# top-2 softmax routing, RoPE base 1e6, vocabulary 32000
+MIXTRAL_8X7B = ModelConfig(
+    num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=14336,
+    seq_length=4096, max_position_embeddings=32768, vocab_size=32000, normalization="RMSNorm",
+    swiglu=True, num_query_groups=8, add_bias_linear=False, position_embedding_type="rope",
+    rotary_base=1000000, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+    attention_dropout=0.0, init_method_std=0.02,
+    moe=MoEConfig(num_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.02,
+                  moe_token_dispatcher_type="alltoall"))
+# DeepSeek-V3's shape as far as our layers express it: 61 layers (the first 3 dense, FFN 18432),
+# 256 routed experts of 2048 (top-8, sigmoid scores) plus one shared expert of 2048, vocabulary
+# 129280. Not DeepSeek-V3 itself: multi-latent attention becomes plain 128-head attention of head
+# dimension 128, and the aux-loss-free expert bias, group-limited routing and multi-token
+# prediction are left out (so the attention parameters and activations are larger than MLA's).
+DEEPSEEK_V3_LIKE = ModelConfig(
+    num_layers=61, hidden_size=7168, num_attention_heads=128, kv_channels=128,
+    ffn_hidden_size=18432, seq_length=4096, max_position_embeddings=4096, vocab_size=129280,
+    normalization="RMSNorm", swiglu=True, add_bias_linear=False, position_embedding_type="rope",
+    rotary_base=10000, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+    attention_dropout=0.0, init_method_std=0.006,
+    moe=MoEConfig(num_experts=256, moe_ffn_hidden_size=2048, moe_router_topk=8,
+                  moe_router_score_function="sigmoid",
+                  moe_router_load_balancing_type="seq_aux_loss",
+                  moe_aux_loss_coeff=0.0001, moe_shared_expert_intermediate_size=2048,
+                  moe_layer_freq="[0]*3+[1]*58", moe_token_dispatcher_type="alltoall",
+                  moe_grouped_gemm=True))
 # name -> (family, configuration); "custom" takes its sizes from flags
 MODEL_PRESETS: dict[str, tuple[ModelFamily, ModelConfig]] = {
     "gpt2-small": (GPT2, ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12,
@@ -39,6 +67,8 @@ MODEL_PRESETS: dict[str, tuple[ModelFamily, ModelConfig]] = {
     "gpt2-64": (GPT2, PAPER_CONFIGS["gpt2-64"]),
     "llama3-8b": (GPT2, LLAMA3_8B),
     "llama3-70b": (GPT2, LLAMA3_70B),
+    "mixtral-8x7b": (GPT2, MIXTRAL_8X7B),
+    "deepseek-v3-like": (GPT2, DEEPSEEK_V3_LIKE),
 }
 MODEL_NAMES = (*MODEL_PRESETS, "custom")
 SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")

@@ -222,7 +222,8 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     # mixture of experts (Megatron-core's MoE group)
     "--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk", "--moe-router-score-function",
     "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
-    "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "--moe-layer-freq",
+    "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size",
+    "--moe-shared-expert-gate", "--moe-layer-freq",
     "--moe-expert-capacity-factor", "--moe-token-dispatcher-type", "--moe-grouped-gemm",
     "--moe-per-layer-logging", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
     "--overlap-moe-expert-parallel-comm", "--moe-router-enable-expert-bias",

@@ -117,13 +117,18 @@ def moe_training_case(schedule: str, pipeline_size: int, ep: int, num_microbatch
     balancing and z losses; ``llama``: SwiGLU experts in the Llama-shaped decoder;
     ``recompute``: full recomputation of every layer (the all-to-alls run again in the
     backward); ``tensor`` > 1: sequence parallel (each tensor rank routes its positions; no
-    capacity -- it would drop per rank -- and the per-sequence load-balancing loss)."""
+    capacity -- it would drop per rank -- and the per-sequence load-balancing loss; a shared
+    expert with ``--moe-shared-expert-gate``)."""
     tp = _tp()
     moe = MoEConfig(num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2,
                     moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
                     moe_expert_capacity_factor=1.5 if tensor == 1 else None,
                     moe_router_load_balancing_type="aux_loss" if tensor == 1 else "seq_aux_loss",
-                    moe_layer_freq=2)
+                    moe_layer_freq=2,
+                    # with T > 1 also a gated shared expert (tensor-split MLP, replicated
+                    # sequence-parallel gate weight)
+                    moe_shared_expert_intermediate_size=8 if tensor > 1 else None,
+                    moe_shared_expert_gate=tensor > 1)
     model = (tp.LLAMA_MODEL if llama else ()) + (("moe", moe),)
     if recompute:
         model += (("recompute_granularity", "full"), ("recompute_method", "uniform"),
@@ -131,7 +136,7 @@ def moe_training_case(schedule: str, pipeline_size: int, ep: int, num_microbatch
     ddp = tp.SHARDED_OVERLAP if sharded else tp.DDPConfig()
     label = ("llama SwiGLU experts" if llama else "GELU experts") + (
         " +dist-opt+overlap" if sharded else "") + (" +full recompute" if recompute else "") + (
-        f" T={tensor} +SP" if tensor > 1 else "")
+        f" T={tensor} +SP +gated shared expert" if tensor > 1 else "")
     return MoECase(tp.TPCase("gpt2", schedule, tensor, pipeline_size, num_microbatches,
                              tuple(options), model=model, ddp=ddp,
                              sequence_parallel=tensor > 1), ep, label)

@@ -35,7 +35,8 @@ def test_chimera_and_1f1b_with_expert_parallelism_train_like_one_process():
     over their own replicas, overlapped reduction) and 1F1B (GPT-2, GELU experts, local
     optimizer, full recomputation: the all-to-alls run again in the backward). Chimera D = 2 x
     T = 2 x W = 2, EP = 2 with sequence parallelism (expert groups fold tensor and data ranks;
-    the per-sequence load-balancing loss over the tensor ranks' positions). Each trains 2 steps
+    the per-sequence load-balancing loss over the tensor ranks' positions, a shared expert with
+    its sequence-parallel gate). Each trains 2 steps
     like one process -- losses, clipped grad norms, weights and per-layer auxiliary losses 1e-5
     relative."""
     cases = [moe_training_case("chimera", 4, 2, 4, llama=True, sharded=True),

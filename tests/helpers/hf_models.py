@@ -165,3 +165,37 @@ def save_llama(folder: Path, model_type: str = "llama", seed: int = 0, tokenizer
         write_fast_tokenizer(folder, model.config.vocab_size)
     cls = getattr(transformers, LLAMA_FAMILY[model_type][1])
     return cls.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+# Mixture-of-experts architectures (model_type -> (config class, model class))
+MOE_FAMILY = {"mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+              "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
+
+
+def moe_config(model_type: str = "mixtral", vocab_size: int = 100, **overrides) -> object:
+    """A 2-layer, hidden-32, 4-head, 2-KV-head, untied MoE config: 4 experts, top-2 (Qwen2-MoE:
+    expert size 16, a shared expert of 24 with its gate, dense MLPs of 48)."""
+    fields = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=48,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  num_experts_per_tok=2, bos_token_id=0, eos_token_id=0)
+    if model_type == "mixtral":
+        fields.update(num_local_experts=4, sliding_window=None)
+    else:
+        fields.update(num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    fields.update(overrides)
+    return getattr(transformers, MOE_FAMILY[model_type][0])(**fields)
+
+
+def save_moe(folder: Path, model_type: str = "mixtral", seed: int = 0, tokenizer: bool = False,
+             **overrides) -> object:
+    """Save a random MoE ``*ForCausalLM`` (every weight perturbed, routers included, so the
+    top-k choice varies per token) to ``folder``; return it reloaded with eager attention."""
+    torch.manual_seed(seed)
+    config = moe_config(model_type, **overrides)
+    config._attn_implementation = "eager"
+    cls = getattr(transformers, MOE_FAMILY[model_type][1])
+    perturb_(cls(config), seed).save_pretrained(folder)
+    if tokenizer:
+        write_fast_tokenizer(folder, config.vocab_size)
+    return cls.from_pretrained(folder, attn_implementation="eager").eval()

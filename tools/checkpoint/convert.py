@@ -6,9 +6,10 @@
     python tools/checkpoint/convert.py export-megatron --load CKPT_DIR --save MEGATRON_DIR
 
 ``import-hf`` reads a local ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM`` or ``MegatronBertForPreTraining`` / ``MegatronBertForMaskedLM`` directory
-(``config.json`` + safetensors or ``pytorch_model.bin``, loaded without running code) and writes a
-release checkpoint (``--ckpt-format``: ``torch_dist`` by default, or ``torch``) that
+``Qwen2ForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` or
+``MegatronBertForPreTraining`` / ``MegatronBertForMaskedLM`` directory (``config.json`` +
+safetensors or ``pytorch_model.bin``, loaded without running code) and writes a release
+checkpoint (``--ckpt-format``: ``torch_dist`` by default, or ``torch``) that
 ``pretrain_gpt2.py`` / ``pretrain_bert.py --load`` trains under any layout with a fresh optimizer;
 it prints the model flags to train it with. ``export-hf`` writes ``config.json``,
 ``model.safetensors`` and the tokenizer files (GPT-2 BPE, WordPiece or a fast tokenizer's
@@ -54,9 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--load", required=True, help="checkpoint directory (any layout)")
     exp.add_argument("--hf-dir", required=True, help="output directory")
     exp.add_argument("--overwrite", action="store_true", help="replace a non-empty --hf-dir")
-    exp.add_argument("--model-type", choices=("llama", "mistral", "qwen2"), default=None,
+    exp.add_argument("--model-type", choices=("llama", "mistral", "qwen2", "mixtral",
+                                              "qwen2_moe"), default=None,
                      help="a RoPE model's Hugging Face architecture (default: as imported, "
-                          "else qwen2 with a QKV bias, llama without)")
+                          "else qwen2 with a QKV bias, llama without; an MoE model: qwen2_moe "
+                          "with a shared expert, mixtral without)")
     exp.add_argument("--no-verify", action="store_true",
                      help="skip loading the result with transformers and comparing logits")
     _add_megatron_commands(sub)

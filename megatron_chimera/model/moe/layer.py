@@ -5,13 +5,15 @@ expert), Megatron-core's ``MoELayer``.
 parallelism: each tensor rank routes its own positions): route the ``s x b`` tokens, dispatch them
 to the experts of their expert-parallel ranks, run this rank's experts, combine, and add the
 shared expert's output (a dense MLP of ``--moe-shared-expert-intermediate-size`` every token
-takes). The expert-parallel group comes from ``parallel_state`` when the model is built (one
+takes; with ``--moe-shared-expert-gate`` scaled per token by ``sigmoid(x w_g)``, as Qwen2-MoE
+does). The expert-parallel group comes from ``parallel_state`` when the model is built (one
 rank and no group before ``initialize_model_parallel``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megatron_chimera import parallel_state
@@ -19,6 +21,7 @@ from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.moe.experts import Experts
 from megatron_chimera.model.moe.router import TopKRouter
 from megatron_chimera.model.moe.token_dispatcher import TokenDispatcher
+from megatron_chimera.model.utils import init_normal_, layer_key, make_generator
 from megatron_chimera.tensor_parallel.utils import mark_sequence_parallel
 
 
@@ -61,6 +64,22 @@ class MoELayer(nn.Module):
         self.experts = Experts(config, layer_number, self.dispatcher.first_local,
                                self.dispatcher.num_local, seed)
         self.shared_experts = shared_experts
+        if moe.moe_shared_expert_gate:
+            self._add_shared_expert_gate(config, layer_number, seed, split)
+
+    def _add_shared_expert_gate(self, config: ModelConfig, layer_number: int, seed: int,
+                                split: bool) -> None:
+        """Megatron's ``--moe-shared-expert-gate``: ``shared_experts.gate_weight`` ``[1, h]``
+        (replicated; with sequence parallelism its gradient is partial per tensor rank), the
+        shared expert's output scaled by ``sigmoid(x gate_weight^T)`` per token."""
+        if self.shared_experts is None:
+            raise ConfigError("--moe-shared-expert-gate needs "
+                              "--moe-shared-expert-intermediate-size (a shared expert to gate)")
+        gate = nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.torch_dtype))
+        init_normal_(gate, config.init_method_std,
+                     make_generator(seed, f"{layer_key(layer_number - 1)}.shared_expert_gate"))
+        gate.sequence_parallel = split
+        self.shared_experts.gate_weight = gate
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``[s, b, h] -> ([s, b, h], None)`` (biases are added inside)."""
@@ -72,5 +91,9 @@ class MoELayer(nn.Module):
         out = self.dispatcher.combine(expert_output, dispatched).view(s, b, h)
         if self.shared_experts is not None:
             shared, bias = self.shared_experts(hidden)
-            out = out + (shared if bias is None else shared + bias)
+            shared = shared if bias is None else shared + bias
+            gate = getattr(self.shared_experts, "gate_weight", None)
+            if gate is not None:
+                shared = shared * torch.sigmoid(F.linear(hidden, gate))
+            out = out + shared
         return out, None

@@ -168,6 +168,29 @@ def test_shared_expert_adds_a_dense_mlp():
     assert layer.shared_experts.dense_h_to_4h.weight.shape[0] == 12
 
 
+def test_shared_expert_gate_scales_the_shared_output_per_token():
+    """``--moe-shared-expert-gate``: out = routed + sigmoid(x w_g) x shared(x) (Qwen2-MoE's
+    ``shared_expert_gate``), the gate drawn from its own key and trained."""
+    torch.manual_seed(7)
+    cfg = config(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True)
+    layer = moe_layer(cfg, 1, seed=3)
+    gate = layer.shared_experts.gate_weight
+    assert gate.shape == (1, H) and float(gate.abs().sum()) > 0
+    hidden = torch.randn(S, B, H)
+    out, _ = layer(hidden)
+    shared, bias = layer.shared_experts(hidden)
+    shared = shared if bias is None else shared + bias
+    factor = 1.0 / (1.0 + torch.exp(-(hidden @ gate.detach()[0])))  # [S, B]
+    probs, routing_map = layer.router(hidden.reshape(-1, H), S)
+    expected = reference_output(layer, hidden, probs, routing_map, False) + (
+        factor.unsqueeze(-1) * shared)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    assert gate.grad is not None and float(gate.grad.abs().sum()) > 0
+    ungated = moe_layer(config(moe_shared_expert_intermediate_size=12), 1, seed=3)
+    assert not hasattr(ungated.shared_experts, "gate_weight")
+
+
 def test_grouped_and_looped_gemms_agree():
     torch.manual_seed(6)
     looped = MoELayer(config(swiglu=True), 1, seed=3)
@@ -211,6 +234,7 @@ def test_unsupported_settings_name_their_flag():
 @pytest.mark.parametrize("fields", [
     dict(),
     dict(swiglu=True, moe_shared_expert_intermediate_size=12),
+    dict(swiglu=True, moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True),
 ])
 @pytest.mark.parametrize("bias", [True, False])
 def test_parameter_counts_match_the_modules(fields, bias):

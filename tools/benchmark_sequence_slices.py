@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pretrain_gpt2  # noqa: E402
 from megatron_chimera import parallel_state  # noqa: E402
 from megatron_chimera.config import ModelConfig  # noqa: E402
+from megatron_chimera.errors import ToolArgumentParser, run_tool  # noqa: E402
 from megatron_chimera.model.partition import partition_layers  # noqa: E402
 from megatron_chimera.model.sequence_slices import split_into_slices  # noqa: E402
 from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork  # noqa: E402
@@ -60,7 +61,7 @@ VOCAB = 256
 
 def parse_args() -> argparse.Namespace:
     """The benchmark's flags."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--sequences", type=int, default=2, help="sequences per iteration (N)")
     parser.add_argument("--slices", type=int, default=4, help="k of the sliced row")
@@ -174,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_tool(main)

@@ -30,17 +30,17 @@ from pathlib import Path
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.model.presets import DTYPES, SIZE_FLAGS, add_model_arguments, make_model
-from megatron_chimera.tuning.costs import ModelSpec
+from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.hardware import GB, GIB, load_hardware
 from megatron_chimera.tuning.perf_model import (
     PerformanceModel,
     Prediction,
-    TrainingLayout,
+    TrainingPlan,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (label, TrainingLayout options, tools/benchmark_schedules.py --schedules spec)
+# (label, TrainingPlan options, tools/benchmark_schedules.py --schedules spec)
 VARIANTS = (
     ("gpipe", {"schedule": "gpipe"}, "gpipe"),
     ("1f1b", {"schedule": "1f1b"}, "1f1b"),
@@ -86,7 +86,7 @@ def predict_all(model: PerformanceModel, D: int, W: int, B: int, N: int, recompu
     rows = []
     for label, options, spec in VARIANTS:
         schedule_options = {k: v for k, v in options.items() if k != "schedule"}
-        layout = TrainingLayout.of(options["schedule"], D, W, B, N, recompute,
+        layout = TrainingPlan.of(options["schedule"], D, W, B, N, recompute,
                                    **schedule_options)
         try:
             rows.append((label, spec, model.predict(layout)))
@@ -116,7 +116,7 @@ def emulated_ms(model: PerformanceModel, D: int, W: int, B: int, N: int,
                 forward_ms: float) -> tuple[float, float, float]:
     """Mean forward, whole backward and weight-gradient times of a stage (from the split-backward
     cost model of zb-h1), scaled so that the forward takes ``forward_ms``."""
-    costs = model.cost_model(TrainingLayout("zb-h1", D, W, B, N))
+    costs = model.cost_model(TrainingPlan("zb-h1", D, W, B, N))
     mean = [sum(c) / len(c) for c in (costs.forward_cost, costs.backward_cost, costs.weight_cost)]
     scale = forward_ms / mean[0]
     return mean[0] * scale, mean[1] * scale, mean[2] * scale

@@ -30,6 +30,7 @@ from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.presets import MODEL_PRESETS
 from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
 from megatron_chimera.training.arguments import add_architecture_arguments, architecture_fields
+from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.autotune import (
     DEFAULT_SCHEDULES,
     SearchSpace,
@@ -38,9 +39,8 @@ from megatron_chimera.tuning.autotune import (
     to_records,
 )
 from megatron_chimera.tuning.command import torchrun_command
-from megatron_chimera.tuning.costs import ModelSpec
 from megatron_chimera.tuning.hardware import GB, PRESETS, HardwareProfile, load_hardware
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingLayout
+from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
 from megatron_chimera.tuning.published import megatron_flops
 
 DEFAULT_VOCAB = {"gpt2": 50257, "bert": 30522}
@@ -331,7 +331,7 @@ def build_predict_parser() -> argparse.ArgumentParser:
     return p
 
 
-def predict_layout(args: argparse.Namespace, spec: ModelSpec) -> TrainingLayout:
+def predict_layout(args: argparse.Namespace, spec: ModelSpec) -> TrainingPlan:
     """The layout the --predict flags describe (ConfigError naming the flag that does not fit)."""
     T, D, B = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                args.micro_batch_size)
@@ -353,7 +353,7 @@ def predict_layout(args: argparse.Namespace, spec: ModelSpec) -> TrainingLayout:
         schedule, options = spec_and_options_from(args)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return TrainingLayout(schedule.name, D, W, B, args.global_batch_size // (W * B),
+    return TrainingPlan(schedule.name, D, W, B, args.global_batch_size // (W * B),
                           args.recompute_granularity is not None, options,
                           args.partition_method, T, args.sequence_parallel,
                           args.use_distributed_optimizer, args.recompute_granularity or "full")

@@ -14,7 +14,7 @@ for Chimera, ``W`` for 1F1B -- and of the embedding group for a tied embedding),
 step so Adam creates its moments; then the tensors are
 counted (:func:`megatron_chimera.optimizer.accounting.measure_state_bytes`). The largest rank of
 each layout is printed next to the memory model's figure
-(:func:`megatron_chimera.tuning.memory.rank_memory`) and their ratio.
+(:func:`megatron_chimera.tuning.rank_memory.rank_memory`) and their ratio.
 
 Target: Chimera with 2 pipes and the distributed optimizer at W=1 holds no more optimizer-state
 bytes per rank than 1F1B without it (each Chimera rank keeps two stage replicas, but its
@@ -40,8 +40,8 @@ from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.model.presets import MODEL_PRESETS, make_model
 from megatron_chimera.optimizer.accounting import StateBytes, measure_state_bytes
 from megatron_chimera.schedules import build_schedule
-from megatron_chimera.tuning.costs import ModelSpec, pieces_of
-from megatron_chimera.tuning.memory import embedding_group_size, rank_memory, stage_replicas
+from megatron_chimera.tuning.analytic_costs import ModelSpec, pieces_of
+from megatron_chimera.tuning.rank_memory import embedding_group_size, rank_memory, stage_replicas
 
 GIB = 2**30
 LAYOUTS = (("1f1b", {}, False), ("chimera", {"pipes": 2}, False),

@@ -21,7 +21,7 @@ import sys
 
 from megatron_chimera.errors import run_tool
 from megatron_chimera.model.family import get_family
-from megatron_chimera.model.stage_layout import format_layout, stage_partition
+from megatron_chimera.model.stage_split import format_layout, stage_partition
 from megatron_chimera.training.arguments import parse_args_and_schedule
 from megatron_chimera.training.memory_report import predicted_memory
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 
 from megatron_chimera.errors import ToolArgumentParser, run_tool
+from megatron_chimera.tuning.emulated_validation import EmulatedCompute, compare, format_comparison
 from megatron_chimera.tuning.hardware import LinkProfile, load_hardware
-from megatron_chimera.tuning.validation import EmulatedCompute, compare, format_comparison
 
 
 def published(hardware_name: str, json_path: str | None) -> int:

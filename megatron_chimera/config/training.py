@@ -13,7 +13,7 @@ DEFAULT_PROFILE_ITERATIONS = 3  # the first is a warm-up, the other two are meas
 
 @dataclass(frozen=True)
 class LayerSplit:
-    """Megatron's uneven-stage flags (resolved by :mod:`megatron_chimera.model.stage_layout`):
+    """Megatron's uneven-stage flags (resolved by :mod:`megatron_chimera.model.stage_split`):
     a layout string, the first / last stage's layers, or the embedding / loss counted as layers.
     All unset: ``--partition-method`` splits."""
 

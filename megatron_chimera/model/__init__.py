@@ -10,7 +10,7 @@ BERT in Megatron's layout, built whole or as one pipeline stage's slice.
   packed document.
 * :mod:`.linear` -- deferrable weight gradient (split backward); :mod:`.fused` -- Apex /
   torch-native kernels; :mod:`.dropout_rng` -- keyed dropout (masks independent of the rank).
-* :mod:`.partition` -- layers -> stages, parameter counts; :mod:`.stage_layout` -- Megatron's
+* :mod:`.partition` -- layers -> stages, parameter counts; :mod:`.stage_split` -- Megatron's
   uneven-stage flags (the layout string, first/last stage layers).
 * :mod:`.memory` -- per-stage and per-rank bytes; :mod:`.flops` -- the one FLOP count.
 * :mod:`.flags` -- a model configuration written back as training flags; :mod:`.utils` --

@@ -1,7 +1,7 @@
 """Per-stage memory estimates: weights, gradients, optimizer state, activations per micro-batch.
 
 What a rank holds under a schedule (several stages, in-flight micro-batches) is added by
-:mod:`megatron_chimera.tuning.memory`, the one per-rank model.
+:mod:`megatron_chimera.tuning.rank_memory`, the one per-rank model.
 
 Bytes per parameter (Megatron's mixed precision, as :mod:`megatron_chimera.optimizer` does it):
 
@@ -17,7 +17,7 @@ Gradients accumulate in contiguous buffers (:mod:`megatron_chimera.distributed.g
 fp32 with ``--accumulate-allreduce-grads-in-fp32`` (always with ``--bf16``), where they serve as
 the fp32 main gradients directly; otherwise in the parameter dtype, copied to fp32 in the step.
 With the distributed optimizer the optimizer state of a stage is divided among the ranks of its
-stage-replica group (:mod:`megatron_chimera.tuning.memory` applies that per rank).
+stage-replica group (:mod:`megatron_chimera.tuning.rank_memory` applies that per rank).
 
 Activations saved for backward per transformer layer and micro-batch follow Korthikanti et al.
 ("Reducing Activation Recomputation in Large Transformer Models", 2022): ``s*b*h*(34 + 5*a*s/h)``

@@ -4,7 +4,7 @@ Builds the gradient buffers and the optimizer (local or distributed) over a rank
 takes one step so the optimizer creates its moments, and adds up the tensors: parameters (every
 local copy), gradient buffers (padding included) and optimizer state (fp32 main parameters that
 are separate copies, plus per-element moments). Works on meta tensors, so billion-parameter
-stages cost no memory; the memory model (:mod:`megatron_chimera.tuning.memory`) is checked
+stages cost no memory; the memory model (:mod:`megatron_chimera.tuning.rank_memory`) is checked
 against it.
 """
 

@@ -29,7 +29,7 @@ from megatron_chimera.model.context_parallel import COMM_TYPES
 from megatron_chimera.model.context_parallel.gathered import check_heads
 from megatron_chimera.model.moe.layer import check_moe
 from megatron_chimera.model.moe.router import check_router
-from megatron_chimera.model.stage_layout import split_partition
+from megatron_chimera.model.stage_split import split_partition
 from megatron_chimera.model.transformer import validate_recompute
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.costs import StageCosts

@@ -2,8 +2,8 @@
 buffers of every rank, predicted from the configuration and measured after the run's first
 iteration, one line per rank in the log and in TensorBoard (``memory/...``).
 
-Predicted: :func:`megatron_chimera.tuning.memory.rank_memory` for the run's schedule and stage
-partition (uneven stages included) and :func:`~megatron_chimera.tuning.memory.receive_buffers`
+Predicted: :func:`megatron_chimera.tuning.rank_memory.rank_memory` for the run's schedule and stage
+partition (uneven stages included) and :func:`~megatron_chimera.tuning.rank_memory.receive_buffers`
 for the pooled receive buffers. Measured on the CPU from the tensors the rank holds: its stage
 parameters, gradient buffers, optimizer state (main parameters and moments), the bytes saved for
 backward at their peak during the iteration (``saved_tensors_hooks``; the split backward's
@@ -56,10 +56,10 @@ def predicted_memory(config: TrainConfig, family: ModelFamily, schedule: Schedul
     """Predicted figures of every pipeline rank (one tensor rank's share; with context
     parallelism one context rank's: its s/CP tokens, the optimizer sharded over data x context
     ranks; with k sequence slices each live unit is one slice of s/k tokens plus the keys and
-    values of its sequence's earlier slices, :func:`~megatron_chimera.tuning.memory.
+    values of its sequence's earlier slices, :func:`~megatron_chimera.tuning.rank_memory.
     slice_cache_bytes`)."""
-    from megatron_chimera.tuning.costs import ModelSpec, pieces_of
-    from megatron_chimera.tuning.memory import (
+    from megatron_chimera.tuning.analytic_costs import ModelSpec, pieces_of
+    from megatron_chimera.tuning.rank_memory import (
         rank_memory,
         receive_buffers,
         slice_cache_bytes,

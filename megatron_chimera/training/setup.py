@@ -32,7 +32,7 @@ from megatron_chimera.distributed.data_parallel import build_data_parallel
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.family import ModelFamily
 from megatron_chimera.model.flops import training_flops
-from megatron_chimera.model.stage_layout import format_layout, stage_partition
+from megatron_chimera.model.stage_split import format_layout, stage_partition
 from megatron_chimera.optimizer import (
     MegatronOptimizer,
     OptimizerParamScheduler,

@@ -31,7 +31,7 @@ from typing import Any
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import ParallelLayout
-from megatron_chimera.model.stage_layout import expand_layout, is_layout
+from megatron_chimera.model.stage_split import expand_layout, is_layout
 from megatron_chimera.schedules.registry import (
     PAIRED_SCHEDULES,
     SCHEDULE_NAMES,
@@ -39,7 +39,7 @@ from megatron_chimera.schedules.registry import (
     get_spec,
 )
 from megatron_chimera.schedules.slices import SLICED_SCHEDULES
-from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingLayout
+from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingPlan
 
 # the MoE overlap schedules (DualPipe, DualPipeV, combined 1F1B) only when asked for: the
 # performance model does not cost an all-to-all yet, where they would be worth their pairs
@@ -207,7 +207,7 @@ def _slices_for(space: SearchSpace, spec: ScheduleSpec, D: int, CP: int) -> list
     return [k for k in sorted(set(space.sequence_slices)) if k == 1 or sliced]
 
 
-def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
+def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingPlan]:
     """Every layout of the search space (sizes not yet checked against the generators); at
     D = 1 one schedule (:func:`_without_pipeline`); context-parallel sizes CP and sequence
     slices k as the space allows (a sliced layout with the schedule's default options)."""
@@ -226,7 +226,7 @@ def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingLayout]:
                             for sharded in space.distributed_optimizer:
                                 if sharded and not replicated:
                                     continue  # every stage-replica group has one rank
-                                yield TrainingLayout(spec.name, D, W, B, N, recompute,
+                                yield TrainingPlan(spec.name, D, W, B, N, recompute,
                                                      options, partition, T,
                                                      sequence_parallel, sharded,
                                                      granularity, CP, k)
@@ -249,8 +249,8 @@ class TuneResult:
     """Outcome of a search: ranked fitting predictions, rejected layouts and bookkeeping."""
 
     ranked: list[Prediction]
-    over_memory: list[tuple[TrainingLayout, int]]  # layout, its peak bytes
-    invalid: list[tuple[TrainingLayout, str]]  # layout, the generator's reason
+    over_memory: list[tuple[TrainingPlan, int]]  # layout, its peak bytes
+    invalid: list[tuple[TrainingPlan, str]]  # layout, the generator's reason
     dominated: int = 0  # recomputing layouts skipped because the plain one fits
     pruned: int = 0  # layouts never built: their work bound exceeds the keep-th best time
     duplicates: int = 0  # balanced partitions equal to the uniform one
@@ -302,7 +302,7 @@ def autotune(model: PerformanceModel, space: SearchSpace, memory_limit_bytes: in
     bounds = {layout: model.work_lower_bound(layout) for layout in layouts}
     if keep is not None:
         layouts.sort(key=lambda layout: bounds[layout])
-    fits: dict[TrainingLayout, bool] = {}
+    fits: dict[TrainingPlan, bool] = {}
     times: list[float] = []  # sorted iteration times of the fitting layouts found so far
     for index, layout in enumerate(layouts):
         if keep is not None and len(times) >= keep and bounds[layout] > times[keep - 1]:
@@ -364,14 +364,14 @@ def to_records(predictions: Sequence[Prediction]) -> list[dict]:
 
 
 def format_table(predictions: Sequence[Prediction], memory_limit_bytes: int,
-                 over_memory: Sequence[tuple[TrainingLayout, int]] = ()) -> str:
+                 over_memory: Sequence[tuple[TrainingPlan, int]] = ()) -> str:
     """Text table: configuration, iteration time, samples/s, bubble ratio, peak memory, fits."""
     header = (f"{'#':>3}  {'schedule':<32}{'pipes':>5}{'T':>4}{'D':>5}{'W':>5}{'B':>5}{'N':>6}"
               f"{'recomp':>7}{'dist-opt':>9}{'iter [s]':>11}{'samples/s':>11}{'bubble':>8}"
               f"{'peak mem [GiB]':>16}{'fits':>6}")
     lines = [header, "-" * len(header)]
 
-    def row(index: str, layout: TrainingLayout, cells: str, peak: int) -> str:
+    def row(index: str, layout: TrainingPlan, cells: str, peak: int) -> str:
         fits = "yes" if peak <= memory_limit_bytes else "no"
         tensor = f"{layout.T}{'s' if layout.sequence_parallel else ''}"
         label = layout.label + (f" CP={layout.CP}" if layout.CP > 1 else "") + (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import shlex
 
 from megatron_chimera.model.flags import model_flags
-from megatron_chimera.model.stage_layout import format_layout
-from megatron_chimera.tuning.costs import ModelSpec, partition_stages
-from megatron_chimera.tuning.perf_model import TrainingLayout
+from megatron_chimera.model.stage_split import format_layout
+from megatron_chimera.tuning.analytic_costs import ModelSpec, partition_stages
+from megatron_chimera.tuning.perf_model import TrainingPlan
 
 DATA_FLAGS = {
     "gpt2": ["--data-path", "$DATA_PATH", "--tokenizer-type", "GPT2BPETokenizer",
@@ -35,7 +35,7 @@ def _launcher(num_gpus: int, gpus_per_node: int) -> list[str]:
             "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
 
 
-def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
+def pretrain_flags(spec: ModelSpec, layout: TrainingPlan) -> list[str]:
     """Megatron flags of the model and of ``layout`` (sizes, schedule, batch, precision)."""
     cfg = spec.config
     flags = model_flags(cfg, seq_length=cfg.seq_length)
@@ -70,7 +70,7 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingLayout) -> list[str]:
     return flags
 
 
-def torchrun_command(spec: ModelSpec, layout: TrainingLayout, gpus_per_node: int) -> str:
+def torchrun_command(spec: ModelSpec, layout: TrainingPlan, gpus_per_node: int) -> str:
     """The shell command that trains ``layout`` (data paths left as environment variables)."""
     num_gpus = layout.num_gpus
     words = _launcher(num_gpus, gpus_per_node) + [spec.family.entry_point]

@@ -15,12 +15,12 @@ timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
 
 With tensor parallelism (``layout.T``) the analytic model prices every GEMM at its ``1/T`` shape
 (a measured source is divided by T), and the stage's tensor-parallel collectives
-(:func:`~megatron_chimera.tuning.costs.tensor_parallel_comm_seconds`, on the link the T
+(:func:`~megatron_chimera.tuning.analytic_costs.tensor_parallel_comm_seconds`, on the link the T
 consecutive ranks share) are added to its forward and backward (they are on the critical path),
 as is the all-gather of Megatron's scatter/gather of pipeline messages; the weight-gradient part
 (W) has none. Gradient buckets, optimizer state and activations are per tensor-parallel rank;
 messages between stages shrink to ``1/T`` (sequence parallelism or scatter/gather).
-Recomputation is ``full`` or ``selective`` (``TrainingLayout.recompute_granularity``).
+Recomputation is ``full`` or ``selective`` (``TrainingPlan.recompute_granularity``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
 from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
 from megatron_chimera.schedules.slices import sliced_schedule
-from megatron_chimera.tuning.costs import (
+from megatron_chimera.tuning.analytic_costs import (
     ModelSpec,
     StagePiece,
     activation_message_bytes,
@@ -49,12 +49,6 @@ from megatron_chimera.tuning.costs import (
     tensor_parallel_comm_seconds,
 )
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
-from megatron_chimera.tuning.memory import (
-    RankMemory,
-    rank_memory,
-    slice_cache_bytes,
-    sliced_rank_memory,
-)
 from megatron_chimera.tuning.operators import (
     attention_core_forward,
     check_recompute,
@@ -66,10 +60,16 @@ from megatron_chimera.tuning.operators import (
     ops_seconds,
     optimizer_bytes_per_parameter,
 )
+from megatron_chimera.tuning.rank_memory import (
+    RankMemory,
+    rank_memory,
+    slice_cache_bytes,
+    sliced_rank_memory,
+)
 
 
 @dataclass(frozen=True)
-class TrainingLayout:
+class TrainingPlan:
     """One point of the search: schedule and its typed options (the registry's), D, W, B, N,
     recomputation, the partition method, the tensor-parallel size T and sequence parallelism."""
 
@@ -108,7 +108,7 @@ class TrainingLayout:
     def of(cls, schedule: str, D: int, W: int, B: int, N: int, recompute: bool = False,
            partition: str = "uniform", T: int = 1, sequence_parallel: bool = False,
            distributed_optimizer: bool = False, recompute_granularity: str = "full",
-           **options: Any) -> TrainingLayout:
+           **options: Any) -> TrainingPlan:
         """A layout with the schedule's options given as keywords (``pipes=4, concat=...``)."""
         return cls(schedule, D, W, B, N, recompute, get_spec(schedule).options_type(**options),
                    partition, T, sequence_parallel, distributed_optimizer,
@@ -267,7 +267,7 @@ def chimera_eq1_time(forward: float, backward: float, N: int, D: int, p2p: float
 class Prediction:
     """Predicted iteration of one layout."""
 
-    layout: TrainingLayout
+    layout: TrainingPlan
     iteration_s: float
     bubble_ratio: float
     memory: list[RankMemory]
@@ -306,14 +306,14 @@ class PerformanceModel:
         self._partitions: dict[tuple[int, str], list[StagePiece]] = {}
 
     # ------------------------------------------------------------------ building blocks
-    def schedule(self, layout: TrainingLayout) -> Schedule:
+    def schedule(self, layout: TrainingPlan) -> Schedule:
         """The layout's schedule (cached by its generator arguments)."""
         key = (layout.schedule, layout.D, layout.N, layout.options, layout.slices)
         if key not in self._schedules:
             self._schedules[key] = layout.build_schedule(self.attention_fraction())
         return self._schedules[key]
 
-    def partition(self, layout: TrainingLayout) -> list[StagePiece]:
+    def partition(self, layout: TrainingPlan) -> list[StagePiece]:
         """Layers of every model stage, by ``layout.partition`` (as the runtime partitions).
 
         Cached by (stages, method): the balanced split is a dynamic programme over the layers.
@@ -329,7 +329,7 @@ class PerformanceModel:
         cfg = self.spec.config
         return cfg.seq_length / (cfg.seq_length + 12 * cfg.hidden_size)
 
-    def check_sequence(self, layout: TrainingLayout) -> None:
+    def check_sequence(self, layout: TrainingPlan) -> None:
         """ConfigError when CP or k cannot split the sequence (or are combined)."""
         seq = self.spec.config.seq_length
         if layout.CP > 1 and seq % (2 * layout.CP):
@@ -342,7 +342,7 @@ class PerformanceModel:
             raise ConfigError("--pipeline-sequence-slices with --context-parallel-size > 1 is "
                               "not supported")
 
-    def local_spec(self, layout: TrainingLayout) -> ModelSpec:
+    def local_spec(self, layout: TrainingPlan) -> ModelSpec:
         """The model as one rank's unit sees it: ``s / (CP k)`` tokens."""
         parts = layout.CP * layout.slices
         if parts == 1:
@@ -352,7 +352,7 @@ class PerformanceModel:
                                              max_position_embeddings=cfg.max_positions),
                          self.spec.family)
 
-    def memory(self, layout: TrainingLayout) -> list[RankMemory]:
+    def memory(self, layout: TrainingPlan) -> list[RankMemory]:
         """Peak memory of every pipeline rank (of one tensor-parallel and context rank: its
         ``s / CP`` tokens, the distributed optimizer sharded over data x context ranks; with k
         slices each live unit holds ``s / k`` tokens and the keys/values of its sequence's
@@ -367,19 +367,19 @@ class PerformanceModel:
         return sliced_rank_memory(memory, schedule, slice_cache_bytes(
             self.spec, partition, layout.B, layout.slices, layout.T))
 
-    def _global_rank(self, layout: TrainingLayout, pipeline_rank: int, replica: int = 0,
+    def _global_rank(self, layout: TrainingPlan, pipeline_rank: int, replica: int = 0,
                      context_rank: int = 0) -> int:
         """Global rank of a pipeline rank in data-parallel replica ``replica``, tensor rank 0."""
         return ParallelLayout(layout.T, layout.W, layout.D, layout.CP).global_rank(
             pipeline_rank, replica, context_rank=context_rank)
 
-    def context_parallel_link(self, layout: TrainingLayout) -> LinkProfile:
+    def context_parallel_link(self, layout: TrainingPlan) -> LinkProfile:
         """The link of the ring of one sequence's CP ranks (intra-node when T x CP ranks fit
         in a node: Megatron's rank order puts them next to each other)."""
         return self.p2p_link or self.hardware.link_for(
             [self._global_rank(layout, 0, 0, c) for c in range(layout.CP)])
 
-    def ring_seconds(self, layout: TrainingLayout, piece: StagePiece) -> tuple[float, float]:
+    def ring_seconds(self, layout: TrainingPlan, piece: StagePiece) -> tuple[float, float]:
         """(forward, backward) seconds of ring attention's traffic for one micro-batch through
         ``piece`` on one rank: per layer ``CP - 1`` key/value blocks of ``s / CP`` tokens
         forward; backward the blocks again and their dK/dV (twice the bytes), each step one
@@ -394,11 +394,11 @@ class PerformanceModel:
         return (steps * (link.alpha_s + link.beta_s_per_byte * block),
                 steps * (link.alpha_s + 2 * link.beta_s_per_byte * block))
 
-    def tensor_parallel_link(self, layout: TrainingLayout) -> LinkProfile:
+    def tensor_parallel_link(self, layout: TrainingPlan) -> LinkProfile:
         """The link of a tensor-parallel group (T consecutive global ranks)."""
         return self.hardware.link_for(range(layout.T))
 
-    def stage_times(self, layout: TrainingLayout, piece: StagePiece) -> StageTimes:
+    def stage_times(self, layout: TrainingPlan, piece: StagePiece) -> StageTimes:
         """One micro-batch (a whole sequence; the simulator gives each slice its share) through
         one stage on one of T ranks: the compute of one rank (the analytic model prices the
         narrower GEMMs; a measured source is divided by T) plus the tensor-parallel collectives
@@ -417,7 +417,7 @@ class PerformanceModel:
                           backward + max(0.0, ring_b - share * (backward - times.weight / cp)),
                           times.weight / cp)
 
-    def _tensor_stage_times(self, layout: TrainingLayout, piece: StagePiece) -> StageTimes:
+    def _tensor_stage_times(self, layout: TrainingPlan, piece: StagePiece) -> StageTimes:
         mode = layout.recompute_mode
         per_rank = getattr(self.compute, "rank_stage_times", None)
         if per_rank is not None:
@@ -441,7 +441,7 @@ class PerformanceModel:
         backward += 0.0 if piece.post_process else gather
         return StageTimes(times.forward + forward, times.backward + backward, times.weight)
 
-    def _p2p_edges(self, layout: TrainingLayout,
+    def _p2p_edges(self, layout: TrainingPlan,
                    schedule: Schedule) -> tuple[tuple[int, int, float, float], ...]:
         """(sender, receiver, alpha, beta) of every edge the schedule's messages cross: the
         hardware's intra- or inter-node link of the two global ranks (replica 0's layout)."""
@@ -458,7 +458,7 @@ class PerformanceModel:
             result.append((a, b, link.alpha_s, link.beta_s_per_byte))
         return tuple(result)
 
-    def _allreduce_link(self, layout: TrainingLayout, schedule: Schedule) -> LinkProfile:
+    def _allreduce_link(self, layout: TrainingPlan, schedule: Schedule) -> LinkProfile:
         if self.p2p_link is not None:
             return self.p2p_link
         groups = [
@@ -470,7 +470,7 @@ class PerformanceModel:
         spans = any(self.hardware.link_for(g) is self.hardware.inter_node for g in groups)
         return self.hardware.inter_node if spans else self.hardware.intra_node
 
-    def cost_model(self, layout: TrainingLayout) -> CostModel:
+    def cost_model(self, layout: TrainingPlan) -> CostModel:
         """The simulator's cost model for ``layout`` (seconds and bytes)."""
         schedule = self.schedule(layout)
         pieces = self.partition(layout)
@@ -493,7 +493,7 @@ class PerformanceModel:
             action_overhead=self.hardware.action_overhead_s,
         )
 
-    def stage_costs(self, layout: TrainingLayout) -> StageCosts:
+    def stage_costs(self, layout: TrainingPlan) -> StageCosts:
         """Per-stage F, B (input gradient), W seconds and the p2p message time of ``layout``:
         what ``--chimera-zb-costs @file.json`` reads (``tools/autotune.py --stage-costs-json``).
         StageCosts has one message time: the mean over the links the schedule's messages
@@ -508,7 +508,7 @@ class PerformanceModel:
                           tuple(t.backward - t.weight for t in times),
                           tuple(t.weight for t in times), p2p)
 
-    def message_bytes(self, layout: TrainingLayout) -> int:
+    def message_bytes(self, layout: TrainingPlan) -> int:
         """Bytes one rank sends per pipeline message: ``[s, b, h]``, its ``1/T`` share under
         sequence parallelism or Megatron's scatter/gather (T > 1); ``s / (CP k)`` tokens."""
         return activation_message_bytes(self.local_spec(layout), layout.B, layout.T,
@@ -520,7 +520,7 @@ class PerformanceModel:
         width = bytes_per_parameter(self.spec.config.params_dtype)["grad"]
         return [float(n * width) for n in stage_parameters(self.spec, pieces, tensor_parallel)]
 
-    def exposed_param_gather_s(self, layout: TrainingLayout) -> float:
+    def exposed_param_gather_s(self, layout: TrainingPlan) -> float:
         """The distributed optimizer's parameter all-gather that the next iteration waits for:
         the gathers run in the background (``--overlap-param-gather``), but the stage of each
         rank's first forward needs its parameters before it starts (slowest rank)."""
@@ -534,7 +534,7 @@ class PerformanceModel:
                  if schedule.actions[r]]
         return max((costs.allreduce_time(replicas, nbytes[s] / 2) for s in first), default=0.0)
 
-    def simulate(self, layout: TrainingLayout) -> SimResult:
+    def simulate(self, layout: TrainingPlan) -> SimResult:
         """Simulated iteration of ``layout`` (cached by schedule and cost model)."""
         schedule = self.schedule(layout)
         costs = self.cost_model(layout)
@@ -543,7 +543,7 @@ class PerformanceModel:
             self._sims[key] = simulate(schedule, costs)
         return self._sims[key]
 
-    def work_lower_bound(self, layout: TrainingLayout) -> float:
+    def work_lower_bound(self, layout: TrainingPlan) -> float:
         """A bound below the iteration time, without building the schedule: every micro-batch
         passes every stage forward and backward, spread at best evenly over the D ranks."""
         pieces = self.partition(layout)
@@ -551,7 +551,7 @@ class PerformanceModel:
         return layout.N * work / layout.D
 
     # ------------------------------------------------------------------ the prediction
-    def predict(self, layout: TrainingLayout, with_memory: bool = True) -> Prediction:
+    def predict(self, layout: TrainingPlan, with_memory: bool = True) -> Prediction:
         """Iteration time (the simulated makespan), bubble ratio and per-rank peak memory."""
         if min(layout.D, layout.W, layout.B, layout.N, layout.T) < 1:
             raise ConfigError(f"layout sizes must be positive: {layout.describe()}")
@@ -563,7 +563,7 @@ class PerformanceModel:
         seconds = busy + self.optimizer_step_s(layout) + self.exposed_param_gather_s(layout)
         return Prediction(layout, seconds, sim.bubble_ratio, memory, sim)
 
-    def link_busy_s(self, layout: TrainingLayout) -> float:
+    def link_busy_s(self, layout: TrainingPlan) -> float:
         """The most seconds any rank's link is busy sending in one iteration: the pipeline
         messages it sends (each on its edge's link) plus its share of the stage gradient
         all-reduces on theirs (Rabenseifner: ``2 (r - 1) / r`` of the stage's bytes per rank; the
@@ -598,7 +598,7 @@ class PerformanceModel:
             worst = max([worst, *per_link.values()])
         return worst
 
-    def optimizer_step_s(self, layout: TrainingLayout) -> float:
+    def optimizer_step_s(self, layout: TrainingPlan) -> float:
         """Seconds of the optimizer step after the last all-reduce (slowest rank), when the
         compute source models it (measured profiles time it; the analytic model prices Adam's
         memory-bound step by its bytes)."""

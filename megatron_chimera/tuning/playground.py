@@ -22,8 +22,8 @@ from megatron_chimera.schedules.compare import compare, format_table
 from megatron_chimera.schedules.plot import plot_schedule, text_chart
 from megatron_chimera.schedules.simulate import SimResult, simulate
 from megatron_chimera.schedules.validate import validate
-from megatron_chimera.tuning.costs import ModelSpec, pieces_of
-from megatron_chimera.tuning.memory import rank_memory
+from megatron_chimera.tuning.analytic_costs import ModelSpec, pieces_of
+from megatron_chimera.tuning.rank_memory import rank_memory
 
 SECTIONS = ("schedule", "compare", "partition", "autotune")
 PARTITION_CHOICES = ("uniform", "parameters")

@@ -26,7 +26,7 @@ from megatron_chimera.config import TrainConfig
 from megatron_chimera.model.family import GPT2, ModelFamily
 from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.schedules.actions import Schedule
-from megatron_chimera.tuning.costs import ModelSpec, StagePiece, stage_forward_flops
+from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece, stage_forward_flops
 from megatron_chimera.tuning.hardware import LinkProfile
 from megatron_chimera.tuning.perf_model import StageTimes
 

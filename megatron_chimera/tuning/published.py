@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_chimera.config import ModelConfig
-from megatron_chimera.tuning.costs import ModelSpec
+from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.hardware import HardwareProfile
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingLayout
+from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
 
 MEGATRON_SOURCE = ("Narayanan et al., SC'21 (arXiv 2104.04473), Table 1: A100 80 GB on Selene, "
                    "fp16, s = 2048, V = 51200, full recomputation, interleaved schedule")
@@ -106,15 +106,15 @@ def run_spec(run: PublishedRun) -> ModelSpec:
     return ModelSpec(config, "gpt2")
 
 
-def run_layout(run: PublishedRun) -> TrainingLayout:
+def run_layout(run: PublishedRun) -> TrainingPlan:
     """The layout of a published row (module doc: the rule for what the table leaves out)."""
     N = run.batch // (run.W * run.micro_batch)
     per_stage = run.layers // run.D
     virtual = next((v for v in range(2, per_stage + 1) if per_stage % v == 0), 1)
     if run.D > 1 and virtual > 1:
-        return TrainingLayout.of("interleaved", run.D, run.W, run.micro_batch, N, True,
+        return TrainingPlan.of("interleaved", run.D, run.W, run.micro_batch, N, True,
                                  T=run.T, virtual_pipeline_size=virtual)
-    return TrainingLayout.of("1f1b", run.D, run.W, run.micro_batch, N, True, T=run.T)
+    return TrainingPlan.of("1f1b", run.D, run.W, run.micro_batch, N, True, T=run.T)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Comparison:
     """Predicted against published TFLOP/s per GPU of one row."""
 
     run: PublishedRun
-    layout: TrainingLayout
+    layout: TrainingPlan
     predicted_tflops: float
     iteration_s: float
 

@@ -95,15 +95,15 @@ def test_demo_performance_predictions_equal_the_simulator(capsys):
     assert demo.main(args) == 0
     out = capsys.readouterr().out
     printed = dict(re.findall(r"^(\S+(?: \S+)*)\s{2,}(\d+\.\d+)\s", out, re.M))
-    from megatron_chimera.tuning.costs import ModelSpec
+    from megatron_chimera.tuning.analytic_costs import ModelSpec
     from megatron_chimera.tuning.hardware import load_hardware
-    from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingLayout
+    from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
 
     config = demo.make_model("gpt2-small")[1]
     model = PerformanceModel(ModelSpec(config, "gpt2"), load_hardware("a100"))
     for label, options, _ in demo.VARIANTS:
         schedule_options = {k: v for k, v in options.items() if k != "schedule"}
-        layout = TrainingLayout.of(options["schedule"], 4, 2, 1, 8, **schedule_options)
+        layout = TrainingPlan.of(options["schedule"], 4, 2, 1, 8, **schedule_options)
         makespan = simulate(model.schedule(layout), model.cost_model(layout)).makespan
         # the prediction adds the optimizer step after the makespan (Adam's bytes over HBM)
         expected = makespan + model.optimizer_step_s(layout)

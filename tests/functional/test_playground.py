@@ -105,8 +105,8 @@ def test_partition_section_parameters_equal_the_real_stage_slices(capsys):
 def test_autotune_section_prints_the_tuners_best_layout(capsys):
     out = scripted(capsys, ["--section", "autotune", *TINY_GPT, "--num-gpus", "4",
                             "--global-batch-size", "8", "--hardware", "a100"])
+    from megatron_chimera.tuning.analytic_costs import ModelSpec
     from megatron_chimera.tuning.autotune import SearchSpace, autotune
-    from megatron_chimera.tuning.costs import ModelSpec
     from megatron_chimera.tuning.hardware import GB, load_hardware
     from megatron_chimera.tuning.perf_model import PerformanceModel
 

@@ -12,7 +12,7 @@ from megatron_chimera.layout import ParallelLayout, pad_vocab_size
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.training.arguments import parse_args
-from megatron_chimera.tuning.costs import ModelSpec, check_tensor_parallel
+from megatron_chimera.tuning.analytic_costs import ModelSpec, check_tensor_parallel
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8",
         "--seq-length", "32", "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data",

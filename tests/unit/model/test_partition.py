@@ -26,8 +26,8 @@ from megatron_chimera.model.partition import (
 from megatron_chimera.model.presets import PAPER_CONFIGS
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.gpipe import gpipe
-from megatron_chimera.tuning.costs import ModelSpec, pieces_of
-from megatron_chimera.tuning.memory import rank_memory
+from megatron_chimera.tuning.analytic_costs import ModelSpec, pieces_of
+from megatron_chimera.tuning.rank_memory import rank_memory
 from tests.helpers.models import small_config
 
 
@@ -279,7 +279,7 @@ def test_recompute_estimates():
 
 
 def test_rank_memory_for_schedules():
-    """The one per-rank model (tuning.memory): a weight copy per stage held, activations of the
+    """The one per-rank model (tuning.rank_memory): a weight copy per stage held, activations of the
     in-flight micro-batches of each stage, walked from the schedule."""
     config = small(num_layers=4)
     partition = partition_layers(4, 2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_chimera.config import ConfigError, LayerSplit
-from megatron_chimera.model.stage_layout import (
+from megatron_chimera.model.stage_split import (
     expand_layout,
     format_layout,
     layout_partition,

@@ -11,11 +11,11 @@ import shlex
 import pytest
 
 from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.autotune import JSON_KEYS, SearchSpace, autotune, enumerate_layouts
 from megatron_chimera.tuning.command import pretrain_flags
-from megatron_chimera.tuning.costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile
-from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingLayout
+from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingPlan
 from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -80,7 +80,7 @@ def test_drops_layouts_over_the_memory_limit():
     """Chimera at D=2 holds the whole model twice per rank: below its peak it must drop out and
     the best fitting layout (Chimera at D=4) win."""
     model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
-    chimera2 = TrainingLayout.of("chimera", 2, 2, 2, 2, pipes=2)
+    chimera2 = TrainingPlan.of("chimera", 2, 2, 2, 2, pipes=2)
     limit = max(m.total_bytes for m in model.memory(chimera2)) - 1
     others = [layout for layout in enumerate_layouts(hand_space()) if layout != chimera2]
     assert all(max(m.total_bytes for m in model.memory(o)) <= limit for o in others)
@@ -98,15 +98,15 @@ def test_the_distributed_optimizer_lets_chimera_fit_where_its_replicas_did_not()
     sharded over its stage-replica groups, and wins again; where every layout fits, the plain
     layouts rank first (the sharded ones pay an exposed parameter all-gather)."""
     model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
-    chimera2 = TrainingLayout.of("chimera", 2, 2, 2, 2, pipes=2)
-    sharded = TrainingLayout.of("chimera", 2, 2, 2, 2, distributed_optimizer=True, pipes=2)
+    chimera2 = TrainingPlan.of("chimera", 2, 2, 2, 2, pipes=2)
+    sharded = TrainingPlan.of("chimera", 2, 2, 2, 2, distributed_optimizer=True, pipes=2)
     peak = max(m.total_bytes for m in model.memory(chimera2))
     assert max(m.total_bytes for m in model.memory(sharded)) < peak
     assert "--use-distributed-optimizer" in pretrain_flags(gpt(), sharded)
     space = hand_space(distributed_optimizer=(False, True))
     assert sharded in list(enumerate_layouts(space))
     # 1F1B/GPipe at D=4, W=1 have one-rank stage-replica groups: no sharded variant
-    assert TrainingLayout("1f1b", 4, 1, 2, 4, distributed_optimizer=True) not in list(
+    assert TrainingPlan("1f1b", 4, 1, 2, 4, distributed_optimizer=True) not in list(
         enumerate_layouts(space))
     result = autotune(model, space, memory_limit_bytes=peak - 1)
     assert [layout for layout, _ in result.over_memory] == [chimera2]
@@ -119,13 +119,13 @@ def test_recomputation_is_tried_only_when_the_plain_layout_does_not_fit():
                         micro_batch_sizes=(4,), recompute=(False, True),
                         partition_methods=("uniform",), distributed_optimizer=(False,),
                         pipeline_parallel_sizes=(2, 4))
-    plain = TrainingLayout("gpipe", 2, 2, 4, 4)
+    plain = TrainingPlan("gpipe", 2, 2, 4, 4)
     peak_plain = max(m.total_bytes for m in model.memory(plain))
     loose = autotune(model, space, memory_limit_bytes=10**12)
     assert not any(p.layout.recompute for p in loose.ranked) and loose.dominated == 2
     tight = autotune(model, space, memory_limit_bytes=peak_plain - 1)
     recomputing = [p.layout for p in tight.ranked if p.layout.recompute]
-    assert TrainingLayout("gpipe", 2, 2, 4, 4, recompute=True) in recomputing
+    assert TrainingPlan("gpipe", 2, 2, 4, 4, recompute=True) in recomputing
 
 
 def test_branch_and_bound_keeps_the_exhaustive_top_rows():
@@ -209,17 +209,17 @@ def test_cli_rejects_bad_input(capsys):
 
 
 @pytest.mark.parametrize("layout", [
-    TrainingLayout.of("chimera", 4, 2, 2, 8, True, partition="parameters", pipes=2,
+    TrainingPlan.of("chimera", 4, 2, 2, 8, True, partition="parameters", pipes=2,
                       concat="direct"),
-    TrainingLayout.of("interleaved", 4, 2, 1, 8, virtual_pipeline_size=2),
-    TrainingLayout.of("chimera-zb", 4, 2, 1, 8, pipes=4),
-    TrainingLayout("1f1b", 4, 1, 4, 2),
-    TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True, pipes=2),
-    TrainingLayout("1f1b", 2, 2, 2, 4, T=4),
-    TrainingLayout.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True,
+    TrainingPlan.of("interleaved", 4, 2, 1, 8, virtual_pipeline_size=2),
+    TrainingPlan.of("chimera-zb", 4, 2, 1, 8, pipes=4),
+    TrainingPlan("1f1b", 4, 1, 4, 2),
+    TrainingPlan.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True, pipes=2),
+    TrainingPlan("1f1b", 2, 2, 2, 4, T=4),
+    TrainingPlan.of("chimera", 4, 1, 2, 4, T=2, sequence_parallel=True,
                       distributed_optimizer=True, pipes=2),
-    TrainingLayout("1f1b", 1, 4, 1, 2, True, recompute_granularity="selective"),
-    TrainingLayout("1f1b", 1, 2, 1, 2, T=2),  # no pipeline: D = 1
+    TrainingPlan("1f1b", 1, 4, 1, 2, True, recompute_granularity="selective"),
+    TrainingPlan("1f1b", 1, 2, 1, 2, T=2),  # no pipeline: D = 1
 ])
 def test_generated_flags_parse_into_the_same_layout(layout):
     """The command's flags go through the framework's own parser to the chosen layout."""
@@ -240,8 +240,8 @@ def test_generated_flags_parse_into_the_same_layout(layout):
     assert config.training.num_microbatches == layout.N
     # the proposed stages reach the run: a layout string for a balanced split
     from megatron_chimera.model.family import get_family
-    from megatron_chimera.model.stage_layout import stage_partition
-    from megatron_chimera.tuning.costs import partition_stages
+    from megatron_chimera.model.stage_split import stage_partition
+    from megatron_chimera.tuning.analytic_costs import partition_stages
 
     built = stage_partition(config.training.layer_split, config.training.partition_method,
                             config.model, get_family("gpt2"), layout.num_stages, layout.D)
@@ -285,7 +285,7 @@ def test_tensor_parallelism_divides_memory_and_compute_and_adds_collectives():
     which vanish on a free link."""
     spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=16,
                                  seq_length=512, vocab_size=50257, params_dtype="bf16"), "gpt2")
-    one = TrainingLayout("1f1b", 4, 1, 2, 8)
+    one = TrainingPlan("1f1b", 4, 1, 2, 8)
     two = dataclasses.replace(one, T=2, sequence_parallel=True)
     # an ideal device: no GEMM shape effect, no memory-bound time, no kernel gaps
     flat = dataclasses.replace(PRESETS["a100"], num_sms=0, hbm_bandwidth_gbps=0.0,
@@ -327,11 +327,11 @@ def test_tensor_parallelism_and_the_distributed_optimizer_combine():
                         option_values=(("pipes", (2,)),), partition_methods=("uniform",),
                         tensor_parallel_sizes=(1, 2))
     layouts = set(enumerate_layouts(space))
-    layout = TrainingLayout.of("chimera", 2, 2, 2, 4, T=2, sequence_parallel=True,
+    layout = TrainingPlan.of("chimera", 2, 2, 2, 4, T=2, sequence_parallel=True,
                                distributed_optimizer=True, pipes=2, concat="direct")
     plain = dataclasses.replace(layout, distributed_optimizer=False)
     assert layout in layouts and plain in layouts
-    one = TrainingLayout.of("chimera", 2, 4, 2, 2, distributed_optimizer=True, pipes=2)
+    one = TrainingPlan.of("chimera", 2, 4, 2, 2, distributed_optimizer=True, pipes=2)
     assert one in layouts
     sharded2, plain2, sharded1 = (model.memory(lay)[0] for lay in (layout, plain, one))
     # the state of a stage is spread over its T x 2 x W holders: 2 x 2 x 2 = 1 x 2 x 4 ranks
@@ -478,7 +478,7 @@ def test_2520_gpus_at_t8_find_the_paper_layout():
                         distributed_optimizer=(False,), sequence_parallel=False)
     assert 35 in space.pipeline_sizes(8) and space.why_empty() is None
     model = PerformanceModel(run_spec(run), PRESETS["a100"])
-    memory = model.memory(TrainingLayout("1f1b", 35, 9, 1, 280, True, T=8))
+    memory = model.memory(TrainingPlan("1f1b", 35, 9, 1, 280, True, T=8))
     assert max(m.total_bytes for m in memory) < 80e9
 
 
@@ -504,7 +504,7 @@ def test_predict_prints_and_writes_one_layout(tmp_path, capsys):
     for text in ("iteration:", "TFLOP/s per GPU:", "bubble:", "peak memory per rank:"):
         assert text in out
     record = json.loads(path.read_text())
-    layout = TrainingLayout.of("chimera", 4, 1, 2, 8, True, T=2, sequence_parallel=True,
+    layout = TrainingPlan.of("chimera", 4, 1, 2, 8, True, T=2, sequence_parallel=True,
                                recompute_granularity="selective", pipes=2)
     spec = ModelSpec(ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4,
                                  seq_length=32, vocab_size=500, params_dtype="bf16"), "gpt2")

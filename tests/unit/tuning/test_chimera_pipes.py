@@ -27,9 +27,9 @@ import dataclasses
 import pytest
 
 from megatron_chimera.config import ModelConfig
-from megatron_chimera.tuning.costs import ModelSpec
+from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingLayout
+from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
 
 PIPES = (2, 4, 8, 16)
 
@@ -54,7 +54,7 @@ def best_times(spec: ModelSpec, hardware: HardwareProfile, N: int = 32) -> dict[
     limit = 0.9 * hardware.memory_gb * 1e9
     result = {}
     for pipes in PIPES:
-        fits = [p.iteration_s for p in (model.predict(TrainingLayout.of(
+        fits = [p.iteration_s for p in (model.predict(TrainingPlan.of(
             "chimera", 32, 2, 1, N, recompute=rc, pipes=pipes)) for rc in (False, True))
             if p.peak_memory_bytes <= limit]
         result[pipes] = min(fits)
@@ -67,13 +67,13 @@ def test_the_head_stage_imbalance_makes_more_pipes_faster_at_the_aries_bandwidth
     The all-reduce of more replicas is mostly hidden (less than 0.1 s exposed)."""
     spec = gpt2(32)
     model = PerformanceModel(spec, PRESETS["p100"])
-    layout = TrainingLayout.of("chimera", 32, 2, 1, 32, pipes=2)
+    layout = TrainingPlan.of("chimera", 32, 2, 1, 32, pipes=2)
     pieces = model.partition(layout)
     layer, head = (model.stage_times(layout, pieces[i]) for i in (5, 31))
     assert 3.0 < head.forward / layer.forward < 5.0
     times = best_times(spec, PRESETS["p100"])
     assert [times[p] for p in PIPES] == sorted((times[p] for p in PIPES), reverse=True)
-    sim = model.simulate(TrainingLayout.of("chimera", 32, 2, 1, 32, pipes=16))
+    sim = model.simulate(TrainingPlan.of("chimera", 32, 2, 1, 32, pipes=16))
     assert sim.makespan - sim.compute_span < 0.1
 
 
@@ -95,7 +95,7 @@ def test_sixteen_pipes_of_the_64_layer_gpt2_do_not_fit_16_gb_without_recomputati
     spec, p100 = gpt2(64), PRESETS["p100"]
     model = PerformanceModel(spec, p100)
     limit = 0.9 * p100.memory_gb * 1e9
-    plain = model.predict(TrainingLayout.of("chimera", 32, 2, 1, 32, pipes=16))
+    plain = model.predict(TrainingPlan.of("chimera", 32, 2, 1, 32, pipes=16))
     assert plain.peak_memory_bytes > limit
     assert max(m.weight_bytes for m in plain.memory) > 10 * 2**30
     times = best_times(spec, p100)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from megatron_chimera.config import ModelConfig
+from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.autotune import SearchSpace, autotune, enumerate_layouts
 from megatron_chimera.tuning.command import pretrain_flags
-from megatron_chimera.tuning.costs import ModelSpec
 from megatron_chimera.tuning.hardware import PRESETS
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingLayout
+from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
 
 LONG = ModelSpec(ModelConfig(num_layers=8, hidden_size=512, num_attention_heads=8,
                              seq_length=16384, vocab_size=32000, params_dtype="bf16"), "gpt2")
@@ -31,8 +31,8 @@ def test_the_space_has_cp_and_slices_where_they_apply():
 
 def test_context_parallel_halves_activations_and_pays_the_ring():
     model = PerformanceModel(LONG, PRESETS["a100"])
-    one = TrainingLayout("1f1b", 4, 2, 1, 8)
-    two = TrainingLayout("1f1b", 4, 1, 1, 8, CP=2)
+    one = TrainingPlan("1f1b", 4, 2, 1, 8)
+    two = TrainingPlan("1f1b", 4, 1, 1, 8, CP=2)
     m1, m2 = model.memory(one)[0], model.memory(two)[0]
     assert m2.activation_bytes / m1.activation_bytes == pytest.approx(0.5, rel=0.1)
     piece = model.partition(two)[1]
@@ -45,13 +45,13 @@ def test_context_parallel_halves_activations_and_pays_the_ring():
 
 def test_slices_shrink_the_bubble_and_the_activations_of_few_long_sequences():
     model = PerformanceModel(LONG, PRESETS["a100"])
-    plain = model.predict(TrainingLayout("1f1b", 8, 1, 1, 4))
-    sliced = model.predict(TrainingLayout("1f1b", 8, 1, 1, 4, slices=4))
+    plain = model.predict(TrainingPlan("1f1b", 8, 1, 1, 4))
+    sliced = model.predict(TrainingPlan("1f1b", 8, 1, 1, 4, slices=4))
     assert sliced.iteration_s < 0.75 * plain.iteration_s  # bubble 64% -> ~30%
     # N < D: every sequence is live on rank 0 in both; a unit is a quarter sequence, and the
     # sliced peak adds the keys/values of the earlier slices (all 4 sequences' 16 units live)
-    from megatron_chimera.tuning.memory import slice_cache_bytes
-    partition = model.partition(TrainingLayout("1f1b", 8, 1, 1, 4, slices=4))
+    from megatron_chimera.tuning.rank_memory import slice_cache_bytes
+    partition = model.partition(TrainingPlan("1f1b", 8, 1, 1, 4, slices=4))
     extra = 16 * slice_cache_bytes(LONG, partition, 1, 4)[0]
     assert sliced.memory[0].activation_bytes == pytest.approx(
         plain.memory[0].activation_bytes + extra, rel=0.02)

@@ -12,13 +12,13 @@ from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.simulate import CostModel, simulate
-from megatron_chimera.tuning.costs import ModelSpec, StagePiece, stage_forward_flops
+from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece, stage_forward_flops
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile, load_hardware
 from megatron_chimera.tuning.operators import K_FILL, Gemm, gemm_seconds, shape_efficiency
 from megatron_chimera.tuning.perf_model import (
     PerformanceModel,
     StageTimes,
-    TrainingLayout,
+    TrainingPlan,
     chimera_eq1_time,
 )
 
@@ -64,7 +64,7 @@ def test_zero_communication_model_equals_simulator_on_flop_costs(name, options, 
     """The prediction is the simulator's makespan under per-stage FLOP times computed by hand."""
     spec = gpt()
     D, B = 4, 2
-    layout = TrainingLayout.of(name, D, 1, B, N, **options)
+    layout = TrainingPlan.of(name, D, 1, B, N, **options)
     prediction = PerformanceModel(spec, ZERO_COMM).predict(layout)
     s, h, v = 32, 64, spec.config.padded_vocab_size
     rate = 10e12 * 0.5
@@ -88,7 +88,7 @@ def test_basic_unit_reduces_to_eq1(D, forward, backward):
     """Basic unit (N = D), zero communication, B_t >= F_t: T = F_t N + B_t (N + D - 2)."""
     model = PerformanceModel(gpt(num_layers=16), ZERO_COMM,
                              compute=UniformCompute(forward, backward))
-    prediction = model.predict(TrainingLayout.of("chimera", D, 1, 1, D, pipes=2))
+    prediction = model.predict(TrainingPlan.of("chimera", D, 1, 1, D, pipes=2))
     assert prediction.iteration_s == pytest.approx(
         forward * D + backward * (2 * D - 2), rel=1e-12)
     assert prediction.iteration_s == pytest.approx(chimera_eq1_time(forward, backward, D, D))
@@ -100,7 +100,7 @@ def test_basic_unit_with_forward_heavier_than_backward(D):
     forward, backward = 2.0, 1.0
     model = PerformanceModel(gpt(num_layers=16), ZERO_COMM,
                              compute=UniformCompute(forward, backward))
-    time = model.predict(TrainingLayout.of("chimera", D, 1, 1, D, pipes=2)).iteration_s
+    time = model.predict(TrainingPlan.of("chimera", D, 1, 1, D, pipes=2)).iteration_s
     assert time == pytest.approx(forward * (2 * D - 2) + backward * D)
     with pytest.raises(ValueError, match="backward >= forward"):
         chimera_eq1_time(forward, backward, D, D)
@@ -115,7 +115,7 @@ def test_rabenseifner_allreduce_on_hand_computed_case():
     link = LinkProfile(alpha, bandwidth)
     hw = HardwareProfile("ar", 10.0, 20.0, 0.5, 16.0, 1, link, link)
     model = PerformanceModel(spec, hw, compute=UniformCompute(0.0, 0.0))
-    layout = TrainingLayout.of("chimera", 2, 2, 1, 2, pipes=2)  # r = 2 pipes x W=2 = 4
+    layout = TrainingPlan.of("chimera", 2, 2, 1, 2, pipes=2)  # r = 2 pipes x W=2 = 4
     h, v, seq = 64, spec.config.padded_vocab_size, 32
     per_layer = 12 * h * h + 13 * h
     stage0 = 4 * per_layer + v * h + seq * h
@@ -144,22 +144,22 @@ def test_two_level_network_picks_intra_or_inter_node_links():
     def edges(costs) -> dict:
         return {(a, b): (alpha, beta) for a, b, alpha, beta in costs.p2p_edges}
 
-    one_node = model.cost_model(TrainingLayout("1f1b", 8, 1, 1, 8))
+    one_node = model.cost_model(TrainingPlan("1f1b", 8, 1, 1, 8))
     assert set(edges(one_node).values()) == {link["intra"]} and len(edges(one_node)) == 14
     assert one_node.allreduce_alpha == intra.alpha_s
     # D=8, W=2: pipeline 0 is ranks 0, 2, ..., 14: its hop 3 <-> 4 (global 6 <-> 8) crosses
     # nodes, every other hop stays inside one; each stage's replicas {2s, 2s+1} share a node
-    two_nodes = model.cost_model(TrainingLayout("1f1b", 8, 2, 1, 8))
+    two_nodes = model.cost_model(TrainingPlan("1f1b", 8, 2, 1, 8))
     crossing = {pair for pair, value in edges(two_nodes).items() if value == link["inter"]}
     assert crossing == {(3, 4), (4, 3)}
     assert two_nodes.p2p_time(3, 4) > two_nodes.p2p_time(2, 3) == one_node.p2p_time(2, 3)
     assert two_nodes.allreduce_alpha == intra.alpha_s
     # D=2, W=8: stage replicas are ranks 0..7 (one node); the only hop is 0 -> 8
-    wide = model.cost_model(TrainingLayout("1f1b", 2, 8, 1, 2))
+    wide = model.cost_model(TrainingPlan("1f1b", 2, 8, 1, 2))
     assert edges(wide) == {(0, 1): link["inter"], (1, 0): link["inter"]}
     assert wide.allreduce_alpha == intra.alpha_s
     # Chimera D=2, W=8: stage 0 is held by pipeline ranks 0 (down) and 1 (up): 16 ranks, 2 nodes
-    chimera = model.cost_model(TrainingLayout.of("chimera", 2, 8, 1, 2, pipes=2))
+    chimera = model.cost_model(TrainingPlan.of("chimera", 2, 8, 1, 2, pipes=2))
     assert chimera.allreduce_alpha == inter.alpha_s
 
 
@@ -197,7 +197,11 @@ def test_gemm_shape_efficiency_follows_tiles_waves_and_depth():
 
 
 def test_emulated_compute_prediction_is_the_simulator_with_the_benchmark_costs():
-    from megatron_chimera.tuning.validation import EmulatedCompute, emulated_model, layout_of_row
+    from megatron_chimera.tuning.emulated_validation import (
+        EmulatedCompute,
+        emulated_model,
+        layout_of_row,
+    )
 
     link = LinkProfile(1e-3, math.inf)
     compute = EmulatedCompute(0.02, 0.04, 0.02)
@@ -227,7 +231,7 @@ def test_emulated_compute_prediction_is_the_simulator_with_the_benchmark_costs()
 def test_benchmark_rows_of_split_schedules_compare_without_crashing(name):
     """``costs=unit`` rows are predicted with the order the generator builds for 1,1,1, the
     others with the order built for the emulated costs (what the benchmark ran)."""
-    from megatron_chimera.tuning.validation import EmulatedCompute, compare
+    from megatron_chimera.tuning.emulated_validation import EmulatedCompute, compare
 
     link = LinkProfile(0.0, math.inf)
     compute = EmulatedCompute(0.02, 0.05, 0.01)  # F : B : W = 1 : 2 : 0.5
@@ -271,7 +275,7 @@ def test_measured_optimizer_step_is_added_after_the_makespan():
     compute = MeasuredCompute(spec, device="cpu", warmup=0, iters=1)
     assert compute.optimizer_step_s(2000) == pytest.approx(2 * compute.optimizer_step_s(1000))
     model = PerformanceModel(spec, ZERO_COMM, compute=compute)
-    layout = TrainingLayout("1f1b", 2, 1, 2, 4)
+    layout = TrainingPlan("1f1b", 2, 1, 2, 4)
     prediction = model.predict(layout)
     params = [p.numel() for p in GPTModel(spec.config, True, False, (0, 2)).parameters()]
     step = compute.optimizer_step_s(sum(params))
@@ -289,7 +293,7 @@ def test_link_busy_time_counts_the_messages_and_the_all_reduce_shares_each_rank_
     link = LinkProfile(0.0, bandwidth)
     hw = HardwareProfile("nic", 10.0, 20.0, 0.5, 16.0, 1, link, link)
     model = PerformanceModel(spec, hw, compute=UniformCompute(0.0, 0.0))
-    layout = TrainingLayout.of("gpipe", 2, 2, 1, 4)
+    layout = TrainingPlan.of("gpipe", 2, 2, 1, 4)
     beta = 1 / (bandwidth * 1e9)
     message = spec.config.seq_length * spec.config.hidden_size * 4  # one [s, b, h] fp32
     grads = model.cost_model(layout).grad_bytes
@@ -298,4 +302,4 @@ def test_link_busy_time_counts_the_messages_and_the_all_reduce_shares_each_rank_
     assert model.simulate(layout).makespan < expected
     assert model.predict(layout).iteration_s == pytest.approx(expected, rel=1e-12)
     # D = 1 without data parallelism sends nothing
-    assert model.link_busy_s(TrainingLayout.of("1f1b", 1, 1, 1, 4)) == 0.0
+    assert model.link_busy_s(TrainingPlan.of("1f1b", 1, 1, 1, 4)) == 0.0

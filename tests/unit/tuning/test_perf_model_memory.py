@@ -13,15 +13,15 @@ from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.optimizer.accounting import measure_state_bytes
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.simulate import peak_inflight
-from megatron_chimera.tuning.costs import ModelSpec, uniform_partition
+from megatron_chimera.tuning.analytic_costs import ModelSpec, uniform_partition
 from megatron_chimera.tuning.hardware import PRESETS
-from megatron_chimera.tuning.memory import (
+from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.rank_memory import (
     embedding_group_size,
     peak_activation_bytes,
     rank_memory,
     stage_replicas,
 )
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingLayout
 
 
 def small(params_dtype: str = "fp32") -> ModelConfig:
@@ -108,8 +108,8 @@ def test_activation_peak_weights_stages_by_their_bytes():
 def test_recomputation_shrinks_activations_and_over_memory_grows_with_microbatch():
     spec = ModelSpec(small(), "gpt2")
     model = PerformanceModel(spec, PRESETS["p100"])
-    plain = model.memory(TrainingLayout("gpipe", 4, 1, 4, 8))
-    recompute = model.memory(TrainingLayout("gpipe", 4, 1, 4, 8, recompute=True))
+    plain = model.memory(TrainingPlan("gpipe", 4, 1, 4, 8))
+    recompute = model.memory(TrainingPlan("gpipe", 4, 1, 4, 8, recompute=True))
     assert all(r.activation_bytes < p.activation_bytes for p, r in zip(plain, recompute))
-    bigger = model.memory(TrainingLayout("gpipe", 4, 1, 8, 8))
+    bigger = model.memory(TrainingPlan("gpipe", 4, 1, 8, 8))
     assert all(b.activation_bytes > p.activation_bytes for p, b in zip(plain, bigger))

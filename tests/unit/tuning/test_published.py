@@ -13,9 +13,9 @@ from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.errors import UsageError
 from megatron_chimera.model import flops
 from megatron_chimera.model.family import get_family
-from megatron_chimera.tuning.costs import ModelSpec, StagePiece
+from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import PRESETS, load_hardware, load_hardware_profile
-from megatron_chimera.tuning.perf_model import AnalyticCompute, PerformanceModel, TrainingLayout
+from megatron_chimera.tuning.perf_model import AnalyticCompute, PerformanceModel, TrainingPlan
 from megatron_chimera.tuning.published import (
     MEGATRON_TABLE1,
     MEGATRON_TABLE2,
@@ -137,7 +137,7 @@ def test_selective_recomputation_costs_less_than_full_and_keeps_less_memory_than
     and full; its activations between full and none; the command says selective."""
     model = PerformanceModel(small(), PRESETS["a100"])
     piece = StagePiece((0, 2), False, False)
-    base = TrainingLayout("1f1b", 2, 1, 2, 4)
+    base = TrainingPlan("1f1b", 2, 1, 2, 4)
     none, full, selective = (dataclasses.replace(base, recompute=r, recompute_granularity=g)
                              for r, g in ((False, "full"), (True, "full"),
                                           (True, "selective")))
@@ -148,7 +148,7 @@ def test_selective_recomputation_costs_less_than_full_and_keeps_less_memory_than
     assert memory[0] < memory[1] < memory[2]
     assert "selective" in selective.describe()
     with pytest.raises(ConfigError, match="--recompute-granularity"):
-        TrainingLayout("1f1b", 2, 1, 2, 4, True, recompute_granularity="block")
+        TrainingPlan("1f1b", 2, 1, 2, 4, True, recompute_granularity="block")
 
 
 def test_memory_bound_kernels_and_the_unfused_attention_cost_bandwidth():
@@ -174,7 +174,7 @@ def test_pipeline_scatter_gather_shrinks_messages_and_adds_a_gather():
     scatter/gather) and the receiving stage all-gathers it over the tensor-parallel link."""
     spec = small()
     model = PerformanceModel(spec, PRESETS["a100"])
-    one = TrainingLayout("1f1b", 2, 1, 2, 4)
+    one = TrainingPlan("1f1b", 2, 1, 2, 4)
     two = dataclasses.replace(one, T=2)
     assert model.message_bytes(two) == model.message_bytes(one) // 2
     first, last = model.partition(two)

@@ -27,7 +27,7 @@ from megatron_chimera.model import flops
 from megatron_chimera.model.family import ModelFamily, get_family
 from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.model.partition import stage_parameters as partition_stage_parameters
-from megatron_chimera.model.stage_layout import is_layout, layout_partition
+from megatron_chimera.model.stage_split import is_layout, layout_partition
 from megatron_chimera.tuning.hardware import LinkProfile
 
 

@@ -46,7 +46,7 @@ from megatron_chimera.schedules.lowering import (
     lower,
 )
 from megatron_chimera.schedules.simulate import peak_inflight
-from megatron_chimera.tuning.costs import ModelSpec, StagePiece
+from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 
 
 @dataclass(frozen=True)

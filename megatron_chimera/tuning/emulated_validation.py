@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.schedules.chimera import CONCAT_NAMES
 from megatron_chimera.schedules.registry import get_spec
-from megatron_chimera.tuning.costs import ModelSpec, StagePiece
+from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
-from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingLayout
+from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingPlan
 
 LAYERS_PER_RANK = 4  # enough for interleaved v = 2 and 4 in the emulated model
 
@@ -48,7 +48,7 @@ def emulated_model(D: int, compute: EmulatedCompute, link: LinkProfile,
                             device_type="cpu")
 
 
-def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingLayout:
+def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingPlan:
     """The layout a benchmark row ran (W = 1, B = 1).
 
     The row's ``costs`` option names what a split-backward order was built for: ``unit`` (the
@@ -64,7 +64,7 @@ def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingL
         options.setdefault("pipes", row["pipes"])
     if "concat" in fields and row.get("concat") in CONCAT_NAMES:  # the basic unit has none
         options.setdefault("concat", row["concat"])
-    layout = TrainingLayout.of(row["schedule"], row["D"], 1, 1, row["N"], **options)
+    layout = TrainingPlan.of(row["schedule"], row["D"], 1, 1, row["N"], **options)
     if model is not None and spec.split_backward and given.get("costs") != "unit":
         costs = dataclasses.replace(model.stage_costs(layout),
                                     p2p=float(given.get("p2p_us", 0)) * 1e-6)

@@ -164,7 +164,12 @@ class ArchiveChunkWriter(FileSystemWriter):
     def _write_chunk(cls, handle, name: str, item: WriteItem, planner: SavePlanner) -> WriteResult:
         if item.type == WriteItemType.BYTE_IO:
             raise ValueError(f"{item.index.fqn}: only tensors are written as chunks")
-        tensor = planner.resolve_data(item).detach().contiguous()
+        return cls._write_tensor(handle, name, item.index, planner.resolve_data(item))
+
+    @classmethod
+    def _write_tensor(cls, handle, name: str, index: MetadataIndex,
+                      tensor: torch.Tensor) -> WriteResult:
+        tensor = tensor.detach().contiguous()
         data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
         head, tail = archive_parts(tensor.dtype, tuple(tensor.shape), len(data))
         offset = handle.tell()
@@ -175,7 +180,57 @@ class ArchiveChunkWriter(FileSystemWriter):
         info = _StorageInfo(name, offset, length)
         if cls.write_checksums:
             setattr(info, CHECKSUMS, BlockChecksums.of(data).encode())
-        return WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
+        return WriteResult(index=index, size_in_bytes=length, storage_data=info)
+
+
+class StreamedChunkWriter(ArchiveChunkWriter):
+    """An :class:`ArchiveChunkWriter` (one process) whose values come from ``tensors`` -- whole
+    tensors ``(fqn, tensor)`` in any order, each written as it arrives and then dropped, so a
+    save holds one tensor at a time -- instead of from the planner: the plan (built from
+    tensors of the same shapes and dtypes, e.g. on the ``meta`` device) must name each of them
+    once, as one chunk at offsets 0. An error raised while iterating ``tensors`` is kept in
+    ``error`` (DCP wraps it in a CheckpointException; :func:`save_chunks` raises it as it was)."""
+
+    def __init__(self, path: str, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        super().__init__(path)
+        self._tensors = tensors
+        self.error: BaseException | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        try:
+            return self._write_stream(plan)
+        except Exception as exc:  # noqa: BLE001 - kept to be re-raised unwrapped
+            self.error = exc
+            raise
+
+    def _write_stream(self, plan: SavePlan) -> Future:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        path = os.path.join(str(self.path), name)
+        planned = {item.index.fqn: item for item in plan.items}
+        results = []
+        try:
+            with open(path, "wb") as handle:
+                for fqn, tensor in self._tensors:
+                    item = planned.pop(fqn, None)
+                    if item is None or item.tensor_data is None:
+                        raise ValueError(f"{fqn}: not a tensor of the plan (or given twice)")
+                    data = item.tensor_data
+                    if (tuple(tensor.shape) != tuple(data.size)
+                            or tensor.dtype != data.properties.dtype
+                            or any(data.chunk.offsets)):
+                        raise ValueError(f"{fqn}: {tuple(tensor.shape)} {tensor.dtype}, planned "
+                                         f"{tuple(data.size)} {data.properties.dtype}")
+                    results.append(self._write_tensor(handle, name, item.index, tensor))
+                    del tensor  # the next one is read only after this one is dropped
+                if planned:
+                    raise ValueError(f"{', '.join(sorted(planned)[:4])}: planned, never given")
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, path) from None
+        future: Future = Future()
+        future.set_result(results)
+        return future
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
@@ -478,13 +533,22 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def save_chunks(path: str, chunks: dict[ChunkKey, SaveChunk], process_group=None) -> None:
+def save_chunks(path: str, chunks: dict[ChunkKey, SaveChunk], process_group=None,
+                tensors: Iterator[tuple[str, torch.Tensor]] | None = None) -> None:
     """Collectively write every rank's ``chunks`` under directory ``path`` (DCP files plus
-    ``.metadata``; every file fsynced)."""
-    with _single_process_quiet():
-        dcp.save({}, storage_writer=ArchiveChunkWriter(path),
-                 planner=ChunkSavePlanner(chunks), process_group=process_group,
-                 no_dist=not dist.is_initialized())
+    ``.metadata``; every file fsynced). ``tensors`` (one process): the values, whole tensors
+    streamed one at a time (:class:`StreamedChunkWriter`); ``chunks`` then only plan them."""
+    writer = (ArchiveChunkWriter(path) if tensors is None
+              else StreamedChunkWriter(path, tensors))
+    try:
+        with _single_process_quiet():
+            dcp.save({}, storage_writer=writer, planner=ChunkSavePlanner(chunks),
+                     process_group=process_group, no_dist=not dist.is_initialized())
+    except BaseException:  # noqa: BLE001 - DCP's CheckpointException wraps the stream's error
+        error = getattr(writer, "error", None)
+        if error is not None and not isinstance(error, OSError):
+            raise error from None
+        raise
 
 
 def check_requests(path: str, metadata: Metadata, requests: dict[ChunkKey, torch.Tensor]) -> None:

@@ -1,8 +1,8 @@
 """Read a Megatron-core ``torch_dist`` iteration with torch.distributed.checkpoint's own reader.
 
 The chunks are stock DCP (``FileSystemReader`` reads them; Megatron need not be installed). One
-tensor is loaded at a time, so a conversion holds at most one Megatron tensor besides the model
-being built. Layers are stacked on dim 0 (``decoder.layers.<suffix>`` is ``[L, ...]``); the reader
+tensor is loaded at a time, so a conversion holds about one Megatron tensor (a stacked one's
+layers are views of it). Layers are stacked on dim 0 (``decoder.layers.<suffix>`` is ``[L, ...]``); the reader
 yields each layer's slice under its indexed name (``decoder.layers.{i}.<suffix>``).
 """
 
@@ -152,5 +152,5 @@ class TorchDistReader:
                     f"{self.path}: {key!r} has shape {tuple(tensor.shape)}, not stacked over the "
                     f"{num_layers} layers of args.num_layers (an unknown layout)")
             for index in range(num_layers):
-                yield layer_name(index, suffix), tensor[index].clone()
+                yield layer_name(index, suffix), tensor[index]  # a view: no second copy
             del tensor

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
 from megatron_chimera.checkpoint.dcp_io import (
+    ChunkKey,
     SaveChunk,
     failure_message,
     save_chunks,
@@ -265,7 +266,7 @@ class SaveJob:
     common: dict[str, Any] | None
     memory: PeakHostMemory | None = None
     peak_bytes_per_rank: list[int | None] | None = None
-    tensors: Iterator[tuple[str, torch.Tensor]] | None = None  # streamed values (one process)
+    tensors: Iterator[tuple[ChunkKey, torch.Tensor]] | None = None  # streamed values (one process)
 
     @property
     def final(self) -> str:
@@ -330,7 +331,8 @@ def save_streamed(root: str, contents: CheckpointContents,
         name = global_name(local, stage.layer_range[0])
         chunks[(f"model/{names[name]}", (0,) * tensor.dim())] = SaveChunk(
             tuple(tensor.shape), tensor.detach())
-    stream = ((f"model/{names[name]}", tensor) for name, tensor in tensors)
+    stream = (((f"model/{names[name]}", (0,) * tensor.dim()), tensor)
+              for name, tensor in tensors)
     common = _common_payload(contents, None, 1, FORMAT_TORCH_DIST)
     return SaveJob(root, contents.iteration, 0, chunks, get_rng_state(), common,
                    tensors=stream).run(lambda: None)

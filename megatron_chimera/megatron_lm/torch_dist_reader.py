@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron_chimera.checkpoint.dcp_io import ChunkLoadPlanner, SafeReader
 from megatron_chimera.checkpoint.megatron_format import (
     MegatronCheckpointError,
     damaged_zip_member,
@@ -59,6 +60,18 @@ class _FileSlice(io.RawIOBase):
         buffer[:len(data)] = data
         self._pos += len(data)
         return len(data)
+
+
+class _InPlaceReader(SafeReader):
+    """Our reader of DCP chunks (each chunk's bytes read straight into the tensor: no copy of
+    the chunk besides the result) over metadata the TorchDistReader has already read."""
+
+    def __init__(self, path: str, metadata) -> None:
+        super().__init__(path)
+        self._given = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        return self._given
 
 
 class TorchDistReader:
@@ -116,18 +129,19 @@ class TorchDistReader:
         naming its file and ``key``."""
         self.verify(key)
         meta = self.tensors[key]
-        out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "assuming the intent is to load in a single..."
-                dcp.load(out, storage_reader=FileSystemReader(self.path), no_dist=True)
+                dcp.load({}, storage_reader=_InPlaceReader(self.path, self.metadata),
+                         planner=ChunkLoadPlanner({(key, (0,) * out.dim()): out}), no_dist=True)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a BaseException
             # (CheckpointException) wrapping the reader's error on a damaged chunk
             files = ", ".join(self.files_of(key)) or self.path
             raise MegatronCheckpointError(
                 f"Megatron checkpoint file {files} is corrupt or truncated (reading tensor "
                 f"{key!r}: {type(exc).__name__})") from None
-        return out[key]
+        return out
 
     def model_keys(self) -> list[str]:
         """Tensor keys of the model (the optimizer's ``optimizer.*`` and RNG left out)."""

@@ -334,8 +334,12 @@ def save_streamed(root: str, contents: CheckpointContents,
     stream = (((f"model/{names[name]}", (0,) * tensor.dim()), tensor)
               for name, tensor in tensors)
     common = _common_payload(contents, None, 1, FORMAT_TORCH_DIST)
-    return SaveJob(root, contents.iteration, 0, chunks, get_rng_state(), common,
-                   tensors=stream).run(lambda: None)
+    job = SaveJob(root, contents.iteration, 0, chunks, get_rng_state(), common, tensors=stream)
+    try:
+        return job.run(lambda: None)
+    except BaseException:  # a tensor refused mid-stream: nothing half-written stays behind
+        shutil.rmtree(job.final + ".staging", ignore_errors=True)
+        raise
 
 
 def _save_stage_files(staging: str, stages: list[StageSlice], optimizer: Any | None) -> None:

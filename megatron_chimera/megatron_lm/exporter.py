@@ -145,7 +145,11 @@ def export_megatron(load: str, save: str, overwrite: bool = False) -> MegatronEx
     plan = {(key, (0,) * len(shape)): SaveChunk(shape, torch.empty(shape, dtype=dtype,
                                                                   device="meta"))
             for key, (shape, dtype, _) in keys.items()}
-    save_chunks(staging, plan, tensors=tensors, objects=_extra_states(config.num_layers))
+    try:
+        save_chunks(staging, plan, tensors=tensors, objects=_extra_states(config.num_layers))
+    except BaseException:  # nothing half-written stays behind
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     common_out = {"args": args_from_model_config(config, iteration),
                   "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                   "num_floating_point_operations_so_far": 0}

@@ -5,7 +5,7 @@ the largest tensor they convert.
 
 Writes a Llama-like Megatron-LM checkpoint (T=2 x P=2; ``torch_dist`` and legacy files, with the
 test suite's fixture writer, tests/helpers/megatron_checkpoints.py) into a temporary directory,
-then, in a fresh process each, imports it and exports the import again. Each child first converts
+then imports it and exports the import again, each in a fresh process. Each child first converts
 a tiny checkpoint the same way (so every module the conversion imports is loaded and the
 allocator warmed), resets its peak RSS (``/proc/self/clear_refs``), and prints the growth of its
 peak RSS over the conversion divided by the model's bytes and by the largest stored tensor (a
@@ -56,27 +56,40 @@ def _measure(convert) -> int:
     return (_rss_kib("VmHWM") - base) * 1024
 
 
-def _child(fmt: str, tmp: str, hidden: int, layers: int, vocab: int) -> None:
+def _sizes(tensors: dict) -> list[int]:
+    """The bytes of every tensor of a DCP ``state_dict_metadata`` (other items left out)."""
+    return [m.size.numel() * m.properties.dtype.itemsize for m in tensors.values()
+            if hasattr(m, "chunks")]
+
+
+def _child(fmt: str, what: str, tmp: str) -> None:
+    from megatron_chimera.checkpoint.checkpointing import checkpoint_dir
+    from megatron_chimera.checkpoint.dcp_io import read_metadata
     from megatron_chimera.checkpoint.megatron_format import find_megatron_checkpoint
     from megatron_chimera.megatron_lm.exporter import export_megatron
     from megatron_chimera.megatron_lm.importer import import_megatron
     from megatron_chimera.megatron_lm.torch_dist_reader import TorchDistReader
 
-    tmp_path = Path(tmp)
-    _write(tmp_path / "tiny", fmt, 64, 2, 256)  # the warm-up
-    import_megatron(str(tmp_path / "tiny"), str(tmp_path / "tiny_ours"))
-    export_megatron(str(tmp_path / "tiny_ours"), str(tmp_path / "tiny_back"))
-    source = tmp_path / "megatron"
-    imported = _measure(lambda: import_megatron(str(source), str(tmp_path / "ours")))
-    exported = _measure(lambda: export_megatron(str(tmp_path / "ours"), str(tmp_path / "back")))
-    reader = TorchDistReader(find_megatron_checkpoint(str(tmp_path / "back")).path)
-    sizes = [m.size.numel() * m.properties.dtype.itemsize for m in reader.tensors.values()]
-    model = sum(sizes)
-    largest = max(sizes)
-    for what, growth in (("import", imported), ("export", exported)):
-        print(f"{fmt:>10} {what}: model {model / 2**20:7.1f} MiB, largest tensor "
-              f"{largest / 2**20:6.1f} MiB, peak RSS growth {growth / 2**20:7.1f} MiB: "
-              f"{growth / model:.2f} x model, {growth / largest:.2f} x largest tensor")
+    tmp_path, tiny = Path(tmp), Path(tmp) / what
+    _write(tiny / "megatron", fmt, 64, 2, 256)  # the warm-up, as measured
+    import_megatron(str(tiny / "megatron"), str(tiny / "ours"))
+    if what == "import":
+        growth = _measure(lambda: import_megatron(str(tmp_path / "megatron"),
+                                                  str(tmp_path / "ours")))
+    else:
+        export_megatron(str(tiny / "ours"), str(tiny / "back"))
+        growth = _measure(lambda: export_megatron(str(tmp_path / "ours"), str(tmp_path / "back")))
+    # the model: our tensors; the largest: ours or Megatron's as stored on either side (a
+    # stacked torch_dist tensor whole: the import reads it, the export writes it, as one)
+    ours = _sizes(read_metadata(checkpoint_dir(str(tmp_path / "ours"), 0)).state_dict_metadata)
+    model, largest = sum(ours), max(ours)
+    for side in ("megatron", "back"):
+        found = find_megatron_checkpoint(str(tmp_path / side))
+        if found is not None and found.format == "torch_dist":
+            largest = max(largest, *_sizes(TorchDistReader(found.path).tensors))
+    print(f"{fmt:>10} {what}: model {model / 2**20:7.1f} MiB, largest tensor "
+          f"{largest / 2**20:6.1f} MiB, peak RSS growth {growth / 2**20:7.1f} MiB: "
+          f"{growth / model:.2f} x model, {growth / largest:.2f} x largest tensor")
 
 
 def main() -> None:
@@ -85,19 +98,18 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sizes = (args.hidden_size, args.num_layers, args.vocab)
     if args.child:
-        _child(args.child[0], args.child[1], *sizes)
+        _child(*args.child)
         return
     for fmt in ("torch_dist", "legacy"):
         with tempfile.TemporaryDirectory() as tmp:
-            _write(Path(tmp) / "megatron", fmt, *sizes)
+            _write(Path(tmp) / "megatron", fmt, args.hidden_size, args.num_layers, args.vocab)
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            subprocess.run([sys.executable, __file__, "--child", fmt, tmp, "--hidden-size",
-                            str(args.hidden_size), "--num-layers", str(args.num_layers),
-                            "--vocab", str(args.vocab)], check=True, env=env)
+            for what in ("import", "export"):  # a fresh process each: no memory reused
+                subprocess.run([sys.executable, __file__, "--child", fmt, what, tmp], check=True,
+                               env=env)
 
 
 if __name__ == "__main__":

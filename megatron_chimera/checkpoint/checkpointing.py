@@ -331,10 +331,14 @@ def save_streamed(root: str, contents: CheckpointContents,
         name = global_name(local, stage.layer_range[0])
         chunks[(f"model/{names[name]}", (0,) * tensor.dim())] = SaveChunk(
             tuple(tensor.shape), tensor.detach())
-    stream = (((f"model/{names[name]}", (0,) * tensor.dim()), tensor)
-              for name, tensor in tensors)
+
+    def stream() -> Iterator[tuple[ChunkKey, torch.Tensor]]:
+        for name, tensor in tensors:
+            yield (f"model/{names[name]}", (0,) * tensor.dim()), tensor
+            del tensor  # not held while the next one is read
+
     common = _common_payload(contents, None, 1, FORMAT_TORCH_DIST)
-    job = SaveJob(root, contents.iteration, 0, chunks, get_rng_state(), common, tensors=stream)
+    job = SaveJob(root, contents.iteration, 0, chunks, get_rng_state(), common, tensors=stream())
     try:
         return job.run(lambda: None)
     except BaseException:  # a tensor refused mid-stream: nothing half-written stays behind

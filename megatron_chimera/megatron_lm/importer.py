@@ -94,6 +94,7 @@ def _checked(stream, params: dict[str, torch.Tensor], source: str):
                 f"describe {target.dtype} weights")
         filled.add(ours)
         yield ours, tensor
+        del tensor  # not held while the next one is read
     missing = sorted(set(params) - filled)
     if missing:
         raise MegatronCheckpointError(f"{source}: the checkpoint lacks {', '.join(missing[:4])}"

@@ -160,6 +160,7 @@ class TorchDistReader:
             suffix = key[len(LAYER_PREFIX):] if key.startswith(LAYER_PREFIX) else None
             if suffix is None or suffix.split(".", 1)[0].isdigit():
                 yield key, tensor  # a whole-model tensor, or an unstacked per-layer one
+                del tensor  # not held while the next one is read
                 continue
             if tensor.dim() == 0 or tensor.shape[0] != num_layers:
                 raise MegatronCheckpointError(

@@ -2,11 +2,12 @@
 
 Each file holds one (tensor rank, pipeline rank)'s part of the model, with the layer numbers
 local to its pipeline stage. The reader merges one tensor at a time (each rank's file mapped into
-memory again for its part, copied into place and let go before the next): column-parallel tensors are joined on dim 0 (``linear_qkv``: each rank
-holds whole query groups; the embedding and output layer: vocabulary rows), row-parallel ones on
-dim 1, SwiGLU's ``linear_fc1`` per rank ``[gate_r; up_r]`` into the global ``[gate; up]``, and
-replicated ones (norms, row-parallel biases) taken from tensor rank 0. The layers are renumbered
-globally by counting the stages before.
+memory again for its part, copied into place and let go before the next): column-parallel
+tensors are joined on dim 0 (``linear_qkv``: each rank holds whole query groups; the embedding
+and output layer: vocabulary rows), row-parallel ones on dim 1, SwiGLU's ``linear_fc1`` per rank
+``[gate_r; up_r]`` into the global ``[gate; up]``, and replicated ones (norms, row-parallel
+biases) taken from tensor rank 0. The layers are renumbered globally by counting the stages
+before.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from megatron_chimera.checkpoint.megatron_format import (
 )
 from megatron_chimera.megatron_lm.names import (
     EXTRA_STATE,
+    REPLICATED,
     SPLIT_COLUMNS,
     SPLIT_GATED,
-    REPLICATED,
     layer_name,
     normalise_suffix,
     split_layer_name,

@@ -1,9 +1,10 @@
 """Read a Megatron-core ``torch_dist`` iteration with torch.distributed.checkpoint's own reader.
 
-The chunks are stock DCP (``FileSystemReader`` reads them; Megatron need not be installed). One
-tensor is loaded at a time, so a conversion holds about one Megatron tensor (a stacked one's
-layers are views of it). Layers are stacked on dim 0 (``decoder.layers.<suffix>`` is ``[L, ...]``); the reader
-yields each layer's slice under its indexed name (``decoder.layers.{i}.<suffix>``).
+The chunks are stock DCP (``FileSystemReader`` reads them; Megatron need not be installed); they
+are read in place by our chunk reader. One tensor is loaded at a time, so a conversion holds
+about one Megatron tensor. Layers are stacked on dim 0 (``decoder.layers.<suffix>`` is
+``[L, ...]``); the reader yields each layer's slice (a view) under its indexed name
+(``decoder.layers.{i}.<suffix>``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ trained one step by ``pretrain_gpt2.py`` (1F1B, one process) with the printed mo
 first loss equals transformers' Llama built from the *Megatron* tensors (fp32, 1e-5 relative) and
 the first loss of Chimera D=2 (2 gloo ranks) from the same import (1e-6 relative) and of T=2 (2
 gloo ranks; the split matmuls and vocabulary-parallel cross entropy sum in another order: 1e-5
-relative), then exported with ``export-megatron`` and re-imported with the trained weights bitwise."""
+relative), then exported with ``export-megatron`` and re-imported with the trained weights
+bitwise."""
 
 from __future__ import annotations
 

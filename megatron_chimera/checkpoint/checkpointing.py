@@ -278,7 +278,7 @@ class SaveJob:
         ``process_group``; None: the default group)."""
         staging = _make_staging(self.root, self.final, self.rank, barrier)
         with write_errors_reported(staging, self.iteration, remove=self.rank == 0):
-            save_chunks(staging, self.chunks, process_group, self.tensors)
+            save_chunks(staging, self.chunks, process_group, tensors=self.tensors)
         with write_errors_reported(staging, self.iteration, remove=False):
             atomic_torch_save(self.rng, os.path.join(staging, "rng",
                                                      f"rank_{self.rank:05d}.pt"))

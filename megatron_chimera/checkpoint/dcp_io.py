@@ -570,7 +570,8 @@ def save_chunks(path: str, chunks: dict[ChunkKey, SaveChunk], process_group=None
     try:
         with _single_process_quiet():
             dcp.save({}, storage_writer=writer, planner=ChunkSavePlanner(chunks, objects),
-                     process_group=process_group, no_dist=not dist.is_initialized())
+                     process_group=process_group,  # streamed: this process alone
+                     no_dist=tensors is not None or not dist.is_initialized())
     except BaseException:  # noqa: BLE001 - DCP's CheckpointException wraps the stream's error
         error = getattr(writer, "error", None)
         if error is not None and not isinstance(error, OSError):

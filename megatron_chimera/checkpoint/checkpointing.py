@@ -29,7 +29,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +40,18 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
 from megatron_chimera.checkpoint.dcp_io import (
+    ChunkKey,
+    SaveChunk,
     failure_message,
     save_chunks,
     write_errors_reported,
 )
 from megatron_chimera.checkpoint.host_memory import PeakHostMemory
-from megatron_chimera.checkpoint.sharded import collect_save_chunks, load_sharded_tensors
+from megatron_chimera.checkpoint.sharded import (
+    collect_save_chunks,
+    load_sharded_tensors,
+    stored_names,
+)
 from megatron_chimera.checkpoint.stages import (  # noqa: F401 - re-exported
     StageSlice,
     global_name,
@@ -260,6 +266,7 @@ class SaveJob:
     common: dict[str, Any] | None
     memory: PeakHostMemory | None = None
     peak_bytes_per_rank: list[int | None] | None = None
+    tensors: Iterator[tuple[ChunkKey, torch.Tensor]] | None = None  # streamed values (one process)
 
     @property
     def final(self) -> str:
@@ -271,7 +278,7 @@ class SaveJob:
         ``process_group``; None: the default group)."""
         staging = _make_staging(self.root, self.final, self.rank, barrier)
         with write_errors_reported(staging, self.iteration, remove=self.rank == 0):
-            save_chunks(staging, self.chunks, process_group)
+            save_chunks(staging, self.chunks, process_group, tensors=self.tensors)
         with write_errors_reported(staging, self.iteration, remove=False):
             atomic_torch_save(self.rng, os.path.join(staging, "rng",
                                                      f"rank_{self.rank:05d}.pt"))
@@ -306,6 +313,37 @@ def prepare_sharded_save(root: str, contents: CheckpointContents, *, rank: int,
                                                    FORMAT_TORCH_DIST))
               if rank == 0 else None)
     return SaveJob(root, contents.iteration, rank, chunks, get_rng_state(), common, memory)
+
+
+def save_streamed(root: str, contents: CheckpointContents,
+                  tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A one-process ``torch_dist`` save of one whole-model stage without an optimizer whose
+    values stream from ``tensors`` -- (global name, whole tensor), every tensor of the stage's
+    state dict once, in any order -- so the save holds one tensor at a time (a converter's
+    bounded memory); the stage's module gives only names, shapes and dtypes (it may live on the
+    ``meta`` device). The files are those ``save_checkpoint`` writes."""
+    (stage,) = contents.stages
+    if contents.optimizer is not None and contents.save_optim:
+        raise ValueError("save_streamed writes model tensors only")
+    names = stored_names(stage)
+    chunks = {}
+    for local, tensor in stage.module.state_dict(keep_vars=True).items():
+        name = global_name(local, stage.layer_range[0])
+        chunks[(f"model/{names[name]}", (0,) * tensor.dim())] = SaveChunk(
+            tuple(tensor.shape), tensor.detach())
+
+    def stream() -> Iterator[tuple[ChunkKey, torch.Tensor]]:
+        for name, tensor in tensors:
+            yield (f"model/{names[name]}", (0,) * tensor.dim()), tensor
+            del tensor  # not held while the next one is read
+
+    common = _common_payload(contents, None, 1, FORMAT_TORCH_DIST)
+    job = SaveJob(root, contents.iteration, 0, chunks, get_rng_state(), common, tensors=stream())
+    try:
+        return job.run(lambda: None)
+    except BaseException:  # a tensor refused mid-stream: nothing half-written stays behind
+        shutil.rmtree(job.final + ".staging", ignore_errors=True)
+        raise
 
 
 def _save_stage_files(staging: str, stages: list[StageSlice], optimizer: Any | None) -> None:

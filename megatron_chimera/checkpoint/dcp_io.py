@@ -95,10 +95,12 @@ def _index(key: ChunkKey) -> MetadataIndex:
 class ChunkSavePlanner(DefaultSavePlanner):
     """Plans the writes of explicitly placed chunks (DCP deduplicates replicas globally)."""
 
-    def __init__(self, chunks: dict[ChunkKey, SaveChunk]) -> None:
+    def __init__(self, chunks: dict[ChunkKey, SaveChunk],
+                 objects: dict[str, Any] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
                          enable_plan_caching=True)
         self.chunks = chunks
+        self.objects = objects or {}  # fqn -> a non-tensor value (one torch.save'd bytes item)
         self._by_index = {_index(k): c.tensor for k, c in chunks.items()}
 
     def create_local_plan(self) -> SavePlan:
@@ -111,6 +113,8 @@ class ChunkSavePlanner(DefaultSavePlanner):
                     chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(tensor.shape)),
                     properties=TensorProperties.create_from_tensor(tensor),
                     size=torch.Size(chunk.global_size))))
+        items += [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
+                  for fqn in self.objects]
         self.plan = SavePlan(items)
         # DCP's plan caching (as DefaultSavePlanner.create_local_plan does it): a plan equal to
         # the last successful one is not sent; the coordinator reuses the cached global plan
@@ -130,6 +134,8 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return finished
 
     def lookup_object(self, index: MetadataIndex) -> Any:
+        if index.offset is None:
+            return self.objects[index.fqn]
         return self._by_index[dataclasses.replace(index, index=None)]
 
 
@@ -164,9 +170,15 @@ class ArchiveChunkWriter(FileSystemWriter):
     def _write_chunk(cls, handle, name: str, item: WriteItem, planner: SavePlanner) -> WriteResult:
         if item.type == WriteItemType.BYTE_IO:
             raise ValueError(f"{item.index.fqn}: only tensors are written as chunks")
-        tensor = planner.resolve_data(item).detach().contiguous()
+        return cls._write_tensor(handle, name, item.index, planner.resolve_data(item))
+
+    @classmethod
+    def _write_tensor(cls, handle, name: str, index: MetadataIndex, tensor: torch.Tensor,
+                      zip_crc: bool = False) -> WriteResult:
+        tensor = tensor.detach().contiguous()
         data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-        head, tail = archive_parts(tensor.dtype, tuple(tensor.shape), len(data))
+        head, tail = archive_parts(tensor.dtype, tuple(tensor.shape), len(data),
+                                   zlib.crc32(data) if zip_crc else 0)
         offset = handle.tell()
         handle.write(head)
         handle.write(data)
@@ -175,7 +187,73 @@ class ArchiveChunkWriter(FileSystemWriter):
         info = _StorageInfo(name, offset, length)
         if cls.write_checksums:
             setattr(info, CHECKSUMS, BlockChecksums.of(data).encode())
-        return WriteResult(index=item.index, size_in_bytes=length, storage_data=info)
+        return WriteResult(index=index, size_in_bytes=length, storage_data=info)
+
+
+class StreamedChunkWriter(ArchiveChunkWriter):
+    """An :class:`ArchiveChunkWriter` (one process) whose chunk values come from ``tensors`` --
+    ``((fqn, offsets), tensor)`` in any order, each written as it arrives and then dropped, so a
+    save holds one chunk at a time -- instead of from the planner: the plan (built from chunks of
+    the same shapes and dtypes, e.g. on the ``meta`` device) must name each of them once; its
+    bytes items (non-tensor objects) are written after them, as DCP's writer does. Each chunk's
+    zip records the CRC-32 of its values, as ``torch.save`` does (Megatron files are checked
+    with it), besides our block checksums. An error
+    raised while iterating ``tensors`` is kept in ``error`` (DCP wraps it in a
+    CheckpointException; :func:`save_chunks` raises it as it was)."""
+
+    def __init__(self, path: str,
+                 tensors: Iterator[tuple[ChunkKey, torch.Tensor]]) -> None:
+        super().__init__(path)
+        self._tensors = tensors
+        self.error: BaseException | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        try:
+            return self._write_stream(plan, planner)
+        except Exception as exc:  # noqa: BLE001 - kept to be re-raised unwrapped
+            self.error = exc
+            raise
+
+    def _write_stream(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        name = f"{plan.storage_data.prefix}0.distcp"
+        path = os.path.join(str(self.path), name)
+        planned = {(i.index.fqn, tuple(i.index.offset)): i for i in plan.items
+                   if i.type != WriteItemType.BYTE_IO}
+        results = []
+        try:
+            with open(path, "wb") as handle:
+                for key, tensor in self._tensors:
+                    item = planned.pop((key[0], tuple(key[1])), None)
+                    if item is None:
+                        raise ValueError(f"{key[0]} at {tuple(key[1])}: not a chunk of the plan "
+                                         "(or given twice)")
+                    data = item.tensor_data
+                    if (tuple(tensor.shape) != tuple(data.chunk.sizes)
+                            or tensor.dtype != data.properties.dtype):
+                        raise ValueError(f"{key[0]}: {tuple(tensor.shape)} {tensor.dtype}, "
+                                         f"planned {tuple(data.chunk.sizes)} "
+                                         f"{data.properties.dtype}")
+                    results.append(self._write_tensor(handle, name, item.index, tensor,
+                                                      zip_crc=True))
+                    del tensor  # the next one is read only after this one is dropped
+                if planned:
+                    raise ValueError(f"{', '.join(sorted(k[0] for k in planned)[:4])}: "
+                                     "planned, never given")
+                for item in plan.items:
+                    if item.type == WriteItemType.BYTE_IO:
+                        value = planner.resolve_data(item).getvalue()
+                        offset = handle.tell()
+                        handle.write(value)
+                        results.append(WriteResult(index=item.index, size_in_bytes=len(value),
+                                                   storage_data=_StorageInfo(name, offset,
+                                                                             len(value))))
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, path) from None
+        future: Future = Future()
+        future.set_result(results)
+        return future
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
@@ -478,13 +556,27 @@ def _single_process_quiet() -> Iterator[None]:
         yield
 
 
-def save_chunks(path: str, chunks: dict[ChunkKey, SaveChunk], process_group=None) -> None:
+def save_chunks(path: str, chunks: dict[ChunkKey, SaveChunk], process_group=None,
+                tensors: Iterator[tuple[ChunkKey, torch.Tensor]] | None = None,
+                objects: dict[str, Any] | None = None) -> None:
     """Collectively write every rank's ``chunks`` under directory ``path`` (DCP files plus
-    ``.metadata``; every file fsynced)."""
-    with _single_process_quiet():
-        dcp.save({}, storage_writer=ArchiveChunkWriter(path),
-                 planner=ChunkSavePlanner(chunks), process_group=process_group,
-                 no_dist=not dist.is_initialized())
+    ``.metadata``; every file fsynced). ``tensors`` (one process): the chunks' values, streamed
+    one at a time (:class:`StreamedChunkWriter`); ``chunks`` then only plan them; ``objects``
+    (with ``tensors``): non-tensor values by fqn, each written as a bytes item."""
+    if objects and tensors is None:
+        raise ValueError("save_chunks writes objects only with streamed tensors")
+    writer = (ArchiveChunkWriter(path) if tensors is None
+              else StreamedChunkWriter(path, tensors))
+    try:
+        with _single_process_quiet():
+            dcp.save({}, storage_writer=writer, planner=ChunkSavePlanner(chunks, objects),
+                     process_group=process_group,  # streamed: this process alone
+                     no_dist=tensors is not None or not dist.is_initialized())
+    except BaseException:  # noqa: BLE001 - DCP's CheckpointException wraps the stream's error
+        error = getattr(writer, "error", None)
+        if error is not None and not isinstance(error, OSError):
+            raise error from None
+        raise
 
 
 def check_requests(path: str, metadata: Metadata, requests: dict[ChunkKey, torch.Tensor]) -> None:

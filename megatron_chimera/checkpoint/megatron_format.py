@@ -167,13 +167,14 @@ def damaged_zip_member(source: str | IO[bytes]) -> str | None:
         return "(unreadable)"
 
 
-def load_megatron_file(path: str, mmap: bool = False) -> Any:
+def load_megatron_file(path: str, mmap: bool = False, check: bool = True) -> Any:
     """``torch.load(weights_only=True)`` of one Megatron ``.pt`` file with the allow-list, after
-    checking its records' CRC-32; a missing, truncated or corrupt file, or one holding an object
-    outside the allow-list, is one MegatronCheckpointError line naming the file."""
+    checking its records' CRC-32 (``check``: False when this process checked it already); a
+    missing, truncated or corrupt file, or one holding an object outside the allow-list, is one
+    MegatronCheckpointError line naming the file."""
     if not os.path.isfile(path):
         raise MegatronCheckpointError(f"Megatron checkpoint file {path} is missing")
-    damaged = damaged_zip_member(path)
+    damaged = damaged_zip_member(path) if check else None
     if damaged is not None and damaged != "(unreadable)":  # unreadable: torch.load explains
         raise MegatronCheckpointError(f"Megatron checkpoint file {path} is corrupt: record "
                                       f"{damaged} fails its CRC-32 check")

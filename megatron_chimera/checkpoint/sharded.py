@@ -45,7 +45,7 @@ TIED_NAME = "tied_word_embeddings"
 FORMAT = "torch_dist"
 
 
-def _stage_names(stage: StageSlice) -> dict[str, str]:
+def stored_names(stage: StageSlice) -> dict[str, str]:
     """Global name -> stored name of every tensor of the stage's state dict."""
     tied, start = shared_embedding_name(stage), stage.layer_range[0]
     names = {}
@@ -72,7 +72,7 @@ def collect_save_chunks(stages: list[StageSlice], optimizer: Any | None, copy: b
                 chunks[(fqn, offsets)] = SaveChunk(spec.master_shape, _host(view, copy))
 
     for stage in stages:
-        names, params = _stage_names(stage), stage_named_parameters(stage)
+        names, params = stored_names(stage), stage_named_parameters(stage)
         start = stage.layer_range[0]
         for local, tensor in stage.module.state_dict(keep_vars=True).items():
             name = global_name(local, start)
@@ -156,7 +156,7 @@ def load_sharded_tensors(path: str, stages: list[StageSlice], optimizer: Any | N
     models: dict[int, dict[str, torch.Tensor]] = {}
     optims: dict[int, dict[str, ParamFragments]] = {}
     for stage in stages:
-        names, params = _stage_names(stage), stage_named_parameters(stage)
+        names, params = stored_names(stage), stage_named_parameters(stage)
         start, local_state = stage.layer_range[0], {}
         owned = optimizer.state_ranges(params) if owned_only else {}
         for local, tensor in stage.module.state_dict(keep_vars=True).items():

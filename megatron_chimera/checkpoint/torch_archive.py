@@ -140,11 +140,13 @@ def _central_header(name: bytes, crc: int, size: int, offset: int, zip64: bool) 
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def archive_parts(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
+def archive_parts(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, data_crc: int = 0
                   ) -> tuple[bytes, bytes]:
     """``(head, tail)``: head + the chunk's ``nbytes`` row-major bytes + tail is a file that
-    ``torch.load(weights_only=True)`` reads as the tensor (dtype, shape). Cached: the next save
-    has the same chunks."""
+    ``torch.load(weights_only=True)`` reads as the tensor (dtype, shape); ``data_crc``: the zip
+    CRC-32 recorded for the bytes (0: none, as training's saves write it; a converter writing
+    for Megatron, whose checks read it, gives the real one). Cached: the next save has the same
+    chunks."""
     small = [("data.pkl", _pickle(dtype, shape)),
              ("byteorder", sys.byteorder.encode()),
              (".format_version", b"1"),
@@ -161,8 +163,8 @@ def archive_parts(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int
     bare = 30 + len(data_name) + len(sizes) + 4  # 4: the padding field's own header
     pad = (-(data_at + bare)) % ALIGNMENT
     extra = sizes + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB", as torch.save pads
-    head += _local_header(data_name, 0, nbytes, extra, True)
-    central += _central_header(data_name, 0, nbytes, data_at, True)
+    head += _local_header(data_name, data_crc, nbytes, extra, True)
+    central += _central_header(data_name, data_crc, nbytes, data_at, True)
     tail = bytearray()
     version = f"{_ARCHIVE}/version".encode()
     at = len(head) + nbytes

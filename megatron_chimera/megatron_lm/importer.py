@@ -1,14 +1,17 @@
 """``import_megatron``: a Megatron-LM checkpoint -> our release checkpoint.
 
 The model's shape comes from Megatron's saved ``args`` (checked: a feature we do not have is
-refused by name); the tensors stream from the reader one at a time into a whole-model GPTModel
-(copied bitwise, the dtype kept), every one of them used and every parameter filled; the model is
-written with ``save_checkpoint`` as a release checkpoint (iteration 0, fresh optimizer on
-``--load``), as ``import-hf`` does, so it trains under any layout.
+refused by name); the tensors stream from the reader one at a time, each checked against the
+GPTModel the args describe (built on the ``meta`` device: names, shapes, dtypes) and written
+bitwise as it comes (``save_streamed``), every one of them used and every parameter filled, so a
+conversion holds about one stored tensor, not the model. The result is a release checkpoint
+(iteration 0, fresh optimizer on ``--load``), as ``import-hf`` writes, so it trains under any
+layout. ``--ckpt-format torch`` (one file per stage) fills a whole model first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -21,6 +24,7 @@ from megatron_chimera.checkpoint.checkpointing import (
     StageSlice,
     read_tracker,
     save_checkpoint,
+    save_streamed,
 )
 from megatron_chimera.checkpoint.megatron_format import (
     FORMAT_MEGATRON_DIST,
@@ -68,14 +72,15 @@ def _tokenizer(args: dict) -> TokenizerSettings:
                              args.get("merge_file"), args.get("tokenizer_model"))
 
 
-def _fill(model: torch.nn.Module, stream, source: str) -> int:
-    """Copy every (Megatron name, tensor) of ``stream`` into ``model``'s parameter; refuse a
-    tensor we have no place for, a shape that differs, and a parameter left unfilled."""
-    params = dict(model.named_parameters())
+def _checked(stream, params: dict[str, torch.Tensor], source: str):
+    """(our name, tensor) of every (Megatron name, tensor) of ``stream``, checked against the
+    model's parameters ``params`` (``meta`` tensors will do: only names, shapes and dtypes are
+    used): a tensor we have no place for, a shape or dtype that differs, a tensor given twice,
+    and a parameter left unfilled at the end are refused."""
     filled: set[str] = set()
     for name, tensor in stream:
         ours = to_ours(name)
-        if ours is None or ours not in params:
+        if ours is None or ours not in params or ours in filled:
             raise MegatronCheckpointError(f"{source}: tensor {name!r} is a model part this "
                                           "converter does not support (unknown layout)")
         target = params[ours]
@@ -87,14 +92,13 @@ def _fill(model: torch.nn.Module, stream, source: str) -> int:
             raise MegatronCheckpointError(
                 f"{source}: tensor {name!r} is {tensor.dtype}, but the args (fp16 / bf16) "
                 f"describe {target.dtype} weights")
-        with torch.no_grad():  # into the model's own storage: no second copy of the model
-            target.copy_(tensor)
         filled.add(ours)
+        yield ours, tensor
+        del tensor  # not held while the next one is read
     missing = sorted(set(params) - filled)
     if missing:
         raise MegatronCheckpointError(f"{source}: the checkpoint lacks {', '.join(missing[:4])}"
                                       f"{' ...' if len(missing) > 4 else ''} (unknown layout)")
-    return len(filled)
 
 
 def _stream(reader: TorchDistReader | LegacyReader, args: dict, num_layers: int,
@@ -150,15 +154,25 @@ def import_megatron(load: str, save: str,
     args = args_dict(common.get("args"), source)
     check_supported(args, source)
     config = model_config_from_args(args, _vocab_rows(reader, args, source), source)
-    model = build_model(GPT2, config)
-    count = _fill(model, _stream(reader, args, config.num_layers, source), source)
+    streamed = ckpt_format == FORMAT_TORCH_DIST
+    with torch.device("meta") if streamed else contextlib.nullcontext():
+        model = build_model(GPT2, config)  # torch_dist: names, shapes and dtypes only
+    params = dict(model.named_parameters())
+    tensors = _checked(_stream(reader, args, config.num_layers, source), params, source)
     tokenizer = _tokenizer(args)
     provenance = {"megatron_checkpoint": os.path.abspath(found.path), "format": found.format,
                   "iteration": found.iteration}
     layers = (0, config.num_layers)
-    path = save_checkpoint(save, CheckpointContents(
+    contents = CheckpointContents(
         0, [StageSlice(0, layers, model)], [layers],
         args=checkpoint_args(config, tokenizer, GPT2, provenance), save_optim=False,
-        release=True), rank=0, world_size=1, ckpt_format=ckpt_format)
-    return MegatronImportResult(found, config, tokenizer, path, count,
+        release=True)
+    if streamed:  # each tensor written as it is read: memory about the largest stored tensor
+        path = save_streamed(save, contents, tensors)
+    else:  # the torch format's one file per stage needs the whole model
+        with torch.no_grad():
+            for ours, tensor in tensors:
+                params[ours].copy_(tensor)
+        path = save_checkpoint(save, contents, rank=0, world_size=1, ckpt_format=ckpt_format)
+    return MegatronImportResult(found, config, tokenizer, path, len(params),
                                 _notes(reader, common, args))

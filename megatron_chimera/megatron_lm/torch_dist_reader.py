@@ -1,9 +1,10 @@
 """Read a Megatron-core ``torch_dist`` iteration with torch.distributed.checkpoint's own reader.
 
-The chunks are stock DCP (``FileSystemReader`` reads them; Megatron need not be installed). One
-tensor is loaded at a time, so a conversion holds at most one Megatron tensor besides the model
-being built. Layers are stacked on dim 0 (``decoder.layers.<suffix>`` is ``[L, ...]``); the reader
-yields each layer's slice under its indexed name (``decoder.layers.{i}.<suffix>``).
+The chunks are stock DCP (``FileSystemReader`` reads them; Megatron need not be installed); they
+are read in place by our chunk reader. One tensor is loaded at a time, so a conversion holds
+about one Megatron tensor. Layers are stacked on dim 0 (``decoder.layers.<suffix>`` is
+``[L, ...]``); the reader yields each layer's slice (a view) under its indexed name
+(``decoder.layers.{i}.<suffix>``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron_chimera.checkpoint.dcp_io import ChunkLoadPlanner, SafeReader
 from megatron_chimera.checkpoint.megatron_format import (
     MegatronCheckpointError,
     damaged_zip_member,
@@ -59,6 +61,18 @@ class _FileSlice(io.RawIOBase):
         buffer[:len(data)] = data
         self._pos += len(data)
         return len(data)
+
+
+class _InPlaceReader(SafeReader):
+    """Our reader of DCP chunks (each chunk's bytes read straight into the tensor: no copy of
+    the chunk besides the result) over metadata the TorchDistReader has already read."""
+
+    def __init__(self, path: str, metadata) -> None:
+        super().__init__(path)
+        self._given = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        return self._given
 
 
 class TorchDistReader:
@@ -116,18 +130,19 @@ class TorchDistReader:
         naming its file and ``key``."""
         self.verify(key)
         meta = self.tensors[key]
-        out = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "assuming the intent is to load in a single..."
-                dcp.load(out, storage_reader=FileSystemReader(self.path), no_dist=True)
+                dcp.load({}, storage_reader=_InPlaceReader(self.path, self.metadata),
+                         planner=ChunkLoadPlanner({(key, (0,) * out.dim()): out}), no_dist=True)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - a BaseException
             # (CheckpointException) wrapping the reader's error on a damaged chunk
             files = ", ".join(self.files_of(key)) or self.path
             raise MegatronCheckpointError(
                 f"Megatron checkpoint file {files} is corrupt or truncated (reading tensor "
                 f"{key!r}: {type(exc).__name__})") from None
-        return out[key]
+        return out
 
     def model_keys(self) -> list[str]:
         """Tensor keys of the model (the optimizer's ``optimizer.*`` and RNG left out)."""
@@ -146,11 +161,12 @@ class TorchDistReader:
             suffix = key[len(LAYER_PREFIX):] if key.startswith(LAYER_PREFIX) else None
             if suffix is None or suffix.split(".", 1)[0].isdigit():
                 yield key, tensor  # a whole-model tensor, or an unstacked per-layer one
+                del tensor  # not held while the next one is read
                 continue
             if tensor.dim() == 0 or tensor.shape[0] != num_layers:
                 raise MegatronCheckpointError(
                     f"{self.path}: {key!r} has shape {tuple(tensor.shape)}, not stacked over the "
                     f"{num_layers} layers of args.num_layers (an unknown layout)")
             for index in range(num_layers):
-                yield layer_name(index, suffix), tensor[index].clone()
+                yield layer_name(index, suffix), tensor[index]  # a view: no second copy
             del tensor

@@ -43,8 +43,10 @@ def make_generator(seed: int, key: str) -> torch.Generator:
 def init_normal_(param: torch.Tensor, std: float, generator: torch.Generator) -> None:
     """Fill ``param`` with ``normal(0, std)`` drawn in fp32 on the CPU (so every dtype and device
     sees the same numbers), then cast and copy; a tensor-parallel shard draws its master tensor
-    and keeps its slice."""
-    values = torch.empty(master_shape(param), dtype=torch.float32).normal_(
+    and keeps its slice. A ``meta`` tensor (a model built for its shapes only) is left as is."""
+    if param.is_meta:
+        return
+    values = torch.empty(master_shape(param), dtype=torch.float32, device="cpu").normal_(
         0.0, std, generator=generator)
     param.copy_(shard_of_master(param, values).to(device=param.device, dtype=param.dtype))
 

@@ -2,8 +2,10 @@
 files, 2 query groups, SwiGLU, RoPE, untied) is imported with ``convert.py import-megatron``,
 trained one step by ``pretrain_gpt2.py`` (1F1B, one process) with the printed model flags, whose
 first loss equals transformers' Llama built from the *Megatron* tensors (fp32, 1e-5 relative) and
-the first loss of Chimera D=2 (2 gloo ranks) from the same import (1e-6 relative),
-then exported with ``export-megatron`` and re-imported with the trained weights bitwise."""
+the first loss of Chimera D=2 (2 gloo ranks) from the same import (1e-6 relative) and of T=2 (2
+gloo ranks; the split matmuls and vocabulary-parallel cross entropy sum in another order: 1e-5
+relative), then exported with ``export-megatron`` and re-imported with the trained weights
+bitwise."""
 
 from __future__ import annotations
 
@@ -59,6 +61,11 @@ def test_import_megatron_train_export(tmp_path, capsys):
                                    "chimera", "--tensorboard-dir", str(tmp_path / "tb_chimera")],
               nproc=2, timeout=200))
     assert abs(scalars(tmp_path / "tb_chimera", "lm loss")[1] - loss) <= 1e-6 * loss
+    ok(launch("pretrain_gpt2.py", [*flags, *RUN, "--load", str(tmp_path / "ckpt"),
+                                   "--tensor-model-parallel-size", "2", "--tensorboard-dir",
+                                   str(tmp_path / "tb_tp")], nproc=2, timeout=200))
+    tp_loss = scalars(tmp_path / "tb_tp", "lm loss")[1]
+    assert abs(tp_loss - loss) <= 1e-5 * loss
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=127)  # + eod: 128 ids
     data = MockGPTDataset("train", 2, 16, tokenizer.vocab_size, tokenizer.eod, 1234)
     text = torch.tensor(np.stack([data[i]["text"] for i in range(2)]))

@@ -273,6 +273,25 @@ def test_an_unknown_tensor_is_refused_by_name(tmp_path):
     torch.save(state, path)
     with pytest.raises(MegatronCheckpointError, match="q_layernorm.weight.*not support"):
         import_megatron(str(tmp_path / "m"), str(tmp_path / "out"))
+    assert not list((tmp_path / "out").glob("iter_*"))  # the streamed save left nothing behind
+
+
+def test_the_whole_model_paths_equal_the_streamed_ones(tmp_path):
+    """``--ckpt-format torch`` imports through a whole model and its export loads it whole; the
+    default ``torch_dist`` streams both ways: the same tensors and Megatron files."""
+    write_checkpoint(tmp_path / "m", "llama", "legacy", 2, 2)
+    import_megatron(str(tmp_path / "m"), str(tmp_path / "whole"), ckpt_format="torch")
+    import_megatron(str(tmp_path / "m"), str(tmp_path / "streamed"))
+    whole = load_model(str(tmp_path / "whole")).model.state_dict()
+    streamed = load_model(str(tmp_path / "streamed")).model.state_dict()
+    assert sorted(whole) == sorted(streamed)
+    assert all(torch.equal(whole[k], streamed[k]) for k in whole)
+    readers = [TorchDistReader(export_megatron(str(tmp_path / name),
+                                               str(tmp_path / f"{name}_out")).path)
+               for name in ("whole", "streamed")]
+    keys = readers[0].model_keys()
+    assert keys and sorted(keys) == sorted(readers[1].model_keys())
+    assert all(torch.equal(readers[0].read(k), readers[1].read(k)) for k in keys)
 
 
 def test_training_load_of_a_megatron_checkpoint_names_the_command(tmp_path):

@@ -1,0 +1,138 @@
+"""Runs a paired F&B action (``Schedule.pairs``) so that each half's all-to-all overlaps the
+other half's compute (``--overlap-moe-expert-parallel-comm``, issue 41).
+
+The two halves of a pair run on two host threads that share one **baton**: only the holder
+computes, so the rank's compute stays serial, as on a device. A half that reaches an
+all-to-all (:func:`expert_all_to_all`, called by the stage code: the emulated MoE stages of
+:mod:`.emulated` today) issues it *while holding the baton*, hands the baton to the other
+half, waits for its own all-to-all off the compute path, and takes the baton back when the
+other half hands it over again. Outside a pair the same call issues and waits at once (the
+all-to-all is exposed).
+
+**One issue order on every rank of an expert-parallel group.** The baton alternates strictly:
+the leading half computes up to its first all-to-all, then the other half up to its first, then
+the leader up to its second, and so on; a half that has finished hands the baton over for good.
+The leader is a fixed function of the two actions (the backward of an F&B pair, whose first
+step is its combine all-to-all's gradient, DualPipe's order; else the first in the list), and
+the ranks of an EP group run the same action list (same pipe position), so every rank of the
+group issues the pair's all-to-alls -- both halves', in the lowered list order of the pairs --
+in one order, whatever the timing. Each issue happens under the baton, so nothing else of the
+rank's host code runs concurrently with it.
+
+CPU only: the halves are host threads (autograd runs each backward on its calling thread for
+CPU tensors); a CUDA runtime would use a communication stream and events instead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+_state = threading.local()
+
+
+class Waitable(Protocol):
+    """A started communication (``torch.distributed.Work`` or an emulated one)."""
+
+    def wait(self) -> Any:
+        """Block until it is complete."""
+
+
+class _Baton:
+    """Strict alternation of the compute between the two halves of one pair."""
+
+    def __init__(self, lead: int) -> None:
+        self.owner = lead
+        self.finished = [False, False]
+        self.cond = threading.Condition()
+
+    def take(self, me: int) -> None:
+        """Block until ``me`` holds the baton."""
+        with self.cond:
+            while self.owner != me:
+                self.cond.wait()
+
+    def hand_over(self, me: int) -> None:
+        """``me`` issued an all-to-all: the other half computes next (unless it has finished)."""
+        with self.cond:
+            if not self.finished[1 - me]:
+                self.owner = 1 - me
+                self.cond.notify_all()
+
+    def finish(self, me: int) -> None:
+        """``me`` is done: the other half holds the baton from now on."""
+        with self.cond:
+            self.finished[me] = True
+            self.owner = 1 - me
+            self.cond.notify_all()
+
+
+class _Half:
+    def __init__(self, baton: _Baton, index: int) -> None:
+        self.baton, self.index = baton, index
+
+
+def in_pair() -> bool:
+    """Whether the calling thread runs one half of a pair."""
+    return getattr(_state, "half", None) is not None
+
+
+def expert_all_to_all(issue: Callable[[], Waitable]) -> None:
+    """Issue an all-to-all (``issue()`` starts it and returns its handle) and wait for it: in a
+    pair, the other half computes meanwhile (module docstring); else the wait is exposed."""
+    half: _Half | None = getattr(_state, "half", None)
+    handle = issue()
+    if half is None:
+        handle.wait()
+        return
+    half.baton.hand_over(half.index)
+    try:
+        handle.wait()
+    finally:
+        half.baton.take(half.index)
+
+
+def leading_half(kinds: Sequence[str]) -> int:
+    """Which half of a pair of action kinds (``"F"``/``"B"``) computes first: the backward of an
+    F&B pair (it starts with communication: its combine's gradient), else the first."""
+    if kinds[0] != kinds[1] and kinds[1] == "B":
+        return 1
+    return 0
+
+
+def run_pair(halves: Sequence[Callable[[], None]], lead: int) -> None:
+    """Run the two callables as the halves of one pair (``lead`` computes first): half 0 on the
+    calling thread, half 1 on a helper thread. The first exception (in half order) is raised
+    once both halves have ended."""
+    baton = _Baton(lead)
+    errors: list[BaseException | None] = [None, None]
+
+    def body(index: int) -> None:
+        _state.half = _Half(baton, index)
+        try:
+            baton.take(index)
+            halves[index]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            errors[index] = exc
+        finally:
+            _state.half = None
+            baton.finish(index)
+
+    helper = threading.Thread(target=body, args=(1,), name="pair-half", daemon=True)
+    helper.start()
+    body(0)
+    helper.join()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+
+
+def set_current_action(action: Any) -> None:
+    """The compute action the calling thread runs now (labels its all-to-alls)."""
+    _state.action = action
+
+
+def current_action() -> Any:
+    """The compute action the calling thread runs (None outside the executor's actions)."""
+    return getattr(_state, "action", None)

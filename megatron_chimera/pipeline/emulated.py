@@ -408,6 +408,18 @@ def emulated_stage_costs(costs: EmulatedCosts, num_stages: int, num_ranks: int,
 
 
 # ---------------------------------------------------------------------- emulated MoE layers
+def sleep_until_yielding(deadline: float) -> None:
+    """:func:`sleep_until` whose spin yields the GIL at every turn: the two halves of a pair
+    (:mod:`.overlap`) run on two threads of one process, and a compute piece and the other
+    half's all-to-all often end at the same moment -- a spin that held the GIL would make the
+    other thread wait for Python's switch interval (5 ms)."""
+    remaining = deadline - time.perf_counter()
+    if remaining > SPIN_S:
+        time.sleep(remaining - SPIN_S)
+    while time.perf_counter() < deadline:
+        time.sleep(0)
+
+
 class _EmulatedAllToAllWork:
     """An issued emulated all-to-all: the real exchange of label codes, then the emulated
     link's time."""
@@ -427,7 +439,7 @@ class _EmulatedAllToAllWork:
                     f"expert-parallel all-to-all issued in different orders: this rank's "
                     f"{self.label} met another all-to-all of a peer (codes "
                     f"{self.received.tolist()}, expected {self.code})")
-        sleep_until(self.done_at)
+        sleep_until_yielding(self.done_at)
         return True
 
 
@@ -498,7 +510,7 @@ class _BackwardPiece(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        sleep_until(time.perf_counter() + ctx.seconds())
+        sleep_until_yielding(time.perf_counter() + ctx.seconds())
         return grad, None
 
 
@@ -555,7 +567,7 @@ class EmulatedMoEStage(nn.Module):
             hidden = _BackwardPiece.apply(linear(hidden), self._backward_piece_s)
             if self.post_process and i == self.pieces - 1:
                 hidden = hidden.pow(2).mean(dim=-1).t()
-            sleep_until(start + piece_s)
+            sleep_until_yielding(start + piece_s)
             if communicate:
                 name = f"{'dispatch' if i % 2 == 0 else 'combine'}{i // 2}"
                 hidden = _AllToAllPoint.apply(hidden, self.exchange, name, a2a_s)

@@ -5,8 +5,8 @@ The two halves of a pair run on two host threads that share one **baton**: only 
 computes, so the rank's compute stays serial, as on a device. A half that reaches an
 all-to-all (:func:`expert_all_to_all`, called by the stage code: the emulated MoE stages of
 :mod:`.emulated` today) issues it *while holding the baton*, hands the baton to the other
-half, waits for its own all-to-all off the compute path, and takes the baton back when the
-other half hands it over again. Outside a pair the same call issues and waits at once (the
+half (which computes while the all-to-all is in flight), and, once the other half hands the
+baton back, waits for whatever of its all-to-all is still in flight. Outside a pair the same call issues and waits at once (the
 all-to-all is exposed).
 
 **One issue order on every rank of an expert-parallel group.** The baton alternates strictly:
@@ -80,17 +80,20 @@ def in_pair() -> bool:
 
 def expert_all_to_all(issue: Callable[[], Waitable]) -> None:
     """Issue an all-to-all (``issue()`` starts it and returns its handle) and wait for it: in a
-    pair, the other half computes meanwhile (module docstring); else the wait is exposed."""
+    pair, the other half computes meanwhile (module docstring); else the wait is exposed. In a pair the half
+    waits for its turn first, then for its all-to-all (it cannot compute before its turn
+    anyway)."""
     half: _Half | None = getattr(_state, "half", None)
     handle = issue()
     if half is None:
         handle.wait()
         return
     half.baton.hand_over(half.index)
-    try:
-        handle.wait()
-    finally:
-        half.baton.take(half.index)
+    # the baton first, then the handle: under strict alternation this half computes next only
+    # after the other half's next piece anyway, and by then its all-to-all has usually ended --
+    # one thread wake-up per hand-over instead of two
+    half.baton.take(half.index)
+    handle.wait()
 
 
 def leading_half(kinds: Sequence[str]) -> int:

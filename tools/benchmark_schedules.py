@@ -523,7 +523,7 @@ def format_table(rows: list[Row], latency: float) -> str:
     to torch's best schedule at the same N; then, per N, our best against torch's best. With
     traced rows also the simulation with the run's :class:`HostCosts`."""
     base = {(r.num_microbatches, r.options.get("grad_reduce")): r.measured_s
-            for r in rows if r.schedule == "1f1b"}
+            for r in rows if r.schedule == "1f1b" and not r.options.get(OVERLAP_OPTION)}
     torch_best = best_rows(rows, torch_rows=True)
     lines = [f"p2p latency (ping-pong, one way): {latency * 1e6:.0f} us", "",
              "| schedule | options | D | N | measured s | simulated s | measured/simulated "

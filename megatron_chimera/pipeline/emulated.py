@@ -27,6 +27,7 @@ does not finish late). Sleeping ranks do not compete for cores, so 8 ranks on 2 
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -443,8 +444,17 @@ class _EmulatedAllToAllWork:
         return True
 
 
+#: a piece of an emulated MoE action (compute or all-to-all) that the host reaches at most this
+#: late after its ideal start (the end of the rank's previous compute piece, or of the half's
+#: own all-to-all or compute piece before it) starts at the ideal time, as on a device whose
+#: queue the host keeps ahead of: the host's per-piece work (autograd, the baton's thread
+#: hand-over) is absorbed, not added; a later start (a wait for a message) is real
+ABSORB_S = 0.0003
+
+
 class EmulatedAllToAll:
-    """The dispatch/combine all-to-all of emulated MoE layers on one rank.
+    """The dispatch/combine all-to-all of emulated MoE layers on one rank, and the rank's
+    emulated device clock (:meth:`piece_start`).
 
     What is real: an ``all_to_all_single`` on the expert-parallel ``group`` (gloo, async) that
     carries one int64 per peer: the CRC of the all-to-all's label (compute action, layer,
@@ -461,6 +471,23 @@ class EmulatedAllToAll:
         self.size = dist.get_world_size(group) if group is not None else 1
         self.issued: list[str] | None = None
         self._link_free_at = 0.0
+        self.compute_free_at = 0.0  # ideal end of the rank's last compute piece
+        self._local = threading.local()  # per half: its action and its last piece's ideal end
+
+    def _half_ready_at(self) -> float:
+        """Ideal end of the calling half's previous piece (-inf at a new action)."""
+        local, action = self._local, current_action()
+        if not hasattr(local, "ready_at") or local.action is not action:
+            local.action, local.ready_at = action, float("-inf")
+        return local.ready_at
+
+    def piece_start(self, seconds: float) -> float:
+        """A compute piece of ``seconds`` starts now: its deadline (see :data:`ABSORB_S`)."""
+        now = time.perf_counter()
+        ideal = max(self.compute_free_at, self._half_ready_at())
+        start = ideal if now - ideal <= ABSORB_S else now
+        self.compute_free_at = self._local.ready_at = start + seconds
+        return start + seconds
 
     def __call__(self, name: str, seconds: float) -> None:
         """Run the all-to-all ``name`` of the current action, taking ``seconds``."""
@@ -471,8 +498,10 @@ class EmulatedAllToAll:
     def _issue(self, label: str, seconds: float) -> _EmulatedAllToAllWork:
         if self.issued is not None:
             self.issued.append(label)
-        start = max(time.perf_counter(), self._link_free_at)
-        self._link_free_at = start + seconds
+        now = time.perf_counter()
+        ready = self._half_ready_at()
+        start = max(ready if now - ready <= ABSORB_S else now, self._link_free_at)
+        self._link_free_at = self._local.ready_at = start + seconds
         code = zlib.crc32(label.encode())
         work = received = None
         if self.size > 1:
@@ -500,18 +529,19 @@ class _AllToAllPoint(torch.autograd.Function):
 
 
 class _BackwardPiece(torch.autograd.Function):
-    """Identity whose backward takes ``seconds()`` from when it starts (one compute piece of an
-    emulated backward)."""
+    """Identity whose backward is one compute piece of ``seconds()`` of an emulated backward
+    (its start from the rank's clock ``exchange``)."""
 
     @staticmethod
-    def forward(ctx, x, seconds: Callable[[], float]):  # type: ignore[override]
-        ctx.seconds = seconds
+    def forward(ctx, x, seconds: Callable[[], float],  # type: ignore[override]
+                exchange: EmulatedAllToAll):
+        ctx.seconds, ctx.exchange = seconds, exchange
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        sleep_until_yielding(time.perf_counter() + ctx.seconds())
-        return grad, None
+        sleep_until_yielding(ctx.exchange.piece_start(ctx.seconds()))
+        return grad, None, None
 
 
 class EmulatedMoEStage(nn.Module):
@@ -563,11 +593,11 @@ class EmulatedMoEStage(nn.Module):
         a2a_s = self.all_to_all_s / self.pieces
         communicate = a2a_s > 0 or self.exchange.size > 1
         for i, linear in enumerate(self.linears):
-            start = time.perf_counter()
-            hidden = _BackwardPiece.apply(linear(hidden), self._backward_piece_s)
+            deadline = self.exchange.piece_start(piece_s)
+            hidden = _BackwardPiece.apply(linear(hidden), self._backward_piece_s, self.exchange)
             if self.post_process and i == self.pieces - 1:
                 hidden = hidden.pow(2).mean(dim=-1).t()
-            sleep_until_yielding(start + piece_s)
+            sleep_until_yielding(deadline)
             if communicate:
                 name = f"{'dispatch' if i % 2 == 0 else 'combine'}{i // 2}"
                 hidden = _AllToAllPoint.apply(hidden, self.exchange, name, a2a_s)

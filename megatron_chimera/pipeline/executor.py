@@ -65,7 +65,12 @@ from megatron_chimera.pipeline.p2p import (
     deallocate_output_tensor,
     uniform_specs,
 )
-from megatron_chimera.pipeline.overlap import leading_half, run_pair, set_current_action
+from megatron_chimera.pipeline.overlap import (
+    leading_half,
+    prepare_threads,
+    run_pair,
+    set_current_action,
+)
 from megatron_chimera.pipeline.program import Compute, Paired, Post, Program, compile_program
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
@@ -310,6 +315,8 @@ class PipelineExecutor:
         self.weight_grad_store_factory = gradients.weight_grad_store_factory
         self.deallocate_outputs = policy.deallocate_outputs and not work.recompute
         self.overlap_pairs = policy.overlap_pairs
+        if self.overlap_pairs and any(schedule.pairs):
+            prepare_threads()  # two host threads take turns at every all-to-all
         self.transport = transport or make_transport(
             topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
         safe_posting = policy.safe_posting

@@ -25,15 +25,27 @@ CPU tensors); a CUDA runtime would use a communication stream and events instead
 
 from __future__ import annotations
 
+import queue
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 _state = threading.local()
 
+#: a half expecting the baton at a known moment (its all-to-all's end) polls for it from
+#: ``POLL_EARLY_S`` before that moment for at most ``POLL_S``, instead of sleeping until woken:
+#: a thread woken by the other half's hand-over starts late by the OS's wake-up latency
+#: (milliseconds on a loaded 2-core VM), which a device stream would not add
+POLL_EARLY_S = 0.0001
+POLL_S = 0.001
+POLL_SLEEP_S = 0.00002
+
 
 class Waitable(Protocol):
-    """A started communication (``torch.distributed.Work`` or an emulated one)."""
+    """A started communication (``torch.distributed.Work`` or an emulated one, whose
+    ``done_at``, a ``perf_counter`` time, says when it ends)."""
 
     def wait(self) -> Any:
         """Block until it is complete."""
@@ -47,8 +59,19 @@ class _Baton:
         self.finished = [False, False]
         self.cond = threading.Condition()
 
-    def take(self, me: int) -> None:
-        """Block until ``me`` holds the baton."""
+    def take(self, me: int, expected_at: float | None = None) -> None:
+        """Block until ``me`` holds the baton; with ``expected_at`` (a ``perf_counter`` time
+        when the hand-over is likely) poll for it around that moment (:data:`POLL_S`)."""
+        if expected_at is not None and self.owner != me:
+            with self.cond:
+                while (self.owner != me
+                       and (left := expected_at - POLL_EARLY_S - time.perf_counter()) > 0):
+                    self.cond.wait(left)
+            end = time.perf_counter() + POLL_S
+            while self.owner != me and time.perf_counter() < end:
+                # a real sleep: a sleep(0) loop would hand the GIL back to itself and keep
+                # the other half (which is to hand the baton over) waiting up to 5 ms
+                time.sleep(POLL_SLEEP_S)
         with self.cond:
             while self.owner != me:
                 self.cond.wait()
@@ -92,7 +115,7 @@ def expert_all_to_all(issue: Callable[[], Waitable]) -> None:
     # the baton first, then the handle: under strict alternation this half computes next only
     # after the other half's next piece anyway, and by then its all-to-all has usually ended --
     # one thread wake-up per hand-over instead of two
-    half.baton.take(half.index)
+    half.baton.take(half.index, getattr(handle, "done_at", None))
     handle.wait()
 
 
@@ -104,10 +127,59 @@ def leading_half(kinds: Sequence[str]) -> int:
     return 0
 
 
+#: Python's GIL switch interval while pairs run: a thread that wants the GIL (the half just
+#: handed the baton, or whose all-to-all ended) otherwise waits up to the default 5 ms for a
+#: thread that holds it (a spin, autograd's Python nodes) to let go
+SWITCH_INTERVAL_S = 0.0002
+
+
+def prepare_threads() -> None:
+    """Set this process's GIL switch interval to at most :data:`SWITCH_INTERVAL_S` (the executor
+    calls it when its schedule has pairs to overlap)."""
+    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+class _Helper:
+    """The process's one helper thread for second halves (started once: starting a thread and
+    autograd's per-thread state cost milliseconds per pair)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="pair-half", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job, done = self.jobs.get()
+            try:
+                job()
+            finally:
+                done.set()
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        """Run ``job`` on the helper thread; the event is set when it has returned."""
+        done = threading.Event()
+        self.jobs.put((job, done))
+        return done
+
+
+_helper: _Helper | None = None
+_helper_lock = threading.Lock()
+
+
+def _the_helper() -> _Helper:
+    global _helper
+    with _helper_lock:
+        if _helper is None or not _helper.thread.is_alive():
+            _helper = _Helper()
+        return _helper
+
+
 def run_pair(halves: Sequence[Callable[[], None]], lead: int) -> None:
-    """Run the two callables as the halves of one pair (``lead`` computes first): half 0 on the
-    calling thread, half 1 on a helper thread. The first exception (in half order) is raised
-    once both halves have ended."""
+    """Run the two callables as the halves of one pair (``lead`` computes first): the leading
+    half on the calling thread, the other on the process's helper thread. The first exception
+    (in half order) is raised once both halves have ended."""
     baton = _Baton(lead)
     errors: list[BaseException | None] = [None, None]
 
@@ -122,10 +194,9 @@ def run_pair(halves: Sequence[Callable[[], None]], lead: int) -> None:
             _state.half = None
             baton.finish(index)
 
-    helper = threading.Thread(target=body, args=(1,), name="pair-half", daemon=True)
-    helper.start()
-    body(0)
-    helper.join()
+    done = _the_helper().submit(lambda: body(1 - lead))
+    body(lead)
+    done.wait()
     for exc in errors:
         if exc is not None:
             raise exc

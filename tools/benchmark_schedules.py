@@ -38,6 +38,20 @@ table)::
         --schedules 1f1b,chimera,zb-h1,chimera-zb:costs=unit,chimera-zb:profile=3,chimera-zb,\
 torch-zbv,torch-dualpipev
 
+MoE all-to-all (issue 41): ``--all-to-all-ms A`` runs our rows on emulated MoE stages
+(:class:`EmulatedMoEStage`: ``--layers-per-stage`` MoE layers, each attention, dispatch, experts,
+combine) whose F and B each pay A per stage (dispatch + combine of all layers) in emulated
+all-to-alls over the expert-parallel groups of ``--expert-model-parallel-size``; a row with
+``:overlap_moe_expert_parallel_comm=1`` runs paired F&B actions whose halves' all-to-alls overlap
+each other's compute (``pipeline/overlap.py``), and the simulator charges A per unpaired F/B and
+max(compute, all-to-all) per pair. The table then ends with the overlap/no-overlap ratios::
+
+    torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 4 --num-microbatches 16 \
+        --forward-ms 40 --backward-ms 40 --weight-ms 0 --all-to-all-ms 40 \
+        --expert-model-parallel-size 2 --layers-per-stage 2 --grad-reduce none \
+        --schedules 1f1b,1f1b:overlap_moe_expert_parallel_comm=1,chimera,\
+chimera:overlap_moe_expert_parallel_comm=1
+
 Gradient reduction: ``--allreduce-ms`` gives each stage's reduction an emulated cost (every
 rank's buckets cross one emulated link, :class:`EmulatedCollectives`; ``--layers-per-stage``
 layers per stage, ``--ddp-bucket-size`` elements per bucket) and ``--grad-reduce`` picks how our

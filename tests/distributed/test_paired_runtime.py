@@ -1,7 +1,8 @@
 """Schedules with paired F&B actions (MoE all-to-all overlap) run on the executor and give the
-single-process losses and weights. The executor runs a pair's halves one after the other (no
-all-to-all to overlap without MoE layers): this checks that the lowered paired lists -- both
-receives before the pair, both sends after it -- execute under NCCL's rules."""
+single-process losses and weights. On toy stages (no all-to-all) a pair's halves still run
+through the paired runtime (pipeline/overlap.py) but one after the other: this checks that the
+lowered paired lists -- both receives before the pair, both sends after it -- execute under
+NCCL's rules. On emulated MoE stages the halves' all-to-alls overlap (moe_overlap_cases)."""
 
 from __future__ import annotations
 

@@ -60,16 +60,16 @@ from megatron_chimera.model.moe.aux_loss import moe_routers
 from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
-from megatron_chimera.pipeline.p2p import (
-    P2PCommunicator,
-    deallocate_output_tensor,
-    uniform_specs,
-)
 from megatron_chimera.pipeline.overlap import (
     leading_half,
     prepare_threads,
     run_pair,
     set_current_action,
+)
+from megatron_chimera.pipeline.p2p import (
+    P2PCommunicator,
+    deallocate_output_tensor,
+    uniform_specs,
 )
 from megatron_chimera.pipeline.program import Compute, Paired, Post, Program, compile_program
 from megatron_chimera.pipeline.topology import PipelineTopology

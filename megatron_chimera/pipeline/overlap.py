@@ -6,8 +6,8 @@ computes, so the rank's compute stays serial, as on a device. A half that reache
 all-to-all (:func:`expert_all_to_all`, called by the stage code: the emulated MoE stages of
 :mod:`.emulated` today) issues it *while holding the baton*, hands the baton to the other
 half (which computes while the all-to-all is in flight), and, once the other half hands the
-baton back, waits for whatever of its all-to-all is still in flight. Outside a pair the same call issues and waits at once (the
-all-to-all is exposed).
+baton back, waits for whatever of its all-to-all is still in flight. Outside a pair the same
+call issues and waits at once (the all-to-all is exposed).
 
 **One issue order on every rank of an expert-parallel group.** The baton alternates strictly:
 the leading half computes up to its first all-to-all, then the other half up to its first, then
@@ -103,9 +103,9 @@ def in_pair() -> bool:
 
 def expert_all_to_all(issue: Callable[[], Waitable]) -> None:
     """Issue an all-to-all (``issue()`` starts it and returns its handle) and wait for it: in a
-    pair, the other half computes meanwhile (module docstring); else the wait is exposed. In a pair the half
-    waits for its turn first, then for its all-to-all (it cannot compute before its turn
-    anyway)."""
+    pair, the other half computes meanwhile (module docstring); else the wait is exposed. In a
+    pair the half waits for its turn first, then for its all-to-all (it cannot compute before
+    its turn anyway)."""
     half: _Half | None = getattr(_state, "half", None)
     handle = issue()
     if half is None:

@@ -38,6 +38,20 @@ table)::
         --schedules 1f1b,chimera,zb-h1,chimera-zb:costs=unit,chimera-zb:profile=3,chimera-zb,\
 torch-zbv,torch-dualpipev
 
+MoE all-to-all (issue 41): ``--all-to-all-ms A`` runs our rows on emulated MoE stages
+(:class:`EmulatedMoEStage`: ``--layers-per-stage`` MoE layers, each attention, dispatch, experts,
+combine) whose F and B each pay A per stage (dispatch + combine of all layers) in emulated
+all-to-alls over the expert-parallel groups of ``--expert-model-parallel-size``; a row with
+``:overlap_moe_expert_parallel_comm=1`` runs paired F&B actions whose halves' all-to-alls overlap
+each other's compute (``pipeline/overlap.py``), and the simulator charges A per unpaired F/B and
+max(compute, all-to-all) per pair. The table then ends with the overlap/no-overlap ratios::
+
+    torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 4 --num-microbatches 16 \
+        --forward-ms 40 --backward-ms 40 --weight-ms 0 --all-to-all-ms 40 \
+        --expert-model-parallel-size 2 --layers-per-stage 2 --grad-reduce none \
+        --schedules 1f1b,1f1b:overlap_moe_expert_parallel_comm=1,chimera,\
+chimera:overlap_moe_expert_parallel_comm=1
+
 Gradient reduction: ``--allreduce-ms`` gives each stage's reduction an emulated cost (every
 rank's buckets cross one emulated link, :class:`EmulatedCollectives`; ``--layers-per-stage``
 layers per stage, ``--ddp-bucket-size`` elements per bucket) and ``--grad-reduce`` picks how our
@@ -76,11 +90,14 @@ from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.pipeline.emulated import (
+    EmulatedAllToAll,
     EmulatedCollectives,
     EmulatedCosts,
+    EmulatedMoEStage,
     EmulatedStage,
     SleepingWeightGradStore,
     emulated_forward_step,
+    emulated_moe_forward_step,
     emulated_stage_costs,
 )
 from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
@@ -266,13 +283,15 @@ def build_message_seconds(name: str, p2p_us: Any, cost_source: str) -> float:
 
 
 def cost_model(per_stage: list[EmulatedCosts], split: bool, latency: float = 0.0,
-               data_parallel_size: int = 1) -> CostModel:
-    """The simulator's costs of emulated stages, with ``latency`` per message and all-reduce."""
+               data_parallel_size: int = 1,
+               all_to_all: tuple[float, ...] | float = 0.0) -> CostModel:
+    """The simulator's costs of emulated stages, with ``latency`` per message and all-reduce
+    and ``all_to_all`` seconds per stage and direction (MoE)."""
     return CostModel(forward_cost=tuple(c.forward_s for c in per_stage),
                      backward_cost=tuple(c.backward_s for c in per_stage),
                      weight_cost=tuple(c.weight_s for c in per_stage) if split else 0.0,
                      p2p_alpha=latency, allreduce_alpha=latency,
-                     data_parallel_size=data_parallel_size)
+                     data_parallel_size=data_parallel_size, all_to_all_cost=all_to_all)
 
 
 GRAD_REDUCE_MODES = ("none", "end", "stage", "overlap")
@@ -355,21 +374,35 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     validate(schedule)
     validate_lowered(lower(schedule))  # every rank alike: the executor checks only its own list
     w = ParallelLayout.from_world(dist.get_world_size(), pipeline=d).data
-    parallel_state.initialize_model_parallel(d, schedule.placement, schedule.num_stages,
-                                             timeout=timedelta(minutes=5))
+    moe = args.all_to_all_ms > 0 or args.expert_model_parallel_size > 1
+    # per stage and direction, scaled like the compute (k stages per rank: 1/k each)
+    a2a = tuple(args.all_to_all_ms / 1e3 * d / schedule.num_stages
+                for _ in range(schedule.num_stages))
+    parallel_state.initialize_model_parallel(
+        d, schedule.placement, schedule.num_stages, timeout=timedelta(minutes=5),
+        expert_model_parallel_size=args.expert_model_parallel_size)
     extra: dict[str, Any] = {}
     try:
         prank = parallel_state.get_pipeline_model_parallel_rank()
-        stages = {s: EmulatedStage(per_stage[s], s == 0, s == schedule.num_stages - 1, HIDDEN, s,
-                                   layers=args.layers_per_stage)
-                  for s in schedule.stages_of_rank(prank)}
+        last = schedule.num_stages - 1
+        if moe:
+            exchange = EmulatedAllToAll(parallel_state.get_expert_model_parallel_group()
+                                        if args.expert_model_parallel_size > 1 else None)
+            stages = {s: EmulatedMoEStage(per_stage[s], a2a[s], exchange, s == 0, s == last,
+                                          HIDDEN, s, layers=args.layers_per_stage)
+                      for s in schedule.stages_of_rank(prank)}
+            forward_step = emulated_moe_forward_step
+        else:
+            stages = {s: EmulatedStage(per_stage[s], s == 0, s == last, HIDDEN, s,
+                                       layers=args.layers_per_stage)
+                      for s in schedule.stages_of_rank(prank)}
+            forward_step = emulated_forward_step
         grad_sync, buffers = _grad_sync(stages, args, mode)
 
         def executor_for(sched, transport=None, store_factory=SleepingWeightGradStore):
             return PipelineExecutor(
                 sched, PipelineTopology.from_parallel_state(),
-                StageWork(stages, emulated_forward_step, (SEQ, MICRO_BATCH, HIDDEN),
-                          torch.float32),
+                StageWork(stages, forward_step, (SEQ, MICRO_BATCH, HIDDEN), torch.float32),
                 Gradients(loss_scale_divisor=n * w, grad_sync=grad_sync,
                           weight_grad_store_factory=store_factory),
                 transport=transport)
@@ -395,15 +428,18 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                 print(f"{name} N={n} after {profile} profiled iterations:{report.line()}",
                       file=sys.stderr, flush=True)
         times = _timed(step, args.warmup, args.iters)
-        if args.trace:
+        if args.trace and not moe:
             gaps = trace_iteration(stages, functools.partial(executor_for, schedule),
                                    executor.transport, step)
             if gaps is not None:
                 extra["gaps"] = gaps
     finally:
         parallel_state.destroy_model_parallel()
-    sim = simulate(schedule, cost_model(per_stage, schedule.split_backward, latency, w))
+    sim_a2a = a2a if moe else 0.0
+    sim = simulate(schedule, cost_model(per_stage, schedule.split_backward, latency, w, sim_a2a))
     compute_only = simulate(schedule, cost_model(per_stage, schedule.split_backward, 0.0, w))
+    if moe:
+        extra["exposed_all_to_all_s"] = max(sim.exposed_all_to_all)
     shown = {k: v for k, v in options.items() if k != "costs"}
     if build_p2p_s:
         shown["p2p_us"] = p2p_us  # as given: validate_perf_model builds the same order from it
@@ -414,7 +450,8 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     extra.update(pipes=schedule.num_pipes, concat=schedule.meta.get("concat"),
                  simulated_compute_s=compute_only.makespan, schedule_used=schedule.name,
                  nominal_compute=(sum(sim.busy), len(sim.events)),
-                 sim_inputs=(schedule, cost_model(per_stage, schedule.split_backward, latency, w)))
+                 sim_inputs=(schedule, cost_model(per_stage, schedule.split_backward, latency, w,
+                                                  sim_a2a)))
     if args.allreduce_ms:
         shown["grad_reduce"] = mode
     return Row(name, shown, d, n, statistics.median(times), sim.makespan, extra, times)
@@ -458,6 +495,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="elements per gradient bucket (an emulated layer has 20)")
     p.add_argument("--grad-reduce", default="stage",
                    help=f"comma-separated modes for our rows: {','.join(GRAD_REDUCE_MODES)}")
+    p.add_argument("--all-to-all-ms", type=float, default=0.0,
+                   help="emulated MoE all-to-all time per stage and direction (an F and a B each "
+                        "pay it; dispatch + combine of every layer): our rows then run emulated "
+                        "MoE stages (EmulatedMoEStage) whose all-to-alls a paired action "
+                        "overlaps with the other half's compute")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP: the emulated all-to-alls exchange real (tiny) messages over the "
+                        "expert-parallel groups, checking that every EP rank issues them in "
+                        "one order")
     p.add_argument("--trace", action="store_true",
                    help="after each of our rows' timed iterations, trace one more and print "
                         "where the time between compute actions goes (pipeline/trace.py)")
@@ -468,6 +514,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.grad_reduce:
         p.error(f"--grad-reduce: choose from {','.join(GRAD_REDUCE_MODES)}, got "
                 f"{sorted(unknown) or 'nothing'}")
+    if args.all_to_all_ms < 0 or args.expert_model_parallel_size < 1:
+        p.error("--all-to-all-ms must be >= 0 and --expert-model-parallel-size >= 1")
+    if args.trace and (args.all_to_all_ms > 0 or args.expert_model_parallel_size > 1):
+        p.error("--trace does not apply to emulated MoE rows (--all-to-all-ms, "
+                "--expert-model-parallel-size)")
     if args.allreduce_ms < 0 or args.layers_per_stage < 1 or args.ddp_bucket_size < 1:
         p.error("--allreduce-ms must be >= 0, --layers-per-stage and --ddp-bucket-size >= 1")
     if args.iters < 5:
@@ -486,7 +537,7 @@ def format_table(rows: list[Row], latency: float) -> str:
     to torch's best schedule at the same N; then, per N, our best against torch's best. With
     traced rows also the simulation with the run's :class:`HostCosts`."""
     base = {(r.num_microbatches, r.options.get("grad_reduce")): r.measured_s
-            for r in rows if r.schedule == "1f1b"}
+            for r in rows if r.schedule == "1f1b" and not r.options.get(OVERLAP_OPTION)}
     torch_best = best_rows(rows, torch_rows=True)
     lines = [f"p2p latency (ping-pong, one way): {latency * 1e6:.0f} us", "",
              "| schedule | options | D | N | measured s | simulated s | measured/simulated "
@@ -515,7 +566,36 @@ def format_table(rows: list[Row], latency: float) -> str:
                          else " - | - |")
         lines.append(f"| {r.schedule} | {opts} | {r.pipeline_size} | {r.num_microbatches} | "
                      f"{r.measured_s:.3f} | {sim} | {ratio} |{with_host} {thr} | {vs_torch} |")
-    return "\n".join(lines + summary(rows) + hidden_reduction(rows) + gap_table(rows))
+    return "\n".join(lines + summary(rows) + hidden_reduction(rows) + overlap_ratios(rows)
+                     + gap_table(rows))
+
+
+OVERLAP_OPTION = "overlap_moe_expert_parallel_comm"
+
+
+def overlap_ratios(rows: list[Row]) -> list[str]:
+    """Per schedule and N with and without ``overlap_moe_expert_parallel_comm``: measured
+    iteration time with overlap / without, the simulator's ratio, and each row's
+    measured/simulated."""
+    plain = {(r.schedule, tuple(sorted((k, str(v)) for k, v in r.options.items())),
+              r.num_microbatches): r for r in rows if not r.options.get(OVERLAP_OPTION)}
+    lines = []
+    for r in rows:
+        if not r.options.get(OVERLAP_OPTION):
+            continue
+        rest = tuple(sorted((k, str(v)) for k, v in r.options.items() if k != OVERLAP_OPTION))
+        base = plain.get((r.schedule, rest, r.num_microbatches))
+        if base is None or not r.simulated_s or not base.simulated_s:
+            continue
+        lines.append(
+            f"overlap {r.schedule} N={r.num_microbatches}: measured {r.measured_s:.3f} s with / "
+            f"{base.measured_s:.3f} s without = {r.measured_s / base.measured_s:.3f} "
+            f"(simulated {r.simulated_s / base.simulated_s:.3f}); measured/simulated "
+            f"{r.measured_s / r.simulated_s:.3f} with, {base.measured_s / base.simulated_s:.3f} "
+            f"without; exposed all-to-all (simulated, worst rank) "
+            f"{r.extra.get('exposed_all_to_all_s', 0):.3f} s with, "
+            f"{base.extra.get('exposed_all_to_all_s', 0):.3f} s without")
+    return [""] + lines if lines else []
 
 
 def gap_table(rows: list[Row]) -> list[str]:
@@ -620,6 +700,9 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     d = args.pipeline_model_parallel_size or world
     layout = ParallelLayout.from_world(world, pipeline=d)
+    if layout.data % args.expert_model_parallel_size:
+        raise ConfigError(f"--expert-model-parallel-size {args.expert_model_parallel_size} must "
+                          f"divide the data-parallel size {layout.data} (world / D)")
     initialize_distributed(ParallelConfig(
         pipeline_model_parallel_size=d, data_parallel_size=layout.data, distributed_backend="gloo"
     ))

@@ -44,6 +44,7 @@ failed first (:mod:`.failures`). Where the rank sits comes from an injected
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,12 +60,18 @@ from megatron_chimera.model.moe.aux_loss import moe_routers
 from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
+from megatron_chimera.pipeline.overlap import (
+    leading_half,
+    prepare_threads,
+    run_pair,
+    set_current_action,
+)
 from megatron_chimera.pipeline.p2p import (
     P2PCommunicator,
     deallocate_output_tensor,
     uniform_specs,
 )
-from megatron_chimera.pipeline.program import Compute, Post, Program, compile_program
+from megatron_chimera.pipeline.program import Compute, Paired, Post, Program, compile_program
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
@@ -160,8 +167,7 @@ class _BusyTimer:
         self.tracer = tracer  # tracer.compute(action, start, end) on the host clock
         self._free = events
         self._recorded: list[tuple[Any, Any, Action | None]] = []
-        self._start: Any = 0.0
-        self._action: Action | None = None
+        self._local = threading.local()  # the two halves of a pair time on two threads
         self._origin: tuple[Any, float] | None = None
         if tracer is not None and self.cuda:  # an event at a known host time (device idle)
             torch.cuda.synchronize()
@@ -173,31 +179,32 @@ class _BusyTimer:
         return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
 
     def __call__(self, action: Action | None = None) -> _BusyTimer:
-        self._action = action
+        self._local.action = action
         return self
 
     def __enter__(self) -> _BusyTimer:
         if self.cuda:
             start = self._event()
             start.record()
-            self._start = start
+            self._local.start = start
         else:
-            self._start = time.perf_counter()
+            self._local.start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        local = self._local
         if self.cuda:
             end = self._event()
             end.record()
-            self._recorded.append((self._start, end, self._action))
+            self._recorded.append((local.start, end, local.action))
         else:
             end = time.perf_counter()
-            elapsed = end - self._start
+            elapsed = end - local.start
             self.seconds += elapsed
-            if self.action_timer is not None and self._action is not None:
-                self.action_timer(self._action, elapsed)
-            if self.tracer is not None and self._action is not None:
-                self.tracer.compute(self._action, self._start, end)
+            if self.action_timer is not None and local.action is not None:
+                self.action_timer(local.action, elapsed)
+            if self.tracer is not None and local.action is not None:
+                self.tracer.compute(local.action, local.start, end)
 
     def total(self) -> float:
         """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
@@ -255,12 +262,15 @@ class ExecutorPolicy:
     """How the lists run: ``recv_lookahead`` is how many compute actions early a receive is
     posted when NCCL's rules allow it; ``deallocate_outputs`` frees a sent activation's storage;
     ``warm_up`` connects every direction before the first iteration; ``safe_posting=False``
-    ignores NCCL's rules (only to show that tests catch it)."""
+    ignores NCCL's rules (only to show that tests catch it); ``overlap_pairs`` runs each paired
+    action's halves so that one's all-to-alls overlap the other's compute (:mod:`.overlap`;
+    False: one half after the other)."""
 
     recv_lookahead: int = DEFAULT_LOOKAHEAD
     deallocate_outputs: bool = True
     warm_up: bool = True
     safe_posting: bool = True
+    overlap_pairs: bool = True
 
 
 class PipelineExecutor:
@@ -304,6 +314,9 @@ class PipelineExecutor:
         self.scale_loss = gradients.scale_loss
         self.weight_grad_store_factory = gradients.weight_grad_store_factory
         self.deallocate_outputs = policy.deallocate_outputs and not work.recompute
+        self.overlap_pairs = policy.overlap_pairs
+        if self.overlap_pairs and any(schedule.pairs):
+            prepare_threads()  # two host threads take turns at every all-to-all
         self.transport = transport or make_transport(
             topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
         safe_posting = policy.safe_posting
@@ -444,7 +457,7 @@ class _Iteration:
         self.timer = _BusyTimer(executor.device, executor._events, executor.action_timer,
                                 executor.tracer)
         self.current: Any = None
-        self.stage_done: int | None = None  # a finished stage not yet reported (see _compute)
+        self.stage_done: tuple[int, ...] = ()  # finished stages not yet reported (_compute)
         transport = executor.transport  # calls that would do nothing are not made at all:
         self.sync_point = transport.sync_point if transport.has_sync_points else None
 
@@ -459,9 +472,11 @@ class _Iteration:
                         self._send(message)
                 else:
                     comm.post_recvs(step.messages)
+            elif type(step) is Paired:
+                self._paired(step)
             else:
                 self._compute(step)
-        if self.stage_done is not None:
+        if self.stage_done:
             self._report_stage_done()
         self.current = None
 
@@ -469,7 +484,7 @@ class _Iteration:
         """One compute action; report finished stages to the gradient synchronizer. The buffers
         the previous action freed go back to the pool only now, after its sends were posted (a
         send of a view of one pins it, see :meth:`.P2PCommunicator.send`)."""
-        if self.stage_done is not None:
+        if self.stage_done:
             self._report_stage_done()
         if self.sync_point is not None:
             self.sync_point(step.label)
@@ -481,6 +496,13 @@ class _Iteration:
         sync = self.ex.grad_sync if step.final_stage is not None else None
         if sync is not None:
             sync.final_action_begins(step.final_stage)
+        self._run_action(step)
+        self.executed.append(step.action)
+        if sync is not None:  # reported after this action's sends are posted
+            self.stage_done = (step.final_stage,)
+
+    def _run_action(self, step: Compute) -> None:
+        set_current_action(step.action)  # labels the action's all-to-alls (:mod:`.overlap`)
         kind = step.action.kind
         if kind == FORWARD:
             self._forward(step)
@@ -488,21 +510,54 @@ class _Iteration:
             self._backward(step)
         else:
             self._weight(step)
-        self.executed.append(step.action)
-        if sync is not None:  # reported after this action's sends are posted
-            self.stage_done = step.final_stage
+
+    def _paired(self, step: Paired) -> None:
+        """A paired F&B action: both inputs are waited on inside the halves (both receives were
+        posted before the pair), each half's all-to-alls overlap the other half's compute
+        (:func:`~.overlap.run_pair`), and both outputs go to the SENDs that follow. Two
+        backwards of one stage of a split-backward schedule share the stage's weight-gradient
+        deferral, so they run one after the other (nothing to overlap then)."""
+        if self.stage_done:
+            self._report_stage_done()
+        first, second = step.halves
+        if self.sync_point is not None:
+            self.sync_point(first.label)
+            self.sync_point(second.label)
+        if self.releasing:
+            release = self.comm.release
+            for message in self.releasing:
+                release(message)
+        self.releasing = first.releases + second.releases
+        finals = tuple(h.final_stage for h in step.halves if h.final_stage is not None)
+        sync = self.ex.grad_sync if finals else None
+        if sync is not None:
+            for stage in finals:
+                sync.final_action_begins(stage)
+        a, b = first.action, second.action
+        shared_deferral = (self.ex.schedule.split_backward and a.kind == b.kind == BACKWARD
+                           and a.stage == b.stage)
+        if self.ex.overlap_pairs and not shared_deferral:
+            run_pair((lambda: self._run_action(first), lambda: self._run_action(second)),
+                     leading_half((a.kind, b.kind)))
+            set_current_action(None)
+        else:
+            self._run_action(first)
+            self._run_action(second)
+        self.executed += (a, b)
+        if sync is not None:  # reported after the pair's sends are posted
+            self.stage_done = finals
 
     def _report_stage_done(self) -> None:
-        """Tell the gradient synchronizer that the previous action finished a stage: its
-        remaining buckets (and the tied embedding's) are issued now, after that action's sends,
-        as the validator's collective check assumes."""
-        launched = time.perf_counter()
-        stage = self.stage_done
-        self.ex.grad_sync.stage_done(stage)
-        self.stage_done = None
-        if self.ex.tracer is not None:
-            self.ex.tracer.span(f"reduce stage {stage}: launch", "grad-reduction", launched,
-                                time.perf_counter(), stage=stage)
+        """Tell the gradient synchronizer that the previous action finished a stage (two for a
+        pair): its remaining buckets (and the tied embedding's) are issued now, after that
+        action's sends, as the validator's collective check assumes."""
+        stages, self.stage_done = self.stage_done, ()
+        for stage in stages:
+            launched = time.perf_counter()
+            self.ex.grad_sync.stage_done(stage)
+            if self.ex.tracer is not None:
+                self.ex.tracer.span(f"reduce stage {stage}: launch", "grad-reduction", launched,
+                                    time.perf_counter(), stage=stage)
 
     def _send(self, message: Message) -> None:
         output = self.outbox.pop(message)

@@ -7,6 +7,9 @@ decided here, once per mode (training, forward-only), from the lowered list
 * per compute action (:class:`Compute`): the message it consumes and the one it produces (and
   whether that stays on this rank), its label, whether the gradients of a stage become final
   with it, and which receive buffers are free once it is over;
+* per paired action (``Schedule.pairs``, :class:`Paired`): its two computes as one step, which
+  the executor runs with each half's all-to-all overlapping the other half's compute
+  (:mod:`.overlap`); the lowering posts both halves' receives before it and both sends after;
 * per run of communication operations (:class:`Post`): the consecutive ``SEND`` or ``RECV``
   operations of one step with the same peer, in the lowered order -- one batch.
 
@@ -71,7 +74,24 @@ class Post(NamedTuple):
         return self.label
 
 
-Step = Compute | Post
+class Paired(NamedTuple):
+    """Two compute actions of one paired F&B action (neighbours of the list), run as one step."""
+
+    first: Compute
+    second: Compute
+    label: str
+
+    def short(self) -> str:
+        """Both labels, e.g. ``F0.2.5&B1.1.3``."""
+        return self.label
+
+    @property
+    def halves(self) -> tuple[Compute, Compute]:
+        """The two computes, in list order."""
+        return (self.first, self.second)
+
+
+Step = Compute | Paired | Post
 
 
 class Program(NamedTuple):
@@ -81,8 +101,12 @@ class Program(NamedTuple):
     forward_only: bool
 
     def computes(self) -> Iterator[Compute]:
-        """The compute steps, in order."""
-        return (s for s in self.steps if isinstance(s, Compute))
+        """The compute steps, in order (a pair's two halves in list order)."""
+        for step in self.steps:
+            if isinstance(step, Compute):
+                yield step
+            elif isinstance(step, Paired):
+                yield from step.halves
 
 
 def _key(action: Action) -> Key:
@@ -127,6 +151,7 @@ def compile_program(lowered: LoweredSchedule, rank: int) -> Program:
     """The steps of ``rank``'s lowered list."""
     schedule = lowered.schedule
     final = {} if lowered.forward_only else _final_gradient_actions(schedule, rank)
+    starts = lowered.pair_starts()[rank]
     steps: list[Step] = []
     comms: list[Comm] = []
     index = 0
@@ -134,13 +159,21 @@ def compile_program(lowered: LoweredSchedule, rank: int) -> Program:
         if isinstance(op, Comm):
             comms.append(op)
             continue
+        if index - 1 in starts and comms:
+            raise ValueError(f"rank {rank}: communication between the halves of the pair at "
+                             f"compute index {index - 1} ({comms[0].short()})")
         steps += _batches(comms)
         comms = []
         produces = produced_message(schedule, op)
-        steps.append(Compute(
+        compute = Compute(
             op, op.short(), _key(op), needed_message(schedule, op), produces,
             produces is not None and produces.dst == rank, final.get(index),
-            _releases(schedule, rank, op, lowered.forward_only)))
+            _releases(schedule, rank, op, lowered.forward_only))
+        if index - 1 in starts:
+            first = steps.pop()
+            steps.append(Paired(first, compute, f"{first.label}&{compute.label}"))
+        else:
+            steps.append(compute)
         index += 1
     steps += _batches(comms)
     return Program(tuple(steps), lowered.forward_only)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_chimera.pipeline.program import Compute, Post, compile_program
+from megatron_chimera.pipeline.program import Compute, Paired, Post, compile_program
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT
 from megatron_chimera.schedules.lowering import RECV, SEND, Comm, lower
@@ -113,3 +113,24 @@ def test_sends_follow_their_producer_alone():
         for before, step in zip(steps, steps[1:]):
             if isinstance(step, Post) and step.op == SEND:
                 assert isinstance(before, Compute) and step.messages == (before.produces,)
+
+
+@pytest.mark.parametrize("name,d,n,options", [
+    ("chimera", 4, 8, {"overlap_moe_expert_parallel_comm": True}),
+    ("chimera-zb", 4, 8, {"overlap_moe_expert_parallel_comm": True}),
+    ("dualpipe", 4, 8, {}),
+    ("combined-1f1b", 4, 8, {}),
+])
+def test_a_pair_compiles_into_one_step(name, d, n, options):
+    """Each pair of ``Schedule.pairs`` is one Paired step of its two neighbouring actions, and
+    the computes (pairs' halves included) are the rank's list in order."""
+    schedule = build_schedule(name, d, n, **options)
+    lowered = lower(schedule)
+    for rank in range(d):
+        program = compile_program(lowered, rank)
+        paired = [s for s in program.steps if isinstance(s, Paired)]
+        assert len(paired) == len(schedule.pairs[rank]) > 0
+        actions = schedule.actions[rank]
+        assert [(s.first.action, s.second.action) for s in paired] == [
+            (actions[i], actions[i + 1]) for i in schedule.pairs[rank]]
+        assert [c.action for c in program.computes()] == list(actions)

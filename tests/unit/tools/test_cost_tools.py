@@ -148,3 +148,23 @@ def test_benchmark_row_message_time_rejected(p2p_us, costs, message):
         bench.build_message_seconds("bitpipe-zb", p2p_us, costs)
     assert bench.build_message_seconds("bitpipe-zb", 400, "known") == pytest.approx(4e-4)
     assert bench.build_message_seconds("bitpipe-zb", 0, "unit") == 0.0
+
+
+def test_benchmark_overlap_ratio_line_pairs_rows_with_and_without_the_flag():
+    """benchmark_schedules.py --all-to-all-ms: each row with overlap_moe_expert_parallel_comm is
+    compared with the same schedule, N and options without it (measured and simulated ratio);
+    --trace and negative times are refused for MoE rows."""
+    bench = tool("benchmark_schedules")
+    rows = [bench.Row("chimera", {}, 4, 16, 2.0, 1.9, {"exposed_all_to_all_s": 1.0}),
+            bench.Row("chimera", {bench.OVERLAP_OPTION: 1}, 4, 16, 1.4, 1.3,
+                      {"exposed_all_to_all_s": 0.2}),
+            bench.Row("1f1b", {bench.OVERLAP_OPTION: 1}, 4, 16, 3.0, 3.0)]  # no partner row
+    lines = [line for line in bench.overlap_ratios(rows) if line]
+    assert len(lines) == 1
+    assert "chimera N=16: measured 1.400 s with / 2.000 s without = 0.700" in lines[0]
+    assert f"(simulated {1.3 / 1.9:.3f})" in lines[0]
+    for argv, message in ((["--all-to-all-ms", "5", "--trace"], "--trace does not apply"),
+                          (["--all-to-all-ms", "-1"], "--all-to-all-ms must be >= 0")):
+        with pytest.raises(UsageError) as info:
+            bench.parse_args(argv)
+        assert message in str(info.value)

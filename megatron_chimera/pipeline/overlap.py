@@ -1,0 +1,212 @@
+"""Runs a paired F&B action (``Schedule.pairs``) so that each half's all-to-all overlaps the
+other half's compute (``--overlap-moe-expert-parallel-comm``, issue 41).
+
+The two halves of a pair run on two host threads that share one **baton**: only the holder
+computes, so the rank's compute stays serial, as on a device. A half that reaches an
+all-to-all (:func:`expert_all_to_all`, called by the stage code: the emulated MoE stages of
+:mod:`.emulated` today) issues it *while holding the baton*, hands the baton to the other
+half (which computes while the all-to-all is in flight), and, once the other half hands the
+baton back, waits for whatever of its all-to-all is still in flight. Outside a pair the same
+call issues and waits at once (the all-to-all is exposed).
+
+**One issue order on every rank of an expert-parallel group.** The baton alternates strictly:
+the leading half computes up to its first all-to-all, then the other half up to its first, then
+the leader up to its second, and so on; a half that has finished hands the baton over for good.
+The leader is a fixed function of the two actions (the backward of an F&B pair, whose first
+step is its combine all-to-all's gradient, DualPipe's order; else the first in the list), and
+the ranks of an EP group run the same action list (same pipe position), so every rank of the
+group issues the pair's all-to-alls -- both halves', in the lowered list order of the pairs --
+in one order, whatever the timing. Each issue happens under the baton, so nothing else of the
+rank's host code runs concurrently with it.
+
+CPU only: the halves are host threads (autograd runs each backward on its calling thread for
+CPU tensors); a CUDA runtime would use a communication stream and events instead.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+_state = threading.local()
+
+#: a half expecting the baton at a known moment (its all-to-all's end) polls for it from
+#: ``POLL_EARLY_S`` before that moment for at most ``POLL_S``, instead of sleeping until woken:
+#: a thread woken by the other half's hand-over starts late by the OS's wake-up latency
+#: (milliseconds on a loaded 2-core VM), which a device stream would not add
+POLL_EARLY_S = 0.0001
+POLL_S = 0.001
+POLL_SLEEP_S = 0.00002
+
+
+class Waitable(Protocol):
+    """A started communication (``torch.distributed.Work`` or an emulated one, whose
+    ``done_at``, a ``perf_counter`` time, says when it ends)."""
+
+    def wait(self) -> Any:
+        """Block until it is complete."""
+
+
+class _Baton:
+    """Strict alternation of the compute between the two halves of one pair."""
+
+    def __init__(self, lead: int) -> None:
+        self.owner = lead
+        self.finished = [False, False]
+        self.cond = threading.Condition()
+
+    def take(self, me: int, expected_at: float | None = None) -> None:
+        """Block until ``me`` holds the baton; with ``expected_at`` (a ``perf_counter`` time
+        when the hand-over is likely) poll for it around that moment (:data:`POLL_S`)."""
+        if expected_at is not None and self.owner != me:
+            with self.cond:
+                while (self.owner != me
+                       and (left := expected_at - POLL_EARLY_S - time.perf_counter()) > 0):
+                    self.cond.wait(left)
+            end = time.perf_counter() + POLL_S
+            while self.owner != me and time.perf_counter() < end:
+                # a real sleep: a sleep(0) loop would hand the GIL back to itself and keep
+                # the other half (which is to hand the baton over) waiting up to 5 ms
+                time.sleep(POLL_SLEEP_S)
+        with self.cond:
+            while self.owner != me:
+                self.cond.wait()
+
+    def hand_over(self, me: int) -> None:
+        """``me`` issued an all-to-all: the other half computes next (unless it has finished)."""
+        with self.cond:
+            if not self.finished[1 - me]:
+                self.owner = 1 - me
+                self.cond.notify_all()
+
+    def finish(self, me: int) -> None:
+        """``me`` is done: the other half holds the baton from now on."""
+        with self.cond:
+            self.finished[me] = True
+            self.owner = 1 - me
+            self.cond.notify_all()
+
+
+class _Half:
+    def __init__(self, baton: _Baton, index: int) -> None:
+        self.baton, self.index = baton, index
+
+
+def in_pair() -> bool:
+    """Whether the calling thread runs one half of a pair."""
+    return getattr(_state, "half", None) is not None
+
+
+def expert_all_to_all(issue: Callable[[], Waitable]) -> None:
+    """Issue an all-to-all (``issue()`` starts it and returns its handle) and wait for it: in a
+    pair, the other half computes meanwhile (module docstring); else the wait is exposed. In a
+    pair the half waits for its turn first, then for its all-to-all (it cannot compute before
+    its turn anyway)."""
+    half: _Half | None = getattr(_state, "half", None)
+    handle = issue()
+    if half is None:
+        handle.wait()
+        return
+    half.baton.hand_over(half.index)
+    # the baton first, then the handle: under strict alternation this half computes next only
+    # after the other half's next piece anyway, and by then its all-to-all has usually ended --
+    # one thread wake-up per hand-over instead of two
+    half.baton.take(half.index, getattr(handle, "done_at", None))
+    handle.wait()
+
+
+def leading_half(kinds: Sequence[str]) -> int:
+    """Which half of a pair of action kinds (``"F"``/``"B"``) computes first: the backward of an
+    F&B pair (it starts with communication: its combine's gradient), else the first."""
+    if kinds[0] != kinds[1] and kinds[1] == "B":
+        return 1
+    return 0
+
+
+#: Python's GIL switch interval while pairs run: a thread that wants the GIL (the half just
+#: handed the baton, or whose all-to-all ended) otherwise waits up to the default 5 ms for a
+#: thread that holds it (a spin, autograd's Python nodes) to let go
+SWITCH_INTERVAL_S = 0.0002
+
+
+def prepare_threads() -> None:
+    """Set this process's GIL switch interval to at most :data:`SWITCH_INTERVAL_S` (the executor
+    calls it when its schedule has pairs to overlap)."""
+    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+
+class _Helper:
+    """The process's one helper thread for second halves (started once: starting a thread and
+    autograd's per-thread state cost milliseconds per pair)."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="pair-half", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job, done = self.jobs.get()
+            try:
+                job()
+            finally:
+                done.set()
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        """Run ``job`` on the helper thread; the event is set when it has returned."""
+        done = threading.Event()
+        self.jobs.put((job, done))
+        return done
+
+
+_helper: _Helper | None = None
+_helper_lock = threading.Lock()
+
+
+def _the_helper() -> _Helper:
+    global _helper
+    with _helper_lock:
+        if _helper is None or not _helper.thread.is_alive():
+            _helper = _Helper()
+        return _helper
+
+
+def run_pair(halves: Sequence[Callable[[], None]], lead: int) -> None:
+    """Run the two callables as the halves of one pair (``lead`` computes first): the leading
+    half on the calling thread, the other on the process's helper thread. The first exception
+    (in half order) is raised once both halves have ended."""
+    baton = _Baton(lead)
+    errors: list[BaseException | None] = [None, None]
+
+    def body(index: int) -> None:
+        _state.half = _Half(baton, index)
+        try:
+            baton.take(index)
+            halves[index]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            errors[index] = exc
+        finally:
+            _state.half = None
+            baton.finish(index)
+
+    done = _the_helper().submit(lambda: body(1 - lead))
+    body(lead)
+    done.wait()
+    for exc in errors:
+        if exc is not None:
+            raise exc
+
+
+def set_current_action(action: Any) -> None:
+    """The compute action the calling thread runs now (labels its all-to-alls)."""
+    _state.action = action
+
+
+def current_action() -> Any:
+    """The compute action the calling thread runs (None outside the executor's actions)."""
+    return getattr(_state, "action", None)

@@ -1,0 +1,75 @@
+"""The paired runtime's baton (pipeline/overlap.py): the halves' all-to-alls are issued in one
+order fixed by the two actions, whatever the timing, and the compute never runs on both
+halves at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from megatron_chimera.pipeline.overlap import expert_all_to_all, leading_half, run_pair
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Handle:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def wait(self) -> None:
+        time.sleep(self.seconds)
+
+
+def _trace(pieces: dict[int, list[str]], lead: int, a2a_s: dict[int, float]) -> list[str]:
+    """Run two halves whose pieces are "c" (compute) or "a" (all-to-all of ``a2a_s[half]``
+    seconds); return the events in order."""
+    events: list[str] = []
+    computing = threading.Lock()
+
+    def half(i: int):
+        def body() -> None:
+            for k, piece in enumerate(pieces[i]):
+                if piece == "a":
+                    expert_all_to_all(lambda k=k: (events.append(f"{i}a{k}"),
+                                                   _Handle(a2a_s[i]))[1])
+                else:
+                    assert computing.acquire(blocking=False), "both halves compute at once"
+                    events.append(f"{i}c{k}")
+                    time.sleep(0.002)
+                    computing.release()
+        return body
+
+    run_pair((half(0), half(1)), lead)
+    return events
+
+
+@pytest.mark.parametrize("a2a_s", [{0: 0.0, 1: 0.01}, {0: 0.01, 1: 0.0}])
+def test_all_to_alls_alternate_whatever_their_duration(a2a_s):
+    """F (c a c a) and B (a c a c) with the backward leading: the issue order is B's, F's, B's,
+    ... whichever all-to-all ends first."""
+    events = _trace({0: list("caca"), 1: list("acac")}, leading_half(("F", "B")), a2a_s)
+    issues = [e for e in events if "a" in e[1:]]
+    assert issues == ["1a0", "0a1", "1a2", "0a3"]
+    assert sorted(events) == sorted(["0c0", "0a1", "0c2", "0a3", "1a0", "1c1", "1a2", "1c3"])
+
+
+def test_the_backward_leads_an_f_and_b_pair():
+    """DualPipe's order: the backward's combine-gradient all-to-all first."""
+    assert leading_half(("F", "B")) == 1
+    assert leading_half(("B", "F")) == 0
+    assert leading_half(("F", "F")) == 0
+
+
+def test_an_error_in_one_half_is_raised_after_both_end():
+    """A failing half hands the baton over; the other half still finishes; the error is
+    raised on the calling thread."""
+    done = []
+
+    def bad() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        run_pair((bad, lambda: done.append(1)), 0)
+    assert done == [1]

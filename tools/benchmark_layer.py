@@ -73,10 +73,11 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, iters: int) -> float:
-    """Best measured throughput of ``size``-cubed matmuls (TFLOP/s)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+def gemm_tflops(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int,
+                iters: int) -> float:
+    """Best measured throughput of an ``[m, k] @ [k, n]`` matmul (TFLOP/s)."""
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
     synchronize(device)
@@ -86,7 +87,12 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, iter
         a @ b
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best / 1e12
+    return 2 * m * k * n / best / 1e12
+
+
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, iters: int) -> float:
+    """Best measured throughput of ``size``-cubed matmuls (TFLOP/s)."""
+    return gemm_tflops(device, dtype, size, size, size, iters)
 
 
 def model_flops_per_step(config: ModelConfig, batch: int) -> float:

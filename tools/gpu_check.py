@@ -606,23 +606,6 @@ def check_memory(ctx: Context) -> dict:
 
 
 # ------------------------------------------------------------------------------ hardware
-def gemm_tflops(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int,
-                iters: int) -> float:
-    """Best TFLOP/s of an ``[m, k] @ [k, n]`` matmul (CUDA events on the GPU)."""
-    a = torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    synchronize(device)
-    best = float("inf")
-    for _ in range(iters):
-        start = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * m * k * n / best / 1e12
-
-
 def copy_bandwidth_gbps(device: torch.device, nbytes: int, iters: int) -> float:
     """Best device-memory bandwidth of a copy (GB/s; read + write counted)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -670,6 +653,8 @@ def check_hardware(ctx: Context) -> dict:
     the best GEMM of the sweep over the bf16 peak; ``memory_efficiency``: the device copy over
     the HBM bandwidth), the SM count and the measured gap per kernel. For a device without a
     preset (and on the CPU) the measured figures are the peaks (fractions 1)."""
+    from benchmark_layer import gemm_tflops
+
     from megatron_chimera.tuning.hardware import PRESETS, load_hardware
 
     half = torch.bfloat16 if ctx.gpu else torch.float32

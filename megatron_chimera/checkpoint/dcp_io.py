@@ -34,7 +34,7 @@ import struct
 import warnings
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -149,13 +149,18 @@ class ArchiveChunkWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        return self._write_rank_file(plan, lambda handle, name: [
+            self._write_chunk(handle, name, item, planner) for item in plan.items])
+
+    def _write_rank_file(self, plan: SavePlan,
+                         write_items: Callable[[Any, str], list[WriteResult]]) -> Future:
+        """This rank's one file: ``write_items(handle, file name)`` writes it and returns the
+        results, then it is fsynced; a failed write names the file."""
         name = f"{plan.storage_data.prefix}0.distcp"
         path = os.path.join(str(self.path), name)
-        results = []
         try:
             with open(path, "wb") as handle:
-                for item in plan.items:
-                    results.append(self._write_chunk(handle, name, item, planner))
+                results = write_items(handle, name)
                 handle.flush()
                 os.fsync(handle.fileno())
         except OSError as exc:
@@ -215,45 +220,39 @@ class StreamedChunkWriter(ArchiveChunkWriter):
             raise
 
     def _write_stream(self, plan: SavePlan, planner: SavePlanner) -> Future:
-        name = f"{plan.storage_data.prefix}0.distcp"
-        path = os.path.join(str(self.path), name)
         planned = {(i.index.fqn, tuple(i.index.offset)): i for i in plan.items
                    if i.type != WriteItemType.BYTE_IO}
-        results = []
-        try:
-            with open(path, "wb") as handle:
-                for key, tensor in self._tensors:
-                    item = planned.pop((key[0], tuple(key[1])), None)
-                    if item is None:
-                        raise ValueError(f"{key[0]} at {tuple(key[1])}: not a chunk of the plan "
-                                         "(or given twice)")
-                    data = item.tensor_data
-                    if (tuple(tensor.shape) != tuple(data.chunk.sizes)
-                            or tensor.dtype != data.properties.dtype):
-                        raise ValueError(f"{key[0]}: {tuple(tensor.shape)} {tensor.dtype}, "
-                                         f"planned {tuple(data.chunk.sizes)} "
-                                         f"{data.properties.dtype}")
-                    results.append(self._write_tensor(handle, name, item.index, tensor,
-                                                      zip_crc=True))
-                    del tensor  # the next one is read only after this one is dropped
-                if planned:
-                    raise ValueError(f"{', '.join(sorted(k[0] for k in planned)[:4])}: "
-                                     "planned, never given")
-                for item in plan.items:
-                    if item.type == WriteItemType.BYTE_IO:
-                        value = planner.resolve_data(item).getvalue()
-                        offset = handle.tell()
-                        handle.write(value)
-                        results.append(WriteResult(index=item.index, size_in_bytes=len(value),
-                                                   storage_data=_StorageInfo(name, offset,
-                                                                             len(value))))
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError as exc:
-            raise OSError(exc.errno, exc.strerror, path) from None
-        future: Future = Future()
-        future.set_result(results)
-        return future
+
+        def write(handle: Any, name: str) -> list[WriteResult]:
+            results = []
+            for key, tensor in self._tensors:
+                item = planned.pop((key[0], tuple(key[1])), None)
+                if item is None:
+                    raise ValueError(f"{key[0]} at {tuple(key[1])}: not a chunk of the plan "
+                                     "(or given twice)")
+                data = item.tensor_data
+                if (tuple(tensor.shape) != tuple(data.chunk.sizes)
+                        or tensor.dtype != data.properties.dtype):
+                    raise ValueError(f"{key[0]}: {tuple(tensor.shape)} {tensor.dtype}, "
+                                     f"planned {tuple(data.chunk.sizes)} "
+                                     f"{data.properties.dtype}")
+                results.append(self._write_tensor(handle, name, item.index, tensor,
+                                                  zip_crc=True))
+                del tensor  # the next one is read only after this one is dropped
+            if planned:
+                raise ValueError(f"{', '.join(sorted(k[0] for k in planned)[:4])}: "
+                                 "planned, never given")
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    value = planner.resolve_data(item).getvalue()
+                    offset = handle.tell()
+                    handle.write(value)
+                    results.append(WriteResult(index=item.index, size_in_bytes=len(value),
+                                               storage_data=_StorageInfo(name, offset,
+                                                                         len(value))))
+            return results
+
+        return self._write_rank_file(plan, write)
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):

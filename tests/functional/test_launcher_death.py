@@ -20,16 +20,22 @@ pytestmark = [pytest.mark.functional, pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
 
-@pytest.mark.timeout(240)
-def test_workers_die_with_a_killed_launcher(tmp_path):
+def _launch_long_pipeline_run() -> subprocess.Popen:
+    """torchrun with 2 workers training a tiny D=2 pipeline for (practically) ever, its output
+    piped, in a session of its own."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(ROOT / "pretrain_gpt2.py"), *TINY, "--num-layers", "4", "--train-iters",
            "100000", "--log-interval", "1", "--pipeline-model-parallel-size", "2"]
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{NCCL_SEMANTICS_ENV: "1"})
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.mark.timeout(240)
+def test_workers_die_with_a_killed_launcher(tmp_path):
+    launcher = _launch_long_pipeline_run()
     workers: list[int] = []
     try:
         for line in launcher.stdout:  # wait until the workers train
@@ -87,14 +93,7 @@ def test_the_failure_report_names_the_killed_worker(tmp_path):
     """``kill -9`` of rank 0 (it cannot say a word): the surviving rank's line names rank 0 as
     the one that died -- its heartbeat stopped -- not itself, the rank that noticed; and no
     rank prints a traceback at shutdown (``Exception ignored in atexit callback``)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "pretrain_gpt2.py"), *TINY, "--num-layers", "4", "--train-iters",
-           "100000", "--log-interval", "1", "--pipeline-model-parallel-size", "2"]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{NCCL_SEMANTICS_ENV: "1"})
-    launcher = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    launcher = _launch_long_pipeline_run()
     workers: list[int] = []
     try:
         lines = []

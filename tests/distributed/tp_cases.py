@@ -24,15 +24,14 @@ import pretrain_gpt2
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
-    CheckpointTarget,
     StageSlice,
     checkpoint_dir,
     global_name,
-    load_checkpoint,
     read_tracker,
     save_checkpoint,
     stage_named_parameters,
 )
+from megatron_chimera.checkpoint.loading import CheckpointTarget, load_checkpoint
 from megatron_chimera.config import DDPConfig, ModelConfig, OptimizerConfig
 from megatron_chimera.distributed.data_parallel import build_data_parallel
 from megatron_chimera.distributed.grad_sync import assert_replicas_identical

@@ -15,13 +15,12 @@ from megatron_chimera.checkpoint.checkpointing import (
     TRACKER_FILENAME,
     CheckpointContents,
     CheckpointError,
-    CheckpointTarget,
     StageSlice,
     checkpoint_dir,
-    load_checkpoint,
     read_tracker,
     save_checkpoint,
 )
+from megatron_chimera.checkpoint.loading import CheckpointTarget, load_checkpoint
 from megatron_chimera.config import ModelConfig, OptimizerConfig
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_optimizer

@@ -130,6 +130,13 @@ class HardwareProfile:
         """Whether messages and collectives go through host memory (``gloo``)."""
         return self.collective_backend == "gloo"
 
+    def describe_backend(self) -> str:
+        """One line: how this profile's messages and collectives move."""
+        if not self.host_staged:
+            return f"{self.collective_backend} (device-direct over the links)"
+        return (f"gloo (host-staged: device <-> host copies at {self.host_copy_gbps:.2f} GB/s "
+                f"each way, gloo's host path at {self.host_transport_gbps:.2f} GB/s per rank)")
+
     def message_link(self, link: LinkProfile) -> LinkProfile:
         """What one point-to-point message over ``link`` sees. Host-staged (gloo): a copy to the
         host, the send at the slower of the link and gloo's host path, a copy to the receiving

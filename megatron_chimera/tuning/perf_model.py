@@ -21,6 +21,8 @@ as is the all-gather of Megatron's scatter/gather of pipeline messages; the weig
 (W) has none. Gradient buckets, optimizer state and activations are per tensor-parallel rank;
 messages between stages shrink to ``1/T`` (sequence parallelism or scatter/gather).
 Recomputation is ``full`` or ``selective`` (``TrainingPlan.recompute_granularity``).
+Every message and collective goes through the profile's backend: device-direct (NCCL) or, with
+gloo, host-staged (``HardwareProfile.message_link`` / ``collective_link``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ as is the all-gather of Megatron's scatter/gather of pipeline messages; the weig
 (W) has none. Gradient buckets, optimizer state and activations are per tensor-parallel rank;
 messages between stages shrink to ``1/T`` (sequence parallelism or scatter/gather).
 Recomputation is ``full`` or ``selective`` (``TrainingPlan.recompute_granularity``).
+Every message and collective goes through the profile's backend: device-direct (NCCL) or, with
+gloo, host-staged (``HardwareProfile.message_link`` / ``collective_link``).
 """
 
 from __future__ import annotations
@@ -376,8 +378,8 @@ class PerformanceModel:
     def context_parallel_link(self, layout: TrainingPlan) -> LinkProfile:
         """The link of the ring of one sequence's CP ranks (intra-node when T x CP ranks fit
         in a node: Megatron's rank order puts them next to each other)."""
-        return self.p2p_link or self.hardware.link_for(
-            [self._global_rank(layout, 0, 0, c) for c in range(layout.CP)])
+        return self.p2p_link or self.hardware.message_link(self.hardware.link_for(
+            [self._global_rank(layout, 0, 0, c) for c in range(layout.CP)]))
 
     def ring_seconds(self, layout: TrainingPlan, piece: StagePiece) -> tuple[float, float]:
         """(forward, backward) seconds of ring attention's traffic for one micro-batch through
@@ -395,8 +397,9 @@ class PerformanceModel:
                 steps * (link.alpha_s + 2 * link.beta_s_per_byte * block))
 
     def tensor_parallel_link(self, layout: TrainingPlan) -> LinkProfile:
-        """The link of a tensor-parallel group (T consecutive global ranks)."""
-        return self.hardware.link_for(range(layout.T))
+        """The link of a tensor-parallel group (T consecutive global ranks), as the backend's
+        collectives over T ranks see it (host-staged with gloo)."""
+        return self.hardware.collective_link(self.hardware.link_for(range(layout.T)), layout.T)
 
     def stage_times(self, layout: TrainingPlan, piece: StagePiece) -> StageTimes:
         """One micro-batch (a whole sequence; the simulator gives each slice its share) through
@@ -453,12 +456,14 @@ class PerformanceModel:
                     edges.update({(a, b), (b, a)})
         result = []
         for a, b in sorted(edges):
-            link = self.p2p_link or self.hardware.link_for(
-                (self._global_rank(layout, a), self._global_rank(layout, b)))
+            link = self.p2p_link or self.hardware.message_link(self.hardware.link_for(
+                (self._global_rank(layout, a), self._global_rank(layout, b))))
             result.append((a, b, link.alpha_s, link.beta_s_per_byte))
         return tuple(result)
 
     def _allreduce_link(self, layout: TrainingPlan, schedule: Schedule) -> LinkProfile:
+        """The link of the stage-replica all-reduces (over ``2f W CP`` replicas) as the backend
+        sees it (host-staged with gloo: ``HardwareProfile.collective_link``)."""
         if self.p2p_link is not None:
             return self.p2p_link
         groups = [
@@ -468,7 +473,8 @@ class PerformanceModel:
             for stage in range(schedule.num_stages)
         ]
         spans = any(self.hardware.link_for(g) is self.hardware.inter_node for g in groups)
-        return self.hardware.inter_node if spans else self.hardware.intra_node
+        link = self.hardware.inter_node if spans else self.hardware.intra_node
+        return self.hardware.collective_link(link, len(groups[0]) if groups else 1)
 
     def cost_model(self, layout: TrainingPlan) -> CostModel:
         """The simulator's cost model for ``layout`` (seconds and bytes)."""

@@ -189,7 +189,7 @@ def test_pipeline_scatter_gather_shrinks_messages_and_adds_a_gather():
 def test_hardware_presets_cite_their_figures_and_round_trip_through_json(tmp_path):
     """Every preset loads back from its JSON form (the schema tools/gpu_check.sh writes);
     the old tokens-per-rank key is rejected with the schema named."""
-    for name in ("a100", "a100-40gb", "a100-80gb", "h100", "h200", "p100"):
+    for name in PRESETS:
         preset = PRESETS[name]
         assert preset.hbm_bandwidth_gbps > 0 and preset.num_sms > 0
         path = tmp_path / f"{name}.json"

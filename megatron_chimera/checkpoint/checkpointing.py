@@ -11,8 +11,9 @@
 
 A stage file holds the parameters of global layers ``[start, end)`` (``layers.{i}`` renamed to the
 global layer index) plus the embedding (first stage) or the final layer norm and head (last
-stage). Loading (:mod:`.loading`) assembles each of this rank's stage modules from every saved stage file that
-overlaps it, so a checkpoint written with one (D, schedule, pipes, W) loads into any other.
+stage). Loading (:mod:`.loading`) assembles each of this rank's stage modules from every saved
+stage file that overlaps it, so a checkpoint written with one (D, schedule, pipes, W) loads into
+any other.
 Files are written to a staging directory (temp file, fsync, rename) and the staging directory is
 renamed into place after a barrier; only then is the tracker updated, so a crash at any point
 leaves the previous checkpoint loadable and the tracker pointing at it.

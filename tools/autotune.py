@@ -40,8 +40,9 @@ from megatron_chimera.tuning.autotune import (
 )
 from megatron_chimera.tuning.command import torchrun_command
 from megatron_chimera.tuning.hardware import GB, PRESETS, HardwareProfile, load_hardware
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel
 from megatron_chimera.tuning.published import megatron_flops
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 DEFAULT_VOCAB = {"gpt2": 50257, "bert": 30522}
 

@@ -31,7 +31,8 @@ import pytest
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 PIPES = (2, 4, 8, 16)
 

@@ -19,7 +19,8 @@ import pytest
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.hardware import PRESETS, load_hardware_profile
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 ROOT = Path(__file__).resolve().parents[3]
 H2D, D2H = 11.688e9, 12.886e9  # bytes/s, Microway's bandwidthTest on a Tesla P100-PCIE-16GB

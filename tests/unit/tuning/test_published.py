@@ -15,7 +15,7 @@ from megatron_chimera.model import flops
 from megatron_chimera.model.family import get_family
 from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import PRESETS, load_hardware, load_hardware_profile
-from megatron_chimera.tuning.perf_model import AnalyticCompute, PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.perf_model import AnalyticCompute, PerformanceModel
 from megatron_chimera.tuning.published import (
     MEGATRON_TABLE1,
     MEGATRON_TABLE2,
@@ -26,6 +26,7 @@ from megatron_chimera.tuning.published import (
     spearman,
     summarize,
 )
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,7 @@ from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
 from megatron_chimera.pipeline.overlap import (
     leading_half,
     prepare_threads,
+    run_in_turn,
     run_pair,
     set_current_action,
 )
@@ -516,7 +517,10 @@ class _Iteration:
         posted before the pair), each half's all-to-alls overlap the other half's compute
         (:func:`~.overlap.run_pair`), and both outputs go to the SENDs that follow. Two
         backwards of one stage of a split-backward schedule share the stage's weight-gradient
-        deferral, so they run one after the other (nothing to overlap then)."""
+        deferral, so they run one after the other (nothing to overlap then), as every pair does
+        under ``ExecutorPolicy(overlap_pairs=False)``; either way each half draws from its own
+        random streams (:func:`~.overlap.run_in_turn`), so dropout and recomputation give the
+        same numbers overlapped or not."""
         if self.stage_done:
             self._report_stage_done()
         first, second = step.halves
@@ -540,9 +544,9 @@ class _Iteration:
             run_pair((lambda: self._run_action(first), lambda: self._run_action(second)),
                      leading_half((a.kind, b.kind)))
             set_current_action(None)
-        else:
-            self._run_action(first)
-            self._run_action(second)
+        else:  # the same random streams per half as run_pair's
+            run_in_turn((lambda: self._run_action(first), lambda: self._run_action(second)))
+            set_current_action(None)
         self.executed += (a, b)
         if sync is not None:  # reported after the pair's sends are posted
             self.stage_done = finals

@@ -8,8 +8,14 @@ import threading
 import time
 
 import pytest
+import torch
 
-from megatron_chimera.pipeline.overlap import expert_all_to_all, leading_half, run_pair
+from megatron_chimera.pipeline.overlap import (
+    expert_all_to_all,
+    leading_half,
+    run_in_turn,
+    run_pair,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -73,3 +79,64 @@ def test_an_error_in_one_half_is_raised_after_both_end():
     with pytest.raises(ValueError, match="boom"):
         run_pair((bad, lambda: done.append(1)), 0)
     assert done == [1]
+
+
+def _drawing_halves(draws: dict[int, list[torch.Tensor]]):
+    """Two halves that draw from the default generator between all-to-alls (a dropout mask
+    per piece), recording their draws."""
+
+    def half(i: int):
+        def body() -> None:
+            for _ in range(3):
+                draws[i].append(torch.rand(4))
+                expert_all_to_all(lambda: _Handle(0.0))
+            draws[i].append(torch.rand(4))
+        return body
+
+    return half(0), half(1)
+
+
+@pytest.mark.parametrize("lead", [0, 1])
+def test_each_half_draws_from_its_own_random_stream(lead):
+    """Overlapped, the halves alternate after every draw; yet each half draws what it draws
+    when the pair runs one half after the other (run_in_turn), and the rank's stream goes on
+    alike after the pair: the first half continues it, the second runs on a fork."""
+    runs = {}
+    for overlapped in (True, False):
+        torch.manual_seed(5)
+        draws: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+        halves = _drawing_halves(draws)
+        if overlapped:
+            run_pair(halves, lead)
+        else:
+            run_in_turn(halves)
+        runs[overlapped] = draws, torch.rand(4)
+    (paired, after_paired), (in_turn, after_in_turn) = runs[True], runs[False]
+    for i in (0, 1):
+        assert all(torch.equal(x, y) for x, y in zip(paired[i], in_turn[i], strict=True))
+    assert torch.equal(after_paired, after_in_turn)
+    torch.manual_seed(5)
+    alone = [torch.rand(4) for _ in range(4)]
+    assert all(torch.equal(x, y) for x, y in zip(paired[0], alone, strict=True))
+    assert not torch.equal(paired[0][0], paired[1][0])  # the second half's stream is another
+    assert torch.equal(after_paired, torch.rand(4))
+
+
+def test_the_model_all_to_all_runs_through_the_baton():
+    """The MoE layer's hook (model/moe/expert_comm) is the paired runtime's all-to-all once the
+    runtime is imported: in a pair its calls interleave with the other half's, labelled."""
+    from megatron_chimera.model.moe import expert_comm
+    from megatron_chimera.pipeline import overlap
+
+    def half(i: int):
+        def body() -> None:
+            for k in range(2):
+                expert_comm.expert_all_to_all(f"h{i}.{k}", lambda: _Handle(0.0))
+        return body
+
+    overlap.issued = []
+    try:
+        run_pair((half(0), half(1)), 1)
+        assert overlap.issued == ["-:h1.0", "-:h0.0", "-:h1.1", "-:h0.1"]
+    finally:
+        overlap.issued = None

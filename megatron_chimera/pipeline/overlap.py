@@ -5,10 +5,11 @@ The two halves of a pair run on two host threads that share one **baton**: only 
 computes, so the rank's compute stays serial, as on a device. A half that reaches an
 all-to-all (:func:`expert_all_to_all`, called by the stage code: the emulated MoE stages of
 :mod:`.emulated`, and the real MoE layer's ``alltoall`` dispatcher through
-:mod:`megatron_chimera.model.moe.expert_comm`, whose runner this module installs) issues it *while holding the baton*, hands the baton to the other
-half (which computes while the all-to-all is in flight), and, once the other half hands the
-baton back, waits for whatever of its all-to-all is still in flight. Outside a pair the same
-call issues and waits at once (the all-to-all is exposed).
+:mod:`megatron_chimera.model.moe.expert_comm`, whose runner this module installs) issues it
+*while holding the baton*, hands the baton to the other half (which computes while the
+all-to-all is in flight), and, once the other half hands the baton back, waits for whatever of
+its all-to-all is still in flight. Outside a pair the same call issues and waits at once (the
+all-to-all is exposed).
 
 **One issue order on every rank of an expert-parallel group.** The baton alternates strictly:
 the leading half computes up to its first all-to-all, then the other half up to its first, then

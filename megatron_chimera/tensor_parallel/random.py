@@ -172,8 +172,9 @@ def _forked(state: RngState) -> RngState:
     """A new stream seeded from one number drawn from a *copy* of ``state`` (the stream
     ``state`` describes is not advanced)."""
     cpu, cuda = state
-    seed = int(torch.randint(_SEED_BOUND, (1,),
-                             generator=torch.Generator().set_state(cpu)))
+    copy = torch.Generator()
+    copy.set_state(cpu)
+    seed = int(torch.randint(_SEED_BOUND, (1,), generator=copy))
     forked_cpu = torch.Generator().manual_seed(seed).get_state()
     forked_cuda = None
     if cuda is not None and _cuda_active():

@@ -208,9 +208,12 @@ def _assert_tensor_parallel_copies_equal(modules: dict[int, torch.nn.Module]) ->
                 raise AssertionError(f"stage {stage} {name}: tensor-parallel copies differ")
 
 
+DEFAULT_POLICY = ExecutorPolicy()
+
+
 def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = False,
               optimizer_config: OptimizerConfig = OPTIMIZER,
-              policy: ExecutorPolicy = ExecutorPolicy()):
+              policy: ExecutorPolicy = DEFAULT_POLICY):
     """This rank's stage modules, optimizer and executor (groups already created; ``policy``:
     the executor's)."""
     entry = FAMILIES[case.family]

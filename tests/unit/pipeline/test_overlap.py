@@ -16,6 +16,7 @@ from megatron_chimera.pipeline.overlap import (
     run_in_turn,
     run_pair,
 )
+from megatron_chimera.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,6 +82,12 @@ def test_an_error_in_one_half_is_raised_after_both_end():
     assert done == [1]
 
 
+def _draw_alone() -> torch.Tensor:
+    with get_cuda_rng_tracker().fork():
+        tracked = torch.rand(2)
+    return torch.cat([torch.rand(4), tracked])
+
+
 def _drawing_halves(draws: dict[int, list[torch.Tensor]]):
     """Two halves that draw from the default generator between all-to-alls (a dropout mask
     per piece), recording their draws."""
@@ -88,22 +95,31 @@ def _drawing_halves(draws: dict[int, list[torch.Tensor]]):
     def half(i: int):
         def body() -> None:
             for _ in range(3):
-                draws[i].append(torch.rand(4))
+                draws[i].append(_draw_alone())
                 expert_all_to_all(lambda: _Handle(0.0))
-            draws[i].append(torch.rand(4))
+            draws[i].append(_draw_alone())
         return body
 
     return half(0), half(1)
 
 
+@pytest.fixture
+def _fresh_tracker():
+    """The process's RNG tracker is emptied again after the test (it is process state)."""
+    yield
+    get_cuda_rng_tracker().reset()
+
+
 @pytest.mark.parametrize("lead", [0, 1])
+@pytest.mark.usefixtures("_fresh_tracker")
 def test_each_half_draws_from_its_own_random_stream(lead):
-    """Overlapped, the halves alternate after every draw; yet each half draws what it draws
-    when the pair runs one half after the other (run_in_turn), and the rank's stream goes on
-    alike after the pair: the first half continues it, the second runs on a fork."""
+    """Overlapped, the halves alternate after every draw (from the default generator and the
+    tensor-parallel tracker's); yet each half draws what it draws when the pair runs one half
+    after the other (run_in_turn), and the rank's streams go on alike after the pair: the first
+    half continues them, the second runs on a fork."""
     runs = {}
     for overlapped in (True, False):
-        torch.manual_seed(5)
+        model_parallel_cuda_manual_seed(5)
         draws: dict[int, list[torch.Tensor]] = {0: [], 1: []}
         halves = _drawing_halves(draws)
         if overlapped:
@@ -115,10 +131,12 @@ def test_each_half_draws_from_its_own_random_stream(lead):
     for i in (0, 1):
         assert all(torch.equal(x, y) for x, y in zip(paired[i], in_turn[i], strict=True))
     assert torch.equal(after_paired, after_in_turn)
-    torch.manual_seed(5)
-    alone = [torch.rand(4) for _ in range(4)]
+    model_parallel_cuda_manual_seed(5)
+    alone = [_draw_alone() for _ in range(4)]
     assert all(torch.equal(x, y) for x, y in zip(paired[0], alone, strict=True))
-    assert not torch.equal(paired[0][0], paired[1][0])  # the second half's stream is another
+    # the second half's streams are others (default and tracked parts alike)
+    assert not torch.equal(paired[0][0][:4], paired[1][0][:4])
+    assert not torch.equal(paired[0][0][4:], paired[1][0][4:])
     assert torch.equal(after_paired, torch.rand(4))
 
 

@@ -25,16 +25,19 @@ OVERLAP = (("overlap_moe_expert_parallel_comm", True),)
 LOSS_RTOL = 1e-6  # against one process: the same math, one summation order per micro-batch
 
 
-def _train(case, schedule, config, steps: int, overlap_pairs: bool, seed: int | None = None):
+def _train(case, schedule, config, steps: int, overlap_pairs: bool, seed: int | None = None,
+           recompute: bool = False):
     """``steps`` iterations: this rank's losses ``{(step, micro-batch): loss}``, its gradient
     buffers after each iteration, the grad norms, and its MoE all-to-alls' labels in issue
-    order. ``seed``: reseed the rank's generators first (dropout draws from them)."""
+    order. ``seed``: reseed the rank's generators first (dropout draws from them);
+    ``recompute``: the executor recomputes each stage's forward in its backward."""
     tp = _tp()
     if seed is not None:
         model_parallel_cuda_manual_seed(
             seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
     modules, optimizer, executor, _ = tp.build_run(
-        case, config, schedule, policy=ExecutorPolicy(overlap_pairs=overlap_pairs))
+        case, config, schedule, recompute=recompute,
+        policy=ExecutorPolicy(overlap_pairs=overlap_pairs))
     dp = parallel_state.get_data_parallel_rank()
     losses, grads, norms = {}, [], []
     overlap.issued = []
@@ -80,8 +83,9 @@ def run_real_moe_overlap(rank: int, world_size: int) -> None:
     one process (1e-6 relative); the pairs' real all-to-alls (counts, tokens, gradients) did
     interleave, and both ranks of each EP group issued the same ones in the same order. Then,
     with dropout 0.2 drawn from the rank's generators (no keyed stream: every draw depends on
-    where the generator is) and --recompute-granularity full (the backward half replays its
-    masks while the forward half draws new ones), overlap on and off are bitwise equal."""
+    where the generator is) and --recompute-granularity full, or the executor's recomputation of
+    the whole stage (the backward half replays its masks while the forward half draws new
+    ones), overlap on and off are bitwise equal."""
     moe = moe_training_case("chimera", D, EP, N, options=OVERLAP, sharded=True)
     case = moe.tp
     schedule = build_schedule(case.schedule, D, N, **dict(case.options))
@@ -120,5 +124,9 @@ def run_real_moe_overlap(rank: int, world_size: int) -> None:
         off = _train(case, schedule, dropout, 1, False, seed=99)
         _assert_same(on, off, "dropout + full recomputation: overlap on vs off")
         assert all(loss != plain[(0, m)] for (_, m), loss in on[0].items()), "no dropout drawn"
+        dropout = _alltoall(case.model_config(hidden_dropout=0.2, attention_dropout=0.2))
+        on = _train(case, schedule, dropout, 1, True, seed=7, recompute=True)
+        off = _train(case, schedule, dropout, 1, False, seed=7, recompute=True)
+        _assert_same(on, off, "dropout + the executor's recomputation: overlap on vs off")
     finally:
         parallel_state.destroy_model_parallel()

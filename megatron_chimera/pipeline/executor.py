@@ -517,10 +517,7 @@ class _Iteration:
         posted before the pair), each half's all-to-alls overlap the other half's compute
         (:func:`~.overlap.run_pair`), and both outputs go to the SENDs that follow. Two
         backwards of one stage of a split-backward schedule share the stage's weight-gradient
-        deferral, so they run one after the other (nothing to overlap then), as every pair does
-        under ``ExecutorPolicy(overlap_pairs=False)``; either way each half draws from its own
-        random streams (:func:`~.overlap.run_in_turn`), so dropout and recomputation give the
-        same numbers overlapped or not."""
+        deferral, so they run one after the other (nothing to overlap then)."""
         if self.stage_done:
             self._report_stage_done()
         first, second = step.halves
@@ -544,7 +541,7 @@ class _Iteration:
             run_pair((lambda: self._run_action(first), lambda: self._run_action(second)),
                      leading_half((a.kind, b.kind)))
             set_current_action(None)
-        else:  # the same random streams per half as run_pair's
+        else:  # one half after the other, each on the random streams run_pair gives it
             run_in_turn((lambda: self._run_action(first), lambda: self._run_action(second)))
             set_current_action(None)
         self.executed += (a, b)

@@ -21,15 +21,15 @@ group issues the pair's all-to-alls -- both halves', in the lowered list order o
 in one order, whatever the timing. Each issue happens under the baton, so nothing else of the
 rank's host code runs concurrently with it.
 
-**Each half has its own random streams.** The process's generators (CPU, CUDA, the tensor-parallel
-tracker's) would otherwise be shared by two halves that alternate mid-layer: a dropout mask, or
-the replay of one in a recomputation, would depend on where the other half drew. The baton
-carries them: a half that hands it over saves the process's streams as its own, a half that
-takes it puts its own back. The first half in list order starts on the rank's streams, the
-second on streams forked from them (:func:`~megatron_chimera.tensor_parallel.random.
-forked_rng_states`), and after the pair the rank continues from where the first half left
-them. :func:`run_in_turn` (no overlap) gives every half the same streams, so a pair draws the
-same random numbers overlapped or not.
+**Each half has its own random streams.** The process's generators (CPU, CUDA, the
+tensor-parallel tracker's) would otherwise be shared by two halves that alternate mid-layer: a
+dropout mask, or the replay of one in a recomputation, would depend on where the other half
+drew. The baton carries them: a half that hands it over saves the process's streams as its
+own, a half that takes it puts its own back. The first half in list order starts on the rank's
+streams, the second on streams forked from them (``tensor_parallel.random.forked_rng_states``),
+and after the pair the rank continues from where the first half left them.
+:func:`run_in_turn` (no overlap) gives every half the same streams, so a pair draws the same
+random numbers overlapped or not.
 
 CPU only: the halves are host threads (autograd runs each backward on its calling thread for
 CPU tensors); a CUDA runtime would use a communication stream and events instead.
@@ -257,8 +257,8 @@ def current_action() -> Any:
     return getattr(_state, "action", None)
 
 
-#: when a list, the real MoE layer's all-to-alls (:mod:`megatron_chimera.model.moe.
-#: expert_comm`) append their labels ``<action>:<name>`` to it in issue order (tests read it)
+#: when a list, the real MoE layer's all-to-alls (``model/moe/expert_comm.py``) append their
+#: labels ``<action>:<name>`` to it in issue order (the tests' proof of interleaving)
 issued: list[str] | None = None
 
 

@@ -12,7 +12,10 @@ on a machine with CUDA, the current device's, so the same code runs on both.
 
 The tracker is process state like Megatron's (one per process, reset by every seeding).
 :func:`checkpoint` is activation checkpointing that also replays the tracker's streams, so a
-recomputed dropout draws the mask its forward drew.
+recomputed dropout draws the mask its forward drew. :func:`get_rng_states` /
+:func:`set_rng_states` save and restore all of the process's streams at once, and
+:func:`forked_rng_states` derives independent ones from them (the paired runtime gives each
+half of a pair its own, ``pipeline/overlap.py``).
 """
 
 from __future__ import annotations

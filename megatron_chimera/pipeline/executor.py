@@ -63,6 +63,7 @@ from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
 from megatron_chimera.pipeline.overlap import (
     leading_half,
     prepare_threads,
+    run_in_turn,
     run_pair,
     set_current_action,
 )
@@ -540,9 +541,9 @@ class _Iteration:
             run_pair((lambda: self._run_action(first), lambda: self._run_action(second)),
                      leading_half((a.kind, b.kind)))
             set_current_action(None)
-        else:
-            self._run_action(first)
-            self._run_action(second)
+        else:  # one half after the other, each on the random streams run_pair gives it
+            run_in_turn((lambda: self._run_action(first), lambda: self._run_action(second)))
+            set_current_action(None)
         self.executed += (a, b)
         if sync is not None:  # reported after the pair's sends are posted
             self.stage_done = finals

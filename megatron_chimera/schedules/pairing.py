@@ -43,6 +43,8 @@ from megatron_chimera.schedules.walk import run_in_order, stalled
 FLAG = "--overlap-moe-expert-parallel-comm"
 # DeepSeek-V3's regime: per stage F:B:W = 1:1:1 and every direction's all-to-all = the forward
 DEFAULT_EP_COSTS = StageCosts.uniform(1.0, 1.0, 1.0, 1, all_to_all=1.0)
+# with_overlap: candidate orders at most this much slower than the fastest also get W pairs
+WEIGHT_PAIRING_SLACK = 0.05
 
 
 def ep_costs(costs: StageCosts | Sequence[float] | None, num_ranks: int,
@@ -306,8 +308,9 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
     :data:`DEFAULT_EP_COSTS`) among its own order (unpaired, and with neighbouring F&B
     paired) and either, with ``megatron`` (1F1B, interleaved, ZB-H1), Megatron's extra-warm-up
     pairing of its own order (:func:`extra_warmup_pairs`) or else the slot order of its
-    placement (:func:`slot_order`, DualPipe's shape), each improved by :func:`improve_pairs`
-    and then, with a split backward, by :func:`pair_weights`.
+    placement (:func:`slot_order`, DualPipe's shape), each improved by :func:`improve_pairs`;
+    with a split backward those within :data:`WEIGHT_PAIRING_SLACK` of the fastest also with
+    W pairs (:func:`pair_weights`, after improve_pairs and before it).
     A candidate may hold at most max(the schedule's own peak, D + 1) live activations per rank
     (L/D-layer units; D + 1 is DualPipe's), so the overlap never costs more memory than
     DualPipe; ``activation_limit`` (the user's cap) replaces that bound. Never slower than the
@@ -326,13 +329,26 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
     # memory: no more live activations than the schedule's own peak or DualPipe's D + 1
     limit = max(max(peak_activations(schedule)), schedule.num_ranks + 1
                 if activation_limit is None else activation_limit)
-    scored = []
+    orders, scored = [], []
     for candidate in candidates:
         if (max(peak_activations(candidate)) > limit + 1e-9
                 or _score(candidate, costs) is None):
             continue
-        candidate = pair_weights(improve_pairs(candidate, costs), costs, limit)
-        scored.append((_score(candidate, costs), len(scored), candidate))
+        improved = improve_pairs(candidate, costs)
+        scored.append((_score(improved, costs), len(scored), improved))
+        orders.append(candidate)
+    if schedule.split_backward:
+        # W pairs on the orders within WEIGHT_PAIRING_SLACK of the fastest (pair_weights
+        # simulates once per lone action, and a slow order has many): after improve_pairs,
+        # or before it (a lone action then takes a W before improve_pairs pairs it with
+        # another lone action)
+        fastest = min(scored)[0][0]
+        for (makespan, _), i, improved in list(scored):
+            if makespan > fastest * (1 + WEIGHT_PAIRING_SLACK):
+                continue
+            for candidate in (pair_weights(improved, costs, limit),
+                              improve_pairs(pair_weights(orders[i], costs, limit), costs)):
+                scored.append((_score(candidate, costs), len(scored), candidate))
     best = min(scored)[2]
     validate(best)
     return replace(best, meta=dict(schedule.meta, overlap_moe_expert_parallel_comm=True))

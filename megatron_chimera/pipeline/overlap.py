@@ -15,11 +15,10 @@ the leader up to its second, and so on; a half that has finished hands the baton
 The leader is a fixed function of the two actions (the backward of an F&B pair, whose first
 step is its combine all-to-all's gradient, DualPipe's order; the F or B of a pair with a W,
 which issues no all-to-all and so computes to its end in its one turn; else the first in the
-list), and
-the ranks of an EP group run the same action list (same pipe position), so every rank of the
-group issues the pair's all-to-alls -- both halves', in the lowered list order of the pairs --
-in one order, whatever the timing. Each issue happens under the baton, so nothing else of the
-rank's host code runs concurrently with it.
+list), and the ranks of an EP group run the same action list (same pipe position), so every
+rank of the group issues the pair's all-to-alls -- both halves', in the lowered list order of
+the pairs -- in one order, whatever the timing. Each issue happens under the baton, so nothing
+else of the rank's host code runs concurrently with it.
 
 CPU only: the halves are host threads (autograd runs each backward on its calling thread for
 CPU tensors); a CUDA runtime would use a communication stream and events instead.

@@ -21,7 +21,8 @@ Conventions
   indices ``i`` where ``actions[rank][i]`` and ``actions[rank][i+1]`` -- e.g. a forward and a
   backward, or a W and a lone F or B, of two *independent* micro-batches (:func:`independent`) --
   run as one paired action: the pair starts when both inputs are there, and each half's
-  all-to-all hides behind the other half's compute. Empty for every schedule without overlap (the lists themselves never change).
+  all-to-all hides behind the other half's compute. Empty for every schedule without overlap
+  (the lists themselves never change).
 """
 
 from __future__ import annotations

@@ -15,11 +15,12 @@ all-to-all is exposed).
 the leading half computes up to its first all-to-all, then the other half up to its first, then
 the leader up to its second, and so on; a half that has finished hands the baton over for good.
 The leader is a fixed function of the two actions (the backward of an F&B pair, whose first
-step is its combine all-to-all's gradient, DualPipe's order; else the first in the list), and
-the ranks of an EP group run the same action list (same pipe position), so every rank of the
-group issues the pair's all-to-alls -- both halves', in the lowered list order of the pairs --
-in one order, whatever the timing. Each issue happens under the baton, so nothing else of the
-rank's host code runs concurrently with it.
+step is its combine all-to-all's gradient, DualPipe's order; the F or B of a pair with a W,
+which issues no all-to-all and so computes to its end in its one turn; else the first in the
+list), and the ranks of an EP group run the same action list (same pipe position), so every
+rank of the group issues the pair's all-to-alls -- both halves', in the lowered list order of
+the pairs -- in one order, whatever the timing. Each issue happens under the baton, so nothing
+else of the rank's host code runs concurrently with it.
 
 **Each half has its own random streams.** The process's generators (CPU, CUDA, the
 tensor-parallel tracker's) would otherwise be shared by two halves that alternate mid-layer: a
@@ -148,9 +149,11 @@ def expert_all_to_all(issue: Callable[[], Waitable]) -> None:
 
 
 def leading_half(kinds: Sequence[str]) -> int:
-    """Which half of a pair of action kinds (``"F"``/``"B"``) computes first: the backward of an
-    F&B pair (it starts with communication: its combine's gradient), else the first."""
-    if kinds[0] != kinds[1] and kinds[1] == "B":
+    """Which half of a pair of action kinds (``"F"``/``"B"``/``"W"``) computes first: the
+    backward of an F&B pair (it starts with communication: its combine's gradient), the F or B
+    of a pair with a W (the W, which has no all-to-all, computes to its end once the other half
+    has issued its first all-to-all, then hands the baton back), else the first."""
+    if kinds[0] == "W" or (kinds[0] != kinds[1] and kinds[1] == "B"):
         return 1
     return 0
 

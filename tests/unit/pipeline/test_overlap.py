@@ -69,6 +69,25 @@ def test_the_backward_leads_an_f_and_b_pair():
     assert leading_half(("F", "F")) == 0
 
 
+def test_a_weight_half_computes_while_the_other_half_communicates():
+    """A W (no all-to-all) beside an F: the F leads, issues its first all-to-all, the W
+    computes to its end meanwhile and hands the baton back for good; the F's later all-to-alls
+    are issued by the F alone, in its own order."""
+    assert leading_half(("W", "F")) == 1 and leading_half(("F", "W")) == 0
+    assert leading_half(("W", "B")) == 1 and leading_half(("B", "W")) == 0
+    for kinds, pieces in ((("W", "F"), {0: list("cc"), 1: list("caca")}),
+                          (("B", "W"), {0: list("acac"), 1: list("cc")})):
+        lead = leading_half(kinds)
+        events = _trace(pieces, lead, {0: 0.01, 1: 0.01})
+        weight = 1 - lead
+        first_a2a = next(i for i, e in enumerate(events) if e[1] == "a")
+        assert events[first_a2a][0] == str(lead)
+        # the W's compute runs right after the other half's first all-to-all is issued
+        assert events[first_a2a + 1:first_a2a + 3] == [f"{weight}c0", f"{weight}c1"]
+        assert sorted(events) == sorted(f"{h}{p}{k}" for h, ps in pieces.items()
+                                        for k, p in enumerate(ps))
+
+
 def test_an_error_in_one_half_is_raised_after_both_end():
     """A failing half hands the baton over; the other half still finishes; the error is
     raised on the calling thread."""

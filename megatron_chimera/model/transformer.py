@@ -248,7 +248,7 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
             sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
-        self.cp_comm_type = config.cp_comm_type
+        self.cp_comm_type = config.layer_cp_comm_type(layer_number)
         self.layer_number = layer_number
 
     def query_key_value_heads(self, qkv: torch.Tensor, rotary: RotaryTables | None

@@ -276,12 +276,27 @@ def _validate_logging(logging: LoggingConfig) -> None:
                 raise ConfigError(f"{flag} requires --tensorboard-dir")
 
 
+def _cp_comm_types(model: ModelConfig) -> tuple[str, ...]:
+    """Every layer's --cp-comm-type after the checks: known types, one value or one per layer."""
+    given = (model.cp_comm_type,) if isinstance(model.cp_comm_type, str) else \
+        tuple(model.cp_comm_type)
+    for value in given:
+        if value == "a2a+p2p":
+            raise ConfigError("--cp-comm-type a2a+p2p (hierarchical context parallelism, with "
+                              "--hierarchical-context-parallel-sizes) is not implemented: use "
+                              f"one of {', '.join(COMM_TYPES)} per layer")
+        if value not in COMM_TYPES:
+            raise ConfigError(f"--cp-comm-type must be one of {COMM_TYPES}, got {value!r}")
+    if len(given) not in (1, model.num_layers):
+        raise ConfigError(f"--cp-comm-type takes one value or one per layer (--num-layers "
+                          f"{model.num_layers}), got {len(given)}")
+    return tuple(model.layer_cp_comm_type(n + 1) for n in range(model.num_layers))
+
+
 def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     """--context-parallel-size and --cp-comm-type (the sequence rule is the layout's)."""
     cp = parallel.context_parallel_size
-    if model.cp_comm_type not in COMM_TYPES:
-        raise ConfigError(f"--cp-comm-type must be one of {COMM_TYPES}, got "
-                          f"{model.cp_comm_type!r}")
+    types = _cp_comm_types(model)
     if cp == 1:
         return
     if model.hidden_dropout > 0 or model.attention_dropout > 0:
@@ -292,7 +307,7 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
         raise ConfigError(f"--document-attention {model.document_attention} does not apply with "
                           "--context-parallel-size > 1: the --cp-comm-type kernel masks the "
                           "documents itself")
-    if model.cp_comm_type == "a2a":
+    if "a2a" in types:
         layout = parallel.layout
         check_heads(layout.split(model.num_attention_heads, "--num-attention-heads"),
                     layout.split(model.query_groups, "--num-query-groups"), cp)

@@ -133,9 +133,6 @@ def _validate_sequence_slices(config: TrainConfig) -> None:
     if config.parallel.context_parallel_size > 1:
         raise ConfigError(f"{flag} does not run with --context-parallel-size > 1 yet (the "
                           "context-parallel kernels have no slice key/value cache)")
-    if model.recompute_granularity == "full":
-        raise ConfigError(f"{flag} does not run with --recompute-granularity full (a replayed "
-                          "forward would add its slice's keys/values to the cache twice)")
     if model.document_attention not in ("auto",):
         raise ConfigError(f"{flag} does not take --document-attention "
                           f"{model.document_attention}: the slice mask covers the documents")

@@ -52,8 +52,6 @@ def test_units_are_slices_of_the_read_sequences_each_keyed():
      "--pipeline-sequence-slices 2", 2, "--chimera-concat"),
     ("--pipeline-sequence-slices 3", 2, "--seq-length 32"),
     ("--pipeline-sequence-slices 2 --context-parallel-size 2", 4, "--context-parallel-size"),
-    ("--pipeline-sequence-slices 2 --recompute-granularity full --recompute-method uniform "
-     "--recompute-num-layers 1", 2, "--recompute-granularity full"),
     ("--pipeline-schedule zb-h1 --pipeline-sequence-slices 2 --profile-iterations 1 "
      "--train-iters 3", 2, "--profile-iterations"),
     ("--pipeline-sequence-slices 0", 2, "--pipeline-sequence-slices"),

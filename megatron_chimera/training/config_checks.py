@@ -297,9 +297,13 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
     if cp == 1:
         return
     if model.hidden_dropout > 0 or model.attention_dropout > 0:
-        raise ConfigError("--context-parallel-size > 1 needs --hidden-dropout 0 and "
-                          "--attention-dropout 0 (each context rank holds other tokens, so "
-                          "dropout masks would differ from one process's)")
+        given = " and ".join(f"{name} {value:g}" for name, value in (
+            ("--hidden-dropout", model.hidden_dropout),
+            ("--attention-dropout", model.attention_dropout)) if value > 0)
+        raise ConfigError(f"--context-parallel-size > 1 needs --hidden-dropout 0 and "
+                          f"--attention-dropout 0, got {given} (a keyed dropout mask is drawn "
+                          "for a whole tensor of one process: a context rank's tokens cannot "
+                          "draw their part of it; docs/LONG_SEQUENCES.md)")
     if model.document_attention != "auto":
         raise ConfigError(f"--document-attention {model.document_attention} does not apply with "
                           "--context-parallel-size > 1: the --cp-comm-type kernel masks the "

@@ -44,6 +44,7 @@ def test_cp_comm_type_takes_one_value_or_one_per_layer():
     ("--context-parallel-size 4 --num-attention-heads 8 --group-query-attention "
      "--num-query-groups 2 --cp-comm-type a2a", 4, "--num-query-groups"),
     ("--context-parallel-size 2 --hidden-dropout 0.1", 2, "--hidden-dropout 0"),
+    ("--context-parallel-size 2 --attention-dropout 0.1", 2, "got --attention-dropout 0.1"),
     ("--cp-comm-type ring", 1, "--cp-comm-type"),
     ("--cp-comm-type p2p ring p2p p2p", 1, "--cp-comm-type must be one of"),
     ("--cp-comm-type p2p a2a", 1, "one value or one per layer (--num-layers 4), got 2"),

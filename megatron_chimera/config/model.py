@@ -24,7 +24,7 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")  # --recompute-granularity (None
 RECOMPUTE_METHODS = ("uniform", "block")  # --recompute-method
 # --document-attention: the per-document attention kernel with --reset-attention-mask
 DOCUMENT_ATTENTIONS = ("auto", "varlen", "flex", "loop", "mask")
-CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # --cp-comm-type (model/context_parallel)
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")  # --cp-comm-type (model/context_parallel)
 
 GPT = "gpt2"  # the family of the flags only GPT models read
 BERT = "bert"
@@ -109,8 +109,9 @@ class ModelConfig:
         help="how attention reaches across the --context-parallel-size ranks: p2p (ring "
              "attention, key/value blocks rotate), a2a (all-to-all between sequence and heads; "
              "CP divides the key/value heads per tensor rank), allgather (keys/values "
-             "all-gathered); one value for every layer, or one per layer (--num-layers values, "
-             "layer 1 first). Megatron's hierarchical a2a+p2p is refused")
+             "all-gathered), a2a+p2p (all-to-all inside groups of adjacent ranks, a ring across "
+             "them: --hierarchical-context-parallel-sizes); one value for every layer, or one "
+             "per layer (--num-layers values, layer 1 first)")
     gelu: str = flag("megatron", "--gelu", choices=GELU_VARIANTS, model=True,
                      help="megatron: tanh approximation in the MLP, exact in BERT's LM head; "
                           "tanh / erf: that form everywhere (Hugging Face's gelu_new / gelu)")

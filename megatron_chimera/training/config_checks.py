@@ -278,10 +278,6 @@ def _cp_comm_types(model: ModelConfig) -> tuple[str, ...]:
     given = (model.cp_comm_type,) if isinstance(model.cp_comm_type, str) else \
         tuple(model.cp_comm_type)
     for value in given:
-        if value == "a2a+p2p":
-            raise ConfigError("--cp-comm-type a2a+p2p (hierarchical context parallelism, with "
-                              "--hierarchical-context-parallel-sizes) is not implemented: use "
-                              f"one of {', '.join(COMM_TYPES)} per layer")
         if value not in COMM_TYPES:
             raise ConfigError(f"--cp-comm-type must be one of {COMM_TYPES}, got {value!r}")
     if len(given) not in (1, model.num_layers):
@@ -294,6 +290,7 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
     """--context-parallel-size and --cp-comm-type (the sequence rule is the layout's)."""
     cp = parallel.context_parallel_size
     types = _cp_comm_types(model)
+    _validate_hierarchical_sizes(types, parallel)
     if cp == 1:
         return
     if model.hidden_dropout > 0 or model.attention_dropout > 0:
@@ -308,10 +305,33 @@ def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> 
         raise ConfigError(f"--document-attention {model.document_attention} does not apply with "
                           "--context-parallel-size > 1: the --cp-comm-type kernel masks the "
                           "documents itself")
+    layout = parallel.layout
     if "a2a" in types:
-        layout = parallel.layout
         check_heads(layout.split(model.num_attention_heads, "--num-attention-heads"),
                     layout.split(model.query_groups, "--num-query-groups"), cp)
+    if "a2a+p2p" in types:
+        check_heads(layout.split(model.num_attention_heads, "--num-attention-heads"),
+                    layout.split(model.query_groups, "--num-query-groups"),
+                    parallel.hierarchical_context_parallel_sizes[0])
+
+
+def _validate_hierarchical_sizes(types: tuple[str, ...], parallel: ParallelConfig) -> None:
+    """--hierarchical-context-parallel-sizes A B: given exactly when a layer runs a2a+p2p, two
+    levels whose product is --context-parallel-size."""
+    sizes, cp = parallel.hierarchical_context_parallel_sizes, parallel.context_parallel_size
+    hierarchical = "a2a+p2p" in types and cp > 1
+    if sizes is None:
+        if hierarchical:
+            raise ConfigError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes "
+                              f"A B (A x B = --context-parallel-size {cp})")
+        return
+    if not hierarchical:
+        raise ConfigError("--hierarchical-context-parallel-sizes applies to --cp-comm-type "
+                          "a2a+p2p with --context-parallel-size > 1")
+    if len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+        raise ConfigError(f"--hierarchical-context-parallel-sizes takes two sizes A B (all-to-all "
+                          f"inside A adjacent ranks, a ring across B groups) with A x B = "
+                          f"--context-parallel-size {cp}, got {' '.join(map(str, sizes))}")
 
 
 def _validate_attention(model: ModelConfig, data: DataConfig) -> None:

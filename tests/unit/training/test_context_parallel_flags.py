@@ -36,6 +36,10 @@ def test_cp_comm_type_takes_one_value_or_one_per_layer():
     assert many.cp_comm_type == ("a2a", "p2p", "allgather", "p2p")
     assert [many.layer_cp_comm_type(n) for n in range(1, 5)] == list(many.cp_comm_type)
     assert parse("", 1).model.cp_comm_type == "p2p"
+    hierarchical = parse("--context-parallel-size 4 --cp-comm-type a2a+p2p p2p a2a+p2p p2p "
+                         "--hierarchical-context-parallel-sizes 2 2", 4)
+    assert hierarchical.parallel.hierarchical_context_parallel_sizes == (2, 2)
+    assert hierarchical.model.layer_cp_comm_type(3) == "a2a+p2p"
 
 
 @pytest.mark.parametrize("extra,world,message", [
@@ -48,8 +52,19 @@ def test_cp_comm_type_takes_one_value_or_one_per_layer():
     ("--cp-comm-type ring", 1, "--cp-comm-type"),
     ("--cp-comm-type p2p ring p2p p2p", 1, "--cp-comm-type must be one of"),
     ("--cp-comm-type p2p a2a", 1, "one value or one per layer (--num-layers 4), got 2"),
-    ("--context-parallel-size 2 --cp-comm-type a2a+p2p", 2, "a2a+p2p"),
-    ("--context-parallel-size 2 --cp-comm-type p2p p2p a2a+p2p p2p", 2, "a2a+p2p"),
+    ("--context-parallel-size 2 --cp-comm-type a2a+p2p", 2,
+     "a2a+p2p needs --hierarchical-context-parallel-sizes"),
+    ("--context-parallel-size 2 --cp-comm-type p2p p2p a2a+p2p p2p", 2,
+     "needs --hierarchical-context-parallel-sizes"),
+    ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 "
+     "3", 4, "A x B = --context-parallel-size 4, got 2 3"),
+    ("--context-parallel-size 4 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 "
+     "2 1", 4, "takes two sizes"),
+    ("--context-parallel-size 4 --hierarchical-context-parallel-sizes 2 2", 4,
+     "applies to --cp-comm-type a2a+p2p"),
+    ("--context-parallel-size 4 --num-attention-heads 8 --group-query-attention "
+     "--num-query-groups 1 --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2", 4,
+     "--num-query-groups"),
     ("--context-parallel-size 4 --num-attention-heads 8 --group-query-attention "
      "--num-query-groups 2 --cp-comm-type p2p p2p a2a p2p", 4, "--num-query-groups"),
     ("--context-parallel-size 2 --reset-attention-mask --document-attention loop", 2,

@@ -271,10 +271,6 @@ def _profile_iterations(args: argparse.Namespace, schedule: str, global_batch: i
                 or args.rampup_batch_size is not None or sliced):
             return 0
         return max(0, min(DEFAULT_PROFILE_ITERATIONS, total - 1))
-    if given and sliced:
-        raise ConfigError("--profile-iterations does not rebuild a sliced order "
-                          "(--pipeline-sequence-slices > 1: it is built for the slices' "
-                          "attention work)")
     if given and schedule not in SPLIT_BACKWARD_SCHEDULES:
         raise ConfigError(f"--profile-iterations applies to split-backward schedules "
                           f"({', '.join(SPLIT_BACKWARD_SCHEDULES)}), not --pipeline-schedule "

@@ -453,8 +453,9 @@ def get_context_parallel_group() -> dist.ProcessGroup | None:
     return _state().context_group
 
 
-def get_hierarchical_context_parallel_groups():
-    """This rank's :class:`HierarchicalGroups` (``--hierarchical-context-parallel-sizes``); RuntimeError when none were created."""
+def get_hierarchical_context_parallel_groups() -> HierarchicalGroups:
+    """This rank's :class:`HierarchicalGroups` (``--hierarchical-context-parallel-sizes``);
+    RuntimeError when none were created."""
     groups = _state().hierarchical_context
     if groups is None:
         raise RuntimeError("--cp-comm-type a2a+p2p needs the groups of "

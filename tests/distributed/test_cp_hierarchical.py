@@ -77,10 +77,11 @@ def run_hierarchical_model(rank, world_size):
     """A Llama-style model (4 key/value groups) at CP = 4 with layers a2a+p2p, p2p, a2a+p2p,
     a2a over 2 x 2 groups made by initialize_model_parallel equals one process (loss 1e-6,
     every gradient summed over the context ranks 1e-5)."""
-    from .cp_model_cases import LLAMA, _batch, _loss, _relative
     from megatron_chimera.model.context_parallel import split_batch
     from megatron_chimera.model.gpt2 import GPTModel
     from tests.helpers.models import small_config
+
+    from .cp_model_cases import LLAMA, _batch, _loss, _relative
 
     config = small_config(cp_comm_type=("a2a+p2p", "p2p", "a2a+p2p", "a2a"),
                           num_attention_heads=8, **{**LLAMA, "num_query_groups": 4})

@@ -64,6 +64,7 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     return _KERNELS[comm_type](query, key, value, tokens, group, scale)
 
 
-__all__ = ["COMM_TYPES", "ContextTokens", "HierarchicalGroups", "check_sequence", "context_parallel_attention",
-           "context_parallel_size", "masked_attention", "merge_sequence", "sequence_mean_loss",
-           "split_batch", "split_sequence", "stage_tokens", "zigzag_positions"]
+__all__ = ["COMM_TYPES", "ContextTokens", "HierarchicalGroups", "check_sequence",
+           "context_parallel_attention", "context_parallel_size", "masked_attention",
+           "merge_sequence", "sequence_mean_loss", "split_batch", "split_sequence",
+           "stage_tokens", "zigzag_positions"]

@@ -202,10 +202,16 @@ def _rebuild_sliced(schedule: Schedule, costs: StageCosts, quantum: float) -> Re
     new = sliced_schedule(schedule.name.removesuffix("-sliced"), schedule.num_ranks,
                           schedule.num_microbatches // k, k,
                           attention_fraction=schedule.meta.get("attention_fraction", 0.0),
-                          stage_costs=costs.quantized(quantum))
+                          stage_costs=_per_stage(costs.quantized(quantum), schedule.num_stages))
     validate(new)
     build_seconds = time.perf_counter() - started
     before = of_schedule(schedule, costs, label=schedule.name)
     rebuilt = of_schedule(new, costs, label=schedule.name)
     split = rebuilt if rebuilt.makespan < before.makespan else before
     return RebuildReport(costs, before, rebuilt, Decision(split, (), split), build_seconds)
+
+
+def _per_stage(costs: StageCosts, num_stages: int) -> tuple[tuple[float, ...], ...]:
+    """``costs`` recut to ``num_stages`` as the sliced generator takes them: (F, B, W)."""
+    costs = costs.for_stages(num_stages)
+    return costs.forward, costs.backward, costs.weight

@@ -38,7 +38,6 @@ from typing import NamedTuple
 
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule
 from megatron_chimera.schedules.chimera import check_chimera_ranks_and_pipes, chimera_placement
-from megatron_chimera.schedules.costs import StageCosts
 
 SLICED_SCHEDULES = ("1f1b", "zb-h1", "chimera", "chimera-zb")
 
@@ -190,16 +189,17 @@ def _list_orders(placement: list[list[int]], units_per_pipe: int, slices: int, c
 def sliced_schedule(name: str, num_ranks: int, num_sequences: int, slices: int,
                     attention_fraction: float = 0.0, backward_ratio: float = 1.0,
                     weight_fraction: float = 0.5, cap: int | None = None,
-                    stage_costs: StageCosts | None = None) -> Schedule:
+                    stage_costs: tuple[Sequence[float], Sequence[float], Sequence[float]]
+                    | None = None) -> Schedule:
     """``name`` ``"1f1b"`` / ``"zb-h1"`` (one pipe) or ``"chimera"`` / ``"chimera-zb"`` (two
     pipes) over ``num_ranks`` ranks with ``num_sequences`` sequences per iteration, each cut into
     ``slices`` slices; the orders are built for forward cost ``slice_work``, backward
     ``backward_ratio`` times it, of which ``weight_fraction`` is the W of the split-backward
     schedules (``zb-h1``, ``chimera-zb``). ``cap``: live slice activations per rank (default
     ``num_ranks x slices``: at most the unsliced schedules' D micro-batches of activations).
-    ``stage_costs`` (measured: the profile-guided rebuild) replaces the ratios: the F, B and W
-    of a whole sequence on each stage, slice j charged ``slice_work[j]`` of them (as the
-    simulator does)."""
+    ``stage_costs`` (measured: the profile-guided rebuild, ``StageCosts``' forward, backward,
+    weight) replaces the ratios: per stage the F, B (input gradient) and W of a whole sequence,
+    slice j charged ``slice_work[j]`` of them (as the simulator does)."""
     if slices < 1 or num_sequences < 1 or num_ranks < 1:
         raise ValueError("--pipeline-sequence-slices, the sequences and the ranks must be >= 1")
     if name not in SLICED_SCHEDULES:
@@ -215,14 +215,16 @@ def sliced_schedule(name: str, num_ranks: int, num_sequences: int, slices: int,
         placement = [list(range(num_ranks))]
     work = slice_work(slices, attention_fraction)
     if stage_costs is None:
-        stage_costs = StageCosts.uniform(1.0, backward_ratio * (1 - weight_fraction),
-                                         backward_ratio * weight_fraction, num_ranks)
-    stage_costs = stage_costs.for_stages(num_ranks)
-    w_of = stage_costs.weight if split else (0.0,) * num_ranks
-    b_of = stage_costs.backward if split else tuple(
-        b + w for b, w in zip(stage_costs.backward, stage_costs.weight))
+        stage_costs = ((1.0,) * num_ranks, (backward_ratio * (1 - weight_fraction),) * num_ranks,
+                       (backward_ratio * weight_fraction,) * num_ranks)
+    forward, backward, weight = stage_costs
+    if not len(forward) == len(backward) == len(weight) == num_ranks:
+        raise ValueError(f"sliced schedule: stage costs for {num_ranks} stages, got "
+                         f"{len(forward)}, {len(backward)}, {len(weight)}")
+    w_of = weight if split else (0.0,) * num_ranks
+    b_of = backward if split else tuple(b + w for b, w in zip(backward, weight))
     costs = _Costs(*([[c * w for w in work] for c in per_stage]
-                     for per_stage in (stage_costs.forward, b_of, w_of)))
+                     for per_stage in (forward, b_of, w_of)))
     units = num_sequences * slices
     orders = _list_orders(placement, units // len(placement), slices, costs,
                           cap or num_ranks * slices, split)

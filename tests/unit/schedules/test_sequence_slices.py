@@ -92,12 +92,10 @@ def test_split_backward_fills_the_sliced_bubbles():
 
 def test_uniform_stage_costs_give_the_ratio_built_order():
     """``stage_costs`` uniform at F : B : W = 1 : 0.5 : 0.5 is the default order (the ratios)."""
-    from megatron_chimera.schedules.costs import StageCosts
-
     for name in ("zb-h1", "chimera-zb"):
         default = sliced_schedule(name, 4, 2, 4, attention_fraction=0.4)
         measured = sliced_schedule(name, 4, 2, 4, attention_fraction=0.4,
-                                   stage_costs=StageCosts.uniform(1.0, 0.5, 0.5, 4))
+                                   stage_costs=((1.0,) * 4, (0.5,) * 4, (0.5,) * 4))
         assert measured.actions == default.actions
 
 

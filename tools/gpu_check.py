@@ -52,6 +52,12 @@ script's step list):
     (the preset's data-sheet peaks with the measured fractions of them; the links are the
     preset's: one GPU measures no network).
 
+``slices_cpu``
+    issue 42's real-CPU check, which needs more cores than the development machine has:
+    ``tools/benchmark_sequence_slices.py`` under ``torch.distributed.run`` (4 gloo ranks, one
+    thread each, ``CUDA_VISIBLE_DEVICES=""``), 2 sequences of 2048 tokens, sliced (k = 4) against
+    unsliced Chimera at D = 4; PASS when their iteration-time ratio is <= 0.8 with >= 4 cores.
+
 ``--device cpu`` (``bash tools/gpu_check.sh --device cpu``) runs the CPU-runnable parts at tiny
 shapes in fp32 -- the dry run that shows the script works before a lease is spent.
 """
@@ -712,6 +718,51 @@ def check_hardware(ctx: Context) -> dict:
                        f"({loaded.memory_efficiency:.0%} of {hbm:.0f}); {1e6 * gap:.1f} us per "
                        f"kernel; best layer {layer_best} TFLOP/s; hardware_profile.json (links: "
                        f"the {links.name} preset's)"}
+
+
+# ------------------------------------------------------------------------------ sliced Chimera, CPU
+SLICES_RANKS, SLICES_TARGET = 4, 0.8  # issue 42: D = 4, sliced <= 0.8 x unsliced Chimera
+SLICES_RE = re.compile(r"^\s+(chimera, .*?)\s+([0-9.]+) ms/iter .*?= ([0-9.]+) cores", re.M)
+
+
+@step("slices_cpu", "CPU: sequence-sliced Chimera vs unsliced, D=4, 2 sequences")
+def check_slices_cpu(ctx: Context) -> dict:
+    """``tools/benchmark_sequence_slices.py`` on this machine's CPU cores (4 gloo ranks, one
+    thread each, no GPU): issue 42's real-CPU check, which needs at least D = 4 free cores (the
+    development VM has 2). Verdict only with the real sizes (CUDA machine) and >= 4 cores: PASS
+    when the measured sliced / unsliced iteration time is <= 0.8; otherwise INFO."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    sizes = (["--seq-length", "2048", "--iters", "3", "--rounds", "3"] if ctx.gpu else
+             ["--seq-length", "128", "--hidden-size", "32", "--iters", "1", "--rounds", "1"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(SLICES_RANKS), str(ROOT / "tools" / "benchmark_sequence_slices.py"),
+           "--sequences", "2", "--slices", "4", *sizes]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get(
+                   "PYTHONPATH")])]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    print(f"$ {' '.join(cmd[1:])}  ({cores} cores)", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=ctx.remaining())
+    print(proc.stdout[-2000:], proc.stderr[-1500:], sep="\n", flush=True)
+    measured = re.search(r"iteration time: ([0-9.]+) \(measured\)", proc.stdout)
+    simulated = re.search(r"\(simulated.*?\): ([0-9.]+)", proc.stdout)
+    if proc.returncode or not measured:
+        raise RuntimeError(f"benchmark_sequence_slices.py exited {proc.returncode}: "
+                           f"{proc.stderr.strip().splitlines()[-1:] or proc.stdout[-300:]}")
+    ratio = float(measured.group(1))
+    rows = [{"row": name, "ms_per_iter": float(ms), "cores_busy": float(busy)}
+            for name, ms, busy in SLICES_RE.findall(proc.stdout)]
+    judged = ctx.gpu and cores >= SLICES_RANKS
+    status = ("PASS" if ratio <= SLICES_TARGET else "FAIL") if judged else "INFO"
+    return {"status": status, "ratio": ratio, "cores": cores, "rows": rows,
+            "simulated_ratio": float(simulated.group(1)) if simulated else None,
+            "summary": f"sliced (k=4) / unsliced Chimera iteration time {ratio:.3f} on {cores} "
+                       f"cores (target <= {SLICES_TARGET}"
+                       f"{'' if judged else ', not judged: dry-run sizes or < 4 cores'}; "
+                       + ", ".join(f"{r['ms_per_iter']:.1f} ms" for r in rows)
+                       + f"; simulated on 4 devices {simulated.group(1) if simulated else '-'})"}
 
 
 # ------------------------------------------------------------------------------ running

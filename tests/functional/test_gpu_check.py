@@ -35,15 +35,19 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "results.jsonl"]  # at most 8 files come back from a lent machine
     results = json.loads((out / "gpu_check.json").read_text())
     assert list(results) == ["env", "layer_mfu", "training", "sync_audit", "recompute",
-                             "resume", "memory", "hardware"]
+                             "resume", "memory", "hardware", "slices_cpu"]
     statuses = {name: r["status"] for name, r in results.items()}
     assert statuses == {"env": "INFO", "layer_mfu": "INFO", "training": "PASS",
                         "sync_audit": "SKIP", "recompute": "PASS", "resume": "PASS",
-                        "memory": "PASS", "hardware": "INFO"}, results
+                        "memory": "PASS", "hardware": "INFO", "slices_cpu": "INFO"}, results
     assert results["env"]["torch"] and set(results["env"]["sdpa"].values()) <= {
         "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"}, results["env"]
     assert [r["shape"] for r in results["layer_mfu"]["rows"]] == ["gpt tiny", "llama tiny"]
     assert "bitwise equal" in results["resume"]["summary"]
+    slices = results["slices_cpu"]  # the benchmark ran both rows under torch.distributed.run
+    assert [r["row"] for r in slices["rows"]] == [
+        "chimera, unsliced", "chimera, --pipeline-sequence-slices 4"] and slices["ratio"] > 0
+    assert slices["simulated_ratio"] == 0.625  # sliced_schedule vs chimera(4, 2) at B = 2F
     profile = load_hardware(str(out / "hardware_profile.json"))
     assert profile.name == "cpu-dry-run" and profile.hbm_bandwidth_gbps > 0
     assert profile.memory_efficiency == 1.0 and profile.kernel_overhead_s > 0

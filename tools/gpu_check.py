@@ -714,6 +714,13 @@ def check_hardware(ctx: Context) -> dict:
                        f"the {links.name} preset's)"}
 
 
+# ------------------------------------------------------------------------------ MoE, ring
+# The MoE-experts and ring-attention steps (issues 41, 42) are in gpu_check_moe_cp.py; it
+# registers them with @step of this module (also when this file runs as the script).
+sys.modules.setdefault("gpu_check", sys.modules[__name__])
+import gpu_check_moe_cp  # noqa: E402,F401
+
+
 # ------------------------------------------------------------------------------ running
 def read_results(out: Path) -> dict[str, dict]:
     """The steps' results so far, by step (the last line of a step wins)."""

@@ -44,6 +44,8 @@ STEPS=(
   "resume 75"
   "memory 30"
   "hardware 45"
+  "moe_experts 45"
+  "ring_attention 45"
 )
 
 echo "gpu_check: device $DEVICE, output in $OUT" | tee "$LOG"

@@ -1,0 +1,348 @@
+"""Two steps of ``tools/gpu_check.py`` (registered with its :func:`~gpu_check.step`): one MoE
+layer's dispatch / experts / combine with grouped GEMMs (issue 41) and ring attention at 32K
+tokens against one-GPU SDPA (issue 42). Both run in one process on one device (EP = 1; the
+context-parallel ranks one after another), bf16 on CUDA, tiny shapes on the CPU dry run.
+
+``moe_experts``
+    our ``MoELayer`` (router, ``TokenDispatcher``, ``Experts``; SwiGLU experts, softmax top-k
+    routing with the load-balancing loss, dropless), built with ``--moe-grouped-gemm``, forward
+    + backward split at the pieces' boundaries (detached inputs, gradients handed on by hand) and
+    timed per piece with CUDA events: route + dispatch, experts (both GEMMs and the activation),
+    combine. Once with the grouped GEMM (``torch._grouped_mm``) and once with the per-expert loop
+    (the same layer, its experts' ``grouped`` off: what the flag off builds). Shapes: Mixtral-8x7B's
+    layer (h 4096, 8 experts of 14336, top-2) and a fine-grained one (h 2048, 64 experts of 1408,
+    top-6, DeepSeekMoE-16B's), 8192 tokens. TFLOP/s of the expert GEMMs: ``6 h f`` FLOPs per
+    routed row forward (SwiGLU: ``[h, 2f]`` and ``[f, h]``), twice that backward.
+    Verdict: PASS when the grouped path ran and its output and gradients equal the loop's
+    (max difference <= 2^-5 of the largest value: bf16 results of two summation orders); INFO
+    when this torch and device cannot run the grouped GEMM (the loop alone timed).
+``ring_attention``
+    ``--cp-comm-type p2p`` ring attention at 32K tokens, causal, bf16, 8 query heads on 2
+    key/value heads of 128, CP in {2, 4}: every rank's forward and backward run serially
+    (``context_parallel/serial.py: SerialRing``, the distributed ring's own per-rank functions)
+    and are compared with one ``scaled_dot_product_attention`` call over all the tokens (bf16,
+    the kernel SDPA picks): output, dQ, dK, dV. Verdict: PASS when each differs from SDPA's by
+    at most 2^-5 of its largest value -- four bf16 epsilons (2^-7): SDPA's kernel rounds its
+    probabilities and score gradients to bf16 and both round their results, the bar the
+    distributed bf16 tests use (3e-2). Both are also compared with an fp32 SDPA of the same
+    inputs (INFO). The queries are scaled so that the scores have a standard deviation of 3
+    (peaked attention, as trained models have): with unit scores a late query averages
+    thousands of keys and its output nearly vanishes, so a wrong block would hide under the
+    largest values. Time (INFO): the ranks' compute summed and the slowest rank against SDPA.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from gpu_check import Context, sdpa_choice, spec_peak_tflops, step
+
+MOE_TOLERANCE = 2.0 ** -5  # grouped vs loop, relative to the largest value (bf16: 4 epsilons)
+RING_TOLERANCE = 2.0 ** -5  # ring vs SDPA, relative to the largest value (bf16: 4 epsilons)
+SCORE_STD = 3.0  # standard deviation of the attention scores of the ring check's inputs
+
+
+class Clock:
+    """Marks on the device's timeline: CUDA events on a GPU; on the CPU the host's clock after
+    a synchronize (nothing is queued there)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self):
+        """A point in time (read with :meth:`ms` once the work is done)."""
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms(self, start, end) -> float:
+        """Milliseconds from ``start`` to ``end`` (waits for the device)."""
+        if self.device.type == "cuda":
+            end.synchronize()
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want| / max |want|`` (float32)."""
+    got, want = got.float(), want.float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def median(values: list[float]) -> float:
+    """The middle value (the upper one of an even count)."""
+    return sorted(values)[len(values) // 2]
+
+
+# ------------------------------------------------------------------------------ MoE experts
+MOE_PIECES = ("dispatch_fwd", "experts_fwd", "combine_fwd", "combine_bwd", "experts_bwd",
+              "dispatch_bwd")
+
+
+def moe_shapes(gpu: bool) -> list[tuple[str, int, int, int, int, int]]:
+    """(name, hidden, experts, top-k, expert ffn, tokens) of the MoE layers to time."""
+    if not gpu:
+        return [("tiny h64 e4 top2 f96", 64, 4, 2, 96, 64)]
+    return [("mixtral h4096 e8 top2 f14336", 4096, 8, 2, 14336, 8192),
+            ("fine-grained h2048 e64 top6 f1408", 2048, 64, 6, 1408, 8192)]
+
+
+def build_moe_layer(hidden: int, experts: int, topk: int, ffn: int, dtype: torch.dtype,
+                    device: torch.device):
+    """Our MoE layer with ``--moe-grouped-gemm`` on ``device``: built on the meta device and
+    drawn there (the per-expert host generators would take tens of seconds at 8 x 4096 x
+    28672), weights ``N(0, 0.02)``, the output projection scaled as Megatron scales it."""
+    from megatron_chimera.config import ModelConfig, MoEConfig
+    from megatron_chimera.model.moe.layer import MoELayer
+    from megatron_chimera.model.utils import scaled_init_std
+
+    config = ModelConfig(
+        num_layers=1, hidden_size=hidden, num_attention_heads=max(1, hidden // 128),
+        swiglu=True, normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0, params_dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+        moe=MoEConfig(num_experts=experts, moe_ffn_hidden_size=ffn, moe_router_topk=topk,
+                      moe_aux_loss_coeff=0.01, moe_grouped_gemm=True))
+    with torch.device("meta"):
+        layer = MoELayer(config, 1, seed=1234)
+    layer = layer.to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(1234)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            std = scaled_init_std(0.02, 1) if name.endswith("weight2") else 0.02
+            param.normal_(0.0, std, generator=generator)
+    return layer
+
+
+def moe_pass(layer, hidden: torch.Tensor, grad: torch.Tensor, clock: Clock
+             ) -> tuple[dict[str, float], torch.Tensor, int]:
+    """One forward + backward of ``layer`` on ``hidden`` ``[s, b, h]``, cut where
+    ``MoELayer.forward`` calls its pieces: ms per piece, the output, the routed rows."""
+    s, b, h = hidden.shape
+    marks = [clock.mark()]
+    tokens = hidden.reshape(s * b, h)
+    probs, routing_map = layer.router(tokens, s)
+    dispatched = layer.dispatcher.dispatch(tokens, probs, routing_map)
+    marks.append(clock.mark())
+    rows = dispatched.tokens.detach().requires_grad_()
+    expert_out = layer.experts(rows, dispatched.counts)
+    marks.append(clock.mark())
+    expert_leaf = expert_out.detach().requires_grad_()
+    probs_leaf = dispatched.probs.detach().requires_grad_()
+    out = layer.dispatcher.combine(expert_leaf, dispatched._replace(probs=probs_leaf))
+    marks.append(clock.mark())
+    out.backward(grad.reshape(out.shape))
+    marks.append(clock.mark())
+    expert_out.backward(expert_leaf.grad)
+    marks.append(clock.mark())
+    torch.autograd.backward([dispatched.tokens, dispatched.probs], [rows.grad, probs_leaf.grad])
+    marks.append(clock.mark())
+    times = {piece: clock.ms(a, b) for piece, a, b in zip(MOE_PIECES, marks, marks[1:])}
+    return times, out.detach(), sum(dispatched.counts)
+
+
+def time_moe(layer, hidden: torch.Tensor, grad: torch.Tensor, clock: Clock, reps: int,
+             warmup: int) -> tuple[dict[str, float], torch.Tensor, list[torch.Tensor], int]:
+    """Median ms per piece over ``reps`` passes after ``warmup``; the last pass's output,
+    parameter gradients (router, weight1, weight2, then the input's) and routed rows."""
+    runs = []
+    for i in range(warmup + reps):
+        for param in layer.parameters():
+            param.grad = None
+        hidden.grad = None
+        times, out, rows = moe_pass(layer, hidden, grad, clock)
+        if i >= warmup:
+            runs.append(times)
+    grads = [p.grad for p in layer.parameters()] + [hidden.grad]
+    return {k: median([r[k] for r in runs]) for k in MOE_PIECES}, out, grads, rows
+
+
+def moe_row(name: str, variant: str, times: dict[str, float], rows: int, hidden: int,
+            ffn: int, spec: float | None) -> dict:
+    """One table row: ms per piece and the expert GEMMs' TFLOP/s."""
+    flops_fwd = 6.0 * rows * hidden * ffn  # SwiGLU: [h, 2f] then [f, h], 2 FLOPs a MAC
+    fwd, bwd = times["experts_fwd"], times["experts_bwd"]
+    tflops = 3 * flops_fwd / ((fwd + bwd) * 1e-3) / 1e12
+    return {"shape": name, "gemm": variant, "routed_rows": rows,
+            **{k: round(v, 3) for k, v in times.items()},
+            "total_ms": round(sum(times.values()), 3),
+            "experts_tflops_fwd": round(flops_fwd / (fwd * 1e-3) / 1e12, 3),
+            "experts_tflops_bwd": round(2 * flops_fwd / (bwd * 1e-3) / 1e12, 3),
+            "experts_tflops": round(tflops, 3),
+            "experts_share_of_spec": round(tflops / spec, 4) if spec else None}
+
+
+@step("moe_experts", "one MoE layer: dispatch / experts / combine, grouped GEMM vs loop")
+def check_moe_experts(ctx: Context) -> dict:
+    """Times and compares the grouped and looped expert GEMMs (see the module docstring)."""
+    from megatron_chimera.model.moe.experts import grouped_mm_runs
+
+    dtype = torch.bfloat16 if ctx.gpu else torch.float32
+    spec = spec_peak_tflops(torch.cuda.get_device_name(ctx.device)) if ctx.gpu else None
+    reps, warmup = (5, 2) if ctx.gpu else (2, 1)
+    clock, rows_out, parts, status = Clock(ctx.device), [], [], "PASS"
+    grouped_runs = grouped_mm_runs(ctx.device.type, dtype)
+    for name, hidden, experts, topk, ffn, tokens in moe_shapes(ctx.gpu):
+        if ctx.remaining() < 15:
+            parts.append(f"{name}: skipped (step budget)")
+            continue
+        layer = build_moe_layer(hidden, experts, topk, ffn, dtype, ctx.device)
+        generator = torch.Generator(ctx.device).manual_seed(7)
+        x = torch.randn(tokens // 2, 2, hidden, device=ctx.device, dtype=dtype,
+                        generator=generator).requires_grad_()
+        grad = torch.randn(tokens // 2, 2, hidden, device=ctx.device, dtype=dtype,
+                           generator=generator)
+        results = {}
+        for variant in ("grouped", "loop") if grouped_runs else ("loop",):
+            layer.experts.grouped = variant == "grouped"
+            results[variant] = time_moe(layer, x, grad, clock, reps, warmup)
+            rows_out.append(moe_row(name, variant, results[variant][0], results[variant][3],
+                                    hidden, ffn, spec))
+        loop = rows_out[-1]
+        text = f"{name}: loop experts {loop['experts_tflops']} TFLOP/s"
+        if grouped_runs:
+            grouped = rows_out[-2]
+            diffs = [relative(a, b) for a, b in zip(
+                [results["grouped"][1], *results["grouped"][2]],
+                [results["loop"][1], *results["loop"][2]])]
+            grouped["max_difference_vs_loop"] = round(max(diffs), 6)
+            if max(diffs) > MOE_TOLERANCE:
+                status = "FAIL"
+            text = (f"{name}: grouped experts {grouped['experts_tflops']} TFLOP/s "
+                    f"({grouped['experts_fwd'] + grouped['experts_bwd']:.3g} ms) vs loop "
+                    f"{loop['experts_tflops']} ({loop['experts_fwd'] + loop['experts_bwd']:.3g}"
+                    f" ms); layer {grouped['total_ms']:.3g} vs {loop['total_ms']:.3g} ms; "
+                    f"grouped - loop {max(diffs):.1e}")
+        parts.append(text)
+        del layer, x, grad, results
+        if ctx.gpu:
+            torch.cuda.empty_cache()
+    if not grouped_runs:
+        status = "INFO"
+        parts.append(f"torch._grouped_mm does not run here ({ctx.device.type}, {dtype}): "
+                     "loop only")
+    return {"status": status, "rows": rows_out, "grouped_gemm_runs": grouped_runs,
+            "spec_peak_tflops": spec, "summary": "; ".join(parts)}
+
+
+# ------------------------------------------------------------------------------ ring attention
+def ring_shape(gpu: bool) -> tuple[int, int, int, int]:
+    """(tokens, query heads, key/value heads, head dim) of the ring check (batch 1)."""
+    return (32768, 8, 2, 128) if gpu else (256, 4, 2, 32)
+
+
+def sdpa_pass(query, key, value, grad, clock: Clock, backend=None
+              ) -> tuple[list[torch.Tensor], float, float]:
+    """One ``scaled_dot_product_attention`` over the whole sequence (causal; grouped-query keys
+    and values repeated, their gradients summed back by autograd) and its backward:
+    ([out, dQ, dK, dV], forward ms, backward ms). ``backend``: an ``SDPBackend`` to force."""
+    import contextlib
+
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    leaves = [t.detach().requires_grad_() for t in (query, key, value)]
+    repeat = query.shape[1] // key.shape[1]
+    with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+        start = clock.mark()
+        out = scaled_dot_product_attention(
+            leaves[0], leaves[1].repeat_interleave(repeat, 1),
+            leaves[2].repeat_interleave(repeat, 1), is_causal=True)
+        middle = clock.mark()
+        out.backward(grad)
+        end = clock.mark()
+    return [out.detach(), *(t.grad for t in leaves)], clock.ms(start, middle), clock.ms(middle,
+                                                                                       end)
+
+
+def serial_ring_pass(query, key, value, grad, cp: int, clock: Clock
+                     ) -> tuple[list[torch.Tensor], list[float], list[float]]:
+    """Ring attention's CP ranks run one after another (``SerialRing``): ([out, dQ, dK, dV] of
+    the whole sequence, forward ms per rank, backward ms per rank)."""
+    from megatron_chimera.model.context_parallel import merge_sequence, split_sequence
+    from megatron_chimera.model.context_parallel.serial import SerialRing, zigzag_tokens
+
+    share = [[split_sequence(t, 2, cp, r) for r in range(cp)] for t in (query, key, value, grad)]
+    ring = SerialRing(share[1], share[2], zigzag_tokens(query.shape[2], cp, True, query.device))
+    outs, dqs, forward, backward = [], [], [], []
+    for r in range(cp):
+        start = clock.mark()
+        outs.append(ring.forward(r, share[0][r]))
+        forward.append(clock.ms(start, clock.mark()))
+    for r in range(cp):
+        start = clock.mark()
+        dqs.append(ring.backward(r, share[3][r]))
+        backward.append(clock.ms(start, clock.mark()))
+    dks, dvs = zip(*ring.key_value_grads())
+    whole = [merge_sequence(list(parts), 2) for parts in (outs, dqs, dks, dvs)]
+    return whole, forward, backward
+
+
+@step("ring_attention", "ring attention (p2p), CP ranks run serially, vs one SDPA call")
+def check_ring_attention(ctx: Context) -> dict:
+    """Ring attention at CP 2 and 4 against SDPA (see the module docstring)."""
+    from torch.nn.attention import SDPBackend
+
+    seq, heads, groups, head_dim = ring_shape(ctx.gpu)
+    dtype = torch.bfloat16  # the CPU runs bf16 too: the tolerance is what is checked
+    clock, reps = Clock(ctx.device), 3 if ctx.gpu else 1
+    generator = torch.Generator(ctx.device).manual_seed(42)
+
+    def draw(h: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(1, h, seq, head_dim, device=ctx.device, generator=generator)
+                * scale).to(dtype)
+
+    query = draw(heads, SCORE_STD)  # scores q.k / sqrt(d) of standard deviation SCORE_STD
+    key, value, grad = draw(groups), draw(groups), draw(heads)
+    # fp32 SDPA of the same (bf16) values: memory-efficient kernel on CUDA (flash has no fp32)
+    exact, _, _ = sdpa_pass(query.float(), key.float(), value.float(), grad.float(), clock,
+                            SDPBackend.EFFICIENT_ATTENTION if ctx.gpu else None)
+    sdpa_runs = [sdpa_pass(query, key, value, grad, clock) for _ in range(1 + reps)]
+    sdpa, sdpa_fwd, sdpa_bwd = sdpa_runs[-1][0], median([r[1] for r in sdpa_runs[1:]]), \
+        median([r[2] for r in sdpa_runs[1:]])
+    kernel = sdpa_choice(ctx.device, dtype, heads, heads, seq, head_dim, 0.0)
+    names = ("out", "dq", "dk", "dv")
+    rows, ok = [], True
+    rows.append({"what": f"SDPA {kernel}", "fwd_ms": round(sdpa_fwd, 3),
+                 "bwd_ms": round(sdpa_bwd, 3),
+                 **{f"{n}_vs_fp32": round(relative(a, b), 6)
+                    for n, a, b in zip(names, sdpa, exact)}})
+    for cp in (2, 4):
+        if ctx.remaining() < 10:
+            rows.append({"what": f"ring CP={cp}", "error": "skipped (step budget)"})
+            ok = False
+            continue
+        runs = [serial_ring_pass(query, key, value, grad, cp, clock) for _ in range(1 + reps)]
+        whole, timed = runs[0][0], runs[1:]
+        forward = [min(r[1][i] for r in timed) for i in range(cp)]
+        backward = [min(r[2][i] for r in timed) for i in range(cp)]
+        vs_sdpa = {n: relative(a, b) for n, a, b in zip(names, whole, sdpa)}
+        ok = ok and max(vs_sdpa.values()) <= RING_TOLERANCE
+        per_rank = [f + b for f, b in zip(forward, backward)]
+        rows.append({"what": f"ring CP={cp}", "fwd_ms": round(sum(forward), 3),
+                     "bwd_ms": round(sum(backward), 3),
+                     "slowest_rank_ms": round(max(per_rank), 3),
+                     "per_rank_ms": [round(t, 3) for t in per_rank],
+                     "sum_over_sdpa": round(sum(per_rank) / (sdpa_fwd + sdpa_bwd), 3),
+                     "slowest_over_sdpa": round(max(per_rank) / (sdpa_fwd + sdpa_bwd), 3),
+                     **{f"{n}_vs_sdpa": round(v, 6) for n, v in vs_sdpa.items()},
+                     **{f"{n}_vs_fp32": round(relative(a, b), 6)
+                        for n, a, b in zip(names, whole, exact)}})
+        del runs, whole
+        if ctx.gpu:
+            torch.cuda.empty_cache()
+    parts = [f"{seq} tokens, {heads} heads on {groups} K/V heads of {head_dim}, causal, bf16; "
+             f"SDPA ({kernel}) {sdpa_fwd + sdpa_bwd:.3g} ms fwd+bwd"]
+    for r in rows[1:]:
+        if "error" in r:
+            parts.append(f"{r['what']}: {r['error']}")
+            continue
+        worst = max(r[f"{n}_vs_sdpa"] for n in names)
+        parts.append(f"{r['what']}: max difference vs SDPA {worst:.2e} (bar {RING_TOLERANCE:.2e}),"
+                     f" ranks' compute {r['fwd_ms'] + r['bwd_ms']:.4g} ms summed "
+                     f"({r['sum_over_sdpa']}x SDPA), slowest rank {r['slowest_rank_ms']:.4g} ms")
+    tf32 = torch.backends.cuda.matmul.allow_tf32 if ctx.gpu else None
+    return {"status": "PASS" if ok else "FAIL", "rows": rows, "score_std": SCORE_STD,
+            "tolerance": RING_TOLERANCE, "tf32_matmul": tf32, "summary": "; ".join(parts)}

@@ -794,6 +794,9 @@ def render(results: dict[str, dict]) -> str:
             lines.append(f"| {r['shape']} | {r['micro_batch']} | {r['ms']} | {r['tflops']} | "
                          f"{spec} | {100 * r['mfu_measured_peak']:.1f}% | "
                          f"{'on' if r['grad_accumulation_fusion'] else 'off'} |")
+    for name in STEPS:  # a step's own table (Markdown lines), when it gives one
+        if results.get(name, {}).get("table"):
+            lines += ["", *results[name]["table"]]
     return "\n".join(lines) + "\n"
 
 

@@ -41,6 +41,7 @@ from gpu_check import Context, sdpa_choice, spec_peak_tflops, step
 MOE_TOLERANCE = 2.0 ** -5  # grouped vs loop, relative to the largest value (bf16: 4 epsilons)
 RING_TOLERANCE = 2.0 ** -5  # ring vs SDPA, relative to the largest value (bf16: 4 epsilons)
 SCORE_STD = 3.0  # standard deviation of the attention scores of the ring check's inputs
+NAMES = ("out", "dq", "dk", "dv")  # what the ring check compares
 
 
 class Clock:
@@ -174,6 +175,44 @@ def moe_row(name: str, variant: str, times: dict[str, float], rows: int, hidden:
             "experts_share_of_spec": round(tflops / spec, 4) if spec else None}
 
 
+def time_moe_shape(ctx: Context, shape: tuple, dtype: torch.dtype, variants: tuple[str, ...],
+                   spec: float | None) -> tuple[list[dict], str, bool]:
+    """Both variants of one MoE shape on the same layer and inputs: (table rows, summary text,
+    whether the grouped GEMM differs from the loop beyond :data:`MOE_TOLERANCE`). A variant that
+    raises (out of memory, a kernel this build lacks) gives a row with its error."""
+    name, hidden, experts, topk, ffn, tokens = shape
+    reps, warmup = (5, 2) if ctx.gpu else (2, 1)
+    clock = Clock(ctx.device)
+    layer = build_moe_layer(hidden, experts, topk, ffn, dtype, ctx.device)
+    generator = torch.Generator(ctx.device).manual_seed(7)
+    x = torch.randn(tokens // 2, 2, hidden, device=ctx.device, dtype=dtype,
+                    generator=generator).requires_grad_()
+    grad = torch.randn(tokens // 2, 2, hidden, device=ctx.device, dtype=dtype,
+                       generator=generator)
+    rows, results = {}, {}
+    for variant in variants:
+        layer.experts.grouped = variant == "grouped"
+        try:
+            results[variant] = time_moe(layer, x, grad, clock, reps, warmup)
+        except RuntimeError as exc:  # torch.OutOfMemoryError included
+            rows[variant] = {"shape": name, "gemm": variant,
+                             "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+            continue
+        rows[variant] = moe_row(name, variant, results[variant][0], results[variant][3],
+                                hidden, ffn, spec)
+    texts = [f"{v} experts {r['experts_tflops']} TFLOP/s "
+             f"({r['experts_fwd'] + r['experts_bwd']:.3g} ms, layer {r['total_ms']:.3g} ms)"
+             if "error" not in r else f"{v}: {r['error']}" for v, r in rows.items()]
+    differs = False
+    if len(results) == 2:
+        diff = max(relative(a, b) for a, b in zip([results["grouped"][1], *results["grouped"][2]],
+                                                  [results["loop"][1], *results["loop"][2]]))
+        rows["grouped"]["max_difference_vs_loop"] = round(diff, 6)
+        differs = diff > MOE_TOLERANCE
+        texts.append(f"grouped - loop {diff:.1e}")
+    return list(rows.values()), f"{name}: " + ", ".join(texts), differs
+
+
 @step("moe_experts", "one MoE layer: dispatch / experts / combine, grouped GEMM vs loop")
 def check_moe_experts(ctx: Context) -> dict:
     """Times and compares the grouped and looped expert GEMMs (see the module docstring)."""
@@ -181,50 +220,47 @@ def check_moe_experts(ctx: Context) -> dict:
 
     dtype = torch.bfloat16 if ctx.gpu else torch.float32
     spec = spec_peak_tflops(torch.cuda.get_device_name(ctx.device)) if ctx.gpu else None
-    reps, warmup = (5, 2) if ctx.gpu else (2, 1)
-    clock, rows_out, parts, status = Clock(ctx.device), [], [], "PASS"
     grouped_runs = grouped_mm_runs(ctx.device.type, dtype)
-    for name, hidden, experts, topk, ffn, tokens in moe_shapes(ctx.gpu):
+    variants = ("grouped", "loop") if grouped_runs else ("loop",)
+    rows, parts, failed = [], [], False
+    for shape in moe_shapes(ctx.gpu):
         if ctx.remaining() < 15:
-            parts.append(f"{name}: skipped (step budget)")
+            parts.append(f"{shape[0]}: skipped (step budget)")
+            failed = True
             continue
-        layer = build_moe_layer(hidden, experts, topk, ffn, dtype, ctx.device)
-        generator = torch.Generator(ctx.device).manual_seed(7)
-        x = torch.randn(tokens // 2, 2, hidden, device=ctx.device, dtype=dtype,
-                        generator=generator).requires_grad_()
-        grad = torch.randn(tokens // 2, 2, hidden, device=ctx.device, dtype=dtype,
-                           generator=generator)
-        results = {}
-        for variant in ("grouped", "loop") if grouped_runs else ("loop",):
-            layer.experts.grouped = variant == "grouped"
-            results[variant] = time_moe(layer, x, grad, clock, reps, warmup)
-            rows_out.append(moe_row(name, variant, results[variant][0], results[variant][3],
-                                    hidden, ffn, spec))
-        loop = rows_out[-1]
-        text = f"{name}: loop experts {loop['experts_tflops']} TFLOP/s"
-        if grouped_runs:
-            grouped = rows_out[-2]
-            diffs = [relative(a, b) for a, b in zip(
-                [results["grouped"][1], *results["grouped"][2]],
-                [results["loop"][1], *results["loop"][2]])]
-            grouped["max_difference_vs_loop"] = round(max(diffs), 6)
-            if max(diffs) > MOE_TOLERANCE:
-                status = "FAIL"
-            text = (f"{name}: grouped experts {grouped['experts_tflops']} TFLOP/s "
-                    f"({grouped['experts_fwd'] + grouped['experts_bwd']:.3g} ms) vs loop "
-                    f"{loop['experts_tflops']} ({loop['experts_fwd'] + loop['experts_bwd']:.3g}"
-                    f" ms); layer {grouped['total_ms']:.3g} vs {loop['total_ms']:.3g} ms; "
-                    f"grouped - loop {max(diffs):.1e}")
+        shape_rows, text, differs = time_moe_shape(ctx, shape, dtype, variants, spec)
+        rows += shape_rows
         parts.append(text)
-        del layer, x, grad, results
+        failed = failed or differs or any("error" in r for r in shape_rows)
         if ctx.gpu:
             torch.cuda.empty_cache()
     if not grouped_runs:
-        status = "INFO"
         parts.append(f"torch._grouped_mm does not run here ({ctx.device.type}, {dtype}): "
                      "loop only")
-    return {"status": status, "rows": rows_out, "grouped_gemm_runs": grouped_runs,
-            "spec_peak_tflops": spec, "summary": "; ".join(parts)}
+    status = "FAIL" if failed else ("PASS" if grouped_runs else "INFO")
+    return {"status": status, "rows": rows, "grouped_gemm_runs": grouped_runs,
+            "spec_peak_tflops": spec, "table": moe_table(rows, spec),
+            "summary": "; ".join(parts)}
+
+
+def moe_table(rows: list[dict], spec: float | None) -> list[str]:
+    """The step's Markdown table: ms per piece (forward / backward) and the experts' TFLOP/s."""
+    lines = ["| MoE layer (EP=1) | expert GEMM | routed rows | dispatch ms fwd / bwd | experts ms "
+             "fwd / bwd | combine ms fwd / bwd | layer ms | experts TFLOP/s fwd / bwd / all | "
+             "of spec | grouped - loop |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['gemm']} | - | - | - | - | - | - | - | "
+                         f"{r['error']} |")
+            continue
+        share = f"{100 * r['experts_share_of_spec']:.1f}%" if spec else "-"
+        lines.append(
+            f"| {r['shape']} | {r['gemm']} | {r['routed_rows']} | {r['dispatch_fwd']} / "
+            f"{r['dispatch_bwd']} | {r['experts_fwd']} / {r['experts_bwd']} | "
+            f"{r['combine_fwd']} / {r['combine_bwd']} | {r['total_ms']} | "
+            f"{r['experts_tflops_fwd']} / {r['experts_tflops_bwd']} / {r['experts_tflops']} | "
+            f"{share} | {r.get('max_difference_vs_loop', '-')} |")
+    return lines
 
 
 # ------------------------------------------------------------------------------ ring attention
@@ -280,6 +316,25 @@ def serial_ring_pass(query, key, value, grad, cp: int, clock: Clock
     return whole, forward, backward
 
 
+def ring_row(query, key, value, grad, cp: int, clock: Clock, reps: int,
+             sdpa: list[torch.Tensor], sdpa_ms: float, exact: list[torch.Tensor] | None) -> dict:
+    """The table row of ring attention at ``cp``: one untimed pass (its results compared with
+    SDPA's and the fp32 reference's), then ``reps`` timed ones (each rank's fastest)."""
+    runs = [serial_ring_pass(query, key, value, grad, cp, clock) for _ in range(1 + reps)]
+    whole, timed = runs[0][0], runs[1:]
+    forward = [min(r[1][i] for r in timed) for i in range(cp)]
+    backward = [min(r[2][i] for r in timed) for i in range(cp)]
+    per_rank = [f + b for f, b in zip(forward, backward)]
+    return {"what": f"ring CP={cp}", "fwd_ms": round(sum(forward), 3),
+            "bwd_ms": round(sum(backward), 3), "slowest_rank_ms": round(max(per_rank), 3),
+            "per_rank_ms": [round(t, 3) for t in per_rank],
+            "sum_over_sdpa": round(sum(per_rank) / sdpa_ms, 3),
+            "slowest_over_sdpa": round(max(per_rank) / sdpa_ms, 3),
+            **{f"{n}_vs_sdpa": round(relative(a, b), 6) for n, a, b in zip(NAMES, whole, sdpa)},
+            **({f"{n}_vs_fp32": round(relative(a, b), 6)
+                for n, a, b in zip(NAMES, whole, exact)} if exact else {})}
+
+
 @step("ring_attention", "ring attention (p2p), CP ranks run serially, vs one SDPA call")
 def check_ring_attention(ctx: Context) -> dict:
     """Ring attention at CP 2 and 4 against SDPA (see the module docstring)."""
@@ -297,40 +352,36 @@ def check_ring_attention(ctx: Context) -> dict:
     query = draw(heads, SCORE_STD)  # scores q.k / sqrt(d) of standard deviation SCORE_STD
     key, value, grad = draw(groups), draw(groups), draw(heads)
     # fp32 SDPA of the same (bf16) values: memory-efficient kernel on CUDA (flash has no fp32)
-    exact, _, _ = sdpa_pass(query.float(), key.float(), value.float(), grad.float(), clock,
-                            SDPBackend.EFFICIENT_ATTENTION if ctx.gpu else None)
+    try:
+        exact, _, _ = sdpa_pass(query.float(), key.float(), value.float(), grad.float(), clock,
+                                SDPBackend.EFFICIENT_ATTENTION if ctx.gpu else None)
+    except RuntimeError as exc:  # no fp32 kernel that fits: the INFO columns stay empty
+        print(f"fp32 SDPA reference: {type(exc).__name__}: {exc}", flush=True)
+        exact = None
+        if ctx.gpu:
+            torch.cuda.empty_cache()
     sdpa_runs = [sdpa_pass(query, key, value, grad, clock) for _ in range(1 + reps)]
     sdpa, sdpa_fwd, sdpa_bwd = sdpa_runs[-1][0], median([r[1] for r in sdpa_runs[1:]]), \
         median([r[2] for r in sdpa_runs[1:]])
     kernel = sdpa_choice(ctx.device, dtype, heads, heads, seq, head_dim, 0.0)
-    names = ("out", "dq", "dk", "dv")
     rows, ok = [], True
     rows.append({"what": f"SDPA {kernel}", "fwd_ms": round(sdpa_fwd, 3),
                  "bwd_ms": round(sdpa_bwd, 3),
-                 **{f"{n}_vs_fp32": round(relative(a, b), 6)
-                    for n, a, b in zip(names, sdpa, exact)}})
+                 **({f"{n}_vs_fp32": round(relative(a, b), 6)
+                     for n, a, b in zip(NAMES, sdpa, exact)} if exact else {})})
     for cp in (2, 4):
         if ctx.remaining() < 10:
             rows.append({"what": f"ring CP={cp}", "error": "skipped (step budget)"})
             ok = False
             continue
-        runs = [serial_ring_pass(query, key, value, grad, cp, clock) for _ in range(1 + reps)]
-        whole, timed = runs[0][0], runs[1:]
-        forward = [min(r[1][i] for r in timed) for i in range(cp)]
-        backward = [min(r[2][i] for r in timed) for i in range(cp)]
-        vs_sdpa = {n: relative(a, b) for n, a, b in zip(names, whole, sdpa)}
-        ok = ok and max(vs_sdpa.values()) <= RING_TOLERANCE
-        per_rank = [f + b for f, b in zip(forward, backward)]
-        rows.append({"what": f"ring CP={cp}", "fwd_ms": round(sum(forward), 3),
-                     "bwd_ms": round(sum(backward), 3),
-                     "slowest_rank_ms": round(max(per_rank), 3),
-                     "per_rank_ms": [round(t, 3) for t in per_rank],
-                     "sum_over_sdpa": round(sum(per_rank) / (sdpa_fwd + sdpa_bwd), 3),
-                     "slowest_over_sdpa": round(max(per_rank) / (sdpa_fwd + sdpa_bwd), 3),
-                     **{f"{n}_vs_sdpa": round(v, 6) for n, v in vs_sdpa.items()},
-                     **{f"{n}_vs_fp32": round(relative(a, b), 6)
-                        for n, a, b in zip(names, whole, exact)}})
-        del runs, whole
+        try:
+            row = ring_row(query, key, value, grad, cp, clock, reps, sdpa, sdpa_fwd + sdpa_bwd,
+                           exact)
+        except RuntimeError as exc:  # torch.OutOfMemoryError included
+            row = {"what": f"ring CP={cp}", "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
+        rows.append(row)
+        ok = ok and "error" not in row and max(row[f"{n}_vs_sdpa"] for n in NAMES) \
+            <= RING_TOLERANCE
         if ctx.gpu:
             torch.cuda.empty_cache()
     parts = [f"{seq} tokens, {heads} heads on {groups} K/V heads of {head_dim}, causal, bf16; "
@@ -339,10 +390,29 @@ def check_ring_attention(ctx: Context) -> dict:
         if "error" in r:
             parts.append(f"{r['what']}: {r['error']}")
             continue
-        worst = max(r[f"{n}_vs_sdpa"] for n in names)
+        worst = max(r[f"{n}_vs_sdpa"] for n in NAMES)
         parts.append(f"{r['what']}: max difference vs SDPA {worst:.2e} (bar {RING_TOLERANCE:.2e}),"
                      f" ranks' compute {r['fwd_ms'] + r['bwd_ms']:.4g} ms summed "
                      f"({r['sum_over_sdpa']}x SDPA), slowest rank {r['slowest_rank_ms']:.4g} ms")
     tf32 = torch.backends.cuda.matmul.allow_tf32 if ctx.gpu else None
     return {"status": "PASS" if ok else "FAIL", "rows": rows, "score_std": SCORE_STD,
-            "tolerance": RING_TOLERANCE, "tf32_matmul": tf32, "summary": "; ".join(parts)}
+            "tolerance": RING_TOLERANCE, "tf32_matmul": tf32, "table": ring_table(rows),
+            "summary": "; ".join(parts)}
+
+
+def ring_table(rows: list[dict]) -> list[str]:
+    """The step's Markdown table: times and the differences from SDPA (bf16) and fp32 SDPA."""
+    lines = ["| attention | fwd ms | bwd ms | slowest rank ms | x SDPA (sum / slowest) | "
+             "out, dQ, dK, dV vs SDPA | out, dQ, dK, dV vs fp32 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['what']} | - | - | - | - | {r['error']} | - |")
+            continue
+        vs = [", ".join(f"{r[f'{n}_vs_{ref}']:.1e}" for n in NAMES)
+              if f"out_vs_{ref}" in r else "-" for ref in ("sdpa", "fp32")]
+        ratio = (f"{r['sum_over_sdpa']} / {r['slowest_over_sdpa']}" if "sum_over_sdpa" in r
+                 else "1")
+        lines.append(f"| {r['what']} | {r['fwd_ms']} | {r['bwd_ms']} | "
+                     f"{r.get('slowest_rank_ms', '-')} | {ratio} | {vs[0]} | {vs[1]} |")
+    return lines

@@ -14,9 +14,8 @@ device). ``summary`` turns the lines into ``DIR/gpu_check.md`` (a table per step
 from a lent machine): ``results.jsonl``, ``gpu_check.log`` (every step's output, written by the
 shell script), ``gpu_check.md``, ``gpu_check.json``, ``sync_audit.txt``, ``hardware_profile.json``.
 
-The steps, in priority order (:data:`STEPS`; a later check -- grouped expert GEMMs, ring
-attention -- is one more function registered with :func:`step` and one line in the shell
-script's step list):
+The steps, in priority order (:data:`STEPS`; a later check is one more function registered with
+:func:`step`, here or in a module imported below, and one line in the shell script's step list):
 
 ``env``
     torch, CUDA, NCCL, cuDNN, Triton versions, the device; whether NVIDIA Apex loaded; the
@@ -51,6 +50,16 @@ script's step list):
     :class:`~megatron_chimera.tuning.hardware.HardwareProfile` that ``--hardware FILE`` loads
     (the preset's data-sheet peaks with the measured fractions of them; the links are the
     preset's: one GPU measures no network).
+``moe_experts`` (``gpu_check_moe_cp.py``, issue 41)
+    one MoE layer (EP = 1, bf16; Mixtral-8x7B's and a 64-expert fine-grained shape, 8192
+    tokens), forward + backward timed per piece with CUDA events -- route + dispatch, experts,
+    combine -- with the grouped GEMM (``torch._grouped_mm``) and with the per-expert loop: ms and
+    the expert GEMMs' TFLOP/s; PASS when the grouped result equals the loop's (bf16 bar 2^-5).
+``ring_attention`` (``gpu_check_moe_cp.py``, issue 42)
+    ring (``p2p``) attention at 32K tokens, causal, bf16, CP 2 and 4, its ranks run serially on
+    the one GPU (``context_parallel/serial.py``): output and dQ/dK/dV against one SDPA call over
+    the whole sequence (PASS within 2^-5 of the largest value), and the ranks' compute time
+    (summed, slowest) against SDPA's (INFO).
 
 ``--device cpu`` (``bash tools/gpu_check.sh --device cpu``) runs the CPU-runnable parts at tiny
 shapes in fp32 -- the dry run that shows the script works before a lease is spent.

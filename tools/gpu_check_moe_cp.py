@@ -48,8 +48,9 @@ NAMES = ("out", "dq", "dk", "dv")  # what the ring check compares
 
 
 class Clock:
-    """Marks on the device's timeline: CUDA events on a GPU; on the CPU the host's clock after
-    a synchronize (nothing is queued there)."""
+    """Marks on the device's timeline: CUDA events on a GPU (a piece that synchronizes the host,
+    as the dispatch's read of the per-expert counts does, includes the device's idle time it
+    causes); on the CPU the host's clock (its work is done when a call returns)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

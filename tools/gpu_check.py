@@ -14,9 +14,8 @@ device). ``summary`` turns the lines into ``DIR/gpu_check.md`` (a table per step
 from a lent machine): ``results.jsonl``, ``gpu_check.log`` (every step's output, written by the
 shell script), ``gpu_check.md``, ``gpu_check.json``, ``sync_audit.txt``, ``hardware_profile.json``.
 
-The steps, in priority order (:data:`STEPS`; a later check -- grouped expert GEMMs, ring
-attention -- is one more function registered with :func:`step` and one line in the shell
-script's step list):
+The steps, in priority order (:data:`STEPS`; a later check is one more function registered with
+:func:`step`, here or in a module imported below, and one line in the shell script's step list):
 
 ``env``
     torch, CUDA, NCCL, cuDNN, Triton versions, the device; whether NVIDIA Apex loaded; the
@@ -51,6 +50,16 @@ script's step list):
     :class:`~megatron_chimera.tuning.hardware.HardwareProfile` that ``--hardware FILE`` loads
     (the preset's data-sheet peaks with the measured fractions of them; the links are the
     preset's: one GPU measures no network).
+``moe_experts`` (``gpu_check_moe_cp.py``, issue 41)
+    one MoE layer (EP = 1, bf16; Mixtral-8x7B's and a 64-expert fine-grained shape, 8192
+    tokens), forward + backward timed per piece with CUDA events -- route + dispatch, experts,
+    combine -- with the grouped GEMM (``torch._grouped_mm``) and with the per-expert loop: ms and
+    the expert GEMMs' TFLOP/s; PASS when the grouped result equals the loop's (bf16 bar 2^-5).
+``ring_attention`` (``gpu_check_moe_cp.py``, issue 42)
+    ring (``p2p``) attention at 32K tokens, causal, bf16, CP 2 and 4, its ranks run serially on
+    the one GPU (``context_parallel/serial.py``): output and dQ/dK/dV against one SDPA call over
+    the whole sequence (PASS within SDPA's own bf16 error, measured against an fp32 SDPA, plus
+    2^-6), and the ranks' compute time (summed, slowest) against SDPA's (INFO).
 
 ``slices_cpu``
     issue 42's real-CPU check, which needs more cores than the development machine has:
@@ -765,6 +774,13 @@ def check_slices_cpu(ctx: Context) -> dict:
                        + f"; simulated on 4 devices {simulated.group(1) if simulated else '-'})"}
 
 
+# ------------------------------------------------------------------------------ MoE, ring
+# The MoE-experts and ring-attention steps (issues 41, 42) are in gpu_check_moe_cp.py; it
+# registers them with @step of this module (also when this file runs as the script).
+sys.modules.setdefault("gpu_check", sys.modules[__name__])
+import gpu_check_moe_cp  # noqa: E402,F401
+
+
 # ------------------------------------------------------------------------------ running
 def read_results(out: Path) -> dict[str, dict]:
     """The steps' results so far, by step (the last line of a step wins)."""
@@ -838,6 +854,9 @@ def render(results: dict[str, dict]) -> str:
             lines.append(f"| {r['shape']} | {r['micro_batch']} | {r['ms']} | {r['tflops']} | "
                          f"{spec} | {100 * r['mfu_measured_peak']:.1f}% | "
                          f"{'on' if r['grad_accumulation_fusion'] else 'off'} |")
+    for name in STEPS:  # a step's own table (Markdown lines), when it gives one
+        if results.get(name, {}).get("table"):
+            lines += ["", *results[name]["table"]]
     return "\n".join(lines) + "\n"
 
 

@@ -28,7 +28,7 @@ The steps, in priority order (:data:`STEPS`; a later check is one more function 
     against the spec peak and the matmul peak measured in the same run. Model FLOPs as Megatron
     counts them (``layer_forward_flops`` x 3; attention over the full square, recomputation not
     counted). Verdict: issue 32's bar, 45% of the spec peak at hidden 2048 / seq 2048 (GPT).
-``training``
+``training`` (this and the next four steps: ``gpu_check_training.py``)
     ``pretrain_gpt2.py`` bf16 and fp16 (one process, mock data): the loss falls; fp16's loss
     scale stays finite with few skipped iterations. Keeps the log's memory-report lines.
 ``sync_audit``
@@ -73,7 +73,6 @@ shapes in fp32 -- the dry run that shows the script works before a lease is spen
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
@@ -81,7 +80,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -328,296 +326,10 @@ def check_layer_mfu(ctx: Context) -> dict:
 
 
 # ------------------------------------------------------------------------------ training runs
-LOSS_RE = re.compile(r" iteration\s+(\d+)/\s*\d+ .*? lm loss: ([0-9.E+-]+)")
-SCALE_RE = re.compile(r" iteration\s+(\d+)/.*? loss scale: ([0-9.]+).*? number of skipped "
-                      r"iterations:\s+(\d+)")
-
-
-def model_flags(gpu: bool, dropout: float = 0.0, layers: int = 4) -> list[str]:
-    """A small GPT-2 for the training steps (tiny on the CPU)."""
-    hidden, heads, seq = (1024, 16, 1024) if gpu else (64, 4, 32)
-    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads",
-            str(heads), "--seq-length", str(seq), "--max-position-embeddings", str(seq),
-            "--micro-batch-size", "4" if gpu else "2", "--global-batch-size", "16" if gpu else "4",
-            "--lr", "3e-3" if gpu else "1e-2", "--lr-warmup-fraction", "0.1", "--mock-data",
-            "--vocab-size", "512",
-            "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
-            "--hidden-dropout", str(dropout), "--attention-dropout", str(dropout), "--seed", "7"]
-
-
-def pretrain(ctx: Context, flags: list[str], reserve: float = 5.0) -> str:
-    """Run ``pretrain_gpt2.py`` (one process); its stdout, or RuntimeError with its stderr."""
-    cmd = [sys.executable, str(ROOT / "pretrain_gpt2.py"), *flags]
-    if not ctx.gpu:
-        cmd += ["--distributed-backend", "gloo", "--allow-cpu-training"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    print(f"$ {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=ctx.remaining(reserve))
-    print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n", flush=True)
-    if proc.returncode:
-        raise RuntimeError(f"pretrain_gpt2.py exited {proc.returncode}: "
-                           f"{proc.stderr.strip().splitlines()[-1:] or proc.stdout[-300:]}")
-    return proc.stdout
-
-
-def losses(log: str) -> dict[int, str]:
-    """Iteration -> the logged lm loss (as printed, 7 significant digits)."""
-    return {int(m.group(1)): m.group(2) for m in LOSS_RE.finditer(log)}
-
-
-def falls(values: list[float]) -> tuple[bool, float, float]:
-    """Whether the mean of the last 5 values is under 0.9x the mean of the first 5."""
-    head, tail = sum(values[:5]) / 5, sum(values[-5:]) / 5
-    return tail < 0.9 * head, head, tail
-
-
-@step("training", "training bf16 and fp16: the loss falls")
-def check_training(ctx: Context) -> dict:
-    """bf16 and (CUDA) fp16 runs of pretrain_gpt2.py."""
-    iters = 100 if ctx.gpu else 20
-    runs, ok, memory_lines = {}, True, []
-    for precision in ("bf16", "fp16") if ctx.gpu else ("bf16",):
-        flags = model_flags(ctx.gpu, layers=8 if ctx.gpu else 2) + [
-            "--train-iters", str(iters), f"--{precision}"]
-        if precision == "fp16":
-            flags += ["--initial-loss-scale", "65536"]
-        start = time.perf_counter()
-        log = pretrain(ctx, flags, reserve=40.0 if precision == "bf16" and ctx.gpu else 5.0)
-        values = [float(v) for _, v in sorted(losses(log).items())]
-        good, head, tail = falls(values)
-        run = {"falls": good, "first5": round(head, 4), "last5": round(tail, 4),
-               "iterations": len(values), "seconds": round(time.perf_counter() - start, 1)}
-        if precision == "fp16":
-            scales = [(float(m.group(2)), int(m.group(3))) for m in SCALE_RE.finditer(log)]
-            skipped = sum(s for _, s in scales)
-            run.update(loss_scale_first=scales[0][0] if scales else None,
-                       loss_scale_last=scales[-1][0] if scales else None, skipped=skipped)
-            good = good and bool(scales) and all(0 < s < float("inf") for s, _ in scales) \
-                and skipped <= 20
-        memory_lines += [line.strip() for line in log.splitlines()
-                         if "memory (MB) predicted:" in line]
-        runs[precision] = run
-        ok = ok and good
-    return {"status": "PASS" if ok else "FAIL", "runs": runs, "memory_report": memory_lines,
-            "summary": "; ".join(f"{p}: loss {r['first5']} -> {r['last5']} in {r['iterations']} "
-                                 f"iterations ({r['seconds']} s)"
-                                 + (f", loss scale {r['loss_scale_first']} -> "
-                                    f"{r['loss_scale_last']}, {r['skipped']} skipped"
-                                    if p == "fp16" else "") for p, r in runs.items())}
-
-
-# ------------------------------------------------------------------------------ sync audit
-SYNC_MESSAGE = "called a synchronizing CUDA operation"
-
-
-def _where(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
-    """(call site: the innermost frame in the project, region: where in training it is)."""
-    ours = [f for f in stack if str(ROOT) in f.filename and "gpu_check" not in f.filename]
-    site = ours[-1] if ours else stack[-1]
-    files = " ".join(f.filename for f in ours)
-    if "pipeline/executor.py" in files or "pipeline/program.py" in files:
-        region = "micro-batch loop"
-    elif "training/training.py" in files:
-        region = "per iteration (outside the micro-batch loop)"
-    else:
-        region = "setup / other"
-    relative = os.path.relpath(site.filename, ROOT)
-    return f"{relative}:{site.lineno} in {site.name}: {site.line}", region
-
-
-@step("sync_audit", "host-sync audit: 20 iterations under set_sync_debug_mode")
-def check_sync_audit(ctx: Context) -> dict:
-    """Train 20 iterations in this process; record every synchronizing call with its stack.
-    On the CPU the in-process run is exercised (4 iterations) with nothing to audit."""
-    import runpy
-    import warnings
-
-    sites: collections.Counter = collections.Counter()
-    regions: dict[str, str] = {}
-    stacks: dict[str, str] = {}
-    original = warnings.showwarning
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if SYNC_MESSAGE not in str(message):
-            return original(message, category, filename, lineno, file, line)
-        stack = traceback.extract_stack()[:-1]
-        site, region = _where(stack)
-        sites[site] += 1
-        regions[site] = region
-        stacks.setdefault(site, "".join(traceback.format_list(stack[-8:])))
-        return None
-
-    warnings.showwarning = record
-    warnings.filterwarnings("always", message=SYNC_MESSAGE)
-    argv = sys.argv
-    sys.argv = ["pretrain_gpt2.py", *model_flags(ctx.gpu), "--train-iters",
-                "20" if ctx.gpu else "4", "--bf16"]
-    if ctx.gpu:
-        torch.cuda.set_sync_debug_mode("warn")
-    else:
-        sys.argv += ["--distributed-backend", "gloo", "--allow-cpu-training"]
-    try:
-        runpy.run_path(str(ROOT / "pretrain_gpt2.py"), run_name="__main__")
-    finally:
-        if ctx.gpu:
-            torch.cuda.set_sync_debug_mode("default")
-        sys.argv, warnings.showwarning = argv, original
-        _timeout_raises()  # run_main ignored SIGTERM from its end on
-    if not ctx.gpu:
-        return skip("trained 4 iterations in this process; set_sync_debug_mode watches CUDA "
-                    "synchronizations only")
-    in_loop = {s: n for s, n in sites.items() if regions[s] == "micro-batch loop"}
-    lines = [f"{n:6d}  [{regions[s]}]  {s}" for s, n in sites.most_common()]
-    text = ["synchronizing call sites over 20 iterations (count, region, innermost project "
-            "frame); stacks below", *lines, ""]
-    for site, stack in stacks.items():
-        text += [f"== {site}", stack]
-    (ctx.out / "sync_audit.txt").write_text("\n".join(text) + "\n")
-    return {"status": "FAIL" if in_loop else "PASS",
-            "sites": [{"site": s, "count": n, "region": regions[s]} for s, n in
-                      sites.most_common()],
-            "summary": f"{sum(sites.values())} synchronizing calls at {len(sites)} sites; "
-                       f"{len(in_loop)} inside the micro-batch loop"
-                       + (f" ({'; '.join(in_loop)})" if in_loop else "")
-                       + " (sync_audit.txt)"}
-
-
-# ------------------------------------------------------------------------------ recompute
-@step("recompute", "full recomputation with the compiled bias-dropout-add")
-def check_recompute(ctx: Context) -> dict:
-    """The same run with and without full recomputation, dropout on: equal losses."""
-    iters = 10 if ctx.gpu else 4
-    base = model_flags(ctx.gpu, dropout=0.1, layers=4) + ["--train-iters", str(iters),
-                                                          "--bf16"]
-    plain = pretrain(ctx, base, reserve=30.0 if ctx.gpu else 15.0)
-    full = pretrain(ctx, base + ["--recompute-granularity", "full", "--recompute-method",
-                                 "uniform", "--recompute-num-layers", "1"])
-    a, b = losses(plain), losses(full)
-    fallback = "torch.compile cannot run" in plain + full
-    same = bool(a) and a == b
-    how = ("eager (the compiler fell back)" if fallback else "compiled" if ctx.gpu
-           else "eager (CPU)")
-    return {"status": "PASS" if same else "FAIL", "losses": a, "recomputed_losses": b,
-            "compile_fell_back": fallback,
-            "summary": f"{len(a)} iterations, losses {'equal' if same else 'DIFFER'} with full "
-                       f"recomputation; bias-dropout-add {how}"}
-
-
-# ------------------------------------------------------------------------------ resume
-@step("resume", "async torch_dist save and exact resume")
-def check_resume(ctx: Context) -> dict:
-    """Uninterrupted run vs a run stopped at half and resumed from its async checkpoint."""
-    from megatron_chimera.checkpoint.checkpointing import read_tracker
-    from megatron_chimera.checkpoint.sharded import read_full_tensors
-
-    iters, half = (20, 10) if ctx.gpu else (6, 3)
-    base = model_flags(ctx.gpu, layers=2) + ["--train-iters", str(iters), "--bf16",
-                                             "--ckpt-format", "torch_dist", "--async-save"]
-    with tempfile.TemporaryDirectory() as root:
-        straight, resumed = Path(root, "straight"), Path(root, "resumed")
-        whole = pretrain(ctx, base + ["--save", str(straight), "--save-interval", str(iters)],
-                         reserve=40.0 if ctx.gpu else 20.0)
-        pretrain(ctx, base + ["--save", str(resumed), "--save-interval", str(half),
-                              "--exit-interval", str(half)], reserve=20.0 if ctx.gpu else 10.0)
-        stopped_at = read_tracker(str(resumed))
-        second = pretrain(ctx, base + ["--save", str(resumed), "--load", str(resumed),
-                                       "--save-interval", str(iters)])
-        a, b = losses(whole), losses(second)
-        later = {i: v for i, v in a.items() if i > half}
-        same_losses = bool(later) and later == b
-        name = f"iter_{iters:07d}"
-        mismatched, count = [], 0
-        tensors = dict(read_full_tensors(str(straight / name)))
-        for fqn, tensor in read_full_tensors(str(resumed / name)):
-            count += 1
-            if fqn not in tensors or not torch.equal(tensors[fqn], tensor):
-                mismatched.append(fqn)
-        if count != len(tensors):
-            mismatched.append(f"{len(tensors)} tensors saved straight, {count} resumed")
-    ok = same_losses and not mismatched and stopped_at == half
-    return {"status": "PASS" if ok else "FAIL", "stopped_at": stopped_at, "losses": a,
-            "resumed_losses": b, "mismatched_tensors": mismatched[:10],
-            "summary": f"stopped at {stopped_at}, resumed: losses of iterations {half + 1}-{iters} "
-                       f"{'equal' if same_losses else 'DIFFER'}; iteration-{iters} checkpoint "
-                       f"{'bitwise equal' if not mismatched else 'DIFFERS'} ({count} tensors, "
-                       f"model and optimizer)"}
-
-
-# ------------------------------------------------------------------------------ memory
-def allocator_check(device: torch.device) -> dict:
-    """The memory model's parameter and activation bytes of a 4-layer middle stage against the
-    allocator (one forward of one micro-batch; the old check compared a whole-model estimate,
-    embedding and head included, with a stage that has neither)."""
-    from megatron_chimera.config import ModelConfig
-    from megatron_chimera.model.family import GPT2
-    from megatron_chimera.model.gpt2 import GPTModel
-    from megatron_chimera.model.memory import estimate_stage_memory
-
-    config = ModelConfig(num_layers=6, hidden_size=2048, num_attention_heads=16,
-                         seq_length=2048, vocab_size=50257, params_dtype="bf16")
-    batch = 2
-    # the middle stage of three: 4 layers, neither the embedding nor the head
-    stage = estimate_stage_memory(config, GPT2, [(0, 1), (1, 5), (5, 6)], batch,
-                                  device_type="cuda")[1]
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    model = GPTModel(config, pre_process=False, post_process=False, layer_range=(1, 5)).to(device)
-    weights = torch.cuda.memory_allocated() - base
-    hidden = torch.randn(2048, batch, 2048, device=device, dtype=torch.bfloat16,
-                         requires_grad=True)
-    model.set_input_tensor(hidden)
-    before = torch.cuda.memory_allocated()
-    out = model(None, None)
-    activations = torch.cuda.memory_allocated() - before - out.numel() * out.element_size()
-    out.float().sum().backward()
-    return {"param_ratio": round(weights / stage.param_bytes, 4),
-            "activation_ratio": round(activations / stage.activation_bytes, 4),
-            "activation_mib": round(activations / 2**20, 1),
-            "activation_estimate_mib": round(stage.activation_bytes / 2**20, 1),
-            "max_memory_allocated_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)}
-
-
-def report_ratios(lines: list[str]) -> list[float]:
-    """Predicted / measured totals of the training log's memory-report lines."""
-    ratios = []
-    for line in lines:
-        with contextlib.suppress(IndexError, ValueError):
-            predicted = float(line.split("|| measured:")[0].split("total ")[1].split()[0])
-            measured = float(line.split("|| measured:")[1].split("total ")[1].split()[0])
-            ratios.append(predicted / measured)
-    return ratios
-
-
-@step("memory", "memory model vs the allocator")
-def check_memory(ctx: Context) -> dict:
-    """Allocator check (CUDA) and the training step's memory-report lines."""
-    training = read_results(ctx.out).get("training")
-    if training is None and not ctx.gpu:
-        return skip("the training step did not run; the allocator check is CUDA only")
-    training = training or {}
-    ratios = report_ratios(training.get("memory_report", []))
-    result: dict = {"report_lines": training.get("memory_report", []),
-                    "report_ratios": [round(r, 3) for r in ratios]}
-    ok = bool(ratios) and all(abs(r - 1) <= 0.10 for r in ratios)
-    parts = [f"training log: predicted/measured total {', '.join(f'{r:.3f}' for r in ratios)}"
-             if ratios else "no memory-report line from the training step"]
-    if ctx.gpu:
-        alloc = allocator_check(ctx.device)
-        result["allocator"] = alloc
-        ok = ok and abs(alloc["activation_ratio"] - 1) < 0.15 and abs(alloc["param_ratio"] - 1) \
-            < 0.02
-        parts.append(f"4 layers h2048 s2048 b2: activations {alloc['activation_mib']} MiB "
-                     f"measured / {alloc['activation_estimate_mib']} estimated "
-                     f"({alloc['activation_ratio']}), parameters {alloc['param_ratio']}, peak "
-                     f"{alloc['max_memory_allocated_mib']} MiB")
-    else:
-        parts.append("allocator check skipped (CUDA only)")
-    return {"status": "PASS" if ok else "FAIL", **result, "summary": "; ".join(parts)}
+# training, sync_audit, recompute, resume and memory are in gpu_check_training.py; it registers
+# them with @step of this module (also when this file runs as the script).
+sys.modules.setdefault("gpu_check", sys.modules[__name__])
+import gpu_check_training  # noqa: E402,F401
 
 
 # ------------------------------------------------------------------------------ hardware
@@ -777,7 +489,6 @@ def check_slices_cpu(ctx: Context) -> dict:
 # ------------------------------------------------------------------------------ MoE, ring
 # The MoE-experts and ring-attention steps (issues 41, 42) are in gpu_check_moe_cp.py; it
 # registers them with @step of this module (also when this file runs as the script).
-sys.modules.setdefault("gpu_check", sys.modules[__name__])
 import gpu_check_moe_cp  # noqa: E402,F401
 
 
@@ -809,7 +520,7 @@ def _raise_timeout(signum, frame) -> None:  # noqa: ARG001 - signal handler sign
     raise StepTimeout()
 
 
-def _timeout_raises() -> None:
+def timeout_raises() -> None:
     signal.signal(signal.SIGTERM, _raise_timeout)
 
 
@@ -817,7 +528,7 @@ def run_step(name: str, device: torch.device, out: Path, budget: float) -> int:
     """Run one step and record its result (a failure is a result too)."""
     title, function = STEPS[name]
     print(f"\n== {name}: {title}", flush=True)
-    _timeout_raises()
+    timeout_raises()
     start = time.monotonic()
     ctx = Context(device, out, start + budget)
     try:

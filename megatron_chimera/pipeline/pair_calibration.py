@@ -13,9 +13,10 @@ is the run's): every rank times its first stage's
   hand-overs -- ``hand_over_cost``, the one value that makes the baton model's pair last as long
   as the measured one (bisection; the model's time grows with it).
 
-Each timing is a rank's median over ``reps`` (all ranks start each one together), averaged
-over the ranks: a pipeline's critical path adds the host costs of the ranks it passes, one
-after the other, not the slowest rank's at every step. Only the two host costs are fitted,
+Each timing is a rank's median over ``reps`` (all ranks start each one together), then the
+median over the ranks: a pipeline's critical path adds the host costs of the ranks it passes,
+one after the other, not the slowest rank's at every step (and one rank's hiccup during the
+calibration must not stand for all). Only the two host costs are fitted,
 from actions run outside any schedule; the schedules' own iterations are not used.
 """
 
@@ -48,10 +49,10 @@ class PairHostCosts:
     pair: tuple[float, float]
 
 
-def _mean_over_ranks(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t)
-    return float(t) / dist.get_world_size()
+def _median_over_ranks(seconds: float) -> float:
+    gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([seconds], dtype=torch.float64))
+    return statistics.median(float(t) for t in gathered)
 
 
 def _timed(run: Callable[[], None]) -> float:
@@ -113,9 +114,9 @@ def calibrate(stage: EmulatedMoEStage, stage_id: int, batch: torch.Tensor,
         stage.set_input_tensor(None)
         sys.setswitchinterval(switch)
     nominal = c_f + c_b + 2 * a2a
-    measured_unpaired = _mean_over_ranks(statistics.median(unpaired))
+    measured_unpaired = _median_over_ranks(statistics.median(unpaired))
     action_s = max((measured_unpaired - nominal) / 2, 0.0)
-    measured_pair = _mean_over_ranks(statistics.median(paired))
+    measured_pair = _median_over_ranks(statistics.median(paired))
     hand_over_s = fit_hand_over(measured_pair - action_s, modelled_pair)
     return PairHostCosts(action_s, hand_over_s, (measured_unpaired, nominal),
                          (measured_pair, modelled_pair(0.0)))

@@ -201,12 +201,15 @@ class HostCosts:
 
 
 def pair_host_costs(row: Row) -> PairHostCosts | None:
-    """The median over rounds of an MoE row's calibrated host costs (None for other rows)."""
+    """An MoE row's calibrated host costs, each the low median over its rounds' calibrations
+    (None for other rows): a load burst from elsewhere that covers one whole calibration (one
+    in four or five on the shared VM, 5-10 ms per action) must not stand for the run, and
+    with two rounds the plain median would be their mean."""
     found = row.extra.get("pair_host")
     if not found:
         return None
-    return PairHostCosts(statistics.median(h.action_s for h in found),
-                         statistics.median(h.hand_over_s for h in found),
+    return PairHostCosts(statistics.median_low(h.action_s for h in found),
+                         statistics.median_low(h.hand_over_s for h in found),
                          found[0].unpaired, found[0].pair)
 
 
@@ -639,7 +642,7 @@ def overlap_ratios(rows: list[Row]) -> list[str]:
         host = pair_host_costs(r)
         if host is not None:
             lines.append(
-                f"host costs {_label(r)} N={r.num_microbatches} (median of "
+                f"host costs {_label(r)} N={r.num_microbatches} (low median of "
                 f"{len(r.extra['pair_host'])} calibrations): {host.action_s * 1e3:.3f} ms per "
                 f"unpaired F/B, {host.hand_over_s * 1e3:.3f} ms per hand-over in a pair "
                 f"(first: F then B {host.unpaired[0] * 1e3:.1f} ms for "

@@ -62,6 +62,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,8 @@ class _ModelParallelState:
     tensor_ranks: list[int] = field(default_factory=list)
     context_group: dist.ProcessGroup | None = None
     context_ranks: list[int] = field(default_factory=list)
+    # --hierarchical-context-parallel-sizes (a2a+p2p): this rank's inner and outer groups
+    hierarchical_context: HierarchicalGroups | None = None
     model_parallel_group: dist.ProcessGroup | None = None
     model_parallel_ranks: list[int] = field(default_factory=list)
     stage_replica_groups: dict[int, dist.ProcessGroup] = field(default_factory=dict)
@@ -125,6 +128,29 @@ class _ModelParallelState:
 
 
 _STATE: _ModelParallelState | None = None
+
+
+class HierarchicalGroups(NamedTuple):
+    """This rank's inner (all-to-all, ``A`` adjacent context ranks) and outer (ring, ``B``
+    ranks) groups of ``--hierarchical-context-parallel-sizes A B``; None for a group of one."""
+
+    inner: dist.ProcessGroup | None
+    outer: dist.ProcessGroup | None
+    inner_size: int
+    outer_size: int
+
+
+def hierarchical_groups(context_ranks: list[int], sizes: tuple[int, int]
+                        ) -> tuple[list[list[int]], list[list[int]]]:
+    """The inner groups (``A`` adjacent ranks each) and the outer groups (the ranks with the same
+    index in their inner group) of one context group, given its global ranks by context rank
+    (Megatron's order: ``--hierarchical-context-parallel-sizes 2 4`` pairs adjacent ranks)."""
+    inner, outer = sizes
+    if inner * outer != len(context_ranks):
+        raise ValueError(f"--hierarchical-context-parallel-sizes {inner} {outer}: the product "
+                         f"must be --context-parallel-size {len(context_ranks)}")
+    return ([context_ranks[g * inner:(g + 1) * inner] for g in range(outer)],
+            [context_ranks[i::inner] for i in range(inner)])
 
 
 def _state() -> _ModelParallelState:
@@ -162,6 +188,7 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     expert_groups: bool | None = None,
+    hierarchical_context_parallel_sizes: tuple[int, int] | None = None,
 ) -> None:
     """Create tensor, pipeline, data-parallel, model-parallel, stage-replica and embedding groups
     (same order everywhere).
@@ -174,6 +201,9 @@ def initialize_model_parallel(
     ``context_parallel_size`` (CP) ranks share each sequence (Megatron's rank order: tensor,
     context, data, pipeline); each has its own pipeline, and the stage-replica and embedding
     groups span every context rank (gradients are reduced over data x context ranks).
+    ``hierarchical_context_parallel_sizes`` ``(A, B)`` (``--cp-comm-type a2a+p2p``) splits each
+    context group into inner groups of A adjacent context ranks and outer groups of B ranks
+    (``model/context_parallel/hierarchical.py``).
 
     ``placement[pipe][stage]`` is the pipeline rank holding that stage replica
     (``Schedule.placement``). ``p2p_direction_groups`` (default: on with NCCL and in the
@@ -250,6 +280,9 @@ def initialize_model_parallel(
             for dp in range(w):
                 for t in range(t_size):
                     keep(layout.context_ranks(p, dp, t), "context")
+        if hierarchical_context_parallel_sizes is not None:
+            _hierarchical_context_groups(state, layout, hierarchical_context_parallel_sizes,
+                                         new_group)
     for stage in range(num_stages):
         for t in range(t_size):
             ranks = layout.stage_replica_ranks(placement, stage, t)
@@ -283,6 +316,24 @@ def initialize_model_parallel(
     state.all_groups = created
     state.collective_groups = collective
     _STATE = state
+
+
+def _hierarchical_context_groups(state: _ModelParallelState, layout: ParallelLayout,
+                                 sizes: tuple[int, int], new_group) -> None:
+    """Inner and outer groups of every context group (one global order); this rank's kept as
+    :class:`HierarchicalGroups`."""
+    inner_size, outer_size = sizes
+    for p in range(layout.pipeline):
+        for dp in range(layout.data):
+            for t in range(layout.tensor):
+                inner, outer = hierarchical_groups(layout.context_ranks(p, dp, t), sizes)
+                made = [[(new_group(r) if len(r) > 1 else None, r) for r in level]
+                        for level in (inner, outer)]
+                mine = [next(((g, r) for g, r in level if state.rank in r), None)
+                        for level in made]
+                if mine[0] is not None:
+                    state.hierarchical_context = HierarchicalGroups(
+                        mine[0][0], mine[1][0], inner_size, outer_size)
 
 
 def _expert_groups(state: _ModelParallelState, new_group) -> None:
@@ -400,6 +451,16 @@ def get_context_parallel_group() -> dist.ProcessGroup | None:
     """The CP ranks sharing this rank's sequences (same pipeline, data-parallel and tensor
     rank); None at CP = 1."""
     return _state().context_group
+
+
+def get_hierarchical_context_parallel_groups() -> HierarchicalGroups:
+    """This rank's :class:`HierarchicalGroups` (``--hierarchical-context-parallel-sizes``);
+    RuntimeError when none were created."""
+    groups = _state().hierarchical_context
+    if groups is None:
+        raise RuntimeError("--cp-comm-type a2a+p2p needs the groups of "
+                           "--hierarchical-context-parallel-sizes (initialize_model_parallel)")
+    return groups
 
 
 def get_context_parallel_global_ranks() -> list[int]:

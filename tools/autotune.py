@@ -40,8 +40,9 @@ from megatron_chimera.tuning.autotune import (
 )
 from megatron_chimera.tuning.command import torchrun_command
 from megatron_chimera.tuning.hardware import GB, PRESETS, HardwareProfile, load_hardware
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel
 from megatron_chimera.tuning.published import megatron_flops
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 DEFAULT_VOCAB = {"gpt2": 50257, "bert": 30522}
 
@@ -94,7 +95,8 @@ def _add_machine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGrou
     g.add_argument("--num-gpus", type=int, required=True)
     g.add_argument("--hardware", default="p100",
                    help=f"preset ({', '.join(PRESETS)}) or a JSON profile file (schema: "
-                        f"megatron_chimera/tuning/hardware.py)")
+                        f"megatron_chimera/tuning/hardware.py); p100-gloo is Piz Daint as "
+                        f"the Chimera paper ran it (gloo's host-staged collectives over TCP)")
     g.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="device memory in GB (default: the hardware profile's)")
     g.add_argument("--memory-headroom", type=float, default=0.9,
@@ -296,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbest: {best.layout.describe()}: {best.iteration_s:.4f} s/iteration, "
               f"{best.samples_per_s:.1f} samples/s\n")
         print(torchrun_command(spec, best.layout, hardware.gpus_per_node))
+        if hardware.host_staged:
+            print(f"\nnote: {hardware.name} prices {hardware.describe_backend()}, the system "
+                  "the Chimera paper measured; this framework trains CUDA devices with NCCL "
+                  "(device-direct), which a profile with collective_backend nccl models")
         if args.json:
             write_json(args.json, to_records(result.ranked))
         if args.stage_costs_json:
@@ -377,6 +383,7 @@ def predict_main(argv: list[str]) -> int:
         record = {"layout": layout.describe(), "schedule": layout.label, "T": layout.T,
                   "D": layout.D, "W": layout.W, "B": layout.B, "N": layout.N,
                   "num_gpus": layout.num_gpus, "hardware": hardware.name,
+                  "collective_backend": hardware.collective_backend,
                   "iteration_s": prediction.iteration_s,
                   "samples_per_s": prediction.samples_per_s,
                   "tflops_per_gpu": tflops, "bubble_ratio": prediction.bubble_ratio,
@@ -388,6 +395,7 @@ def predict_main(argv: list[str]) -> int:
               f"{spec.config.seq_length}, {spec.config.params_dtype}; {layout.num_gpus} x "
               f"{hardware.name} ({memory_gb:g} GB)")
         print(f"layout: {layout.describe()}")
+        print(f"collectives: {hardware.describe_backend()}")
         print(f"iteration: {prediction.iteration_s:.4f} s ({prediction.samples_per_s:.2f} "
               f"samples/s)")
         print(f"TFLOP/s per GPU: {tflops:.1f} (Megatron's 96 B s l h^2 (1 + s/6h + V/16lh))")

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_chimera.checkpoint import dcp_io
+from megatron_chimera.checkpoint.safe_reader import RAW
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 
 
@@ -37,7 +38,7 @@ class _ValuesOnly(dcp_io.ArchiveChunkWriter):
         offset = handle.tell()
         handle.write(data)
         return WriteResult(index=item.index, size_in_bytes=len(data),
-                           storage_data=_StorageInfo(name, offset, len(data), [dcp_io.RAW]))
+                           storage_data=_StorageInfo(name, offset, len(data), [RAW]))
 
 
 class _ArchiveOnly(dcp_io.ArchiveChunkWriter):

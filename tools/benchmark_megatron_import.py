@@ -64,8 +64,8 @@ def _sizes(tensors: dict) -> list[int]:
 
 def _child(fmt: str, what: str, tmp: str) -> None:
     from megatron_chimera.checkpoint.checkpointing import checkpoint_dir
-    from megatron_chimera.checkpoint.dcp_io import read_metadata
     from megatron_chimera.checkpoint.megatron_format import find_megatron_checkpoint
+    from megatron_chimera.checkpoint.safe_reader import read_metadata
     from megatron_chimera.megatron_lm.exporter import export_megatron
     from megatron_chimera.megatron_lm.importer import import_megatron
     from megatron_chimera.megatron_lm.torch_dist_reader import TorchDistReader

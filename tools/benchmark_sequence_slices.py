@@ -19,12 +19,10 @@ sequence per pipe already keeps two ranks busy at every moment (each pipe's sequ
 one stage), so on a 2-core machine it saturates both cores and slicing cannot shorten it; the
 check needs at least D cores (docs/LONG_SEQUENCES.md has the figures).
 
-Unsliced Chimera needs N a multiple of D (``--num-microbatches must be a positive multiple of
-D``): with 2 sequences at D = 4 it cannot run. The unsliced row therefore runs the same two
-Chimera pipes (``chimera_placement``: one sequence per pipe) in the order the sliced generator
-builds with k = 1 (``sliced_schedule("chimera", D, 2, 1)``: each rank runs both forwards as soon
-as they arrive, then both backwards) -- the only order of one micro-batch per pipe -- and says
-so in its label.
+The unsliced row is ``--pipeline-schedule chimera`` itself (``chimera(D, N)``): with fewer
+sequences than stages (N < D, a multiple of the pipes) it is the basic unit's slot order with
+each pipe's other micro-batches removed -- at N = 2, one sequence per pipe
+(``schedules/chimera.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ from megatron_chimera.model.sequence_slices import split_into_slices  # noqa: E4
 from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork  # noqa: E402
 from megatron_chimera.pipeline.topology import PipelineTopology  # noqa: E402
 from megatron_chimera.schedules.actions import Schedule  # noqa: E402
+from megatron_chimera.schedules.chimera import chimera  # noqa: E402
 from megatron_chimera.schedules.simulate import CostModel, simulate  # noqa: E402
 from megatron_chimera.schedules.slices import sliced_schedule  # noqa: E402
 from megatron_chimera.schedules.validate import validate  # noqa: E402
@@ -115,7 +114,7 @@ def main() -> None:
     slices = sliced_schedule("chimera", ranks, args.sequences, args.slices,
                              attention_fraction=args.seq_length
                              / (args.seq_length + 12 * args.hidden_size))
-    unsliced = sliced_schedule("chimera", ranks, args.sequences, 1)
+    unsliced = chimera(ranks, args.sequences)
     for s in (slices, unsliced):
         validate(s)
     parallel_state.initialize_model_parallel(ranks, slices.placement, slices.num_stages,
@@ -133,7 +132,7 @@ def main() -> None:
                                                post_process=s == last, layer_range=partition[s],
                                                stage=s)
                for s in slices.stages_of_rank(prank)}
-    rows = {"chimera, unsliced (k=1 order, one sequence per pipe)": unsliced,
+    rows = {"chimera, unsliced": unsliced,
             f"chimera, --pipeline-sequence-slices {args.slices}": slices}
     executors = {name: executor_for(s, modules, config) for name, s in rows.items()}
     sequences = [batch(args.seq_length, i) for i in range(args.sequences)]

@@ -14,9 +14,8 @@ device). ``summary`` turns the lines into ``DIR/gpu_check.md`` (a table per step
 from a lent machine): ``results.jsonl``, ``gpu_check.log`` (every step's output, written by the
 shell script), ``gpu_check.md``, ``gpu_check.json``, ``sync_audit.txt``, ``hardware_profile.json``.
 
-The steps, in priority order (:data:`STEPS`; a later check -- grouped expert GEMMs, ring
-attention -- is one more function registered with :func:`step` and one line in the shell
-script's step list):
+The steps, in priority order (:data:`STEPS`; a later check is one more function registered with
+:func:`step`, here or in a module imported below, and one line in the shell script's step list):
 
 ``env``
     torch, CUDA, NCCL, cuDNN, Triton versions, the device; whether NVIDIA Apex loaded; the
@@ -51,6 +50,22 @@ script's step list):
     :class:`~megatron_chimera.tuning.hardware.HardwareProfile` that ``--hardware FILE`` loads
     (the preset's data-sheet peaks with the measured fractions of them; the links are the
     preset's: one GPU measures no network).
+``moe_experts`` (``gpu_check_moe_cp.py``, issue 41)
+    one MoE layer (EP = 1, bf16; Mixtral-8x7B's and a 64-expert fine-grained shape, 8192
+    tokens), forward + backward timed per piece with CUDA events -- route + dispatch, experts,
+    combine -- with the grouped GEMM (``torch._grouped_mm``) and with the per-expert loop: ms and
+    the expert GEMMs' TFLOP/s; PASS when the grouped result equals the loop's (bf16 bar 2^-5).
+``ring_attention`` (``gpu_check_moe_cp.py``, issue 42)
+    ring (``p2p``) attention at 32K tokens, causal, bf16, CP 2 and 4, its ranks run serially on
+    the one GPU (``context_parallel/serial.py``): output and dQ/dK/dV against one SDPA call over
+    the whole sequence (PASS within SDPA's own bf16 error, measured against an fp32 SDPA, plus
+    2^-6), and the ranks' compute time (summed, slowest) against SDPA's (INFO).
+
+``slices_cpu``
+    issue 42's real-CPU check, which needs more cores than the development machine has:
+    ``tools/benchmark_sequence_slices.py`` under ``torch.distributed.run`` (4 gloo ranks, one
+    thread each, ``CUDA_VISIBLE_DEVICES=""``), 2 sequences of 2048 tokens, sliced (k = 4) against
+    unsliced Chimera at D = 4; PASS when their iteration-time ratio is <= 0.8 with >= 4 cores.
 
 ``--device cpu`` (``bash tools/gpu_check.sh --device cpu``) runs the CPU-runnable parts at tiny
 shapes in fp32 -- the dry run that shows the script works before a lease is spent.
@@ -714,6 +729,58 @@ def check_hardware(ctx: Context) -> dict:
                        f"the {links.name} preset's)"}
 
 
+# ------------------------------------------------------------------------------ sliced Chimera, CPU
+SLICES_RANKS, SLICES_TARGET = 4, 0.8  # issue 42: D = 4, sliced <= 0.8 x unsliced Chimera
+SLICES_RE = re.compile(r"^\s+(chimera, .*?)\s+([0-9.]+) ms/iter .*?= ([0-9.]+) cores", re.M)
+
+
+@step("slices_cpu", "CPU: sequence-sliced Chimera vs unsliced, D=4, 2 sequences")
+def check_slices_cpu(ctx: Context) -> dict:
+    """``tools/benchmark_sequence_slices.py`` on this machine's CPU cores (4 gloo ranks, one
+    thread each, no GPU): issue 42's real-CPU check, which needs at least D = 4 free cores (the
+    development VM has 2). Verdict only with the real sizes (CUDA machine) and >= 4 cores: PASS
+    when the measured sliced / unsliced iteration time is <= 0.8; otherwise INFO."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    sizes = (["--seq-length", "2048", "--iters", "3", "--rounds", "3"] if ctx.gpu else
+             ["--seq-length", "128", "--hidden-size", "32", "--iters", "1", "--rounds", "1"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(SLICES_RANKS), str(ROOT / "tools" / "benchmark_sequence_slices.py"),
+           "--sequences", "2", "--slices", "4", *sizes]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get(
+                   "PYTHONPATH")])]))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    print(f"$ {' '.join(cmd[1:])}  ({cores} cores)", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=ctx.remaining())
+    print(proc.stdout[-2000:], proc.stderr[-1500:], sep="\n", flush=True)
+    measured = re.search(r"iteration time: ([0-9.]+) \(measured\)", proc.stdout)
+    simulated = re.search(r"\(simulated.*?\): ([0-9.]+)", proc.stdout)
+    if proc.returncode or not measured:
+        raise RuntimeError(f"benchmark_sequence_slices.py exited {proc.returncode}: "
+                           f"{proc.stderr.strip().splitlines()[-1:] or proc.stdout[-300:]}")
+    ratio = float(measured.group(1))
+    rows = [{"row": name, "ms_per_iter": float(ms), "cores_busy": float(busy)}
+            for name, ms, busy in SLICES_RE.findall(proc.stdout)]
+    judged = ctx.gpu and cores >= SLICES_RANKS
+    status = ("PASS" if ratio <= SLICES_TARGET else "FAIL") if judged else "INFO"
+    return {"status": status, "ratio": ratio, "cores": cores, "rows": rows,
+            "simulated_ratio": float(simulated.group(1)) if simulated else None,
+            "summary": f"sliced (k=4) / unsliced Chimera iteration time {ratio:.3f} on {cores} "
+                       f"cores (target <= {SLICES_TARGET}"
+                       f"{'' if judged else ', not judged: dry-run sizes or < 4 cores'}; "
+                       + ", ".join(f"{r['ms_per_iter']:.1f} ms" for r in rows)
+                       + f"; simulated on 4 devices {simulated.group(1) if simulated else '-'})"}
+
+
+# ------------------------------------------------------------------------------ MoE, ring
+# The MoE-experts and ring-attention steps (issues 41, 42) are in gpu_check_moe_cp.py; it
+# registers them with @step of this module (also when this file runs as the script).
+sys.modules.setdefault("gpu_check", sys.modules[__name__])
+import gpu_check_moe_cp  # noqa: E402,F401
+
+
 # ------------------------------------------------------------------------------ running
 def read_results(out: Path) -> dict[str, dict]:
     """The steps' results so far, by step (the last line of a step wins)."""
@@ -787,6 +854,9 @@ def render(results: dict[str, dict]) -> str:
             lines.append(f"| {r['shape']} | {r['micro_batch']} | {r['ms']} | {r['tflops']} | "
                          f"{spec} | {100 * r['mfu_measured_peak']:.1f}% | "
                          f"{'on' if r['grad_accumulation_fusion'] else 'off'} |")
+    for name in STEPS:  # a step's own table (Markdown lines), when it gives one
+        if results.get(name, {}).get("table"):
+            lines += ["", *results[name]["table"]]
     return "\n".join(lines) + "\n"
 
 

@@ -201,7 +201,7 @@ def check_checkpoint_args(config: TrainConfig | ModelConfig, saved_args: dict[st
 def check_model_matches_checkpoint(root: str, config: TrainConfig | ModelConfig,
                                    family: Any = None) -> None:
     """:func:`check_checkpoint_args` against the latest checkpoint under ``root`` (for tools
-    that load without :func:`~megatron_chimera.checkpoint.checkpointing.load_checkpoint`);
+    that load without :func:`~megatron_chimera.checkpoint.loading.load_checkpoint`);
     checkpoints without a tracker or without recorded model arguments are not checked."""
     common = read_common(root)
     if common is None or not (common.get("args") or {}).get("model"):

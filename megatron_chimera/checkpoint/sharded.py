@@ -31,8 +31,8 @@ from megatron_chimera.checkpoint.dcp_io import (
     SaveChunk,
     check_requests,
     load_chunks,
-    read_metadata,
 )
+from megatron_chimera.checkpoint.safe_reader import read_metadata
 from megatron_chimera.checkpoint.stages import (
     StageSlice,
     global_name,

@@ -24,7 +24,7 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")  # --recompute-granularity (None
 RECOMPUTE_METHODS = ("uniform", "block")  # --recompute-method
 # --document-attention: the per-document attention kernel with --reset-attention-mask
 DOCUMENT_ATTENTIONS = ("auto", "varlen", "flex", "loop", "mask")
-CP_COMM_TYPES = ("p2p", "a2a", "allgather")  # --cp-comm-type (model/context_parallel)
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")  # --cp-comm-type (model/context_parallel)
 
 GPT = "gpt2"  # the family of the flags only GPT models read
 BERT = "bert"
@@ -103,13 +103,15 @@ class ModelConfig:
         help="GPT --reset-attention-mask kernel: varlen (flash, CUDA 16-bit, no attention "
              "dropout), flex (flex_attention, CUDA), loop (SDPA per document), mask "
              "(block-diagonal mask); auto picks")
-    # Megatron-core's TransformerConfig.cp_comm_type
-    cp_comm_type: str = flag(
-        "p2p", "--cp-comm-type", choices=CP_COMM_TYPES, family=GPT,
+    # Megatron-core's TransformerConfig.cp_comm_type: one type, or one per layer
+    cp_comm_type: str | tuple[str, ...] = flag(
+        "p2p", "--cp-comm-type", nargs="+", metavar="TYPE", family=GPT,
         help="how attention reaches across the --context-parallel-size ranks: p2p (ring "
              "attention, key/value blocks rotate), a2a (all-to-all between sequence and heads; "
              "CP divides the key/value heads per tensor rank), allgather (keys/values "
-             "all-gathered)")
+             "all-gathered), a2a+p2p (all-to-all inside groups of adjacent ranks, a ring across "
+             "them: --hierarchical-context-parallel-sizes); one value for every layer, or one "
+             "per layer (--num-layers values, layer 1 first)")
     gelu: str = flag("megatron", "--gelu", choices=GELU_VARIANTS, model=True,
                      help="megatron: tanh approximation in the MLP, exact in BERT's LM head; "
                           "tanh / erf: that form everywhere (Hugging Face's gelu_new / gelu)")
@@ -185,6 +187,15 @@ class ModelConfig:
         if self.swiglu:
             return int(4 * self.hidden_size * 2 / 3 / 64) * 64
         return 4 * self.hidden_size
+
+    def layer_cp_comm_type(self, layer_number: int) -> str:
+        """``--cp-comm-type`` of the 1-based global layer ``layer_number`` (Megatron: a list
+        gives layer ``i`` its ``i-1``-th entry, one value serves every layer)."""
+        if isinstance(self.cp_comm_type, str):
+            return self.cp_comm_type
+        if len(self.cp_comm_type) == 1:
+            return self.cp_comm_type[0]
+        return self.cp_comm_type[layer_number - 1]
 
     @property
     def head_dim(self) -> int:

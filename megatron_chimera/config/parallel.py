@@ -38,6 +38,11 @@ class ParallelConfig:
         help="context-parallel size CP: each sequence split over CP ranks (s / CP tokens each, "
              "zigzag chunks i and 2CP-1-i for causal balance); attention by --cp-comm-type, "
              "gradients reduced over data x context ranks (world = T x CP x W x D)")
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = flag(
+        None, "--hierarchical-context-parallel-sizes", type=int, nargs="+", metavar="SIZE",
+        family=GPT,
+        help="for --cp-comm-type a2a+p2p: A B with A x B = --context-parallel-size; A adjacent "
+             "context ranks run the all-to-all, a ring joins the B groups")
     pipeline_sequence_slices: int = flag(
         1, "--pipeline-sequence-slices", check=positive, family=GPT,
         help="sequence-sliced pipelines (1f1b, zb-h1, chimera, chimera-zb): each micro-batch's "

@@ -15,13 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_chimera.checkpoint.checkpointing import (
-    CheckpointError,
-    CheckpointTarget,
-    StageSlice,
-    checkpoint_dir,
-    load_checkpoint,
-)
+from megatron_chimera.checkpoint.checkpointing import CheckpointError, StageSlice, checkpoint_dir
+from megatron_chimera.checkpoint.loading import CheckpointTarget, load_checkpoint
 from megatron_chimera.checkpoint.saved_args import (
     read_common,
     saved_data_config,

@@ -22,13 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
-from megatron_chimera.checkpoint.checkpointing import (
-    FORMAT_TORCH_DIST,
-    CheckpointError,
-    StageSlice,
-    resolve_checkpoint_dir,
-)
+from megatron_chimera.checkpoint.checkpointing import FORMAT_TORCH_DIST, CheckpointError, StageSlice
 from megatron_chimera.checkpoint.dcp_io import SaveChunk, load_chunks, save_chunks
+from megatron_chimera.checkpoint.loading import resolve_checkpoint_dir
 from megatron_chimera.checkpoint.megatron_format import (
     METADATA_JSON,
     TRACKER_FILENAME,

@@ -20,12 +20,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron_chimera.checkpoint.dcp_io import ChunkLoadPlanner, SafeReader
+from megatron_chimera.checkpoint.dcp_io import ChunkLoadPlanner
 from megatron_chimera.checkpoint.megatron_format import (
     MegatronCheckpointError,
     damaged_zip_member,
     load_megatron_file,
 )
+from megatron_chimera.checkpoint.safe_reader import SafeReader
 from megatron_chimera.megatron_lm.names import EXTRA_STATE, LAYER_PREFIX, layer_name
 
 COMMON_FILE = "common.pt"

@@ -7,6 +7,8 @@ slices' backwards accumulate the leaves' ``.grad``. The slice's own keys and val
 an identity (:class:`_AddCachedGrad`) whose backward adds that accumulated gradient to what its
 own attention returns. This is exact when the backward of slice ``j`` runs after the backwards
 of every later slice of the sequence on that stage -- the slice-order rule the schedules keep.
+With full recomputation the slice's forward runs twice: the first pass (no autograd graph)
+caches the leaves, the replay in the slice's backward reuses them, their ``.grad`` included.
 
 On the CPU (float32/float64, no document mask) a slice attends to the earlier slices' keys and
 to its own square causal block with the CPU flash kernels, merged by their log-sum-exp
@@ -140,14 +142,20 @@ class SliceTokens:
         ``[b, groups, ., d]`` of the earlier slices (cached for ``layer``) and its own; caches
         its own for the later slices."""
         cached = self.cache.keys_values.setdefault(layer, [])
-        if len(cached) != self.index:
+        if len(cached) < self.index:
             raise RuntimeError(f"layer {layer}: slice {self.index} of a sequence after "
                                f"{len(cached)} cached slices (slices must run in order)")
-        leaves = (key.detach().requires_grad_(key.requires_grad),
-                  value.detach().requires_grad_(value.requires_grad))
+        if len(cached) == self.index:  # the slice's first forward: cache its keys/values
+            # (under no_grad -- the first pass of --recompute-granularity full, or evaluation
+            # -- the leaves still take the later slices' gradients: the replay reads them)
+            grad = not torch.is_grad_enabled()
+            cached.append((key.detach().requires_grad_(key.requires_grad or grad),
+                           value.detach().requires_grad_(value.requires_grad or grad)))
+        # else a replay (full recomputation in this slice's backward): the leaves the later
+        # slices attended to, and whose .grad their backwards (run before this one) filled
+        leaves = cached[self.index]
         key, value = _AddCachedGrad.apply(key, leaves[0]), _AddCachedGrad.apply(value, leaves[1])
-        earlier = list(cached)
-        cached.append(leaves)
+        earlier = cached[:self.index]
         if earlier and self._split_causal(query):
             per_group = query.shape[1] // key.shape[1]
             parts = [torch.cat([k for k, _ in earlier], dim=2),

@@ -248,7 +248,7 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
             sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
-        self.cp_comm_type = config.cp_comm_type
+        self.cp_comm_type = config.layer_cp_comm_type(layer_number)
         self.layer_number = layer_number
 
     def query_key_value_heads(self, qkv: torch.Tensor, rotary: RotaryTables | None
@@ -294,9 +294,11 @@ class ParallelAttention(nn.Module):
             # (contiguous: the kernel saves them, and as views of the rotated and the QKV
             # buffers they would keep both whole buffers alive for the backward)
             query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-            context = context_parallel_attention(
-                query, key, value, mask, parallel_state.get_context_parallel_group(),
-                self.cp_comm_type)
+            group = (parallel_state.get_hierarchical_context_parallel_groups()
+                     if self.cp_comm_type == "a2a+p2p"
+                     else parallel_state.get_context_parallel_group())
+            context = context_parallel_attention(query, key, value, mask, group,
+                                                 self.cp_comm_type)
             context = context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
             return self.dense(context)
         if isinstance(mask, SliceTokens):  # one slice of a sequence: cached earlier keys/values

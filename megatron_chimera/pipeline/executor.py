@@ -63,6 +63,7 @@ from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
 from megatron_chimera.pipeline.overlap import (
     leading_half,
     prepare_threads,
+    run_in_turn,
     run_pair,
     set_current_action,
 )
@@ -512,11 +513,13 @@ class _Iteration:
             self._weight(step)
 
     def _paired(self, step: Paired) -> None:
-        """A paired F&B action: both inputs are waited on inside the halves (both receives were
-        posted before the pair), each half's all-to-alls overlap the other half's compute
-        (:func:`~.overlap.run_pair`), and both outputs go to the SENDs that follow. Two
-        backwards of one stage of a split-backward schedule share the stage's weight-gradient
-        deferral, so they run one after the other (nothing to overlap then)."""
+        """A paired action (F&B, F&F, B&B, or a W with an F or B of another micro-batch): both
+        inputs are waited on inside the halves (both receives were posted before the pair),
+        each half's all-to-alls overlap the other half's compute (:func:`~.overlap.run_pair`;
+        a W computes while its partner's first all-to-all is in flight), and both outputs go to
+        the SENDs that follow. Two backwards of one stage of a split-backward schedule share
+        the stage's weight-gradient deferral, so they run one after the other (nothing to
+        overlap then); a W only flushes its own store, so it may run beside a B of its stage."""
         if self.stage_done:
             self._report_stage_done()
         first, second = step.halves
@@ -540,9 +543,9 @@ class _Iteration:
             run_pair((lambda: self._run_action(first), lambda: self._run_action(second)),
                      leading_half((a.kind, b.kind)))
             set_current_action(None)
-        else:
-            self._run_action(first)
-            self._run_action(second)
+        else:  # one half after the other, each on the random streams run_pair gives it
+            run_in_turn((lambda: self._run_action(first), lambda: self._run_action(second)))
+            set_current_action(None)
         self.executed += (a, b)
         if sync is not None:  # reported after the pair's sends are posted
             self.stage_done = finals

@@ -4,20 +4,33 @@ other half's compute (``--overlap-moe-expert-parallel-comm``, issue 41).
 The two halves of a pair run on two host threads that share one **baton**: only the holder
 computes, so the rank's compute stays serial, as on a device. A half that reaches an
 all-to-all (:func:`expert_all_to_all`, called by the stage code: the emulated MoE stages of
-:mod:`.emulated` today) issues it *while holding the baton*, hands the baton to the other
-half (which computes while the all-to-all is in flight), and, once the other half hands the
-baton back, waits for whatever of its all-to-all is still in flight. Outside a pair the same
-call issues and waits at once (the all-to-all is exposed).
+:mod:`.emulated`, and the real MoE layer's ``alltoall`` dispatcher through
+:mod:`megatron_chimera.model.moe.expert_comm`, whose runner this module installs) issues it
+*while holding the baton*, hands the baton to the other half (which computes while the
+all-to-all is in flight), and, once the other half hands the baton back, waits for whatever of
+its all-to-all is still in flight. Outside a pair the same call issues and waits at once (the
+all-to-all is exposed).
 
 **One issue order on every rank of an expert-parallel group.** The baton alternates strictly:
 the leading half computes up to its first all-to-all, then the other half up to its first, then
 the leader up to its second, and so on; a half that has finished hands the baton over for good.
 The leader is a fixed function of the two actions (the backward of an F&B pair, whose first
-step is its combine all-to-all's gradient, DualPipe's order; else the first in the list), and
-the ranks of an EP group run the same action list (same pipe position), so every rank of the
-group issues the pair's all-to-alls -- both halves', in the lowered list order of the pairs --
-in one order, whatever the timing. Each issue happens under the baton, so nothing else of the
-rank's host code runs concurrently with it.
+step is its combine all-to-all's gradient, DualPipe's order; the F or B of a pair with a W,
+which issues no all-to-all and so computes to its end in its one turn; else the first in the
+list), and the ranks of an EP group run the same action list (same pipe position), so every
+rank of the group issues the pair's all-to-alls -- both halves', in the lowered list order of
+the pairs -- in one order, whatever the timing. Each issue happens under the baton, so nothing
+else of the rank's host code runs concurrently with it.
+
+**Each half has its own random streams.** The process's generators (CPU, CUDA, the
+tensor-parallel tracker's) would otherwise be shared by two halves that alternate mid-layer: a
+dropout mask, or the replay of one in a recomputation, would depend on where the other half
+drew. The baton carries them: a half that hands it over saves the process's streams as its
+own, a half that takes it puts its own back. The first half in list order starts on the rank's
+streams, the second on streams forked from them (``tensor_parallel.random.forked_rng_states``),
+and after the pair the rank continues from where the first half left them.
+:func:`run_in_turn` (no overlap) gives every half the same streams, so a pair draws the same
+random numbers overlapped or not.
 
 CPU only: the halves are host threads (autograd runs each backward on its calling thread for
 CPU tensors); a CUDA runtime would use a communication stream and events instead.
@@ -31,6 +44,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+from megatron_chimera.model.moe.expert_comm import set_all_to_all_runner
+from megatron_chimera.tensor_parallel.random import (
+    RngStates,
+    forked_rng_states,
+    get_rng_states,
+    set_rng_states,
+)
 
 _state = threading.local()
 
@@ -52,12 +73,15 @@ class Waitable(Protocol):
 
 
 class _Baton:
-    """Strict alternation of the compute between the two halves of one pair."""
+    """Strict alternation of the compute between the two halves of one pair; it carries each
+    half's random streams (``streams[i]``: half i's while it does not compute)."""
 
-    def __init__(self, lead: int) -> None:
+    def __init__(self, lead: int, streams: list[RngStates]) -> None:
         self.owner = lead
         self.finished = [False, False]
         self.cond = threading.Condition()
+        self.streams = streams
+        self.live = 0  # the half whose streams the process's generators hold
 
     def take(self, me: int, expected_at: float | None = None) -> None:
         """Block until ``me`` holds the baton; with ``expected_at`` (a ``perf_counter`` time
@@ -75,17 +99,22 @@ class _Baton:
         with self.cond:
             while self.owner != me:
                 self.cond.wait()
+            if self.live != me:  # this half's random streams back into the generators
+                set_rng_states(self.streams[me])
+                self.live = me
 
     def hand_over(self, me: int) -> None:
         """``me`` issued an all-to-all: the other half computes next (unless it has finished)."""
         with self.cond:
             if not self.finished[1 - me]:
+                self.streams[me] = get_rng_states()
                 self.owner = 1 - me
                 self.cond.notify_all()
 
     def finish(self, me: int) -> None:
         """``me`` is done: the other half holds the baton from now on."""
         with self.cond:
+            self.streams[me] = get_rng_states()
             self.finished[me] = True
             self.owner = 1 - me
             self.cond.notify_all()
@@ -120,9 +149,11 @@ def expert_all_to_all(issue: Callable[[], Waitable]) -> None:
 
 
 def leading_half(kinds: Sequence[str]) -> int:
-    """Which half of a pair of action kinds (``"F"``/``"B"``) computes first: the backward of an
-    F&B pair (it starts with communication: its combine's gradient), else the first."""
-    if kinds[0] != kinds[1] and kinds[1] == "B":
+    """Which half of a pair of action kinds (``"F"``/``"B"``/``"W"``) computes first: the
+    backward of an F&B pair (it starts with communication: its combine's gradient), the F or B
+    of a pair with a W (the W, which has no all-to-all, computes to its end once the other half
+    has issued its first all-to-all, then hands the baton back), else the first."""
+    if kinds[0] == "W" or (kinds[0] != kinds[1] and kinds[1] == "B"):
         return 1
     return 0
 
@@ -178,9 +209,11 @@ def _the_helper() -> _Helper:
 
 def run_pair(halves: Sequence[Callable[[], None]], lead: int) -> None:
     """Run the two callables as the halves of one pair (``lead`` computes first): the leading
-    half on the calling thread, the other on the process's helper thread. The first exception
-    (in half order) is raised once both halves have ended."""
-    baton = _Baton(lead)
+    half on the calling thread, the other on the process's helper thread, each on its own
+    random streams (module docstring). The first exception (in half order) is raised once both
+    halves have ended."""
+    start = get_rng_states()
+    baton = _Baton(lead, [start, forked_rng_states(start)])
     errors: list[BaseException | None] = [None, None]
 
     def body(index: int) -> None:
@@ -197,9 +230,24 @@ def run_pair(halves: Sequence[Callable[[], None]], lead: int) -> None:
     done = _the_helper().submit(lambda: body(1 - lead))
     body(lead)
     done.wait()
+    set_rng_states(baton.streams[0])
     for exc in errors:
         if exc is not None:
             raise exc
+
+
+def run_in_turn(halves: Sequence[Callable[[], None]]) -> None:
+    """Run the two callables of a pair one after the other, in list order, without overlap
+    (their all-to-alls issued and waited for at once), each on the random streams
+    :func:`run_pair` gives it: the same random numbers as the overlapped pair."""
+    start = get_rng_states()
+    halves[0]()
+    end = get_rng_states()
+    set_rng_states(forked_rng_states(start))
+    try:
+        halves[1]()
+    finally:
+        set_rng_states(end)
 
 
 def set_current_action(action: Any) -> None:
@@ -210,3 +258,19 @@ def set_current_action(action: Any) -> None:
 def current_action() -> Any:
     """The compute action the calling thread runs (None outside the executor's actions)."""
     return getattr(_state, "action", None)
+
+
+#: when a list, the real MoE layer's all-to-alls (``model/moe/expert_comm.py``) append their
+#: labels ``<action>:<name>`` to it in issue order (the tests' proof of interleaving)
+issued: list[str] | None = None
+
+
+def _model_all_to_all(name: str, issue: Callable[[], Waitable]) -> None:
+    """The runner installed for the MoE layer's all-to-alls: :func:`expert_all_to_all`."""
+    if issued is not None:
+        action = current_action()
+        issued.append(f"{action.short() if action is not None else '-'}:{name}")
+    expert_all_to_all(issue)
+
+
+set_all_to_all_runner(_model_all_to_all)

@@ -47,15 +47,21 @@ PROFILED_COSTS_FILE = "profiled_stage_costs.json"  # next to the checkpoints (``
 
 
 class StageTimeRecorder:
-    """Per (kind, stage), the seconds of the actions this rank ran while recording."""
+    """Per (kind, stage), the seconds of the actions this rank ran while recording. For a sliced
+    schedule (``slice_work``: each slice's share of its sequence's work) a slice's seconds are
+    divided by its share: the samples are whole-sequence costs, as the sliced generator and the
+    simulator take them."""
 
-    def __init__(self) -> None:
+    def __init__(self, slice_work: list[float] | None = None) -> None:
         self.recording = True
         self.samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self.slice_work = slice_work
 
     def __call__(self, action: Action, seconds: float) -> None:
         """The executor's hook: one action's compute seconds."""
         if self.recording:
+            if self.slice_work:
+                seconds /= self.slice_work[action.microbatch % len(self.slice_work)]
             self.samples[(action.kind, action.stage)].append(seconds)
 
     def medians(self) -> dict[tuple[str, int], float]:
@@ -103,7 +109,8 @@ class ProfileRebuild:
         self.iterations = iterations
         self.device = device
         self.policy = policy
-        self.recorder = StageTimeRecorder()
+        self.recorder = StageTimeRecorder(schedule.meta.get("slice_work")
+                                          if schedule.sequence_slices > 1 else None)
         self.started = 0  # iterations of this process that began under the profiler
 
     @property

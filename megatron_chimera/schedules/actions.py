@@ -18,10 +18,11 @@ Conventions
 * ``kind`` is ``F`` (forward), ``B`` (backward; input-gradient only when the schedule splits the
   backward) or ``W`` (weight-gradient only; present only when ``split_backward`` is true).
 * ``pairs[rank]`` (MoE expert-parallel overlap, ``--overlap-moe-expert-parallel-comm``): list
-  indices ``i`` where ``actions[rank][i]`` and ``actions[rank][i+1]`` -- a forward and a backward of
-  two *independent* micro-batches (:func:`independent`) -- run as one paired action: the pair
-  starts when both inputs are there, and each half's all-to-all hides behind the other half's
-  compute. Empty for every schedule without overlap (the lists themselves never change).
+  indices ``i`` where ``actions[rank][i]`` and ``actions[rank][i+1]`` -- e.g. a forward and a
+  backward, or a W and a lone F or B, of two *independent* micro-batches (:func:`independent`) --
+  run as one paired action: the pair starts when both inputs are there, and each half's
+  all-to-all hides behind the other half's compute. Empty for every schedule without overlap
+  (the lists themselves never change).
 """
 
 from __future__ import annotations
@@ -101,17 +102,20 @@ def output_to(action: Action, num_stages: int) -> Action | None:
 def independent(first: Action, second: Action, sequence_slices: int = 1) -> str | None:
     """Why ``first`` and ``second`` may *not* run as one paired action (None: they may).
 
-    The pairing rule in one place: a pair is two F or B actions (input-gradient B, or the whole
-    backward) of *different micro-batches* -- a forward with a backward in the steady state
-    (DualPipe's and Megatron's pairs), and in Chimera also two forwards of its two pipes in the
-    warm-up and two backwards in the cool-down. :func:`input_of` only links actions of one pipe
-    and one micro-batch, so two actions of different micro-batches never depend on each other,
-    directly or through a chain: neither half waits for the other, and both can start together.
-    With ``sequence_slices`` k > 1 the k slices of one sequence are linked by the slice order,
-    so the halves must belong to different sequences (micro-batch // k).
+    The pairing rule in one place: a pair is two actions of *different micro-batches*, at least
+    one of them an F or B (input-gradient B, or the whole backward) -- a forward with a backward
+    in the steady state (DualPipe's and Megatron's pairs), in Chimera also two forwards of its
+    two pipes in the warm-up and two backwards in the cool-down, and a W (weight gradient:
+    compute, no all-to-all) with a lone F or B, computed while that half's all-to-all is in
+    flight. :func:`input_of` only links actions of one pipe and one micro-batch, so two actions
+    of different micro-batches never depend on each other, directly or through a chain: neither
+    half waits for the other, and both can start together (a W and the B it needs share a
+    micro-batch: never a pair). Two Ws carry no all-to-all to hide: never a pair. With
+    ``sequence_slices`` k > 1 the k slices of one sequence are linked by the slice order, so the
+    halves must belong to different sequences (micro-batch // k).
     """
-    if first.kind == WEIGHT or second.kind == WEIGHT:
-        return (f"a pair is two F or B actions, got {first.short()} and {second.short()} "
+    if first.kind == WEIGHT and second.kind == WEIGHT:
+        return (f"a pair needs an F or B, got {first.short()} and {second.short()} "
                 f"(W carries no all-to-all to hide)")
     if first.microbatch == second.microbatch:
         return (f"{first.short()} and {second.short()} are not independent: both belong to "

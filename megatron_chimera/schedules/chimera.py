@@ -23,6 +23,14 @@ forward = backward cost a unit takes ``2D + D/f - 2`` slots: bubble ratio
 ``(D-2f)/(2fN+D-2f)`` at ``N = D`` (and for N > D with ``direct`` or ``slot-merge``, whose
 makespan is ``2N + D/f - 2``).
 
+N < D (a partial unit, N a multiple of 2f) -- ours
+-------------------------------------------------
+The same slot formula with each pipe's local micro-batches ``i < N/(2f)``: the basic unit's
+order with the other micro-batches removed. Every argument above holds for a subset (no shared
+slot, each dependency one slot earlier), so the order is valid; with forward = backward it takes
+``2D + 2N/(2f) - 2`` slots. This is what a few long sequences per iteration need (e.g. two
+sequences at D = 4: one per pipe), the unsliced baseline of ``--pipeline-sequence-slices``.
+
 N > D: ``k = N/D`` units, unit ``u`` holding local micro-batches ``[u*D/(2f), (u+1)*D/(2f))``
 ---------------------------------------------------------------------------------------------
 * ``direct`` (paper §3.5, reference code): unit ``u`` is the basic unit shifted by ``2D`` slots.
@@ -110,6 +118,13 @@ def check_chimera_sizes(
     if concat not in CONCAT_NAMES:
         raise ValueError(f"--chimera-concat: unknown value {concat!r}; choose from {CONCAT_NAMES}")
     multiple = 2 * num_ranks if concat == CONCAT_FORWARD_DOUBLING else num_ranks
+    if multiple == num_ranks and 0 < num_microbatches < num_ranks:  # a partial basic unit
+        if num_microbatches % num_pipes == 0:
+            return concat
+        raise ValueError(
+            f"--num-microbatches below D = {num_ranks} must be a multiple of --chimera-pipes = "
+            f"{num_pipes} for Chimera (every pipe runs as many), got {num_microbatches} "
+            f"(adjust --global-batch-size / --micro-batch-size)")
     if num_microbatches < multiple or num_microbatches % multiple:
         raise ValueError(
             f"--num-microbatches must be a positive multiple of {multiple} for Chimera with "
@@ -123,9 +138,14 @@ def check_chimera_sizes(
     return concat
 
 
-def unit_slots(num_ranks: int, num_pipes: int) -> list[tuple[int, Action]]:
-    """The basic unit (N = D) as (slot, action) pairs; micro-batch ids are pipe-local here."""
-    per_pipe = num_ranks // num_pipes
+def unit_slots(
+    num_ranks: int, num_pipes: int, per_pipe: int | None = None
+) -> list[tuple[int, Action]]:
+    """The basic unit (N = D) as (slot, action) pairs; micro-batch ids are pipe-local here.
+
+    ``per_pipe`` (default ``D / 2f``) below that keeps only each pipe's first ``per_pipe``
+    micro-batches: a partial unit (N < D)."""
+    per_pipe = num_ranks // num_pipes if per_pipe is None else per_pipe
     ops = []
     for pipe in range(num_pipes):
         for stage in range(num_ranks):
@@ -140,11 +160,11 @@ def _slot_orders(
 ) -> list[list[Action]]:
     """Units shifted by ``unit_shift`` slots each, merged per rank by (slot, backward first)."""
     placement = chimera_placement(num_ranks, num_pipes)
-    per_unit = num_ranks // num_pipes
+    per_unit = min(num_ranks, num_microbatches) // num_pipes  # N < D: one partial unit
     per_pipe = num_microbatches // num_pipes
     keyed: list[list[tuple[tuple[int, int, int, int], Action]]] = [[] for _ in range(num_ranks)]
-    for u in range(num_microbatches // num_ranks):
-        for slot, a in unit_slots(num_ranks, num_pipes):
+    for u in range(max(1, num_microbatches // num_ranks)):
+        for slot, a in unit_slots(num_ranks, num_pipes, per_unit):
             mb = a.pipe * per_pipe + u * per_unit + a.microbatch
             key = (slot + u * unit_shift, 0 if a.kind == BACKWARD else 1, u, a.pipe)
             keyed[placement[a.pipe][a.stage]].append((key, Action(a.kind, a.pipe, a.stage, mb)))

@@ -20,8 +20,9 @@ DualPipe and DualPipeV are the slot order of their placement (:func:`~.pairing.s
 derivation: Chimera's slot formula run over all micro-batches of a pipe; a slot holding a forward
 and a backward of different micro-batches is a pair). They are built as published, F&B pairs
 only, whatever the costs; Chimera-EP (``--overlap-moe-expert-parallel-comm`` on Chimera) starts
-from the same slot order and also pairs its warm-up forwards and cool-down backwards when that
-helps under the costs (:func:`~.pairing.with_overlap`).
+from the same slot order and also pairs its warm-up forwards and cool-down backwards, and its
+lone forwards and backwards with deferred Ws, when that helps under the costs
+(:func:`~.pairing.with_overlap`).
 """
 
 from __future__ import annotations

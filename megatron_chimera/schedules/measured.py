@@ -31,6 +31,7 @@ from megatron_chimera.schedules.costs import StageCosts
 from megatron_chimera.schedules.fallback import Decision, Prediction, decide, of_schedule
 from megatron_chimera.schedules.registry import get_spec
 from megatron_chimera.schedules.simulate import CostModel, Event, SimResult
+from megatron_chimera.schedules.slices import sliced_schedule
 from megatron_chimera.schedules.validate import validate
 
 
@@ -175,6 +176,8 @@ def rebuild_for_costs(schedule: Schedule, options: Any, costs: StageCosts,
     the same placement is predicted faster."""
     if not schedule.split_backward:
         raise ValueError(f"{schedule.name} does not split the backward: nothing to rebuild")
+    if schedule.sequence_slices > 1:
+        return _rebuild_sliced(schedule, costs, quantum)
     spec = get_spec(schedule.name)
     options = spec.options_type() if options is None else options
     started = time.perf_counter()
@@ -187,3 +190,28 @@ def rebuild_for_costs(schedule: Schedule, options: Any, costs: StageCosts,
     split = rebuilt if rebuilt.makespan < before.makespan else before
     decision = decide(split, costs, policy, same_placement=True)
     return RebuildReport(costs, before, rebuilt, decision, build_seconds)
+
+
+def _rebuild_sliced(schedule: Schedule, costs: StageCosts, quantum: float) -> RebuildReport:
+    """A sliced split-backward order (``--pipeline-sequence-slices``) rebuilt by the sliced
+    generator for the measured per-stage costs (``costs`` are a whole sequence's; each slice is
+    charged its ``slice_work``). The faster of the running and the rebuilt order is kept; there
+    is no unsplit fallback (the unsplit alternatives are not sliced orders)."""
+    started = time.perf_counter()
+    k = schedule.sequence_slices
+    new = sliced_schedule(schedule.name.removesuffix("-sliced"), schedule.num_ranks,
+                          schedule.num_microbatches // k, k,
+                          attention_fraction=schedule.meta.get("attention_fraction", 0.0),
+                          stage_costs=_per_stage(costs.quantized(quantum), schedule.num_stages))
+    validate(new)
+    build_seconds = time.perf_counter() - started
+    before = of_schedule(schedule, costs, label=schedule.name)
+    rebuilt = of_schedule(new, costs, label=schedule.name)
+    split = rebuilt if rebuilt.makespan < before.makespan else before
+    return RebuildReport(costs, before, rebuilt, Decision(split, (), split), build_seconds)
+
+
+def _per_stage(costs: StageCosts, num_stages: int) -> tuple[tuple[float, ...], ...]:
+    """``costs`` recut to ``num_stages`` as the sliced generator takes them: (F, B, W)."""
+    costs = costs.for_stages(num_stages)
+    return costs.forward, costs.backward, costs.weight

@@ -14,6 +14,8 @@ behind the other half's compute; the simulator charges such a pair ``max(compute
   warm-up forward, then each steady-state forward runs with the backward before it.
 * :func:`improve_pairs`: adds pairs of neighbouring independent actions (F&B, and Chimera's
   F&F in the warm-up and B&B in the cool-down) while they help under the costs.
+* :func:`pair_weights`: with a split backward, moves a W next to a lone F or B and pairs them
+  (the W computes while the lone action's all-to-all is in flight) while that helps.
 * :func:`with_overlap`: what the flag does to a built schedule (the registry calls it): the
   fastest of these candidates under the costs, within DualPipe's D + 1 activations per rank.
 
@@ -41,6 +43,8 @@ from megatron_chimera.schedules.walk import run_in_order, stalled
 FLAG = "--overlap-moe-expert-parallel-comm"
 # DeepSeek-V3's regime: per stage F:B:W = 1:1:1 and every direction's all-to-all = the forward
 DEFAULT_EP_COSTS = StageCosts.uniform(1.0, 1.0, 1.0, 1, all_to_all=1.0)
+# with_overlap: candidate orders at most this much slower than the fastest also get W pairs
+WEIGHT_PAIRING_SLACK = 0.05
 
 
 def ep_costs(costs: StageCosts | Sequence[float] | None, num_ranks: int,
@@ -140,15 +144,15 @@ def _with_weights(actions: list[list[Action]], pairs: list[list[int]]
 
 
 def pair_adjacent(schedule: Schedule, mixed_only: bool = True) -> Schedule:
-    """``schedule`` with every pair of neighbouring independent actions (scanning each rank's
-    list from the front, a pair's actions taken once) marked as a paired action; only an F
-    with a B when ``mixed_only``."""
+    """``schedule`` with every pair of neighbouring independent F or B actions (scanning each
+    rank's list from the front, a pair's actions taken once) marked as a paired action; only an
+    F with a B when ``mixed_only`` (W pairs: :func:`pair_weights`)."""
     pairs = []
     for actions in schedule.actions:
         mine, i = [], 0
         while i < len(actions) - 1:
             a, b = actions[i], actions[i + 1]
-            if (independent(a, b, schedule.sequence_slices) is None
+            if (_pairable(a, b, schedule.sequence_slices)
                     and (a.kind != b.kind or not mixed_only)):
                 mine.append(i)
                 i += 2
@@ -156,6 +160,13 @@ def pair_adjacent(schedule: Schedule, mixed_only: bool = True) -> Schedule:
                 i += 1
         pairs.append(mine)
     return replace(schedule, pairs=pairs)
+
+
+def _pairable(a: Action, b: Action, sequence_slices: int) -> bool:
+    """Whether ``a`` and ``b`` are two F or B actions that may run as a pair (W pairs are
+    proposed only by :func:`pair_weights`)."""
+    return (WEIGHT not in (a.kind, b.kind)
+            and independent(a, b, sequence_slices) is None)
 
 
 def extra_warmup_pairs(schedule: Schedule) -> Schedule:
@@ -183,8 +194,8 @@ def _score(schedule: Schedule, costs: StageCosts) -> tuple[float, float] | None:
 
 
 def improve_pairs(schedule: Schedule, costs: StageCosts) -> Schedule:
-    """Add pairs of neighbouring independent actions one at a time (ranks in order, each list
-    from the front), keeping each that leaves the lists deadlock free and makes the iteration
+    """Add pairs of neighbouring independent F or B actions one at a time (ranks in order, each
+    list from the front), keeping each that leaves the lists deadlock free and makes the iteration
     no slower and its exposed all-to-all smaller under ``costs``: a pair waits for both inputs,
     so a pair can also delay a pipe or close a cycle."""
     best = _score(schedule, costs)
@@ -195,8 +206,8 @@ def improve_pairs(schedule: Schedule, costs: StageCosts) -> Schedule:
         i = 0
         while i < len(actions) - 1:
             taken = set(pairs[rank]) | {j + 1 for j in pairs[rank]}
-            if i in taken or i + 1 in taken or independent(actions[i], actions[i + 1],
-                                                               schedule.sequence_slices):
+            if i in taken or i + 1 in taken or not _pairable(actions[i], actions[i + 1],
+                                                                 schedule.sequence_slices):
                 i += 1
                 continue
             trial = sorted(pairs[rank] + [i])
@@ -210,6 +221,86 @@ def improve_pairs(schedule: Schedule, costs: StageCosts) -> Schedule:
     return replace(schedule, pairs=pairs)
 
 
+def _steps(actions: Sequence[Action], starts: Sequence[int]) -> list[tuple[Action, ...]]:
+    """A rank's list as its steps: a paired action's two halves, or one action."""
+    paired, out, i = set(starts), [], 0
+    while i < len(actions):
+        width = 2 if i in paired else 1
+        out.append(tuple(actions[i:i + width]))
+        i += width
+    return out
+
+
+def _flatten(steps: Sequence[tuple[Action, ...]]) -> tuple[list[Action], list[int]]:
+    """Inverse of :func:`_steps`: the list and its pair starts."""
+    actions: list[Action] = []
+    starts: list[int] = []
+    for step in steps:
+        if len(step) == 2:
+            starts.append(len(actions))
+        actions += step
+    return actions, starts
+
+
+def pair_weights(schedule: Schedule, costs: StageCosts, limit: float,
+                 tries: int = 4) -> Schedule:
+    """With a split backward: pair lone F and B actions with a W (the rank computes the W while
+    the lone action's all-to-all is in flight: ``max(C + C_W, A)``, the W for free when
+    C + C_W <= A). For each rank in order and each of its lone F or B from the front, the lone
+    Ws of that rank whose B ran before it, of other micro-batches (:func:`~.actions.independent`),
+    are tried nearest first (at most ``tries``): the W moves next to it and the two become a
+    pair, kept when the lists stay deadlock free, every rank's live activations within
+    ``limit`` (a W moved later keeps its activation longer) and the iteration no slower with
+    less exposed all-to-all under ``costs``. Repeated until nothing more is kept. Chimera-ZB's
+    warm-up and cool-down lone actions take the Ws its zero-bubble order deferred."""
+    if not schedule.split_backward:
+        return schedule
+    best = _score(schedule, costs)
+    if best is None:
+        raise ValueError(f"{FLAG}: {schedule.describe()} deadlocks before pairing")
+    lists = [list(a) for a in schedule.actions]
+    pairs = [list(p) for p in (schedule.pairs or [[] for _ in range(schedule.num_ranks)])]
+    changed = True
+    while changed:
+        changed = False
+        for rank in range(schedule.num_ranks):
+            steps = _steps(lists[rank], pairs[rank])
+            k = 0
+            while k < len(steps):
+                lone = steps[k][0]
+                if len(steps[k]) == 2 or lone.kind == WEIGHT:
+                    k += 1
+                    continue
+                backward_step = {a[1:]: q for q, step in enumerate(steps) for a in step
+                                 if a.kind == BACKWARD}
+                weights = sorted((q for q, step in enumerate(steps)
+                                  if len(step) == 1 and step[0].kind == WEIGHT
+                                  and backward_step[step[0][1:]] < k
+                                  and independent(lone, step[0],
+                                                  schedule.sequence_slices) is None),
+                                 key=lambda q: abs(q - k))
+                for q in weights[:tries]:
+                    trial_steps = steps[:q] + steps[q + 1:]
+                    at = k - 1 if q < k else k
+                    trial_steps[at] = (lone, steps[q][0])
+                    trial_list, trial_pairs = _flatten(trial_steps)
+                    trial = replace(schedule, actions=lists[:rank] + [trial_list]
+                                    + lists[rank + 1:],
+                                    pairs=pairs[:rank] + [trial_pairs] + pairs[rank + 1:])
+                    if max(peak_activations(trial)) > limit + 1e-9:
+                        continue
+                    score = _score(trial, costs)
+                    if (score is not None and score[0] <= best[0] + 1e-9
+                            and score[1] < best[1] - 1e-9):
+                        best, steps = score, trial_steps
+                        lists[rank], pairs[rank] = trial_list, trial_pairs
+                        changed = True
+                        k = at
+                        break
+                k += 1
+    return replace(schedule, actions=lists, pairs=pairs)
+
+
 def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None = None,
                  megatron: bool = False, activation_limit: float | None = None) -> Schedule:
     """``schedule`` with paired actions (what ``--overlap-moe-expert-parallel-comm`` does):
@@ -217,7 +308,9 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
     :data:`DEFAULT_EP_COSTS`) among its own order (unpaired, and with neighbouring F&B
     paired) and either, with ``megatron`` (1F1B, interleaved, ZB-H1), Megatron's extra-warm-up
     pairing of its own order (:func:`extra_warmup_pairs`) or else the slot order of its
-    placement (:func:`slot_order`, DualPipe's shape), each improved by :func:`improve_pairs`.
+    placement (:func:`slot_order`, DualPipe's shape), each improved by :func:`improve_pairs`;
+    with a split backward those within :data:`WEIGHT_PAIRING_SLACK` of the fastest also with
+    W pairs (:func:`pair_weights`, after improve_pairs and before it).
     A candidate may hold at most max(the schedule's own peak, D + 1) live activations per rank
     (L/D-layer units; D + 1 is DualPipe's), so the overlap never costs more memory than
     DualPipe; ``activation_limit`` (the user's cap) replaces that bound. Never slower than the
@@ -236,13 +329,26 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
     # memory: no more live activations than the schedule's own peak or DualPipe's D + 1
     limit = max(max(peak_activations(schedule)), schedule.num_ranks + 1
                 if activation_limit is None else activation_limit)
-    scored = []
+    orders, scored = [], []
     for candidate in candidates:
         if (max(peak_activations(candidate)) > limit + 1e-9
                 or _score(candidate, costs) is None):
             continue
-        candidate = improve_pairs(candidate, costs)
-        scored.append((_score(candidate, costs), len(scored), candidate))
+        improved = improve_pairs(candidate, costs)
+        scored.append((_score(improved, costs), len(scored), improved))
+        orders.append(candidate)
+    if schedule.split_backward:
+        # W pairs on the orders within WEIGHT_PAIRING_SLACK of the fastest (pair_weights
+        # simulates once per lone action, and a slow order has many): after improve_pairs,
+        # or before it (a lone action then takes a W before improve_pairs pairs it with
+        # another lone action)
+        fastest = min(scored)[0][0]
+        for (makespan, _), i, improved in list(scored):
+            if makespan > fastest * (1 + WEIGHT_PAIRING_SLACK):
+                continue
+            for candidate in (pair_weights(improved, costs, limit),
+                              improve_pairs(pair_weights(orders[i], costs, limit), costs)):
+                scored.append((_score(candidate, costs), len(scored), candidate))
     best = min(scored)[2]
     validate(best)
     return replace(best, meta=dict(schedule.meta, overlap_moe_expert_parallel_comm=True))

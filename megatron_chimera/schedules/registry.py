@@ -182,8 +182,8 @@ def _as_given(options: Any, num_ranks: int, num_microbatches: int) -> Any:
 
 
 def _same_for_n_equal_d(options: Any, num_ranks: int, num_microbatches: int) -> Any:
-    """Chimera's concatenation only matters for N > D: one variant (no concat) when N = D."""
-    if num_microbatches == num_ranks:
+    """Chimera's concatenation only matters for N > D: one variant (no concat) when N <= D."""
+    if num_microbatches <= num_ranks:
         return replace(options, concat=None)
     return options
 

@@ -16,13 +16,15 @@ all-reduce starts when every replica has reached it and costs Rabenseifner's
 
 MoE all-to-all (``CostModel.all_to_all_cost``, A_s per stage and direction): an unpaired F or B
 of stage s pays its compute C plus A_s, exposed (nothing overlaps it). A paired action
-(:attr:`~.actions.Schedule.pairs`: F of stage s, B of stage t, independent micro-batches) starts
-when the rank is free and *both* inputs are there, pays the action overhead once and lasts
+(:attr:`~.actions.Schedule.pairs`: halves x of stage s and y of stage t, independent
+micro-batches, e.g. an F and a B) starts when the rank is free and *both* inputs are there, pays
+the action overhead once and lasts
 
-    T_pair = max(C_F(s) + C_B(t), A_s + A_t)
+    T_pair = max(C_x(s) + C_y(t), A_x(s) + A_y(t))
 
-(each half's dispatch and combine run while the other half computes, perfect overlap); both
-outputs leave at its end. Its exposed all-to-all is ``max(0, A_s + A_t - C_F(s) - C_B(t))``.
+(each half's dispatch and combine run while the other half computes, perfect overlap; a W
+carries no all-to-all, so a W beside a lone F or B lasts ``max(C_x + C_W, A_x)``); both outputs
+leave at its end. Its exposed all-to-all is ``max(0, A_x + A_y - C_x - C_y)``.
 ``SimResult.exposed_all_to_all`` sums, per rank, what its unpaired actions and pairs expose.
 
 That is perfect overlap: the limit of many MoE layers per stage when neither half alone needs

@@ -113,11 +113,11 @@ def _ready_time(a: Action, num_stages: int, slices: int, end: dict[Action, float
 
 
 class _Costs(NamedTuple):
-    """Seconds of each kind of action by slice index."""
+    """Seconds of each kind of action by stage, then slice index."""
 
-    forward: Sequence[float]
-    backward: Sequence[float]  # the input-gradient part with a split backward
-    weight: Sequence[float]
+    forward: Sequence[Sequence[float]]
+    backward: Sequence[Sequence[float]]  # the input-gradient part with a split backward
+    weight: Sequence[Sequence[float]]
 
 
 def _list_orders(placement: list[list[int]], units_per_pipe: int, slices: int, costs: _Costs,
@@ -171,7 +171,7 @@ def _list_orders(placement: list[list[int]], units_per_pipe: int, slices: int, c
                 continue
             pending[rank].remove(a)
             orders[rank].append(a)
-            end[a] = free[rank] = t + duration[a.kind][a.microbatch % slices]
+            end[a] = free[rank] = t + duration[a.kind][a.stage][a.microbatch % slices]
             if a.kind == FORWARD:
                 live[rank] += 1
             elif a.kind == release:
@@ -188,13 +188,18 @@ def _list_orders(placement: list[list[int]], units_per_pipe: int, slices: int, c
 
 def sliced_schedule(name: str, num_ranks: int, num_sequences: int, slices: int,
                     attention_fraction: float = 0.0, backward_ratio: float = 1.0,
-                    weight_fraction: float = 0.5, cap: int | None = None) -> Schedule:
+                    weight_fraction: float = 0.5, cap: int | None = None,
+                    stage_costs: tuple[Sequence[float], Sequence[float], Sequence[float]]
+                    | None = None) -> Schedule:
     """``name`` ``"1f1b"`` / ``"zb-h1"`` (one pipe) or ``"chimera"`` / ``"chimera-zb"`` (two
     pipes) over ``num_ranks`` ranks with ``num_sequences`` sequences per iteration, each cut into
     ``slices`` slices; the orders are built for forward cost ``slice_work``, backward
     ``backward_ratio`` times it, of which ``weight_fraction`` is the W of the split-backward
     schedules (``zb-h1``, ``chimera-zb``). ``cap``: live slice activations per rank (default
-    ``num_ranks x slices``: at most the unsliced schedules' D micro-batches of activations)."""
+    ``num_ranks x slices``: at most the unsliced schedules' D micro-batches of activations).
+    ``stage_costs`` (measured: the profile-guided rebuild, ``StageCosts``' forward, backward,
+    weight) replaces the ratios: per stage the F, B (input gradient) and W of a whole sequence,
+    slice j charged ``slice_work[j]`` of them (as the simulator does)."""
     if slices < 1 or num_sequences < 1 or num_ranks < 1:
         raise ValueError("--pipeline-sequence-slices, the sequences and the ranks must be >= 1")
     if name not in SLICED_SCHEDULES:
@@ -209,13 +214,22 @@ def sliced_schedule(name: str, num_ranks: int, num_sequences: int, slices: int,
     else:
         placement = [list(range(num_ranks))]
     work = slice_work(slices, attention_fraction)
-    backward = [backward_ratio * w for w in work]
-    weight = [weight_fraction * b if split else 0.0 for b in backward]
-    costs = _Costs(work, [b - w for b, w in zip(backward, weight)], weight)
+    if stage_costs is None:
+        stage_costs = ((1.0,) * num_ranks, (backward_ratio * (1 - weight_fraction),) * num_ranks,
+                       (backward_ratio * weight_fraction,) * num_ranks)
+    forward, backward, weight = stage_costs
+    if not len(forward) == len(backward) == len(weight) == num_ranks:
+        raise ValueError(f"sliced schedule: stage costs for {num_ranks} stages, got "
+                         f"{len(forward)}, {len(backward)}, {len(weight)}")
+    w_of = weight if split else (0.0,) * num_ranks
+    b_of = backward if split else tuple(b + w for b, w in zip(backward, weight))
+    costs = _Costs(*([[c * w for w in work] for c in per_stage]
+                     for per_stage in (forward, b_of, w_of)))
     units = num_sequences * slices
     orders = _list_orders(placement, units // len(placement), slices, costs,
                           cap or num_ranks * slices, split)
     return Schedule(name=f"{name}-sliced", num_ranks=num_ranks, num_stages=num_ranks,
                     num_pipes=len(placement), num_microbatches=units, placement=placement,
-                    actions=orders, split_backward=split, meta={"slice_work": work},
+                    actions=orders, split_backward=split,
+                    meta={"slice_work": work, "attention_fraction": attention_fraction},
                     sequence_slices=slices)

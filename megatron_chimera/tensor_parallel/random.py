@@ -12,14 +12,17 @@ on a machine with CUDA, the current device's, so the same code runs on both.
 
 The tracker is process state like Megatron's (one per process, reset by every seeding).
 :func:`checkpoint` is activation checkpointing that also replays the tracker's streams, so a
-recomputed dropout draws the mask its forward drew.
+recomputed dropout draws the mask its forward drew. :func:`get_rng_states` /
+:func:`set_rng_states` save and restore all of the process's streams at once, and
+:func:`forked_rng_states` derives independent ones from them (the paired runtime gives each
+half of a pair its own, ``pipeline/overlap.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils.checkpoint
@@ -143,6 +146,52 @@ def restored_tracker_states(states: dict[str, RngState] | None) -> Iterator[None
         yield
     finally:
         _CUDA_RNG_STATE_TRACKER.set_states(current)
+
+
+class RngStates(NamedTuple):
+    """Every random stream of this process: the default generators' (CPU, and CUDA's current
+    device where CUDA is present) and the tracker's named states."""
+
+    default: RngState
+    tracker: dict[str, RngState]
+
+
+def get_rng_states() -> RngStates:
+    """A copy of every random stream of this process (:class:`RngStates`)."""
+    return RngStates(_current_state(), _CUDA_RNG_STATE_TRACKER.get_states())
+
+
+def set_rng_states(states: RngStates) -> None:
+    """Put every random stream of this process where ``states`` says (from
+    :func:`get_rng_states`)."""
+    _set_state(states.default)
+    _CUDA_RNG_STATE_TRACKER.set_states(states.tracker)
+
+
+_SEED_BOUND = 1 << 62
+
+
+def _forked(state: RngState) -> RngState:
+    """A new stream seeded from one number drawn from a *copy* of ``state`` (the stream
+    ``state`` describes is not advanced)."""
+    cpu, cuda = state
+    copy = torch.Generator()
+    copy.set_state(cpu)
+    seed = int(torch.randint(_SEED_BOUND, (1,), generator=copy))
+    forked_cpu = torch.Generator().manual_seed(seed).get_state()
+    forked_cuda = None
+    if cuda is not None and _cuda_active():
+        forked_cuda = torch.Generator(device="cuda").manual_seed(seed).get_state()
+    return forked_cpu, forked_cuda
+
+
+def forked_rng_states(states: RngStates) -> RngStates:
+    """Streams of their own, derived deterministically from ``states`` (each seeded from a
+    draw of a copy of its origin, so ``states`` themselves are untouched): for a second
+    sequence of work that must not reuse the first one's random numbers (the second half of
+    a paired F&B action, ``pipeline/overlap.py``)."""
+    return RngStates(_forked(states.default),
+                     {name: _forked(state) for name, state in states.tracker.items()})
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:

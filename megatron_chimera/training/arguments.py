@@ -271,10 +271,6 @@ def _profile_iterations(args: argparse.Namespace, schedule: str, global_batch: i
                 or args.rampup_batch_size is not None or sliced):
             return 0
         return max(0, min(DEFAULT_PROFILE_ITERATIONS, total - 1))
-    if given and sliced:
-        raise ConfigError("--profile-iterations does not rebuild a sliced order "
-                          "(--pipeline-sequence-slices > 1: it is built for the slices' "
-                          "attention work)")
     if given and schedule not in SPLIT_BACKWARD_SCHEDULES:
         raise ConfigError(f"--profile-iterations applies to split-backward schedules "
                           f"({', '.join(SPLIT_BACKWARD_SCHEDULES)}), not --pipeline-schedule "
@@ -289,8 +285,11 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
     params_dtype = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     use_apex = False if args.no_apex else None
     # The vocabulary is known only once the tokenizer is built (pretrain replaces it).
+    comm = args.cp_comm_type  # Megatron: one value (every layer) or one per layer
     return _pick(ModelConfig, args, params_dtype=params_dtype, use_apex=use_apex,
                  vocab_size=args.vocab_size or ModelConfig.vocab_size,
+                 cp_comm_type=comm if isinstance(comm, str) else
+                 comm[0] if len(comm) == 1 else tuple(comm),
                  moe=_pick(MoEConfig, args), **architecture_fields(args))
 
 

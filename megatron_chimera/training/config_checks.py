@@ -133,9 +133,6 @@ def _validate_sequence_slices(config: TrainConfig) -> None:
     if config.parallel.context_parallel_size > 1:
         raise ConfigError(f"{flag} does not run with --context-parallel-size > 1 yet (the "
                           "context-parallel kernels have no slice key/value cache)")
-    if model.recompute_granularity == "full":
-        raise ConfigError(f"{flag} does not run with --recompute-granularity full (a replayed "
-                          "forward would add its slice's keys/values to the cache twice)")
     if model.document_attention not in ("auto",):
         raise ConfigError(f"{flag} does not take --document-attention "
                           f"{model.document_attention}: the slice mask covers the documents")
@@ -276,26 +273,65 @@ def _validate_logging(logging: LoggingConfig) -> None:
                 raise ConfigError(f"{flag} requires --tensorboard-dir")
 
 
+def _cp_comm_types(model: ModelConfig) -> tuple[str, ...]:
+    """Every layer's --cp-comm-type after the checks: known types, one value or one per layer."""
+    given = (model.cp_comm_type,) if isinstance(model.cp_comm_type, str) else \
+        tuple(model.cp_comm_type)
+    for value in given:
+        if value not in COMM_TYPES:
+            raise ConfigError(f"--cp-comm-type must be one of {COMM_TYPES}, got {value!r}")
+    if len(given) not in (1, model.num_layers):
+        raise ConfigError(f"--cp-comm-type takes one value or one per layer (--num-layers "
+                          f"{model.num_layers}), got {len(given)}")
+    return tuple(model.layer_cp_comm_type(n + 1) for n in range(model.num_layers))
+
+
 def _validate_context_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     """--context-parallel-size and --cp-comm-type (the sequence rule is the layout's)."""
     cp = parallel.context_parallel_size
-    if model.cp_comm_type not in COMM_TYPES:
-        raise ConfigError(f"--cp-comm-type must be one of {COMM_TYPES}, got "
-                          f"{model.cp_comm_type!r}")
+    types = _cp_comm_types(model)
+    _validate_hierarchical_sizes(types, parallel)
     if cp == 1:
         return
     if model.hidden_dropout > 0 or model.attention_dropout > 0:
-        raise ConfigError("--context-parallel-size > 1 needs --hidden-dropout 0 and "
-                          "--attention-dropout 0 (each context rank holds other tokens, so "
-                          "dropout masks would differ from one process's)")
+        given = " and ".join(f"{name} {value:g}" for name, value in (
+            ("--hidden-dropout", model.hidden_dropout),
+            ("--attention-dropout", model.attention_dropout)) if value > 0)
+        raise ConfigError(f"--context-parallel-size > 1 needs --hidden-dropout 0 and "
+                          f"--attention-dropout 0, got {given} (a keyed dropout mask is drawn "
+                          "for a whole tensor of one process: a context rank's tokens cannot "
+                          "draw their part of it; docs/LONG_SEQUENCES.md)")
     if model.document_attention != "auto":
         raise ConfigError(f"--document-attention {model.document_attention} does not apply with "
                           "--context-parallel-size > 1: the --cp-comm-type kernel masks the "
                           "documents itself")
-    if model.cp_comm_type == "a2a":
-        layout = parallel.layout
+    layout = parallel.layout
+    if "a2a" in types:
         check_heads(layout.split(model.num_attention_heads, "--num-attention-heads"),
                     layout.split(model.query_groups, "--num-query-groups"), cp)
+    if "a2a+p2p" in types:
+        check_heads(layout.split(model.num_attention_heads, "--num-attention-heads"),
+                    layout.split(model.query_groups, "--num-query-groups"),
+                    parallel.hierarchical_context_parallel_sizes[0])
+
+
+def _validate_hierarchical_sizes(types: tuple[str, ...], parallel: ParallelConfig) -> None:
+    """--hierarchical-context-parallel-sizes A B: given exactly when a layer runs a2a+p2p, two
+    levels whose product is --context-parallel-size."""
+    sizes, cp = parallel.hierarchical_context_parallel_sizes, parallel.context_parallel_size
+    hierarchical = "a2a+p2p" in types and cp > 1
+    if sizes is None:
+        if hierarchical:
+            raise ConfigError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes "
+                              f"A B (A x B = --context-parallel-size {cp})")
+        return
+    if not hierarchical:
+        raise ConfigError("--hierarchical-context-parallel-sizes applies to --cp-comm-type "
+                          "a2a+p2p with --context-parallel-size > 1")
+    if len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+        raise ConfigError(f"--hierarchical-context-parallel-sizes takes two sizes A B (all-to-all "
+                          f"inside A adjacent ranks, a ring across B groups) with A x B = "
+                          f"--context-parallel-size {cp}, got {' '.join(map(str, sizes))}")
 
 
 def _validate_attention(model: ModelConfig, data: DataConfig) -> None:

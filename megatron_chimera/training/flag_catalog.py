@@ -124,8 +124,6 @@ REFUSED: dict[str, str] = {
     "--fp8-interval": _TE, "--fp8-amax-history-len": _TE, "--fp8-amax-compute-algo": _TE,
     "--fp8-format": _TE, "--transformer-impl": _TE, "--attention-backend": _TE,
     "--use-mcore-models": "one model implementation (Megatron's legacy module names)",
-    "--hierarchical-context-parallel-sizes": "hierarchical (a2a+p2p) context parallelism is not "
-                                             "implemented: one --cp-comm-type for every layer",
     "--moe-router-enable-expert-bias": "aux-loss-free expert-bias routing is not implemented "
                                        "(--moe-router-load-balancing-type balances instead)",
     "--moe-router-bias-update-rate": "aux-loss-free expert-bias routing is not implemented",

@@ -132,6 +132,7 @@ def initialize_megatron(config: ParallelConfig, schedule: Schedule, seed: int,
         timeout=timedelta(minutes=config.distributed_timeout_minutes),
         context_parallel_size=config.context_parallel_size,
         expert_model_parallel_size=config.expert_model_parallel_size, expert_groups=experts,
+        hierarchical_context_parallel_sizes=config.hierarchical_context_parallel_sizes,
     )
     parallel_state.connect_communicators(device)
     set_random_seed(seed)

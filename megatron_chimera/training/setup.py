@@ -17,15 +17,13 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
-from megatron_chimera.checkpoint.checkpointing import (
+from megatron_chimera.checkpoint.checkpointing import StageSlice, get_rng_state, read_tracker
+from megatron_chimera.checkpoint.host_memory import PeakHostMemory
+from megatron_chimera.checkpoint.loading import (
     CheckpointTarget,
-    StageSlice,
-    get_rng_state,
     load_checkpoint,
-    read_tracker,
     resolve_checkpoint_dir,
 )
-from megatron_chimera.checkpoint.host_memory import PeakHostMemory
 from megatron_chimera.checkpoint.saved_args import check_checkpoint_args
 from megatron_chimera.config import TrainConfig
 from megatron_chimera.distributed.data_parallel import build_data_parallel

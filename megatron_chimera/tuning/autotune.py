@@ -39,7 +39,8 @@ from megatron_chimera.schedules.registry import (
     get_spec,
 )
 from megatron_chimera.schedules.slices import SLICED_SCHEDULES
-from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 # the MoE overlap schedules (DualPipe, DualPipeV, combined 1F1B) only when asked for: the
 # performance model does not cost an all-to-all yet, where they would be worth their pairs

@@ -7,7 +7,7 @@ import shlex
 from megatron_chimera.model.flags import model_flags
 from megatron_chimera.model.stage_split import format_layout
 from megatron_chimera.tuning.analytic_costs import ModelSpec, partition_stages
-from megatron_chimera.tuning.perf_model import TrainingPlan
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 DATA_FLAGS = {
     "gpt2": ["--data-path", "$DATA_PATH", "--tokenizer-type", "GPT2BPETokenizer",

@@ -16,7 +16,8 @@ from megatron_chimera.schedules.chimera import CONCAT_NAMES
 from megatron_chimera.schedules.registry import get_spec
 from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
-from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 LAYERS_PER_RANK = 4  # enough for interleaved v = 2 and 4 in the emulated model
 

@@ -16,6 +16,17 @@ sustains: clocks under load, instruction issue; 0.8), ``memory_efficiency`` (the
 HBM bandwidth a streaming kernel reaches, STREAM-like; 0.85) and ``kernel_overhead_s`` (the gap
 between two back-to-back kernels on the device, 2 us).
 
+The communication backend is part of the profile (``collective_backend``): ``nccl`` moves device
+memory directly over the links (the links' bandwidth is what a message or an all-reduce gets);
+``gloo`` with CUDA tensors is host-staged, as the Chimera paper's runtime ran (its README: "We use
+GLOO as the distributed backend"): every all-reduce buffer is copied device -> host into pinned
+memory, reduced by gloo's ring on the CPU over TCP, and copied back (PyTorch's ProcessGroupGloo),
+and every pipeline message is copied to the host, sent over TCP and copied to the receiving
+device. Such a profile gives the device <-> host copy bandwidth (``host_copy_gbps``, PCIe) and
+the bandwidth gloo's host path reaches per rank (``host_transport_gbps``: TCP stack, one
+connection per peer, CPU reduction; measured). :meth:`HardwareProfile.message_link` and
+:meth:`HardwareProfile.collective_link` turn a link into what a message or an all-reduce sees.
+
 JSON schema (``load_hardware_profile(path)``; also ``--hardware PATH``)::
 
     {
@@ -31,7 +42,10 @@ JSON schema (``load_hardware_profile(path)``; also ``--hardware PATH``)::
       "memory_efficiency": 0.85,        # optional: fraction of hbm_bandwidth_gbps reached
       "num_sms": 108,                   # optional: 0 = no tile / wave quantisation
       "kernel_overhead_s": 2e-6,        # optional: device gap per kernel
-      "action_overhead_s": 0.0          # optional: host seconds per pipeline action
+      "action_overhead_s": 0.0,         # optional: host seconds per pipeline action
+      "collective_backend": "nccl",     # optional: nccl (device-direct) | gloo (host-staged)
+      "host_copy_gbps": 0.0,            # gloo: device <-> host copy GB/s per direction (PCIe)
+      "host_transport_gbps": 0.0        # gloo: GB/s per rank of gloo's host path (TCP, CPU)
     }
 
 Unknown keys are rejected (``half_efficiency_tokens`` of the old tokens-per-rank curve included:
@@ -49,6 +63,7 @@ from megatron_chimera.config import ConfigError
 
 GB = 1e9
 GIB = 2**30
+BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,10 @@ class HardwareProfile:
     memory_efficiency: float = 0.85  # fraction of the HBM bandwidth a streaming kernel reaches
     num_sms: int = 0  # streaming multiprocessors; 0: no tile / wave quantisation
     kernel_overhead_s: float = 0.0  # device time between two back-to-back kernels
+    # how messages and collectives move (module doc): nccl (device-direct) or gloo (host-staged)
+    collective_backend: str = "nccl"
+    host_copy_gbps: float = 0.0  # gloo: device <-> host copy GB/s per direction
+    host_transport_gbps: float = 0.0  # gloo: GB/s per rank of the host path (TCP, CPU reduction)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.efficiency <= 1.0:
@@ -98,6 +117,47 @@ class HardwareProfile:
                self.action_overhead_s) < 0:
             raise ConfigError("--hardware: hbm_bandwidth_gbps, num_sms, kernel_overhead_s and "
                               "action_overhead_s must be >= 0")
+        if self.collective_backend not in BACKENDS:
+            raise ConfigError(f"--hardware: collective_backend must be one of {BACKENDS}, got "
+                              f"{self.collective_backend!r}")
+        if self.host_staged and min(self.host_copy_gbps, self.host_transport_gbps) <= 0:
+            raise ConfigError("--hardware: collective_backend 'gloo' needs host_copy_gbps and "
+                              "host_transport_gbps > 0 (its messages and all-reduces cross the "
+                              "host)")
+
+    @property
+    def host_staged(self) -> bool:
+        """Whether messages and collectives go through host memory (``gloo``)."""
+        return self.collective_backend == "gloo"
+
+    def describe_backend(self) -> str:
+        """One line: how this profile's messages and collectives move."""
+        if not self.host_staged:
+            return f"{self.collective_backend} (device-direct over the links)"
+        return (f"gloo (host-staged: device <-> host copies at {self.host_copy_gbps:.2f} GB/s "
+                f"each way, gloo's host path at {self.host_transport_gbps:.2f} GB/s per rank)")
+
+    def message_link(self, link: LinkProfile) -> LinkProfile:
+        """What one point-to-point message over ``link`` sees. Host-staged (gloo): a copy to the
+        host, the send at the slower of the link and gloo's host path, a copy to the receiving
+        device, one after the other: ``1/B = 1/min(link, transport) + 2/copy``."""
+        if not self.host_staged:
+            return link
+        per_byte = 1.0 / min(link.bandwidth_gbps, self.host_transport_gbps) \
+            + 2.0 / self.host_copy_gbps
+        return LinkProfile(link.alpha_s, 1.0 / per_byte)
+
+    def collective_link(self, link: LinkProfile, ranks: int) -> LinkProfile:
+        """The link whose Rabenseifner cost ``2 log2(r) alpha + 2 (r-1)/r n beta`` is the
+        all-reduce of ``n`` bytes over ``ranks`` ranks on this backend. Host-staged (gloo): the
+        ring runs at the slower of the link and gloo's host path, and the whole buffer is copied
+        to the host and back (``2 n / copy``, whatever r), folded into beta exactly."""
+        if not self.host_staged or ranks < 2:
+            return link
+        share = 2.0 * (ranks - 1) / ranks
+        per_byte = 1.0 / min(link.bandwidth_gbps, self.host_transport_gbps) \
+            + 2.0 / (share * self.host_copy_gbps)
+        return LinkProfile(link.alpha_s, 1.0 / per_byte)
 
     def peak_flops(self, params_dtype: str) -> float:
         """Data-sheet dense matmul FLOP/s in ``params_dtype`` (fp32, or 16-bit tensor cores)."""
@@ -146,6 +206,27 @@ KERNEL_GAP_S = 2e-6
 # [P100] NVIDIA Tesla P100 PCIe data sheet (16 GB): 9.3 TFLOP/s fp32, 18.7 TFLOP/s fp16,
 #        732 GB/s HBM2, 56 SMs; Piz Daint XC50 (CSCS): one P100 per node on the Cray Aries
 #        network, about 10 GB/s injection bandwidth per node (Chimera paper, Sec. 5).
+# [P100-PCIe] Microway, "NVIDIA Tesla P100 PCI-E 16GB GPU Accelerator (Pascal GP100) Up Close":
+#        CUDA bandwidthTest --memory=pinned on a Tesla P100-PCIE-16GB (PCIe 3.0 x16), 32 MB:
+#        host -> device 11,688 MB/s, device -> host 12,886 MB/s. A round trip of n bytes takes
+#        n/11.688 + n/12.886 GB/s, i.e. 2n at their harmonic mean (12.26 GB/s).
+# [gloo-tcp] pytorch/gloo issue #248 (2020): gloo's allreduce_ring_chunked over its TCP transport
+#        between two Xeon E5-2620 v4 hosts (40 GbE, 5 GB/s line rate), one connection per peer:
+#        5,000,000 fp32 (20 MB) in 17,251 us (p50), 1.16 GB/s, "the avg bandwidth doesn't go up"
+#        with more elements -- the host path (TCP stack, one connection per peer, CPU
+#        reduction), not the NIC, is the limit. Each rank sends 2 (r-1)/r n = n bytes at r = 2,
+#        so 1.16 GB/s is also the ring's per-rank bandwidth.
+# [PG-gloo] PyTorch's ProcessGroupGloo (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp,
+#        AsyncAllreduceCUDAWork): a CUDA all-reduce copies its tensors to pinned host memory,
+#        runs gloo's all-reduce on the host tensors and copies the result back; the ring is
+#        its default algorithm (PyTorch PR #9309) over one connection per peer and interface
+#        (PR #22978).
+# [Chimera-code] The paper's reference code (github.com/Shigangli/Chimera): "We use GLOO as the
+#        distributed backend"; its jobs set NCCL_SOCKET_IFNAME=ipogif0 (TCP/IP over the Aries
+#        NIC); its pipeline messages are sent as tensor.cpu() over gloo and moved back with
+#        .cuda(); its gradients are all-reduced with gloo on CUDA tensors (host-staged).
+#        Piz Daint's XC50 nodes hold a 12-core Xeon E5-2690 v3 (Haswell, 2.6 GHz), of the class
+#        of the [gloo-tcp] hosts.
 # Latencies (alpha): NCCL / MPI small-message latencies of a few microseconds, orders of magnitude.
 _NVLINK3 = LinkProfile(alpha_s=5e-6, bandwidth_gbps=300.0)  # [A100]
 _NVLINK4 = LinkProfile(alpha_s=5e-6, bandwidth_gbps=450.0)  # [H100], [H200]
@@ -160,10 +241,23 @@ def _a100(name: str, memory_gb: float, hbm_gbps: float) -> HardwareProfile:
                            kernel_overhead_s=KERNEL_GAP_S)
 
 
+_P100_HOST_COPY_GBPS = 2.0 / (1.0 / 11.688 + 1.0 / 12.886)  # [P100-PCIe]
+_GLOO_TCP_GBPS = 5_000_000 * 4 / 17_251e-6 / GB  # [gloo-tcp]: 1.16 GB/s
+
+
+def _p100(name: str, backend: str = "nccl") -> HardwareProfile:
+    staged = backend == "gloo"
+    return HardwareProfile(name, 9.3, 18.7, GEMM_EFFICIENCY, 16.0, 1, _ARIES, _ARIES,
+                           hbm_bandwidth_gbps=732.0, num_sms=56, kernel_overhead_s=KERNEL_GAP_S,
+                           collective_backend=backend,
+                           host_copy_gbps=_P100_HOST_COPY_GBPS if staged else 0.0,
+                           host_transport_gbps=_GLOO_TCP_GBPS if staged else 0.0)
+
+
 PRESETS: dict[str, HardwareProfile] = {
-    "p100": HardwareProfile("p100", 9.3, 18.7, GEMM_EFFICIENCY, 16.0, 1, _ARIES, _ARIES,
-                            hbm_bandwidth_gbps=732.0, num_sms=56,
-                            kernel_overhead_s=KERNEL_GAP_S),
+    "p100": _p100("p100"),
+    # Piz Daint as the Chimera paper ran it: gloo over TCP on the Aries NIC [Chimera-code]
+    "p100-gloo": _p100("p100-gloo", "gloo"),
     "a100": _a100("a100", 80.0, 2039.0),  # the 80 GB SXM of Selene
     "a100-80gb": _a100("a100-80gb", 80.0, 2039.0),
     "a100-40gb": _a100("a100-40gb", 40.0, 1555.0),
@@ -176,7 +270,8 @@ PRESETS: dict[str, HardwareProfile] = {
 }
 
 OPTIONAL_KEYS = ("name", "action_overhead_s", "hbm_bandwidth_gbps", "memory_efficiency",
-                 "num_sms", "kernel_overhead_s")
+                 "num_sms", "kernel_overhead_s", "collective_backend", "host_copy_gbps",
+                 "host_transport_gbps")
 
 
 def _profile_from_dict(data: dict, source: str) -> HardwareProfile:

@@ -21,6 +21,8 @@ as is the all-gather of Megatron's scatter/gather of pipeline messages; the weig
 (W) has none. Gradient buckets, optimizer state and activations are per tensor-parallel rank;
 messages between stages shrink to ``1/T`` (sequence parallelism or scatter/gather).
 Recomputation is ``full`` or ``selective`` (``TrainingPlan.recompute_granularity``).
+Every message and collective goes through the profile's backend: device-direct (NCCL) or, with
+gloo, host-staged (``HardwareProfile.message_link`` / ``collective_link``).
 """
 
 from __future__ import annotations
@@ -28,16 +30,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.model.memory import bytes_per_parameter
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Schedule
 from megatron_chimera.schedules.costs import StageCosts
-from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
 from megatron_chimera.schedules.simulate import CostModel, SimResult, simulate
-from megatron_chimera.schedules.slices import sliced_schedule
 from megatron_chimera.tuning.analytic_costs import (
     ModelSpec,
     StagePiece,
@@ -66,113 +66,7 @@ from megatron_chimera.tuning.rank_memory import (
     slice_cache_bytes,
     sliced_rank_memory,
 )
-
-
-@dataclass(frozen=True)
-class TrainingPlan:
-    """One point of the search: schedule and its typed options (the registry's), D, W, B, N,
-    recomputation, the partition method, the tensor-parallel size T and sequence parallelism."""
-
-    schedule: str  # --pipeline-schedule
-    D: int  # pipeline stages (ranks per pipeline)
-    W: int  # data-parallel width
-    B: int  # micro-batch size
-    N: int  # micro-batches per pipeline per iteration
-    recompute: bool = False
-    options: Any = None  # the schedule's options dataclass (None: its defaults)
-    partition: str = "uniform"  # --partition-method: uniform | parameters
-    T: int = 1  # --tensor-model-parallel-size
-    sequence_parallel: bool = False  # --sequence-parallel (with T > 1)
-    # --use-distributed-optimizer (with --overlap-param-gather): optimizer state sharded over
-    # each stage-replica group, gradients reduce-scattered, parameters all-gathered
-    distributed_optimizer: bool = False
-    # with ``recompute``: --recompute-granularity full (the whole layer) or selective (the
-    # attention core)
-    recompute_granularity: str = "full"
-    CP: int = 1  # --context-parallel-size (ring attention, --cp-comm-type p2p)
-    slices: int = 1  # --pipeline-sequence-slices k (N sequences run as N k units)
-
-    def __post_init__(self) -> None:
-        if self.options is None:
-            object.__setattr__(self, "options", self.spec.options_type())
-        if self.recompute_granularity not in ("full", "selective"):
-            raise ConfigError(f"--recompute-granularity must be 'full' or 'selective', got "
-                              f"{self.recompute_granularity!r}")
-
-    @property
-    def recompute_mode(self) -> str | None:
-        """None, ``full`` or ``selective``."""
-        return self.recompute_granularity if self.recompute else None
-
-    @classmethod
-    def of(cls, schedule: str, D: int, W: int, B: int, N: int, recompute: bool = False,
-           partition: str = "uniform", T: int = 1, sequence_parallel: bool = False,
-           distributed_optimizer: bool = False, recompute_granularity: str = "full",
-           **options: Any) -> TrainingPlan:
-        """A layout with the schedule's options given as keywords (``pipes=4, concat=...``)."""
-        return cls(schedule, D, W, B, N, recompute, get_spec(schedule).options_type(**options),
-                   partition, T, sequence_parallel, distributed_optimizer,
-                   recompute_granularity)
-
-    @property
-    def num_gpus(self) -> int:
-        """Ranks of the layout: T x CP x W x D."""
-        return self.T * self.CP * self.W * self.D
-
-    @property
-    def spec(self) -> ScheduleSpec:
-        """The registry's spec of the schedule."""
-        return get_spec(self.schedule)
-
-    @property
-    def pipes(self) -> int:
-        """Pipes of the schedule (2f for Chimera, 2 for BitPipe, else 1)."""
-        return self.spec.pipes(self.options)
-
-    @property
-    def virtual(self) -> int:
-        """Model chunks per rank and pipe (interleaved: v; V-shaped: 2), else 1."""
-        return self.spec.stages_per_rank(self.options)
-
-    @property
-    def global_batch_size(self) -> int:
-        """Samples per iteration: B x N x W."""
-        return self.B * self.N * self.W
-
-    @property
-    def num_stages(self) -> int:
-        """Model stages: D, or D x v for the interleaved and V-shaped schedules."""
-        return self.D * self.virtual
-
-    def build_schedule(self, attention_fraction: float = 0.0) -> Schedule:
-        """The layout's schedule (ValueError if it cannot run at these sizes); with slices the
-        sliced order, built for ``attention_fraction`` of the work in attention."""
-        if self.slices > 1:
-            if self.options != self.spec.options_type():
-                raise ValueError("--pipeline-sequence-slices takes the schedule's default "
-                                 "options only")
-            return sliced_schedule(self.schedule, self.D, self.N, self.slices,
-                                   attention_fraction=attention_fraction)
-        return self.spec.build(self.D, self.N, self.options)
-
-    @property
-    def label(self) -> str:
-        """Schedule label ``name[/variant][@partition]``: ``chimera/direct``, ``interleaved/v2``,
-        ``1f1b@parameters`` (layers balanced by parameters instead of uniform)."""
-        name = self.spec.label(self.options)
-        return name if self.partition == "uniform" else f"{name}@{self.partition}"
-
-    def describe(self) -> str:
-        """Compact one-line description for tables."""
-        pipes = f" pipes={self.pipes}" if self.pipes > 1 else ""
-        tensor = f" T={self.T}" if self.T > 1 else ""
-        sp = " sequence-parallel" if self.sequence_parallel and self.T > 1 else ""
-        tensor += f" CP={self.CP}" if self.CP > 1 else ""
-        tensor += f" k={self.slices}" if self.slices > 1 else ""
-        return (f"{self.label}{pipes}{tensor} D={self.D} W={self.W} B={self.B} N={self.N}"
-                f"{' recompute' if self.recompute else ''}"
-                f"{'-selective' if self.recompute_mode == 'selective' else ''}{sp}"
-                f"{' dist-opt' if self.distributed_optimizer else ''}")
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 
 @dataclass(frozen=True)
@@ -376,8 +270,8 @@ class PerformanceModel:
     def context_parallel_link(self, layout: TrainingPlan) -> LinkProfile:
         """The link of the ring of one sequence's CP ranks (intra-node when T x CP ranks fit
         in a node: Megatron's rank order puts them next to each other)."""
-        return self.p2p_link or self.hardware.link_for(
-            [self._global_rank(layout, 0, 0, c) for c in range(layout.CP)])
+        return self.p2p_link or self.hardware.message_link(self.hardware.link_for(
+            [self._global_rank(layout, 0, 0, c) for c in range(layout.CP)]))
 
     def ring_seconds(self, layout: TrainingPlan, piece: StagePiece) -> tuple[float, float]:
         """(forward, backward) seconds of ring attention's traffic for one micro-batch through
@@ -395,8 +289,9 @@ class PerformanceModel:
                 steps * (link.alpha_s + 2 * link.beta_s_per_byte * block))
 
     def tensor_parallel_link(self, layout: TrainingPlan) -> LinkProfile:
-        """The link of a tensor-parallel group (T consecutive global ranks)."""
-        return self.hardware.link_for(range(layout.T))
+        """The link of a tensor-parallel group (T consecutive global ranks), as the backend's
+        collectives over T ranks see it (host-staged with gloo)."""
+        return self.hardware.collective_link(self.hardware.link_for(range(layout.T)), layout.T)
 
     def stage_times(self, layout: TrainingPlan, piece: StagePiece) -> StageTimes:
         """One micro-batch (a whole sequence; the simulator gives each slice its share) through
@@ -453,12 +348,14 @@ class PerformanceModel:
                     edges.update({(a, b), (b, a)})
         result = []
         for a, b in sorted(edges):
-            link = self.p2p_link or self.hardware.link_for(
-                (self._global_rank(layout, a), self._global_rank(layout, b)))
+            link = self.p2p_link or self.hardware.message_link(self.hardware.link_for(
+                (self._global_rank(layout, a), self._global_rank(layout, b))))
             result.append((a, b, link.alpha_s, link.beta_s_per_byte))
         return tuple(result)
 
     def _allreduce_link(self, layout: TrainingPlan, schedule: Schedule) -> LinkProfile:
+        """The link of the stage-replica all-reduces (over ``2f W CP`` replicas) as the backend
+        sees it (host-staged with gloo: ``HardwareProfile.collective_link``)."""
         if self.p2p_link is not None:
             return self.p2p_link
         groups = [
@@ -468,7 +365,8 @@ class PerformanceModel:
             for stage in range(schedule.num_stages)
         ]
         spans = any(self.hardware.link_for(g) is self.hardware.inter_node for g in groups)
-        return self.hardware.inter_node if spans else self.hardware.intra_node
+        link = self.hardware.inter_node if spans else self.hardware.intra_node
+        return self.hardware.collective_link(link, len(groups[0]) if groups else 1)
 
     def cost_model(self, layout: TrainingPlan) -> CostModel:
         """The simulator's cost model for ``layout`` (seconds and bytes)."""

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.hardware import HardwareProfile
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 MEGATRON_SOURCE = ("Narayanan et al., SC'21 (arXiv 2104.04473), Table 1: A100 80 GB on Selene, "
                    "fp16, s = 2048, V = 51200, full recomputation, interleaved schedule")

@@ -249,10 +249,9 @@ def _ep_run(ep: int, root_in: str | None, first_step: int, save: dict[int, list[
     from megatron_chimera.checkpoint.checkpointing import (
         CheckpointContents,
         CheckpointError,
-        CheckpointTarget,
-        load_checkpoint,
         save_checkpoint,
     )
+    from megatron_chimera.checkpoint.loading import CheckpointTarget, load_checkpoint
     from megatron_chimera.schedules import build_schedule
     tp = _tp()
     case = moe_training_case("chimera", 2, ep, 4, sharded=True).tp

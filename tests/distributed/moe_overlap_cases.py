@@ -25,7 +25,7 @@ from megatron_chimera.pipeline.executor import (
 from megatron_chimera.pipeline.overlap import run_pair, set_current_action
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
-from megatron_chimera.schedules.actions import FORWARD, Action
+from megatron_chimera.schedules.actions import FORWARD, WEIGHT, Action
 
 SEQ, MICRO_BATCH, HIDDEN = 4, 2, 4
 COSTS = EmulatedCosts(0.002, 0.002)  # forward, whole backward: seconds per stage
@@ -104,16 +104,28 @@ def _interleaved(labels: list[str]) -> bool:
 
 
 def run_overlap_equivalence(rank: int, world_size: int) -> None:
-    """Chimera D=2 x W=2 with EP=2 on emulated MoE stages (all-to-all = compute): the paired
-    runtime with overlap gives the losses of one process (<= 1e-6 relative: the same math, one
-    summation order per micro-batch), the gradients of the unpaired schedule (<= 1e-6: the
-    micro-batches accumulate in another order) and exactly those of the same paired schedule
-    run one half after the other; every rank of an EP group issued the same all-to-alls in the
-    same order, and the halves' all-to-alls did interleave."""
-    d, n, steps = 2, 4, 2
-    plain_losses, plain_grads, _ = _run("chimera", d, n, steps, overlap=False)
-    losses, grads, issued = _run("chimera", d, n, steps, overlap=True)
-    seq_losses, seq_grads, seq_issued = _run("chimera", d, n, steps, overlap=True,
+    """Chimera and Chimera-ZB D=2 x W=2 with EP=2 on emulated MoE stages (all-to-all =
+    compute): the paired runtime with overlap gives the losses of one process (<= 1e-6
+    relative: the same math, one summation order per micro-batch), the gradients of the
+    unpaired schedule (<= 1e-6: the micro-batches accumulate in another order) and exactly
+    those of the same paired schedule run one half after the other; every rank of an EP group
+    issued the same all-to-alls in the same order, and the halves' all-to-alls did interleave.
+    Chimera-ZB's paired order also pairs Ws with lone Fs and Bs (the W computes while the
+    other half's all-to-all is in flight)."""
+    d, n = 2, 4
+    zb = build_schedule("chimera-zb", d, n, overlap_moe_expert_parallel_comm=True)
+    assert any(WEIGHT in (zb.actions[r][i].kind, zb.actions[r][i + 1].kind)
+               for r, starts in enumerate(zb.pairs) for i in starts)
+    for name in ("chimera", "chimera-zb"):
+        _check_equivalence(rank, name, d, n)
+
+
+def _check_equivalence(rank: int, name: str, d: int, n: int) -> None:
+    """:func:`run_overlap_equivalence` for one schedule."""
+    steps = 2
+    plain_losses, plain_grads, _ = _run(name, d, n, steps, overlap=False)
+    losses, grads, issued = _run(name, d, n, steps, overlap=True)
+    seq_losses, seq_grads, seq_issued = _run(name, d, n, steps, overlap=True,
                                              overlap_pairs=False)
     assert losses == seq_losses
     for key, grad in grads.items():

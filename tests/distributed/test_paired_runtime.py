@@ -45,3 +45,13 @@ def test_mismatched_all_to_all_order_is_caught():
     from .moe_overlap_cases import run_order_mismatch
 
     spawn_world(run_order_mismatch, 2, timeout_s=50)
+
+
+@pytest.mark.timeout(150)
+def test_overlapped_pairs_on_real_moe_stages():
+    """Chimera D=2 x W=2, EP=2, a tiny GPT with real MoE layers (alltoall dispatcher): overlap
+    on = overlap off (bitwise) = one process, the real all-to-alls interleave in one order on
+    every EP rank; with dropout and full recomputation overlap on = off (moe_paired_cases)."""
+    from .moe_paired_cases import run_real_moe_overlap
+
+    spawn_world(run_real_moe_overlap, 4, timeout_s=130)

@@ -211,3 +211,12 @@ def test_nccl_semantics_report_a_sync_waiting_on_a_collective():
     errors = "\n".join(o.error for o in outcomes)
     assert "NCCL-semantics deadlock: rank 0 syncs the device before" in errors, errors[-2000:]
     assert "to issue collective #" in errors and "of its group [0, 1]" in errors
+
+
+@pytest.mark.timeout(150)
+def test_chimera_with_fewer_microbatches_than_stages_equals_one_process():
+    """Chimera at N = 2 < D = 4 (one micro-batch per pipe: the partial basic unit, e.g. two long
+    sequences per iteration) trains 3 steps through the executor as one process does."""
+    from .tp_cases import TPCase, run_tp_cases
+
+    spawn_world(run_tp_cases, 4, [TPCase("gpt2", "chimera", 1, 4, 2)], timeout_s=140)

@@ -19,3 +19,16 @@ def test_sliced_pipelines_equal_one_process():
         TPCase("gpt2", "chimera", 1, 2, 2, slices=2, model=LLAMA_MODEL, reset_positions=True),
         TPCase("gpt2", "chimera-zb", 1, 2, 2, slices=4),
     ], timeout_s=190)
+
+
+FULL_RECOMPUTE = (("recompute_granularity", "full"), ("recompute_method", "uniform"),
+                  ("recompute_num_layers", 1))
+
+
+@pytest.mark.timeout(120)
+def test_sliced_chimera_with_full_recomputation_equals_one_process():
+    """--recompute-granularity full with slices: every slice's forward is replayed in its
+    backward on the keys/values it cached (model/sequence_slices.py); training equals one
+    process on the whole sequences."""
+    spawn_world(run_sliced_cases, 2, [
+        TPCase("gpt2", "chimera", 1, 2, 2, slices=4, model=FULL_RECOMPUTE)], timeout_s=110)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_chimera.checkpoint.checkpointing import checkpoint_dir, read_tracker
-from megatron_chimera.checkpoint.dcp_io import CHECKSUMS, read_metadata
+from megatron_chimera.checkpoint.safe_reader import CHECKSUMS, read_metadata
 from megatron_chimera.checkpoint.sharded import read_full_tensors
 
 from .checkpoint_cases import run_async_save_killed, run_disk_full, run_sharded_io

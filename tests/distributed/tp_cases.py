@@ -24,21 +24,25 @@ import pretrain_gpt2
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
-    CheckpointTarget,
     StageSlice,
     checkpoint_dir,
     global_name,
-    load_checkpoint,
     read_tracker,
     save_checkpoint,
     stage_named_parameters,
 )
+from megatron_chimera.checkpoint.loading import CheckpointTarget, load_checkpoint
 from megatron_chimera.config import DDPConfig, ModelConfig, OptimizerConfig
 from megatron_chimera.distributed.data_parallel import build_data_parallel
 from megatron_chimera.distributed.grad_sync import assert_replicas_identical
 from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.optimizer import get_data_parallel_optimizer, get_megatron_optimizer
-from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
+from megatron_chimera.pipeline.executor import (
+    ExecutorPolicy,
+    Gradients,
+    PipelineExecutor,
+    StageWork,
+)
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.validate import validate
@@ -203,9 +207,14 @@ def _assert_tensor_parallel_copies_equal(modules: dict[int, torch.nn.Module]) ->
                 raise AssertionError(f"stage {stage} {name}: tensor-parallel copies differ")
 
 
+DEFAULT_POLICY = ExecutorPolicy()
+
+
 def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = False,
-              optimizer_config: OptimizerConfig = OPTIMIZER):
-    """This rank's stage modules, optimizer and executor (groups already created)."""
+              optimizer_config: OptimizerConfig = OPTIMIZER,
+              policy: ExecutorPolicy = DEFAULT_POLICY):
+    """This rank's stage modules, optimizer and executor (groups already created; ``policy``:
+    the executor's)."""
     entry = FAMILIES[case.family]
     prank = parallel_state.get_pipeline_model_parallel_rank()
     partition = partition_layers(config.num_layers, schedule.num_stages)
@@ -228,7 +237,7 @@ def build_run(case: TPCase, config: ModelConfig, schedule, recompute: bool = Fal
                   torch.float32, recompute=recompute),
         Gradients(loss_scale_divisor=case.num_microbatches
                   * parallel_state.get_data_parallel_world_size(),
-                  grad_sync=grad_sync, scale_loss=optimizer.scale_loss))
+                  grad_sync=grad_sync, scale_loss=optimizer.scale_loss), policy=policy)
     return modules, optimizer, executor, partition
 
 

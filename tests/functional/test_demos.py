@@ -97,7 +97,8 @@ def test_demo_performance_predictions_equal_the_simulator(capsys):
     printed = dict(re.findall(r"^(\S+(?: \S+)*)\s{2,}(\d+\.\d+)\s", out, re.M))
     from megatron_chimera.tuning.analytic_costs import ModelSpec
     from megatron_chimera.tuning.hardware import load_hardware
-    from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
+    from megatron_chimera.tuning.perf_model import PerformanceModel
+    from megatron_chimera.tuning.training_plan import TrainingPlan
 
     config = demo.make_model("gpt2-small")[1]
     model = PerformanceModel(ModelSpec(config, "gpt2"), load_hardware("a100"))

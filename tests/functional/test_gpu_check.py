@@ -22,7 +22,8 @@ ROOT = REPO_ROOT
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     """Every step runs (the CUDA-only audit reports SKIP), each records one result, the report
-    and the hardware profile are written, and the profile loads as ``--hardware FILE``."""
+    and the hardware profile are written, and the profile loads as ``--hardware FILE``; the MoE
+    layer's grouped GEMM equals its loop and the serial ring equals SDPA (bf16, tiny shapes)."""
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(out), PYTHON=sys.executable)
     env.pop("PYTHONPATH", None)  # the script sets it: a bare checkout needs nothing installed
@@ -35,15 +36,28 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "results.jsonl"]  # at most 8 files come back from a lent machine
     results = json.loads((out / "gpu_check.json").read_text())
     assert list(results) == ["env", "layer_mfu", "training", "sync_audit", "recompute",
-                             "resume", "memory", "hardware"]
+                             "resume", "memory", "hardware", "slices_cpu", "moe_experts",
+                             "ring_attention"]
     statuses = {name: r["status"] for name, r in results.items()}
+    # moe_experts: INFO where this torch's CPU build has no grouped GEMM (loop only)
+    grouped = results["moe_experts"]["grouped_gemm_runs"]
     assert statuses == {"env": "INFO", "layer_mfu": "INFO", "training": "PASS",
                         "sync_audit": "SKIP", "recompute": "PASS", "resume": "PASS",
-                        "memory": "PASS", "hardware": "INFO"}, results
+                        "memory": "PASS", "hardware": "INFO", "slices_cpu": "INFO",
+                        "moe_experts": "PASS" if grouped else "INFO",
+                        "ring_attention": "PASS"}, results
+    assert [r["gemm"] for r in results["moe_experts"]["rows"]] == (
+        ["grouped", "loop"] if grouped else ["loop"])
+    assert [r["what"] for r in results["ring_attention"]["rows"]][1:] == ["ring CP=2",
+                                                                          "ring CP=4"]
     assert results["env"]["torch"] and set(results["env"]["sdpa"].values()) <= {
         "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"}, results["env"]
     assert [r["shape"] for r in results["layer_mfu"]["rows"]] == ["gpt tiny", "llama tiny"]
     assert "bitwise equal" in results["resume"]["summary"]
+    slices = results["slices_cpu"]  # the benchmark ran both rows under torch.distributed.run
+    assert [r["row"] for r in slices["rows"]] == [
+        "chimera, unsliced", "chimera, --pipeline-sequence-slices 4"] and slices["ratio"] > 0
+    assert slices["simulated_ratio"] == 0.625  # sliced_schedule vs chimera(4, 2) at B = 2F
     profile = load_hardware(str(out / "hardware_profile.json"))
     assert profile.name == "cpu-dry-run" and profile.hbm_bandwidth_gbps > 0
     assert profile.memory_efficiency == 1.0 and profile.kernel_overhead_s > 0

@@ -294,7 +294,7 @@ def test_a_run_is_a_small_typed_record_and_load_mirrors_save():
     import dataclasses
     import inspect
 
-    from megatron_chimera.checkpoint.checkpointing import load_checkpoint
+    from megatron_chimera.checkpoint.loading import load_checkpoint
     from megatron_chimera.training.setup import Run
 
     fields = dataclasses.fields(Run)

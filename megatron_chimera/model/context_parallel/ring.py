@@ -10,6 +10,8 @@ needs no mask.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 import torch
 import torch.distributed as dist
 
@@ -62,11 +64,78 @@ def _block_grads(query, key, value, grad_out, lse, delta, tokens: ContextTokens,
             grad_value[..., kh, :] += dv
 
 
-def _grouped(query, key, value, dtype):
+def grouped_heads(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[b, heads, s, d]`` queries and ``[b, groups, s, d]`` keys/values in ``dtype``, as the
+    blocks take them: ``[b, groups, heads / groups, s, d]`` and ``[b, groups, 1, s, d]``."""
     b, heads, s, d = query.shape
     groups = key.shape[1]
     return (query.to(dtype).reshape(b, groups, heads // groups, s, d),
             key.to(dtype)[:, :, None], value.to(dtype)[:, :, None])
+
+
+def rank_forward(query: torch.Tensor, tokens: ContextTokens, scale: float,
+                 blocks: Iterable[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's side of the ring's forward: its grouped queries against each ``(source rank,
+    stacked key/value block)`` that ``blocks`` yields, merged by log-sum-exp. Returns the
+    output (grouped, compute dtype) and its log-sum-exp."""
+    outs, lses = [None] * PARTS, [None] * PARTS
+    for source, block in blocks:
+        _attend_block(query, block[0], block[1], tokens, source, scale, outs, lses)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def rank_backward(query: torch.Tensor, grad_out: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, tokens: ContextTokens, scale: float,
+                  blocks: Iterable[tuple[int, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One rank's side of the ring's backward (grouped, compute dtype; ``out``, ``lse``: the
+    final forward results): for each ``(source rank, key/value block, its dK/dV accumulator)``
+    that ``blocks`` yields, add the block's contributions to the accumulator; returns dQ."""
+    delta = (grad_out * out).sum(-1)
+    grad_query = torch.zeros_like(query)
+    for source, block, grads in blocks:
+        _block_grads(query, block[0], block[1], grad_out, lse, delta, tokens, source, scale,
+                     grad_query, grads[0], grads[1])
+    return grad_query
+
+
+def _ring_blocks(block: torch.Tensor, tokens: ContextTokens, group: dist.ProcessGroup | None,
+                 after_step: Callable[[], None] | None = None
+                 ) -> Iterator[tuple[int, torch.Tensor]]:
+    """The ring seen from one rank: its own block, then each previous rank's, the next one in
+    flight while the caller computes on the current one; ``after_step`` runs once the next
+    block has arrived (after the last step too)."""
+    size = tokens.size
+    ring = RingShift(group) if size > 1 else None
+    for step in range(size):
+        if step < size - 1:
+            ring.start(block)
+        yield (tokens.rank - step) % size, block
+        if step < size - 1:
+            block = ring.wait()
+        if after_step is not None:
+            after_step()
+
+
+class _RingGrads:
+    """The backward's ring: yields ``(source, block, dK/dV accumulator)``, the accumulator
+    following its block one step behind; :attr:`grads` holds this rank's own block's dK/dV once
+    the iteration is over (home after ``size`` steps)."""
+
+    def __init__(self, block: torch.Tensor, tokens: ContextTokens,
+                 group: dist.ProcessGroup | None) -> None:
+        self.block, self.tokens, self.group = block, tokens, group
+        self.grads = torch.zeros_like(block)
+
+    def _shift(self) -> None:
+        ring = RingShift(self.group)
+        ring.start(self.grads)
+        self.grads = ring.wait()
+
+    def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        shift = self._shift if self.tokens.size > 1 else None
+        for source, block in _ring_blocks(self.block, self.tokens, self.group, shift):
+            yield source, block, self.grads
 
 
 class RingAttention(torch.autograd.Function):
@@ -74,21 +143,10 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, tokens, group, scale):
-        dtype = compute_dtype(query.dtype)
-        q, k, v = _grouped(query, key, value, dtype)
-        size = tokens.size
-        ring = RingShift(group) if size > 1 else None
-        outs, lses = [None] * PARTS, [None] * PARTS
-        block = torch.stack([k, v])
-        for step in range(size):
-            if step < size - 1:
-                ring.start(block)
-            source = (tokens.rank - step) % size
-            _attend_block(q, block[0], block[1], tokens, source, scale, outs, lses)
-            if step < size - 1:
-                block = ring.wait()
-        out = torch.cat(outs, dim=-2).reshape(query.shape).to(query.dtype)
-        lse = torch.cat(lses, dim=-1)
+        q, k, v = grouped_heads(query, key, value, compute_dtype(query.dtype))
+        out, lse = rank_forward(q, tokens, scale, _ring_blocks(torch.stack([k, v]), tokens,
+                                                               group))
+        out = out.reshape(query.shape).to(query.dtype)
         # saved in the inputs' precision (16-bit inputs: as FlashAttention, lse in float32)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.tokens, ctx.group, ctx.scale = tokens, group, scale
@@ -97,26 +155,12 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, out, lse = ctx.saved_tensors
-        tokens, scale, size = ctx.tokens, ctx.scale, ctx.tokens.size
-        q, k, v = _grouped(query, key, value, lse.dtype)
-        grad_out = grad_output.to(q.dtype).reshape(q.shape)
-        delta = (grad_out * out.to(q.dtype).reshape(q.shape)).sum(-1)
-        grad_query = torch.zeros_like(q)
-        ring = RingShift(ctx.group) if size > 1 else None
-        block = torch.stack([k, v])
-        grads = torch.zeros_like(block)
-        for step in range(size):
-            if step < size - 1:
-                ring.start(block)
-            source = (tokens.rank - step) % size
-            _block_grads(q, block[0], block[1], grad_out, lse, delta, tokens, source, scale,
-                         grad_query, grads[0], grads[1])
-            if step < size - 1:
-                block = ring.wait()
-            if size > 1:  # dK/dV follow their block (one step behind it); home after `size`
-                ring_grads = RingShift(ctx.group)
-                ring_grads.start(grads)
-                grads = ring_grads.wait()
+        q, k, v = grouped_heads(query, key, value, lse.dtype)
+        ring = _RingGrads(torch.stack([k, v]), ctx.tokens, ctx.group)
+        grad_query = rank_backward(q, grad_output.to(q.dtype).reshape(q.shape),
+                                   out.to(q.dtype).reshape(q.shape), lse, ctx.tokens,
+                                   ctx.scale, ring)
+        grads = ring.grads
         dq = grad_query.reshape(query.shape).to(query.dtype)
         return (dq, grads[0][:, :, 0].to(key.dtype), grads[1][:, :, 0].to(value.dtype),
                 None, None, None)

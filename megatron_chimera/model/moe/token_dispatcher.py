@@ -12,7 +12,10 @@ The experts are split over the expert-parallel (EP) group: rank r holds experts
 - ``alltoall``: each rank sends every routed token once per chosen expert to the rank holding the
   expert (one all-to-all of the per-expert counts, one of the tokens), regroups the received rows
   from (source rank, local expert) to (local expert, source rank) order, and the combine reverses
-  both steps. The backward of an all-to-all is the all-to-all with the splits swapped.
+  both steps. The backward of an all-to-all is the all-to-all with the splits swapped. Every
+  one of these collectives (counts, tokens, outputs, gradients) runs through
+  :func:`~.expert_comm.expert_all_to_all`: issued asynchronously, then waited for -- at once,
+  or inside a paired F&B action after the other half has computed (``pipeline/overlap.py``).
 - ``allgather``: every rank gathers the tokens, probabilities and routing maps of the whole EP
   group, runs its experts on the rows routed to them, and a reduce-scatter sums the outputs back
   to the rank that owns each token (its backward is the all-gather, and the reverse).
@@ -26,23 +29,29 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera.config import MOE_TOKEN_DISPATCHERS, ConfigError
+from megatron_chimera.model.moe.expert_comm import expert_all_to_all
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; the backward swaps the splits."""
+    """``all_to_all_single`` with uneven splits, run through :func:`expert_all_to_all` (a
+    paired F&B action overlaps it with the other half's compute); the backward is the
+    all-to-all with the splits swapped, run the same way (``name`` + ``.bwd``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup,  # noqa: D102
-                output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
-        ctx.group, ctx.splits = group, (output_splits, input_splits)
+                output_splits: list[int], input_splits: list[int], name: str) -> torch.Tensor:
+        ctx.group, ctx.splits, ctx.name = group, (output_splits, input_splits), name
         out = x.new_empty(sum(output_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        x = x.contiguous()
+        expert_all_to_all(name, lambda: dist.all_to_all_single(
+            out, x, output_splits, input_splits, group=group, async_op=True))
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         output_splits, input_splits = ctx.splits
-        return _AllToAll.apply(grad, ctx.group, input_splits, output_splits), None, None, None
+        return (_AllToAll.apply(grad, ctx.group, input_splits, output_splits,
+                                f"{ctx.name}.bwd"), None, None, None, None)
 
 
 class _GatherFromGroup(torch.autograd.Function):
@@ -143,19 +152,22 @@ class TokenDispatcher:
             out = unpermute(expert_output, state.token_index, state.probs, state.num_tokens)
             return _ReduceScatterToGroup.apply(out, self.group)
         rows = self._regroup(expert_output, state.recv_counts, by_expert=False)
-        rows = _AllToAll.apply(rows, self.group, state.send_splits, state.recv_splits)
+        rows = _AllToAll.apply(rows, self.group, state.send_splits, state.recv_splits,
+                               "combine")
         return unpermute(rows, state.token_index, state.probs, state.num_tokens)
 
     # ------------------------------------------------------------------ alltoall
     def _dispatch_alltoall(self, tokens: torch.Tensor, probs: torch.Tensor,
                            routing_map: torch.Tensor) -> Dispatched:
         rows, index, row_probs, per_expert = permute(tokens, probs, routing_map)
-        counts = torch.empty_like(per_expert)
-        dist.all_to_all_single(counts, per_expert, group=self.group)  # [source][local expert]
+        counts = torch.empty_like(per_expert)  # [source rank][local expert]
+        # a collective like the tokens': in a pair it is one more step of the baton's order
+        expert_all_to_all("dispatch.counts", lambda: dist.all_to_all_single(
+            counts, per_expert, group=self.group, async_op=True))
         recv_counts = counts.view(self.ep_size, self.num_local).tolist()
         send_splits = per_expert.view(self.ep_size, self.num_local).sum(dim=1).tolist()
         recv_splits = [sum(c) for c in recv_counts]
-        received = _AllToAll.apply(rows, self.group, recv_splits, send_splits)
+        received = _AllToAll.apply(rows, self.group, recv_splits, send_splits, "dispatch")
         grouped = self._regroup(received, recv_counts, by_expert=True)
         per_local = [sum(c[e] for c in recv_counts) for e in range(self.num_local)]
         return Dispatched(grouped, per_local, index, row_probs, tokens.shape[0], send_splits,

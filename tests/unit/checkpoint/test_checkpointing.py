@@ -15,13 +15,12 @@ from megatron_chimera.checkpoint.checkpointing import (
     TRACKER_FILENAME,
     CheckpointContents,
     CheckpointError,
-    CheckpointTarget,
     StageSlice,
     checkpoint_dir,
-    load_checkpoint,
     read_tracker,
     save_checkpoint,
 )
+from megatron_chimera.checkpoint.loading import CheckpointTarget, load_checkpoint
 from megatron_chimera.config import ModelConfig, OptimizerConfig
 from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.optimizer import OptimizerParamScheduler, get_megatron_optimizer
@@ -235,7 +234,7 @@ def test_torch_dist_truncated_chunk_is_named(tmp_path):
 def test_torch_dist_metadata_never_runs_a_pickle(tmp_path):
     import pickle
 
-    from megatron_chimera.checkpoint.dcp_io import METADATA_FILENAME
+    from megatron_chimera.checkpoint.safe_reader import METADATA_FILENAME
 
     stages, opt, sched = build([(0, 4)])
     save_whole(tmp_path, 1, stages, opt, sched)
@@ -254,7 +253,7 @@ def test_torch_dist_metadata_never_runs_a_pickle(tmp_path):
 
 
 def test_torch_dist_bit_rot_is_refused_in_one_line_naming_file_tensor_and_iteration(tmp_path):
-    from megatron_chimera.checkpoint.dcp_io import read_metadata
+    from megatron_chimera.checkpoint.safe_reader import read_metadata
 
     stages, opt, sched = build([(0, 4)])
     save_whole(tmp_path, 2, stages, opt, sched)

@@ -20,14 +20,13 @@ from torch.futures import Future
 from megatron_chimera.checkpoint import dcp_io
 from megatron_chimera.checkpoint.dcp_io import (
     CHECKSUMS,
-    RAW,
     ChunkSavePlanner,
     SaveChunk,
     failure_message,
     load_chunks,
-    read_metadata,
     save_chunks,
 )
+from megatron_chimera.checkpoint.safe_reader import RAW, read_metadata
 from megatron_chimera.checkpoint.torch_archive import MAX_BLOCKS, BlockChecksums
 
 

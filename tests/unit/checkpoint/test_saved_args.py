@@ -9,11 +9,10 @@ import pytest
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
     CheckpointError,
-    CheckpointTarget,
     StageSlice,
-    load_checkpoint,
     save_checkpoint,
 )
+from megatron_chimera.checkpoint.loading import CheckpointTarget, load_checkpoint
 from megatron_chimera.checkpoint.saved_args import (
     CheckpointArgsError,
     check_checkpoint_args,

@@ -16,11 +16,10 @@ import torch.nn.functional as F
 
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
-    CheckpointTarget,
     StageSlice,
-    load_checkpoint,
     save_checkpoint,
 )
+from megatron_chimera.checkpoint.loading import CheckpointTarget, load_checkpoint
 from megatron_chimera.checkpoint.saved_args import check_model_matches_checkpoint
 from megatron_chimera.config import (
     CheckpointConfig,

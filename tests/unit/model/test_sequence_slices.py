@@ -4,6 +4,8 @@ slice order does not (the rule the sliced schedules keep)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -81,3 +83,27 @@ def test_a_backward_out_of_slice_order_misses_the_cached_gradient():
     got = _grads(model)
     name = "language_model.encoder.layers.0.self_attention.query_key_value.weight"
     assert not torch.allclose(got[name], want[name], rtol=1e-3)
+
+
+@pytest.mark.parametrize("method,layers", [("uniform", 2), ("block", 3)])
+def test_full_recomputation_replays_a_slice_on_its_cached_keys_values(method, layers):
+    """--recompute-granularity full: each slice's forward runs without a graph and is replayed in
+    its backward, which reuses the keys/values it cached (and the gradient the later slices left
+    on them): loss and gradients equal the whole sequence without recomputation."""
+    config = small_config(seq_length=SEQ, **LLAMA)
+    batch = _batch(True)
+    model = GPTModel(config, seed=3)
+    whole = _whole(model, *batch)
+    whole.backward()
+    want = _grads(model)
+    recomputed = GPTModel(dataclasses.replace(
+        config, recompute_granularity="full", recompute_method=method,
+        recompute_num_layers=layers), seed=3)
+    losses = _sliced_losses(recomputed, (0, 6, 14, 24), *batch)
+    for loss in reversed(losses):
+        loss.backward()
+    got = _grads(recomputed)
+    assert float(sum(losses).detach()) == pytest.approx(float(whole.detach()), rel=1e-6)
+    for name, g in want.items():
+        err = float((got[name] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+        assert err < 1e-5, f"{name}: {err:.1e}"

@@ -18,11 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
-    CheckpointTarget,
     StageSlice,
-    load_checkpoint,
     save_checkpoint,
 )
+from megatron_chimera.checkpoint.loading import CheckpointTarget, load_checkpoint
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.model.fused import FusedBackend
 from megatron_chimera.model.gpt2 import GPTModel

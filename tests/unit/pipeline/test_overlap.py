@@ -8,8 +8,15 @@ import threading
 import time
 
 import pytest
+import torch
 
-from megatron_chimera.pipeline.overlap import expert_all_to_all, leading_half, run_pair
+from megatron_chimera.pipeline.overlap import (
+    expert_all_to_all,
+    leading_half,
+    run_in_turn,
+    run_pair,
+)
+from megatron_chimera.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,6 +69,25 @@ def test_the_backward_leads_an_f_and_b_pair():
     assert leading_half(("F", "F")) == 0
 
 
+def test_a_weight_half_computes_while_the_other_half_communicates():
+    """A W (no all-to-all) beside an F: the F leads, issues its first all-to-all, the W
+    computes to its end meanwhile and hands the baton back for good; the F's later all-to-alls
+    are issued by the F alone, in its own order."""
+    assert leading_half(("W", "F")) == 1 and leading_half(("F", "W")) == 0
+    assert leading_half(("W", "B")) == 1 and leading_half(("B", "W")) == 0
+    for kinds, pieces in ((("W", "F"), {0: list("cc"), 1: list("caca")}),
+                          (("B", "W"), {0: list("acac"), 1: list("cc")})):
+        lead = leading_half(kinds)
+        events = _trace(pieces, lead, {0: 0.01, 1: 0.01})
+        weight = 1 - lead
+        first_a2a = next(i for i, e in enumerate(events) if e[1] == "a")
+        assert events[first_a2a][0] == str(lead)
+        # the W's compute runs right after the other half's first all-to-all is issued
+        assert events[first_a2a + 1:first_a2a + 3] == [f"{weight}c0", f"{weight}c1"]
+        assert sorted(events) == sorted(f"{h}{p}{k}" for h, ps in pieces.items()
+                                        for k, p in enumerate(ps))
+
+
 def test_an_error_in_one_half_is_raised_after_both_end():
     """A failing half hands the baton over; the other half still finishes; the error is
     raised on the calling thread."""
@@ -73,3 +99,81 @@ def test_an_error_in_one_half_is_raised_after_both_end():
     with pytest.raises(ValueError, match="boom"):
         run_pair((bad, lambda: done.append(1)), 0)
     assert done == [1]
+
+
+def _draw_alone() -> torch.Tensor:
+    with get_cuda_rng_tracker().fork():
+        tracked = torch.rand(2)
+    return torch.cat([torch.rand(4), tracked])
+
+
+def _drawing_halves(draws: dict[int, list[torch.Tensor]]):
+    """Two halves that draw from the default generator between all-to-alls (a dropout mask
+    per piece), recording their draws."""
+
+    def half(i: int):
+        def body() -> None:
+            for _ in range(3):
+                draws[i].append(_draw_alone())
+                expert_all_to_all(lambda: _Handle(0.0))
+            draws[i].append(_draw_alone())
+        return body
+
+    return half(0), half(1)
+
+
+@pytest.fixture
+def _fresh_tracker():
+    """The process's RNG tracker is emptied again after the test (it is process state)."""
+    yield
+    get_cuda_rng_tracker().reset()
+
+
+@pytest.mark.parametrize("lead", [0, 1])
+@pytest.mark.usefixtures("_fresh_tracker")
+def test_each_half_draws_from_its_own_random_stream(lead):
+    """Overlapped, the halves alternate after every draw (from the default generator and the
+    tensor-parallel tracker's); yet each half draws what it draws when the pair runs one half
+    after the other (run_in_turn), and the rank's streams go on alike after the pair: the first
+    half continues them, the second runs on a fork."""
+    runs = {}
+    for overlapped in (True, False):
+        model_parallel_cuda_manual_seed(5)
+        draws: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+        halves = _drawing_halves(draws)
+        if overlapped:
+            run_pair(halves, lead)
+        else:
+            run_in_turn(halves)
+        runs[overlapped] = draws, torch.rand(4)
+    (paired, after_paired), (in_turn, after_in_turn) = runs[True], runs[False]
+    for i in (0, 1):
+        assert all(torch.equal(x, y) for x, y in zip(paired[i], in_turn[i], strict=True))
+    assert torch.equal(after_paired, after_in_turn)
+    model_parallel_cuda_manual_seed(5)
+    alone = [_draw_alone() for _ in range(4)]
+    assert all(torch.equal(x, y) for x, y in zip(paired[0], alone, strict=True))
+    # the second half's streams are others (default and tracked parts alike)
+    assert not torch.equal(paired[0][0][:4], paired[1][0][:4])
+    assert not torch.equal(paired[0][0][4:], paired[1][0][4:])
+    assert torch.equal(after_paired, torch.rand(4))
+
+
+def test_the_model_all_to_all_runs_through_the_baton():
+    """The MoE layer's hook (model/moe/expert_comm) is the paired runtime's all-to-all once the
+    runtime is imported: in a pair its calls interleave with the other half's, labelled."""
+    from megatron_chimera.model.moe import expert_comm
+    from megatron_chimera.pipeline import overlap
+
+    def half(i: int):
+        def body() -> None:
+            for k in range(2):
+                expert_comm.expert_all_to_all(f"h{i}.{k}", lambda: _Handle(0.0))
+        return body
+
+    overlap.issued = []
+    try:
+        run_pair((half(0), half(1)), 1)
+        assert overlap.issued == ["-:h1.0", "-:h0.0", "-:h1.1", "-:h0.1"]
+    finally:
+        overlap.issued = None

@@ -191,7 +191,9 @@ def test_generalised_slot_formula_never_collides(D):
         ((8, 8, 6, None), "--chimera-pipes"),
         ((8, 8, 3, None), "--chimera-pipes"),
         ((8, 12, 2, None), "--num-microbatches"),
-        ((8, 4, 2, None), "--num-microbatches"),
+        ((8, 6, 4, None), "--num-microbatches"),
+        ((8, 3, 2, None), "--num-microbatches"),
+        ((8, 4, 2, "forward-doubling"), "--num-microbatches"),
         ((8, 8, 2, "forward-doubling"), "--num-microbatches"),
         ((8, 16, 4, "forward-doubling"), "--chimera-pipes"),
         ((8, 16, 2, "zigzag"), "--chimera-concat"),
@@ -241,3 +243,37 @@ def test_backward_halving_is_forward_doubling_on_half_size_microbatches():
     assert max(peak_inflight(sched)) * 0.5 <= 4  # D full-size activations
     with pytest.raises(ValueError, match="backward halving"):
         chimera_backward_halving(4, 6)
+
+
+@pytest.mark.parametrize("D,pipes", [(2, 2), (4, 2), (6, 2), (8, 2), (8, 4), (12, 6)])
+def test_fewer_microbatches_than_d_is_the_basic_unit_without_the_others(D, pipes):
+    """N < D (a multiple of the pipes): each rank's order is the basic unit's order with the
+    micro-batches beyond N/2f of every pipe removed (renumbered), valid, and its makespan at
+    F = B is the slot count 2D + 2N/2f - 2 (the unit's last backward at stage 0)."""
+    full = chimera(D, D, pipes=pipes)
+    for N in range(pipes, D, pipes):
+        sched = chimera(D, N, pipes=pipes)
+        validate(sched)
+        n, per_unit = N // pipes, D // pipes
+        expected = [[(a.kind, a.pipe, a.stage, a.pipe * n + a.microbatch % per_unit)
+                     for a in r if a.microbatch % per_unit < n] for r in full.actions]
+        assert _as_tuples(sched) == expected
+        assert sched.num_microbatches == N and sched.meta["concat"] == "none"
+        assert simulate(sched, F_EQ_B).makespan == pytest.approx(2 * D + 2 * n - 2)
+        assert chimera(D, N, pipes=pipes, concat="direct").actions == sched.actions
+
+
+def test_two_sequences_at_d4_beat_one_pipe_and_match_the_sliced_generator_at_k1():
+    """Unsliced Chimera at N = 2, D = 4 (one micro-batch per pipe) is a real schedule: at
+    B = 2F it is one pass of a micro-batch through D stages, 3D (the pipes run side by side and
+    never wait for each other), against 1F1B's 3(N + D - 1); the sliced generator's k = 1 order
+    costs the same."""
+    from megatron_chimera.schedules.one_f_one_b import one_f_one_b
+    from megatron_chimera.schedules.slices import sliced_schedule
+
+    sched = chimera(4, 2)
+    assert simulate(sched, B_2F).makespan == pytest.approx(3 * 4)  # one F+B pass per stage
+    assert simulate(one_f_one_b(4, 2), B_2F).makespan == pytest.approx(3 * (2 + 4 - 1))
+    assert simulate(sliced_schedule("chimera", 4, 2, 1), B_2F).makespan == pytest.approx(
+        simulate(sched, B_2F).makespan)
+    assert build_schedule("chimera", 4, 2).actions == sched.actions

@@ -40,6 +40,7 @@ CASES = [
     ("bitpipe-zb", 8, 16, {"activation_cap": 5}),
     ("dualpipe", 4, 8, {}), ("dualpipev", 4, 8, {}), ("combined-1f1b", 4, 8, {}),
     ("chimera", 4, 8, {"overlap_moe_expert_parallel_comm": True}),
+    ("chimera-zb", 4, 8, {"overlap_moe_expert_parallel_comm": True}),  # W pairs too
     ("interleaved", 4, 8, {"overlap_moe_expert_parallel_comm": True}),
 ]
 

@@ -88,3 +88,53 @@ def test_split_backward_fills_the_sliced_bubbles():
     zb = simulate(sliced_schedule("chimera-zb", 8, 4, 4), costs).bubble_ratio
     plain = simulate(sliced_schedule("chimera", 8, 4, 4), EQUAL).bubble_ratio
     assert zb < plain
+
+
+def test_uniform_stage_costs_give_the_ratio_built_order():
+    """``stage_costs`` uniform at F : B : W = 1 : 0.5 : 0.5 is the default order (the ratios)."""
+    for name in ("zb-h1", "chimera-zb"):
+        default = sliced_schedule(name, 4, 2, 4, attention_fraction=0.4)
+        measured = sliced_schedule(name, 4, 2, 4, attention_fraction=0.4,
+                                   stage_costs=((1.0,) * 4, (0.5,) * 4, (0.5,) * 4))
+        assert measured.actions == default.actions
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "chimera-zb"])
+def test_profile_rebuild_of_a_sliced_order_uses_the_measured_stage_costs(name):
+    """rebuild_for_costs on a sliced split-backward order: the sliced generator again, for the
+    measured per-stage costs (backward 3x the forward, W a tenth of it, where the running order
+    assumed 1 : 0.5 : 0.5): a valid sliced order with the same slices, never slower than the
+    running one under those costs; for these costs strictly faster (the simulator, which
+    charges each slice its work). For costs where the rebuilt order is slower the running one
+    is kept."""
+    from megatron_chimera.schedules.costs import StageCosts
+    from megatron_chimera.schedules.measured import rebuild_for_costs
+    from megatron_chimera.schedules.simulate import simulate
+
+    running = sliced_schedule(name, 4, 2, 4, attention_fraction=0.5)
+    costs = StageCosts.uniform(1.0, 2.7, 0.3, 4)
+    report = rebuild_for_costs(running, None, costs)
+    new = report.schedule
+    validate(new)
+    assert (new.sequence_slices, new.num_microbatches, new.placement, new.name) == (
+        4, running.num_microbatches, running.placement, running.name)
+    assert new.meta["slice_work"] == running.meta["slice_work"]
+    model = costs.cost_model(True)
+    assert simulate(new, model).makespan == pytest.approx(report.decision.chosen.makespan)
+    assert report.rebuilt.makespan < report.before.makespan, report.line()
+    assert report.changed and not report.decision.fell_back
+    if name == "chimera-zb":  # a heavy first stage: the greedy rebuild is slower here
+        kept = rebuild_for_costs(running, None, StageCosts((2.0, 1, 1, 1), (2.0, 1, 1, 1),
+                                                           (0.5,) * 4))
+        assert kept.rebuilt.makespan > kept.before.makespan and not kept.changed
+
+
+def test_stage_time_recorder_counts_slices_as_whole_sequences():
+    """A sliced order's slice times are divided by the slice's share of the work."""
+    from megatron_chimera.pipeline.profiling import StageTimeRecorder
+    from megatron_chimera.schedules.actions import Action
+
+    recorder = StageTimeRecorder([0.25, 0.75])
+    recorder(Action("F", 0, 1, 0), 0.5)  # slice 0: 0.5 s = a whole sequence's 2 s
+    recorder(Action("F", 0, 1, 3), 1.5)  # slice 1 of sequence 1: 1.5 s -> 2 s
+    assert recorder.medians() == {("F", 1): pytest.approx(2.0)}

@@ -20,6 +20,17 @@ def parse(extra: str = "", world_size: int = 1, base=BASE):
     return parse_args(list(base) + extra.split(), world_size=world_size)
 
 
+def test_chimera_takes_fewer_microbatches_than_stages():
+    """Two sequences per iteration at D = 4 (one per pipe) is Chimera's partial basic unit."""
+    from megatron_chimera.schedules.chimera import chimera
+    from megatron_chimera.training.config_checks import build_schedule_for
+
+    config = parse("--pipeline-model-parallel-size 4 --pipeline-schedule chimera "
+                   "--global-batch-size 4", world_size=4)
+    assert config.training.num_microbatches == 2
+    assert build_schedule_for(config).actions == chimera(4, 2).actions
+
+
 def test_derives_data_parallel_and_microbatches():
     config = parse("--pipeline-model-parallel-size 4 --chimera-pipes 2", world_size=8)
     assert config.parallel.data_parallel_size == 2

@@ -50,9 +50,10 @@ def test_megatron_rule_and_iterations():
     ("--train-samples 100 --rampup-batch-size 32 4 48", 1, "START plus a whole number"),
     ("--train-samples 100 --rampup-batch-size 6 4 48", 1, "START plus a whole number"),
     ("--train-samples 100 --rampup-batch-size 2 2 48", 4, "multiples of --micro-batch-size"),
-    # Chimera D=4 needs N a multiple of 4: the ramp's N = 2 cannot run
+    # Chimera D=4 needs N a multiple of 4 above 4 (below: of its 2 pipes): the ramp's N = 2
+    # and 4 run, its N = 6 cannot
     ("--train-samples 100 --rampup-batch-size 2 2 48 --pipeline-model-parallel-size 4 "
-     "--chimera-pipes 2", 4, "the ramp's 2 micro-batches per iteration"),
+     "--chimera-pipes 2", 4, "the ramp's 6 micro-batches per iteration"),
     ("--train-samples 100 --rampup-batch-size 4 4 48 --pipeline-model-parallel-size 4 "
      "--pipeline-schedule chimera-zb --profile-iterations 2", 4, "--profile-iterations 2"),
     ("--train-samples 100 --rampup-batch-size 4 4", 1, "--rampup-batch-size"),

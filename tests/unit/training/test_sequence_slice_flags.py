@@ -31,7 +31,7 @@ def test_sliced_schedule_counts_units_and_sequences(name):
     assert config.training.num_microbatches == 4  # sequences: what the data gives
     assert p2p_tensor_shape(config) == (8, 1, 64)  # one slice's tokens
     assert needed_microbatches(schedule, 1, all_stages=False) is None  # every stage: the cache
-    assert config.training.profile_iterations == 0  # no rebuild of a sliced order
+    assert config.training.profile_iterations == 0  # the rebuild of a sliced order: opt-in
 
 
 def test_units_are_slices_of_the_read_sequences_each_keyed():
@@ -52,10 +52,8 @@ def test_units_are_slices_of_the_read_sequences_each_keyed():
      "--pipeline-sequence-slices 2", 2, "--chimera-concat"),
     ("--pipeline-sequence-slices 3", 2, "--seq-length 32"),
     ("--pipeline-sequence-slices 2 --context-parallel-size 2", 4, "--context-parallel-size"),
-    ("--pipeline-sequence-slices 2 --recompute-granularity full --recompute-method uniform "
-     "--recompute-num-layers 1", 2, "--recompute-granularity full"),
-    ("--pipeline-schedule zb-h1 --pipeline-sequence-slices 2 --profile-iterations 1 "
-     "--train-iters 3", 2, "--profile-iterations"),
+    ("--pipeline-schedule 1f1b --pipeline-sequence-slices 2 --profile-iterations 1 "
+     "--train-iters 3", 2, "--profile-iterations applies to split-backward"),
     ("--pipeline-sequence-slices 0", 2, "--pipeline-sequence-slices"),
 ])
 def test_refusals_name_the_flag(extra, world, message, capsys):

@@ -15,7 +15,8 @@ from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.autotune import JSON_KEYS, SearchSpace, autotune, enumerate_layouts
 from megatron_chimera.tuning.command import pretrain_flags
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile
-from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes
+from megatron_chimera.tuning.training_plan import TrainingPlan
 from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT

@@ -10,7 +10,8 @@ from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.autotune import SearchSpace, autotune, enumerate_layouts
 from megatron_chimera.tuning.command import pretrain_flags
 from megatron_chimera.tuning.hardware import PRESETS
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 LONG = ModelSpec(ModelConfig(num_layers=8, hidden_size=512, num_attention_heads=8,
                              seq_length=16384, vocab_size=32000, params_dtype="bf16"), "gpt2")

@@ -15,12 +15,8 @@ from megatron_chimera.schedules.simulate import CostModel, simulate
 from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece, stage_forward_flops
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile, LinkProfile, load_hardware
 from megatron_chimera.tuning.operators import K_FILL, Gemm, gemm_seconds, shape_efficiency
-from megatron_chimera.tuning.perf_model import (
-    PerformanceModel,
-    StageTimes,
-    TrainingPlan,
-    chimera_eq1_time,
-)
+from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes, chimera_eq1_time
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 FREE = LinkProfile(alpha_s=0.0, bandwidth_gbps=math.inf)
 ZERO_COMM = HardwareProfile("zero-comm", peak_tflops_fp32=10.0, peak_tflops_half=20.0,

@@ -15,13 +15,14 @@ from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.simulate import peak_inflight
 from megatron_chimera.tuning.analytic_costs import ModelSpec, uniform_partition
 from megatron_chimera.tuning.hardware import PRESETS
-from megatron_chimera.tuning.perf_model import PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.perf_model import PerformanceModel
 from megatron_chimera.tuning.rank_memory import (
     embedding_group_size,
     peak_activation_bytes,
     rank_memory,
     stage_replicas,
 )
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 
 def small(params_dtype: str = "fp32") -> ModelConfig:

@@ -15,7 +15,7 @@ from megatron_chimera.model import flops
 from megatron_chimera.model.family import get_family
 from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import PRESETS, load_hardware, load_hardware_profile
-from megatron_chimera.tuning.perf_model import AnalyticCompute, PerformanceModel, TrainingPlan
+from megatron_chimera.tuning.perf_model import AnalyticCompute, PerformanceModel
 from megatron_chimera.tuning.published import (
     MEGATRON_TABLE1,
     MEGATRON_TABLE2,
@@ -26,6 +26,7 @@ from megatron_chimera.tuning.published import (
     spearman,
     summarize,
 )
+from megatron_chimera.tuning.training_plan import TrainingPlan
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +190,7 @@ def test_pipeline_scatter_gather_shrinks_messages_and_adds_a_gather():
 def test_hardware_presets_cite_their_figures_and_round_trip_through_json(tmp_path):
     """Every preset loads back from its JSON form (the schema tools/gpu_check.sh writes);
     the old tokens-per-rank key is rejected with the schema named."""
-    for name in ("a100", "a100-40gb", "a100-80gb", "h100", "h200", "p100"):
+    for name in PRESETS:
         preset = PRESETS[name]
         assert preset.hbm_bandwidth_gbps > 0 and preset.num_sms > 0
         path = tmp_path / f"{name}.json"

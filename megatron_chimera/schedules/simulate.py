@@ -254,15 +254,21 @@ def compute_times(schedule: Schedule, costs: CostModel) -> dict[str, list[float]
 def pair_leader(kinds: Sequence[str]) -> int:
     """Which half of a pair of action kinds computes first in the paired runtime (the rule of
     ``pipeline.overlap.leading_half``): the backward of an F&B pair (it starts with an
-    all-to-all, its combine's gradient), else the first in the list."""
-    return 1 if kinds[0] != kinds[1] and kinds[1] == BACKWARD else 0
+    all-to-all, its combine's gradient), the F or B of a pair with a W, else the first in the
+    list."""
+    if kinds[0] == WEIGHT or (kinds[0] != kinds[1] and kinds[1] == BACKWARD):
+        return 1
+    return 0
 
 
 def action_pieces(kind: str, compute: float, all_to_all: float,
                   layers: int) -> list[tuple[bool, float]]:
     """The pieces ``(is_all_to_all, seconds)`` of an F or B over ``layers`` MoE layers: an F is
     attention, dispatch, experts, combine per layer, a B the reverse, each compute piece
-    ``compute / 2 layers`` and each all-to-all ``all_to_all / 2 layers``."""
+    ``compute / 2 layers`` and each all-to-all ``all_to_all / 2 layers``. A W has no
+    all-to-all: one compute piece (in a pair it computes to its end in its one turn)."""
+    if kind == WEIGHT:
+        return [(False, compute)]
     c, a = compute / (2 * layers), all_to_all / (2 * layers)
     pair = [(False, c), (True, a)] if kind == FORWARD else [(True, a), (False, c)]
     return pair * (2 * layers)

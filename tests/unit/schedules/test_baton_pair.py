@@ -30,7 +30,7 @@ def _pair(kinds: str, c: tuple[float, float], a: tuple[float, float], layers: in
 
 
 def test_the_leader_is_the_runtimes():
-    for kinds in ("FF", "FB", "BF", "BB"):
+    for kinds in ("FF", "FB", "BF", "BB", "FW", "WF", "BW", "WB"):
         assert pair_leader(tuple(kinds)) == leading_half(tuple(kinds))
 
 
@@ -53,6 +53,19 @@ def test_two_forwards_or_two_backwards_expose_one_piece(layers):
     piece = 4.0 / (2 * layers)
     assert _pair("FF", (4.0, 4.0), (4.0, 4.0), layers) == pytest.approx(8.0 + piece)
     assert _pair("BB", (4.0, 4.0), (4.0, 4.0), layers) == pytest.approx(8.0 + piece)
+
+
+def test_a_w_hides_one_all_to_all_piece_of_its_partner():
+    """A W has no all-to-all, so it computes to its end in its one turn: F (C 1, A 1) leads,
+    computes 1/2k, issues its first dispatch, the W computes 1 meanwhile, and the F's other
+    pieces run alone (their all-to-alls exposed): 1 + 1 + 1 - 1/2k, not max(1 + 1, 1) = 2."""
+    for layers in (1, 2, 4):
+        piece = 1.0 / (2 * layers)
+        for kinds in ("FW", "WF", "BW"):
+            c, a = (1.0, 1.0), (1.0, 0.0)
+            if kinds[0] == "W":
+                c, a = c[::-1], a[::-1]
+            assert _pair(kinds, c, a, layers) == pytest.approx(3.0 - piece)
 
 
 def test_many_layers_tend_to_perfect_overlap():

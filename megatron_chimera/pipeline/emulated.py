@@ -610,9 +610,14 @@ class EmulatedMoEStage(nn.Module):
         """Input activations of a non-first stage."""
         self.input_tensor = tensor
 
-    def _backward_piece_s(self) -> float:
+    def backward_compute_s(self) -> float:
+        """The compute time of a backward run now: B's when the weight gradients are deferred,
+        else the whole backward's."""
         deferred = self.linears[0].weight_grad_store is not None
-        return (self.costs.input_grad_s if deferred else self.costs.backward_s) / self.pieces
+        return self.costs.input_grad_s if deferred else self.costs.backward_s
+
+    def _backward_piece_s(self) -> float:
+        return self.backward_compute_s() / self.pieces
 
     def forward(self, batch: torch.Tensor | None) -> torch.Tensor:
         """The emulated MoE layers (the loss per token at the last stage)."""

@@ -32,8 +32,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera.pipeline.emulated import EmulatedMoEStage
-from megatron_chimera.pipeline.overlap import leading_half, prepare_threads, run_pair
-from megatron_chimera.pipeline.overlap import set_current_action
+from megatron_chimera.pipeline.overlap import (
+    leading_half,
+    prepare_threads,
+    run_pair,
+    set_current_action,
+)
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action
 from megatron_chimera.schedules.simulate import action_pieces, baton_pair_time
 
@@ -81,9 +85,9 @@ def calibrate(stage: EmulatedMoEStage, stage_id: int, batch: torch.Tensor,
     """Measure :class:`PairHostCosts` on ``stage`` (every rank of the world calls this at once,
     the ranks of one expert-parallel group on the same ``stage_id``); ``batch`` is the first
     stage's input, and of the others' shape."""
-    layers, pieces = stage.num_layers, stage.pieces
+    layers = stage.num_layers
     c_f = stage.costs.forward_s
-    c_b = stage._backward_piece_s() * pieces
+    c_b = stage.backward_compute_s()
     a2a = stage.all_to_all_s
     lead = leading_half((FORWARD, BACKWARD))
     modelled_pair = lambda h: baton_pair_time(  # noqa: E731 - the model of the pair below
@@ -108,7 +112,8 @@ def calibrate(stage: EmulatedMoEStage, stage_id: int, batch: torch.Tensor,
         for _ in range(reps):
             unpaired.append(_timed(lambda: backward(forward())))
             earlier = forward()
-            paired.append(_timed(lambda: run_pair((forward, lambda: backward(earlier)), lead)))
+            paired.append(_timed(lambda e=earlier: run_pair((forward, lambda: backward(e)),
+                                                            lead)))
     finally:
         set_current_action(None)
         stage.set_input_tensor(None)

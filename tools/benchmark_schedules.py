@@ -44,7 +44,11 @@ combine) whose F and B each pay A per stage (dispatch + combine of all layers) i
 all-to-alls over the expert-parallel groups of ``--expert-model-parallel-size``; a row with
 ``:overlap_moe_expert_parallel_comm=1`` runs paired F&B actions whose halves' all-to-alls overlap
 each other's compute (``pipeline/overlap.py``), and the simulator charges A per unpaired F/B and
-max(compute, all-to-all) per pair. The table then ends with the overlap/no-overlap ratios::
+each pair its time in the runtime's baton, piece by piece over the ``--layers-per-stage`` layers
+(``CostModel.moe_layers_per_stage``). Before its timed iterations each MoE row measures the
+paired runtime's host costs on its ranks (``pipeline/pair_calibration.py``: per unpaired F/B
+and per baton hand-over); the table then ends with the overlap/no-overlap ratios, measured over
+simulated with and without those host costs, and the costs themselves::
 
     torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 4 --num-microbatches 16 \
         --forward-ms 40 --backward-ms 40 --weight-ms 0 --all-to-all-ms 40 \
@@ -101,6 +105,7 @@ from megatron_chimera.pipeline.emulated import (
     emulated_stage_costs,
 )
 from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
+from megatron_chimera.pipeline.pair_calibration import PairHostCosts, calibrate
 from megatron_chimera.pipeline.profiling import ProfileRebuild
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.torch_pipelining import build_torch_pipeline
@@ -149,6 +154,8 @@ class Row:
         extra = dict(self.extra)
         if "gaps" in self.extra and "gaps" in later.extra:  # traced in both rounds
             extra["gaps"] = self.extra["gaps"].merged(later.extra["gaps"])
+        if "pair_host" in self.extra and "pair_host" in later.extra:  # calibrated each round
+            extra["pair_host"] = self.extra["pair_host"] + later.extra["pair_host"]
         return dataclasses.replace(self, measured_s=statistics.median(times), times=times,
                                    extra=extra)
 
@@ -191,6 +198,30 @@ class HostCosts:
         model = dataclasses.replace(model, p2p_alpha=self.message_s,
                                     action_overhead=self.per_action_s)
         return simulate(schedule, model).makespan
+
+
+def pair_host_costs(row: Row) -> PairHostCosts | None:
+    """An MoE row's calibrated host costs, each the low median over its rounds' calibrations
+    (None for other rows): a load burst from elsewhere that covers one whole calibration (one
+    in four or five on the shared VM, 5-10 ms per action) must not stand for the run, and
+    with two rounds the plain median would be their mean."""
+    found = row.extra.get("pair_host")
+    if not found:
+        return None
+    return PairHostCosts(statistics.median_low(h.action_s for h in found),
+                         statistics.median_low(h.hand_over_s for h in found),
+                         found[0].unpaired, found[0].pair)
+
+
+def simulated_with_pair_host(row: Row) -> float | None:
+    """An MoE row's makespan simulated with its calibrated host costs: ``action_overhead`` per
+    unpaired F/B (and once per pair), ``hand_over_cost`` per baton hand-over in a pair."""
+    host, inputs = pair_host_costs(row), row.extra.get("sim_inputs")
+    if host is None or inputs is None:
+        return None
+    schedule, model = inputs
+    return simulate(schedule, dataclasses.replace(
+        model, action_overhead=host.action_s, hand_over_cost=host.hand_over_s)).makespan
 
 
 def host_costs(rows: list[Row]) -> HostCosts | None:
@@ -284,14 +315,16 @@ def build_message_seconds(name: str, p2p_us: Any, cost_source: str) -> float:
 
 def cost_model(per_stage: list[EmulatedCosts], split: bool, latency: float = 0.0,
                data_parallel_size: int = 1,
-               all_to_all: tuple[float, ...] | float = 0.0) -> CostModel:
+               all_to_all: tuple[float, ...] | float = 0.0, moe_layers: int = 0) -> CostModel:
     """The simulator's costs of emulated stages, with ``latency`` per message and all-reduce
-    and ``all_to_all`` seconds per stage and direction (MoE)."""
+    and ``all_to_all`` seconds per stage and direction (MoE) over ``moe_layers`` emulated MoE
+    layers per stage (pairs costed piece by piece, as the paired runtime runs them)."""
     return CostModel(forward_cost=tuple(c.forward_s for c in per_stage),
                      backward_cost=tuple(c.backward_s for c in per_stage),
                      weight_cost=tuple(c.weight_s for c in per_stage) if split else 0.0,
                      p2p_alpha=latency, allreduce_alpha=latency,
-                     data_parallel_size=data_parallel_size, all_to_all_cost=all_to_all)
+                     data_parallel_size=data_parallel_size, all_to_all_cost=all_to_all,
+                     moe_layers_per_stage=moe_layers)
 
 
 GRAD_REDUCE_MODES = ("none", "end", "stage", "overlap")
@@ -427,6 +460,8 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
             if dist.get_rank() == 0:
                 print(f"{name} N={n} after {profile} profiled iterations:{report.line()}",
                       file=sys.stderr, flush=True)
+        if moe:  # the paired runtime's host costs, on these ranks now (pair_calibration.py)
+            extra["pair_host"] = [calibrate(stages[min(stages)], min(stages), batch)]
         times = _timed(step, args.warmup, args.iters)
         if args.trace and not moe:
             gaps = trace_iteration(stages, functools.partial(executor_for, schedule),
@@ -436,7 +471,9 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     finally:
         parallel_state.destroy_model_parallel()
     sim_a2a = a2a if moe else 0.0
-    sim = simulate(schedule, cost_model(per_stage, schedule.split_backward, latency, w, sim_a2a))
+    model = cost_model(per_stage, schedule.split_backward, latency, w, sim_a2a,
+                       args.layers_per_stage if moe else 0)
+    sim = simulate(schedule, model)
     compute_only = simulate(schedule, cost_model(per_stage, schedule.split_backward, 0.0, w))
     if moe:
         extra["exposed_all_to_all_s"] = max(sim.exposed_all_to_all)
@@ -450,8 +487,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     extra.update(pipes=schedule.num_pipes, concat=schedule.meta.get("concat"),
                  simulated_compute_s=compute_only.makespan, schedule_used=schedule.name,
                  nominal_compute=(sum(sim.busy), len(sim.events)),
-                 sim_inputs=(schedule, cost_model(per_stage, schedule.split_backward, latency, w,
-                                                  sim_a2a)))
+                 sim_inputs=(schedule, model))
     if args.allreduce_ms:
         shown["grad_reduce"] = mode
     return Row(name, shown, d, n, statistics.median(times), sim.makespan, extra, times)
@@ -595,6 +631,23 @@ def overlap_ratios(rows: list[Row]) -> list[str]:
             f"without; exposed all-to-all (simulated, worst rank) "
             f"{r.extra.get('exposed_all_to_all_s', 0):.3f} s with, "
             f"{base.extra.get('exposed_all_to_all_s', 0):.3f} s without")
+        with_host, without_host = simulated_with_pair_host(r), simulated_with_pair_host(base)
+        if with_host and without_host:
+            lines.append(
+                f"  with the host costs calibrated in this run: simulated {with_host:.3f} s with "
+                f"/ {without_host:.3f} s without = {with_host / without_host:.3f}; "
+                f"measured/(simulated + host) {r.measured_s / with_host:.3f} with, "
+                f"{base.measured_s / without_host:.3f} without")
+    for r in rows:
+        host = pair_host_costs(r)
+        if host is not None:
+            lines.append(
+                f"host costs {_label(r)} N={r.num_microbatches} (low median of "
+                f"{len(r.extra['pair_host'])} calibrations): {host.action_s * 1e3:.3f} ms per "
+                f"unpaired F/B, {host.hand_over_s * 1e3:.3f} ms per hand-over in a pair "
+                f"(first: F then B {host.unpaired[0] * 1e3:.1f} ms for "
+                f"{host.unpaired[1] * 1e3:.1f}, an F&B pair {host.pair[0] * 1e3:.1f} ms for "
+                f"{host.pair[1] * 1e3:.1f})")
     return [""] + lines if lines else []
 
 
@@ -688,6 +741,9 @@ def write_json(path: str, rows: list[Row]) -> None:
              **{k: r.extra[k] for k in ("rebuild", "predicted_gain", "schedule_used")
                 if k in r.extra},
              **({"gaps": r.extra["gaps"].summary()} if "gaps" in r.extra else {}),
+             **({"simulated_pair_host_s": simulated_with_pair_host(r),
+                 "pair_host_costs": dataclasses.asdict(pair_host_costs(r))}
+                if "pair_host" in r.extra else {}),
              **({"simulated_host_s": host.simulate(r), "host_costs": dataclasses.asdict(host)}
                 if host is not None else {})} for r in rows]
     atomic_write(path, lambda f: json.dump(data, f, indent=1), mode="w")

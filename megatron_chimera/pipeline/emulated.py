@@ -528,20 +528,48 @@ class _AllToAllPoint(torch.autograd.Function):
         return grad, None, None, None
 
 
-class _BackwardPiece(torch.autograd.Function):
-    """Identity whose backward is one compute piece of ``seconds()`` of an emulated backward
-    (its start from the rank's clock ``exchange``)."""
+class _PieceDeadline:
+    """The deadline of one backward compute piece, shared by its two ends (a mutable holder
+    made per forward, so the halves of a pair, even of one stage, never share one)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+
+class _BackwardPieceStarts(torch.autograd.Function):
+    """Identity whose backward starts one compute piece of ``seconds()`` of an emulated backward
+    (its start and deadline from the rank's clock ``exchange``); it sits *after* the piece's
+    real work in the forward graph, so in the backward that work (the layer's backward, its
+    gradient accumulation) runs inside the piece's time, before :class:`_BackwardPieceEnds`
+    waits for the deadline -- as the forward's pieces do their work before their wait."""
 
     @staticmethod
     def forward(ctx, x, seconds: Callable[[], float],  # type: ignore[override]
-                exchange: EmulatedAllToAll):
-        ctx.seconds, ctx.exchange = seconds, exchange
+                exchange: EmulatedAllToAll, deadline: _PieceDeadline):
+        ctx.seconds, ctx.exchange, ctx.deadline = seconds, exchange, deadline
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        sleep_until_yielding(ctx.exchange.piece_start(ctx.seconds()))
-        return grad, None, None
+        ctx.deadline.at = ctx.exchange.piece_start(ctx.seconds())
+        return grad, None, None, None
+
+
+class _BackwardPieceEnds(torch.autograd.Function):
+    """Identity whose backward waits until the deadline its :class:`_BackwardPieceStarts` set
+    (it sits before the piece's real work in the forward graph)."""
+
+    @staticmethod
+    def forward(ctx, x, deadline: _PieceDeadline):  # type: ignore[override]
+        ctx.deadline = deadline
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        sleep_until_yielding(ctx.deadline.at)
+        return grad, None
 
 
 class EmulatedMoEStage(nn.Module):
@@ -582,21 +610,33 @@ class EmulatedMoEStage(nn.Module):
         """Input activations of a non-first stage."""
         self.input_tensor = tensor
 
-    def _backward_piece_s(self) -> float:
+    def backward_compute_s(self) -> float:
+        """The compute time of a backward run now: B's when the weight gradients are deferred,
+        else the whole backward's."""
         deferred = self.linears[0].weight_grad_store is not None
-        return (self.costs.input_grad_s if deferred else self.costs.backward_s) / self.pieces
+        return self.costs.input_grad_s if deferred else self.costs.backward_s
+
+    def _backward_piece_s(self) -> float:
+        return self.backward_compute_s() / self.pieces
 
     def forward(self, batch: torch.Tensor | None) -> torch.Tensor:
         """The emulated MoE layers (the loss per token at the last stage)."""
         hidden = batch if self.pre_process else self.input_tensor
+        if torch.is_grad_enabled() and not hidden.requires_grad:
+            # the first stage's batch: a leaf that takes a gradient, so that the backward's last
+            # piece (_BackwardPieceEnds on the input) is in the graph
+            hidden = hidden.detach().requires_grad_()
         piece_s = self.costs.forward_s / self.pieces
         a2a_s = self.all_to_all_s / self.pieces
         communicate = a2a_s > 0 or self.exchange.size > 1
         for i, linear in enumerate(self.linears):
             deadline = self.exchange.piece_start(piece_s)
-            hidden = _BackwardPiece.apply(linear(hidden), self._backward_piece_s, self.exchange)
+            backward_deadline = _PieceDeadline()
+            hidden = linear(_BackwardPieceEnds.apply(hidden, backward_deadline))
             if self.post_process and i == self.pieces - 1:
                 hidden = hidden.pow(2).mean(dim=-1).t()
+            hidden = _BackwardPieceStarts.apply(hidden, self._backward_piece_s, self.exchange,
+                                                backward_deadline)
             sleep_until_yielding(deadline)
             if communicate:
                 name = f"{'dispatch' if i % 2 == 0 else 'combine'}{i // 2}"

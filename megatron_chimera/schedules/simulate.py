@@ -26,6 +26,20 @@ the action overhead once and lasts
 carries no all-to-all, so a W beside a lone F or B lasts ``max(C_x + C_W, A_x)``); both outputs
 leave at its end. Its exposed all-to-all is ``max(0, A_x + A_y - C_x - C_y)``.
 ``SimResult.exposed_all_to_all`` sums, per rank, what its unpaired actions and pairs expose.
+
+That is perfect overlap: the limit of many MoE layers per stage when neither half alone needs
+longer (its own compute and all-to-all are serial). With ``CostModel.moe_layers_per_stage`` k > 0 a
+pair is costed as the paired runtime (``pipeline/overlap.py``) runs it, at piece granularity
+(:func:`baton_pair_time`): each half is k MoE layers, an F ``(compute, all-to-all) x 2k`` and a B
+the reverse ``(all-to-all, compute) x 2k``, every piece 1/2k of the action's compute or
+all-to-all time; the halves take turns (a **baton**: the leading half computes up to its first
+all-to-all, issues it and hands over, the other half computes up to its first, and so on; a
+half waits for its own all-to-all when the baton comes back), and the rank's all-to-alls share
+one link, one after the other. An F&B pair of equal pieces then costs exactly max(...) above;
+two forwards (or two backwards) cost one piece more (the later half's last all-to-all, or first,
+has nothing to hide behind). ``CostModel.hand_over_cost`` adds the runtime's host time per
+hand-over (its two host threads switching), as the benchmark measures it
+(``pipeline/pair_calibration.py``).
 """
 
 from __future__ import annotations
@@ -72,6 +86,13 @@ class CostModel:
     # one micro-batch through one stage in one direction; an F and a B (the whole backward when
     # it is not split; never a W) each pay it after their compute, exposed (nothing overlaps it)
     all_to_all_cost: PerStage = 0.0
+    # MoE layers per stage, the pieces a paired action's halves alternate in (module docstring):
+    # 0 costs a pair as perfect overlap, max(compute, all-to-all); k > 0 as the paired runtime's
+    # baton over k layers (baton_pair_time)
+    moe_layers_per_stage: int = 0
+    # host seconds of one hand-over of a pair's baton between its halves (with
+    # moe_layers_per_stage > 0): the paired runtime's switch between its two host threads
+    hand_over_cost: float = 0.0
 
     def per_stage(self, name: str, num_stages: int) -> list[float]:
         """The field ``name`` as a list of ``num_stages`` floats (scalars broadcast)."""
@@ -230,6 +251,67 @@ def compute_times(schedule: Schedule, costs: CostModel) -> dict[str, list[float]
     return {FORWARD: fwd, BACKWARD: [b - w for b, w in zip(bwd, wgt)], WEIGHT: wgt}
 
 
+def pair_leader(kinds: Sequence[str]) -> int:
+    """Which half of a pair of action kinds computes first in the paired runtime (the rule of
+    ``pipeline.overlap.leading_half``): the backward of an F&B pair (it starts with an
+    all-to-all, its combine's gradient), the F or B of a pair with a W, else the first in the
+    list."""
+    if kinds[0] == WEIGHT or (kinds[0] != kinds[1] and kinds[1] == BACKWARD):
+        return 1
+    return 0
+
+
+def action_pieces(kind: str, compute: float, all_to_all: float,
+                  layers: int) -> list[tuple[bool, float]]:
+    """The pieces ``(is_all_to_all, seconds)`` of an F or B over ``layers`` MoE layers: an F is
+    attention, dispatch, experts, combine per layer, a B the reverse, each compute piece
+    ``compute / 2 layers`` and each all-to-all ``all_to_all / 2 layers``. A W has no
+    all-to-all: one compute piece (in a pair it computes to its end in its one turn)."""
+    if kind == WEIGHT:
+        return [(False, compute)]
+    c, a = compute / (2 * layers), all_to_all / (2 * layers)
+    pair = [(False, c), (True, a)] if kind == FORWARD else [(True, a), (False, c)]
+    return pair * (2 * layers)
+
+
+def baton_pair_time(halves: Sequence[Sequence[tuple[bool, float]]], lead: int,
+                    hand_over: float = 0.0) -> float:
+    """Duration of a pair whose two halves (pieces as :func:`action_pieces` gives them) run as
+    the paired runtime runs them: only the baton's holder computes; a half that reaches an
+    all-to-all issues it (it starts when the rank's previous all-to-all is through: one link)
+    and hands the baton to the other half, unless that one has finished; a half that gets the
+    baton back first waits for its own all-to-all; a half ends when its last piece does and
+    then hands the baton over for good. The pair ends when both halves have. Each hand-over to
+    a half that has not finished costs ``hand_over`` before the receiver may compute (the
+    runtime's switch between its two host threads)."""
+    ready = [0.0, 0.0]  # when each half's previous piece ends
+    following = [0, 0]  # each half's next piece
+    ends: list[float | None] = [None, None]
+    link = baton = 0.0
+    owner = lead
+    while ends[0] is None or ends[1] is None:
+        h, other = owner, 1 - owner
+        t = max(baton, ready[h])
+        pieces = halves[h]
+        handed = False
+        while following[h] < len(pieces):
+            is_all_to_all, seconds = pieces[following[h]]
+            following[h] += 1
+            if not is_all_to_all:
+                t += seconds
+                ready[h] = t
+                continue
+            link = ready[h] = max(t, link) + seconds
+            if ends[other] is None:
+                baton, owner, handed = t + hand_over, other, True
+                break
+            t = ready[h]  # nobody to hand over to: the all-to-all is exposed
+        if not handed:
+            ends[h] = max(t, ready[h])
+            baton, owner = ends[h] + hand_over, other
+    return max(ends[0], ends[1])
+
+
 def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event], list[float]]:
     compute = compute_times(schedule, costs)
     a2a = all_to_all_times(schedule, costs)
@@ -237,6 +319,9 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
     edges = {(a, b): costs.p2p_time(a, b) for a, b, _, _ in costs.p2p_edges}
     p2p = costs.p2p_time()
     overhead = costs.action_overhead
+    layers = costs.moe_layers_per_stage
+    if layers < 0:
+        raise ValueError(f"CostModel.moe_layers_per_stage must be >= 0, got {layers}")
     finished: dict[Action, tuple[int, float]] = {}
     free = [0.0] * schedule.num_ranks
     events: list[Event] = []
@@ -268,9 +353,16 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
         start = max(free[rank], ready(rank, dep_a), ready(rank, dep_b)) + overhead
         c_a, c_b = compute[a.kind][a.stage] * scale(a), compute[b.kind][b.stage] * scale(b)
         busy = c_a + c_b
-        comm = a2a[a.kind][a.stage] * scale(a) + a2a[b.kind][b.stage] * scale(b)
-        end = start + max(busy, comm)
-        exposed[rank] += max(0.0, comm - busy)
+        a2a_a, a2a_b = a2a[a.kind][a.stage] * scale(a), a2a[b.kind][b.stage] * scale(b)
+        comm = a2a_a + a2a_b
+        if layers and comm > 0:
+            end = start + baton_pair_time(
+                (action_pieces(a.kind, c_a, a2a_a, layers),
+                 action_pieces(b.kind, c_b, a2a_b, layers)), pair_leader((a.kind, b.kind)),
+                costs.hand_over_cost)
+        else:
+            end = start + max(busy, comm)
+        exposed[rank] += max(0.0, end - start - busy)
         split = start + (end - start) * (c_a / busy if busy else 0.5)
         free[rank] = end
         finished[a] = finished[b] = (rank, end)

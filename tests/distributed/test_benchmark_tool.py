@@ -76,6 +76,30 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
         assert "largest measured/simulated" in table
 
 
+@pytest.mark.timeout(120)
+def test_moe_rows_calibrate_the_paired_runtimes_host_costs(tmp_path):
+    """Emulated MoE rows (D = 2, EP = 2): the simulator costs pairs piece by piece, each row
+    calibrates the paired runtime's host costs on its ranks (once per round), and the
+    simulation with them is never faster than the one without."""
+    out = tmp_path / "bench.json"
+    argv = ["-D", "2", "--num-microbatches", "4", "--forward-ms", "3", "--backward-ms", "3",
+            "--weight-ms", "0", "--all-to-all-ms", "3", "--expert-model-parallel-size", "2",
+            "--layers-per-stage", "1", "--iters", "5", "--warmup", "0", "--rounds", "2",
+            "--grad-reduce", "none", "--json", str(out),
+            "--schedules", "chimera,chimera:overlap_moe_expert_parallel_comm=1"]
+    spawn_world(_run_tool, 4, argv, timeout_s=110)
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2
+    for row in rows:
+        host = row["pair_host_costs"]
+        assert 0 <= host["action_s"] < 0.05 and 0 <= host["hand_over_s"] < 0.05, host
+        measured, nominal = host["unpaired"]
+        assert nominal == pytest.approx(4 * 0.003) and measured > 0.9 * nominal
+        measured, modelled = host["pair"]  # a balanced F&B pair: max(3 + 3, 3 + 3) ms
+        assert modelled == pytest.approx(0.006) and measured > 0.9 * modelled
+        assert row["simulated_pair_host_s"] >= row["simulated_s"] - 1e-3, row
+
+
 def _check_gaps(row: dict) -> None:
     """--trace: two traced iterations (one per round) split every rank's time between computes:
     every gap but each rank's first is either a critical hop or a local gap, and nothing

@@ -215,3 +215,22 @@ def test_a_traced_stage_records_each_action_from_its_start_to_its_wait_end(sleep
     stage.trace_into(None)
     stage(torch.randn(3, 2, 4)).mean().backward()
     assert len(timeline.events) == 6
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_moe_backward_piece_does_its_real_work_inside_its_time(sleeps, monkeypatch, layers):
+    """An emulated MoE stage's backward pieces start their clock before the layer's backward
+    (and its gradient accumulation), and wait after it: 3 ms of real work per layer piece are
+    absorbed, the backward lasts its emulated time (the forward's pieces did so already)."""
+    costs = EmulatedCosts(0.02, 0.06)
+    stage = emulated.EmulatedMoEStage(costs, 0.0, emulated.EmulatedAllToAll(None),
+                                      pre_process=True, post_process=True, layers=layers)
+    for linear in stage.linears:
+        linear.weight.register_hook(lambda grad: emulated.time.sleep(0.003))
+    out = stage(torch.randn(3, 2, 4))
+    start = emulated.time.perf_counter()
+    out.mean().backward()
+    assert emulated.time.perf_counter() - start == pytest.approx(costs.backward_s, abs=1e-9)
+    work = [i for i, s in enumerate(sleeps) if s == 0.003]
+    assert len(work) == 2 * layers  # each piece's work ran, then its wait for the rest
+    assert all(sleeps[i + 1] == pytest.approx(0.06 / (2 * layers) - 0.003) for i in work[1:])

@@ -21,7 +21,7 @@ S, B, H, EXPERTS = 4, 2, 8, 8
 STEPS = 12
 #: the reference's router weights must move at least this much (relative, max-abs) over STEPS
 #: steps, or equality over the steps would test little more than one step does
-MIN_ROUTER_CHANGE = 0.05
+MIN_ROUTER_CHANGE = 0.15  # they move 31-46% in these cases (2% after 2 steps)
 
 
 def moe_config(**moe) -> ModelConfig:

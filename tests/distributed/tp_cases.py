@@ -2,10 +2,11 @@
 scripts' model providers and forward steps), Megatron's optimizer with gradient clipping, the
 executor on T x W x D ranks, against one process training the whole model.
 
-For each case a rank first trains the whole model (no groups: the reference), then creates the
-groups, builds its shard of its stages, trains the same three steps and compares the losses, the
-global gradient norm (clipping is active, so a norm counting a replicated parameter twice changes
-the weights) and the full weights (shards joined) with the reference; it also checks that every
+For each case the world first trains the whole model once (no groups: the reference, computed
+on one rank and broadcast), then each rank creates the groups, builds its shard of its stages,
+trains the same steps (``TPCase.steps``, 3 by default) and compares the losses, the global
+gradient norm (clipping is active, so a norm counting a replicated parameter twice changes the
+weights) and the full weights (shards joined) with the reference; it also checks that every
 replica of a shard, and every tensor-parallel copy of a replicated parameter, is bitwise equal.
 """
 

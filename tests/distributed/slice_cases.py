@@ -14,7 +14,6 @@ from tests.helpers.tensor_parallel import full_state
 
 from .cases import run_each
 from .tp_cases import (
-    STEPS,
     TPCase,
     _check_close,
     _init_groups,
@@ -28,7 +27,7 @@ RTOL = 1e-6
 
 
 def run_sliced_case(rank: int, world_size: int, case: TPCase) -> None:
-    """Train STEPS steps sliced; losses (each sequence's: the mean of its slices'), clipped
+    """Train ``case.steps`` steps sliced; losses (each sequence's: the mean of its slices'), clipped
     gradient norms and weights equal the unsliced single-process run (1e-6 relative)."""
     k, n = case.slices, case.num_microbatches
     schedule = sliced_schedule(case.schedule, case.pipeline_size, n, k)
@@ -40,7 +39,7 @@ def run_sliced_case(rank: int, world_size: int, case: TPCase) -> None:
         modules, optimizer, executor, partition = build_run(case, config, schedule)
         prank = parallel_state.get_pipeline_model_parallel_rank()
         results = []
-        for step in range(STEPS):
+        for step in range(case.steps):
             optimizer.zero_grad()
             units = [part for m in range(n) for part in split_into_slices(
                 make_batch("gpt2", step, 0, m, case.reset_positions), k)]

@@ -2,10 +2,11 @@
 scripts' model providers and forward steps), Megatron's optimizer with gradient clipping, the
 executor on T x W x D ranks, against one process training the whole model.
 
-For each case a rank first trains the whole model (no groups: the reference), then creates the
-groups, builds its shard of its stages, trains the same three steps and compares the losses, the
-global gradient norm (clipping is active, so a norm counting a replicated parameter twice changes
-the weights) and the full weights (shards joined) with the reference; it also checks that every
+For each case the world first trains the whole model once (no groups: the reference, computed
+on one rank and broadcast), then each rank creates the groups, builds its shard of its stages,
+trains the same steps (``TPCase.steps``, 3 by default) and compares the losses, the global
+gradient norm (clipping is active, so a norm counting a replicated parameter twice changes the
+weights) and the full weights (shards joined) with the reference; it also checks that every
 replica of a shard, and every tensor-parallel copy of a replicated parameter, is bitwise equal.
 """
 
@@ -96,6 +97,7 @@ class TPCase:
     reset_positions: bool = False  # positions restart mid-sequence (--reset-position-ids)
     context_size: int = 1  # --context-parallel-size (W = world / (T x CP x D))
     slices: int = 1  # sequence slices per micro-batch (pipeline messages [s / k, b, h])
+    steps: int = STEPS  # training steps compared with one process
 
     @property
     def name(self) -> str:
@@ -162,7 +164,7 @@ def reference_training(case: TPCase, data_parallel_size: int, config: ModelConfi
     optimizer = get_megatron_optimizer(OPTIMIZER, [model])
     n, w = case.num_microbatches, data_parallel_size
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(case.steps):
         optimizer.zero_grad()
         step_losses = []
         for dp in range(w):
@@ -189,6 +191,27 @@ def _reference_name(module: torch.nn.Module, local_name: str, start: int) -> str
 def _check_close(value: float, reference: float, what: str) -> None:
     if abs(value - reference) > RTOL * max(abs(reference), 1e-12):
         raise AssertionError(f"{what}: {value!r} != reference {reference!r}")
+
+
+def check_losses(gathered, ref_losses: list[list[dict[str, float]]], what: str,
+                 keys: tuple[str, ...] | None = None) -> None:
+    """Every step's every micro-batch figure (``keys``, default all the reference's) of the
+    gathered results (``executor.gather``; None off the logging rank) against the one-process
+    run's (RTOL); prints the number of steps, the last loss and the largest relative
+    difference for the record."""
+    if gathered is None:
+        return
+    if len(gathered) != len(ref_losses):
+        raise AssertionError(f"{what}: {len(gathered)} steps, reference {len(ref_losses)}")
+    worst = 0.0
+    for step, figures in enumerate(gathered):
+        for i, (got, want) in enumerate(zip(figures.losses, ref_losses[step], strict=True)):
+            for key in keys or want:
+                _check_close(got[key], want[key], f"{what}: step {step} micro-batch {i} {key}")
+                worst = max(worst, abs(got[key] - want[key]) / max(abs(want[key]), 1e-12))
+    last = gathered[-1].losses[-1]["lm loss"]
+    print(f"\n{what}: {len(gathered)} steps equal one process, last lm loss {last:.6f}, "
+          f"max rel. loss difference {worst:.1e}", flush=True)
 
 
 def _assert_tensor_parallel_copies_equal(modules: dict[int, torch.nn.Module]) -> None:
@@ -248,14 +271,33 @@ def _init_groups(case: TPCase, schedule) -> None:
     model_parallel_cuda_manual_seed(1234 + 100 * parallel_state.get_pipeline_model_parallel_rank())
 
 
-def run_tp_case(rank: int, world_size: int, case: TPCase) -> dict[str, int]:
-    """Train 3 steps and compare with the single-process run; returns p2p bytes sent."""
+def _data_parallel_size(case: TPCase, world_size: int) -> int:
+    return world_size // (case.tensor_size * case.pipeline_size * case.context_size)
+
+
+def shared_references(rank: int, world_size: int, cases: list, reference) -> list:
+    """``reference(case)`` of every case, computed once in the world (case i on rank
+    i % world, in parallel) and broadcast from there: every rank would otherwise repeat the
+    same sequential one-process run."""
+    mine = {i: reference(case) for i, case in enumerate(cases) if i % world_size == rank}
+    out = []
+    for i in range(len(cases)):
+        box = [mine.get(i)]
+        dist.broadcast_object_list(box, src=i % world_size)
+        out.append(box[0])
+    return out
+
+
+def run_tp_case(rank: int, world_size: int, case: TPCase, reference=None) -> dict[str, int]:
+    """Train ``case.steps`` steps and compare with the single-process run (``reference``, or
+    computed here); returns p2p bytes sent."""
     schedule = build_schedule(case.schedule, case.pipeline_size, case.num_microbatches,
                               **dict(case.options))
     validate(schedule)
-    w = world_size // (case.tensor_size * case.pipeline_size * case.context_size)
     config = case.model_config()
-    ref_losses, ref_norms, ref_params = reference_training(case, w, config)
+    if reference is None:
+        reference = reference_training(case, _data_parallel_size(case, world_size), config)
+    ref_losses, ref_norms, ref_params = reference
     if ref_norms[0] <= OPTIMIZER.clip_grad:
         raise AssertionError(f"grad norm {ref_norms[0]} does not reach --clip-grad: the norm "
                              f"would not be tested")
@@ -265,7 +307,7 @@ def run_tp_case(rank: int, world_size: int, case: TPCase) -> dict[str, int]:
         dp = parallel_state.get_data_parallel_rank()
         prank = parallel_state.get_pipeline_model_parallel_rank()
         results, p2p_bytes = [], 0
-        for step in range(STEPS):
+        for step in range(case.steps):
             optimizer.zero_grad()
             result = executor.run([make_batch(case.family, step, dp, m, case.reset_positions)
                                    for m in range(case.num_microbatches)])
@@ -275,10 +317,7 @@ def run_tp_case(rank: int, world_size: int, case: TPCase) -> dict[str, int]:
             _check_close(norm, ref_norms[step], f"step {step} grad norm")
             results.append(result)
             p2p_bytes += result.p2p_bytes_sent
-        for step, figures in enumerate(executor.gather(results) or []):
-            for i, (got, want) in enumerate(zip(figures.losses, ref_losses[step], strict=True)):
-                for key in want:
-                    _check_close(got[key], want[key], f"step {step} micro-batch {i} {key}")
+        check_losses(executor.gather(results), ref_losses, case.name)
         optimizer.finish_param_sync()
         assert_replicas_identical(modules)
         _assert_tensor_parallel_copies_equal(modules)
@@ -296,13 +335,17 @@ def run_tp_case(rank: int, world_size: int, case: TPCase) -> dict[str, int]:
 
 
 def run_tp_cases(rank: int, world_size: int, cases: list[TPCase]) -> None:
-    """Run every case in sequence in this world; name the failing case. A sequence-parallel case
-    whose twin without sequence parallelism ran too must have sent exactly 1/T of its p2p bytes
-    (on every rank); the figures are printed for the record."""
+    """Run every case in sequence in this world (against one-process runs computed once in the
+    world); name the failing case. A sequence-parallel case whose twin without sequence
+    parallelism ran too must have sent exactly 1/T of its p2p bytes (on every rank); the
+    figures are printed for the record."""
     sent: dict[TPCase, int] = {}
+    references = shared_references(rank, world_size, cases, lambda case: reference_training(
+        case, _data_parallel_size(case, world_size), case.model_config()))
 
     def run(rank: int, world_size: int, case: TPCase) -> None:
-        sent[case] = run_tp_case(rank, world_size, case)["p2p_bytes"]
+        sent[case] = run_tp_case(rank, world_size, case,
+                                 references[cases.index(case)])["p2p_bytes"]
 
     run_each(rank, world_size, cases, run)
     for case, nbytes in sent.items():
@@ -315,7 +358,7 @@ def run_tp_cases(rank: int, world_size: int, cases: list[TPCase]) -> None:
         totals = torch.tensor([sent[twin], nbytes], dtype=torch.int64)
         dist.all_reduce(totals)
         if rank == 0:
-            per_microbatch = totals // (STEPS * case.num_microbatches * (
+            per_microbatch = totals // (case.steps * case.num_microbatches * (
                 world_size // (case.tensor_size * case.pipeline_size)))
             print(f"\n{twin.name}, [s, b, h] = [{SEQ}, {MICRO_BATCH}, {MODEL['hidden_size']}] "
                   f"fp32: p2p bytes per micro-batch (all ranks) {int(per_microbatch[0])}, with "

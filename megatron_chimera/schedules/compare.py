@@ -115,7 +115,8 @@ def moe_table(num_ranks: int, num_microbatches: int, costs: Any,
     The split-backward schedules are built for ``costs`` (``costs=`` option) where they take
     it; every schedule is simulated with them, each pair costed piece by piece over
     ``moe_layers_per_stage`` MoE layers per stage when it is > 0
-    (``CostModel.moe_layers_per_stage``; 0: max(compute, all-to-all))."""
+    (``CostModel.moe_layers_per_stage``; 0: max(compute, all-to-all)) -- the cost the
+    overlapped rows' pairs are also chosen under."""
     from megatron_chimera.schedules.pairing import ep_costs
 
     out = []
@@ -126,7 +127,8 @@ def moe_table(num_ranks: int, num_microbatches: int, costs: Any,
             given["costs"] = costs
         row: dict[str, Any] = {"schedule": label}
         try:
-            schedule = spec.build(num_ranks, num_microbatches, spec.options_type(**given))
+            schedule = spec.build(num_ranks, num_microbatches, spec.options_type(**given),
+                                  moe_layers_per_stage=moe_layers_per_stage)
             validate(schedule)
         except ValueError as exc:
             row["error"] = str(exc)

@@ -21,10 +21,11 @@ in the first. Its entries' collectives (a sequence-parallel input's all-gather, 
 buckets made ready) thus also keep one order.
 The leader is a fixed function of the two actions (the backward of an F&B pair, whose first
 step is its combine all-to-all's gradient, DualPipe's order; the F or B of a pair with a W,
-which issues no all-to-all; else the first in the list), and the ranks of an EP group run the same action list (same pipe position), so every
-rank of the group issues the pair's all-to-alls -- both halves', in the lowered list order of
-the pairs -- in one order, whatever the timing. Each issue happens under the baton, so nothing
-else of the rank's host code runs concurrently with it.
+which issues no all-to-all; else the first in the list), and the ranks of an EP group run the
+same action list (same pipe position), so every rank of the group issues the pair's
+all-to-alls -- both halves', in the lowered list order of the pairs -- in one order, whatever
+the timing. Each issue happens under the baton, so nothing else of the rank's host code runs
+concurrently with it.
 
 **Each half has its own random streams.** The process's generators (CPU, CUDA, the
 tensor-parallel tracker's) would otherwise be shared by two halves that alternate mid-layer: a

@@ -401,13 +401,18 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
     probe = build_schedule(name, d, n, **options)
     per_stage = emulated_stage_costs(costs, probe.num_stages, d, args.end_stage_factor,
                                      probe.split_backward)
+    moe = args.all_to_all_ms > 0 or args.expert_model_parallel_size > 1
     if probe.split_backward and cost_source == "known":
-        options["costs"] = dataclasses.replace(split_costs(per_stage), p2p=build_p2p_s)
+        # with MoE the pairs (--overlap-moe-expert-parallel-comm) are chosen for the all-to-all
+        # time too, per stage and direction as below
+        known_a2a = ((args.all_to_all_ms / 1e3 * d / probe.num_stages,) * probe.num_stages
+                     if moe and args.all_to_all_ms > 0 else ())
+        options["costs"] = dataclasses.replace(split_costs(per_stage), p2p=build_p2p_s,
+                                               all_to_all=known_a2a)
     schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
     validate(schedule)
     validate_lowered(lower(schedule))  # every rank alike: the executor checks only its own list
     w = ParallelLayout.from_world(dist.get_world_size(), pipeline=d).data
-    moe = args.all_to_all_ms > 0 or args.expert_model_parallel_size > 1
     # per stage and direction, scaled like the compute (k stages per rank: 1/k each)
     a2a = tuple(args.all_to_all_ms / 1e3 * d / schedule.num_stages
                 for _ in range(schedule.num_stages))

@@ -102,10 +102,10 @@ def run_anchor_table(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def run_moe_table(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """``--moe-table``: print (and write) the MoE overlap table; only -D, -N, --json and
-    --all-to-all-cost."""
+    """``--moe-table``: print (and write) the MoE overlap table; only -D, -N, --json,
+    --all-to-all-cost and --moe-layers-per-stage."""
     defaults = parser.parse_args([])
-    allowed = ("moe_table", "json", "all_to_all_cost", "num_microbatches",
+    allowed = ("moe_table", "json", "all_to_all_cost", "moe_layers_per_stage", "num_microbatches",
                "pipeline_model_parallel_size")
     given = [k for k, v in vars(args).items() if k not in allowed and v != getattr(defaults, k)]
     if given:
@@ -113,6 +113,9 @@ def run_moe_table(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                      f"{' '.join('--' + k.replace('_', '-') for k in given)}")
     if not args.all_to_all_cost >= 0:
         parser.error(f"--all-to-all-cost must be >= 0, got {args.all_to_all_cost}")
+    layers = args.moe_layers_per_stage
+    if layers < 0:
+        parser.error(f"--moe-layers-per-stage must be >= 0, got {layers}")
     if args.num_microbatches is None:
         args.num_microbatches = 32  # the issue's table: N = 32
     try:
@@ -121,9 +124,11 @@ def run_moe_table(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(exc))
     costs = StageCosts.uniform(1.0, 1.0, 1.0, 1, all_to_all=args.all_to_all_cost)
     print(f"D={D} N={N} F:B:W = 1:1:1 per stage, all-to-all {args.all_to_all_cost:g} per stage "
-          f"and direction; an unpaired F or B pays its all-to-all, a pair max(compute, "
-          f"all-to-all); exposed = all-to-all not hidden behind compute (worst rank)")
-    rows = moe_table(D, N, costs)
+          f"and direction; an unpaired F or B pays its all-to-all, a pair "
+          + (f"piece by piece over {layers} MoE layers per stage (the paired runtime's baton)"
+             if layers else "max(compute, all-to-all)")
+          + "; exposed = all-to-all not hidden behind compute (worst rank)")
+    rows = moe_table(D, N, costs, moe_layers_per_stage=layers)
     print(format_moe_table(rows))
     if args.json:
         atomic_write(args.json, lambda handle: json.dump(rows, handle, indent=1), mode="w")
@@ -158,11 +163,17 @@ def main(argv: list[str] | None = None) -> int:
                           "DualPipe, DualPipeV, combined 1F1B (F:B:W 1:1:1)")
     moe.add_argument("--all-to-all-cost", type=float, default=1.0,
                      help="--moe-table: all-to-all time per stage and direction (default 1)")
+    moe.add_argument("--moe-layers-per-stage", type=int, default=0,
+                     help="--moe-table: cost each pair piece by piece over this many MoE layers "
+                          "per stage, as the paired runtime runs it (default 0: max(compute, "
+                          "all-to-all))")
     args = parser.parse_args(argv)
     if args.moe_table:
         return run_moe_table(args, parser)
     if args.all_to_all_cost != 1.0:
         parser.error("--all-to-all-cost applies only with --moe-table")
+    if args.moe_layers_per_stage:
+        parser.error("--moe-layers-per-stage applies only with --moe-table")
     if args.anchor_table:
         return run_anchor_table(args, parser)
     if args.pipeline_schedule is not None or args.chimera_split_backward:

@@ -210,29 +210,33 @@ class _TimedForward(nn.Module):
 
 
 class SleepingWeightGradStore(WeightGradStore):
-    """WeightGradStore whose flush (the W action) also sleeps each queued layer's W time."""
+    """WeightGradStore whose flush (the W action) also sleeps each queued layer's W time, entry
+    by entry (in a pair the W hands the baton over between entries: ``overlap.py``)."""
 
     def __init__(self, timeline: Timeline | None = None) -> None:
         super().__init__()
-        self._sleep_s = 0.0
+        self._seconds: list[float] = []
         self.timeline = timeline  # records the W's start and end if set
 
     def put(self, weight, bias, inputs, grad_output,  # noqa: D102 - see base class
             sequence_sharded: bool = False) -> None:
-        self._sleep_s += getattr(weight, "emulated_weight_seconds", 0.0)
+        self._seconds.append(getattr(weight, "emulated_weight_seconds", 0.0))
         super().put(weight, bias, inputs, grad_output, sequence_sharded)
 
     def flush(self) -> None:
-        """Compute the (tiny) real gradients, then sleep until the queued weight-gradient time
-        has passed."""
+        """Each entry: compute its (tiny) real gradients, then sleep until its weight-gradient
+        time has passed since it started."""
         if self.timeline is not None:
             self.timeline.compute_starts()
-        deadline = time.perf_counter() + self._sleep_s
-        self._sleep_s = 0.0
         super().flush()
-        sleep_until(deadline)
+        self._seconds.clear()
         if self.timeline is not None:
             self.timeline.compute_ends()
+
+    def _flush_entry(self, index: int) -> None:
+        deadline = time.perf_counter() + self._seconds[index]
+        super()._flush_entry(index)
+        sleep_until_yielding(deadline)
 
 
 class EmulatedStage(_TimedForward):

@@ -516,10 +516,11 @@ class _Iteration:
         """A paired action (F&B, F&F, B&B, or a W with an F or B of another micro-batch): both
         inputs are waited on inside the halves (both receives were posted before the pair),
         each half's all-to-alls overlap the other half's compute (:func:`~.overlap.run_pair`;
-        a W computes while its partner's first all-to-all is in flight), and both outputs go to
-        the SENDs that follow. Two backwards of one stage of a split-backward schedule share
-        the stage's weight-gradient deferral, so they run one after the other (nothing to
-        overlap then); a W only flushes its own store, so it may run beside a B of its stage."""
+        a W computes one weight-gradient entry per all-to-all of its partner), and both
+        outputs go to the SENDs that follow. Two backwards of one stage of a split-backward
+        schedule share the stage's weight-gradient deferral, so they run one after the other
+        (nothing to overlap then); a W only flushes its own store, so it may run beside a B of
+        its stage."""
         if self.stage_done:
             self._report_stage_done()
         first, second = step.halves

@@ -14,13 +14,18 @@ all-to-all is exposed).
 **One issue order on every rank of an expert-parallel group.** The baton alternates strictly:
 the leading half computes up to its first all-to-all, then the other half up to its first, then
 the leader up to its second, and so on; a half that has finished hands the baton over for good.
+A **W** half (weight gradients: no all-to-all) hands the baton over between the entries of its
+weight-gradient store's flush (:func:`weight_piece_done`; one entry per linear layer), so it
+computes one entry while each of its partner's all-to-alls is in flight instead of all of it
+in the first. Its entries' collectives (a sequence-parallel input's all-gather, gradient
+buckets made ready) thus also keep one order.
 The leader is a fixed function of the two actions (the backward of an F&B pair, whose first
 step is its combine all-to-all's gradient, DualPipe's order; the F or B of a pair with a W,
-which issues no all-to-all and so computes to its end in its one turn; else the first in the
-list), and the ranks of an EP group run the same action list (same pipe position), so every
-rank of the group issues the pair's all-to-alls -- both halves', in the lowered list order of
-the pairs -- in one order, whatever the timing. Each issue happens under the baton, so nothing
-else of the rank's host code runs concurrently with it.
+which issues no all-to-all; else the first in the list), and the ranks of an EP group run the
+same action list (same pipe position), so every rank of the group issues the pair's
+all-to-alls -- both halves', in the lowered list order of the pairs -- in one order, whatever
+the timing. Each issue happens under the baton, so nothing else of the rank's host code runs
+concurrently with it.
 
 **Each half has its own random streams.** The process's generators (CPU, CUDA, the
 tensor-parallel tracker's) would otherwise be shared by two halves that alternate mid-layer: a
@@ -52,6 +57,7 @@ from megatron_chimera.tensor_parallel.random import (
     get_rng_states,
     set_rng_states,
 )
+from megatron_chimera.tensor_parallel.weight_grad import set_between_entries
 
 _state = threading.local()
 
@@ -148,11 +154,26 @@ def expert_all_to_all(issue: Callable[[], Waitable]) -> None:
     handle.wait()
 
 
+def weight_piece_done() -> None:
+    """Called between two entries of a weight-gradient store's flush (a W; installed as
+    ``tensor_parallel.weight_grad``'s hook): in a pair whose other half has not finished, hand
+    the baton over and wait for it back (the other half computes up to its next all-to-all,
+    issues it and hands back), so the W computes one entry per all-to-all of its partner; else
+    nothing. The hand-over points are fixed by the two actions (every entry boundary), never
+    by timing, so the baton still alternates in one order on every rank."""
+    half: _Half | None = getattr(_state, "half", None)
+    if half is None:
+        return
+    half.baton.hand_over(half.index)
+    half.baton.take(half.index)
+
+
 def leading_half(kinds: Sequence[str]) -> int:
     """Which half of a pair of action kinds (``"F"``/``"B"``/``"W"``) computes first: the
     backward of an F&B pair (it starts with communication: its combine's gradient), the F or B
     of a pair with a W (the W, which has no all-to-all, computes to its end once the other half
-    has issued its first all-to-all, then hands the baton back), else the first."""
+    has issued its first all-to-all and computes one weight-gradient entry per turn), else
+    the first."""
     if kinds[0] == "W" or (kinds[0] != kinds[1] and kinds[1] == "B"):
         return 1
     return 0
@@ -274,3 +295,4 @@ def _model_all_to_all(name: str, issue: Callable[[], Waitable]) -> None:
 
 
 set_all_to_all_runner(_model_all_to_all)
+set_between_entries(weight_piece_done)

@@ -106,13 +106,17 @@ CHIMERA_EP_LABELS = ("chimera-ep (chimera +overlap)", "chimera-ep (chimera-zb +o
 
 
 def moe_table(num_ranks: int, num_microbatches: int, costs: Any,
-              rows: Sequence[tuple[str, str, dict[str, Any]]] = MOE_ROWS) -> list[dict[str, Any]]:
+              rows: Sequence[tuple[str, str, dict[str, Any]]] = MOE_ROWS,
+              moe_layers_per_stage: int = 0) -> list[dict[str, Any]]:
     """Every row of ``rows`` simulated under ``costs`` (a one-stage :class:`~.costs.StageCosts`
     with ``all_to_all``: the cost of each of D stages, split over smaller chunks): makespan,
     exposed all-to-all (the worst rank's, and the mean over ranks) and its share of the
     makespan, peak activations and weight copies (L/D-layer units) and the number of pairs.
     The split-backward schedules are built for ``costs`` (``costs=`` option) where they take
-    it; every schedule is simulated with them."""
+    it; every schedule is simulated with them, each pair costed piece by piece over
+    ``moe_layers_per_stage`` MoE layers per stage when it is > 0
+    (``CostModel.moe_layers_per_stage``; 0: max(compute, all-to-all)) -- the cost the
+    overlapped rows' pairs are also chosen under."""
     from megatron_chimera.schedules.pairing import ep_costs
 
     out = []
@@ -123,14 +127,16 @@ def moe_table(num_ranks: int, num_microbatches: int, costs: Any,
             given["costs"] = costs
         row: dict[str, Any] = {"schedule": label}
         try:
-            schedule = spec.build(num_ranks, num_microbatches, spec.options_type(**given))
+            schedule = spec.build(num_ranks, num_microbatches, spec.options_type(**given),
+                                  moe_layers_per_stage=moe_layers_per_stage)
             validate(schedule)
         except ValueError as exc:
             row["error"] = str(exc)
             out.append(row)
             continue
         stage_costs = ep_costs(costs, num_ranks, schedule.num_stages)
-        result = simulate(schedule, stage_costs.cost_model(schedule.split_backward))
+        result = simulate(schedule, stage_costs.cost_model(
+            schedule.split_backward, moe_layers_per_stage=moe_layers_per_stage))
         exposed = result.exposed_all_to_all
         row.update(
             makespan=result.makespan,

@@ -184,21 +184,25 @@ def extra_warmup_pairs(schedule: Schedule) -> Schedule:
     return pair_adjacent(replace(schedule, actions=lists, pairs=[]))
 
 
-def _score(schedule: Schedule, costs: StageCosts) -> tuple[float, float] | None:
-    """(makespan, exposed all-to-all summed over ranks) under ``costs``; None if it deadlocks."""
+def _score(schedule: Schedule, costs: StageCosts,
+           layers: int = 0) -> tuple[float, float] | None:
+    """(makespan, exposed all-to-all summed over ranks) under ``costs``, each pair costed
+    piece by piece over ``layers`` MoE layers per stage when > 0
+    (``CostModel.moe_layers_per_stage``); None if it deadlocks."""
     heads = run_in_order(schedule.actions, schedule.num_stages, pairs=schedule.pair_starts())
     if stalled(schedule.actions, heads):
         return None
-    result = simulate(schedule, costs.cost_model(schedule.split_backward))
+    result = simulate(schedule, costs.cost_model(schedule.split_backward,
+                                                 moe_layers_per_stage=layers))
     return result.makespan, sum(result.exposed_all_to_all)
 
 
-def improve_pairs(schedule: Schedule, costs: StageCosts) -> Schedule:
+def improve_pairs(schedule: Schedule, costs: StageCosts, layers: int = 0) -> Schedule:
     """Add pairs of neighbouring independent F or B actions one at a time (ranks in order, each
     list from the front), keeping each that leaves the lists deadlock free and makes the iteration
     no slower and its exposed all-to-all smaller under ``costs``: a pair waits for both inputs,
-    so a pair can also delay a pipe or close a cycle."""
-    best = _score(schedule, costs)
+    so a pair can also delay a pipe or close a cycle (``layers``: as :func:`_score`)."""
+    best = _score(schedule, costs, layers)
     if best is None:
         raise ValueError(f"{FLAG}: {schedule.describe()} deadlocks before pairing")
     pairs = [list(p) for p in (schedule.pairs or [[] for _ in range(schedule.num_ranks)])]
@@ -212,7 +216,7 @@ def improve_pairs(schedule: Schedule, costs: StageCosts) -> Schedule:
                 continue
             trial = sorted(pairs[rank] + [i])
             candidate = replace(schedule, pairs=pairs[:rank] + [trial] + pairs[rank + 1:])
-            score = _score(candidate, costs)
+            score = _score(candidate, costs, layers)
             if score is not None and score[0] <= best[0] + 1e-9 and score[1] < best[1] - 1e-9:
                 pairs[rank], best = trial, score
                 i += 2
@@ -243,7 +247,7 @@ def _flatten(steps: Sequence[tuple[Action, ...]]) -> tuple[list[Action], list[in
 
 
 def pair_weights(schedule: Schedule, costs: StageCosts, limit: float,
-                 tries: int = 4) -> Schedule:
+                 tries: int = 4, layers: int = 0) -> Schedule:
     """With a split backward: pair lone F and B actions with a W (the rank computes the W while
     the lone action's all-to-all is in flight: ``max(C + C_W, A)``, the W for free when
     C + C_W <= A). For each rank in order and each of its lone F or B from the front, the lone
@@ -252,10 +256,11 @@ def pair_weights(schedule: Schedule, costs: StageCosts, limit: float,
     pair, kept when the lists stay deadlock free, every rank's live activations within
     ``limit`` (a W moved later keeps its activation longer) and the iteration no slower with
     less exposed all-to-all under ``costs``. Repeated until nothing more is kept. Chimera-ZB's
-    warm-up and cool-down lone actions take the Ws its zero-bubble order deferred."""
+    warm-up and cool-down lone actions take the Ws its zero-bubble order deferred
+    (``layers``: as :func:`_score`)."""
     if not schedule.split_backward:
         return schedule
-    best = _score(schedule, costs)
+    best = _score(schedule, costs, layers)
     if best is None:
         raise ValueError(f"{FLAG}: {schedule.describe()} deadlocks before pairing")
     lists = [list(a) for a in schedule.actions]
@@ -289,7 +294,7 @@ def pair_weights(schedule: Schedule, costs: StageCosts, limit: float,
                                     pairs=pairs[:rank] + [trial_pairs] + pairs[rank + 1:])
                     if max(peak_activations(trial)) > limit + 1e-9:
                         continue
-                    score = _score(trial, costs)
+                    score = _score(trial, costs, layers)
                     if (score is not None and score[0] <= best[0] + 1e-9
                             and score[1] < best[1] - 1e-9):
                         best, steps = score, trial_steps
@@ -302,7 +307,8 @@ def pair_weights(schedule: Schedule, costs: StageCosts, limit: float,
 
 
 def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None = None,
-                 megatron: bool = False, activation_limit: float | None = None) -> Schedule:
+                 megatron: bool = False, activation_limit: float | None = None,
+                 moe_layers_per_stage: int = 0) -> Schedule:
     """``schedule`` with paired actions (what ``--overlap-moe-expert-parallel-comm`` does):
     the fastest (then least exposed) valid candidate under ``costs`` (default
     :data:`DEFAULT_EP_COSTS`) among its own order (unpaired, and with neighbouring F&B
@@ -314,7 +320,11 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
     A candidate may hold at most max(the schedule's own peak, D + 1) live activations per rank
     (L/D-layer units; D + 1 is DualPipe's), so the overlap never costs more memory than
     DualPipe; ``activation_limit`` (the user's cap) replaces that bound. Never slower than the
-    schedule without pairs under ``costs``."""
+    schedule without pairs under ``costs``. ``moe_layers_per_stage`` > 0 scores every candidate
+    with each pair costed piece by piece, as the paired runtime runs it
+    (``CostModel.moe_layers_per_stage``; the order chosen under max(...) is one of the
+    candidates then); 0: max(compute, all-to-all)."""
+    layers = moe_layers_per_stage
     costs = ep_costs(costs, schedule.num_ranks, schedule.num_stages)
     candidates = [schedule, pair_adjacent(schedule)]
     if schedule.sequence_slices > 1:
@@ -332,10 +342,10 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
     orders, scored = [], []
     for candidate in candidates:
         if (max(peak_activations(candidate)) > limit + 1e-9
-                or _score(candidate, costs) is None):
+                or _score(candidate, costs, layers) is None):
             continue
-        improved = improve_pairs(candidate, costs)
-        scored.append((_score(improved, costs), len(scored), improved))
+        improved = improve_pairs(candidate, costs, layers)
+        scored.append((_score(improved, costs, layers), len(scored), improved))
         orders.append(candidate)
     if schedule.split_backward:
         # W pairs on the orders within WEIGHT_PAIRING_SLACK of the fastest (pair_weights
@@ -346,9 +356,15 @@ def with_overlap(schedule: Schedule, costs: StageCosts | Sequence[float] | None 
         for (makespan, _), i, improved in list(scored):
             if makespan > fastest * (1 + WEIGHT_PAIRING_SLACK):
                 continue
-            for candidate in (pair_weights(improved, costs, limit),
-                              improve_pairs(pair_weights(orders[i], costs, limit), costs)):
-                scored.append((_score(candidate, costs), len(scored), candidate))
+            for candidate in (pair_weights(improved, costs, limit, layers=layers),
+                              improve_pairs(pair_weights(orders[i], costs, limit,
+                                                         layers=layers), costs, layers)):
+                scored.append((_score(candidate, costs, layers), len(scored), candidate))
+    if layers:
+        # the greedy passes above can end in a worse order under the piece-level cost than
+        # the one they find under max(...): that one competes too, scored under this cost
+        perfect = with_overlap(schedule, costs, megatron, activation_limit)
+        scored.append((_score(perfect, costs, layers), len(scored), perfect))
     best = min(scored)[2]
     validate(best)
     return replace(best, meta=dict(schedule.meta, overlap_moe_expert_parallel_comm=True))

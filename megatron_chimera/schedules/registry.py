@@ -219,9 +219,12 @@ class ScheduleSpec:
         """The options dataclass's fields (each with its flag metadata)."""
         return fields(self.options_type)
 
-    def build(self, num_ranks: int, num_microbatches: int, options: Any = None) -> Schedule:
+    def build(self, num_ranks: int, num_microbatches: int, options: Any = None,
+              moe_layers_per_stage: int = 0) -> Schedule:
         """The schedule for D ranks and N micro-batches (ValueError naming the flag if it cannot
-        run at these sizes)."""
+        run at these sizes); with ``--overlap-moe-expert-parallel-comm`` its pairs are chosen
+        with each pair costed over ``moe_layers_per_stage`` MoE layers per stage when > 0
+        (:func:`~.pairing.with_overlap`)."""
         options = self.options_type() if options is None else options
         if not isinstance(options, self.options_type):
             raise TypeError(f"{self.name} takes {self.options_type.__name__}, got {options!r}")
@@ -236,7 +239,8 @@ class ScheduleSpec:
             cap = getattr(options, "activation_cap", None) or getattr(options, "max_inflight",
                                                                        None)
             schedule = with_overlap(schedule, costs, megatron=self.megatron_pairing,
-                                    activation_limit=cap)
+                                    activation_limit=cap,
+                                    moe_layers_per_stage=moe_layers_per_stage)
         return schedule
 
     def options_from(self, source: Any, strict: bool = True) -> Any:

@@ -266,9 +266,12 @@ def action_pieces(kind: str, compute: float, all_to_all: float,
     """The pieces ``(is_all_to_all, seconds)`` of an F or B over ``layers`` MoE layers: an F is
     attention, dispatch, experts, combine per layer, a B the reverse, each compute piece
     ``compute / 2 layers`` and each all-to-all ``all_to_all / 2 layers``. A W has no
-    all-to-all: one compute piece (in a pair it computes to its end in its one turn)."""
+    all-to-all: 2 x ``layers`` compute pieces of ``compute / 2 layers``, one per weight-gradient
+    entry (the attention's and the experts' linear of each layer, as the emulated stages queue
+    them); in a pair it hands the baton over after each (:func:`baton_pair_time`)."""
+    c, a = compute / (2 * layers), all_to_all / (2 * layers)
     if kind == WEIGHT:
-        return [(False, compute)]
+        return [(False, c)] * (2 * layers)
     c, a = compute / (2 * layers), all_to_all / (2 * layers)
     pair = [(False, c), (True, a)] if kind == FORWARD else [(True, a), (False, c)]
     return pair * (2 * layers)
@@ -280,8 +283,10 @@ def baton_pair_time(halves: Sequence[Sequence[tuple[bool, float]]], lead: int,
     the paired runtime runs them: only the baton's holder computes; a half that reaches an
     all-to-all issues it (it starts when the rank's previous all-to-all is through: one link)
     and hands the baton to the other half, unless that one has finished; a half that gets the
-    baton back first waits for its own all-to-all; a half ends when its last piece does and
-    then hands the baton over for good. The pair ends when both halves have. Each hand-over to
+    baton back first waits for its own all-to-all; a half without all-to-alls (a W) hands the
+    baton over after each of its compute pieces instead (the runtime's hand-over between the
+    weight-gradient store's entries); a half ends when its last piece does and then hands the
+    baton over for good. The pair ends when both halves have. Each hand-over to
     a half that has not finished costs ``hand_over`` before the receiver may compute (the
     runtime's switch between its two host threads)."""
     ready = [0.0, 0.0]  # when each half's previous piece ends
@@ -293,6 +298,7 @@ def baton_pair_time(halves: Sequence[Sequence[tuple[bool, float]]], lead: int,
         h, other = owner, 1 - owner
         t = max(baton, ready[h])
         pieces = halves[h]
+        weight = not any(is_all_to_all for is_all_to_all, _ in pieces)
         handed = False
         while following[h] < len(pieces):
             is_all_to_all, seconds = pieces[following[h]]
@@ -300,6 +306,9 @@ def baton_pair_time(halves: Sequence[Sequence[tuple[bool, float]]], lead: int,
             if not is_all_to_all:
                 t += seconds
                 ready[h] = t
+                if weight and following[h] < len(pieces) and ends[other] is None:
+                    baton, owner, handed = t + hand_over, other, True
+                    break
                 continue
             link = ready[h] = max(t, link) + seconds
             if ends[other] is None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,18 +79,41 @@ class WeightGradStore:
 
     def flush(self) -> None:
         """Compute every queued weight/bias gradient, accumulate it into ``main_grad`` (or
-        ``.grad``), free inputs."""
+        ``.grad``), free inputs. Between two entries it calls the hook installed by
+        :func:`set_between_entries` (the paired runtime hands its baton over there, so that a W
+        beside an F or B computes in pieces while that action's all-to-alls are in flight)."""
         with torch.no_grad():
-            for weight, bias, inputs, grad_output, sequence_sharded in self._pending:
-                if weight is not None and sequence_sharded:
-                    inputs = gather_along_first_dim(inputs)
-                if weight is not None and fuses_weight_grad(weight):
-                    accumulate_weight_grad_(weight, inputs, grad_output)
-                elif weight is not None:
-                    _accumulate(weight, _weight_grad(inputs, grad_output))
-                if bias is not None:
-                    _accumulate(bias, _bias_grad(grad_output))
+            for index in range(len(self._pending)):
+                if index:
+                    _between_entries()
+                self._flush_entry(index)
         self._pending.clear()
+
+    def _flush_entry(self, index: int) -> None:
+        """Compute and accumulate the gradients of queued entry ``index``."""
+        weight, bias, inputs, grad_output, sequence_sharded = self._pending[index]
+        if weight is not None and sequence_sharded:
+            inputs = gather_along_first_dim(inputs)
+        if weight is not None and fuses_weight_grad(weight):
+            accumulate_weight_grad_(weight, inputs, grad_output)
+        elif weight is not None:
+            _accumulate(weight, _weight_grad(inputs, grad_output))
+        if bias is not None:
+            _accumulate(bias, _bias_grad(grad_output))
+
+
+def _no_hook() -> None:
+    pass
+
+
+_between_entries: Callable[[], None] = _no_hook
+
+
+def set_between_entries(hook: Callable[[], None] | None) -> None:
+    """Install the function every :meth:`WeightGradStore.flush` calls between two of its
+    entries (None: none); ``pipeline/overlap.py`` installs the baton's hand-over of a W half."""
+    global _between_entries
+    _between_entries = hook if hook is not None else _no_hook
 
 
 def _weight_grad(inputs: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:

@@ -110,8 +110,9 @@ def run_overlap_equivalence(rank: int, world_size: int) -> None:
     unpaired schedule (<= 1e-6: the micro-batches accumulate in another order) and exactly
     those of the same paired schedule run one half after the other; every rank of an EP group
     issued the same all-to-alls in the same order, and the halves' all-to-alls did interleave.
-    Chimera-ZB's paired order also pairs Ws with lone Fs and Bs (the W computes while the
-    other half's all-to-all is in flight)."""
+    Chimera-ZB's paired order also pairs Ws with lone Fs and Bs (the W computes one
+    weight-gradient entry, of its 2 x LAYERS, while each of the other half's all-to-alls is in
+    flight)."""
     d, n = 2, 4
     zb = build_schedule("chimera-zb", d, n, overlap_moe_expert_parallel_comm=True)
     assert any(WEIGHT in (zb.actions[r][i].kind, zb.actions[r][i + 1].kind)

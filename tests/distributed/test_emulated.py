@@ -21,6 +21,7 @@ from megatron_chimera.pipeline.emulated import (
     mse_then_wait,
 )
 from megatron_chimera.pipeline.trace import END, START, Timeline
+from megatron_chimera.tensor_parallel import weight_grad
 
 pytestmark = pytest.mark.timeout(30)
 COSTS = EmulatedCosts(forward_s=0.02, backward_s=0.06, weight_s=0.04)
@@ -162,7 +163,8 @@ def test_real_work_is_absorbed_by_the_deadline(sleeps, monkeypatch):
     out = stage(torch.randn(3, 2, 4))
     with defer_weight_grad(stage, store):
         out.mean().backward()
-    monkeypatch.setattr(emulated.WeightGradStore, "flush", lambda self: emulated.time.sleep(0.015))
+    monkeypatch.setattr(emulated.WeightGradStore, "_flush_entry",
+                        lambda self, index: emulated.time.sleep(0.015))
     store.flush()
     assert sleeps[-2:] == [0.015, pytest.approx(COSTS.weight_s - 0.015)]
 
@@ -234,3 +236,24 @@ def test_a_moe_backward_piece_does_its_real_work_inside_its_time(sleeps, monkeyp
     work = [i for i, s in enumerate(sleeps) if s == 0.003]
     assert len(work) == 2 * layers  # each piece's work ran, then its wait for the rest
     assert all(sleeps[i + 1] == pytest.approx(0.06 / (2 * layers) - 0.003) for i in work[1:])
+
+
+def test_a_moe_weight_gradient_sleeps_entry_by_entry(sleeps, monkeypatch):
+    """The W of an emulated MoE stage of 2 layers is 4 entries (one per compute piece), each
+    waiting its quarter of weight_s after its own real work, with the paired runtime's
+    hand-over point (``weight_grad``'s hook) between every two of them."""
+    costs = EmulatedCosts(0.02, 0.06, 0.04)
+    stage = emulated.EmulatedMoEStage(costs, 0.0, emulated.EmulatedAllToAll(None),
+                                      pre_process=True, post_process=True, layers=2)
+    store = SleepingWeightGradStore()
+    out = stage(torch.randn(3, 2, 4))
+    with defer_weight_grad(stage, store):
+        out.mean().backward()
+    assert len(store) == 4
+    between = []
+    monkeypatch.setattr(weight_grad, "_between_entries", lambda: between.append(len(sleeps)))
+    done = len(sleeps)
+    store.flush()
+    assert sleeps[done:] == [pytest.approx(0.01)] * 4
+    assert between == [done + 1, done + 2, done + 3]
+    assert all(linear.weight.grad is not None for linear in stage.linears)

@@ -17,6 +17,7 @@ from megatron_chimera.pipeline.overlap import (
     run_pair,
 )
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron_chimera.tensor_parallel.weight_grad import WeightGradStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,23 +70,71 @@ def test_the_backward_leads_an_f_and_b_pair():
     assert leading_half(("F", "F")) == 0
 
 
-def test_a_weight_half_computes_while_the_other_half_communicates():
-    """A W (no all-to-all) beside an F: the F leads, issues its first all-to-all, the W
-    computes to its end meanwhile and hands the baton back for good; the F's later all-to-alls
-    are issued by the F alone, in its own order."""
+class _RecordingStore(WeightGradStore):
+    """A weight-gradient store that records each entry it computes (``<half>w<entry>``)."""
+
+    def __init__(self, half: int, events: list[str], computing: threading.Lock) -> None:
+        super().__init__()
+        self.half, self.events, self.computing = half, events, computing
+
+    def _flush_entry(self, index: int) -> None:
+        assert self.computing.acquire(blocking=False), "both halves compute at once"
+        self.events.append(f"{self.half}w{index}")
+        super()._flush_entry(index)
+        time.sleep(0.002)
+        self.computing.release()
+
+
+def _weight_trace(kinds: tuple[str, str], partner: str, entries: int) -> list[str]:
+    """A W (flushing a real store of ``entries`` linear layers' gradients) paired with an F or
+    B whose pieces are ``partner`` ("c" compute, "a" all-to-all of 10 ms): the events in order
+    (the W's gradients checked against their formula)."""
+    weight = kinds.index("W")
+    lead = leading_half(kinds)
+    events: list[str] = []
+    computing = threading.Lock()
+    store = _RecordingStore(weight, events, computing)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(3, 2) for _ in range(entries)]
+    expected = []
+    for layer in layers:
+        inputs, grad_output = torch.randn(4, 3), torch.randn(4, 2)
+        store.put(layer.weight, layer.bias, inputs, grad_output)
+        expected.append((grad_output.t() @ inputs, grad_output.sum(0)))
+
+    def other() -> None:
+        for k, piece in enumerate(partner):
+            if piece == "a":
+                expert_all_to_all(lambda k=k: (events.append(f"{1 - weight}a{k}"),
+                                               _Handle(0.01))[1])
+            else:
+                assert computing.acquire(blocking=False), "both halves compute at once"
+                events.append(f"{1 - weight}c{k}")
+                time.sleep(0.002)
+                computing.release()
+
+    halves = [other, other]
+    halves[weight] = store.flush
+    run_pair(halves, lead)
+    for layer, (w, b) in zip(layers, expected):
+        torch.testing.assert_close(layer.weight.grad, w, rtol=0, atol=0)
+        torch.testing.assert_close(layer.bias.grad, b, rtol=0, atol=0)
+    return events
+
+
+def test_a_weight_half_computes_one_entry_per_all_to_all_of_the_other_half():
+    """A W (no all-to-all) beside an F or B: the F or B leads; the W hands the baton back after
+    each entry of its weight-gradient store's flush, so it computes one entry while each of
+    the other half's all-to-alls is in flight (not all of them while the first is); the issue
+    order is the other half's own, and the gradients are the store's exact ones."""
     assert leading_half(("W", "F")) == 1 and leading_half(("F", "W")) == 0
     assert leading_half(("W", "B")) == 1 and leading_half(("B", "W")) == 0
-    for kinds, pieces in ((("W", "F"), {0: list("cc"), 1: list("caca")}),
-                          (("B", "W"), {0: list("acac"), 1: list("cc")})):
-        lead = leading_half(kinds)
-        events = _trace(pieces, lead, {0: 0.01, 1: 0.01})
-        weight = 1 - lead
-        first_a2a = next(i for i, e in enumerate(events) if e[1] == "a")
-        assert events[first_a2a][0] == str(lead)
-        # the W's compute runs right after the other half's first all-to-all is issued
-        assert events[first_a2a + 1:first_a2a + 3] == [f"{weight}c0", f"{weight}c1"]
-        assert sorted(events) == sorted(f"{h}{p}{k}" for h, ps in pieces.items()
-                                        for k, p in enumerate(ps))
+    events = _weight_trace(("W", "F"), "caca", 3)
+    assert events == ["1c0", "1a1", "0w0", "1c2", "1a3", "0w1", "0w2"]
+    events = _weight_trace(("B", "W"), "acac", 2)
+    assert events == ["0a0", "1w0", "0c1", "0a2", "1w1", "0c3"]
+    events = _weight_trace(("F", "W"), "cacacaca", 2)  # more all-to-alls than entries
+    assert events == ["0c0", "0a1", "1w0", "0c2", "0a3", "1w1", "0c4", "0a5", "0c6", "0a7"]
 
 
 def test_an_error_in_one_half_is_raised_after_both_end():

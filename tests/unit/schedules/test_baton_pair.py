@@ -11,7 +11,7 @@ import pytest
 
 from megatron_chimera.pipeline.overlap import leading_half
 from megatron_chimera.pipeline.pair_calibration import fit_hand_over
-from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from megatron_chimera.schedules.simulate import (
     CostModel,
     action_pieces,
@@ -55,17 +55,33 @@ def test_two_forwards_or_two_backwards_expose_one_piece(layers):
     assert _pair("BB", (4.0, 4.0), (4.0, 4.0), layers) == pytest.approx(8.0 + piece)
 
 
-def test_a_w_hides_one_all_to_all_piece_of_its_partner():
-    """A W has no all-to-all, so it computes to its end in its one turn: F (C 1, A 1) leads,
-    computes 1/2k, issues its first dispatch, the W computes 1 meanwhile, and the F's other
-    pieces run alone (their all-to-alls exposed): 1 + 1 + 1 - 1/2k, not max(1 + 1, 1) = 2."""
+def test_a_w_pair_hides_its_partners_all_to_alls_piece_by_piece():
+    """A W has no all-to-all: it hands the baton back after each of its 2k pieces (the
+    runtime's hand-over between weight-gradient entries). F (C 1, A 1) beside W (C 1), one
+    layer: F c(.5) [0, .5], issues a(.5) [.5, 1]; W w(.5) [.5, 1]; F c [1, 1.5], a [1.5, 2];
+    W w [1.5, 2]; F waits for its combine: 2 = max(1 + 1, 1) for every k (before the W was cut,
+    3 - 1/2k: the W computed in one turn and the F's later all-to-alls ran exposed). B leads
+    with its all-to-all: a [0, .5] beside w [0, .5], c [.5, 1], a [1, 1.5] beside w, c: 2."""
     for layers in (1, 2, 4):
-        piece = 1.0 / (2 * layers)
-        for kinds in ("FW", "WF", "BW"):
+        assert action_pieces(WEIGHT, 1.0, 0.0, layers) == [(False, 1.0 / (2 * layers))] * (
+            2 * layers)
+        for kinds in ("FW", "WF", "BW", "WB"):
             c, a = (1.0, 1.0), (1.0, 0.0)
             if kinds[0] == "W":
                 c, a = c[::-1], a[::-1]
-            assert _pair(kinds, c, a, layers) == pytest.approx(3.0 - piece)
+            assert _pair(kinds, c, a, layers) == pytest.approx(2.0)
+
+
+def test_a_w_pair_is_serial_within_its_halves():
+    """A short W (C .5) beside F (C 1, A 1), one layer: F c [0, .5], a [.5, 1]; W w(.25)
+    [.5, .75]; F waits for a, c [1, 1.5], a [1.5, 2]; W w [1.5, 1.75]: 2 = the F's own compute
+    plus all-to-all (max(1.5, 1) ignores that). A long W (C 2): F c [0, .5], a; W w(1)
+    [.5, 1.5]; F c [1.5, 2], a [2, 2.5]; W w [2, 3]; the pair ends at 3 = C_F + C_W."""
+    assert _pair("FW", (1.0, 0.5), (1.0, 0.0), 1) == pytest.approx(2.0)
+    assert _pair("FW", (1.0, 2.0), (1.0, 0.0), 1) == pytest.approx(3.0)
+    # each hand-over (.1) delays its receiver: F c [0, .5], a [.5, 1]; W w [.6, 1.1]; F c
+    # [1.2, 1.7], a [1.7, 2.2]; W w [1.8, 2.3], finishes; F takes the baton back at 2.4
+    assert _pair("FW", (1.0, 1.0), (1.0, 0.0), 1, 0.1) == pytest.approx(2.4)
 
 
 def test_many_layers_tend_to_perfect_overlap():
@@ -74,6 +90,12 @@ def test_many_layers_tend_to_perfect_overlap():
             perfect = max(sum(c), sum(a))
             assert _pair(kinds, c, a, 400) == pytest.approx(perfect, rel=5e-3)
             assert _pair(kinds, c, a, 1) >= perfect - 1e-12
+    # a W beside an F or B: max(C + C_W, C + A), the partner's own pieces being serial
+    for kinds in ("FW", "BW"):
+        for c in ((1.0, 0.5), (1.0, 1.0), (1.0, 2.0), (0.5, 1.0)):
+            perfect = max(sum(c), c[0] + 1.0)
+            assert _pair(kinds, c, (1.0, 0.0), 400) == pytest.approx(perfect, rel=5e-3)
+            assert _pair(kinds, c, (1.0, 0.0), 1) >= perfect - 1e-12
 
 
 def test_a_half_cannot_end_before_its_own_compute_and_all_to_all():

@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-model-parallel-sizes", type=_int_list, default=None,
                    help="EP to try with --num-experts (default: every EP dividing the experts "
                         "and T x CP x W)")
+    g.add_argument("--try-overlap-moe-expert-parallel-comm", action="store_true",
+                   help="with EP > 1 also try every schedule with "
+                        "--overlap-moe-expert-parallel-comm")
     g.add_argument("--context-parallel-sizes", type=_int_list, default=(1,),
                    help="comma-separated context-parallel sizes CP to try (ring attention over "
                         "CP ranks per sequence; default 1)")
@@ -218,6 +221,17 @@ def preset_spec(args: argparse.Namespace) -> ModelSpec:
     family, config = MODEL_PRESETS[args.preset]
     config = dataclasses.replace(config, params_dtype=_precision(args),
                                  seq_length=args.seq_length or config.seq_length)
+    if config.moe.enabled:  # the preset's experts; the dispatcher and GEMM flags may be given
+        runtime = {}
+        for f, flag_spec in flag_fields(MoEConfig):
+            value = getattr(args, f.name)
+            if value != f.default and flag_spec.model:
+                raise ConfigError(f"{flag_spec.name} applies only without --preset (the preset "
+                                  f"{args.preset} fixes its experts)")
+            if value != f.default:
+                runtime[f.name] = value
+        return ModelSpec(dataclasses.replace(
+            config, moe=dataclasses.replace(config.moe, **runtime)), family)
     return _with_moe(ModelSpec(config, family), args)
 
 
@@ -327,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                             context_parallel_sizes=args.context_parallel_sizes,
                             sequence_slices=args.pipeline_sequence_slices,
                             num_experts=cfg.moe.num_experts or 0,
-                            expert_parallel_sizes=args.expert_model_parallel_sizes)
+                            expert_parallel_sizes=args.expert_model_parallel_sizes,
+                            overlap_all_to_all=args.try_overlap_moe_expert_parallel_comm)
         result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)
         over = sorted(result.over_memory, key=lambda lp: lp[1])[: args.show_over_memory]
         print(f"{spec.family.title}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "

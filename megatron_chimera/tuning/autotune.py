@@ -81,10 +81,12 @@ class SearchSpace:
     # chimera-zb; k > 1 with the schedule's default options, D > 1 and CP = 1)
     sequence_slices: tuple[int, ...] = (1,)
     # MoE: the experts per layer (0: a dense model) and the EP to try
-    # (--expert-model-parallel-sizes; None: every EP dividing the experts and T x CP x W); with
-    # EP > 1 each schedule that can pair is also tried with --overlap-moe-expert-parallel-comm
+    # (--expert-model-parallel-sizes; None: every EP dividing the experts and T x CP x W);
+    # ``overlap_all_to_all``: with EP > 1 each schedule that can pair is also tried with
+    # --overlap-moe-expert-parallel-comm (building the paired orders costs search time)
     num_experts: int = 0
     expert_parallel_sizes: tuple[int, ...] | None = (1,)
+    overlap_all_to_all: bool = False
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -260,11 +262,13 @@ def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingPlan]:
 
 
 def _experts(space: SearchSpace, ranks: int, options: Any) -> Iterator[tuple[int, Any]]:
-    """(EP, options) to try: every EP of :meth:`SearchSpace.expert_sizes`, with EP > 1 also
-    with the all-to-all overlap where the schedule has the option and it is not set."""
+    """(EP, options) to try: every EP of :meth:`SearchSpace.expert_sizes`, with EP > 1 and
+    ``space.overlap_all_to_all`` also with the all-to-all overlap where the schedule has the
+    option and it is not set."""
     for EP in space.expert_sizes(ranks):
         yield EP, options
-        if EP > 1 and getattr(options, "overlap_moe_expert_parallel_comm", True) is None:
+        if (EP > 1 and space.overlap_all_to_all
+                and getattr(options, "overlap_moe_expert_parallel_comm", True) is None):
             yield EP, dataclasses.replace(options, overlap_moe_expert_parallel_comm=True)
 
 

@@ -43,7 +43,7 @@ import math
 from megatron_chimera.config import DTYPE_BYTES, ConfigError, ModelConfig
 from megatron_chimera.model.partition import expert_parameters
 from megatron_chimera.tuning.analytic_costs import StagePiece, ring_collective_seconds
-from megatron_chimera.tuning.hardware import LinkProfile
+from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
 from megatron_chimera.tuning.operators import Gemm, LayerShapes, Ops, Streaming, _backward_of
 
 DENSE_MLP_KERNELS = ("fc1", "fc2", "activation")  # the dense MLP's kernels an MoE layer drops
@@ -208,6 +208,27 @@ def expert_parallel_seconds(config: ModelConfig, piece: StagePiece, tokens: int,
     if config.moe.moe_token_dispatcher_type == "alltoall":
         return layers * all_to_all_seconds(config, tokens, expert_parallel, link), 0.0
     return 0.0, layers * allgather_dispatch_seconds(config, tokens, expert_parallel, link)
+
+
+def plan_expert_parallel_seconds(config: ModelConfig, hardware: HardwareProfile,
+                                 micro_batch: int, tensor_parallel: int, context_parallel: int,
+                                 expert_parallel: int, sequence_parallel: bool,
+                                 piece: StagePiece, p2p_link: LinkProfile | None = None
+                                 ) -> tuple[float, float]:
+    """:func:`expert_parallel_seconds` of one rank of a layout: its ``B s / CP`` tokens (``/ T``
+    under sequence parallelism) on the link of EP consecutive ranks (``layout``: expert ranks
+    are the innermost fold of a pipeline rank's ranks), one message at a time for the
+    all-to-alls, as a collective for the ``allgather`` dispatcher; ``p2p_link`` overrides."""
+    if expert_parallel == 1:
+        return 0.0, 0.0
+    tokens = micro_batch * config.seq_length // context_parallel
+    tokens //= tensor_parallel if sequence_parallel else 1
+    group = hardware.link_for(range(expert_parallel))
+    if config.moe.moe_token_dispatcher_type == "allgather":
+        link = p2p_link or hardware.collective_link(group, expert_parallel)
+    else:
+        link = p2p_link or hardware.message_link(group)
+    return expert_parallel_seconds(config, piece, tokens, expert_parallel, link)
 
 
 def moe_extra_activation_bytes(config: ModelConfig, piece: StagePiece, micro_batch: int,

@@ -54,10 +54,10 @@ from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
 from megatron_chimera.tuning.moe_costs import (
     check_expert_parallel,
     expert_gradient_bytes_saved,
-    expert_parallel_seconds,
     moe_extra_activation_bytes,
     moe_layer_count,
     moe_mlp_ops,
+    plan_expert_parallel_seconds,
     without_dense_mlp,
 )
 from megatron_chimera.tuning.operators import (
@@ -304,27 +304,14 @@ class PerformanceModel:
             raise ConfigError("--num-experts: the performance model prices MoE layers with the "
                               "analytic compute model only")
 
-    def expert_parallel_link(self, layout: TrainingPlan) -> LinkProfile:
-        """The link of an expert-parallel group: EP consecutive ranks of pipeline rank 0
-        (``ParallelLayout.expert_coordinates``), as one message over it sees it."""
-        return self.p2p_link or self.hardware.message_link(
-            self.hardware.link_for(range(layout.EP)))
-
     def expert_parallel_seconds(self, layout: TrainingPlan,
                                 piece: StagePiece) -> tuple[float, float]:
         """(all-to-all, synchronous dispatcher collectives) seconds of one micro-batch through
-        ``piece`` in one direction on one rank (its ``s / CP`` tokens, ``/ T`` under sequence
-        parallelism; :func:`~megatron_chimera.tuning.moe_costs.expert_parallel_seconds`)."""
-        if layout.EP == 1:
-            return 0.0, 0.0
-        cfg = self.spec.config
-        tokens = layout.B * cfg.seq_length // layout.CP
-        tokens //= layout.T if layout.sequence_parallel else 1
-        link = self.expert_parallel_link(layout)
-        if cfg.moe.moe_token_dispatcher_type == "allgather":  # collectives, not messages
-            link = self.hardware.collective_link(self.hardware.link_for(range(layout.EP)),
-                                                 layout.EP)
-        return expert_parallel_seconds(cfg, piece, tokens, layout.EP, link)
+        ``piece`` in one direction on one rank (:func:`~.moe_costs.plan_expert_parallel_seconds`:
+        its ``s / CP`` tokens on the EP group's link)."""
+        return plan_expert_parallel_seconds(self.spec.config, self.hardware, layout.B, layout.T,
+                                            layout.CP, layout.EP, layout.sequence_parallel,
+                                            piece, self.p2p_link)
 
     def all_to_all_costs(self, layout: TrainingPlan) -> tuple[float, ...]:
         """Per stage, the all-to-all seconds of one micro-batch in one direction (A_s)."""

@@ -465,7 +465,10 @@ def predict_main(argv: list[str]) -> int:
         print(f"collectives: {hardware.describe_backend()}")
         print(f"iteration: {prediction.iteration_s:.4f} s ({prediction.samples_per_s:.2f} "
               f"samples/s)")
-        print(f"TFLOP/s per GPU: {tflops:.1f} (Megatron's 96 B s l h^2 (1 + s/6h + V/16lh))")
+        dense_only = (", dense: one MLP per layer, not the top-k experts"
+                      if spec.config.moe.enabled else "")
+        print(f"TFLOP/s per GPU: {tflops:.1f} (Megatron's 96 B s l h^2 (1 + s/6h + V/16lh)"
+              f"{dense_only})")
         print(f"bubble: {prediction.bubble_ratio:.3f}")
         if layout.EP > 1:
             per_stage = model.all_to_all_costs(layout)

@@ -25,6 +25,9 @@ from pathlib import Path
 
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.config.flag import flag_fields
+from megatron_chimera.config.moe import MoEConfig
+from megatron_chimera.config.parallel import ParallelConfig
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.model.architecture import check_architecture
 from megatron_chimera.model.presets import MODEL_PRESETS
@@ -86,7 +89,37 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true")
     precision.add_argument("--bf16", action="store_true")
+    _add_moe_arguments(p)
 
+
+
+def _add_moe_arguments(p: argparse.ArgumentParser) -> None:
+    """The MoE flags, declared from their config fields (``config/moe.py``)."""
+    g = p.add_argument_group("mixture of experts (as pretrain_gpt2.py)")
+    for f, spec in flag_fields(MoEConfig):
+        spec.add_to(g, f.name, f.default)
+
+
+def moe_config(args: argparse.Namespace) -> MoEConfig:
+    """MoEConfig from the MoE flags (ConfigError naming a flag that is out of range)."""
+    values = {}
+    for f, spec in flag_fields(MoEConfig):
+        value = getattr(args, f.name)
+        problem = spec.check(value) if spec.check is not None and value is not None else None
+        if problem:
+            raise ConfigError(f"{spec.name} {problem}")
+        values[f.name] = value
+    moe = MoEConfig(**values)
+    if moe.enabled and not 1 <= moe.moe_router_topk <= moe.num_experts:
+        raise ConfigError(f"--moe-router-topk {moe.moe_router_topk} must be in 1..--num-experts "
+                          f"{moe.num_experts}")
+    return moe
+
+
+def _expert_parallel_flag() -> tuple:
+    """(field, flag) of ``--expert-model-parallel-size`` (``config/parallel.py``)."""
+    return next((f, spec) for f, spec in flag_fields(ParallelConfig)
+                if f.name == "expert_model_parallel_size")
 
 
 def _add_machine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -132,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-sizes", type=_int_list, default=None,
                    help="comma-separated pipeline sizes D to try (default: every D dividing "
                         "--num-gpus / T, odd sizes and 1 included, at most one stage per layer)")
+    g.add_argument("--expert-model-parallel-sizes", type=_int_list, default=None,
+                   help="EP to try with --num-experts (default: every EP dividing the experts "
+                        "and T x CP x W)")
+    g.add_argument("--try-overlap-moe-expert-parallel-comm", action="store_true",
+                   help="with EP > 1 also try every schedule with "
+                        "--overlap-moe-expert-parallel-comm")
     g.add_argument("--context-parallel-sizes", type=_int_list, default=(1,),
                    help="comma-separated context-parallel sizes CP to try (ring attention over "
                         "CP ranks per sequence; default 1)")
@@ -182,7 +221,18 @@ def preset_spec(args: argparse.Namespace) -> ModelSpec:
     family, config = MODEL_PRESETS[args.preset]
     config = dataclasses.replace(config, params_dtype=_precision(args),
                                  seq_length=args.seq_length or config.seq_length)
-    return ModelSpec(config, family)
+    if config.moe.enabled:  # the preset's experts; the dispatcher and GEMM flags may be given
+        runtime = {}
+        for f, flag_spec in flag_fields(MoEConfig):
+            value = getattr(args, f.name)
+            if value != f.default and flag_spec.model:
+                raise ConfigError(f"{flag_spec.name} applies only without --preset (the preset "
+                                  f"{args.preset} fixes its experts)")
+            if value != f.default:
+                runtime[f.name] = value
+        return ModelSpec(dataclasses.replace(
+            config, moe=dataclasses.replace(config.moe, **runtime)), family)
+    return _with_moe(ModelSpec(config, family), args)
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
@@ -217,7 +267,15 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
         rope_scaling_factor=args.rope_scaling_factor, **architecture_fields(args),
     )
     check_architecture(config)
-    return ModelSpec(config, args.model)
+    return _with_moe(ModelSpec(config, args.model), args)
+
+
+def _with_moe(spec: ModelSpec, args: argparse.Namespace) -> ModelSpec:
+    """``spec`` with the MoE flags' experts (GPT only)."""
+    moe = moe_config(args)
+    if moe.enabled and spec.family.name != "gpt2":
+        raise ConfigError("--num-experts applies to GPT models only (--model gpt2)")
+    return ModelSpec(dataclasses.replace(spec.config, moe=moe), spec.family)
 
 
 def write_json(path: str, records: list[dict] | dict) -> None:
@@ -281,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                             num_attention_heads=cfg.num_attention_heads,
                             gpus_per_node=hardware.gpus_per_node,
                             context_parallel_sizes=args.context_parallel_sizes,
-                            sequence_slices=args.pipeline_sequence_slices)
+                            sequence_slices=args.pipeline_sequence_slices,
+                            num_experts=cfg.moe.num_experts or 0,
+                            expert_parallel_sizes=args.expert_model_parallel_sizes,
+                            overlap_all_to_all=args.try_overlap_moe_expert_parallel_comm)
         result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)
         over = sorted(result.over_memory, key=lambda lp: lp[1])[: args.show_over_memory]
         print(f"{spec.family.title}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
@@ -325,6 +386,8 @@ def build_predict_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("layout (as pretrain_gpt2.py / pretrain_bert.py)")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--micro-batch-size", type=int, default=1)
+    field_, flag_ = _expert_parallel_flag()
+    flag_.add_to(g, field_.name, field_.default)
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
@@ -360,9 +423,10 @@ def predict_layout(args: argparse.Namespace, spec: ModelSpec) -> TrainingPlan:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     return TrainingPlan(schedule.name, D, W, B, args.global_batch_size // (W * B),
-                          args.recompute_granularity is not None, options,
-                          args.partition_method, T, args.sequence_parallel,
-                          args.use_distributed_optimizer, args.recompute_granularity or "full")
+                        args.recompute_granularity is not None, options,
+                        args.partition_method, T, args.sequence_parallel,
+                        args.use_distributed_optimizer, args.recompute_granularity or "full",
+                        EP=args.expert_model_parallel_size)
 
 
 def predict_main(argv: list[str]) -> int:
@@ -380,7 +444,10 @@ def predict_main(argv: list[str]) -> int:
             raise ConfigError(str(exc).splitlines()[0]) from None
         tflops = (megatron_flops(spec.config, layout.global_batch_size) / layout.num_gpus
                   / prediction.iteration_s / 1e12)
+        exposed = max(prediction.sim.exposed_all_to_all or [0.0])
         record = {"layout": layout.describe(), "schedule": layout.label, "T": layout.T,
+                  "EP": layout.EP, "all_to_all_s": list(model.all_to_all_costs(layout)),
+                  "exposed_all_to_all_s": exposed,
                   "D": layout.D, "W": layout.W, "B": layout.B, "N": layout.N,
                   "num_gpus": layout.num_gpus, "hardware": hardware.name,
                   "collective_backend": hardware.collective_backend,
@@ -398,8 +465,16 @@ def predict_main(argv: list[str]) -> int:
         print(f"collectives: {hardware.describe_backend()}")
         print(f"iteration: {prediction.iteration_s:.4f} s ({prediction.samples_per_s:.2f} "
               f"samples/s)")
-        print(f"TFLOP/s per GPU: {tflops:.1f} (Megatron's 96 B s l h^2 (1 + s/6h + V/16lh))")
+        dense_only = (", dense: one MLP per layer, not the top-k experts"
+                      if spec.config.moe.enabled else "")
+        print(f"TFLOP/s per GPU: {tflops:.1f} (Megatron's 96 B s l h^2 (1 + s/6h + V/16lh)"
+              f"{dense_only})")
         print(f"bubble: {prediction.bubble_ratio:.3f}")
+        if layout.EP > 1:
+            per_stage = model.all_to_all_costs(layout)
+            print(f"all-to-all per micro-batch and direction: {max(per_stage) * 1e3:.2f} ms "
+                  f"(slowest stage); exposed per iteration: {exposed:.4f} s (most exposed "
+                  f"rank)")
         print(f"peak memory per rank: {prediction.peak_memory_bytes / 2**30:.2f} GiB "
               f"({'fits' if record['fits'] else 'does not fit'} the "
               f"{limit / 2**30:.2f} GiB limit)")

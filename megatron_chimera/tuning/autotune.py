@@ -42,10 +42,10 @@ from megatron_chimera.schedules.slices import SLICED_SCHEDULES
 from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction
 from megatron_chimera.tuning.training_plan import TrainingPlan
 
-# the MoE overlap schedules (DualPipe, DualPipeV, combined 1F1B) only when asked for: the
-# performance model does not cost an all-to-all yet, where they would be worth their pairs
+# the MoE overlap schedules (DualPipe, DualPipeV, combined 1F1B) only when asked for (--schedules;
+# with EP > 1 the others are also tried with --overlap-moe-expert-parallel-comm)
 DEFAULT_SCHEDULES = tuple(n for n in SCHEDULE_NAMES if n not in PAIRED_SCHEDULES)
-JSON_KEYS = ("schedule", "pipes", "T", "CP", "k", "D", "W", "B", "N", "recompute",
+JSON_KEYS = ("schedule", "pipes", "T", "CP", "EP", "k", "D", "W", "B", "N", "recompute",
              "recompute_granularity",
              "sequence_parallel", "distributed_optimizer", "iteration_s", "samples_per_s",
              "peak_memory_bytes")
@@ -80,6 +80,13 @@ class SearchSpace:
     # k to try (--pipeline-sequence-slices: the sliced orders of 1f1b, zb-h1, chimera,
     # chimera-zb; k > 1 with the schedule's default options, D > 1 and CP = 1)
     sequence_slices: tuple[int, ...] = (1,)
+    # MoE: the experts per layer (0: a dense model) and the EP to try
+    # (--expert-model-parallel-sizes; None: every EP dividing the experts and T x CP x W);
+    # ``overlap_all_to_all``: with EP > 1 each schedule that can pair is also tried with
+    # --overlap-moe-expert-parallel-comm (building the paired orders costs search time)
+    num_experts: int = 0
+    expert_parallel_sizes: tuple[int, ...] | None = (1,)
+    overlap_all_to_all: bool = False
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1:
@@ -109,6 +116,10 @@ class SearchSpace:
                             ("--pipeline-sequence-slices", self.sequence_slices)):
             if not sizes or min(sizes) < 1:
                 raise ConfigError(f"{flag} must be positive, got {sizes}")
+        if self.expert_parallel_sizes is not None and (
+                not self.expert_parallel_sizes or min(self.expert_parallel_sizes) < 1):
+            raise ConfigError(f"--expert-model-parallel-sizes must be positive, got "
+                              f"{self.expert_parallel_sizes}")
         if self.tensor_parallel_sizes is not None and (
                 not self.tensor_parallel_sizes or min(self.tensor_parallel_sizes) < 1):
             raise ConfigError(f"--tensor-model-parallel-sizes must be positive, got "
@@ -151,7 +162,23 @@ class SearchSpace:
             return (f"no micro-batch size: --global-batch-size {self.global_batch_size} is not "
                     f"a multiple of any data-parallel width W in {widths} (times a "
                     f"--micro-batch-sizes value)")
+        ranks = sorted({t * c * (self.num_gpus // (t * d * c)) for t in self.tensor_sizes()
+                        for c in self.context_parallel_sizes
+                        if self.num_gpus % (t * c) == 0 for d in self.pipeline_sizes(t * c)})
+        if self.num_experts and not any(self.expert_sizes(r) for r in ranks):
+            return (f"no expert-parallel size EP: none of --expert-model-parallel-sizes "
+                    f"{self.expert_parallel_sizes} divides both --num-experts "
+                    f"{self.num_experts} and T x CP x W in {ranks}")
         return None
+
+    def expert_sizes(self, ranks: int) -> list[int]:
+        """The EP to try where expert ranks fold ``ranks`` (T x CP x W) ranks: those dividing
+        both ``ranks`` and the experts (1 only for a dense model)."""
+        if not self.num_experts:
+            return [1]
+        allowed = self.expert_parallel_sizes
+        return [e for e in range(1, ranks + 1) if ranks % e == 0 and self.num_experts % e == 0
+                and (allowed is None or e in allowed)]
 
     def micro_batches_for(self, W: int) -> list[int]:
         """Micro-batch sizes B with B̂ / (W B) a positive integer."""
@@ -227,10 +254,22 @@ def enumerate_layouts(space: SearchSpace) -> Iterator[TrainingPlan]:
                             for sharded in space.distributed_optimizer:
                                 if sharded and not replicated:
                                     continue  # every stage-replica group has one rank
-                                yield TrainingPlan(spec.name, D, W, B, N, recompute,
-                                                     options, partition, T,
-                                                     sequence_parallel, sharded,
-                                                     granularity, CP, k)
+                                for EP, opts in _experts(space, T * CP * W, options):
+                                    yield TrainingPlan(spec.name, D, W, B, N, recompute,
+                                                       opts, partition, T,
+                                                       sequence_parallel, sharded,
+                                                       granularity, CP, k, EP)
+
+
+def _experts(space: SearchSpace, ranks: int, options: Any) -> Iterator[tuple[int, Any]]:
+    """(EP, options) to try: every EP of :meth:`SearchSpace.expert_sizes`, with EP > 1 and
+    ``space.overlap_all_to_all`` also with the all-to-all overlap where the schedule has the
+    option and it is not set."""
+    for EP in space.expert_sizes(ranks):
+        yield EP, options
+        if (EP > 1 and space.overlap_all_to_all
+                and getattr(options, "overlap_moe_expert_parallel_comm", True) is None):
+            yield EP, dataclasses.replace(options, overlap_moe_expert_parallel_comm=True)
 
 
 def _sizes(space: SearchSpace) -> Iterator[tuple[int, int, int, int, int, int]]:
@@ -347,6 +386,7 @@ def to_records(predictions: Sequence[Prediction]) -> list[dict]:
             "pipes": p.layout.pipes,
             "T": p.layout.T,
             "CP": p.layout.CP,
+            "EP": p.layout.EP,
             "k": p.layout.slices,
             "D": p.layout.D,
             "W": p.layout.W,
@@ -376,7 +416,10 @@ def format_table(predictions: Sequence[Prediction], memory_limit_bytes: int,
         fits = "yes" if peak <= memory_limit_bytes else "no"
         tensor = f"{layout.T}{'s' if layout.sequence_parallel else ''}"
         label = layout.label + (f" CP={layout.CP}" if layout.CP > 1 else "") + (
-            f" k={layout.slices}" if layout.slices > 1 else "")
+            f" k={layout.slices}" if layout.slices > 1 else "") + (
+            f" EP={layout.EP}" if layout.EP > 1 else "") + (
+            "+a2a" if getattr(layout.options, "overlap_moe_expert_parallel_comm", None)
+            else "")
         recompute = {None: "no", "full": "yes", "selective": "sel"}[layout.recompute_mode]
         sharded = "yes" if layout.distributed_optimizer else "no"
         return (f"{index:>3}  {label:<32}{layout.pipes:>5}{tensor:>4}{layout.D:>5}"

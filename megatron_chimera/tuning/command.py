@@ -47,6 +47,13 @@ def pretrain_flags(spec: ModelSpec, layout: TrainingPlan) -> list[str]:
         flags += ["--context-parallel-size", str(layout.CP), "--cp-comm-type", "p2p",
                   "--hidden-dropout", "0", "--attention-dropout", "0"]
     flags += ["--pipeline-model-parallel-size", str(layout.D)]
+    if layout.EP > 1:
+        flags += ["--expert-model-parallel-size", str(layout.EP)]
+    moe = cfg.moe
+    if moe.enabled and moe.moe_token_dispatcher_type != "allgather":
+        flags += ["--moe-token-dispatcher-type", moe.moe_token_dispatcher_type]
+    if moe.enabled and moe.moe_grouped_gemm:
+        flags.append("--moe-grouped-gemm")
     flags += layout.spec.to_flags(layout.options)
     if layout.slices > 1:
         flags += ["--pipeline-sequence-slices", str(layout.slices)]

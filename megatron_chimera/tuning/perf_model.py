@@ -23,6 +23,8 @@ messages between stages shrink to ``1/T`` (sequence parallelism or scatter/gathe
 Recomputation is ``full`` or ``selective`` (``TrainingPlan.recompute_granularity``).
 Every message and collective goes through the profile's backend: device-direct (NCCL) or, with
 gloo, host-staged (``HardwareProfile.message_link`` / ``collective_link``).
+Mixture of experts (``TrainingPlan.EP``): :mod:`megatron_chimera.tuning.moe_costs` prices the MoE
+layers' kernels and their all-to-alls, which the simulator carries as ``all_to_all_cost``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ from megatron_chimera.tuning.analytic_costs import (
     tensor_parallel_comm_seconds,
 )
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
+from megatron_chimera.tuning.moe_costs import (
+    check_expert_parallel,
+    expert_gradient_bytes_saved,
+    moe_extra_activation_bytes,
+    moe_layer_count,
+    moe_mlp_ops,
+    plan_expert_parallel_seconds,
+    without_dense_mlp,
+)
 from megatron_chimera.tuning.operators import (
     attention_core_forward,
     check_recompute,
@@ -99,16 +110,18 @@ class AnalyticCompute:
         return self.rank_stage_times(piece, micro_batch, "full" if recompute else None)
 
     def rank_stage_times(self, piece: StagePiece, micro_batch: int, recompute: str | None,
-                         tensor_parallel: int = 1, sequence_parallel: bool = False
-                         ) -> StageTimes:
+                         tensor_parallel: int = 1, sequence_parallel: bool = False,
+                         expert_parallel: int = 1) -> StageTimes:
         """One micro-batch through the stage on one of ``tensor_parallel`` ranks (compute only;
-        the collectives are the caller's), with ``recompute`` None, ``full`` or ``selective``
-        (cached: the tuner asks for the same stage many times)."""
+        the collectives are the caller's), with ``recompute`` None, ``full`` or ``selective``;
+        MoE layers with ``experts / expert_parallel`` experts per rank (cached: the tuner asks
+        for the same stage many times)."""
         return _rank_stage_times(self, piece, micro_batch, recompute, tensor_parallel,
-                                 sequence_parallel)
+                                 sequence_parallel, expert_parallel)
 
     def _price(self, piece: StagePiece, micro_batch: int, recompute: str | None,
-               tensor_parallel: int, sequence_parallel: bool) -> StageTimes:
+               tensor_parallel: int, sequence_parallel: bool,
+               expert_parallel: int = 1) -> StageTimes:
         check_recompute(recompute)
         cfg = self.spec.config
         shapes = layer_shapes(cfg, micro_batch, tensor_parallel,
@@ -122,8 +135,20 @@ class AnalyticCompute:
         dtype = cfg.params_dtype
         forward_s, _ = ops_seconds(self.hardware, forward_layer, dtype)
         backward_s, weight_s = ops_seconds(self.hardware, backward_layer, dtype)
-        n = piece.num_layers
-        forward, backward, weight = n * forward_s, n * backward_s, n * weight_s
+        n, n_moe = piece.num_layers, moe_layer_count(cfg, piece)
+        forward, backward, weight = ((n - n_moe) * forward_s, (n - n_moe) * backward_s,
+                                     (n - n_moe) * weight_s)
+        if n_moe:
+            moe_f, moe_b = moe_mlp_ops(cfg, shapes, expert_parallel, tensor_parallel)
+            moe_forward = without_dense_mlp(forward_layer.times(1)) + moe_f
+            moe_backward = without_dense_mlp(layer_backward_ops(cfg, shapes)) + moe_b
+            if recompute == "full":
+                moe_backward = moe_backward + moe_forward
+            elif recompute == "selective":
+                moe_backward = moe_backward + attention_core_forward(cfg, shapes)
+            forward += n_moe * ops_seconds(self.hardware, moe_forward, dtype)[0]
+            b, w = ops_seconds(self.hardware, moe_backward, dtype)
+            backward, weight = backward + n_moe * b, weight + n_moe * w
         ends = []
         if piece.pre_process:
             ends.append(embedding_ops(cfg, shapes))
@@ -144,8 +169,9 @@ class AnalyticCompute:
 @functools.lru_cache(maxsize=4096)
 def _rank_stage_times(compute: AnalyticCompute, piece: StagePiece, micro_batch: int,
                       recompute: str | None, tensor_parallel: int,
-                      sequence_parallel: bool) -> StageTimes:
-    return compute._price(piece, micro_batch, recompute, tensor_parallel, sequence_parallel)
+                      sequence_parallel: bool, expert_parallel: int = 1) -> StageTimes:
+    return compute._price(piece, micro_batch, recompute, tensor_parallel, sequence_parallel,
+                          expert_parallel)
 
 
 def chimera_eq1_time(forward: float, backward: float, N: int, D: int, p2p: float = 0.0,
@@ -253,13 +279,43 @@ class PerformanceModel:
         earlier slices)."""
         check_tensor_parallel(self.spec, layout.T, layout.sequence_parallel)
         self.check_sequence(layout)
+        self.check_experts(layout)
         schedule, partition = self.schedule(layout), self.partition(layout)
-        memory = rank_memory(self.local_spec(layout), schedule, partition, layout.B,
+        local = self.local_spec(layout)
+        dispatched = [moe_extra_activation_bytes(local.config, p, layout.B, layout.T,
+                                                 layout.sequence_parallel, layout.recompute_mode)
+                      for p in partition]
+        memory = rank_memory(local, schedule, partition, layout.B,
                              layout.recompute_mode, self.device_type, layout.T,
                              layout.sequence_parallel, data_parallel_size=layout.W * layout.CP,
-                             distributed_optimizer=layout.distributed_optimizer)
+                             distributed_optimizer=layout.distributed_optimizer,
+                             expert_parallel=layout.EP, extra_activation_bytes=dispatched)
         return sliced_rank_memory(memory, schedule, slice_cache_bytes(
             self.spec, partition, layout.B, layout.slices, layout.T))
+
+    def check_experts(self, layout: TrainingPlan) -> None:
+        """ConfigError when EP does not fit the experts or the T x CP x W ranks, or when MoE
+        meets a compute source that cannot price it (measured stage times)."""
+        check_expert_parallel(self.spec.config, layout.EP, layout.T * layout.CP * layout.W)
+        if self.spec.config.moe.enabled and layout.T > 1 and not layout.sequence_parallel:
+            raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 needs "
+                              "--sequence-parallel")
+        if self.spec.config.moe.enabled and not isinstance(self.compute, AnalyticCompute):
+            raise ConfigError("--num-experts: the performance model prices MoE layers with the "
+                              "analytic compute model only")
+
+    def expert_parallel_seconds(self, layout: TrainingPlan,
+                                piece: StagePiece) -> tuple[float, float]:
+        """(all-to-all, synchronous dispatcher collectives) seconds of one micro-batch through
+        ``piece`` in one direction on one rank (:func:`~.moe_costs.plan_expert_parallel_seconds`:
+        its ``s / CP`` tokens on the EP group's link)."""
+        return plan_expert_parallel_seconds(self.spec.config, self.hardware, layout.B, layout.T,
+                                            layout.CP, layout.EP, layout.sequence_parallel,
+                                            piece, self.p2p_link)
+
+    def all_to_all_costs(self, layout: TrainingPlan) -> tuple[float, ...]:
+        """Per stage, the all-to-all seconds of one micro-batch in one direction (A_s)."""
+        return tuple(self.expert_parallel_seconds(layout, p)[0] for p in self.partition(layout))
 
     def _global_rank(self, layout: TrainingPlan, pipeline_rank: int, replica: int = 0,
                      context_rank: int = 0) -> int:
@@ -302,7 +358,7 @@ class PerformanceModel:
         (the zigzag split balances the causal work) while ring attention's key/value blocks
         travel (:meth:`ring_seconds`); a transfer hides behind the attention compute of the
         block before it, so only what exceeds the attention share of the time is added."""
-        times = self._tensor_stage_times(layout, piece)
+        times = self._moe_stage_times(layout, piece, self._tensor_stage_times(layout, piece))
         if layout.CP == 1:
             return times
         cp, share = layout.CP, self.attention_fraction()
@@ -312,10 +368,26 @@ class PerformanceModel:
                           backward + max(0.0, ring_b - share * (backward - times.weight / cp)),
                           times.weight / cp)
 
+    def _moe_stage_times(self, layout: TrainingPlan, piece: StagePiece,
+                         times: StageTimes) -> StageTimes:
+        """``times`` plus the expert-parallel work on the critical path: the ``allgather``
+        dispatcher's collectives (forward and backward) and, with full recomputation, the
+        recomputed forward's all-to-alls in the backward (the all-to-alls themselves are the
+        simulator's ``all_to_all_cost``). Whole-sequence seconds: CP divides them after."""
+        a2a, sync = self.expert_parallel_seconds(layout, piece)
+        if not (a2a or sync):
+            return times
+        extra = (a2a + sync) if layout.recompute_mode == "full" else sync
+        return StageTimes(times.forward + sync * layout.CP,
+                          times.backward + extra * layout.CP, times.weight)
+
     def _tensor_stage_times(self, layout: TrainingPlan, piece: StagePiece) -> StageTimes:
         mode = layout.recompute_mode
         per_rank = getattr(self.compute, "rank_stage_times", None)
-        if per_rank is not None:
+        if isinstance(self.compute, AnalyticCompute):
+            times = self.compute.rank_stage_times(piece, layout.B, mode, layout.T,
+                                                  layout.sequence_parallel, layout.EP)
+        elif per_rank is not None:
             times = per_rank(piece, layout.B, mode, layout.T, layout.sequence_parallel)
         else:
             if mode == "selective":
@@ -386,9 +458,10 @@ class PerformanceModel:
             activation_bytes=float(self.message_bytes(layout)),
             allreduce_alpha=link.alpha_s * half,
             allreduce_beta=link.beta_s_per_byte,
-            grad_bytes=tuple(b * half for b in self._grad_bytes(pieces, layout.T)),
+            grad_bytes=tuple(b * half for b in self._grad_bytes(pieces, layout.T, layout.EP)),
             data_parallel_size=layout.W * layout.CP,
             action_overhead=self.hardware.action_overhead_s,
+            all_to_all_cost=self.all_to_all_costs(layout) if layout.EP > 1 else 0.0,
         )
 
     def stage_costs(self, layout: TrainingPlan) -> StageCosts:
@@ -402,9 +475,10 @@ class PerformanceModel:
         edges = self._p2p_edges(layout, schedule)
         p2p = (sum(alpha + beta * size for _, _, alpha, beta in edges) / len(edges)
                if edges else 0.0)
+        a2a = self.all_to_all_costs(layout) if layout.EP > 1 else ()
         return StageCosts(tuple(t.forward for t in times),
                           tuple(t.backward - t.weight for t in times),
-                          tuple(t.weight for t in times), p2p)
+                          tuple(t.weight for t in times), p2p, a2a if any(a2a) else ())
 
     def message_bytes(self, layout: TrainingPlan) -> int:
         """Bytes one rank sends per pipeline message: ``[s, b, h]``, its ``1/T`` share under
@@ -412,11 +486,16 @@ class PerformanceModel:
         return activation_message_bytes(self.local_spec(layout), layout.B, layout.T,
                                         layout.sequence_parallel or layout.T > 1)
 
-    def _grad_bytes(self, pieces: list[StagePiece], tensor_parallel: int = 1) -> list[float]:
+    def _grad_bytes(self, pieces: list[StagePiece], tensor_parallel: int = 1,
+                    expert_parallel: int = 1) -> list[float]:
         """Bytes of each stage's gradient buffer on one of ``tensor_parallel`` ranks (fp32 for
-        fp32 and bf16 models)."""
+        fp32 and bf16 models; ``experts / expert_parallel`` experts per MoE layer, all reduced
+        on the stage's link)."""
         width = bytes_per_parameter(self.spec.config.params_dtype)["grad"]
-        return [float(n * width) for n in stage_parameters(self.spec, pieces, tensor_parallel)]
+        return [float(n * width) - expert_gradient_bytes_saved(self.spec.config, p,
+                                                               expert_parallel, width)
+                for n, p in zip(stage_parameters(self.spec, pieces, tensor_parallel), pieces,
+                                strict=True)]
 
     def exposed_param_gather_s(self, layout: TrainingPlan) -> float:
         """The distributed optimizer's parameter all-gather that the next iteration waits for:
@@ -426,7 +505,7 @@ class PerformanceModel:
             return 0.0
         schedule = self.schedule(layout)
         costs = self.cost_model(layout)  # its all-reduce terms are the reduce-scatter halves
-        nbytes = self._grad_bytes(self.partition(layout), layout.T)
+        nbytes = self._grad_bytes(self.partition(layout), layout.T, layout.EP)
         replicas = schedule.num_pipes * layout.W
         first = [schedule.actions[r][0].stage for r in range(schedule.num_ranks)
                  if schedule.actions[r]]
@@ -453,6 +532,7 @@ class PerformanceModel:
         """Iteration time (the simulated makespan), bubble ratio and per-rank peak memory."""
         if min(layout.D, layout.W, layout.B, layout.N, layout.T) < 1:
             raise ConfigError(f"layout sizes must be positive: {layout.describe()}")
+        self.check_experts(layout)
         sim = self.simulate(layout)
         memory = self.memory(layout) if with_memory else []
         # the simulator gives the pipeline messages and the gradient all-reduces separate
@@ -504,7 +584,9 @@ class PerformanceModel:
         if step is None:
             return 0.0
         schedule = self.schedule(layout)
-        params = stage_parameters(self.spec, self.partition(layout), layout.T)
+        width = bytes_per_parameter(self.spec.config.params_dtype)["grad"]
+        params = [b / width for b in self._grad_bytes(self.partition(layout), layout.T,
+                                                      layout.EP)]
         shards = schedule.num_pipes * layout.W if layout.distributed_optimizer else 1
         return max(step(sum(params[s] for s in schedule.stages_of_rank(r)) / shards)
                    for r in range(schedule.num_ranks))

@@ -123,14 +123,16 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
                 tensor_parallel: int = 1, sequence_parallel: bool = False,
                 data_parallel_size: int = 1, distributed_optimizer: bool = False,
                 grad_reduce_in_fp32: bool | None = None,
-                expert_parallel: int = 1) -> list[RankMemory]:
+                expert_parallel: int = 1,
+                extra_activation_bytes: Sequence[int] | None = None) -> list[RankMemory]:
     """Peak memory of every pipeline rank of ``schedule`` (one entry per rank; with tensor
     parallelism, of each of its T ranks). ``recompute``: False / None, True / ``"full"``, or
     ``"selective"`` (each layer keeps all but its attention core's ``s x s`` tensors; one
     layer's core is the working set). ``expert_parallel``: each rank holds ``experts / EP``
     experts per MoE layer, sharded by the distributed optimizer over ``replicas x T x
     data_parallel_size / EP`` ranks (``data_parallel_size``: W, times CP with context
-    parallelism)."""
+    parallelism). ``extra_activation_bytes``: per stage, bytes one micro-batch saves beyond the
+    estimate (the MoE layers' dispatched tokens, ``moe_costs.moe_extra_activation_bytes``)."""
     mode = "full" if recompute is True else (recompute or None)
     if len(partition) != schedule.num_stages:
         raise ValueError(f"partition has {len(partition)} stages, schedule {schedule.num_stages}")
@@ -145,6 +147,8 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
         core = attention_core_bytes(spec, micro_batch, device_type, tensor_parallel,
                                     sequence_parallel)
         per_mb = [b - piece.num_layers * core for b, piece in zip(per_mb, partition, strict=True)]
+    if extra_activation_bytes is not None:
+        per_mb = [b + e for b, e in zip(per_mb, extra_activation_bytes, strict=True)]
     peaks = peak_activation_bytes(schedule, per_mb)
     replicas = stage_replicas(schedule)
     embedding_group = embedding_group_size(schedule, data_parallel_size)

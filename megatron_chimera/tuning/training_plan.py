@@ -1,7 +1,7 @@
 """A training layout the performance model prices: schedule, parallel sizes and batch shape.
 
 :class:`TrainingPlan` holds what one candidate of the autotuner (or one ``--predict`` line)
-fixes -- the schedule and its options, D, W, T, CP, sequence slices, the micro-batch size B and
+fixes -- the schedule and its options, D, W, T, CP, EP, sequence slices, the micro-batch size B and
 count N, recomputation, sequence parallelism and the distributed optimizer -- and builds its
 schedule (data) for :class:`~megatron_chimera.tuning.perf_model.PerformanceModel` to cost.
 """
@@ -40,6 +40,10 @@ class TrainingPlan:
     recompute_granularity: str = "full"
     CP: int = 1  # --context-parallel-size (ring attention, --cp-comm-type p2p)
     slices: int = 1  # --pipeline-sequence-slices k (N sequences run as N k units)
+    # --expert-model-parallel-size: MoE experts split over EP ranks folded out of T x CP x W
+    # (the overlap of their all-to-alls is the schedule option
+    # --overlap-moe-expert-parallel-comm)
+    EP: int = 1
 
     def __post_init__(self) -> None:
         if self.options is None:
@@ -118,6 +122,9 @@ class TrainingPlan:
         sp = " sequence-parallel" if self.sequence_parallel and self.T > 1 else ""
         tensor += f" CP={self.CP}" if self.CP > 1 else ""
         tensor += f" k={self.slices}" if self.slices > 1 else ""
+        tensor += f" EP={self.EP}" if self.EP > 1 else ""
+        if getattr(self.options, "overlap_moe_expert_parallel_comm", None):
+            tensor += " overlap-a2a"
         return (f"{self.label}{pipes}{tensor} D={self.D} W={self.W} B={self.B} N={self.N}"
                 f"{' recompute' if self.recompute else ''}"
                 f"{'-selective' if self.recompute_mode == 'selective' else ''}{sp}"

@@ -46,8 +46,11 @@ def _relative(a, b):
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def check_case(group, cp, rank, comm_type, causal, groups, documents, dtype, tolerance):
-    """One configuration: outputs and dQ/dK/dV against the reference; AssertionError naming it."""
+def check_case(group, cp, rank, comm_type, causal, groups, documents, dtype, tolerance,
+               attention_group=None):
+    """One configuration: outputs and dQ/dK/dV against the reference; AssertionError naming it.
+    ``attention_group``: what the attention communicates over when it is not ``group`` (the
+    hierarchical groups of ``a2a+p2p``); the tokens are always gathered over ``group``."""
     generator = torch.Generator().manual_seed(1234)
     full = [torch.randn(BATCH, h, SEQ, HEAD_DIM, generator=generator, dtype=torch.float64)
             for h in (HEADS, groups, groups)]
@@ -62,9 +65,13 @@ def check_case(group, cp, rank, comm_type, causal, groups, documents, dtype, tol
     positions = zigzag_positions(SEQ, cp, rank)
     local_docs = None if docs is None else split_sequence(docs, 1, cp, rank)
     tokens = ContextTokens.gather(group, positions, local_docs, causal)
-    out = context_parallel_attention(*local, tokens, group, comm_type)
+    out = context_parallel_attention(*local, tokens,
+                                     group if attention_group is None else attention_group,
+                                     comm_type)
     out.backward(split_sequence(grad_out, 2, cp, rank).to(dtype))
-    name = (f"{comm_type} CP={cp} causal={causal} groups={groups} documents={documents} "
+    sizes = ("" if attention_group is None else
+             f" {attention_group.inner_size}x{attention_group.outer_size}")
+    name = (f"{comm_type}{sizes} CP={cp} causal={causal} groups={groups} documents={documents} "
             f"{dtype}")
     for what, got, want in [("output", out, ref)] + [
             (f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", local, full)]:

@@ -53,13 +53,19 @@ def run_model_matches_one_process(rank, world_size, comm_type, llama, documents)
     loss, reported = _loss(model, *split_batch(tokens, labels, loss_mask, positions, docs))
     loss.backward()
     assert _relative(reported, ref_loss.detach()) < 1e-6, (reported, ref_loss)
+    check_summed_gradients(model, reference, f"{comm_type} llama={llama} documents={documents}")
+    parallel_state.destroy_model_parallel()
+
+
+def check_summed_gradients(model, reference, label: str) -> None:
+    """Every gradient of ``model``, summed over the context ranks (as the stage-replica
+    reduction does), equals the one-process ``reference``'s (1e-5 relative)."""
     group = parallel_state.get_context_parallel_group()
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         grad = p.grad.clone()
         dist.all_reduce(grad, group=group)
         err = _relative(grad, q.grad)
-        assert err < 1e-5, f"{comm_type} llama={llama} documents={documents}: {name} {err:.1e}"
-    parallel_state.destroy_model_parallel()
+        assert err < 1e-5, f"{label}: {name} {err:.1e}"
 
 
 def saved_activation_bytes(model, batch) -> int:

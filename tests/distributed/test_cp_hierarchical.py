@@ -13,15 +13,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera import parallel_state
-from megatron_chimera.model.context_parallel import (
-    ContextTokens,
-    context_parallel_attention,
-    split_sequence,
-    zigzag_positions,
-)
 from megatron_chimera.parallel_state import HierarchicalGroups, hierarchical_groups
 
-from .cp_cases import BATCH, HEAD_DIM, HEADS, SEQ, _documents, reference_attention
+from .cp_cases import HEADS, check_case
 from .harness import spawn_world
 
 pytestmark = pytest.mark.distributed
@@ -37,30 +31,6 @@ def _groups(world_size: int, rank: int, sizes: tuple[int, int]) -> HierarchicalG
     return HierarchicalGroups(mine[0], mine[1], *sizes)
 
 
-def _check(world, groups, rank, cp, causal, kv_groups, documents, dtype, tolerance):
-    generator = torch.Generator().manual_seed(1234)
-    full = [torch.randn(BATCH, h, SEQ, HEAD_DIM, generator=generator, dtype=torch.float64)
-            for h in (HEADS, kv_groups, kv_groups)]
-    grad_out = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=generator,
-                           dtype=torch.float64)
-    docs = _documents(generator) if documents else None
-    full = [t.to(dtype).to(torch.float64).requires_grad_() for t in full]
-    ref = reference_attention(*full, causal, docs)
-    ref.backward(grad_out)
-    local = [split_sequence(t.detach(), 2, cp, rank).to(dtype).requires_grad_() for t in full]
-    local_docs = None if docs is None else split_sequence(docs, 1, cp, rank)
-    tokens = ContextTokens.gather(world, zigzag_positions(SEQ, cp, rank), local_docs, causal)
-    out = context_parallel_attention(*local, tokens, groups, "a2a+p2p")
-    out.backward(split_sequence(grad_out, 2, cp, rank).to(dtype))
-    name = (f"a2a+p2p {groups.inner_size}x{groups.outer_size} causal={causal} "
-            f"groups={kv_groups} documents={documents} {dtype}")
-    for what, got, want in [("output", out, ref)] + [
-            (f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", local, full)]:
-        want_local = split_sequence(want.detach(), 2, cp, rank)
-        err = float((got.double() - want_local).abs().max() / want_local.abs().max())
-        assert err <= tolerance, f"{name}: {what} differs by {err:.2e} (> {tolerance})"
-
-
 def run_hierarchical_attention(rank, world_size):
     """Every size split of the world, causal or not, GQA (4 key/value heads: the pairs split
     them) or multi-head, with and without documents; float64 and float32."""
@@ -70,7 +40,8 @@ def run_hierarchical_attention(rank, world_size):
         for causal, documents in itertools.product((True, False), (False, True)):
             for kv, dtype, tolerance in ((4, torch.float64, 1e-12), (HEADS, torch.float64, 1e-12),
                                          (4, torch.float32, 2e-6)):
-                _check(world, groups, rank, world_size, causal, kv, documents, dtype, tolerance)
+                check_case(world, world_size, rank, "a2a+p2p", causal, kv, documents, dtype,
+                           tolerance, attention_group=groups)
 
 
 def run_hierarchical_model(rank, world_size):
@@ -81,7 +52,7 @@ def run_hierarchical_model(rank, world_size):
     from megatron_chimera.model.gpt2 import GPTModel
     from tests.helpers.models import small_config
 
-    from .cp_model_cases import LLAMA, _batch, _loss, _relative
+    from .cp_model_cases import LLAMA, _batch, _loss, _relative, check_summed_gradients
 
     config = small_config(cp_comm_type=("a2a+p2p", "p2p", "a2a+p2p", "a2a"),
                           num_attention_heads=8, **{**LLAMA, "num_query_groups": 4})
@@ -97,11 +68,7 @@ def run_hierarchical_model(rank, world_size):
     loss, reported = _loss(model, *split_batch(*batch))
     loss.backward()
     assert _relative(reported, ref_loss.detach()) < 1e-6, (reported, ref_loss)
-    group = parallel_state.get_context_parallel_group()
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=group)
-        assert _relative(grad, q.grad) < 1e-5, name
+    check_summed_gradients(model, reference, "a2a+p2p 2x2 model")
     parallel_state.destroy_model_parallel()
 
 

@@ -94,15 +94,17 @@ from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.pipeline.emulated import (
-    EmulatedAllToAll,
     EmulatedCollectives,
     EmulatedCosts,
-    EmulatedMoEStage,
     EmulatedStage,
     SleepingWeightGradStore,
     emulated_forward_step,
-    emulated_moe_forward_step,
     emulated_stage_costs,
+)
+from megatron_chimera.pipeline.emulated_moe import (
+    EmulatedAllToAll,
+    EmulatedMoEStage,
+    emulated_moe_forward_step,
 )
 from megatron_chimera.pipeline.executor import Gradients, PipelineExecutor, StageWork
 from megatron_chimera.pipeline.pair_calibration import PairHostCosts, calibrate

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_chimera.pipeline.emulated import EmulatedMoEStage
+from megatron_chimera.pipeline.emulated_moe import EmulatedMoEStage
 from megatron_chimera.pipeline.overlap import (
     leading_half,
     prepare_threads,

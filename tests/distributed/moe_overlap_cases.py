@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera import parallel_state
-from megatron_chimera.pipeline.emulated import (
+from megatron_chimera.pipeline.emulated import EmulatedCosts
+from megatron_chimera.pipeline.emulated_moe import (
     EmulatedAllToAll,
-    EmulatedCosts,
     EmulatedMoEStage,
     emulated_moe_forward_step,
 )

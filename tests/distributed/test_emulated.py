@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_chimera.model.linear import defer_weight_grad
-from megatron_chimera.pipeline import emulated
+from megatron_chimera.pipeline import emulated, emulated_moe
 from megatron_chimera.pipeline.emulated import (
     EmulatedCosts,
     EmulatedStage,
@@ -225,7 +225,7 @@ def test_a_moe_backward_piece_does_its_real_work_inside_its_time(sleeps, monkeyp
     (and its gradient accumulation), and wait after it: 3 ms of real work per layer piece are
     absorbed, the backward lasts its emulated time (the forward's pieces did so already)."""
     costs = EmulatedCosts(0.02, 0.06)
-    stage = emulated.EmulatedMoEStage(costs, 0.0, emulated.EmulatedAllToAll(None),
+    stage = emulated_moe.EmulatedMoEStage(costs, 0.0, emulated_moe.EmulatedAllToAll(None),
                                       pre_process=True, post_process=True, layers=layers)
     for linear in stage.linears:
         linear.weight.register_hook(lambda grad: emulated.time.sleep(0.003))
@@ -243,7 +243,7 @@ def test_a_moe_weight_gradient_sleeps_entry_by_entry(sleeps, monkeypatch):
     waiting its quarter of weight_s after its own real work, with the paired runtime's
     hand-over point (``weight_grad``'s hook) between every two of them."""
     costs = EmulatedCosts(0.02, 0.06, 0.04)
-    stage = emulated.EmulatedMoEStage(costs, 0.0, emulated.EmulatedAllToAll(None),
+    stage = emulated_moe.EmulatedMoEStage(costs, 0.0, emulated_moe.EmulatedAllToAll(None),
                                       pre_process=True, post_process=True, layers=2)
     store = SleepingWeightGradStore()
     out = stage(torch.randn(3, 2, 4))

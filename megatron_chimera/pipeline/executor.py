@@ -44,7 +44,6 @@ failed first (:mod:`.failures`). Where the rank sits comes from an injected
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from torch.autograd import Variable
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.moe.aux_loss import moe_routers
 from megatron_chimera.parallel_state import nccl_semantics_requested
+from megatron_chimera.pipeline.busy_timer import ActionTimer, BusyTimer
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
 from megatron_chimera.pipeline.overlap import (
@@ -97,6 +97,7 @@ from megatron_chimera.tensor_parallel.weight_grad import (
 )
 
 ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
+
 __all__ = ["PipelineExecutor", "StageWork", "Gradients", "ExecutorPolicy", "PipelineFailure",
            "IterationResult", "GatheredIteration", "ForwardStepFunc", "ActionTimer",
            "make_transport", "deallocate_output_tensor", "custom_backward"]
@@ -118,7 +119,7 @@ class IterationResult:
     point-to-point payload bytes this rank sent."""
 
     local_losses: dict[int, dict[str, Any]]
-    busy: _BusyTimer
+    busy: BusyTimer
     iteration_seconds: float
     executed: list[Action]
     p2p_bytes_sent: int = 0
@@ -141,7 +142,6 @@ def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
     )
 
 
-ActionTimer = Callable[[Action, float], None]
 
 
 def make_transport(topology: PipelineTopology, tag_of: Any = None) -> Transport:
@@ -151,78 +151,6 @@ def make_transport(topology: PipelineTopology, tag_of: Any = None) -> Transport:
         return NcclSemanticsTransport(topology)
     return Transport(topology, tag_of)
 _NO_CHANGE = contextlib.nullcontext()  # the grad mode is already the one wanted (reusable)
-
-
-class _BusyTimer:
-    """Sums compute time: wall clock on CPU, CUDA events on GPU (read when gathered, so no
-    host-device sync happens during the iteration). ``timer(action)`` is the context manager of
-    one compute action; with an ``action_timer`` it also reports that action's seconds (on GPU
-    when the events are read: the executor reads them at the end of a timed iteration). Events
-    come from ``events`` (the executor's free list) and go back there once read."""
-
-    def __init__(self, device: torch.device, events: list[Any],
-                 action_timer: ActionTimer | None = None, tracer: Any = None) -> None:
-        self.cuda = device.type == "cuda"
-        self.seconds = 0.0
-        self.action_timer = action_timer
-        self.tracer = tracer  # tracer.compute(action, start, end) on the host clock
-        self._free = events
-        self._recorded: list[tuple[Any, Any, Action | None]] = []
-        self._local = threading.local()  # the two halves of a pair time on two threads
-        self._origin: tuple[Any, float] | None = None
-        if tracer is not None and self.cuda:  # an event at a known host time (device idle)
-            torch.cuda.synchronize()
-            origin = self._event()
-            origin.record()
-            self._origin = (origin, time.perf_counter())
-
-    def _event(self) -> Any:
-        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
-
-    def __call__(self, action: Action | None = None) -> _BusyTimer:
-        self._local.action = action
-        return self
-
-    def __enter__(self) -> _BusyTimer:
-        if self.cuda:
-            start = self._event()
-            start.record()
-            self._local.start = start
-        else:
-            self._local.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        local = self._local
-        if self.cuda:
-            end = self._event()
-            end.record()
-            self._recorded.append((local.start, end, local.action))
-        else:
-            end = time.perf_counter()
-            elapsed = end - local.start
-            self.seconds += elapsed
-            if self.action_timer is not None and local.action is not None:
-                self.action_timer(local.action, elapsed)
-            if self.tracer is not None and local.action is not None:
-                self.tracer.compute(local.action, local.start, end)
-
-    def total(self) -> float:
-        """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
-        if self._recorded:
-            torch.cuda.synchronize()
-            for start, end, action in self._recorded:
-                elapsed = start.elapsed_time(end) / 1000.0
-                self.seconds += elapsed
-                if self.action_timer is not None and action is not None:
-                    self.action_timer(action, elapsed)
-                if self._origin is not None and action is not None:
-                    origin, host = self._origin
-                    self.tracer.compute(action, host + origin.elapsed_time(start) / 1000.0,
-                                        host + origin.elapsed_time(end) / 1000.0)
-                self._free += (start, end)
-            self._recorded = []
-        return self.seconds
 
 
 def _as_float_dict(stats: dict[str, Any]) -> dict[str, float]:
@@ -455,7 +383,7 @@ class _Iteration:
         self.releasing: tuple[Message, ...] = ()  # buffers of the previous action (see _compute)
         self.losses: dict[int, dict[str, Any]] = {}
         self.executed: list[Action] = []
-        self.timer = _BusyTimer(executor.device, executor._events, executor.action_timer,
+        self.timer = BusyTimer(executor.device, executor._events, executor.action_timer,
                                 executor.tracer)
         self.current: Any = None
         self.stage_done: tuple[int, ...] = ()  # finished stages not yet reported (_compute)

@@ -1,0 +1,93 @@
+"""Compute-busy time of one rank's iteration, without a host-device sync inside it.
+
+:class:`BusyTimer` sums the seconds of the executor's compute actions: the wall clock on the
+CPU, CUDA events on a GPU (read only when the figures are gathered at a log interval). It also
+reports each action's seconds to an optional :data:`ActionTimer` (the profiler) and spans to an
+optional tracer, and is thread-aware: the two halves of a paired action time on two threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_chimera.schedules.actions import Action
+
+#: ``timer(action, seconds)``: called with every compute action's measured seconds
+ActionTimer = Callable[[Action, float], None]
+
+
+class BusyTimer:
+    """Sums compute time: wall clock on CPU, CUDA events on GPU (read when gathered, so no
+    host-device sync happens during the iteration). ``timer(action)`` is the context manager of
+    one compute action; with an ``action_timer`` it also reports that action's seconds (on GPU
+    when the events are read: the executor reads them at the end of a timed iteration). Events
+    come from ``events`` (the executor's free list) and go back there once read."""
+
+    def __init__(self, device: torch.device, events: list[Any],
+                 action_timer: ActionTimer | None = None, tracer: Any = None) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self.action_timer = action_timer
+        self.tracer = tracer  # tracer.compute(action, start, end) on the host clock
+        self._free = events
+        self._recorded: list[tuple[Any, Any, Action | None]] = []
+        self._local = threading.local()  # the two halves of a pair time on two threads
+        self._origin: tuple[Any, float] | None = None
+        if tracer is not None and self.cuda:  # an event at a known host time (device idle)
+            torch.cuda.synchronize()
+            origin = self._event()
+            origin.record()
+            self._origin = (origin, time.perf_counter())
+
+    def _event(self) -> Any:
+        return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+
+    def __call__(self, action: Action | None = None) -> BusyTimer:
+        self._local.action = action
+        return self
+
+    def __enter__(self) -> BusyTimer:
+        if self.cuda:
+            start = self._event()
+            start.record()
+            self._local.start = start
+        else:
+            self._local.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        local = self._local
+        if self.cuda:
+            end = self._event()
+            end.record()
+            self._recorded.append((local.start, end, local.action))
+        else:
+            end = time.perf_counter()
+            elapsed = end - local.start
+            self.seconds += elapsed
+            if self.action_timer is not None and local.action is not None:
+                self.action_timer(local.action, elapsed)
+            if self.tracer is not None and local.action is not None:
+                self.tracer.compute(local.action, local.start, end)
+
+    def total(self) -> float:
+        """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
+        if self._recorded:
+            torch.cuda.synchronize()
+            for start, end, action in self._recorded:
+                elapsed = start.elapsed_time(end) / 1000.0
+                self.seconds += elapsed
+                if self.action_timer is not None and action is not None:
+                    self.action_timer(action, elapsed)
+                if self._origin is not None and action is not None:
+                    origin, host = self._origin
+                    self.tracer.compute(action, host + origin.elapsed_time(start) / 1000.0,
+                                        host + origin.elapsed_time(end) / 1000.0)
+                self._free += (start, end)
+            self._recorded = []
+        return self.seconds

@@ -57,11 +57,25 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: str) -> Metadata:
-    """The DCP metadata of checkpoint directory ``path`` (safely unpickled)."""
-    with open(os.path.join(path, METADATA_FILENAME), "rb") as handle:
-        metadata = _MetadataUnpickler(handle).load()
+    """The DCP metadata of checkpoint directory ``path`` (safely unpickled); a missing, truncated
+    or damaged file raises ``pickle.UnpicklingError`` naming the file."""
+    filename = os.path.join(path, METADATA_FILENAME)
+    try:
+        with open(filename, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except FileNotFoundError:
+        raise pickle.UnpicklingError(f"checkpoint metadata {filename} is missing") from None
+    except pickle.UnpicklingError as exc:
+        if str(exc).startswith("refusing to load"):
+            raise
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata {filename} is corrupt or truncated ({exc})") from None
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata {filename} is corrupt or truncated "
+            f"({type(exc).__name__})") from None
     if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError("not a DCP metadata object")
+        raise pickle.UnpicklingError(f"checkpoint metadata {filename} is not a DCP metadata object")
     return metadata
 
 

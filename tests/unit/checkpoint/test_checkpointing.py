@@ -305,3 +305,18 @@ def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_previous(tmp_path
     loaded = load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched), rank=0,
                             world_size=1)
     assert loaded.iteration == 1
+
+
+def test_torch_dist_truncated_metadata_names_the_file(tmp_path):
+    from megatron_chimera.checkpoint.safe_reader import METADATA_FILENAME
+
+    stages, opt, sched = build([(0, 4)])
+    save_whole(tmp_path, 1, stages, opt, sched)
+    path = os.path.join(checkpoint_dir(str(tmp_path), 1), METADATA_FILENAME)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(str(tmp_path), CheckpointTarget(stages, 1, opt, sched),
+                        rank=0, world_size=1)
+    message = str(raised.value)
+    assert ".metadata is corrupt or truncated" in message and "\n" not in message, message

@@ -199,6 +199,7 @@ def legacy_rank_files(path: str) -> dict[tuple[int, int], str]:
     """``{(tensor rank, pipeline rank): model_optim_rng.pt}`` of a legacy iteration directory;
     the grid must be complete (T x P files)."""
     found: dict[tuple[int, int], str] = {}
+    suffixed = False  # named mp_rank_TT_PPP (pipeline parallel) rather than mp_rank_TT
     expert = sorted(n for n in os.listdir(path) if re.fullmatch(r"mp_rank_\d{2}_\d{3}_\d{3}", n))
     if expert:
         raise MegatronCheckpointError(f"{path}: an expert-parallel (MoE) checkpoint ({expert[0]}, "
@@ -207,18 +208,29 @@ def legacy_rank_files(path: str) -> dict[tuple[int, int], str]:
         match = _MP_RANK.fullmatch(name)
         if match:
             rank = (int(match.group(1)), int(match.group(2) or 0))
+            suffixed = suffixed or match.group(2) is not None
             found[rank] = os.path.join(path, name, LEGACY_FILENAME)
     if not found:
         raise MegatronCheckpointError(f"{path}: no mp_rank_TT or mp_rank_TT_PPP directories")
-    tensor = 1 + max(t for t, _ in found)
-    pipeline = 1 + max(p for _, p in found)
-    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pipeline > 1 or len(found) != tensor else "")
+    tensor, pipeline = _saved_grid(found[min(found)])
+    tensor = max(tensor or 0, 1 + max(t for t, _ in found))
+    pipeline = max(pipeline or 0, 1 + max(p for _, p in found))
+    missing = [os.path.join(f"mp_rank_{t:02d}" + (f"_{p:03d}" if pipeline > 1 or suffixed else ""),
+                            LEGACY_FILENAME)
                for t in range(tensor) for p in range(pipeline) if (t, p) not in found]
     if missing:
         raise MegatronCheckpointError(f"{path}: incomplete legacy checkpoint, missing "
-                                      f"{', '.join(missing)} of a {tensor} x {pipeline} "
+                                      f"{', '.join(missing)} of its T={tensor} x P={pipeline} "
                                       "(tensor x pipeline) grid")
     return found
+
+
+def _saved_grid(filename: str) -> tuple[int | None, int | None]:
+    """(T, P) that the Megatron run which wrote ``filename`` recorded in its ``args`` (None
+    where it recorded none), so a missing rank's file is named even at the grid's edge."""
+    args = load_megatron_file(filename, mmap=True, check=False).get("args")
+    return (getattr(args, "tensor_model_parallel_size", None),
+            getattr(args, "pipeline_model_parallel_size", None))
 
 
 def refuse_megatron_checkpoint(path: str | None, flag: str = "--load") -> None:

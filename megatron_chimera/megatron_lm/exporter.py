@@ -123,11 +123,16 @@ def export_megatron(load: str, save: str, overwrite: bool = False) -> MegatronEx
     else:
         loaded = load_model(load, "cpu")
         config, model = loaded.model_config, loaded.model
+    if config.moe.enabled:  # refused before anything is created under --save
+        raise MegatronCheckpointError(
+            f"export-megatron: {load} holds a mixture-of-experts model "
+            f"({config.moe.num_experts} experts); Megatron's MoE layout is not mapped yet, so "
+            "only dense GPT-family checkpoints export (export-hf writes Mixtral/Qwen2-MoE)")
+    keys = _megatron_keys(model, config.num_layers)
     final = os.path.join(save, f"iter_{iteration:07d}")
     staging = final + ".tmp"
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
-    keys = _megatron_keys(model, config.num_layers)
     if streamed:
         source = resolve_checkpoint_dir(load, iteration)
         stored = stored_names(StageSlice(0, (0, config.num_layers), model))

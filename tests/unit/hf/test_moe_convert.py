@@ -175,3 +175,14 @@ def test_the_printed_training_flags_build_the_imported_model(imported):
                          "--make-vocab-size-divisible-by", "64"], world_size=1)
     assert config.model.moe == imported_config.moe
     check_model_matches_checkpoint(str(root / "ckpt"), config.model)
+
+
+def test_export_megatron_refuses_a_moe_checkpoint_before_writing_anything(imported, tmp_path):
+    from megatron_chimera.checkpoint.megatron_format import MegatronCheckpointError
+    from megatron_chimera.megatron_lm.exporter import export_megatron
+
+    _, _, _, root = imported
+    with pytest.raises(MegatronCheckpointError) as info:
+        export_megatron(str(root / "ckpt"), str(tmp_path / "megatron"))
+    assert "mixture-of-experts model (4 experts)" in str(info.value)
+    assert "\n" not in str(info.value) and not (tmp_path / "megatron").exists()

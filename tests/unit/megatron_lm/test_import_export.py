@@ -229,12 +229,19 @@ def test_a_missing_rank_file_is_named(tmp_path):
     import shutil
 
     shutil.rmtree(tmp_path / "m/iter_0000007/mp_rank_01_000")
-    with pytest.raises(MegatronCheckpointError, match="missing mp_rank_01_000"):
+    with pytest.raises(MegatronCheckpointError, match="missing mp_rank_01_000/model_optim_rng.pt"):
         import_megatron(str(tmp_path / "m"), str(tmp_path / "out"))
     for name in ("mp_rank_00_001", "mp_rank_01_001"):
         shutil.rmtree(tmp_path / "m/iter_0000007" / name)
     with pytest.raises(MegatronCheckpointError, match="T=2 x P=2"):
         import_megatron(str(tmp_path / "m"), str(tmp_path / "out"))
+    # T=2 x P=1 missing its last tensor rank: the grid comes from the saved args, not the files
+    write_checkpoint(tmp_path / "t2", "gpt", "legacy", 2, 1)
+    shutil.rmtree(tmp_path / "t2/iter_0000007/mp_rank_01")
+    with pytest.raises(MegatronCheckpointError) as info:
+        import_megatron(str(tmp_path / "t2"), str(tmp_path / "out2"))
+    assert "missing mp_rank_01/model_optim_rng.pt of its T=2 x P=1" in str(info.value)
+    assert not (tmp_path / "out2").exists()
 
 
 class NotAllowed:  # a pickled object outside the allow-list

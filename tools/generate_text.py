@@ -21,7 +21,12 @@ from megatron_chimera.atomic import atomic_write
 from megatron_chimera.config import ConfigError
 from megatron_chimera.errors import ToolArgumentParser
 from megatron_chimera.inference.generation import SamplingParams, generate
-from megatron_chimera.inference.tool_support import add_checkpoint_args, load_gpt, run_cli
+from megatron_chimera.inference.tool_support import (
+    add_checkpoint_args,
+    load_gpt,
+    prompt_token_ids,
+    run_cli,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,11 +88,11 @@ def main(argv: list[str] | None = None) -> None:
     device = next(loaded.model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     eod = tokenizer.eod
+    all_ids = [prompt_token_ids(tokenizer, prompt, args.load) for prompt in prompts]
     mode = "greedy" if params.greedy else f"sampling, seed {seed}"
     print(f"checkpoint {loaded.root} (iteration {loaded.iteration}), {mode}", flush=True)
     records = []
-    for index, prompt in enumerate(prompts):
-        prompt_ids = tokenizer.tokenize(prompt) or [eod]
+    for index, (prompt, prompt_ids) in enumerate(zip(prompts, all_ids)):
         new = generate(loaded.model, prompt_ids, args.max_new_tokens, params, generator,
                        stop_token=None if args.ignore_eod else eod)
         completion = tokenizer.detokenize(new)

@@ -12,7 +12,7 @@ import torch
 from megatron_chimera.atomic import atomic_write
 from megatron_chimera.checkpoint.tokenizer_record import TokenizerSettings
 from megatron_chimera.config import TOKENIZER_TYPES, ConfigError
-from megatron_chimera.data.tokenizers import MegatronTokenizer
+from megatron_chimera.data.tokenizers import MegatronTokenizer, NullTokenizer
 from megatron_chimera.errors import UserError, run_tool
 from megatron_chimera.inference.loader import LoadedModel, load_model, load_tokenizer
 from megatron_chimera.model.family import GPT2
@@ -51,6 +51,21 @@ def load_gpt(args: argparse.Namespace, tool: str) -> tuple[LoadedModel, Megatron
             if getattr(args, flag) is not None:
                 raise ConfigError(f"--{flag.replace('_', '-')} needs --tokenizer-type")
     return loaded, load_tokenizer(loaded, override, args.tokenizer_model)
+
+
+def prompt_token_ids(tokenizer: MegatronTokenizer, prompt: str, load: str) -> list[int]:
+    """The token ids of ``prompt`` (the end-of-document token for an empty one); a text prompt
+    for a checkpoint without a tokenizer is a ConfigError saying what to pass instead."""
+    try:
+        return tokenizer.tokenize(prompt) or [tokenizer.eod]
+    except ValueError:
+        if not isinstance(tokenizer, NullTokenizer):
+            raise
+        raise ConfigError(
+            f"--prompt {prompt[:40]!r}: the checkpoint {load} has no tokenizer (it was trained "
+            "with --mock-data or NullTokenizer), so a prompt must be token ids separated by "
+            "spaces (e.g. --prompt \"12 7 431\"); or pass the tokenizer to use, e.g. "
+            "--tokenizer-type GPT2BPETokenizer --vocab-file VOCAB --merge-file MERGES") from None
 
 
 def write_json(path: str, obj: Any) -> None:

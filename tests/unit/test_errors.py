@@ -148,3 +148,18 @@ def test_checkpoint_tools_one_line_on_a_missing_checkpoint(tmp_path):
     proc = _tool("generate_text.py", "--no-such-flag")
     assert proc.returncode == 2 and len(lines(proc)) == 1, proc.stderr
     assert "the following arguments are required: --load" in lines(proc)[0]
+
+
+def test_a_text_prompt_for_a_checkpoint_without_tokenizer_says_what_to_pass():
+    from megatron_chimera.config import ConfigError
+    from megatron_chimera.data.tokenizers import NullTokenizer
+    from megatron_chimera.inference.tool_support import prompt_token_ids
+
+    tokenizer = NullTokenizer(100)
+    assert prompt_token_ids(tokenizer, "12 7 43", "ck") == [12, 7, 43]
+    assert prompt_token_ids(tokenizer, "", "ck") == [tokenizer.eod]
+    with pytest.raises(ConfigError) as info:
+        prompt_token_ids(tokenizer, "Once upon a time", "ck")
+    message = str(info.value)
+    assert "checkpoint ck has no tokenizer" in message and "--tokenizer-type" in message
+    assert "token ids separated by spaces" in message and "\n" not in message

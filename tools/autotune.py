@@ -29,7 +29,7 @@ from megatron_chimera.config.flag import flag_fields
 from megatron_chimera.config.moe import MoEConfig
 from megatron_chimera.config.parallel import ParallelConfig
 from megatron_chimera.errors import ToolArgumentParser, run_tool
-from megatron_chimera.model.architecture import check_architecture
+from megatron_chimera.model.architecture import check_architecture, describe_model
 from megatron_chimera.model.presets import MODEL_PRESETS
 from megatron_chimera.schedules.registry import add_schedule_arguments, spec_and_options_from
 from megatron_chimera.training.arguments import add_architecture_arguments, architecture_fields
@@ -345,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                             overlap_all_to_all=args.try_overlap_moe_expert_parallel_comm)
         result = autotune(model, space, limit, keep=None if args.exhaustive else args.top)
         over = sorted(result.over_memory, key=lambda lp: lp[1])[: args.show_over_memory]
-        print(f"{spec.family.title}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        print(f"{describe_model(spec.family.name, cfg)}: {cfg.num_layers} layers, "
+              f"hidden {cfg.hidden_size}, "
               f"{cfg.num_attention_heads} heads, seq {cfg.seq_length}, "
               f"{spec.config.params_dtype}; {args.num_gpus} x {hardware.name} "
               f"({memory_gb:g} GB, limit {limit / 2**30:.2f} GiB); global batch "
@@ -457,7 +458,8 @@ def predict_main(argv: list[str]) -> int:
                   "peak_memory_bytes": prediction.peak_memory_bytes,
                   "memory_limit_bytes": limit,
                   "fits": prediction.peak_memory_bytes <= limit}
-        print(f"{spec.family.title}: {spec.config.num_layers} layers, hidden "
+        print(f"{describe_model(spec.family.name, spec.config)}: "
+              f"{spec.config.num_layers} layers, hidden "
               f"{spec.config.hidden_size}, {spec.config.num_attention_heads} heads, seq "
               f"{spec.config.seq_length}, {spec.config.params_dtype}; {layout.num_gpus} x "
               f"{hardware.name} ({memory_gb:g} GB)")

@@ -64,3 +64,21 @@ def _check_rotary(config: ModelConfig) -> None:
     if config.use_rope_scaling and config.rope_scaling_factor <= 0:
         raise ConfigError(f"--rope-scaling-factor must be positive, got "
                           f"{config.rope_scaling_factor}")
+
+
+def describe_model(family_name: str, config: ModelConfig) -> str:
+    """A readable name of the model's kind for logs and tables: ``GPT-2``, ``BERT``,
+    ``Llama-style`` (RMSNorm, SwiGLU, RoPE), with ``GQA`` and ``MoE (E experts, top-k)``."""
+    if family_name == "bert":
+        return "BERT"
+    llama = (config.normalization == "RMSNorm" and config.swiglu
+             and config.position_embedding_type == "rope")
+    kind = "Llama-style" if llama else "GPT-2" if config.position_embedding_type != "rope" \
+        else "GPT (RoPE)"
+    extras = []
+    groups = config.num_query_groups
+    if groups is not None and groups < config.num_attention_heads:
+        extras.append(f"GQA {groups} groups")
+    if config.moe.enabled:
+        extras.append(f"MoE {config.moe.num_experts} experts, top-{config.moe.moe_router_topk}")
+    return kind + (f" ({'; '.join(extras)})" if extras else "")

@@ -30,6 +30,7 @@ from megatron_chimera.hf.convert import export_hf, import_hf
 from megatron_chimera.inference.tool_support import run_cli
 from megatron_chimera.megatron_lm.exporter import export_megatron
 from megatron_chimera.megatron_lm.importer import import_megatron
+from megatron_chimera.model.architecture import describe_model
 from megatron_chimera.model.flags import model_flags
 
 
@@ -110,7 +111,8 @@ def _print_import(result, save: str) -> None:
     elif tok.tokenizer_type is not None:
         flags += ["--tokenizer-type", tok.tokenizer_type, "--vocab-file", tok.vocab_file]
         flags += ["--merge-file", tok.merge_file] if tok.merge_file else []
-    print(f"imported {result.weights_file} ({result.family}, {config.num_layers} layers, hidden "
+    kind = describe_model(result.family.name, config)
+    print(f"imported {result.weights_file} ({kind}, {config.num_layers} layers, hidden "
           f"{config.hidden_size}, vocabulary {config.vocab_size} padded to "
           f"{config.padded_vocab_size}) -> {result.checkpoint}")
     for note in result.notes:

@@ -378,6 +378,7 @@ def test_cli_llama_8b_on_64_gpus_prints_a_command_with_the_architecture_flags(ca
                       "--top", "3"])
     assert rc == 0
     out = capsys.readouterr().out
+    assert out.startswith("Llama-style (GQA 8 groups): 32 layers"), out[:80]  # not "GPT-2"
     command = out[out.index("torchrun"):].replace(" \\\n    ", " ").replace(" \\\n", " ")
     for flag in ("--normalization RMSNorm", "--swiglu", "--group-query-attention "
                  "--num-query-groups 8", "--disable-bias-linear", "--position-embedding-type rope",

@@ -102,9 +102,11 @@ def check_chimera_ranks_and_pipes(num_ranks: int, num_pipes: int, schedule: str)
             f"--pipeline-model-parallel-size must be even and >= 2 for {schedule}, got {num_ranks}"
         )
     if num_pipes < 2 or num_pipes % 2 or (num_ranks // 2) % (num_pipes // 2):
+        allowed = [2 * f for f in range(1, num_ranks // 2 + 1) if (num_ranks // 2) % f == 0]
         raise ValueError(
-            f"--chimera-pipes must be 2f with f dividing D/2 = {num_ranks // 2}, got {num_pipes}"
-        )
+            f"--chimera-pipes {num_pipes} does not fit --pipeline-model-parallel-size {num_ranks}: "
+            f"use one of {', '.join(map(str, allowed))} (an even number of pipes, half of them "
+            f"dividing D/2 = {num_ranks // 2})")
 
 
 def check_chimera_sizes(

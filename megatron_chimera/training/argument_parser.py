@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,22 @@ class _ArgumentParser(argparse.ArgumentParser):
     """argparse that raises ConfigError instead of printing usage and exiting."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(refused_flag_message(message) or message)
+        raise ConfigError(refused_flag_message(message) or self._with_suggestion(message))
+
+    def _with_suggestion(self, message: str) -> str:
+        """argparse's ``message``, plus "did you mean --x?" for each unrecognized flag that is
+        close to a flag of this parser (the live table: every declared flag counts)."""
+        prefix = "unrecognized arguments: "
+        if not message.startswith(prefix):
+            return message
+        known = [name for name in self._option_string_actions if name.startswith("--")]
+        hints = []
+        for token in message[len(prefix):].split():
+            flag = token.split("=", 1)[0]
+            if flag.startswith("--"):
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+                hints += [f"{flag}: did you mean {close[0]}?"] if close else []
+        return message + (f" ({'; '.join(hints)})" if hints else "")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ the store (:func:`~megatron_chimera.pipeline.failures.silent_ranks`) and every l
 that stopped beating: ``error: lost contact with another rank: rank 2 died (...)`` and
 ``rank 3: stopped (rank 2 died (...); see rank 1's error)``. Exit codes are non-zero (2 for a
 bad flag, 1 otherwise, 130 for Ctrl-C). Before the process group exists (flag validation) every rank
-checks the same flags and prints the same ``error:`` line.
+checks the same flags; local rank 0 prints the ``error:`` line and the others exit quietly with
+the same code.
 
 Under torchrun the first rank's line is also written to ``TORCHELASTIC_ERROR_FILE``, so the
 launcher's summary names the problem instead of pointing at its documentation. Exiting is
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from megatron_chimera.errors import (
     INTERRUPTED_EXIT_CODE,
     StoppedByPeer,
+    exit_code_of,
     exit_process,
     one_line,
     print_error,
@@ -207,10 +209,18 @@ def report_failure(exc: BaseException) -> int:
         print(line, file=sys.stderr, flush=True)
         _write_torchelastic_error_file(line)
         return 1
-    code = print_error(exc, suffix, debug=debug)
     shown = user_error_in(exc) or exc
     _write_torchelastic_error_file(f"error: {one_line(shown)}{suffix}")
-    return code
+    if first is None and world > 1 and not debug and _echo_of_local_rank_0(exc):
+        return exit_code_of(shown)  # the same line is printed once, by local rank 0
+    return print_error(exc, suffix, debug=debug)
+
+
+def _echo_of_local_rank_0(exc: BaseException) -> bool:
+    """True on every local rank but 0 for a user error found before the process group exists
+    (flag validation): each rank checks the same flags, so local rank 0 speaks for the node."""
+    local = os.environ.get("LOCAL_RANK")
+    return local not in (None, "0") and user_error_in(exc) is not None and _store() is None
 
 
 def _raise_terminated(signum, frame) -> None:  # noqa: ARG001 - signal handler signature

@@ -232,3 +232,13 @@ def test_profile_iterations_help_names_the_default():
 
     help_text = dict((f.name, spec.help) for f, spec in flag_fields(TrainingConfig))
     assert f"(default {DEFAULT_PROFILE_ITERATIONS}," in help_text["profile_iterations"]
+
+
+def test_a_misspelt_flag_gets_the_nearest_flag_and_chimera_pipes_lists_its_values():
+    with pytest.raises(ConfigError, match=r"--num-query-group: did you mean --num-query-groups\?"):
+        parse("--num-query-group 2", world_size=1)
+    with pytest.raises(ConfigError) as info:
+        parse("--no-such-thing 3", world_size=1)
+    assert "did you mean" not in str(info.value)  # nothing close: argparse's message alone
+    with pytest.raises(ConfigError, match=r"--chimera-pipes 6 .*use one of 2, 4, 8 "):
+        parse("--pipeline-model-parallel-size 8 --chimera-pipes 6", world_size=8)

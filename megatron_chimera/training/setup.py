@@ -44,6 +44,7 @@ from megatron_chimera.training.memory_report import MemoryFigures, MemoryReport,
 from megatron_chimera.training.monitor import Timers, TrainingMonitor, predicted_bubble_ratio
 from megatron_chimera.training.preflight import check_resume_iteration
 from megatron_chimera.training.running_schedule import ExecutorFactory, RunningSchedule
+from megatron_chimera.training.startup_block import startup_block
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -228,6 +229,9 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     if rank == 0 and "replaces" in schedule.meta:
         print(f" running {schedule.describe()} instead of {schedule.meta['replaces']}",
               flush=True)
+    if rank == 0:
+        for line in startup_block(config, schedule, world_size, predicted_bubble_ratio(schedule)):
+            print(line, flush=True)
     partition, stages = build_stages(config, family, schedule, model_provider, device)
     grad_sync, optimizer, scheduler = build_optimizer(config, stages)
     saved_args = load_state(config, family, schedule, stages, optimizer, scheduler, state)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from tqdm import tqdm
 
 from megatron_chimera import parallel_state
 from megatron_chimera.checkpoint.checkpointing import (
@@ -191,14 +192,20 @@ def _check_nan(run: Run, iteration: int, result: Any) -> None:
         device=run.device or torch.device("cpu"))
 
 
+#: evaluations of at least this many iterations show a progress bar on rank 0
+EVAL_PROGRESS_MIN_ITERS = 20
+
+
 def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
     """Average of the forward-only losses over ``num_iters`` iterations (on the logging rank)."""
     losses: list[dict[str, float]] = []
     for module in (s.module for s in run.stages):
         module.eval()
     results = []
+    steps = tqdm(range(num_iters), desc=" evaluating", unit="iter", mininterval=5.0,
+                 disable=run.rank != 0 or num_iters < EVAL_PROGRESS_MIN_ITERS, leave=False)
     with torch.no_grad():
-        for _ in range(num_iters):
+        for _ in steps:
             batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
                                         run.pipeline.eval_needed_microbatches)
             batches = sliced_units(batches, run.config.parallel.pipeline_sequence_slices)
@@ -210,9 +217,20 @@ def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
     return _average_losses(losses)
 
 
+def evaluation_announcement(prefix: str, iteration: int, training: Any) -> str:
+    """The line printed before an evaluation starts: what it runs, on which split, and how to
+    make it shorter (a long silent evaluation looks like a hang)."""
+    split = "test" if prefix.startswith("test") else "validation"
+    return (f" evaluating ({prefix}, iteration {iteration}): {training.eval_iters} iterations of "
+            f"{training.global_batch_size} samples on the {split} split (--eval-iters sets how "
+            "many)")
+
+
 def _evaluate_and_log(run: Run, prefix: str, data_iterator, state: TrainState) -> None:
     if data_iterator is None or run.config.training.eval_iters == 0:
         return
+    if run.rank == 0:
+        print(evaluation_announcement(prefix, state.iteration, run.config.training), flush=True)
     losses = evaluate(run, data_iterator, run.config.training.eval_iters)
     if prefix.startswith("validation"):
         state.consumed_valid_samples += (run.config.training.eval_iters

@@ -83,4 +83,8 @@ cat <<MSG
   Schedule plot    : $PLOT
   More samples     : $PY tools/generate_text.py --load $CHECKPOINTS --prompt "JULIET:" --max-new-tokens 60
   Perplexity       : $PY tools/evaluate.py --load $CHECKPOINTS --data-path ${DATA_PREFIX}_text_document --max-tokens 20000
+  About the sample : a few CPU minutes of a 8-layer model give word salad with Shakespeare's shape;
+                     coherent text needs far more tokens and steps (a GPU run).
+  About the bubble : the measured bubble exceeds the predicted one on CPU: the prediction counts only
+                     compute, while each action here also pays Python and gloo host overhead.
 MSG

@@ -7,7 +7,8 @@ from megatron_chimera.training.monitor import predicted_bubble_ratio
 from megatron_chimera.training.startup_block import startup_block
 
 FLAGS = ("--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
-         "--micro-batch-size 1 --global-batch-size 8 --train-iters 1 --lr 1e-3 --mock-data --vocab-size 128 --hidden-dropout 0 --attention-dropout 0 "
+         "--micro-batch-size 1 --global-batch-size 8 --train-iters 1 --lr 1e-3 --mock-data "
+         "--vocab-size 128 --hidden-dropout 0 --attention-dropout 0 "
          "--pipeline-model-parallel-size 2 --pipeline-schedule chimera --chimera-pipes 2 "
          "--num-experts 4 --moe-router-topk 2 "
          "--expert-model-parallel-size 2 --bf16 --recompute-granularity full "

@@ -66,6 +66,11 @@ class TrainingConfig:
         help="START INCREMENT SAMPLES: the global batch grows from START by INCREMENT over the "
              "first SAMPLES samples to --global-batch-size (needs --train-samples; one schedule "
              "per number of micro-batches, built once; no --profile-iterations)")
+    allow_data_order_change: bool = flag(
+        False, "--allow-data-order-change",
+        help="resume although --global-batch-size differs from the checkpoint's (no ramp-up): "
+             "no sample is skipped or repeated, but global batches group them differently "
+             "from the uninterrupted run (logged)")
     num_microbatches: int = 1  # N = global batch / (micro batch x data-parallel size)
     train_iters: int | None = flag(None, "--train-iters", type=int, check=positive,
                                    help="iterations to train")

@@ -40,6 +40,7 @@ from megatron_chimera.pipeline.chrome_trace import PipelineTrace, traced_iterati
 from megatron_chimera.pipeline.hang import HangWatch
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.measured import TraceFormat
+from megatron_chimera.training.data_order import check_data_order
 from megatron_chimera.training.memory_report import MemoryFigures, MemoryReport, predicted_memory
 from megatron_chimera.training.monitor import Timers, TrainingMonitor, predicted_bubble_ratio
 from megatron_chimera.training.preflight import check_resume_iteration
@@ -158,6 +159,10 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     def check_args(args: dict[str, Any], path: str) -> None:
         check_checkpoint_args(config, args, path, family=family)
         saved_args.update(args)
+        if not ckpt.finetune:
+            note = check_data_order(config, args, path)
+            if note is not None and rank == 0:
+                print(note, flush=True)
 
     saved_iteration = read_tracker(ckpt.load)
     if saved_iteration is not None and not ckpt.finetune:

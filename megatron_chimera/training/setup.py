@@ -6,6 +6,8 @@ executors of a schedule and the monitor. :func:`setup_run` calls them in order a
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +46,12 @@ from megatron_chimera.training.data_order import check_data_order
 from megatron_chimera.training.memory_report import MemoryFigures, MemoryReport, predicted_memory
 from megatron_chimera.training.monitor import Timers, TrainingMonitor, predicted_bubble_ratio
 from megatron_chimera.training.preflight import check_resume_iteration
+from megatron_chimera.training.restart import (
+    recorded_progress,
+    restart_count,
+    restart_load,
+    restart_report,
+)
 from megatron_chimera.training.running_schedule import ExecutorFactory, RunningSchedule
 from megatron_chimera.training.startup_block import startup_block
 
@@ -153,8 +161,12 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     ckpt = config.checkpoint
     rank, world_size = dist.get_rank(), dist.get_world_size()
     saved_args: dict[str, Any] = {}
-    if ckpt.load is None:
+    load = restart_load(ckpt.load, ckpt.save)
+    if load is None:
         return saved_args
+    if load != ckpt.load:
+        os.makedirs(load, exist_ok=True)  # (the first attempt may have died before saving)
+        ckpt = dataclasses.replace(ckpt, load=load)
 
     def check_args(args: dict[str, Any], path: str) -> None:
         check_checkpoint_args(config, args, path, family=family)
@@ -173,6 +185,9 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
         stages, schedule.num_stages, optimizer, scheduler, load_optim=not ckpt.no_load_optim,
         load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune, check_args=check_args)
     loaded = load_checkpoint(ckpt.load, target, rank=rank, world_size=world_size)
+    if rank == 0 and restart_count() > 0:
+        print(restart_report(restart_count(), load, loaded and loaded.iteration,
+                             recorded_progress(ckpt.save)), flush=True)
     if loaded is not None:
         state.iteration = loaded.iteration
         state.consumed_train_samples = loaded.consumed_train_samples

@@ -68,6 +68,7 @@ from megatron_chimera.training.monitor import (
     predicted_bubble_ratio,
 )
 from megatron_chimera.training.preflight import check_outputs, check_splits
+from megatron_chimera.training.restart import may_restart, record_progress
 from megatron_chimera.training.setup import (
     DatasetsProvider,
     ModelProvider,
@@ -322,8 +323,11 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
     exits = exits or ExitCheck(run.config.training, time.time())
     training, ckpt = run.config.training, run.config.checkpoint
     pending: list[tuple[IterationStats, Any]] = []
+    progress = run.rank == 0 and may_restart()  # a restarted attempt says what was lost
     while state.iteration < training.total_train_iters:
         _iteration(run, state, train_iterator, pending)
+        if progress:
+            record_progress(ckpt.save, state.iteration)
         check_skipped(state.consecutive_skipped, training.max_consecutive_skipped_iterations,
                       state.iteration, run.optimizer.get_loss_scale())
         if training.eval_interval and state.iteration % training.eval_interval == 0:

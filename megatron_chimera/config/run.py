@@ -77,6 +77,14 @@ class LoggingConfig:
         help="allocated / reserved CUDA memory (CPU: resident set size) of every rank in "
              "TensorBoard")
     log_bubble_ratio: bool = True
+    log_straggler: bool = flag(
+        False, "--log-straggler",
+        help="name a rank whose compute runs persistently slower than the schedule predicts "
+             "relative to the other ranks (from the busy times the log gathers; no extra "
+             "collective), with a TensorBoard scalar per rank")
+    straggler_minmax_count: int = flag(
+        1, "--straggler-minmax-count", check=positive,
+        help="how many slowest and fastest ranks the straggler line shows")
     # write the measured timeline (Chrome / Perfetto JSON)
     pipeline_trace: str | None = flag(
         None, "--pipeline-trace", metavar="FILE",

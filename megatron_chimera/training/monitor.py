@@ -20,6 +20,7 @@ import torch
 
 from megatron_chimera.config import TrainConfig
 from megatron_chimera.training.scalar_writers import create_writer
+from megatron_chimera.training.straggler import StragglerDetector
 
 # Megatron's timer names written with --log-timers-to-tensorboard (as "<name>-time"), in its
 # order; "interval-time" (the whole iteration) is the "iteration-time" scalar.
@@ -275,6 +276,7 @@ class TrainingMonitor:
         self.predicted_bubble = predicted_bubble
         self.enabled = enabled
         self.writer = writer
+        self.straggler: StragglerDetector | None = None  # --log-straggler (set by the setup)
         self.skipped_total = 0
         self.nan_total = 0
         self._window: list[IterationStats] = []
@@ -314,8 +316,22 @@ class TrainingMonitor:
             return None
         line = self._log_line(stats)
         print(line, flush=True)
+        self._check_stragglers(stats.iteration)
         self._window, self._skipped_in_window, self._nan_in_window = [], 0, 0
         return line
+
+    def _check_stragglers(self, iteration: int) -> None:
+        """With ``--log-straggler``: the interval's relative compute per rank (TensorBoard) and
+        a line naming a rank that became a straggler."""
+        if self.straggler is None:
+            return
+        warning = self.straggler.observe([s.busy_seconds for s in self._window])
+        if warning is not None:
+            print(warning, flush=True)
+        if self.writer is not None:
+            for rank, value in enumerate(self.straggler.last):
+                self.writer.add_scalar(f"straggler/relative compute rank {rank}", value,
+                                       iteration)
 
     def _batch(self, stats: IterationStats) -> int:
         return stats.batch_size or self.config.training.global_batch_size

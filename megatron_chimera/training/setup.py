@@ -54,6 +54,7 @@ from megatron_chimera.training.restart import (
 )
 from megatron_chimera.training.running_schedule import ExecutorFactory, RunningSchedule
 from megatron_chimera.training.startup_block import startup_block
+from megatron_chimera.training.straggler import StragglerDetector, expected_busy_per_rank
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -236,8 +237,16 @@ def build_monitor(config: TrainConfig, family: ModelFamily, schedule: Schedule,
         layers = [float(end - start) for start, end in partition]
         predicted = (predicted_bubble_ratio(schedule, layers, [2 * n for n in layers])
                      if config.training.layer_split.given else predicted_bubble_ratio(schedule))
-    return TrainingMonitor.create(config, flops, world_size, predicted,
-                                  enabled=dist.get_rank() == world_size - 1)
+    monitor = TrainingMonitor.create(config, flops, world_size, predicted,
+                                     enabled=dist.get_rank() == world_size - 1)
+    if config.logging.log_straggler and monitor.enabled:
+        layout = config.parallel.layout
+        expected = expected_busy_per_rank(
+            schedule, [float(end - start) for start, end in partition],
+            [layout.coordinates(rank)[0] for rank in range(world_size)])
+        monitor.straggler = StragglerDetector(
+            expected, minmax_count=config.logging.straggler_minmax_count)
+    return monitor
 
 
 def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,

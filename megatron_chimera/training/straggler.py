@@ -1,0 +1,81 @@
+"""Straggler attribution from the busy times the log already gathers (no extra collective).
+
+Every rank's compute-busy seconds per iteration reach the logging rank with the losses. A rank's
+*relative compute* is its busy time over what the schedule predicts for its pipeline position
+(the simulator's busy time of that position, F and B priced by the stage's layers), normalised by
+the median over all ranks -- so peers at the same position, and every position of a balanced
+schedule, are compared with each other. Per log interval each rank's median relative compute
+is taken (robust to one noisy iteration); a rank above ``1 + threshold`` for ``patience``
+intervals in a row is named once, with its slowdown, until it recovers.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StragglerDetector:
+    """Names ranks whose compute runs persistently slower than predicted relative to peers."""
+
+    expected: Sequence[float]  # per global rank: predicted busy time (any unit)
+    threshold: float = 0.15  # relative slowdown that counts
+    patience: int = 3  # log intervals in a row
+    minmax_count: int = 1  # slowest/fastest ranks shown in the log line
+    _streak: list[int] = field(default_factory=list)
+    _named: set[int] = field(default_factory=set)
+    last: list[float] = field(default_factory=list)  # the last interval's relative compute
+
+    def observe(self, busy_per_iteration: Sequence[Sequence[float]]) -> str | None:
+        """Account one log interval (every iteration's busy seconds per rank); returns a log
+        line when a rank becomes a straggler (None otherwise)."""
+        ranks = len(self.expected)
+        rows = [row for row in busy_per_iteration if len(row) == ranks and sum(row) > 0]
+        if not rows:
+            return None
+        per_iteration = [self._relative(row) for row in rows]
+        self.last = [statistics.median(it[r] for it in per_iteration) for r in range(ranks)]
+        if not self._streak:
+            self._streak = [0] * ranks
+        new = []
+        for rank, value in enumerate(self.last):
+            slow = value > 1.0 + self.threshold
+            self._streak[rank] = self._streak[rank] + 1 if slow else 0
+            if not slow:
+                self._named.discard(rank)
+            elif self._streak[rank] >= self.patience and rank not in self._named:
+                self._named.add(rank)
+                new.append(rank)
+        if not new:
+            return None
+        order = sorted(range(ranks), key=lambda r: self.last[r])
+        k = max(1, min(self.minmax_count, ranks))
+        named = ", ".join(f"rank {r} ({self.last[r] - 1:+.0%})" for r in new)
+        slowest = ", ".join(f"{r}: {self.last[r]:.2f}" for r in reversed(order[-k:]))
+        fastest = ", ".join(f"{r}: {self.last[r]:.2f}" for r in order[:k])
+        return (f" straggler: {named} slower than its peers for {self._streak[new[0]]} log "
+                f"intervals (compute relative to the schedule's prediction; slowest {slowest}; "
+                f"fastest {fastest})")
+
+    def _relative(self, busy: Sequence[float]) -> list[float]:
+        ratios = [b / e if e > 0 else 1.0 for b, e in zip(busy, self.expected)]
+        middle = statistics.median(ratios) or 1.0
+        return [r / middle for r in ratios]
+
+
+def expected_busy_per_rank(schedule, layers: Sequence[float], pipeline_rank_of: Sequence[int]
+                           ) -> list[float]:
+    """The simulator's busy time of each global rank's pipeline position (F = layers, B = 2 x
+    layers of each stage); ``pipeline_rank_of[r]`` is global rank r's pipeline rank."""
+    from megatron_chimera.schedules.simulate import CostModel, simulate
+
+    weight = [n for n in layers] if schedule.split_backward else 0.0
+    backward = [n for n in layers] if schedule.split_backward else [2 * n for n in layers]
+    result = simulate(schedule, CostModel(forward_cost=list(layers), backward_cost=backward,
+                                          weight_cost=weight))
+    busy = [0.0] * schedule.num_ranks
+    for event in result.events:
+        busy[event.rank] += event.end - event.start
+    return [busy[p] for p in pipeline_rank_of]

@@ -8,7 +8,6 @@ optional tracer, and is thread-aware: the two halves of a paired action time on 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +35,8 @@ class BusyTimer:
         self.tracer = tracer  # tracer.compute(action, start, end) on the host clock
         self._free = events
         self._recorded: list[tuple[Any, Any, Action | None]] = []
-        self._local = threading.local()  # the two halves of a pair time on two threads
+        self._next: Action | None = None
+        self._open: list[tuple[Any, Action | None]] = []  # nested: a pair's piece in a hook
         self._origin: tuple[Any, float] | None = None
         if tracer is not None and self.cuda:  # an event at a known host time (device idle)
             torch.cuda.synchronize()
@@ -48,32 +48,32 @@ class BusyTimer:
         return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
 
     def __call__(self, action: Action | None = None) -> BusyTimer:
-        self._local.action = action
+        self._next = action
         return self
 
     def __enter__(self) -> BusyTimer:
         if self.cuda:
             start = self._event()
             start.record()
-            self._local.start = start
         else:
-            self._local.start = time.perf_counter()
+            start = time.perf_counter()
+        self._open.append((start, self._next))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        local = self._local
+        start, action = self._open.pop()
         if self.cuda:
             end = self._event()
             end.record()
-            self._recorded.append((local.start, end, local.action))
+            self._recorded.append((start, end, action))
         else:
             end = time.perf_counter()
-            elapsed = end - local.start
+            elapsed = end - start
             self.seconds += elapsed
-            if self.action_timer is not None and local.action is not None:
-                self.action_timer(local.action, elapsed)
-            if self.tracer is not None and local.action is not None:
-                self.tracer.compute(local.action, local.start, end)
+            if self.action_timer is not None and action is not None:
+                self.action_timer(action, elapsed)
+            if self.tracer is not None and action is not None:
+                self.tracer.compute(action, start, end)
 
     def total(self) -> float:
         """Busy seconds (synchronises the device on CUDA: call at log intervals)."""

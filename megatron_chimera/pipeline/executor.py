@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -60,13 +60,8 @@ from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.busy_timer import ActionTimer, BusyTimer
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
-from megatron_chimera.pipeline.overlap import (
-    leading_half,
-    prepare_threads,
-    run_in_turn,
-    run_pair,
-    set_current_action,
-)
+from megatron_chimera.model.moe.expert_comm import BackwardTape
+from megatron_chimera.pipeline.overlap import Half, PairRuntime, leading_half
 from megatron_chimera.pipeline.p2p import (
     P2PCommunicator,
     deallocate_output_tensor,
@@ -105,11 +100,13 @@ __all__ = ["PipelineExecutor", "StageWork", "Gradients", "ExecutorPolicy", "Pipe
 
 class SavedForward(NamedTuple):
     """What a forward leaves for its backward: the stage input (with ``requires_grad``), and
-    either the output (stored activations) or the RNG state to replay it (recomputation)."""
+    either the output (stored activations) or the RNG state to replay it (recomputation), and
+    the cuts of its graph (``tape``: its backward runs in pieces, :mod:`.overlap`)."""
 
     input_tensor: torch.Tensor | None
     output: torch.Tensor | None
     rng_state: tuple | None
+    tape: BackwardTape | None = None
 
 
 @dataclass
@@ -244,8 +241,14 @@ class PipelineExecutor:
         self.weight_grad_store_factory = gradients.weight_grad_store_factory
         self.deallocate_outputs = policy.deallocate_outputs and not work.recompute
         self.overlap_pairs = policy.overlap_pairs
-        if self.overlap_pairs and any(schedule.pairs):
-            prepare_threads()  # two host threads take turns at every all-to-all
+        # the rank's MoE layers reach their all-to-alls through the paired runtime; with pairs
+        # every training backward runs in pieces cut at them (overlap on or off: same sums)
+        self.pair_runtime = PairRuntime(self.device)
+        self.cut_backward = any(schedule.pairs)
+        for module in work.modules.values():
+            for sub in module.modules():
+                if hasattr(sub, "set_expert_comm"):
+                    sub.set_expert_comm(self.pair_runtime)
         self.transport = transport or make_transport(
             topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
         safe_posting = policy.safe_posting
@@ -431,14 +434,16 @@ class _Iteration:
             self.stage_done = (step.final_stage,)
 
     def _run_action(self, step: Compute) -> None:
-        set_current_action(step.action)  # labels the action's all-to-alls (:mod:`.overlap`)
+        self.ex.pair_runtime.run_alone(self._half(step))
+
+    def _half(self, step: Compute) -> Half:
+        """``step`` as a half of the paired runtime: F a driver, B and W lists of pieces."""
         kind = step.action.kind
         if kind == FORWARD:
-            self._forward(step)
-        elif kind == BACKWARD:
-            self._backward(step)
-        else:
-            self._weight(step)
+            return Half(step.action, lambda: self._forward(step), False)
+        if kind == BACKWARD:
+            return Half(step.action, lambda: self._backward(step), True)
+        return Half(step.action, lambda: self._weight(step), True)
 
     def _paired(self, step: Paired) -> None:
         """A paired action (F&B, F&F, B&B, or a W with an F or B of another micro-batch): both
@@ -468,13 +473,11 @@ class _Iteration:
         a, b = first.action, second.action
         shared_deferral = (self.ex.schedule.split_backward and a.kind == b.kind == BACKWARD
                            and a.stage == b.stage)
+        halves = (self._half(first), self._half(second))
         if self.ex.overlap_pairs and not shared_deferral:
-            run_pair((lambda: self._run_action(first), lambda: self._run_action(second)),
-                     leading_half((a.kind, b.kind)))
-            set_current_action(None)
+            self.ex.pair_runtime.run_pair(halves, leading_half((a.kind, b.kind)))
         else:  # one half after the other, each on the random streams run_pair gives it
-            run_in_turn((lambda: self._run_action(first), lambda: self._run_action(second)))
-            set_current_action(None)
+            self.ex.pair_runtime.run_in_turn(halves)
         self.executed += (a, b)
         if sync is not None:  # reported after the pair's sends are posted
             self.stage_done = finals
@@ -519,7 +522,8 @@ class _Iteration:
             input_tensor.requires_grad_(not self.forward_only)
         grad_mode = (_NO_CHANGE if keep_graph == torch.is_grad_enabled()  # sets it: enter now
                      else torch.set_grad_enabled(keep_graph))
-        with self.timer(action), grad_mode:
+        tape = BackwardTape() if keep_graph and ex.cut_backward else None
+        with self.timer(action), grad_mode, self._recording(tape):
             output, loss_func = self._run_forward(action, input_tensor)
             if action.stage == self.last_stage:
                 loss, stats = loss_func(output)
@@ -534,7 +538,7 @@ class _Iteration:
         if ex.recompute:
             self.saved[step.key] = SavedForward(input_tensor, None, rng_state)
         else:
-            self.saved[step.key] = SavedForward(input_tensor, output, None)
+            self.saved[step.key] = SavedForward(input_tensor, output, None, tape)
 
     def _recompute(self, action: Action, input_tensor: torch.Tensor | None, rng_state):
         if input_tensor is not None:
@@ -545,25 +549,48 @@ class _Iteration:
                 output, _ = loss_func(output)
         return input_tensor, output
 
-    def _backward(self, step: Compute) -> None:
+    def _recording(self, tape: BackwardTape | None) -> contextlib.AbstractContextManager:
+        """The MoE layers cut the graph of the forward in the block onto ``tape``."""
+        runtime = self.ex.pair_runtime
+        if tape is None and runtime.tape is None:
+            return _NO_CHANGE
+        return _taping(runtime, tape)
+
+    def _backward(self, step: Compute) -> Iterator[None]:
+        """A backward as pieces (a generator): the recomputation (if any) and the backward
+        down to its forward's last cut, then one piece per segment, each after its gradient
+        all-to-all (:meth:`BackwardTape.pieces`); uncut, one piece."""
         ex, action = self.ex, step.action
-        input_tensor, output, rng_state = self.saved.pop(step.key)
-        defer = contextlib.nullcontext()
+        input_tensor, output, rng_state, tape = self.saved.pop(step.key)
+        linears, store = None, None
         if ex.schedule.split_backward:
             store = self.stores[step.key] = ex.weight_grad_store_factory()
-            defer = defer_weight_grad(ex._linears[action.stage], store)
+            linears = ex._linears[action.stage]
         # taken last: what needs no input is done before its wait
         grad_output = self.comm.take(step.needs) if step.needs is not None else None
-        with self.timer(action), defer:
-            if ex.recompute:
+        if ex.recompute:
+            tape = BackwardTape() if ex.cut_backward else None
+            with self.timer(action), self._recording(tape):
                 input_tensor, output = self._recompute(action, input_tensor, rng_state)
-            if grad_output is None:
-                loss = output / ex.loss_scale_divisor
+        if grad_output is None:
+            with self.timer(action):
+                output = output / ex.loss_scale_divisor
                 if ex.scale_loss is not None:
-                    loss = ex.scale_loss(loss)
-                custom_backward(loss, torch.ones_like(loss))  # loss.backward() minus its checks
-            else:
-                custom_backward(output, grad_output)
+                    output = ex.scale_loss(output)
+            grad_output = torch.ones_like(output)
+
+        def run_backward(tensors: list, grads: list) -> None:
+            defer = (defer_weight_grad(linears, store) if store is not None
+                     else contextlib.nullcontext())
+            with self.timer(action), defer:
+                Variable._execution_engine.run_backward(
+                    tensors=tuple(tensors), grad_tensors=tuple(grads), keep_graph=False,
+                    create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
+
+        if tape is None:
+            run_backward([output], [grad_output])
+        else:
+            yield from tape.pieces(ex.pair_runtime, output, grad_output, run_backward)
         if step.produces is not None:
             grad = input_tensor.grad
             if grad is None:
@@ -571,10 +598,25 @@ class _Iteration:
                 grad = torch.zeros(spec.shape, dtype=spec.dtype, device=ex.device)
             self._deliver(step, grad)
 
-    def _weight(self, step: Compute) -> None:
+    def _weight(self, step: Compute) -> Iterator[None]:
+        """A W as pieces: one weight-gradient entry each."""
         store = self.stores.pop(step.key)
-        with self.timer(step.action):
-            store.flush()
+        steps = store.pieces()
+        while True:
+            with self.timer(step.action):
+                done = next(steps, StopIteration) is StopIteration
+            if done:
+                return
+            yield
+
+
+@contextlib.contextmanager
+def _taping(runtime: PairRuntime, tape: BackwardTape | None) -> Iterator[None]:
+    previous, runtime.tape = runtime.tape, tape
+    try:
+        yield
+    finally:
+        runtime.tape = previous
 
 
 def _rng_state(device: torch.device) -> tuple:

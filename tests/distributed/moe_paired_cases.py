@@ -1,6 +1,7 @@
 """Per-rank bodies of the paired runtime's tests on *real* MoE stages (issue 41): the ``alltoall``
-dispatcher's collectives run through the baton (model/moe/expert_comm -> pipeline/overlap), so a
-pair's all-to-alls interleave; overlap on gives exactly what overlap off gives and one process's
+dispatcher's collectives run through the comm the executor hands the layers (the paired runtime of
+pipeline/overlap: one thread, backwards in pieces cut at the all-to-alls), so a pair's
+all-to-alls interleave; overlap on gives exactly what overlap off gives and one process's
 losses, also with dropout and full recomputation (each half has its own random streams)."""
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera import parallel_state
-from megatron_chimera.pipeline import overlap
 from megatron_chimera.pipeline.executor import ExecutorPolicy
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.tensor_parallel import model_parallel_cuda_manual_seed
@@ -40,7 +40,7 @@ def _train(case, schedule, config, steps: int, overlap_pairs: bool, seed: int | 
         policy=ExecutorPolicy(overlap_pairs=overlap_pairs))
     dp = parallel_state.get_data_parallel_rank()
     losses, grads, norms = {}, [], []
-    overlap.issued = []
+    executor.pair_runtime.issued = issued = []
     try:
         for step in range(steps):
             optimizer.zero_grad()
@@ -52,9 +52,9 @@ def _train(case, schedule, config, steps: int, overlap_pairs: bool, seed: int | 
                           for s, module in modules.items()
                           for name, p in module.named_parameters()})
             norms.append(optimizer.step()[1])
-        return losses, grads, norms, overlap.issued
+        return losses, grads, norms, issued
     finally:
-        overlap.issued = None
+        executor.pair_runtime.issued = None
 
 
 def _alltoall(config):

@@ -364,7 +364,9 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
         busy = c_a + c_b
         a2a_a, a2a_b = a2a[a.kind][a.stage] * scale(a), a2a[b.kind][b.stage] * scale(b)
         comm = a2a_a + a2a_b
-        if layers and comm > 0:
+        if layers and comm > 0 and a.kind == b.kind == FORWARD:
+            end = start + busy + comm  # two drivers: the runtime runs them one after the other
+        elif layers and comm > 0:
             end = start + baton_pair_time(
                 (action_pieces(a.kind, c_a, a2a_a, layers),
                  action_pieces(b.kind, c_b, a2a_b, layers)), pair_leader((a.kind, b.kind)),

@@ -45,19 +45,24 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.autograd import Variable
 
-from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.moe.aux_loss import moe_routers
 from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.busy_timer import ActionTimer, BusyTimer
+from megatron_chimera.pipeline.executor_config import (
+    ExecutorPolicy,
+    ForwardStepFunc,
+    Gradients,
+    StageWork,
+)
+from megatron_chimera.pipeline.expert_order import check_issued, stage_layouts
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
 from megatron_chimera.model.moe.expert_comm import BackwardTape
@@ -68,13 +73,20 @@ from megatron_chimera.pipeline.p2p import (
     uniform_specs,
 )
 from megatron_chimera.pipeline.program import Compute, Paired, Post, Program, compile_program
+from megatron_chimera.pipeline.stage_state import (
+    SavedForward,
+    custom_backward,
+    restored_rng,
+    saved_rng_state,
+    taping,
+)
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 from megatron_chimera.schedules.device_sync_check import plan_gradient_collectives
+from megatron_chimera.schedules.expert_ops import expert_ops
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
-    DEFAULT_LOOKAHEAD,
     GRADIENT,
     SEND,
     Message,
@@ -82,8 +94,6 @@ from megatron_chimera.schedules.lowering import (
     lower,
 )
 from megatron_chimera.schedules.validate import validate_lowered
-from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
-from megatron_chimera.tensor_parallel.random import restored_tracker_states
 from megatron_chimera.tensor_parallel.weight_grad import (
     WeightGradStore,
     defer_weight_grad,
@@ -91,22 +101,10 @@ from megatron_chimera.tensor_parallel.weight_grad import (
     set_weight_grad_deferral,
 )
 
-ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
 
 __all__ = ["PipelineExecutor", "StageWork", "Gradients", "ExecutorPolicy", "PipelineFailure",
            "IterationResult", "GatheredIteration", "ForwardStepFunc", "ActionTimer",
            "make_transport", "deallocate_output_tensor", "custom_backward"]
-
-
-class SavedForward(NamedTuple):
-    """What a forward leaves for its backward: the stage input (with ``requires_grad``), and
-    either the output (stored activations) or the RNG state to replay it (recomputation), and
-    the cuts of its graph (``tape``: its backward runs in pieces, :mod:`.overlap`)."""
-
-    input_tensor: torch.Tensor | None
-    output: torch.Tensor | None
-    rng_state: tuple | None
-    tape: BackwardTape | None = None
 
 
 @dataclass
@@ -131,16 +129,6 @@ class GatheredIteration:
     busy_seconds_per_rank: list[float]
 
 
-def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """Backward without autograd's shape check, so ``output`` may have been deallocated."""
-    Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False,
-        inputs=(), allow_unreachable=True, accumulate_grad=True,
-    )
-
-
-
-
 def make_transport(topology: PipelineTopology, tag_of: Any = None) -> Transport:
     """The transport of this process: NCCL semantics on gloo when the test harness asks for them
     (``MEGATRON_CHIMERA_NCCL_SEMANTICS=1``), else plain."""
@@ -153,50 +141,6 @@ _NO_CHANGE = contextlib.nullcontext()  # the grad mode is already the one wanted
 def _as_float_dict(stats: dict[str, Any]) -> dict[str, float]:
     return {k: float(v.detach().float().mean()) if torch.is_tensor(v) else float(v)
             for k, v in stats.items()}
-
-
-@dataclass(frozen=True)
-class StageWork:
-    """What the executor runs: this rank's stage ``modules`` (every stage it holds, one module
-    per stage, shared by the pipes that visit it), the ``forward_step_func``, the shape and
-    dtype of every p2p message (``[seq, micro_batch, hidden]``) on ``device``, and whether B
-    re-runs the forward from the stage input (``recompute``)."""
-
-    modules: dict[int, nn.Module]
-    forward_step_func: ForwardStepFunc
-    tensor_shape: Sequence[int]
-    dtype: torch.dtype
-    device: torch.device | str = "cpu"
-    recompute: bool = False
-
-
-@dataclass(frozen=True)
-class Gradients:
-    """The training side of an executor: each micro-batch loss is divided by
-    ``loss_scale_divisor`` (``N x W``) before its backward; ``grad_sync`` reduces the gradients
-    (None: evaluation only); ``scale_loss`` is the fp16 grad scaler's hook;
-    ``weight_grad_store_factory`` makes the store of each split backward (W)."""
-
-    loss_scale_divisor: float = 1.0
-    grad_sync: GradientSynchronizer | None = None
-    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
-    weight_grad_store_factory: Callable[[], WeightGradStore] = WeightGradStore
-
-
-@dataclass(frozen=True)
-class ExecutorPolicy:
-    """How the lists run: ``recv_lookahead`` is how many compute actions early a receive is
-    posted when NCCL's rules allow it; ``deallocate_outputs`` frees a sent activation's storage;
-    ``warm_up`` connects every direction before the first iteration; ``safe_posting=False``
-    ignores NCCL's rules (only to show that tests catch it); ``overlap_pairs`` runs each paired
-    action's halves so that one's all-to-alls overlap the other's compute (:mod:`.overlap`;
-    False: one half after the other)."""
-
-    recv_lookahead: int = DEFAULT_LOOKAHEAD
-    deallocate_outputs: bool = True
-    warm_up: bool = True
-    safe_posting: bool = True
-    overlap_pairs: bool = True
 
 
 class PipelineExecutor:
@@ -267,6 +211,12 @@ class PipelineExecutor:
         self.deferred_collectives = plan.deferred if plan is not None else frozenset()
         self.programs: dict[bool, Program] = {
             mode: compile_program(lowered, pipeline_rank) for mode, lowered in self.lowered.items()}
+        # the expert all-to-alls as lowered ops; the NCCL-semantics mode checks each
+        # iteration's against them (schedules/expert_ops.py)
+        layouts = stage_layouts(work.modules) if nccl_semantics_requested() else None
+        self.expert_ops = {mode: expert_ops(lowered, pipeline_rank, layouts, self.recompute,
+                                            self.overlap_pairs)
+                           for mode, lowered in self.lowered.items()} if layouts else None
         self.comm = P2PCommunicator(self.transport, uniform_specs(self.tensor_shape, self.dtype),
                                     self.device)
         self._linears = {s: deferrable_modules(m) for s, m in work.modules.items()}
@@ -309,7 +259,11 @@ class PipelineExecutor:
                                                self.deferred_collectives)
             if self._routers and not forward_only:
                 self._set_aux_loss_scale()
+            issued = self._expert_ops_begin()
             run.execute()
+            if issued is not None:
+                check_issued(self.expert_ops[forward_only], self.pair_runtime.issued[issued:],
+                             self.pipeline_rank)
             self.comm.finish()
             if self.grad_sync is not None and not forward_only:
                 waited = time.perf_counter()
@@ -326,6 +280,14 @@ class PipelineExecutor:
         return IterationResult(local_losses=run.losses, busy=run.timer,
                                iteration_seconds=time.perf_counter() - start,
                                executed=run.executed, p2p_bytes_sent=self.comm.bytes_sent)
+
+    def _expert_ops_begin(self) -> int | None:
+        """Where this iteration's all-to-all labels start (None: not checked)."""
+        if self.expert_ops is None:
+            return None
+        if self.pair_runtime.issued is None:
+            self.pair_runtime.issued = []
+        return len(self.pair_runtime.issued)
 
     def _set_aux_loss_scale(self) -> None:
         """The MoE auxiliary losses get the main loss's factor: 1 / (N x W), times the fp16 loss
@@ -515,7 +477,7 @@ class _Iteration:
     def _forward(self, step: Compute) -> None:
         ex, action = self.ex, step.action
         keep_graph = not self.forward_only and not ex.recompute
-        rng_state = _rng_state(ex.device) if ex.recompute and not self.forward_only else None
+        rng_state = saved_rng_state(ex.device) if ex.recompute and not self.forward_only else None
         input_tensor = None  # taken late: what needs no input is done before its wait
         if step.needs is not None:
             input_tensor = self.comm.take(step.needs)
@@ -543,7 +505,7 @@ class _Iteration:
     def _recompute(self, action: Action, input_tensor: torch.Tensor | None, rng_state):
         if input_tensor is not None:
             input_tensor = input_tensor.detach().requires_grad_(True)
-        with _restored_rng(rng_state, self.ex.device), torch.enable_grad():
+        with restored_rng(rng_state, self.ex.device), torch.enable_grad():
             output, loss_func = self._run_forward(action, input_tensor)
             if action.stage == self.last_stage:
                 output, _ = loss_func(output)
@@ -554,7 +516,7 @@ class _Iteration:
         runtime = self.ex.pair_runtime
         if tape is None and runtime.tape is None:
             return _NO_CHANGE
-        return _taping(runtime, tape)
+        return taping(runtime, tape)
 
     def _backward(self, step: Compute) -> Iterator[None]:
         """A backward as pieces (a generator): the recomputation (if any) and the backward
@@ -608,32 +570,3 @@ class _Iteration:
             if done:
                 return
             yield
-
-
-@contextlib.contextmanager
-def _taping(runtime: PairRuntime, tape: BackwardTape | None) -> Iterator[None]:
-    previous, runtime.tape = runtime.tape, tape
-    try:
-        yield
-    finally:
-        runtime.tape = previous
-
-
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
-
-
-@contextlib.contextmanager
-def _restored_rng(state: tuple | None, device: torch.device):
-    """Replay the forward's random streams (dropout: the default generator and the
-    tensor-parallel tracker's) during recomputation, then restore."""
-    if state is None:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), restored_tracker_states(state[2]):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield

@@ -36,7 +36,9 @@ class BusyTimer:
         self._free = events
         self._recorded: list[tuple[Any, Any, Action | None]] = []
         self._next: Action | None = None
-        self._open: list[tuple[Any, Action | None]] = []  # nested: a pair's piece in a hook
+        # open spans [start, action, nested spans]: a paired action's piece runs inside its
+        # partner's span (at the partner's all-to-all) and is not counted twice
+        self._open: list[tuple[Any, Action | None, list]] = []
         self._origin: tuple[Any, float] | None = None
         if tracer is not None and self.cuda:  # an event at a known host time (device idle)
             torch.cuda.synchronize()
@@ -57,18 +59,22 @@ class BusyTimer:
             start.record()
         else:
             start = time.perf_counter()
-        self._open.append((start, self._next))
+        self._open.append((start, self._next, []))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        start, action = self._open.pop()
+        start, action, nested = self._open.pop()
         if self.cuda:
             end = self._event()
             end.record()
-            self._recorded.append((start, end, action))
+            self._recorded.append((start, end, action, nested))
+            if self._open:
+                self._open[-1][2].append((start, end))
         else:
             end = time.perf_counter()
-            elapsed = end - start
+            elapsed = end - start - sum(e - s for s, e in nested)
+            if self._open:
+                self._open[-1][2].append((start, end))
             self.seconds += elapsed
             if self.action_timer is not None and action is not None:
                 self.action_timer(action, elapsed)
@@ -79,8 +85,9 @@ class BusyTimer:
         """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
         if self._recorded:
             torch.cuda.synchronize()
-            for start, end, action in self._recorded:
-                elapsed = start.elapsed_time(end) / 1000.0
+            for start, end, action, nested in self._recorded:
+                elapsed = (start.elapsed_time(end)
+                           - sum(s.elapsed_time(e) for s, e in nested)) / 1000.0
                 self.seconds += elapsed
                 if self.action_timer is not None and action is not None:
                     self.action_timer(action, elapsed)

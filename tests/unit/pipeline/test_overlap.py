@@ -264,3 +264,19 @@ def test_a_backward_cut_at_its_all_to_alls_is_exact():
     for t, w in zip((x, w1, w2, w3), want, strict=True):
         torch.testing.assert_close(t.grad, w, rtol=1e-6, atol=1e-7)
     assert torch.equal(w3.grad, want[3])
+
+
+def test_a_piece_run_inside_its_partners_span_is_timed_once(monkeypatch):
+    """The busy timer's spans nest (a B piece inside its F partner's span, at the F's
+    all-to-all): each action is charged its own time, the sum is the wall time."""
+    from megatron_chimera.pipeline import busy_timer
+    from megatron_chimera.pipeline.busy_timer import BusyTimer
+
+    clock = iter([0.0, 1.0, 3.0, 4.0])
+    monkeypatch.setattr(busy_timer.time, "perf_counter", lambda: next(clock))
+    charged: dict[str, float] = {}
+    timer = BusyTimer(torch.device("cpu"), [], lambda a, s: charged.__setitem__(a, s))
+    with timer("F"):
+        with timer("B"):
+            pass
+    assert charged == {"F": 2.0, "B": 2.0} and timer.total() == 4.0

@@ -53,7 +53,7 @@ class Half(NamedTuple):
 
 
 class _Running:
-    """A half in progress: its iterator (pieces), random streams and backward tape."""
+    """A half in progress: its iterator (pieces), random streams and whether it ended."""
 
     __slots__ = ("half", "steps", "streams", "done")
 

@@ -9,9 +9,9 @@ is the run's): every rank times its first stage's
   ``C_F + A + C_B + A``: the difference, per action, is the simulator's ``action_overhead``;
 * **pair** of a forward and the backward of an earlier forward (``PairRuntime.run_pair``: the
   forward a driver, the backward in pieces cut at its all-to-alls, the backward leading, as
-  the executor runs an F&B pair), against the baton model (the runtime's strict alternation): less the one
-  ``action_overhead`` the simulator charges a pair, the rest is spread over the pair's baton
-  hand-overs -- ``hand_over_cost``, the one value that makes the baton model's pair last as long
+  the executor runs an F&B pair), against the baton model (the runtime's strict
+  alternation): less the one ``action_overhead`` the simulator charges a pair, the rest is
+  spread over the pair's hand-overs -- ``hand_over_cost``, the one value that makes the baton model's pair last as long
   as the measured one (bisection; the model's time grows with it).
 
 Each timing is a rank's median over ``reps`` (all ranks start each one together), then the
@@ -94,9 +94,13 @@ def calibrate(stage: EmulatedMoEStage, stage_id: int, batch: torch.Tensor,
     comm = stage.exchange.comm
     stage.set_expert_comm(runtime)
 
-    def forward() -> tuple[torch.Tensor, BackwardTape]:
+    def forward_half() -> Half:
+        action = Action(FORWARD, 0, stage_id, next(counter))
+        return Half(action, lambda: forward(action), False)
+
+    def forward(action: Action | None = None) -> tuple[torch.Tensor, BackwardTape]:
         tape = runtime.tape = BackwardTape()
-        runtime.action = Action(FORWARD, 0, stage_id, next(counter))
+        runtime.action = action or Action(FORWARD, 0, stage_id, next(counter))
         if not stage.pre_process:
             stage.set_input_tensor(torch.randn_like(batch).requires_grad_())
         try:
@@ -112,7 +116,8 @@ def calibrate(stage: EmulatedMoEStage, stage_id: int, batch: torch.Tensor,
 
     def unpaired() -> None:
         taped: list = []
-        runtime.run_alone(Half(None, lambda: taped.append(forward()), False))
+        action = Action(FORWARD, 0, stage_id, next(counter))
+        runtime.run_alone(Half(action, lambda: taped.append(forward(action)), False))
         runtime.run_alone(backward(taped[0]))
 
     try:
@@ -121,7 +126,7 @@ def calibrate(stage: EmulatedMoEStage, stage_id: int, batch: torch.Tensor,
             timings_unpaired.append(_timed(unpaired))
             earlier = backward(forward())
             timings_paired.append(_timed(lambda e=earlier: runtime.run_pair(
-                (Half(None, forward, False), e), lead)))
+                (forward_half(), e), lead)))
     finally:
         runtime.action = None
         stage.set_input_tensor(None)

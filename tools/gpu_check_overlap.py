@@ -125,9 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         layer.set_expert_comm(runtime)
         counter = iter(range(10**9))
 
-        def forward():
+        def forward(action: Action | None = None):
             runtime.tape = tape = BackwardTape()
-            runtime.action = Action(FORWARD, 0, 0, next(counter))
+            runtime.action = action or Action(FORWARD, 0, 0, next(counter))
             x = torch.randn(tokens, 1, hidden, device=device, requires_grad=True)
             try:
                 out, _ = layer(x)
@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             seconds = []
             for _ in range(reps + 1):
                 earlier = backward(forward())
-                halves = (Half(None, forward, False), earlier)
+                action = Action(FORWARD, 0, 0, next(counter))
+                halves = (Half(action, lambda a=action: forward(a), False), earlier)
                 if cuda:
                     torch.cuda.synchronize(device)
                 start = time.perf_counter()

@@ -23,8 +23,9 @@ ActionTimer = Callable[[Action, float], None]
 class BusyTimer:
     """Sums compute time: wall clock on CPU, CUDA events on GPU (read when gathered, so no
     host-device sync happens during the iteration). ``timer(action)`` is the context manager of
-    one compute action; with an ``action_timer`` it also reports that action's seconds (on GPU
-    when the events are read: the executor reads them at the end of a timed iteration). Events
+    one compute action (or one piece of it: its spans are summed); with an ``action_timer`` it
+    also reports each action's seconds once, when the timer is totalled (the executor does at
+    the end of a timed iteration; on GPU the events are read then). Events
     come from ``events`` (the executor's free list) and go back there once read."""
 
     def __init__(self, device: torch.device, events: list[Any],
@@ -39,6 +40,8 @@ class BusyTimer:
         # open spans [start, action, nested spans]: a paired action's piece runs inside its
         # partner's span (at the partner's all-to-all) and is not counted twice
         self._open: list[tuple[Any, Action | None, list]] = []
+        # an action timed in several spans (a backward's pieces) is reported once, summed
+        self._per_action: dict[Action, float] = {}
         self._origin: tuple[Any, float] | None = None
         if tracer is not None and self.cuda:  # an event at a known host time (device idle)
             torch.cuda.synchronize()
@@ -77,7 +80,7 @@ class BusyTimer:
                 self._open[-1][2].append((start, end))
             self.seconds += elapsed
             if self.action_timer is not None and action is not None:
-                self.action_timer(action, elapsed)
+                self._per_action[action] = self._per_action.get(action, 0.0) + elapsed
             if self.tracer is not None and action is not None:
                 self.tracer.compute(action, start, end)
 
@@ -90,11 +93,15 @@ class BusyTimer:
                            - sum(s.elapsed_time(e) for s, e in nested)) / 1000.0
                 self.seconds += elapsed
                 if self.action_timer is not None and action is not None:
-                    self.action_timer(action, elapsed)
+                    self._per_action[action] = self._per_action.get(action, 0.0) + elapsed
                 if self._origin is not None and action is not None:
                     origin, host = self._origin
                     self.tracer.compute(action, host + origin.elapsed_time(start) / 1000.0,
                                         host + origin.elapsed_time(end) / 1000.0)
                 self._free += (start, end)
             self._recorded = []
+        if self._per_action:
+            for action, seconds in self._per_action.items():
+                self.action_timer(action, seconds)
+            self._per_action = {}
         return self.seconds

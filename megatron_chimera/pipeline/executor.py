@@ -189,10 +189,10 @@ class PipelineExecutor:
         # every training backward runs in pieces cut at them (overlap on or off: same sums)
         self.pair_runtime = PairRuntime(self.device)
         self.cut_backward = any(schedule.pairs)
-        for module in work.modules.values():
-            for sub in module.modules():
-                if hasattr(sub, "set_expert_comm"):
-                    sub.set_expert_comm(self.pair_runtime)
+        # (handed at every run: another executor of the same modules, e.g. evaluation's, may
+        # have handed its own meanwhile)
+        self._comm_users = [sub for module in work.modules.values() for sub in module.modules()
+                            if hasattr(sub, "set_expert_comm")]
         self.transport = transport or make_transport(
             topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
         safe_posting = policy.safe_posting
@@ -249,6 +249,8 @@ class PipelineExecutor:
         if not forward_only:  # split backwards need deferrable forwards; others, torch's own
             for linears in self._linears.values():
                 set_weight_grad_deferral(linears, self.schedule.split_backward)
+        for user in self._comm_users:
+            user.set_expert_comm(self.pair_runtime)
         run = self.active = _Iteration(self, microbatches, self.programs[forward_only])
         try:
             self.connect()

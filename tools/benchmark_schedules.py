@@ -43,7 +43,8 @@ MoE all-to-all (issue 41): ``--all-to-all-ms A`` runs our rows on emulated MoE s
 combine) whose F and B each pay A per stage (dispatch + combine of all layers) in emulated
 all-to-alls over the expert-parallel groups of ``--expert-model-parallel-size``; a row with
 ``:overlap_moe_expert_parallel_comm=1`` runs paired F&B actions whose halves' all-to-alls overlap
-each other's compute (``pipeline/overlap.py``), and the simulator charges A per unpaired F/B and
+each other's compute (``pipeline/overlap.py``; its pairs chosen with each pair costed piece by
+piece over ``--layers-per-stage`` layers, as the runtime runs it), and the simulator charges A per unpaired F/B and
 each pair its time in the runtime's baton, piece by piece over the ``--layers-per-stage`` layers
 (``CostModel.moe_layers_per_stage``). Before its timed iterations each MoE row measures the
 paired runtime's host costs on its ranks (``pipeline/pair_calibration.py``: per unpaired F/B
@@ -411,7 +412,14 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                      if moe and args.all_to_all_ms > 0 else ())
         options["costs"] = dataclasses.replace(split_costs(per_stage), p2p=build_p2p_s,
                                                all_to_all=known_a2a)
-    schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
+    if moe and options.get("overlap_moe_expert_parallel_comm"):
+        # the pairs chosen for how the paired runtime runs them (piece by piece over the
+        # stage's MoE layers, an F&F pair in turn), the cost the rows are simulated with
+        spec = get_spec(name)
+        schedule = spec.build(d, n, spec.options_type(**options),
+                              moe_layers_per_stage=args.layers_per_stage)
+    else:
+        schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
     validate(schedule)
     validate_lowered(lower(schedule))  # every rank alike: the executor checks only its own list
     w = ParallelLayout.from_world(dist.get_world_size(), pipeline=d).data

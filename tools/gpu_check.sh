@@ -65,5 +65,17 @@ for entry in "${STEPS[@]}"; do
   fi
   tail -n 1 "$LOG"
 done
+# ---- issue 48 (overlap helper): a paired F&B piece sequence of a real MoE layer, its
+# all-to-alls on the communication stream; INFO (figures: exposed communication), FAIL if it
+# does not run. Separate from the STEPS above on purpose (tools/gpu_check_overlap.py). ----
+if [ -z "$ONLY" ] || [[ ",$ONLY," == *",overlap,"* ]]; then
+  if timeout -k 10 120 "$PYTHON" tools/gpu_check_overlap.py --device "$DEVICE" >> "$LOG" 2>&1
+  then status=INFO; else status=FAIL; fi
+  figures=$(grep "exposed communication" "$LOG" | tail -n 1 | tr -d '"' | sed 's/^ *//')
+  printf '{"step": "overlap", "status": "%s", "seconds": null, "summary": "%s"}\n' \
+    "$status" "${figures:-see gpu_check.log}" >> "$OUT/results.jsonl"
+  tail -n 1 "$LOG"
+fi
+# ---- end of issue 48's block ----
 "$PYTHON" tools/gpu_check.py summary --out "$OUT" 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

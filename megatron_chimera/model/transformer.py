@@ -408,6 +408,9 @@ class ParallelTransformerLayer(nn.Module):
         """``[s(/T), b, h] -> [s(/T), b, h]``: attention and MLP blocks, each with a residual."""
         attention_out, bias = self.self_attention(self.input_layernorm(hidden), mask, rotary)
         hidden = self._bias_dropout_add(attention_out, bias, hidden, self.residual_sites[0])
+        tape = self.mlp.backward_tape() if self.is_moe else None
+        if tape is not None:  # the backward's pieces: the MoE block after the attention's
+            hidden = tape.split(hidden)
         mlp_out, bias = self.mlp(self.post_attention_layernorm(hidden))
         return self._bias_dropout_add(mlp_out, bias, hidden, self.residual_sites[1])
 
@@ -467,7 +470,10 @@ class ParallelTransformer(nn.Module):
         # tables are part of the closure, so a recomputation in the backward reseeds and rotates
         # every layer exactly as the forward.
         def run_layers(hidden: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-            with in_stream(stream):
+            with in_stream(stream), contextlib.ExitStack() as paused:
+                for layer in itertools.islice(self.layers, first, last):
+                    if layer.is_moe:  # a checkpointed region is one backward piece
+                        paused.enter_context(layer.mlp.paused_tape())
                 return self._layers(first, last, hidden, mask, stream, rotary)
         return run_layers
 

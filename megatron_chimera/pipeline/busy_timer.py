@@ -8,7 +8,6 @@ optional tracer, and is thread-aware: the two halves of a paired action time on 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +23,9 @@ ActionTimer = Callable[[Action, float], None]
 class BusyTimer:
     """Sums compute time: wall clock on CPU, CUDA events on GPU (read when gathered, so no
     host-device sync happens during the iteration). ``timer(action)`` is the context manager of
-    one compute action; with an ``action_timer`` it also reports that action's seconds (on GPU
-    when the events are read: the executor reads them at the end of a timed iteration). Events
+    one compute action (or one piece of it: its spans are summed); with an ``action_timer`` it
+    also reports each action's seconds once, when the timer is totalled (the executor does at
+    the end of a timed iteration; on GPU the events are read then). Events
     come from ``events`` (the executor's free list) and go back there once read."""
 
     def __init__(self, device: torch.device, events: list[Any],
@@ -36,7 +36,12 @@ class BusyTimer:
         self.tracer = tracer  # tracer.compute(action, start, end) on the host clock
         self._free = events
         self._recorded: list[tuple[Any, Any, Action | None]] = []
-        self._local = threading.local()  # the two halves of a pair time on two threads
+        self._next: Action | None = None
+        # open spans [start, action, nested spans]: a paired action's piece runs inside its
+        # partner's span (at the partner's all-to-all) and is not counted twice
+        self._open: list[tuple[Any, Action | None, list]] = []
+        # an action timed in several spans (a backward's pieces) is reported once, summed
+        self._per_action: dict[Action, float] = {}
         self._origin: tuple[Any, float] | None = None
         if tracer is not None and self.cuda:  # an event at a known host time (device idle)
             torch.cuda.synchronize()
@@ -48,46 +53,55 @@ class BusyTimer:
         return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
 
     def __call__(self, action: Action | None = None) -> BusyTimer:
-        self._local.action = action
+        self._next = action
         return self
 
     def __enter__(self) -> BusyTimer:
         if self.cuda:
             start = self._event()
             start.record()
-            self._local.start = start
         else:
-            self._local.start = time.perf_counter()
+            start = time.perf_counter()
+        self._open.append((start, self._next, []))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        local = self._local
+        start, action, nested = self._open.pop()
         if self.cuda:
             end = self._event()
             end.record()
-            self._recorded.append((local.start, end, local.action))
+            self._recorded.append((start, end, action, nested))
+            if self._open:
+                self._open[-1][2].append((start, end))
         else:
             end = time.perf_counter()
-            elapsed = end - local.start
+            elapsed = end - start - sum(e - s for s, e in nested)
+            if self._open:
+                self._open[-1][2].append((start, end))
             self.seconds += elapsed
-            if self.action_timer is not None and local.action is not None:
-                self.action_timer(local.action, elapsed)
-            if self.tracer is not None and local.action is not None:
-                self.tracer.compute(local.action, local.start, end)
+            if self.action_timer is not None and action is not None:
+                self._per_action[action] = self._per_action.get(action, 0.0) + elapsed
+            if self.tracer is not None and action is not None:
+                self.tracer.compute(action, start, end)
 
     def total(self) -> float:
         """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
         if self._recorded:
             torch.cuda.synchronize()
-            for start, end, action in self._recorded:
-                elapsed = start.elapsed_time(end) / 1000.0
+            for start, end, action, nested in self._recorded:
+                elapsed = (start.elapsed_time(end)
+                           - sum(s.elapsed_time(e) for s, e in nested)) / 1000.0
                 self.seconds += elapsed
                 if self.action_timer is not None and action is not None:
-                    self.action_timer(action, elapsed)
+                    self._per_action[action] = self._per_action.get(action, 0.0) + elapsed
                 if self._origin is not None and action is not None:
                     origin, host = self._origin
                     self.tracer.compute(action, host + origin.elapsed_time(start) / 1000.0,
                                         host + origin.elapsed_time(end) / 1000.0)
                 self._free += (start, end)
             self._recorded = []
+        if self._per_action:
+            for action, seconds in self._per_action.items():
+                self.action_timer(action, seconds)
+            self._per_action = {}
         return self.seconds

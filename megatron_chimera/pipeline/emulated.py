@@ -28,7 +28,7 @@ does not finish late). Sleeping ranks do not compete for cores, so 8 ranks on 2 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -220,7 +220,7 @@ class _TimedForward(nn.Module):
 
 class SleepingWeightGradStore(WeightGradStore):
     """WeightGradStore whose flush (the W action) also sleeps each queued layer's W time, entry
-    by entry (in a pair the W hands the baton over between entries: ``overlap.py``)."""
+    by entry (in a pair the W computes one entry per piece: ``overlap.py``)."""
 
     def __init__(self, timeline: Timeline | None = None) -> None:
         super().__init__()
@@ -232,12 +232,12 @@ class SleepingWeightGradStore(WeightGradStore):
         self._seconds.append(getattr(weight, "emulated_weight_seconds", 0.0))
         super().put(weight, bias, inputs, grad_output, sequence_sharded)
 
-    def flush(self) -> None:
+    def pieces(self) -> Iterator[None]:
         """Each entry: compute its (tiny) real gradients, then sleep until its weight-gradient
-        time has passed since it started."""
+        time has passed since it started (one entry per step, see the base class)."""
         if self.timeline is not None:
             self.timeline.compute_starts()
-        super().flush()
+        yield from super().pieces()
         self._seconds.clear()
         if self.timeline is not None:
             self.timeline.compute_ends()

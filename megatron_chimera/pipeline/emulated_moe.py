@@ -11,7 +11,6 @@ emulated. The dense emulated stages and the shared clocks are in
 
 from __future__ import annotations
 
-import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from torch import nn
 
 from megatron_chimera.model.linear import Linear
 from megatron_chimera.pipeline.emulated import EmulatedCosts, sleep_until_yielding
-from megatron_chimera.pipeline.overlap import current_action, expert_all_to_all
+from megatron_chimera.model.moe.expert_comm import ExpertComm
 
 
 class _EmulatedAllToAllWork:
@@ -76,28 +75,42 @@ class EmulatedAllToAll:
         self.issued: list[str] | None = None
         self._link_free_at = 0.0
         self.compute_free_at = 0.0  # ideal end of the rank's last compute piece
-        self._local = threading.local()  # per half: its action and its last piece's ideal end
+        self.comm = ExpertComm()  # how the all-to-alls are issued (set_expert_comm)
+        self._ready: dict = {}  # per action: the ideal end of its half's last piece
 
     def _half_ready_at(self) -> float:
         """Ideal end of the calling half's previous piece (-inf at a new action)."""
-        local, action = self._local, current_action()
-        if not hasattr(local, "ready_at") or local.action is not action:
-            local.action, local.ready_at = action, float("-inf")
-        return local.ready_at
+        return self._ready.get(self.action(), float("-inf"))
+
+    def action(self):
+        """The compute action running now (the paired runtime's, None outside one)."""
+        return getattr(self.comm, "action", None)
 
     def piece_start(self, seconds: float) -> float:
         """A compute piece of ``seconds`` starts now: its deadline (see :data:`ABSORB_S`)."""
         now = time.perf_counter()
         ideal = max(self.compute_free_at, self._half_ready_at())
         start = ideal if now - ideal <= ABSORB_S else now
-        self.compute_free_at = self._local.ready_at = start + seconds
+        self.compute_free_at = self._ready[self.action()] = start + seconds
         return start + seconds
 
     def __call__(self, name: str, seconds: float) -> None:
         """Run the all-to-all ``name`` of the current action, taking ``seconds``."""
-        action = current_action()
-        label = f"{action.short() if action is not None else '-'}:{name}"
-        expert_all_to_all(lambda: self._issue(label, seconds))
+        self.comm.exchange(name, lambda: self._issue(self._label(name), seconds))
+
+    def _label(self, name: str) -> str:
+        action = self.action()
+        return f"{action.short() if action is not None else '-'}:{name}"
+
+    def cut(self, x: torch.Tensor, name: str, seconds: float) -> torch.Tensor:
+        """The all-to-all ``name`` as a cut of the running forward's backward tape."""
+        def forward(t):
+            return self._issue(self._label(f"{name}.fwd"), seconds), t
+
+        def backward(g):
+            return self._issue(self._label(f"{name}.bwd"), seconds), g
+
+        return self.comm.tape.all_to_all(x, name, self.comm, forward, backward)
 
     def _issue(self, label: str, seconds: float) -> _EmulatedAllToAllWork:
         if self.issued is not None:
@@ -105,7 +118,7 @@ class EmulatedAllToAll:
         now = time.perf_counter()
         ready = self._half_ready_at()
         start = max(ready if now - ready <= ABSORB_S else now, self._link_free_at)
-        self._link_free_at = self._local.ready_at = start + seconds
+        self._link_free_at = self._ready[self.action()] = start + seconds
         code = zlib.crc32(label.encode())
         work = received = None
         if self.size > 1:
@@ -210,6 +223,10 @@ class EmulatedMoEStage(nn.Module):
                 linear.weight.emulated_weight_seconds = costs.weight_s / self.pieces
         self.input_tensor: torch.Tensor | None = None
 
+    def set_expert_comm(self, comm: ExpertComm) -> None:
+        """Issue the all-to-alls through ``comm`` (the pipeline's paired runtime)."""
+        self.exchange.comm = comm
+
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Input activations of a non-first stage."""
         self.input_tensor = tensor
@@ -244,7 +261,10 @@ class EmulatedMoEStage(nn.Module):
             sleep_until_yielding(deadline)
             if communicate:
                 name = f"{'dispatch' if i % 2 == 0 else 'combine'}{i // 2}"
-                hidden = _AllToAllPoint.apply(hidden, self.exchange, name, a2a_s)
+                if self.exchange.comm.tape is not None:
+                    hidden = self.exchange.cut(hidden, name, a2a_s)
+                else:
+                    hidden = _AllToAllPoint.apply(hidden, self.exchange, name, a2a_s)
         return hidden
 
 

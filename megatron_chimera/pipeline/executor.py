@@ -45,41 +45,48 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.autograd import Variable
 
-from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.moe.aux_loss import moe_routers
 from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.busy_timer import ActionTimer, BusyTimer
+from megatron_chimera.pipeline.executor_config import (
+    ExecutorPolicy,
+    ForwardStepFunc,
+    Gradients,
+    StageWork,
+)
+from megatron_chimera.pipeline.expert_order import check_issued, stage_layouts
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
-from megatron_chimera.pipeline.overlap import (
-    leading_half,
-    prepare_threads,
-    run_in_turn,
-    run_pair,
-    set_current_action,
-)
+from megatron_chimera.model.moe.expert_comm import BackwardTape
+from megatron_chimera.pipeline.overlap import Half, PairRuntime, leading_half
 from megatron_chimera.pipeline.p2p import (
     P2PCommunicator,
     deallocate_output_tensor,
     uniform_specs,
 )
 from megatron_chimera.pipeline.program import Compute, Paired, Post, Program, compile_program
+from megatron_chimera.pipeline.stage_state import (
+    SavedForward,
+    custom_backward,
+    restored_rng,
+    saved_rng_state,
+    taping,
+)
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
 from megatron_chimera.schedules.device_sync_check import plan_gradient_collectives
+from megatron_chimera.schedules.expert_ops import expert_ops
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
-    DEFAULT_LOOKAHEAD,
     GRADIENT,
     SEND,
     Message,
@@ -87,8 +94,6 @@ from megatron_chimera.schedules.lowering import (
     lower,
 )
 from megatron_chimera.schedules.validate import validate_lowered
-from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
-from megatron_chimera.tensor_parallel.random import restored_tracker_states
 from megatron_chimera.tensor_parallel.weight_grad import (
     WeightGradStore,
     defer_weight_grad,
@@ -96,20 +101,10 @@ from megatron_chimera.tensor_parallel.weight_grad import (
     set_weight_grad_deferral,
 )
 
-ForwardStepFunc = Callable[[Any, nn.Module], tuple[torch.Tensor, Callable]]
 
 __all__ = ["PipelineExecutor", "StageWork", "Gradients", "ExecutorPolicy", "PipelineFailure",
            "IterationResult", "GatheredIteration", "ForwardStepFunc", "ActionTimer",
            "make_transport", "deallocate_output_tensor", "custom_backward"]
-
-
-class SavedForward(NamedTuple):
-    """What a forward leaves for its backward: the stage input (with ``requires_grad``), and
-    either the output (stored activations) or the RNG state to replay it (recomputation)."""
-
-    input_tensor: torch.Tensor | None
-    output: torch.Tensor | None
-    rng_state: tuple | None
 
 
 @dataclass
@@ -134,16 +129,6 @@ class GatheredIteration:
     busy_seconds_per_rank: list[float]
 
 
-def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """Backward without autograd's shape check, so ``output`` may have been deallocated."""
-    Variable._execution_engine.run_backward(
-        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False,
-        inputs=(), allow_unreachable=True, accumulate_grad=True,
-    )
-
-
-
-
 def make_transport(topology: PipelineTopology, tag_of: Any = None) -> Transport:
     """The transport of this process: NCCL semantics on gloo when the test harness asks for them
     (``MEGATRON_CHIMERA_NCCL_SEMANTICS=1``), else plain."""
@@ -156,50 +141,6 @@ _NO_CHANGE = contextlib.nullcontext()  # the grad mode is already the one wanted
 def _as_float_dict(stats: dict[str, Any]) -> dict[str, float]:
     return {k: float(v.detach().float().mean()) if torch.is_tensor(v) else float(v)
             for k, v in stats.items()}
-
-
-@dataclass(frozen=True)
-class StageWork:
-    """What the executor runs: this rank's stage ``modules`` (every stage it holds, one module
-    per stage, shared by the pipes that visit it), the ``forward_step_func``, the shape and
-    dtype of every p2p message (``[seq, micro_batch, hidden]``) on ``device``, and whether B
-    re-runs the forward from the stage input (``recompute``)."""
-
-    modules: dict[int, nn.Module]
-    forward_step_func: ForwardStepFunc
-    tensor_shape: Sequence[int]
-    dtype: torch.dtype
-    device: torch.device | str = "cpu"
-    recompute: bool = False
-
-
-@dataclass(frozen=True)
-class Gradients:
-    """The training side of an executor: each micro-batch loss is divided by
-    ``loss_scale_divisor`` (``N x W``) before its backward; ``grad_sync`` reduces the gradients
-    (None: evaluation only); ``scale_loss`` is the fp16 grad scaler's hook;
-    ``weight_grad_store_factory`` makes the store of each split backward (W)."""
-
-    loss_scale_divisor: float = 1.0
-    grad_sync: GradientSynchronizer | None = None
-    scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
-    weight_grad_store_factory: Callable[[], WeightGradStore] = WeightGradStore
-
-
-@dataclass(frozen=True)
-class ExecutorPolicy:
-    """How the lists run: ``recv_lookahead`` is how many compute actions early a receive is
-    posted when NCCL's rules allow it; ``deallocate_outputs`` frees a sent activation's storage;
-    ``warm_up`` connects every direction before the first iteration; ``safe_posting=False``
-    ignores NCCL's rules (only to show that tests catch it); ``overlap_pairs`` runs each paired
-    action's halves so that one's all-to-alls overlap the other's compute (:mod:`.overlap`;
-    False: one half after the other)."""
-
-    recv_lookahead: int = DEFAULT_LOOKAHEAD
-    deallocate_outputs: bool = True
-    warm_up: bool = True
-    safe_posting: bool = True
-    overlap_pairs: bool = True
 
 
 class PipelineExecutor:
@@ -244,8 +185,14 @@ class PipelineExecutor:
         self.weight_grad_store_factory = gradients.weight_grad_store_factory
         self.deallocate_outputs = policy.deallocate_outputs and not work.recompute
         self.overlap_pairs = policy.overlap_pairs
-        if self.overlap_pairs and any(schedule.pairs):
-            prepare_threads()  # two host threads take turns at every all-to-all
+        # the rank's MoE layers reach their all-to-alls through the paired runtime; with pairs
+        # every training backward runs in pieces cut at them (overlap on or off: same sums)
+        self.pair_runtime = PairRuntime(self.device)
+        self.cut_backward = any(schedule.pairs)
+        # (handed at every run: another executor of the same modules, e.g. evaluation's, may
+        # have handed its own meanwhile)
+        self._comm_users = [sub for module in work.modules.values() for sub in module.modules()
+                            if hasattr(sub, "set_expert_comm")]
         self.transport = transport or make_transport(
             topology, lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches))
         safe_posting = policy.safe_posting
@@ -264,6 +211,12 @@ class PipelineExecutor:
         self.deferred_collectives = plan.deferred if plan is not None else frozenset()
         self.programs: dict[bool, Program] = {
             mode: compile_program(lowered, pipeline_rank) for mode, lowered in self.lowered.items()}
+        # the expert all-to-alls as lowered ops; the NCCL-semantics mode checks each
+        # iteration's against them (schedules/expert_ops.py)
+        layouts = stage_layouts(work.modules) if nccl_semantics_requested() else None
+        self.expert_ops = {mode: expert_ops(lowered, pipeline_rank, layouts, self.recompute,
+                                            self.overlap_pairs)
+                           for mode, lowered in self.lowered.items()} if layouts else None
         self.comm = P2PCommunicator(self.transport, uniform_specs(self.tensor_shape, self.dtype),
                                     self.device)
         self._linears = {s: deferrable_modules(m) for s, m in work.modules.items()}
@@ -296,6 +249,8 @@ class PipelineExecutor:
         if not forward_only:  # split backwards need deferrable forwards; others, torch's own
             for linears in self._linears.values():
                 set_weight_grad_deferral(linears, self.schedule.split_backward)
+        for user in self._comm_users:
+            user.set_expert_comm(self.pair_runtime)
         run = self.active = _Iteration(self, microbatches, self.programs[forward_only])
         try:
             self.connect()
@@ -306,7 +261,11 @@ class PipelineExecutor:
                                                self.deferred_collectives)
             if self._routers and not forward_only:
                 self._set_aux_loss_scale()
+            issued = self._expert_ops_begin()
             run.execute()
+            if issued is not None:
+                check_issued(self.expert_ops[forward_only], self.pair_runtime.issued[issued:],
+                             self.pipeline_rank)
             self.comm.finish()
             if self.grad_sync is not None and not forward_only:
                 waited = time.perf_counter()
@@ -323,6 +282,14 @@ class PipelineExecutor:
         return IterationResult(local_losses=run.losses, busy=run.timer,
                                iteration_seconds=time.perf_counter() - start,
                                executed=run.executed, p2p_bytes_sent=self.comm.bytes_sent)
+
+    def _expert_ops_begin(self) -> int | None:
+        """Where this iteration's all-to-all labels start (None: not checked)."""
+        if self.expert_ops is None:
+            return None
+        if self.pair_runtime.issued is None:
+            self.pair_runtime.issued = []
+        return len(self.pair_runtime.issued)
 
     def _set_aux_loss_scale(self) -> None:
         """The MoE auxiliary losses get the main loss's factor: 1 / (N x W), times the fp16 loss
@@ -431,14 +398,16 @@ class _Iteration:
             self.stage_done = (step.final_stage,)
 
     def _run_action(self, step: Compute) -> None:
-        set_current_action(step.action)  # labels the action's all-to-alls (:mod:`.overlap`)
+        self.ex.pair_runtime.run_alone(self._half(step))
+
+    def _half(self, step: Compute) -> Half:
+        """``step`` as a half of the paired runtime: F a driver, B and W lists of pieces."""
         kind = step.action.kind
         if kind == FORWARD:
-            self._forward(step)
-        elif kind == BACKWARD:
-            self._backward(step)
-        else:
-            self._weight(step)
+            return Half(step.action, lambda: self._forward(step), False)
+        if kind == BACKWARD:
+            return Half(step.action, lambda: self._backward(step), True)
+        return Half(step.action, lambda: self._weight(step), True)
 
     def _paired(self, step: Paired) -> None:
         """A paired action (F&B, F&F, B&B, or a W with an F or B of another micro-batch): both
@@ -468,13 +437,11 @@ class _Iteration:
         a, b = first.action, second.action
         shared_deferral = (self.ex.schedule.split_backward and a.kind == b.kind == BACKWARD
                            and a.stage == b.stage)
+        halves = (self._half(first), self._half(second))
         if self.ex.overlap_pairs and not shared_deferral:
-            run_pair((lambda: self._run_action(first), lambda: self._run_action(second)),
-                     leading_half((a.kind, b.kind)))
-            set_current_action(None)
+            self.ex.pair_runtime.run_pair(halves, leading_half((a.kind, b.kind)))
         else:  # one half after the other, each on the random streams run_pair gives it
-            run_in_turn((lambda: self._run_action(first), lambda: self._run_action(second)))
-            set_current_action(None)
+            self.ex.pair_runtime.run_in_turn(halves)
         self.executed += (a, b)
         if sync is not None:  # reported after the pair's sends are posted
             self.stage_done = finals
@@ -512,14 +479,15 @@ class _Iteration:
     def _forward(self, step: Compute) -> None:
         ex, action = self.ex, step.action
         keep_graph = not self.forward_only and not ex.recompute
-        rng_state = _rng_state(ex.device) if ex.recompute and not self.forward_only else None
+        rng_state = saved_rng_state(ex.device) if ex.recompute and not self.forward_only else None
         input_tensor = None  # taken late: what needs no input is done before its wait
         if step.needs is not None:
             input_tensor = self.comm.take(step.needs)
             input_tensor.requires_grad_(not self.forward_only)
         grad_mode = (_NO_CHANGE if keep_graph == torch.is_grad_enabled()  # sets it: enter now
                      else torch.set_grad_enabled(keep_graph))
-        with self.timer(action), grad_mode:
+        tape = BackwardTape() if keep_graph and ex.cut_backward else None
+        with self.timer(action), grad_mode, self._recording(tape):
             output, loss_func = self._run_forward(action, input_tensor)
             if action.stage == self.last_stage:
                 loss, stats = loss_func(output)
@@ -534,36 +502,59 @@ class _Iteration:
         if ex.recompute:
             self.saved[step.key] = SavedForward(input_tensor, None, rng_state)
         else:
-            self.saved[step.key] = SavedForward(input_tensor, output, None)
+            self.saved[step.key] = SavedForward(input_tensor, output, None, tape)
 
     def _recompute(self, action: Action, input_tensor: torch.Tensor | None, rng_state):
         if input_tensor is not None:
             input_tensor = input_tensor.detach().requires_grad_(True)
-        with _restored_rng(rng_state, self.ex.device), torch.enable_grad():
+        with restored_rng(rng_state, self.ex.device), torch.enable_grad():
             output, loss_func = self._run_forward(action, input_tensor)
             if action.stage == self.last_stage:
                 output, _ = loss_func(output)
         return input_tensor, output
 
-    def _backward(self, step: Compute) -> None:
+    def _recording(self, tape: BackwardTape | None) -> contextlib.AbstractContextManager:
+        """The MoE layers cut the graph of the forward in the block onto ``tape``."""
+        runtime = self.ex.pair_runtime
+        if tape is None and runtime.tape is None:
+            return _NO_CHANGE
+        return taping(runtime, tape)
+
+    def _backward(self, step: Compute) -> Iterator[None]:
+        """A backward as pieces (a generator): the recomputation (if any) and the backward
+        down to its forward's last cut, then one piece per segment, each after its gradient
+        all-to-all (:meth:`BackwardTape.pieces`); uncut, one piece."""
         ex, action = self.ex, step.action
-        input_tensor, output, rng_state = self.saved.pop(step.key)
-        defer = contextlib.nullcontext()
+        input_tensor, output, rng_state, tape = self.saved.pop(step.key)
+        linears, store = None, None
         if ex.schedule.split_backward:
             store = self.stores[step.key] = ex.weight_grad_store_factory()
-            defer = defer_weight_grad(ex._linears[action.stage], store)
+            linears = ex._linears[action.stage]
         # taken last: what needs no input is done before its wait
         grad_output = self.comm.take(step.needs) if step.needs is not None else None
-        with self.timer(action), defer:
-            if ex.recompute:
+        if ex.recompute:
+            tape = BackwardTape() if ex.cut_backward else None
+            with self.timer(action), self._recording(tape):
                 input_tensor, output = self._recompute(action, input_tensor, rng_state)
-            if grad_output is None:
-                loss = output / ex.loss_scale_divisor
+        if grad_output is None:
+            with self.timer(action):
+                output = output / ex.loss_scale_divisor
                 if ex.scale_loss is not None:
-                    loss = ex.scale_loss(loss)
-                custom_backward(loss, torch.ones_like(loss))  # loss.backward() minus its checks
-            else:
-                custom_backward(output, grad_output)
+                    output = ex.scale_loss(output)
+            grad_output = torch.ones_like(output)
+
+        def run_backward(tensors: list, grads: list) -> None:
+            defer = (defer_weight_grad(linears, store) if store is not None
+                     else contextlib.nullcontext())
+            with self.timer(action), defer:
+                Variable._execution_engine.run_backward(
+                    tensors=tuple(tensors), grad_tensors=tuple(grads), keep_graph=False,
+                    create_graph=False, inputs=(), allow_unreachable=True, accumulate_grad=True)
+
+        if tape is None:
+            run_backward([output], [grad_output])
+        else:
+            yield from tape.pieces(ex.pair_runtime, output, grad_output, run_backward)
         if step.produces is not None:
             grad = input_tensor.grad
             if grad is None:
@@ -571,27 +562,13 @@ class _Iteration:
                 grad = torch.zeros(spec.shape, dtype=spec.dtype, device=ex.device)
             self._deliver(step, grad)
 
-    def _weight(self, step: Compute) -> None:
+    def _weight(self, step: Compute) -> Iterator[None]:
+        """A W as pieces: one weight-gradient entry each."""
         store = self.stores.pop(step.key)
-        with self.timer(step.action):
-            store.flush()
-
-
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
-
-
-@contextlib.contextmanager
-def _restored_rng(state: tuple | None, device: torch.device):
-    """Replay the forward's random streams (dropout: the default generator and the
-    tensor-parallel tracker's) during recomputation, then restore."""
-    if state is None:
-        yield
-        return
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), restored_tracker_states(state[2]):
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], device)
-        yield
+        steps = store.pieces()
+        while True:
+            with self.timer(step.action):
+                done = next(steps, StopIteration) is StopIteration
+            if done:
+                return
+            yield

@@ -7,10 +7,11 @@ is the run's): every rank times its first stage's
 
 * **unpaired** forward then backward (``F``, ``B``: exposed all-to-alls), against
   ``C_F + A + C_B + A``: the difference, per action, is the simulator's ``action_overhead``;
-* **pair** of a forward and the backward of an earlier forward (``run_pair``, the backward
-  leading, as the executor runs an F&B pair), against the baton model: less the one
-  ``action_overhead`` the simulator charges a pair, the rest is spread over the pair's baton
-  hand-overs -- ``hand_over_cost``, the one value that makes the baton model's pair last as long
+* **pair** of a forward and the backward of an earlier forward (``PairRuntime.run_pair``: the
+  forward a driver, the backward in pieces cut at its all-to-alls, the backward leading, as
+  the executor runs an F&B pair), against the baton model (the runtime's strict
+  alternation): less the one ``action_overhead`` the simulator charges a pair, the rest is
+  spread over the pair's hand-overs -- ``hand_over_cost``, the one value that makes the baton model's pair last as long
   as the measured one (bisection; the model's time grows with it).
 
 Each timing is a rank's median over ``reps`` (all ranks start each one together), then the
@@ -23,7 +24,6 @@ from actions run outside any schedule; the schedules' own iterations are not use
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,12 +32,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera.pipeline.emulated_moe import EmulatedMoEStage
-from megatron_chimera.pipeline.overlap import (
-    leading_half,
-    prepare_threads,
-    run_pair,
-    set_current_action,
-)
+from megatron_chimera.model.moe.expert_comm import BackwardTape
+from megatron_chimera.pipeline.overlap import Half, PairRuntime, leading_half
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action
 from megatron_chimera.schedules.simulate import action_pieces, baton_pair_time
 
@@ -94,30 +90,48 @@ def calibrate(stage: EmulatedMoEStage, stage_id: int, batch: torch.Tensor,
         (action_pieces(FORWARD, c_f, a2a, layers), action_pieces(BACKWARD, c_b, a2a, layers)),
         lead, h)
     counter = iter(range(10**9))
+    runtime = PairRuntime()
+    comm = stage.exchange.comm
+    stage.set_expert_comm(runtime)
 
-    def forward() -> torch.Tensor:
-        set_current_action(Action(FORWARD, 0, stage_id, next(counter)))
+    def forward_half() -> Half:
+        action = Action(FORWARD, 0, stage_id, next(counter))
+        return Half(action, lambda: forward(action), False)
+
+    def forward(action: Action | None = None) -> tuple[torch.Tensor, BackwardTape]:
+        tape = runtime.tape = BackwardTape()
+        runtime.action = action or Action(FORWARD, 0, stage_id, next(counter))
         if not stage.pre_process:
             stage.set_input_tensor(torch.randn_like(batch).requires_grad_())
-        return stage(batch)
+        try:
+            return stage(batch).sum(), tape
+        finally:
+            runtime.tape = None
 
-    def backward(output: torch.Tensor) -> None:
-        set_current_action(Action(BACKWARD, 0, stage_id, next(counter)))
-        output.sum().backward()
+    def backward(taped: tuple[torch.Tensor, BackwardTape]) -> Half:
+        loss, tape = taped
+        return Half(Action(BACKWARD, 0, stage_id, next(counter)),
+                    lambda: tape.pieces(runtime, loss, torch.ones_like(loss),
+                                        torch.autograd.backward), True)
 
-    switch = sys.getswitchinterval()
-    prepare_threads()  # as the executor does for a schedule with pairs
+    def unpaired() -> None:
+        taped: list = []
+        action = Action(FORWARD, 0, stage_id, next(counter))
+        runtime.run_alone(Half(action, lambda: taped.append(forward(action)), False))
+        runtime.run_alone(backward(taped[0]))
+
     try:
-        unpaired, paired = [], []
+        timings_unpaired, timings_paired = [], []
         for _ in range(reps):
-            unpaired.append(_timed(lambda: backward(forward())))
-            earlier = forward()
-            paired.append(_timed(lambda e=earlier: run_pair((forward, lambda: backward(e)),
-                                                            lead)))
+            timings_unpaired.append(_timed(unpaired))
+            earlier = backward(forward())
+            timings_paired.append(_timed(lambda e=earlier: runtime.run_pair(
+                (forward_half(), e), lead)))
     finally:
-        set_current_action(None)
+        runtime.action = None
         stage.set_input_tensor(None)
-        sys.setswitchinterval(switch)
+        stage.set_expert_comm(comm)
+    unpaired, paired = timings_unpaired, timings_paired
     nominal = c_f + c_b + 2 * a2a
     measured_unpaired = _median_over_ranks(statistics.median(unpaired))
     action_s = max((measured_unpaired - nominal) / 2, 0.0)

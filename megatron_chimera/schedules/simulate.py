@@ -30,15 +30,17 @@ leave at its end. Its exposed all-to-all is ``max(0, A_x + A_y - C_x - C_y)``.
 That is perfect overlap: the limit of many MoE layers per stage when neither half alone needs
 longer (its own compute and all-to-all are serial). With ``CostModel.moe_layers_per_stage`` k > 0 a
 pair is costed as the paired runtime (``pipeline/overlap.py``) runs it, at piece granularity
-(:func:`baton_pair_time`): each half is k MoE layers, an F ``(compute, all-to-all) x 2k`` and a B
+(:func:`baton_pair_time`; the one-thread runtime alternates the same way, and runs an F&F
+pair -- two drivers -- one half after the other): each half is k MoE layers, an F
+``(compute, all-to-all) x 2k`` and a B
 the reverse ``(all-to-all, compute) x 2k``, every piece 1/2k of the action's compute or
 all-to-all time; the halves take turns (a **baton**: the leading half computes up to its first
 all-to-all, issues it and hands over, the other half computes up to its first, and so on; a
 half waits for its own all-to-all when the baton comes back), and the rank's all-to-alls share
 one link, one after the other. An F&B pair of equal pieces then costs exactly max(...) above;
-two forwards (or two backwards) cost one piece more (the later half's last all-to-all, or first,
-has nothing to hide behind). ``CostModel.hand_over_cost`` adds the runtime's host time per
-hand-over (its two host threads switching), as the benchmark measures it
+two backwards cost one piece more (the later half's first all-to-all has nothing to hide
+behind). ``CostModel.hand_over_cost`` adds the runtime's host time per hand-over (a switch
+between the halves' pieces), as the benchmark measures it
 (``pipeline/pair_calibration.py``).
 """
 
@@ -364,7 +366,9 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
         busy = c_a + c_b
         a2a_a, a2a_b = a2a[a.kind][a.stage] * scale(a), a2a[b.kind][b.stage] * scale(b)
         comm = a2a_a + a2a_b
-        if layers and comm > 0:
+        if layers and comm > 0 and a.kind == b.kind == FORWARD:
+            end = start + busy + comm  # two drivers: the runtime runs them one after the other
+        elif layers and comm > 0:
             end = start + baton_pair_time(
                 (action_pieces(a.kind, c_a, a2a_a, layers),
                  action_pieces(b.kind, c_b, a2a_b, layers)), pair_leader((a.kind, b.kind)),

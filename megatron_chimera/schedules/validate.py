@@ -19,7 +19,7 @@ index and action at fault otherwise:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from megatron_chimera.errors import ScheduleError
 from megatron_chimera.schedules.actions import (
@@ -36,6 +36,7 @@ from megatron_chimera.schedules.device_sync_check import (
     check_sync_anywhere,
     plan_gradient_collectives,
 )
+from megatron_chimera.schedules.expert_ops import ExpertOp, check_expert_order
 from megatron_chimera.schedules.lowering import (
     RECV,
     SEND,
@@ -275,7 +276,9 @@ def _check_messages(lowered: LoweredSchedule) -> None:
 
 def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = None,
                      overlap_grad_reduce: bool = True,
-                     gradient_collectives: bool = True) -> CollectivePlan | None:
+                     gradient_collectives: bool = True,
+                     expert_ops: Mapping[int, Sequence[ExpertOp]] | None = None,
+                     expert_groups: Sequence[Sequence[int]] = ()) -> CollectivePlan | None:
     """Raise :class:`ScheduleError` unless the lowered lists keep NCCL's rules: the compute
     lists are the schedule's, every message is sent after its producer and received before its
     consumer, per pair in one order (tags ignored), every direction is connected (warmed up in
@@ -286,7 +289,12 @@ def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = Non
     (:func:`.device_sync_check.plan_gradient_collectives`, every rank checked: each reaches the same
     plan), which defers to the end of the iteration the collectives that could hang a sync.
     Without ``gradient_collectives`` (a runner that reduces no gradients) only the
-    point-to-point part is checked, for ``ranks``, and None returned."""
+    point-to-point part is checked, for ``ranks``, and None returned. ``expert_ops`` (per
+    rank of the world, :func:`.expert_ops.expert_ops`) and ``expert_groups``: every
+    expert-parallel group's members issue the same all-to-alls in one order
+    (:func:`.expert_ops.check_expert_order`)."""
+    if expert_ops is not None:
+        check_expert_order(expert_ops, expert_groups)
     for rank, actions in enumerate(lowered.compute_lists()):
         expected = iteration_actions(lowered.schedule, rank, lowered.forward_only)
         if actions != expected:

@@ -33,6 +33,7 @@ _MODEL_PARALLEL_RNG_TRACKER_NAME = "model-parallel-rng"
 TENSOR_PARALLEL_SEED_OFFSET = 2718
 
 RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU state, CUDA state or None)
+Device = torch.device | str | None
 
 
 def _cuda_active() -> bool:
@@ -41,14 +42,25 @@ def _cuda_active() -> bool:
     return torch.cuda.is_available()
 
 
-def _current_state() -> RngState:
-    return torch.get_rng_state(), torch.cuda.get_rng_state() if _cuda_active() else None
+def _current_state(device: Device = None) -> RngState:
+    """CPU and CUDA state; CUDA's of ``device`` (None: the current device; a CPU device is
+    never passed to CUDA)."""
+    cuda = torch.cuda.get_rng_state(_cuda_device(device)) if _cuda_active() else None
+    return torch.get_rng_state(), cuda
 
 
-def _set_state(state: RngState) -> None:
+def _set_state(state: RngState, device: Device = None) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None and _cuda_active():
-        torch.cuda.set_rng_state(state[1])
+        torch.cuda.set_rng_state(state[1], _cuda_device(device))
+
+
+def _cuda_device(device: Device) -> torch.device | str:
+    """The CUDA device whose generator is meant: ``device`` when it is one, else ``"cuda"``
+    (the current device)."""
+    if device is not None and torch.device(device).type == "cuda":
+        return device
+    return "cuda"
 
 
 class CudaRNGStatesTracker:
@@ -156,22 +168,28 @@ class RngStates(NamedTuple):
     tracker: dict[str, RngState]
 
 
-def get_rng_states() -> RngStates:
-    """A copy of every random stream of this process (:class:`RngStates`)."""
-    return RngStates(_current_state(), _CUDA_RNG_STATE_TRACKER.get_states())
+def get_rng_states(device: Device = None) -> RngStates:
+    """A copy of every random stream of this process (:class:`RngStates`); CUDA's of
+    ``device`` (the paired runtime names its rank's device: never cuda:0 implicitly)."""
+    return RngStates(_current_state(device), _CUDA_RNG_STATE_TRACKER.get_states())
 
 
-def set_rng_states(states: RngStates) -> None:
+def set_rng_states(states: RngStates, device: Device = None) -> None:
     """Put every random stream of this process where ``states`` says (from
     :func:`get_rng_states`)."""
-    _set_state(states.default)
+    _set_state(states.default, device)
     _CUDA_RNG_STATE_TRACKER.set_states(states.tracker)
 
 
 _SEED_BOUND = 1 << 62
 
 
-def _forked(state: RngState) -> RngState:
+def seeded_cuda_state(seed: int, device: Device) -> torch.Tensor:
+    """The state of a CUDA generator of ``device`` seeded with ``seed``."""
+    return torch.Generator(device=_cuda_device(device)).manual_seed(seed).get_state()
+
+
+def _forked(state: RngState, device: Device = None) -> RngState:
     """A new stream seeded from one number drawn from a *copy* of ``state`` (the stream
     ``state`` describes is not advanced)."""
     cpu, cuda = state
@@ -181,17 +199,17 @@ def _forked(state: RngState) -> RngState:
     forked_cpu = torch.Generator().manual_seed(seed).get_state()
     forked_cuda = None
     if cuda is not None and _cuda_active():
-        forked_cuda = torch.Generator(device="cuda").manual_seed(seed).get_state()
+        forked_cuda = seeded_cuda_state(seed, device)
     return forked_cpu, forked_cuda
 
 
-def forked_rng_states(states: RngStates) -> RngStates:
+def forked_rng_states(states: RngStates, device: Device = None) -> RngStates:
     """Streams of their own, derived deterministically from ``states`` (each seeded from a
     draw of a copy of its origin, so ``states`` themselves are untouched): for a second
     sequence of work that must not reuse the first one's random numbers (the second half of
     a paired F&B action, ``pipeline/overlap.py``)."""
-    return RngStates(_forked(states.default),
-                     {name: _forked(state) for name, state in states.tracker.items()})
+    return RngStates(_forked(states.default, device),
+                     {name: _forked(state, device) for name, state in states.tracker.items()})
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:

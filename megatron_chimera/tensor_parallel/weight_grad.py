@@ -79,13 +79,17 @@ class WeightGradStore:
 
     def flush(self) -> None:
         """Compute every queued weight/bias gradient, accumulate it into ``main_grad`` (or
-        ``.grad``), free inputs. Between two entries it calls the hook installed by
-        :func:`set_between_entries` (the paired runtime hands its baton over there, so that a W
-        beside an F or B computes in pieces while that action's all-to-alls are in flight)."""
-        with torch.no_grad():
-            for index in range(len(self._pending)):
-                if index:
-                    _between_entries()
+        ``.grad``), free inputs."""
+        for _ in self.pieces():
+            pass
+
+    def pieces(self) -> Iterator[None]:
+        """:meth:`flush` one entry per step (a W half of a paired action, ``pipeline/overlap.py``:
+        one entry per all-to-all of its partner)."""
+        for index in range(len(self._pending)):
+            if index:
+                yield
+            with torch.no_grad():
                 self._flush_entry(index)
         self._pending.clear()
 
@@ -100,20 +104,6 @@ class WeightGradStore:
             _accumulate(weight, _weight_grad(inputs, grad_output))
         if bias is not None:
             _accumulate(bias, _bias_grad(grad_output))
-
-
-def _no_hook() -> None:
-    pass
-
-
-_between_entries: Callable[[], None] = _no_hook
-
-
-def set_between_entries(hook: Callable[[], None] | None) -> None:
-    """Install the function every :meth:`WeightGradStore.flush` calls between two of its
-    entries (None: none); ``pipeline/overlap.py`` installs the baton's hand-over of a W half."""
-    global _between_entries
-    _between_entries = hook if hook is not None else _no_hook
 
 
 def _weight_grad(inputs: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:

@@ -22,10 +22,11 @@ from megatron_chimera.pipeline.executor import (
     PipelineExecutor,
     StageWork,
 )
-from megatron_chimera.pipeline.overlap import run_pair, set_current_action
+from megatron_chimera.model.moe.expert_comm import BackwardTape
+from megatron_chimera.pipeline.overlap import Half, PairRuntime
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule
-from megatron_chimera.schedules.actions import FORWARD, WEIGHT, Action
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action
 
 SEQ, MICRO_BATCH, HIDDEN = 4, 2, 4
 COSTS = EmulatedCosts(0.002, 0.002)  # forward, whole backward: seconds per stage
@@ -163,26 +164,35 @@ def _ep_group_of(rank: int, d: int) -> dist.ProcessGroup:
 
 
 def run_order_mismatch(rank: int, world_size: int) -> None:
-    """Two ranks of one EP group run a pair of two forwards: with the same leading half they
-    issue the same all-to-alls; when rank 1 leads with the other half, both ranks' first
-    all-to-all meets a different one of the peer's and each raises, naming it."""
+    """Two ranks of one EP group run a pair of two backwards (pieces cut at their all-to-alls,
+    on one thread): with the same leading half they issue the same all-to-alls; when rank 1
+    leads with the other half, both ranks' first all-to-all meets a different one of the
+    peer's and each raises, naming it."""
     exchange = EmulatedAllToAll(dist.group.WORLD)
+    runtime = PairRuntime()
     stages = [_stage(0, 2, exchange, 0.001), _stage(1, 2, exchange, 0.001)]
+    for stage in stages:
+        stage.set_expert_comm(runtime)
     hidden = torch.randn(SEQ, MICRO_BATCH, HIDDEN)
 
-    def half(i: int):
-        def body() -> None:
-            set_current_action(Action(FORWARD, i, i, i))
-            if i:
-                stages[i].set_input_tensor(hidden)
-            with torch.no_grad():
-                stages[i](hidden)
-        return body
+    def run_backward(tensors, grads):
+        torch.autograd.backward(tensors, grads)
+
+    def half(i: int) -> Half:
+        tape = runtime.tape = BackwardTape()
+        runtime.action = Action(FORWARD, i, i, i)
+        if i:
+            stages[i].set_input_tensor(hidden)
+        out = stages[i](hidden)
+        runtime.tape = None
+        return Half(Action(BACKWARD, i, i, i),
+                    lambda: tape.pieces(runtime, out, torch.ones_like(out), run_backward), True)
 
     for lead_of_rank_1, fails in ((0, False), (1, True)):
+        halves = (half(0), half(1))
         exchange.issued = []
         try:
-            run_pair((half(0), half(1)), lead_of_rank_1 if rank == 1 else 0)
+            runtime.run_pair(halves, lead_of_rank_1 if rank == 1 else 0)
         except RuntimeError as exc:
             assert fails and "issued in different orders" in str(exc), exc
         else:

@@ -1,18 +1,20 @@
 """Per-rank bodies of the paired runtime's tests on *real* MoE stages (issue 41): the ``alltoall``
-dispatcher's collectives run through the baton (model/moe/expert_comm -> pipeline/overlap), so a
-pair's all-to-alls interleave; overlap on gives exactly what overlap off gives and one process's
+dispatcher's collectives run through the comm the executor hands the layers (the paired runtime of
+pipeline/overlap: one thread, backwards in pieces cut at the all-to-alls), so a pair's
+all-to-alls interleave; overlap on gives exactly what overlap off gives and one process's
 losses, also with dropout and full recomputation (each half has its own random streams)."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from megatron_chimera import parallel_state
-from megatron_chimera.pipeline import overlap
 from megatron_chimera.pipeline.executor import ExecutorPolicy
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.tensor_parallel import model_parallel_cuda_manual_seed
@@ -40,7 +42,7 @@ def _train(case, schedule, config, steps: int, overlap_pairs: bool, seed: int | 
         policy=ExecutorPolicy(overlap_pairs=overlap_pairs))
     dp = parallel_state.get_data_parallel_rank()
     losses, grads, norms = {}, [], []
-    overlap.issued = []
+    executor.pair_runtime.issued = issued = []
     try:
         for step in range(steps):
             optimizer.zero_grad()
@@ -52,9 +54,9 @@ def _train(case, schedule, config, steps: int, overlap_pairs: bool, seed: int | 
                           for s, module in modules.items()
                           for name, p in module.named_parameters()})
             norms.append(optimizer.step()[1])
-        return losses, grads, norms, overlap.issued
+        return losses, grads, norms, issued
     finally:
-        overlap.issued = None
+        executor.pair_runtime.issued = None
 
 
 def _alltoall(config):
@@ -128,5 +130,36 @@ def run_real_moe_overlap(rank: int, world_size: int) -> None:
         on = _train(case, schedule, dropout, 1, True, seed=7, recompute=True)
         off = _train(case, schedule, dropout, 1, False, seed=7, recompute=True)
         _assert_same(on, off, "dropout + the executor's recomputation: overlap on vs off")
+    finally:
+        parallel_state.destroy_model_parallel()
+    for name in ("chimera-zb", "1f1b"):  # W pieces beside an F or B; Megatron's 1F1B pairing
+        _dropout_recompute_on_equals_off(name)
+
+
+def _dropout_recompute_on_equals_off(name: str) -> None:
+    """``name`` (D=2 x W=2, EP=2, paired) with dropout 0.1 and the executor's recomputation:
+    overlap on and off bitwise equal, the pairs' all-to-alls interleaved, and no Python thread
+    started (nor the interpreter's switch interval changed) while the paired iteration ran."""
+    moe = moe_training_case(name, D, EP, N, options=OVERLAP)
+    case = moe.tp
+    schedule = build_schedule(case.schedule, D, N, **dict(case.options))
+    assert any(schedule.pairs), f"{name}: no pairs to overlap"
+    parallel_state.initialize_model_parallel(
+        D, schedule.placement, schedule.num_stages, 1, timeout=timedelta(seconds=60),
+        expert_model_parallel_size=EP, expert_groups=True)
+    try:
+        config = _alltoall(case.model_config(hidden_dropout=0.1, attention_dropout=0.1))
+        started: list = []
+        start, switch = threading.Thread.start, sys.getswitchinterval()
+        threading.Thread.start = lambda thread: (started.append(thread.name), start(thread))[1]
+        try:  # the paired runtime starts no Python thread and leaves the interpreter alone
+            on = _train(case, schedule, config, 1, True, seed=3, recompute=True)
+        finally:
+            threading.Thread.start = start
+        assert not started and sys.getswitchinterval() == switch, (started,
+                                                                   sys.getswitchinterval())
+        off = _train(case, schedule, config, 1, False, seed=3, recompute=True)
+        _assert_same(on, off, f"{name}: dropout 0.1 + recomputation: overlap on vs off")
+        assert _interleaved(on[3]) and not _interleaved(off[3]), (name, on[3])
     finally:
         parallel_state.destroy_model_parallel()

@@ -21,7 +21,6 @@ from megatron_chimera.pipeline.emulated import (
     mse_then_wait,
 )
 from megatron_chimera.pipeline.trace import END, START, Timeline
-from megatron_chimera.tensor_parallel import weight_grad
 
 pytestmark = pytest.mark.timeout(30)
 COSTS = EmulatedCosts(forward_s=0.02, backward_s=0.06, weight_s=0.04)
@@ -238,10 +237,10 @@ def test_a_moe_backward_piece_does_its_real_work_inside_its_time(sleeps, monkeyp
     assert all(sleeps[i + 1] == pytest.approx(0.06 / (2 * layers) - 0.003) for i in work[1:])
 
 
-def test_a_moe_weight_gradient_sleeps_entry_by_entry(sleeps, monkeypatch):
+def test_a_moe_weight_gradient_sleeps_entry_by_entry(sleeps):
     """The W of an emulated MoE stage of 2 layers is 4 entries (one per compute piece), each
-    waiting its quarter of weight_s after its own real work, with the paired runtime's
-    hand-over point (``weight_grad``'s hook) between every two of them."""
+    waiting its quarter of weight_s after its own real work, one per step of the store's
+    pieces (where the paired runtime switches to the partner)."""
     costs = EmulatedCosts(0.02, 0.06, 0.04)
     stage = emulated_moe.EmulatedMoEStage(costs, 0.0, emulated_moe.EmulatedAllToAll(None),
                                       pre_process=True, post_process=True, layers=2)
@@ -250,10 +249,8 @@ def test_a_moe_weight_gradient_sleeps_entry_by_entry(sleeps, monkeypatch):
     with defer_weight_grad(stage, store):
         out.mean().backward()
     assert len(store) == 4
-    between = []
-    monkeypatch.setattr(weight_grad, "_between_entries", lambda: between.append(len(sleeps)))
     done = len(sleeps)
-    store.flush()
+    between = [len(sleeps) for _ in store.pieces()]
     assert sleeps[done:] == [pytest.approx(0.01)] * 4
     assert between == [done + 1, done + 2, done + 3]
     assert all(linear.weight.grad is not None for linear in stage.linears)

@@ -12,6 +12,8 @@ rank and no group before ``initialize_model_parallel``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,7 @@ from torch import nn
 from megatron_chimera import parallel_state
 from megatron_chimera.config import ConfigError, ModelConfig
 from megatron_chimera.model.moe.experts import Experts
+from megatron_chimera.model.moe.expert_comm import BackwardTape, ExpertComm
 from megatron_chimera.model.moe.router import TopKRouter
 from megatron_chimera.model.moe.token_dispatcher import TokenDispatcher
 from megatron_chimera.model.utils import init_normal_, layer_key, make_generator
@@ -81,13 +84,34 @@ class MoELayer(nn.Module):
         gate.sequence_parallel = split
         self.shared_experts.gate_weight = gate
 
+    def set_expert_comm(self, comm: ExpertComm) -> None:
+        """Issue this layer's all-to-alls through ``comm`` (the pipeline's paired runtime)."""
+        self.dispatcher.comm = comm
+
+    def paused_tape(self) -> contextlib.AbstractContextManager:
+        """No backward cuts in this layer within the block (a recomputed region)."""
+        return self.dispatcher.comm.paused()
+
+    def backward_tape(self) -> BackwardTape | None:
+        """The tape the running forward records its cuts on (``alltoall`` over EP > 1 only:
+        the only dispatcher whose all-to-alls overlap), else None."""
+        dispatcher = self.dispatcher
+        if dispatcher.kind != "alltoall" or dispatcher.ep_size == 1:
+            return None
+        return dispatcher.comm.tape
+
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
         """``[s, b, h] -> ([s, b, h], None)`` (biases are added inside)."""
         s, b, h = hidden.shape
         tokens = hidden.reshape(s * b, h)
         probs, routing_map = self.router(tokens, s)
+        tape = self.backward_tape()
+        start = tape.segment if tape is not None else 0
         dispatched = self.dispatcher.dispatch(tokens, probs, routing_map)
         expert_output = self.experts(dispatched.tokens, dispatched.counts)
+        if tape is not None:  # what the combine reads of the segment before the dispatch
+            dispatched = dispatched._replace(probs=tape.cut(dispatched.probs, start))
+            hidden = tape.cut(hidden, start)
         out = self.dispatcher.combine(expert_output, dispatched).view(s, b, h)
         if self.shared_experts is not None:
             shared, bias = self.shared_experts(hidden)

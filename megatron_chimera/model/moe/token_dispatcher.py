@@ -14,8 +14,9 @@ The experts are split over the expert-parallel (EP) group: rank r holds experts
   from (source rank, local expert) to (local expert, source rank) order, and the combine reverses
   both steps. The backward of an all-to-all is the all-to-all with the splits swapped. Every
   one of these collectives (counts, tokens, outputs, gradients) runs through
-  :func:`~.expert_comm.expert_all_to_all`: issued asynchronously, then waited for -- at once,
-  or inside a paired F&B action after the other half has computed (``pipeline/overlap.py``).
+  the dispatcher's :class:`~.expert_comm.ExpertComm` (``self.comm``, handed by the pipeline):
+  issued asynchronously, then waited for -- at once, or inside a paired F&B action after the
+  other half has computed a piece (``pipeline/overlap.py``).
 - ``allgather``: every rank gathers the tokens, probabilities and routing maps of the whole EP
   group, runs its experts on the rows routed to them, and a reduce-scatter sums the outputs back
   to the rank that owns each token (its backward is the all-gather, and the reverse).
@@ -29,21 +30,24 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera.config import MOE_TOKEN_DISPATCHERS, ConfigError
-from megatron_chimera.model.moe.expert_comm import expert_all_to_all
+from megatron_chimera.model.moe.expert_comm import ExpertComm
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits, run through :func:`expert_all_to_all` (a
-    paired F&B action overlaps it with the other half's compute); the backward is the
-    all-to-all with the splits swapped, run the same way (``name`` + ``.bwd``)."""
+    """``all_to_all_single`` with uneven splits, run through the layer's
+    :class:`~.expert_comm.ExpertComm` (a paired F&B action overlaps it with the other half's
+    compute); the backward is the all-to-all with the splits swapped, run the same way
+    (``name`` + ``.bwd``). With a backward tape on the comm the graph is cut here instead
+    (:func:`all_to_all`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup,  # noqa: D102
-                output_splits: list[int], input_splits: list[int], name: str) -> torch.Tensor:
-        ctx.group, ctx.splits, ctx.name = group, (output_splits, input_splits), name
+                output_splits: list[int], input_splits: list[int], name: str,
+                comm: ExpertComm) -> torch.Tensor:
+        ctx.group, ctx.splits, ctx.name, ctx.comm = group, (output_splits, input_splits), name, comm
         out = x.new_empty(sum(output_splits), *x.shape[1:])
         x = x.contiguous()
-        expert_all_to_all(name, lambda: dist.all_to_all_single(
+        comm.exchange(name, lambda: dist.all_to_all_single(
             out, x, output_splits, input_splits, group=group, async_op=True))
         return out
 
@@ -51,7 +55,27 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
         output_splits, input_splits = ctx.splits
         return (_AllToAll.apply(grad, ctx.group, input_splits, output_splits,
-                                f"{ctx.name}.bwd"), None, None, None, None)
+                                f"{ctx.name}.bwd", ctx.comm), None, None, None, None, None)
+
+
+def _issuer(group: dist.ProcessGroup, output_splits: list[int], input_splits: list[int]):
+    """``issue(x) -> (work, out)``: the async all-to-all of ``x`` with these splits."""
+    def issue(x: torch.Tensor):
+        out = x.new_empty(sum(output_splits), *x.shape[1:])
+        return dist.all_to_all_single(out, x, output_splits, input_splits, group=group,
+                                      async_op=True), out
+    return issue
+
+
+def all_to_all(comm: ExpertComm, x: torch.Tensor, group: dist.ProcessGroup,
+               output_splits: list[int], input_splits: list[int], name: str) -> torch.Tensor:
+    """The all-to-all ``name`` of ``x`` through ``comm``: an autograd op, or with a backward
+    tape on ``comm`` a cut of the graph whose gradient all-to-all the tape issues."""
+    tape = comm.tape
+    if tape is None:
+        return _AllToAll.apply(x, group, output_splits, input_splits, name, comm)
+    return tape.all_to_all(x, name, comm, _issuer(group, output_splits, input_splits),
+                           _issuer(group, input_splits, output_splits))
 
 
 class _GatherFromGroup(torch.autograd.Function):
@@ -131,6 +155,7 @@ class TokenDispatcher:
         self.ep_size, self.ep_rank, self.group = ep_size, ep_rank, group
         self.num_local = num_experts // ep_size
         self.first_local = ep_rank * self.num_local
+        self.comm = ExpertComm()  # how the all-to-alls are issued (MoELayer.set_expert_comm)
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor,
                  routing_map: torch.Tensor) -> Dispatched:
@@ -152,8 +177,8 @@ class TokenDispatcher:
             out = unpermute(expert_output, state.token_index, state.probs, state.num_tokens)
             return _ReduceScatterToGroup.apply(out, self.group)
         rows = self._regroup(expert_output, state.recv_counts, by_expert=False)
-        rows = _AllToAll.apply(rows, self.group, state.send_splits, state.recv_splits,
-                               "combine")
+        rows = all_to_all(self.comm, rows, self.group, state.send_splits, state.recv_splits,
+                          "combine")
         return unpermute(rows, state.token_index, state.probs, state.num_tokens)
 
     # ------------------------------------------------------------------ alltoall
@@ -162,12 +187,12 @@ class TokenDispatcher:
         rows, index, row_probs, per_expert = permute(tokens, probs, routing_map)
         counts = torch.empty_like(per_expert)  # [source rank][local expert]
         # a collective like the tokens': in a pair it is one more step of the baton's order
-        expert_all_to_all("dispatch.counts", lambda: dist.all_to_all_single(
+        self.comm.exchange("dispatch.counts", lambda: dist.all_to_all_single(
             counts, per_expert, group=self.group, async_op=True))
         recv_counts = counts.view(self.ep_size, self.num_local).tolist()
         send_splits = per_expert.view(self.ep_size, self.num_local).sum(dim=1).tolist()
         recv_splits = [sum(c) for c in recv_counts]
-        received = _AllToAll.apply(rows, self.group, recv_splits, send_splits, "dispatch")
+        received = all_to_all(self.comm, rows, self.group, recv_splits, send_splits, "dispatch")
         grouped = self._regroup(received, recv_counts, by_expert=True)
         per_local = [sum(c[e] for c in recv_counts) for e in range(self.num_local)]
         return Dispatched(grouped, per_local, index, row_probs, tokens.shape[0], send_splits,

@@ -1,66 +1,94 @@
-"""The paired runtime's baton (pipeline/overlap.py): the halves' all-to-alls are issued in one
-order fixed by the two actions, whatever the timing, and the compute never runs on both
-halves at once."""
+"""The single-thread paired runtime (pipeline/overlap.py): the halves' all-to-alls are issued in
+one order fixed by the two actions, pieces alternate on the calling thread (no thread, no
+interpreter setting), each half draws from its own random streams named on the rank's device,
+and a backward cut at its all-to-alls (BackwardTape) gives exactly one backward's gradients."""
 
 from __future__ import annotations
 
+import sys
 import threading
-import time
 
 import pytest
 import torch
 
-from megatron_chimera.pipeline.overlap import (
-    expert_all_to_all,
-    leading_half,
-    run_in_turn,
-    run_pair,
-)
+from megatron_chimera.model.moe.expert_comm import BackwardTape, ExpertComm
+from megatron_chimera.pipeline.overlap import Half, PairRuntime, leading_half
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+from megatron_chimera.tensor_parallel import random as tp_random
 from megatron_chimera.tensor_parallel.weight_grad import WeightGradStore
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class _Handle:
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
+    """A started all-to-all: records its wait."""
+
+    def __init__(self, events: list[str], label: str) -> None:
+        self.events, self.label = events, label
 
     def wait(self) -> None:
-        time.sleep(self.seconds)
+        self.events.append(f"{self.label}.wait")
 
 
-def _trace(pieces: dict[int, list[str]], lead: int, a2a_s: dict[int, float]) -> list[str]:
-    """Run two halves whose pieces are "c" (compute) or "a" (all-to-all of ``a2a_s[half]``
-    seconds); return the events in order."""
+def _driver(runtime: PairRuntime, i: int, pieces: str, events: list[str]):
+    """A forward-like half: compute ("c") and all-to-alls ("a") through the runtime."""
+    def body() -> None:
+        for k, piece in enumerate(pieces):
+            if piece == "a":
+                runtime.exchange(f"{i}a{k}", lambda k=k: (events.append(f"{i}a{k}"),
+                                                          _Handle(events, f"{i}a{k}"))[1])
+            else:
+                events.append(f"{i}c{k}")
+    return body
+
+
+def _pieces(runtime: PairRuntime, i: int, pieces: str, events: list[str]):
+    """A backward-like half: each all-to-all ends a piece (issued, yielded, waited after)."""
+    def body():
+        for k, piece in enumerate(pieces):
+            if piece == "a":
+                handle = runtime.start(f"{i}a{k}", lambda k=k: (
+                    events.append(f"{i}a{k}"), _Handle(events, f"{i}a{k}"))[1])
+                yield handle
+                handle.wait()
+            else:
+                events.append(f"{i}c{k}")
+    return body
+
+
+def test_f_and_b_alternate_on_one_thread_in_a_fixed_order():
+    """F (c a c a, a driver) and B (a c a c, pieces) with the backward leading: B issues, F
+    computes and issues, B waits and computes and issues, ...; no thread is started and the
+    interpreter's switch interval is untouched."""
+    runtime = PairRuntime()
     events: list[str] = []
-    computing = threading.Lock()
+    threads, switch = threading.active_count(), sys.getswitchinterval()
+    seen = []
 
-    def half(i: int):
-        def body() -> None:
-            for k, piece in enumerate(pieces[i]):
-                if piece == "a":
-                    expert_all_to_all(lambda k=k: (events.append(f"{i}a{k}"),
-                                                   _Handle(a2a_s[i]))[1])
-                else:
-                    assert computing.acquire(blocking=False), "both halves compute at once"
-                    events.append(f"{i}c{k}")
-                    time.sleep(0.002)
-                    computing.release()
-        return body
+    def watch():
+        seen.append((threading.active_count(), sys.getswitchinterval()))
 
-    run_pair((half(0), half(1)), lead)
-    return events
+    f = _driver(runtime, 0, "caca", events)
+    b = _pieces(runtime, 1, "acac", events)
+    runtime.run_pair((Half("F", lambda: (watch(), f())[1], False),
+                      Half("B", lambda: (watch(), (yield from b()))[1], True)),
+                     leading_half(("F", "B")))
+    assert seen == [(threads, switch)] * 2
+    assert events == ["1a0", "0c0", "0a1", "1a0.wait", "1c1", "1a2", "0a1.wait", "0c2",
+                      "0a3", "1a2.wait", "1c3", "0a3.wait"]
 
 
-@pytest.mark.parametrize("a2a_s", [{0: 0.0, 1: 0.01}, {0: 0.01, 1: 0.0}])
-def test_all_to_alls_alternate_whatever_their_duration(a2a_s):
-    """F (c a c a) and B (a c a c) with the backward leading: the issue order is B's, F's, B's,
-    ... whichever all-to-all ends first."""
-    events = _trace({0: list("caca"), 1: list("acac")}, leading_half(("F", "B")), a2a_s)
-    issues = [e for e in events if "a" in e[1:]]
-    assert issues == ["1a0", "0a1", "1a2", "0a3"]
-    assert sorted(events) == sorted(["0c0", "0a1", "0c2", "0a3", "1a0", "1c1", "1a2", "1c3"])
+def test_two_piece_lists_alternate_and_two_drivers_run_in_turn():
+    """B&B: piece by piece from the leader; F&F: one after the other (in list order)."""
+    runtime = PairRuntime()
+    events: list[str] = []
+    runtime.run_pair((Half("B", _pieces(runtime, 0, "cac", events), True),
+                      Half("B", _pieces(runtime, 1, "cac", events), True)), 1)
+    assert [e for e in events if "." not in e] == ["1c0", "1a1", "0c0", "0a1", "1c2", "0c2"]
+    events.clear()
+    runtime.run_pair((Half("F", _driver(runtime, 0, "ca", events), False),
+                      Half("F", _driver(runtime, 1, "ca", events), False)), 1)
+    assert events == ["0c0", "0a1", "0a1.wait", "1c0", "1a1", "1a1.wait"]
 
 
 def test_the_backward_leads_an_f_and_b_pair():
@@ -68,107 +96,54 @@ def test_the_backward_leads_an_f_and_b_pair():
     assert leading_half(("F", "B")) == 1
     assert leading_half(("B", "F")) == 0
     assert leading_half(("F", "F")) == 0
+    assert leading_half(("W", "F")) == 1 and leading_half(("B", "W")) == 0
 
 
-class _RecordingStore(WeightGradStore):
-    """A weight-gradient store that records each entry it computes (``<half>w<entry>``)."""
-
-    def __init__(self, half: int, events: list[str], computing: threading.Lock) -> None:
-        super().__init__()
-        self.half, self.events, self.computing = half, events, computing
-
-    def _flush_entry(self, index: int) -> None:
-        assert self.computing.acquire(blocking=False), "both halves compute at once"
-        self.events.append(f"{self.half}w{index}")
-        super()._flush_entry(index)
-        time.sleep(0.002)
-        self.computing.release()
-
-
-def _weight_trace(kinds: tuple[str, str], partner: str, entries: int) -> list[str]:
-    """A W (flushing a real store of ``entries`` linear layers' gradients) paired with an F or
-    B whose pieces are ``partner`` ("c" compute, "a" all-to-all of 10 ms): the events in order
-    (the W's gradients checked against their formula)."""
-    weight = kinds.index("W")
-    lead = leading_half(kinds)
+def test_a_weight_half_computes_one_entry_per_all_to_all_of_the_other_half():
+    """A W beside an F: one weight-gradient entry while each of the F's all-to-alls is in
+    flight, the rest after; the gradients are the store's exact ones."""
+    runtime = PairRuntime()
     events: list[str] = []
-    computing = threading.Lock()
-    store = _RecordingStore(weight, events, computing)
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(3, 2) for _ in range(entries)]
+    store = WeightGradStore()
+    layers = [torch.nn.Linear(3, 2) for _ in range(3)]
     expected = []
     for layer in layers:
         inputs, grad_output = torch.randn(4, 3), torch.randn(4, 2)
         store.put(layer.weight, layer.bias, inputs, grad_output)
         expected.append((grad_output.t() @ inputs, grad_output.sum(0)))
 
-    def other() -> None:
-        for k, piece in enumerate(partner):
-            if piece == "a":
-                expert_all_to_all(lambda k=k: (events.append(f"{1 - weight}a{k}"),
-                                               _Handle(0.01))[1])
-            else:
-                assert computing.acquire(blocking=False), "both halves compute at once"
-                events.append(f"{1 - weight}c{k}")
-                time.sleep(0.002)
-                computing.release()
+    def weight():
+        for k, _ in enumerate(store.pieces()):
+            events.append(f"0w{k}")
+            yield
+        events.append("0w.end")
 
-    halves = [other, other]
-    halves[weight] = store.flush
-    run_pair(halves, lead)
+    runtime.run_pair((Half("W", weight, True),
+                      Half("F", _driver(runtime, 1, "caca", events), False)),
+                     leading_half(("W", "F")))
+    assert [e for e in events if "." not in e or e == "0w.end"] == [
+        "1c0", "1a1", "0w0", "1c2", "1a3", "0w1", "0w.end"]
     for layer, (w, b) in zip(layers, expected):
         torch.testing.assert_close(layer.weight.grad, w, rtol=0, atol=0)
         torch.testing.assert_close(layer.bias.grad, b, rtol=0, atol=0)
-    return events
 
 
-def test_a_weight_half_computes_one_entry_per_all_to_all_of_the_other_half():
-    """A W (no all-to-all) beside an F or B: the F or B leads; the W hands the baton back after
-    each entry of its weight-gradient store's flush, so it computes one entry while each of
-    the other half's all-to-alls is in flight (not all of them while the first is); the issue
-    order is the other half's own, and the gradients are the store's exact ones."""
-    assert leading_half(("W", "F")) == 1 and leading_half(("F", "W")) == 0
-    assert leading_half(("W", "B")) == 1 and leading_half(("B", "W")) == 0
-    events = _weight_trace(("W", "F"), "caca", 3)
-    assert events == ["1c0", "1a1", "0w0", "1c2", "1a3", "0w1", "0w2"]
-    events = _weight_trace(("B", "W"), "acac", 2)
-    assert events == ["0a0", "1w0", "0c1", "0a2", "1w1", "0c3"]
-    events = _weight_trace(("F", "W"), "cacacaca", 2)  # more all-to-alls than entries
-    assert events == ["0c0", "0a1", "1w0", "0c2", "0a3", "1w1", "0c4", "0a5", "0c6", "0a7"]
-
-
-def test_an_error_in_one_half_is_raised_after_both_end():
-    """A failing half hands the baton over; the other half still finishes; the error is
-    raised on the calling thread."""
-    done = []
+def test_an_error_in_one_half_is_raised():
+    runtime = PairRuntime()
 
     def bad() -> None:
         raise ValueError("boom")
 
     with pytest.raises(ValueError, match="boom"):
-        run_pair((bad, lambda: done.append(1)), 0)
-    assert done == [1]
+        runtime.run_pair((Half("F", bad, False), Half("F", lambda: None, False)), 0)
+    assert runtime.action is None
 
 
 def _draw_alone() -> torch.Tensor:
     with get_cuda_rng_tracker().fork():
         tracked = torch.rand(2)
     return torch.cat([torch.rand(4), tracked])
-
-
-def _drawing_halves(draws: dict[int, list[torch.Tensor]]):
-    """Two halves that draw from the default generator between all-to-alls (a dropout mask
-    per piece), recording their draws."""
-
-    def half(i: int):
-        def body() -> None:
-            for _ in range(3):
-                draws[i].append(_draw_alone())
-                expert_all_to_all(lambda: _Handle(0.0))
-            draws[i].append(_draw_alone())
-        return body
-
-    return half(0), half(1)
 
 
 @pytest.fixture
@@ -181,19 +156,31 @@ def _fresh_tracker():
 @pytest.mark.parametrize("lead", [0, 1])
 @pytest.mark.usefixtures("_fresh_tracker")
 def test_each_half_draws_from_its_own_random_stream(lead):
-    """Overlapped, the halves alternate after every draw (from the default generator and the
-    tensor-parallel tracker's); yet each half draws what it draws when the pair runs one half
-    after the other (run_in_turn), and the rank's streams go on alike after the pair: the first
-    half continues them, the second runs on a fork."""
+    """Overlapped, the halves alternate after every draw; yet each half draws what it draws
+    when the pair runs one half after the other, and the rank's streams go on alike after."""
     runs = {}
     for overlapped in (True, False):
+        runtime = PairRuntime()
         model_parallel_cuda_manual_seed(5)
         draws: dict[int, list[torch.Tensor]] = {0: [], 1: []}
-        halves = _drawing_halves(draws)
+
+        def driver():
+            for _ in range(3):
+                draws[0].append(_draw_alone())
+                runtime.exchange("a", lambda: _Handle([], "a"))
+            draws[0].append(_draw_alone())
+
+        def pieces():
+            for _ in range(3):
+                draws[1].append(_draw_alone())
+                yield
+            draws[1].append(_draw_alone())
+
+        halves = (Half("F", driver, False), Half("B", pieces, True))
         if overlapped:
-            run_pair(halves, lead)
+            runtime.run_pair(halves, lead)
         else:
-            run_in_turn(halves)
+            runtime.run_in_turn(halves)
         runs[overlapped] = draws, torch.rand(4)
     (paired, after_paired), (in_turn, after_in_turn) = runs[True], runs[False]
     for i in (0, 1):
@@ -202,27 +189,94 @@ def test_each_half_draws_from_its_own_random_stream(lead):
     model_parallel_cuda_manual_seed(5)
     alone = [_draw_alone() for _ in range(4)]
     assert all(torch.equal(x, y) for x, y in zip(paired[0], alone, strict=True))
-    # the second half's streams are others (default and tracked parts alike)
     assert not torch.equal(paired[0][0][:4], paired[1][0][:4])
-    assert not torch.equal(paired[0][0][4:], paired[1][0][4:])
-    assert torch.equal(after_paired, torch.rand(4))
 
 
-def test_the_model_all_to_all_runs_through_the_baton():
-    """The MoE layer's hook (model/moe/expert_comm) is the paired runtime's all-to-all once the
-    runtime is imported: in a pair its calls interleave with the other half's, labelled."""
-    from megatron_chimera.model.moe import expert_comm
-    from megatron_chimera.pipeline import overlap
+def test_every_rng_call_of_a_half_names_the_ranks_device(monkeypatch):
+    """On CUDA the runtime saves, restores and forks each half's generator of the rank's
+    device, never the current device implicitly (a fake CUDA records the device argument)."""
+    calls: list[tuple[str, object]] = []
+    state = torch.zeros(16, dtype=torch.uint8)
+    monkeypatch.setattr(tp_random, "_cuda_active", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state",
+                        lambda device="cuda": (calls.append(("get", device)), state)[1])
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda s, device="cuda": calls.append(("set", device)))
+    monkeypatch.setattr(tp_random, "seeded_cuda_state",
+                        lambda seed, device: (calls.append(("fork", device)), state)[1])
+    runtime = PairRuntime("cuda:3")
+    events: list[str] = []
+    runtime.run_pair((Half("F", _driver(runtime, 0, "caca", events), False),
+                      Half("B", _pieces(runtime, 1, "acac", events), True)), 1)
+    assert {kind for kind, _ in calls} == {"get", "set", "fork"}
+    assert all(torch.device(device) == torch.device("cuda:3") for _, device in calls), calls
 
-    def half(i: int):
-        def body() -> None:
-            for k in range(2):
-                expert_comm.expert_all_to_all(f"h{i}.{k}", lambda: _Handle(0.0))
-        return body
 
-    overlap.issued = []
-    try:
-        run_pair((half(0), half(1)), 1)
-        assert overlap.issued == ["-:h1.0", "-:h0.0", "-:h1.1", "-:h0.1"]
-    finally:
-        overlap.issued = None
+class _Identity:
+    """An all-to-all of one rank: the tensor itself (its gradient likewise)."""
+
+    def __call__(self, x):
+        return _Handle([], "x"), x.clone()
+
+
+def test_a_backward_cut_at_its_all_to_alls_is_exact():
+    """A graph with a residual around two all-to-alls and a tensor crossing them (as the MoE
+    layer's probabilities and the transformer's residual): the tape's pieces give the gradients
+    of one backward (a tensor read on both sides of a cut sums its gradient's terms in another
+    order: 1e-6), bitwise where nothing is summed across a cut, and yield once per gradient
+    all-to-all."""
+    torch.manual_seed(0)
+    w1, w2, w3 = (torch.randn(4, 4, requires_grad=True) for _ in range(3))
+    x = torch.randn(3, 4, requires_grad=True)
+    grad = torch.randn(3, 4)
+
+    def forward(tape: BackwardTape | None, comm: ExpertComm):
+        h = torch.tanh(x @ w1)
+        if tape is not None:
+            h = tape.split(h)
+        probs = torch.sigmoid(h @ w2)
+        start = tape.segment if tape is not None else 0
+        rows = h * probs
+        rows = tape.all_to_all(rows, "dispatch", comm, _Identity(), _Identity()) \
+            if tape is not None else rows.clone()
+        rows = torch.relu(rows @ w3)
+        rows = tape.all_to_all(rows, "combine", comm, _Identity(), _Identity()) \
+            if tape is not None else rows.clone()
+        if tape is not None:
+            probs, h = tape.cut(probs, start), tape.cut(h, start)
+        return h + rows * probs
+
+    comm = ExpertComm()
+    out = forward(None, comm)
+    out.backward(grad)
+    want = [t.grad.clone() for t in (x, w1, w2, w3)]
+    for t in (x, w1, w2, w3):
+        t.grad = None
+    tape = BackwardTape()
+    out = forward(tape, comm)
+    comm.issued = []
+
+    def run_backward(tensors, grads):
+        torch.autograd.backward(tensors, grads)
+
+    yields = sum(1 for _ in tape.pieces(comm, out, grad, run_backward))
+    assert yields == 2 and comm.issued == ["combine.bwd", "dispatch.bwd"]
+    for t, w in zip((x, w1, w2, w3), want, strict=True):
+        torch.testing.assert_close(t.grad, w, rtol=1e-6, atol=1e-7)
+    assert torch.equal(w3.grad, want[3])
+
+
+def test_a_piece_run_inside_its_partners_span_is_timed_once(monkeypatch):
+    """The busy timer's spans nest (a B piece inside its F partner's span, at the F's
+    all-to-all): each action is charged its own time, the sum is the wall time."""
+    from megatron_chimera.pipeline import busy_timer
+    from megatron_chimera.pipeline.busy_timer import BusyTimer
+
+    clock = iter([0.0, 1.0, 3.0, 4.0])
+    monkeypatch.setattr(busy_timer.time, "perf_counter", lambda: next(clock))
+    charged: dict[str, float] = {}
+    timer = BusyTimer(torch.device("cpu"), [], lambda a, s: charged.__setitem__(a, s))
+    with timer("F"):
+        with timer("B"):
+            pass
+    assert timer.total() == 4.0 and charged == {"F": 2.0, "B": 2.0}

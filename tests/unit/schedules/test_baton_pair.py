@@ -135,15 +135,16 @@ def _rank_with_pair(kinds: str) -> Schedule:
 @pytest.mark.parametrize("kinds", ["FB", "FF"])
 def test_the_simulator_uses_the_baton_only_when_given_layers(kinds):
     """moe_layers_per_stage 0 keeps max(compute, all-to-all) per pair (the comparison tables'
-    costs are unchanged); k > 0 charges the pair its baton time, unpaired actions alike."""
+    costs are unchanged); k > 0 charges an F&B pair its baton time, unpaired actions alike,
+    and an F&F pair both forwards one after the other (the one-thread runtime has two drivers
+    then: nothing of either is hidden)."""
     sched = _rank_with_pair(kinds)
     costs = CostModel(1.0, 1.0, all_to_all_cost=1.0)
     perfect = simulate(sched, costs)
     assert perfect.makespan == pytest.approx(2 * 2 + 2)  # two unpaired (C + A), a pair max(2, 2)
     for layers in (1, 2):
-        piece = 1.0 / (2 * layers)
         result = simulate(sched, replace(costs, moe_layers_per_stage=layers))
-        extra = 0.0 if kinds == "FB" else piece
+        extra = 0.0 if kinds == "FB" else 2.0  # F&F: C + A more than max(2, 2)
         assert result.makespan == pytest.approx(perfect.makespan + extra)
         assert result.exposed_all_to_all == [pytest.approx(2 + extra)]
     with pytest.raises(ValueError, match="moe_layers_per_stage"):

@@ -240,7 +240,8 @@ def test_pairs_are_chosen_under_the_piece_level_cost_when_given(name):
     """``moe_layers_per_stage`` > 0: the pairs are chosen with each pair costed piece by piece
     (the cost the caller simulates with); never slower under it than the order chosen under
     max(compute, all-to-all), and faster for Chimera-ZB (D=4, N=8, 2 MoE layers per stage:
-    32 against 32.5: that order's F&F and B&B pairs pay one piece each)."""
+    32 against 36: that order's B&B pairs pay one piece each, its F&F pairs -- two drivers of
+    the one-thread runtime, run in turn -- all of their all-to-alls)."""
     plain = build_schedule(name, 4, 8)
     perfect = with_overlap(plain)
     pieces = with_overlap(plain, moe_layers_per_stage=2)
@@ -250,7 +251,7 @@ def test_pairs_are_chosen_under_the_piece_level_cost_when_given(name):
     chosen, other = simulate(pieces, model).makespan, simulate(perfect, model).makespan
     assert chosen <= other + 1e-9
     if name == "chimera-zb":
-        assert (chosen, other) == (pytest.approx(32.0), pytest.approx(32.5))
+        assert (chosen, other) == (pytest.approx(32.0), pytest.approx(36.0))
 
 
 # ------------------------------------------------------------------ issue 41's simulator table

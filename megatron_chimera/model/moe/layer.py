@@ -52,7 +52,8 @@ class MoELayer(nn.Module):
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         self.dispatcher = TokenDispatcher(
             moe.moe_token_dispatcher_type, moe.num_experts, ep_size, ep_rank,
-            parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None)
+            parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None,
+            topk=moe.moe_router_topk, capacity_factor=moe.moe_expert_capacity_factor)
         # with sequence parallelism each tensor rank routes its s/T positions: the router's
         # gradient is partial (summed over the tensor ranks) and the auxiliary losses count the
         # tokens of the whole sequence
@@ -87,7 +88,7 @@ class MoELayer(nn.Module):
         tokens = hidden.reshape(s * b, h)
         probs, routing_map = self.router(tokens, s)
         dispatched = self.dispatcher.dispatch(tokens, probs, routing_map)
-        expert_output = self.experts(dispatched.tokens, dispatched.counts)
+        expert_output = self.experts(dispatched.tokens, dispatched.counts, dispatched.host_counts)
         out = self.dispatcher.combine(expert_output, dispatched).view(s, b, h)
         if self.shared_experts is not None:
             shared, bias = self.shared_experts(hidden)

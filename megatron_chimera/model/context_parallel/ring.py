@@ -32,6 +32,18 @@ def _halves(length: int) -> list[slice]:
     return [slice(i * step, (i + 1) * step if i < PARTS - 1 else length) for i in range(PARTS)]
 
 
+def diagonal(tokens: ContextTokens, key_rank: int, query_rows: slice, key_rows: slice) -> bool:
+    """Whether the block's mask is the plain top-left causal one (a zigzag diagonal block: the
+    same consecutive positions on both sides, no documents), so the kernel's ``is_causal``
+    replaces the mask. Decided on the host."""
+    if not tokens.causal or tokens.document_ids is not None:
+        return False
+    q_pos = tokens.positions[tokens.rank, query_rows]
+    k_pos = tokens.positions[key_rank, key_rows]
+    return bool(torch.equal(q_pos, k_pos) and (q_pos.numel() < 2 or bool(
+        (q_pos.diff() == 1).all())))
+
+
 def _attend_block(query, key, value, tokens: ContextTokens, key_rank: int, scale: float,
                   outs: list, lses: list) -> None:
     """Merge ``key_rank``'s block into the running ``outs``/``lses`` of each query half."""
@@ -42,11 +54,12 @@ def _attend_block(query, key, value, tokens: ContextTokens, key_rank: int, scale
             if allowed is False:
                 continue
             out, lse = block_forward(query[..., qh, :], key[..., kh, :], value[..., kh, :],
-                                     allowed, scale)
+                                     allowed, scale, causal=not isinstance(allowed, bool)
+                                     and diagonal(tokens, key_rank, qh, kh))
             outs[i], lses[i] = merge(outs[i], lses[i], out, lse)
 
 
-def _block_grads(query, key, value, grad_out, lse, delta, tokens: ContextTokens, key_rank: int,
+def _block_grads(query, key, value, grad_out, out, lse, delta, tokens: ContextTokens, key_rank: int,
                  scale: float, grad_query: torch.Tensor, grad_key: torch.Tensor,
                  grad_value: torch.Tensor) -> None:
     """Add ``key_rank``'s block's contributions to dQ (this rank's) and to its dK, dV."""
@@ -56,9 +69,10 @@ def _block_grads(query, key, value, grad_out, lse, delta, tokens: ContextTokens,
             allowed = tokens.allowed(tokens.rank, key_rank, qh, kh)
             if allowed is False:
                 continue
+            causal = not isinstance(allowed, bool) and diagonal(tokens, key_rank, qh, kh)
             dq, dk, dv = block_backward(query[..., qh, :], key[..., kh, :], value[..., kh, :],
                                         allowed, scale, grad_out[..., qh, :], lse[..., qh],
-                                        delta[..., qh])
+                                        delta[..., qh], out[..., qh, :], causal)
             grad_query[..., qh, :] += dq
             grad_key[..., kh, :] += dk
             grad_value[..., kh, :] += dv
@@ -94,7 +108,7 @@ def rank_backward(query: torch.Tensor, grad_out: torch.Tensor, out: torch.Tensor
     delta = (grad_out * out).sum(-1)
     grad_query = torch.zeros_like(query)
     for source, block, grads in blocks:
-        _block_grads(query, block[0], block[1], grad_out, lse, delta, tokens, source, scale,
+        _block_grads(query, block[0], block[1], grad_out, out, lse, delta, tokens, source, scale,
                      grad_query, grads[0], grads[1])
     return grad_query
 

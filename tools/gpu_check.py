@@ -65,6 +65,10 @@ The steps, in priority order (:data:`STEPS`; a later check is one more function 
     the whole sequence (PASS within SDPA's own bf16 error, measured against an fp32 SDPA, plus
     2^-6), and the ranks' compute time (summed, slowest) against SDPA's (INFO).
 
+``kernels`` (``gpu_check_kernels.py``, issue 49)
+    cuDNN vs FlashAttention-2 vs memory-efficient SDPA at the layer shape (and SDPA's default
+    and ``--use-flash-attn`` choices), and the fused weight gradient at a real transposed shape
+    (error vs fp32, time vs unfused, the path training takes).
 ``moe_syncs`` (``gpu_check_moe_syncs.py``, issue 49)
     one MoE layer whose expert 0 receives no token: host synchronisations per forward
     (``torch.cuda.set_sync_debug_mode``, dropless and capacity modes, bar 1) and the zero-token
@@ -498,6 +502,7 @@ def check_slices_cpu(ctx: Context) -> dict:
 # ------------------------------------------------------------------------------ MoE, ring
 # The MoE-experts and ring-attention steps (issues 41, 42) are in gpu_check_moe_cp.py; it
 # registers them with @step of this module (also when this file runs as the script).
+import gpu_check_kernels  # noqa: E402,F401
 import gpu_check_moe_cp  # noqa: E402,F401
 import gpu_check_moe_syncs  # noqa: E402,F401
 

@@ -42,7 +42,8 @@ LOG="$OUT/gpu_check.log"
 
 # One ordered plan (one H100/H200 lease; the caps add up to 480 s, 8 minutes; figures reach
 # $OUT as each step ends): the figure steps first (versions and kernel choice, layer MFU, MoE
-# experts, ring attention, hardware profile), then training, sync audit and memory, then
+# experts, ring attention, hardware profile), then cuDNN vs FA2 at the layer shape and the
+# fused weight gradient (kernels), then training, sync audit and memory, then
 # recompute and resume (deterministic mode), then the MoE sync count. Caps include a cold
 # torch.compile where the step compiles (env probes it first, which warms the cache the later
 # runs use). On the CPU the same caps apply to tiny shapes. Hook point: a new check is a
@@ -50,15 +51,16 @@ LOG="$OUT/gpu_check.log"
 # in the marked place at the end of this list.
 STEPS=(
   "env 45"
-  "layer_mfu 70"
-  "moe_experts 35"
-  "ring_attention 35"
+  "layer_mfu 65"
+  "moe_experts 30"
+  "ring_attention 30"
   "hardware 25"
-  "training 80"
+  "kernels 30"
+  "training 75"
   "sync_audit 35"
   "memory 20"
-  "recompute 50"
-  "resume 60"
+  "recompute 45"
+  "resume 55"
   "moe_syncs 25"
   # --- steps added by later issues: one line each, below this one ---
 )

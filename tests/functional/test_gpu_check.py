@@ -50,8 +50,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
                         "sync_audit": "SKIP", "recompute": "PASS", "resume": "PASS",
                         "memory": "PASS", "hardware": "INFO", "slices_cpu": "INFO",
                         "moe_experts": "PASS" if grouped else "INFO",
-                        "ring_attention": "PASS", "moe_syncs": "INFO", "kernels": "SKIP"},
-                       results
+                        "ring_attention": "PASS", "moe_syncs": "INFO",
+                        "kernels": "SKIP"}, results
     assert [r["gemm"] for r in results["moe_experts"]["rows"]] == (
         ["grouped", "loop"] if grouped else ["loop"])
     assert [r["what"] for r in results["ring_attention"]["rows"]][1:] == ["ring CP=2",

@@ -467,7 +467,8 @@ def check_slices_cpu(ctx: Context) -> dict:
     when the measured sliced / unsliced iteration time is <= 0.8; otherwise INFO."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     sizes = (["--seq-length", "2048", "--iters", "3", "--rounds", "3"] if ctx.gpu else
-             ["--seq-length", "128", "--hidden-size", "32", "--iters", "1", "--rounds", "1"])
+             ["--seq-length", "64", "--hidden-size", "32", "--num-layers", "4", "--iters", "1",
+              "--rounds", "1"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(SLICES_RANKS), str(ROOT / "tools" / "benchmark_sequence_slices.py"),
            "--sequences", "2", "--slices", "4", *sizes]

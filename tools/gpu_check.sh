@@ -65,7 +65,7 @@ STEPS=(
   # --- steps added by later issues: one line each, below this one ---
 )
 if [ "$DEVICE" = cpu ]; then  # a CPU question: never on a GPU lease's time
-  STEPS+=("slices_cpu 40")
+  STEPS+=("slices_cpu 60")  # 4 torch processes: mostly their start, slow on a loaded machine
 fi
 
 echo "gpu_check: device $DEVICE, output in $OUT, run $GPU_CHECK_RUN" | tee -a "$LOG"

@@ -41,6 +41,10 @@ The steps, in priority order (:data:`STEPS`; a later check is one more function 
 ``resume``
     ``--async-save`` torch_dist checkpoints: a run stopped at iteration 10 and resumed gives the
     losses and, bit for bit, the iteration-20 checkpoint of the uninterrupted run.
+    Both run ``pretrain_gpt2.py`` in deterministic mode (``torch.use_deterministic_algorithms``,
+    warn only; ``CUBLAS_WORKSPACE_CONFIG=:4096:8``); where a CUDA kernel has no deterministic
+    version the comparison falls back to a stated tolerance (2^-7 relative), said in the
+    summary -- non-determinism alone cannot fail them.
 ``memory``
     the memory model's per-layer estimate against the allocator (``max_memory_allocated``), and
     the training log's predicted vs measured totals (from ``training``).
@@ -61,7 +65,16 @@ The steps, in priority order (:data:`STEPS`; a later check is one more function 
     the whole sequence (PASS within SDPA's own bf16 error, measured against an fp32 SDPA, plus
     2^-6), and the ranks' compute time (summed, slowest) against SDPA's (INFO).
 
-``slices_cpu``
+``kernels`` (``gpu_check_kernels.py``, issue 49)
+    cuDNN vs FlashAttention-2 vs memory-efficient SDPA at the layer shape (and SDPA's default
+    and ``--use-flash-attn`` choices), and the fused weight gradient at a real transposed shape
+    (error vs fp32, time vs unfused, the path training takes).
+``moe_syncs`` (``gpu_check_moe_syncs.py``, issue 49)
+    one MoE layer whose expert 0 receives no token: host synchronisations per forward
+    (``torch.cuda.set_sync_debug_mode``, dropless and capacity modes, bar 1) and the zero-token
+    expert against the per-expert loop.
+
+``slices_cpu`` (only in the ``--device cpu`` run: a CPU question never spends a GPU lease)
     issue 42's real-CPU check, which needs more cores than the development machine has:
     ``tools/benchmark_sequence_slices.py`` under ``torch.distributed.run`` (4 gloo ranks, one
     thread each, ``CUDA_VISIBLE_DEVICES=""``), 2 sequences of 2048 tokens, sliced (k = 4) against
@@ -454,7 +467,8 @@ def check_slices_cpu(ctx: Context) -> dict:
     when the measured sliced / unsliced iteration time is <= 0.8; otherwise INFO."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     sizes = (["--seq-length", "2048", "--iters", "3", "--rounds", "3"] if ctx.gpu else
-             ["--seq-length", "128", "--hidden-size", "32", "--iters", "1", "--rounds", "1"])
+             ["--seq-length", "64", "--hidden-size", "32", "--num-layers", "4", "--iters", "1",
+              "--rounds", "1"])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(SLICES_RANKS), str(ROOT / "tools" / "benchmark_sequence_slices.py"),
            "--sequences", "2", "--slices", "4", *sizes]
@@ -489,24 +503,32 @@ def check_slices_cpu(ctx: Context) -> dict:
 # ------------------------------------------------------------------------------ MoE, ring
 # The MoE-experts and ring-attention steps (issues 41, 42) are in gpu_check_moe_cp.py; it
 # registers them with @step of this module (also when this file runs as the script).
+import gpu_check_kernels  # noqa: E402,F401
 import gpu_check_moe_cp  # noqa: E402,F401
-
+import gpu_check_moe_syncs  # noqa: E402,F401
 
 # ------------------------------------------------------------------------------ running
-def read_results(out: Path) -> dict[str, dict]:
-    """The steps' results so far, by step (the last line of a step wins)."""
+#: this run's id (``gpu_check.sh`` sets it): results.jsonl keeps every run's lines
+RUN = os.environ.get("GPU_CHECK_RUN")
+
+
+def read_results(out: Path, run: str | None = RUN) -> dict[str, dict]:
+    """The steps' results so far, by step (the last line of a step wins; only ``run``'s lines
+    when given)."""
     results: dict[str, dict] = {}
     path = out / RESULTS
     if path.exists():
         for line in path.read_text().splitlines():
             with contextlib.suppress(json.JSONDecodeError):
                 entry = json.loads(line)
-                results[entry["step"]] = entry
+                if run is None or entry.get("run") == run:
+                    results[entry["step"]] = entry
     return results
 
 
 def append_result(out: Path, entry: dict) -> None:
-    """One JSON line in ``results.jsonl`` (appended: the steps run one after another)."""
+    """One JSON line in ``results.jsonl`` (appended, never truncated: the steps run one after
+    another, and earlier runs' lines stay)."""
     with open(out / RESULTS, "a") as handle:
         handle.write(json.dumps(entry, default=str) + "\n")
 
@@ -538,8 +560,8 @@ def run_step(name: str, device: torch.device, out: Path, budget: float) -> int:
     except Exception as exc:  # noqa: BLE001 - recorded as the step's result
         traceback.print_exc()
         entry = {"status": "FAIL", "summary": f"{type(exc).__name__}: {str(exc)[:400]}"}
-    entry = {"step": name, "title": title, "seconds": round(time.monotonic() - start, 1),
-             **entry}
+    entry = {"step": name, "run": RUN, "title": title,
+             "seconds": round(time.monotonic() - start, 1), **entry}
     append_result(out, entry)
     print(f"-- {name}: {entry['status']} ({entry['seconds']} s): {entry['summary']}", flush=True)
     return 0

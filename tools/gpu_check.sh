@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One GPU check for a short lease (one H100: at most 555 s of steps, inside one 600 s device
-# call), from a bare checkout with the machine's own python: nothing is installed, the package
+# One GPU check for a short lease (one H100/H200: at most 480 s of steps, inside one 600 s
+# device call), from a bare checkout with the machine's own python: nothing is installed, the package
 # is imported through PYTHONPATH.
 #
 #   bash tools/gpu_check.sh                  # CUDA: every step
-#   bash tools/gpu_check.sh --device cpu     # dry run of the CPU-runnable parts (< 2 minutes)
+#   bash tools/gpu_check.sh --device cpu     # dry run of the CPU-runnable parts (<= 90 s idle)
 #   OUT=/some/dir bash tools/gpu_check.sh --steps env,layer_mfu
 #
 # Every step runs under `timeout` as its own process; everything is written to $OUT (a new
@@ -26,42 +26,68 @@ while [ $# -gt 0 ]; do
     *) echo "error: unknown argument $1 (use --device auto|cuda|cpu, --steps a,b)" >&2; exit 2 ;;
   esac
 done
+case "$DEVICE" in  # checked before anything runs: a typo must not spend a lease
+  auto|cuda|cpu) ;;
+  *) echo "error: --device must be auto, cuda or cpu, got '$DEVICE'" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$(mktemp -d -t gpu_check.XXXXXX)}
 mkdir -p "$OUT"
 export OUT
-: > "$OUT/results.jsonl"
+# results.jsonl is appended to, never truncated: each line carries this run's id, and the
+# summary reads this run's lines only
+GPU_CHECK_RUN="$(date -u +%Y%m%dT%H%M%SZ)-$$"
+export GPU_CHECK_RUN
+touch "$OUT/results.jsonl"
 LOG="$OUT/gpu_check.log"
 
-# The steps in priority order with their time limits in seconds on one H100 (they add up to
-# 555 s: the device tool's one call runs at most 600 s; on the CPU the same limits apply to tiny
-# shapes). Hook point: a new check is a function registered with @step in tools/gpu_check.py
-# (or a module it imports) and one line here.
+# One ordered plan (one H100/H200 lease; the caps add up to 480 s, 8 minutes; figures reach
+# $OUT as each step ends): the figure steps first (versions and kernel choice, layer MFU, MoE
+# experts, ring attention, hardware profile), then cuDNN vs FA2 at the layer shape and the
+# fused weight gradient (kernels), then training, sync audit and memory, then
+# recompute and resume (deterministic mode), then the MoE sync count. Caps include a cold
+# torch.compile where the step compiles (env probes it first, which warms the cache the later
+# runs use). On the CPU the same caps apply to tiny shapes. Hook point: a new check is a
+# function registered with @step in tools/gpu_check.py (or a module it imports) and one line
+# in the marked place at the end of this list.
 STEPS=(
-  "env 40"
-  "layer_mfu 75"
-  "training 90"
-  "sync_audit 40"
-  "recompute 60"
-  "resume 60"
-  "memory 30"
-  "hardware 40"
-  "slices_cpu 40"
-  "moe_experts 40"
-  "ring_attention 40"
+  "env 45"
+  "layer_mfu 65"
+  "moe_experts 30"
+  "ring_attention 30"
+  "hardware 25"
+  "kernels 30"
+  "training 75"
+  "sync_audit 35"
+  "memory 20"
+  "recompute 45"
+  "resume 55"
+  "moe_syncs 25"
+  # --- steps added by later issues: one line each, below this one ---
 )
+if [ "$DEVICE" = cpu ]; then  # a CPU question: never on a GPU lease's time
+  STEPS+=("slices_cpu 60")  # 4 torch processes: mostly their start, slow on a loaded machine
+fi
 
-echo "gpu_check: device $DEVICE, output in $OUT" | tee "$LOG"
+echo "gpu_check: device $DEVICE, output in $OUT, run $GPU_CHECK_RUN" | tee -a "$LOG"
+# the versions line first, before any step (a step that hangs cannot hide them)
+"$PYTHON" -c 'import platform, torch; print("versions: python", platform.python_version(),
+  "torch", torch.__version__, "cuda", torch.version.cuda, "devices",
+  torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>&1 | tee -a "$LOG"
 for entry in "${STEPS[@]}"; do
   read -r name limit <<< "$entry"
+  # the CPU dry run has no lease to fit: twice the caps, so a loaded development machine's slow
+  # process starts do not read as failures (its tiny steps take far less on an idle one)
+  if [ "$DEVICE" = cpu ]; then limit=$((limit * 2)); fi
   if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
   timeout -k 10 "$limit" "$PYTHON" tools/gpu_check.py step "$name" --out "$OUT" \
     --device "$DEVICE" --budget "$((limit - 5))" >> "$LOG" 2>&1
   code=$?
-  if ! grep -q "\"step\": \"$name\"" "$OUT/results.jsonl"; then  # ended before recording
+  if ! grep -q "\"step\": \"$name\", \"run\": \"$GPU_CHECK_RUN\"" "$OUT/results.jsonl"; then
+    # ended before recording
     if [ $code -eq 124 ] || [ $code -eq 137 ]; then why="killed by timeout after $limit s"
     else why="exited $code (see gpu_check.log)"; fi
-    printf '{"step": "%s", "status": "FAIL", "seconds": null, "summary": "%s"}\n' \
-      "$name" "$why" >> "$OUT/results.jsonl"
+    printf '{"step": "%s", "run": "%s", "status": "FAIL", "seconds": null, "summary": "%s"}\n' \
+      "$name" "$GPU_CHECK_RUN" "$why" >> "$OUT/results.jsonl"
   fi
   tail -n 1 "$LOG"
 done
@@ -69,11 +95,11 @@ done
 # all-to-alls on the communication stream; INFO (figures: exposed communication), FAIL if it
 # does not run. Separate from the STEPS above on purpose (tools/gpu_check_overlap.py). ----
 if [ -z "$ONLY" ] || [[ ",$ONLY," == *",overlap,"* ]]; then
-  if timeout -k 10 120 "$PYTHON" tools/gpu_check_overlap.py --device "$DEVICE" >> "$LOG" 2>&1
+  if timeout -k 10 40 "$PYTHON" tools/gpu_check_overlap.py --device "$DEVICE" >> "$LOG" 2>&1
   then status=INFO; else status=FAIL; fi
   figures=$(grep "exposed communication" "$LOG" | tail -n 1 | tr -d '"' | sed 's/^ *//')
-  printf '{"step": "overlap", "status": "%s", "seconds": null, "summary": "%s"}\n' \
-    "$status" "${figures:-see gpu_check.log}" >> "$OUT/results.jsonl"
+  printf '{"step": "overlap", "run": "%s", "status": "%s", "seconds": null, "summary": "%s"}\n' \
+    "$GPU_CHECK_RUN" "$status" "${figures:-see gpu_check.log}" >> "$OUT/results.jsonl"
   tail -n 1 "$LOG"
 fi
 # ---- end of issue 48's block ----

@@ -145,7 +145,7 @@ def moe_pass(layer, hidden: torch.Tensor, grad: torch.Tensor, clock: Clock
     torch.autograd.backward([dispatched.tokens, dispatched.probs], [rows.grad, probs_leaf.grad])
     marks.append(clock.mark())
     times = {piece: clock.ms(a, b) for piece, a, b in zip(MOE_PIECES, marks, marks[1:])}
-    return times, out.detach(), sum(dispatched.counts)
+    return times, out.detach(), int(dispatched.counts.sum())
 
 
 def time_moe(layer, hidden: torch.Tensor, grad: torch.Tensor, clock: Clock, reps: int,

@@ -19,8 +19,8 @@ the default; ``unfused`` = the reference composition of element-wise ops, for co
   (:func:`fused_bias_dropout_add`). With ``--no-bias-dropout-fusion`` nothing is compiled: the
   output projections return their bias and Megatron's unfused ``residual + dropout(x + bias)``
   adds it in separate ops.
-* ``--use-flash-attn`` (CUDA): SDPA restricted to its flash and memory-efficient kernels; a
-  configuration neither supports raises :class:`ConfigError` with torch's reasons instead of
+* ``--use-flash-attn`` (CUDA): SDPA restricted to its cuDNN, flash and memory-efficient kernels; a
+  configuration none of them supports raises :class:`ConfigError` with torch's reasons instead of
   falling back to the math kernel. On the CPU the flag cannot apply (those are CUDA kernels) and
   is reported once (:func:`warn_once`).
 * the optimizer's kernels (Adam step, grad norm, grad copies) live in
@@ -132,10 +132,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise ``x`` over its last dimension."""
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        """Normalise ``x`` over its last dimension (``F.rms_norm``'s one kernel where this torch
+        has it: the weight folded in for float32/64 inputs; 16-bit inputs normalised in fp32
+        and rounded before the weight, as Megatron and transformers do)."""
+        if _RMS_NORM is None:
+            x32 = x.float()
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * normed.to(x.dtype)
+        shape = (x.shape[-1],)
+        if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.float64):
+            return _RMS_NORM(x, shape, self.weight, self.eps)
+        return self.weight * _RMS_NORM(x.float(), shape, None, self.eps).to(x.dtype)
+
+
+_RMS_NORM = getattr(F, "rms_norm", None)  # torch >= 2.4
 
 
 # --------------------------------------------------------------------------- element-wise
@@ -287,16 +297,22 @@ def warn_once(message: str) -> None:
 
 # --------------------------------------------------------------------------- attention core
 def _flash_backends() -> list:
+    """The fused SDPA kernels ``--use-flash-attn`` allows: cuDNN attention (where this torch has
+    it; its default on Hopper), FlashAttention-2 and memory-efficient attention -- torch picks
+    among them in its own priority order."""
     from torch.nn.attention import SDPBackend
 
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    cudnn = getattr(SDPBackend, "CUDNN_ATTENTION", None)
+    return [b for b in (cudnn, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+            if b is not None]
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
          allowed: torch.Tensor | None, dropout_p: float, is_causal: bool,
          flash_only: bool = False, enable_gqa: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``; ``flash_only`` limits it to the flash and
-    memory-efficient kernels and turns "no kernel" into a ConfigError naming torch's reasons.
+    """``F.scaled_dot_product_attention``; ``flash_only`` limits it to the fused kernels
+    (cuDNN, flash, memory-efficient) and turns "no kernel" into a ConfigError naming torch's
+    reasons.
     ``enable_gqa``: key and value have fewer heads than the query, each shared by a group of
     consecutive query heads (:func:`sdpa_handles_gqa` says when the kernel takes them so)."""
     if not flash_only:
@@ -371,19 +387,25 @@ def _no_flash_kernel_message(query, key, value, allowed, dropout_p, is_causal,
     what = (f"dtype {str(query.dtype).replace('torch.', '')}, head dim {query.shape[-1]}, "
             f"{'explicit mask' if allowed is not None else 'no mask'}, dropout {dropout_p:g}, "
             f"{query.device.type}")
-    return (f"--use-flash-attn: scaled_dot_product_attention has no flash or memory-efficient "
-            f"kernel for this configuration ({what}): {'; '.join(reasons) or 'no reason given'}")
+    return (f"--use-flash-attn: scaled_dot_product_attention has no cuDNN, flash or "
+            f"memory-efficient kernel for this configuration ({what}): "
+            f"{'; '.join(reasons) or 'no reason given'}")
 
 
 def _note_flash_kernel(query, key, value, allowed, dropout_p, is_causal,
                        enable_gqa=False) -> None:
-    """Say once which of the two kernels SDPA can use (CUDA only)."""
+    """Say once which fused kernel SDPA can use first (CUDA only; cuDNN where it takes the call
+    and this torch can say so)."""
     if not query.is_cuda:
         return
     from torch.nn.attention import SDPAParams, can_use_flash_attention
 
     params = SDPAParams(query, key, value, allowed, dropout_p, is_causal, enable_gqa)
-    kernel = "flash" if can_use_flash_attention(params) else "memory-efficient"
+    cudnn = getattr(torch.backends.cuda, "can_use_cudnn_attention", None)
+    if cudnn is not None and cudnn(params):
+        kernel = "cuDNN"
+    else:
+        kernel = "flash" if can_use_flash_attention(params) else "memory-efficient"
     if f"kernel:{kernel}" not in _NOTICES:
         _NOTICES.add(f"kernel:{kernel}")
         logger.info("--use-flash-attn: scaled_dot_product_attention uses its %s kernel", kernel)

@@ -10,17 +10,18 @@ of every later slice of the sequence on that stage -- the slice-order rule the s
 With full recomputation the slice's forward runs twice: the first pass (no autograd graph)
 caches the leaves, the replay in the slice's backward reuses them, their ``.grad`` included.
 
-On the CPU (float32/float64, no document mask) a slice attends to the earlier slices' keys and
-to its own square causal block with the CPU flash kernels, merged by their log-sum-exp
-(:class:`_EarlierAndOwn`), so it skips the hidden half of its own block as the whole sequence's
-causal kernel does; otherwise one boolean mask over the concatenated keys.
+A slice attends to each earlier slice's cached keys/values and to its own as separate blocks
+(:func:`~.context_parallel.block_attention.block_attention`): each block through the fused
+attention kernel that returns its log-sum-exp (earlier slices unmasked, the own block with the
+kernel's causal flag), merged by log-sum-exp -- no concatenation of the earlier keys (the saved
+tensors are the cached leaves themselves) and no repeated grouped-query heads.
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron_chimera.model.context_parallel.gathered import masked_attention
+from megatron_chimera.model.context_parallel.block_attention import BlockMask, block_attention
 
 
 class _AddCachedGrad(torch.autograd.Function):
@@ -35,40 +36,6 @@ class _AddCachedGrad(torch.autograd.Function):
     def backward(ctx, grad):
         extra = ctx.leaf.grad
         return (grad if extra is None else grad + extra), None
-
-
-_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BACKWARD = getattr(torch.ops.aten,
-                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-
-
-class _EarlierAndOwn(torch.autograd.Function):
-    """Causal attention of a slice's queries to the earlier slices' keys (no mask: all before
-    it) and to its own (square causal), with CPU flash kernels that skip the hidden half of the
-    own block instead of computing every score under a boolean mask. The two partial results
-    are merged by their log-sum-exp; the backward of each block uses the merged output and
-    log-sum-exp (FlashAttention's recurrence), so the gradients are those of one softmax."""
-
-    @staticmethod
-    def forward(ctx, query, earlier_key, earlier_value, key, value, scale):
-        o1, l1 = _FLASH_CPU(query, earlier_key, earlier_value, 0.0, False, scale=scale)
-        o2, l2 = _FLASH_CPU(query, key, value, 0.0, True, scale=scale)
-        lse = torch.logaddexp(l1, l2)
-        out = (o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None])
-        out = out.to(query.dtype)
-        ctx.save_for_backward(query, earlier_key, earlier_value, key, value, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        query, earlier_key, earlier_value, key, value, out, lse = ctx.saved_tensors
-        grad = grad.contiguous()
-        dq1, dk1, dv1 = _FLASH_CPU_BACKWARD(grad, query, earlier_key, earlier_value, out, lse,
-                                            0.0, False, scale=ctx.scale)
-        dq2, dk2, dv2 = _FLASH_CPU_BACKWARD(grad, query, key, value, out, lse, 0.0, True,
-                                            scale=ctx.scale)
-        return dq1 + dq2, dk1, dv1, dk2, dv2, None
 
 
 class SequenceCache:
@@ -118,23 +85,32 @@ class SliceTokens:
         self.index = len(cache.positions)
         cache.positions.append(positions.to("cpu", torch.int64))
         cache.documents.append(None if document_ids is None else document_ids)
-        self._allowed: torch.Tensor | None | bool = False  # False: not built yet
+        self._masks: list[BlockMask | None] | None = None  # built on first use
 
-    def allowed(self, device: torch.device) -> torch.Tensor | None:
-        """Boolean ``[b or 1, 1, s_j, s_0 + .. + s_j]`` (None: everything), built once."""
-        if self._allowed is False:
-            q_pos = self.cache.positions[self.index]
-            k_pos = torch.cat(self.cache.positions[:self.index + 1])
-            mask = None
-            if self.causal:
-                mask = (k_pos[None, :] <= q_pos[:, None])[None, None].to(device)
-            docs = self.cache.documents[:self.index + 1]
-            if docs[-1] is not None:
-                k_doc = torch.cat(docs, dim=1).to(device)
-                same = (docs[-1].to(device)[:, :, None] == k_doc[:, None, :])[:, None]
-                mask = same if mask is None else (mask & same)
-            self._allowed = None if mask is None or bool(mask.all()) else mask
-        return self._allowed
+    def block_masks(self, device: torch.device) -> list[BlockMask | None]:
+        """Per block (the earlier slices, then this one): ``(mask, causal)`` -- the boolean
+        ``[b or 1, 1, s_j, s_i]`` mask or True (everything allowed), and whether it is the plain
+        causal one of the own block -- or None where nothing is allowed (built once)."""
+        if self._masks is None:
+            self._masks = [self._block_mask(i, device) for i in range(self.index + 1)]
+        return self._masks
+
+    def _block_mask(self, block: int, device: torch.device) -> BlockMask | None:
+        q_pos, k_pos = self.cache.positions[self.index], self.cache.positions[block]
+        mask = None
+        if self.causal:
+            mask = (k_pos[None, :] <= q_pos[:, None])[None, None]
+        q_doc, k_doc = self.cache.documents[self.index], self.cache.documents[block]
+        if q_doc is not None:
+            same = (q_doc.cpu()[:, :, None] == k_doc.cpu()[:, None, :])[:, None]
+            mask = same if mask is None else (mask & same)
+        if mask is None or bool(mask.all()):
+            return True, False
+        if not bool(mask.any()):
+            return None
+        causal = (q_doc is None and block == self.index
+                  and bool((q_pos.diff() == 1).all()))  # consecutive: the top-left causal mask
+        return mask.to(device), causal
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -155,32 +131,11 @@ class SliceTokens:
         # slices attended to, and whose .grad their backwards (run before this one) filled
         leaves = cached[self.index]
         key, value = _AddCachedGrad.apply(key, leaves[0]), _AddCachedGrad.apply(value, leaves[1])
-        earlier = cached[:self.index]
-        if earlier and self._split_causal(query):
-            per_group = query.shape[1] // key.shape[1]
-            parts = [torch.cat([k for k, _ in earlier], dim=2),
-                     torch.cat([v for _, v in earlier], dim=2), key, value]
-            if per_group > 1:
-                parts = [t.repeat_interleave(per_group, dim=1) for t in parts]
-            return _EarlierAndOwn.apply(query.contiguous(),
-                                        *[t.contiguous() for t in parts], scale)
-        keys = torch.cat([k for k, _ in earlier] + [key], dim=2)
-        values = torch.cat([v for _, v in earlier] + [value], dim=2)
-        return masked_attention(query, keys, values, self.allowed(query.device), scale)
-
-    def _split_causal(self, query: torch.Tensor) -> bool:
-        """Whether this slice's attention is all of the earlier slices' keys plus its own
-        square causal block (causal, no documents, positions following the earlier slices'),
-        run by :class:`_EarlierAndOwn` on the CPU (float32 / float64 inputs)."""
-        if (_FLASH_CPU is None or _FLASH_CPU_BACKWARD is None or query.device.type != "cpu"
-                or not self.causal or query.dtype not in (torch.float32, torch.float64)
-                or self.cache.documents[self.index] is not None):
-            return False
-        first = int(self.cache.positions[self.index][0])
-        earlier = sum(len(p) for p in self.cache.positions[:self.index])
-        ordered = torch.equal(self.cache.positions[self.index],
-                              torch.arange(first, first + len(self.cache.positions[self.index])))
-        return ordered and first == earlier and int(self.cache.positions[0][0]) == 0
+        blocks = cached[:self.index] + [(key, value)]
+        masks = self.block_masks(query.device)
+        kept = [i for i, m in enumerate(masks) if m is not None]
+        return block_attention(query, [blocks[i] for i in kept], [masks[i] for i in kept],
+                               scale)
 
 
 SLICE = "sequence_slice"  # the SequenceSlice record of a sliced micro-batch

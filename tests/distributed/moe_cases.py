@@ -13,6 +13,7 @@ from megatron_chimera import parallel_state
 from megatron_chimera.config import ModelConfig, MoEConfig
 from megatron_chimera.model.moe.aux_loss import set_aux_loss_scale
 from megatron_chimera.model.moe.layer import MoELayer
+from tests.helpers.host_syncs import count_host_syncs
 
 S, B, H, EXPERTS = 4, 2, 8, 8
 # training steps of the end-to-end cases: 12, as issue 41 asks -- with SGD at lr 0.5, momentum 0.9
@@ -58,7 +59,8 @@ def run_expert_parallel_layer(rank: int, world_size: int, cases: list[tuple[int,
     """For each (EP, MoE fields): this rank's loss and input gradient equal one process's layer
     on the same tokens; the router's gradient summed over the world and each local expert's
     gradient summed over its expert replicas equal one process's, summed over every rank's
-    tokens (fp32: loss 1e-6, gradients 1e-5 relative)."""
+    tokens (fp32: loss 1e-6, gradients 1e-5 relative); a forward reads device values on the
+    host at most once."""
     for ep, fields in cases:
         cfg = moe_config(**fields)
         reference = MoELayer(cfg, 1, seed=7).train()  # one process: no groups yet
@@ -91,6 +93,9 @@ def run_expert_parallel_layer(rank: int, world_size: int, cases: list[tuple[int,
                 dist.all_reduce(grad, group=parallel_state.get_expert_stage_replica_group(0))
                 torch.testing.assert_close(grad, ref_sum[name][first:first + num], rtol=1e-5,
                                            atol=1e-6, msg=f"EP={ep} {fields}: {name}")
+            with count_host_syncs() as syncs:  # issue 49: one host sync per layer forward
+                layer(rank_tokens(rank))
+            assert syncs.total() <= 1, f"EP={ep} {fields}: host syncs {dict(syncs)}"
         finally:
             parallel_state.destroy_model_parallel()
 

@@ -25,6 +25,9 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     and the hardware profile are written, and the profile loads as ``--hardware FILE``; the MoE
     layer's grouped GEMM equals its loop and the serial ring equals SDPA (bf16, tiny shapes)."""
     out = tmp_path / "out"
+    out.mkdir()
+    earlier = '{"step": "training", "run": "an earlier run", "status": "FAIL", "summary": "x"}\n'
+    (out / "results.jsonl").write_text(earlier)  # appended to, never truncated; not this run
     env = dict(os.environ, OMP_NUM_THREADS="1", OUT=str(out), PYTHON=sys.executable)
     env.pop("PYTHONPATH", None)  # the script sets it: a bare checkout needs nothing installed
     proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--device", "cpu"],
@@ -35,9 +38,11 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
         "gpu_check.json", "gpu_check.log", "gpu_check.md", "hardware_profile.json",
         "results.jsonl"]  # at most 8 files come back from a lent machine
     results = json.loads((out / "gpu_check.json").read_text())
-    assert list(results) == ["env", "layer_mfu", "training", "sync_audit", "recompute",
-                             "resume", "memory", "hardware", "slices_cpu", "moe_experts",
-                             "ring_attention", "overlap"]
+    assert (out / "results.jsonl").read_text().startswith(earlier)
+    assert log.splitlines()[1].startswith("versions: python")  # before any step
+    assert list(results) == ["env", "layer_mfu", "moe_experts", "ring_attention", "hardware",
+                             "kernels", "training", "sync_audit", "memory", "recompute",
+                             "resume", "moe_syncs", "slices_cpu", "overlap"]
     statuses = {name: r["status"] for name, r in results.items()}
     # moe_experts: INFO where this torch's CPU build has no grouped GEMM (loop only)
     grouped = results["moe_experts"]["grouped_gemm_runs"]
@@ -45,7 +50,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
                         "sync_audit": "SKIP", "recompute": "PASS", "resume": "PASS",
                         "memory": "PASS", "hardware": "INFO", "slices_cpu": "INFO",
                         "moe_experts": "PASS" if grouped else "INFO",
-                        "ring_attention": "PASS", "overlap": "INFO"}, results
+                        "ring_attention": "PASS", "moe_syncs": "INFO",
+                        "kernels": "SKIP", "overlap": "INFO"}, results
     assert "exposed communication" in results["overlap"]["summary"]
     assert [r["gemm"] for r in results["moe_experts"]["rows"]] == (
         ["grouped", "loop"] if grouped else ["loop"])
@@ -65,3 +71,14 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     table = (out / "gpu_check.md").read_text()
     assert "| step | status | s | result |" in table and "| gpt tiny | 2 |" in table
     assert proc.stdout.rstrip().endswith(f"0 failed step(s); files in {out}")
+
+
+def test_gpu_check_rejects_a_bogus_device_before_any_step(tmp_path):
+    """One error line, a non-zero exit, nothing run or written (a typo spends no lease)."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--device", "gpu0"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: --device must be auto, cuda or cpu, got 'gpu0'"]
+    assert not (tmp_path / "out").exists()

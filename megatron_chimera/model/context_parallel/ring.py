@@ -32,6 +32,18 @@ def _halves(length: int) -> list[slice]:
     return [slice(i * step, (i + 1) * step if i < PARTS - 1 else length) for i in range(PARTS)]
 
 
+def diagonal(tokens: ContextTokens, key_rank: int, query_rows: slice, key_rows: slice) -> bool:
+    """Whether the block's mask is the plain top-left causal one (a zigzag diagonal block: the
+    same consecutive positions on both sides, no documents), so the kernel's ``is_causal``
+    replaces the mask. Decided on the host."""
+    if not tokens.causal or tokens.document_ids is not None:
+        return False
+    q_pos = tokens.positions[tokens.rank, query_rows]
+    k_pos = tokens.positions[key_rank, key_rows]
+    return bool(torch.equal(q_pos, k_pos) and (q_pos.numel() < 2 or bool(
+        (q_pos.diff() == 1).all())))
+
+
 def _attend_block(query, key, value, tokens: ContextTokens, key_rank: int, scale: float,
                   outs: list, lses: list) -> None:
     """Merge ``key_rank``'s block into the running ``outs``/``lses`` of each query half."""
@@ -42,11 +54,12 @@ def _attend_block(query, key, value, tokens: ContextTokens, key_rank: int, scale
             if allowed is False:
                 continue
             out, lse = block_forward(query[..., qh, :], key[..., kh, :], value[..., kh, :],
-                                     allowed, scale)
+                                     allowed, scale, causal=not isinstance(allowed, bool)
+                                     and diagonal(tokens, key_rank, qh, kh))
             outs[i], lses[i] = merge(outs[i], lses[i], out, lse)
 
 
-def _block_grads(query, key, value, grad_out, lse, delta, tokens: ContextTokens, key_rank: int,
+def _block_grads(query, key, value, grad_out, out, lse, delta, tokens: ContextTokens, key_rank: int,
                  scale: float, grad_query: torch.Tensor, grad_key: torch.Tensor,
                  grad_value: torch.Tensor) -> None:
     """Add ``key_rank``'s block's contributions to dQ (this rank's) and to its dK, dV."""
@@ -56,9 +69,10 @@ def _block_grads(query, key, value, grad_out, lse, delta, tokens: ContextTokens,
             allowed = tokens.allowed(tokens.rank, key_rank, qh, kh)
             if allowed is False:
                 continue
+            causal = not isinstance(allowed, bool) and diagonal(tokens, key_rank, qh, kh)
             dq, dk, dv = block_backward(query[..., qh, :], key[..., kh, :], value[..., kh, :],
                                         allowed, scale, grad_out[..., qh, :], lse[..., qh],
-                                        delta[..., qh])
+                                        delta[..., qh], out[..., qh, :], causal)
             grad_query[..., qh, :] += dq
             grad_key[..., kh, :] += dk
             grad_value[..., kh, :] += dv
@@ -92,9 +106,9 @@ def rank_backward(query: torch.Tensor, grad_out: torch.Tensor, out: torch.Tensor
     final forward results): for each ``(source rank, key/value block, its dK/dV accumulator)``
     that ``blocks`` yields, add the block's contributions to the accumulator; returns dQ."""
     delta = (grad_out * out).sum(-1)
-    grad_query = torch.zeros_like(query)
+    grad_query = torch.zeros_like(query, dtype=compute_dtype(query.dtype))
     for source, block, grads in blocks:
-        _block_grads(query, block[0], block[1], grad_out, lse, delta, tokens, source, scale,
+        _block_grads(query, block[0], block[1], grad_out, out, lse, delta, tokens, source, scale,
                      grad_query, grads[0], grads[1])
     return grad_query
 
@@ -118,24 +132,29 @@ def _ring_blocks(block: torch.Tensor, tokens: ContextTokens, group: dist.Process
 
 
 class _RingGrads:
-    """The backward's ring: yields ``(source, block, dK/dV accumulator)``, the accumulator
-    following its block one step behind; :attr:`grads` holds this rank's own block's dK/dV once
-    the iteration is over (home after ``size`` steps)."""
+    """The backward's ring: yields ``(source, block, scratch)``; each step's dK/dV go into a fresh
+    scratch while the block's accumulator (the previous ranks' contributions) is still in
+    flight, and are added to it after the wait, which starts its next hop -- so the grads'
+    transfer overlaps the next step's compute. :attr:`grads` holds this rank's own block's
+    dK/dV once the iteration is over (home after ``size`` steps; float32 for 16-bit blocks)."""
 
     def __init__(self, block: torch.Tensor, tokens: ContextTokens,
                  group: dist.ProcessGroup | None) -> None:
         self.block, self.tokens, self.group = block, tokens, group
-        self.grads = torch.zeros_like(block)
-
-    def _shift(self) -> None:
-        ring = RingShift(self.group)
-        ring.start(self.grads)
-        self.grads = ring.wait()
+        self.dtype = compute_dtype(block.dtype)
+        self.grads = torch.zeros_like(block, dtype=self.dtype)
 
     def __iter__(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        shift = self._shift if self.tokens.size > 1 else None
-        for source, block in _ring_blocks(self.block, self.tokens, self.group, shift):
-            yield source, block, self.grads
+        pending: RingShift | None = None
+        accumulated = self.grads
+        for source, block in _ring_blocks(self.block, self.tokens, self.group):
+            scratch = torch.zeros_like(block, dtype=self.dtype)
+            yield source, block, scratch
+            accumulated = scratch if pending is None else pending.wait() + scratch
+            if self.tokens.size > 1:
+                pending = RingShift(self.group)
+                pending.start(accumulated)
+        self.grads = pending.wait() if pending is not None else accumulated
 
 
 class RingAttention(torch.autograd.Function):
@@ -143,7 +162,9 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, tokens, group, scale):
-        q, k, v = grouped_heads(query, key, value, compute_dtype(query.dtype))
+        # the blocks travel in the inputs' dtype (16-bit on the wire); each block's kernel
+        # returns float32 partial results for 16-bit inputs, merged in float32
+        q, k, v = grouped_heads(query, key, value, query.dtype)
         out, lse = rank_forward(q, tokens, scale, _ring_blocks(torch.stack([k, v]), tokens,
                                                                group))
         out = out.reshape(query.shape).to(query.dtype)
@@ -155,10 +176,10 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, out, lse = ctx.saved_tensors
-        q, k, v = grouped_heads(query, key, value, lse.dtype)
+        q, k, v = grouped_heads(query, key, value, query.dtype)
         ring = _RingGrads(torch.stack([k, v]), ctx.tokens, ctx.group)
-        grad_query = rank_backward(q, grad_output.to(q.dtype).reshape(q.shape),
-                                   out.to(q.dtype).reshape(q.shape), lse, ctx.tokens,
+        grad_query = rank_backward(q, grad_output.to(lse.dtype).reshape(q.shape),
+                                   out.to(lse.dtype).reshape(q.shape), lse, ctx.tokens,
                                    ctx.scale, ring)
         grads = ring.grads
         dq = grad_query.reshape(query.shape).to(query.dtype)

@@ -47,9 +47,9 @@ class SerialRing:
         self.compute = compute_dtype(self.dtype)
         self.scale = keys[0].shape[-1] ** -0.5 if scale is None else scale
         self.tokens = tokens
-        self.blocks = [torch.stack([k.to(self.compute)[:, :, None], v.to(self.compute)[:, :, None]])
+        self.blocks = [torch.stack([k[:, :, None], v[:, :, None]])  # the ring's wire dtype
                        for k, v in zip(keys, values, strict=True)]
-        self.grads = [torch.zeros_like(b) for b in self.blocks]
+        self.grads = [torch.zeros_like(b, dtype=self.compute) for b in self.blocks]
         self._saved: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def _sources(self, rank: int) -> Iterator[int]:
@@ -61,7 +61,7 @@ class SerialRing:
         """Rank ``rank``'s attention output ``[b, heads, s/CP, d]`` (the query's dtype) of its
         queries ``[b, heads, s/CP, d]``; keeps what its backward needs, as the ring does."""
         q = grouped_heads(query, self.blocks[rank][0, :, :, 0], self.blocks[rank][1, :, :, 0],
-                          self.compute)[0]
+                          self.dtype)[0]
         out, lse = rank_forward(q, self.tokens[rank], self.scale,
                                 ((s, self.blocks[s]) for s in self._sources(rank)))
         out = out.reshape(query.shape).to(query.dtype)
@@ -73,7 +73,7 @@ class SerialRing:
         contributions to every block's dK/dV."""
         query, out, lse = self._saved.pop(rank)
         q = grouped_heads(query, self.blocks[rank][0, :, :, 0], self.blocks[rank][1, :, :, 0],
-                          self.compute)[0]
+                          self.dtype)[0]
         grad_query = rank_backward(
             q, grad_output.to(self.compute).reshape(q.shape), out.to(self.compute).reshape(q.shape),
             lse, self.tokens[rank], self.scale,

@@ -51,21 +51,30 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: list[int],
-                   grouped: bool) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor | list[int],
+                   grouped: bool, host_counts: list[int] | None = None) -> torch.Tensor:
     """Rows of ``x`` ``[N, k]`` in groups of ``counts`` times ``weights[i]`` ``[k, n]``:
-    ``[N, n]``. ``grouped``: one ``torch._grouped_mm`` (with rows: its backward rejects an
-    empty gradient); else one matmul per group."""
+    ``[N, n]``. ``grouped``: one ``torch._grouped_mm`` whose offsets are the cumulated counts
+    on the device (no host sync; with rows: its backward rejects an empty gradient); else one
+    matmul per group (``host_counts``, or the counts copied to the host)."""
     if grouped and x.shape[0]:
-        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        if not isinstance(counts, torch.Tensor):
+            counts = torch.tensor(counts)
+        offsets = counts.to(x.device).cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x, weights, offs=offsets))
-    outs = [chunk @ weights[i] for i, chunk in enumerate(x.split(counts))]
+    if host_counts is None:
+        host_counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    outs = [chunk @ weights[i] for i, chunk in enumerate(x.split(host_counts))]
     return torch.cat(outs) if outs else x.new_zeros(0, weights.shape[-1])
 
 
-def expand_bias(bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Per-expert bias ``[L, n]`` repeated for each expert's rows: ``[N, n]``."""
-    return bias.repeat_interleave(torch.tensor(counts, device=bias.device), dim=0)
+def expand_bias(bias: torch.Tensor, counts: torch.Tensor | list[int], num_rows: int
+                ) -> torch.Tensor:
+    """Per-expert bias ``[L, n]`` repeated for each expert's rows: ``[num_rows, n]`` (the
+    output size given, so no host sync)."""
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor(counts)
+    return bias.repeat_interleave(counts.to(bias.device), dim=0, output_size=num_rows)
 
 
 class Experts(nn.Module):
@@ -108,20 +117,24 @@ class Experts(nn.Module):
                 values = torch.empty(weight.shape[1:], dtype=torch.float32)
                 weight[i].copy_(values.normal_(0.0, scale, generator=generator))
 
-    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``[N, h]`` grouped by local expert (``counts[i]`` rows for expert ``first + i``) ->
-        the experts' outputs ``[N, h]``, same order."""
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor | list[int],
+                host_counts: list[int] | None = None) -> torch.Tensor:
+        """``[N, h]`` grouped by local expert (``counts[i]`` rows for expert ``first + i``;
+        ``host_counts``: the same on the host, where known) -> the experts' outputs ``[N, h]``,
+        same order."""
         grouped = self.grouped and grouped_mm_runs(tokens.device.type, tokens.dtype)
-        hidden = grouped_matmul(tokens, self.weight1, counts, grouped)
+        if not grouped and host_counts is None:  # the loop needs the counts on the host
+            host_counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+        hidden = grouped_matmul(tokens, self.weight1, counts, grouped, host_counts)
         if self.bias1 is not None:
-            hidden = hidden + expand_bias(self.bias1, counts)
+            hidden = hidden + expand_bias(self.bias1, counts, tokens.shape[0])
         if self.swiglu:
             hidden = swiglu(hidden)
         elif self.exact_gelu:
             hidden = F.gelu(hidden)
         else:
             hidden = gelu(hidden, fused=self.fused_gelu)
-        out = grouped_matmul(hidden, self.weight2, counts, grouped)
+        out = grouped_matmul(hidden, self.weight2, counts, grouped, host_counts)
         if self.bias2 is not None:
-            out = out + expand_bias(self.bias2, counts)
+            out = out + expand_bias(self.bias2, counts, tokens.shape[0])
         return out

@@ -55,7 +55,8 @@ class MoELayer(nn.Module):
         ep_rank = parallel_state.get_expert_model_parallel_rank()
         self.dispatcher = TokenDispatcher(
             moe.moe_token_dispatcher_type, moe.num_experts, ep_size, ep_rank,
-            parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None)
+            parallel_state.get_expert_model_parallel_group() if ep_size > 1 else None,
+            topk=moe.moe_router_topk, capacity_factor=moe.moe_expert_capacity_factor)
         # with sequence parallelism each tensor rank routes its s/T positions: the router's
         # gradient is partial (summed over the tensor ranks) and the auxiliary losses count the
         # tokens of the whole sequence
@@ -108,7 +109,7 @@ class MoELayer(nn.Module):
         tape = self.backward_tape()
         start = tape.segment if tape is not None else 0
         dispatched = self.dispatcher.dispatch(tokens, probs, routing_map)
-        expert_output = self.experts(dispatched.tokens, dispatched.counts)
+        expert_output = self.experts(dispatched.tokens, dispatched.counts, dispatched.host_counts)
         if tape is not None:  # what the combine reads of the segment before the dispatch
             dispatched = dispatched._replace(probs=tape.cut(dispatched.probs, start))
             hidden = tape.cut(hidden, start)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatron_chimera.config import MOE_TOKEN_DISPATCHERS, ConfigError
 from megatron_chimera.model.moe.expert_comm import ExpertComm
+from megatron_chimera.model.moe.router import expert_capacity
 
 
 class _AllToAll(torch.autograd.Function):
@@ -112,23 +113,55 @@ class Dispatched(NamedTuple):
     """One micro-batch between ``dispatch`` and ``combine``."""
 
     tokens: torch.Tensor  # [N, h] rows for this rank's experts, grouped by local expert
-    counts: list[int]  # rows per local expert
+    counts: torch.Tensor  # [L] rows per local expert (on the tokens' device)
     token_index: torch.Tensor  # [M] source token of each locally permuted row (expert-major)
-    probs: torch.Tensor  # [M] routing probability of each locally permuted row
+    probs: torch.Tensor  # [M] routing probability of each locally permuted row (0: padding)
     num_tokens: int  # rows of the combined output (T, or EP x T for allgather)
     send_splits: list[int]  # alltoall: rows sent to each EP rank
     recv_splits: list[int]  # alltoall: rows received from each EP rank
     recv_counts: list[list[int]]  # alltoall: [source rank][local expert] rows received
+    host_counts: list[int] | None = None  # ``counts`` on the host where known without a sync
 
 
-def permute(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+def host_ints(values: torch.Tensor) -> list[int]:
+    """``values`` as Python ints: the one device-to-host synchronisation of a MoE layer's
+    forward (on CUDA a non-blocking copy into pinned memory, then a wait for the stream)."""
+    if values.device.type != "cuda":
+        return values.tolist()
+    pinned = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    pinned.copy_(values, non_blocking=True)
+    torch.cuda.current_stream(values.device).synchronize()
+    return pinned.tolist()
+
+
+def permute(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+            num_rows: int | None = None, rows_per_expert: int | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of ``tokens`` ``[T, h]`` once per routed expert, grouped by expert (ascending) and
     by token within an expert: (rows, source token of each row, probability of each row,
-    rows per expert ``[E]``)."""
-    expert_index, token_index = routing_map.t().nonzero(as_tuple=True)
+    rows per expert ``[E]``). A stable sort of the routing map, no ``nonzero``: ``num_rows``
+    routed pairs in all (``T x k`` when no token is dropped; None: counted, one host sync),
+    or with ``rows_per_expert`` (capacity: drop and pad) exactly that many rows per expert, the
+    expert's tokens first and padding rows of probability 0 after them."""
+    num_tokens, num_experts = routing_map.shape
+    unrouted = (~routing_map.t()).to(torch.uint8)  # [E, T]: 0 where routed (sorted first)
+    per_expert = routing_map.sum(dim=0)
+    if rows_per_expert is not None:
+        order = torch.sort(unrouted, dim=1, stable=True).indices[:, :rows_per_expert]
+        token_index = order.reshape(-1)
+        expert_index = torch.arange(num_experts, device=tokens.device).repeat_interleave(
+            rows_per_expert)
+        valid = (torch.arange(rows_per_expert, device=tokens.device)
+                 < per_expert.unsqueeze(1)).reshape(-1)
+        row_probs = probs[token_index, expert_index] * valid
+        counts = torch.full_like(per_expert, rows_per_expert)
+        return tokens.index_select(0, token_index), token_index, row_probs, counts
+    if num_rows is None:
+        num_rows = int(host_ints(per_expert.sum().reshape(1))[0])
+    order = torch.sort(unrouted.reshape(-1), stable=True).indices[:num_rows]
+    expert_index, token_index = order // num_tokens, order % num_tokens
     return (tokens.index_select(0, token_index), token_index,
-            probs[token_index, expert_index], routing_map.sum(dim=0))
+            probs[token_index, expert_index], per_expert)
 
 
 def unpermute(rows: torch.Tensor, token_index: torch.Tensor, probs: torch.Tensor,
@@ -141,10 +174,14 @@ def unpermute(rows: torch.Tensor, token_index: torch.Tensor, probs: torch.Tensor
 
 class TokenDispatcher:
     """Dispatches to and combines from the ``num_experts / ep_size`` experts of EP rank
-    ``ep_rank`` (``group``: the expert-parallel process group; None with one EP rank)."""
+    ``ep_rank`` (``group``: the expert-parallel process group; None with one EP rank).
+    ``topk`` / ``capacity_factor``: the router's, so that the permutation has static shapes
+    (``T x k`` rows dropless; ``capacity`` rows per expert, padded, with a capacity factor);
+    without ``topk`` the routed rows are counted (one more host sync)."""
 
     def __init__(self, kind: str, num_experts: int, ep_size: int, ep_rank: int,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None, topk: int | None = None,
+                 capacity_factor: float | None = None) -> None:
         if kind not in MOE_TOKEN_DISPATCHERS:
             raise ConfigError(f"--moe-token-dispatcher-type must be one of "
                               f"{MOE_TOKEN_DISPATCHERS}, got {kind!r}")
@@ -156,15 +193,30 @@ class TokenDispatcher:
         self.num_local = num_experts // ep_size
         self.first_local = ep_rank * self.num_local
         self.comm = ExpertComm()  # how the all-to-alls are issued (MoELayer.set_expert_comm)
+        self.topk, self.capacity_factor = topk, capacity_factor
+
+    def _shape(self, num_tokens: int) -> tuple[int | None, int | None]:
+        """(routed rows, or None; padded rows per expert, or None) for ``num_tokens`` tokens
+        of this rank."""
+        if self.topk is None:
+            return None, None
+        if self.capacity_factor is None:
+            return num_tokens * self.topk, None
+        capacity = expert_capacity(num_tokens, self.topk, self.num_experts,
+                                   self.capacity_factor)
+        return None, min(capacity, num_tokens)
 
     def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor,
                  routing_map: torch.Tensor) -> Dispatched:
         """``[T, h]`` tokens, ``[T, E]`` probabilities and routing map -> this rank's expert
         inputs."""
         if self.ep_size == 1:
-            rows, index, row_probs, per_expert = permute(tokens, probs, routing_map)
-            return Dispatched(rows, per_expert.tolist(), index, row_probs, tokens.shape[0],
-                              [], [], [])
+            num_rows, padded = self._shape(tokens.shape[0])
+            rows, index, row_probs, per_expert = permute(tokens, probs, routing_map, num_rows,
+                                                         padded)
+            host = None if padded is None else [padded] * self.num_experts
+            return Dispatched(rows, per_expert, index, row_probs, tokens.shape[0],
+                              [], [], [], host)
         if self.kind == "allgather":
             return self._dispatch_allgather(tokens, probs, routing_map)
         return self._dispatch_alltoall(tokens, probs, routing_map)
@@ -184,19 +236,30 @@ class TokenDispatcher:
     # ------------------------------------------------------------------ alltoall
     def _dispatch_alltoall(self, tokens: torch.Tensor, probs: torch.Tensor,
                            routing_map: torch.Tensor) -> Dispatched:
-        rows, index, row_probs, per_expert = permute(tokens, probs, routing_map)
+        num_rows, padded = self._shape(tokens.shape[0])
+        rows, index, row_probs, per_expert = permute(tokens, probs, routing_map, num_rows,
+                                                     padded)
         counts = torch.empty_like(per_expert)  # [source rank][local expert]
         # a collective like the tokens': in a pair it is one more step of the baton's order
         self.comm.exchange("dispatch.counts", lambda: dist.all_to_all_single(
             counts, per_expert, group=self.group, async_op=True))
-        recv_counts = counts.view(self.ep_size, self.num_local).tolist()
-        send_splits = per_expert.view(self.ep_size, self.num_local).sum(dim=1).tolist()
+        if padded is not None:  # static shapes: every (rank, expert) chunk is `padded` rows
+            sent = [[padded] * self.num_local] * self.ep_size
+            recv_counts = sent
+        else:  # the layer's one host sync: both count tables in one copy
+            both = host_ints(torch.stack([per_expert, counts]).view(2, self.ep_size,
+                                                                    self.num_local))
+            sent, recv_counts = both
+        send_splits = [sum(c) for c in sent]
         recv_splits = [sum(c) for c in recv_counts]
         received = all_to_all(self.comm, rows, self.group, recv_splits, send_splits, "dispatch")
         grouped = self._regroup(received, recv_counts, by_expert=True)
         per_local = [sum(c[e] for c in recv_counts) for e in range(self.num_local)]
-        return Dispatched(grouped, per_local, index, row_probs, tokens.shape[0], send_splits,
-                          recv_splits, recv_counts)
+        local_counts = counts.view(self.ep_size, self.num_local).sum(dim=0)
+        if padded is not None:
+            local_counts = torch.full_like(local_counts, padded * self.ep_size)
+        return Dispatched(grouped, local_counts, index, row_probs, tokens.shape[0],
+                          send_splits, recv_splits, recv_counts, per_local)
 
     def _regroup(self, rows: torch.Tensor, recv_counts: list[list[int]],
                  by_expert: bool) -> torch.Tensor:
@@ -220,7 +283,16 @@ class TokenDispatcher:
                               dtype=torch.uint8, device=routing_map.device)
         dist.all_gather_into_tensor(all_map, routing_map.to(torch.uint8), group=self.group)
         local = slice(self.first_local, self.first_local + self.num_local)
-        rows, index, row_probs, per_expert = permute(all_tokens, all_probs[:, local],
-                                                     all_map[:, local].bool())
-        return Dispatched(rows, per_expert.tolist(), index, row_probs, all_tokens.shape[0],
-                          [], [], [])
+        # the local experts' share of the routed rows is data-dependent: dropless, it is
+        # counted (the layer's one host sync); with a capacity, each rank's tokens fill at most
+        # `padded` rows of an expert, so EP x padded rows per expert are static
+        _, padded = self._shape(tokens.shape[0])
+        padded = None if padded is None else padded * self.ep_size
+        local_map = all_map[:, local].bool()
+        host = (host_ints(local_map.sum(dim=0)) if padded is None
+                else [padded] * self.num_local)
+        rows, index, row_probs, per_expert = permute(
+            all_tokens, all_probs[:, local], local_map,
+            sum(host) if padded is None else None, padded)
+        return Dispatched(rows, per_expert, index, row_probs, all_tokens.shape[0],
+                          [], [], [], host)

@@ -95,7 +95,8 @@ done
 # all-to-alls on the communication stream; INFO (figures: exposed communication), FAIL if it
 # does not run. Separate from the STEPS above on purpose (tools/gpu_check_overlap.py). ----
 if [ -z "$ONLY" ] || [[ ",$ONLY," == *",overlap,"* ]]; then
-  if timeout -k 10 40 "$PYTHON" tools/gpu_check_overlap.py --device "$DEVICE" >> "$LOG" 2>&1
+  limit=40; if [ "$DEVICE" = cpu ]; then limit=80; fi
+  if timeout -k 10 "$limit" "$PYTHON" tools/gpu_check_overlap.py --device "$DEVICE" >> "$LOG" 2>&1
   then status=INFO; else status=FAIL; fi
   figures=$(grep "exposed communication" "$LOG" | tail -n 1 | tr -d '"' | sed 's/^ *//')
   printf '{"step": "overlap", "run": "%s", "status": "%s", "seconds": null, "summary": "%s"}\n' \

@@ -73,6 +73,23 @@ class PackingPlan:
             digest.update(b";")
         return digest.hexdigest()
 
+    def iteration(self, iteration: int, num_microbatches: int, data_parallel_size: int = 1,
+                  data_parallel_rank: int = 0) -> tuple[PackedMicroBatch, ...]:
+        """The ``num_microbatches`` micro-batches one data-parallel rank trains in ``iteration``:
+        iteration ``i`` uses the plan's micro-batches ``[i*N*DP, (i+1)*N*DP)``, rank ``r`` the
+        ``r``-th block of ``N`` (their ``tokens`` are the schedule's per-micro-batch counts)."""
+        if not 0 <= data_parallel_rank < data_parallel_size or num_microbatches < 1:
+            raise ValueError(f"data-parallel rank {data_parallel_rank} of {data_parallel_size} "
+                             f"with {num_microbatches} micro-batches per iteration")
+        per_iteration = num_microbatches * data_parallel_size
+        available = len(self.micro_batches) // per_iteration
+        if not 0 <= iteration < available:
+            raise ValueError(f"iteration {iteration} needs {per_iteration} packed micro-batches "
+                             f"per iteration; the plan's {len(self.micro_batches)} cover "
+                             f"{available} iterations")
+        start = iteration * per_iteration + data_parallel_rank * num_microbatches
+        return self.micro_batches[start:start + num_microbatches]
+
     def state_dict(self, consumed: int) -> dict[str, object]:
         """What a checkpoint stores to resume after ``consumed`` micro-batches."""
         if not 0 <= consumed <= len(self.micro_batches):

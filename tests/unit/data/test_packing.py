@@ -141,3 +141,19 @@ def test_packing_is_deterministic_and_resume_refuses_another_plan():
         reordered.resume(state)
     with pytest.raises(ValueError, match="outside the plan"):
         plan.state_dict(consumed=len(plan.micro_batches) + 1)
+
+
+def test_iterations_split_the_plan_over_data_parallel_ranks_without_overlap():
+    plan = pack_documents(_lognormal_lengths(5), 512, open_bins=2)
+    n, dp = 3, 2
+    iterations = len(plan.micro_batches) // (n * dp)
+    taken = [mb for i in range(iterations) for r in range(dp)
+             for mb in plan.iteration(i, n, dp, r)]
+    assert taken == list(plan.micro_batches[:iterations * n * dp])
+    assert plan.iteration(1, n, dp, 1) == plan.micro_batches[9:12]
+    assert [mb.tokens for mb in plan.iteration(0, n)] == [mb.tokens
+                                                          for mb in plan.micro_batches[:3]]
+    with pytest.raises(ValueError, match=f"cover {iterations} iterations"):
+        plan.iteration(iterations, n, dp, 0)
+    with pytest.raises(ValueError, match="data-parallel rank 2 of 2"):
+        plan.iteration(0, n, dp, 2)

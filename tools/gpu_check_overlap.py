@@ -20,7 +20,6 @@ It prints the three times and the exposed communication ``paired - no comm`` aga
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import socket
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_chimera import parallel_state  # noqa: E402
 from megatron_chimera.config import ModelConfig, MoEConfig  # noqa: E402
+from megatron_chimera.errors import ToolArgumentParser, run_tool  # noqa: E402
 from megatron_chimera.model.moe.expert_comm import BackwardTape  # noqa: E402
 from megatron_chimera.model.moe.layer import MoELayer  # noqa: E402
 from megatron_chimera.model.moe.token_dispatcher import TokenDispatcher  # noqa: E402
@@ -92,13 +92,15 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser = ToolArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto", help="auto (cuda when available), cuda, cpu")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per micro-batch")
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--reps", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     tokens = args.tokens or (8192 if cuda else 64)
@@ -178,4 +180,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_tool(main)

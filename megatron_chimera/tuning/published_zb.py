@@ -13,7 +13,9 @@ recomputation, GPT-2's vocabulary. ZB-2p is our ``zb-2p`` (schedules/zb_2p.py).
 
 from __future__ import annotations
 
+import itertools
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_chimera.config import ModelConfig
@@ -97,6 +99,20 @@ def predict_zb(run: ZBRun, hardware: HardwareProfile,
     return out
 
 
+def order_holds(predicted: dict[str, float | None], published: Sequence[float],
+                tie: float = 0.02) -> bool:
+    """Whether the priced columns rank as published; two columns within ``tie`` of each other
+    (published or predicted) count as either order."""
+    cells = [(p, q) for p, q in zip((predicted[c] for c in SCHEDULES), published, strict=True)
+             if p is not None]
+    for (p1, q1), (p2, q2) in itertools.combinations(cells, 2):
+        if abs(q1 / q2 - 1) <= tie or abs(p1 / p2 - 1) <= tie:
+            continue
+        if (p1 > p2) != (q1 > q2):
+            return False
+    return True
+
+
 def format_zb(hardware: HardwareProfile) -> tuple[str, dict[str, object]]:
     """Markdown table (predicted / published / ratio per column) and the JSON record."""
     lines = [f"{QI_SOURCE}; model: --hardware {hardware.name}", "",
@@ -104,6 +120,7 @@ def format_zb(hardware: HardwareProfile) -> tuple[str, dict[str, object]]:
              "|---|---|---|---|" + "---|" * len(SCHEDULES)]
     errors: list[float] = []
     records = []
+    ordered = 0
     models: dict[str, PerformanceModel] = {}
     for run in QI_TABLE4:
         model = models.setdefault(run.params, PerformanceModel(zb_spec(run), hardware))
@@ -118,10 +135,14 @@ def format_zb(hardware: HardwareProfile) -> tuple[str, dict[str, object]]:
                 cells.append(f"{pred:.3g} / {pub:g} ({pred / pub:.3f})")
         lines.append(f"| {run.params} | {run.gpus} | {run.micro_batch} | {run.microbatches} | "
                      + " | ".join(cells) + " |")
+        holds = order_holds(predicted, run.published)
+        ordered += holds
         records.append({"params": run.params, "m": run.microbatches, "predicted": predicted,
+                        "order_as_published": holds,
                         "published": dict(zip(SCHEDULES, run.published, strict=True))})
     mean = statistics.mean(errors)
     lines.append(f"\nmean error {100 * mean:.1f}%, worst {100 * max(errors):.1f}% over "
-                 f"{len(errors)} priced cells")
+                 f"{len(errors)} priced cells; the schedules in the published order (ties within "
+                 f"2 %) in {ordered} of {len(QI_TABLE4)} (model, m) rows")
     return "\n".join(lines), {"source": QI_SOURCE, "rows": records, "mean_error": mean,
                               "worst_error": max(errors)}

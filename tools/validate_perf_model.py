@@ -20,7 +20,7 @@ from megatron_chimera.tuning.hardware import LinkProfile, load_hardware
 
 def published(hardware_name: str, json_path: str | None) -> int:
     """Print (and optionally write) the published-table comparisons: Table 1 (the issue's
-    target) and Table 2's PTD-P rows (out of sample)."""
+    target), Table 2's PTD-P rows and Qi et al.'s zero-bubble Table 4 (both out of sample)."""
     from megatron_chimera.tuning.published import (
         MEGATRON_SOURCE,
         MEGATRON_TABLE1,
@@ -47,9 +47,15 @@ def published(hardware_name: str, json_path: str | None) -> int:
                       "published_tflops": r.run.tflops, "ratio": r.ratio} for r in rows],
             "mean_error": summary.mean_error, "worst": summary.worst.run.params,
             "spearman": summary.spearman}
+    from megatron_chimera.tuning.published_zb import format_zb
+
+    # Qi et al.'s zero-bubble rows are priced on the profile of their cluster
+    zb_text, zb_record = format_zb(load_hardware("a100-80gb"))
+    print()
+    print(zb_text)
     if json_path:
         records = {"hardware": hardware.name, **tables["table1"],
-                   "out_of_sample": tables["table2"]}
+                   "out_of_sample": tables["table2"], "zero_bubble": zb_record}
         with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
     return 0
@@ -61,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("bench_json", nargs="?", default=None)
     p.add_argument("--published", action="store_true",
                    help="compare with Narayanan et al. SC'21 Table 1 and, out of sample, its "
-                        "Table 2's PTD-P rows (megatron_chimera/tuning/published.py) instead "
-                        "of a benchmark JSON")
+                        "Table 2's PTD-P rows (megatron_chimera/tuning/published.py) and Qi et "
+                        "al. ICLR'24 Table 4 (tuning/published_zb.py) instead of a benchmark "
+                        "JSON")
     p.add_argument("--hardware", default="a100",
                    help="with --published: the profile to predict with (preset or JSON file)")
     p.add_argument("--json", default=None, help="with --published: write the rows here")

@@ -99,7 +99,7 @@ def rows_at(num_ranks: int, num_microbatches: int, costs: Sequence[float], cap: 
     for name in names or tuple(n for n in SCHEDULES if n not in PAIRED_SCHEDULES):
         spec = get_spec(name)
         for label, options in _variants(name, num_ranks, num_microbatches):
-            if spec.split_backward:
+            if spec.split_backward and hasattr(options, "costs"):  # zb-2p: a fixed order
                 options = replace(options, costs=stage_costs, activation_cap=cap)
             try:
                 schedule = spec.build(num_ranks, num_microbatches, options)

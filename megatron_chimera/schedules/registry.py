@@ -33,6 +33,7 @@ from megatron_chimera.schedules.one_f_one_b import one_f_one_b
 from megatron_chimera.schedules.pairing import FLAG as OVERLAP_FLAG
 from megatron_chimera.schedules.pairing import with_overlap
 from megatron_chimera.schedules.vshape import bitpipe, bitpipe_zb, v_half, zbv
+from megatron_chimera.schedules.zb_2p import zb_2p
 from megatron_chimera.schedules.zero_bubble import CAP_FLAG, chimera_zb, zb_h1
 
 
@@ -325,6 +326,8 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         ScheduleSpec("zb-h1", zb_h1, ZBH1Options,
                      summary="ZB-H1: 1F1B with delayed weight gradients", split_backward=True,
                      megatron_pairing=True),
+        ScheduleSpec("zb-2p", zb_2p, summary="ZB-2p: split backward, up to 2D live activations",
+                     split_backward=True),
         ScheduleSpec("zbv", zbv, VShapeOptions,
                      summary="zero-bubble V: one V-shaped pipe, split backward, one weight copy",
                      max_search_ranks=16, split_backward=True, chunks=2),

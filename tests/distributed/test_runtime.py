@@ -89,7 +89,7 @@ WORLD_4 = [*common_cases(4, one_way_variants=False), Case("chimera", 2, 4, DIREC
            Case("gpipe", 2, 3),
            Case("chimera-zb", 2, 4), Case("chimera", 4, 8, loss_scale=2.0**12),
            Case("chimera", 4, 4, backward_halving=True, all_ddp_variants=False)]
-WORLD_2 = [*common_cases(2)]
+WORLD_2 = [*common_cases(2), Case("zb-2p", 2, 5, all_ddp_variants=False)]  # 2D-1 warm-up F
 
 
 # V-shaped pipelines (the turn a local hand-off): D=4 (W=1) and D=2 x W=2, each in one data-parallel

@@ -35,6 +35,7 @@ CASES = [
     ("chimera", 8, 16, {}), ("chimera", 8, 16, {"pipes": 4}), ("chimera", 8, 32, {}),
     ("chimera-zb", 4, 8, {}), ("chimera-zb", 8, 16, {"pipes": 4}), ("chimera-zb", 8, 32, {}),
     ("zb-h1", 4, 8, {}), ("zb-h1", 4, 8, {"activation_cap": 2}),
+    ("zb-2p", 4, 12, {}), ("zb-2p", 2, 3, {}),
     ("zbv", 4, 8, {}), ("zbv", 4, 3, {}), ("v-half", 4, 8, {}), ("v-half", 8, 16, {}),
     ("bitpipe", 4, 8, {}), ("bitpipe", 2, 4, {}), ("bitpipe-zb", 4, 8, {}),
     ("bitpipe-zb", 8, 16, {"activation_cap": 5}),

@@ -35,7 +35,7 @@ def test_every_schedule_builds_with_its_defaults_and_validates():
         validate(schedule)
         assert schedule.name == name
         assert schedule.split_backward == (
-            name in ("chimera-zb", "zb-h1", "zbv", "v-half", "bitpipe-zb", "dualpipe",
+            name in ("chimera-zb", "zb-h1", "zb-2p", "zbv", "v-half", "bitpipe-zb", "dualpipe",
                      "dualpipev"))
 
 

@@ -1,0 +1,148 @@
+"""Qi et al.'s zero-bubble measurements (ICLR'24, Table 4) as data, and the model's prediction
+of them (out of sample: none of these rows was used to build the model).
+
+**Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism", ICLR'24, Table 4**: A100 SXM 80 GB,
+at most 32 GPUs on 4 nodes over RoCE; pure pipeline parallelism (pipeline stages = GPUs),
+sequence 1024, first and last stage one layer fewer (they hold the embedding and the head);
+samples per GPU per second for ``m`` micro-batches of ``b`` sequences.
+
+Priced from the ``a100-80gb`` profile with the runtime's ``parameters`` partition (layers
+balanced by parameters, which gives the embedding and head stages fewer layers), bf16, no
+recomputation, GPT-2's vocabulary. ZB-2p is our ``zb-2p`` (schedules/zb_2p.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_chimera.config import ModelConfig
+from megatron_chimera.errors import ConfigError
+from megatron_chimera.tuning.analytic_costs import ModelSpec
+from megatron_chimera.tuning.hardware import HardwareProfile
+from megatron_chimera.tuning.perf_model import PerformanceModel
+from megatron_chimera.tuning.training_plan import TrainingPlan
+
+QI_SOURCE = ("Qi et al., ICLR'24, Table 4: A100 SXM 80 GB, <= 32 GPUs on 4 nodes over RoCE, pure "
+             "PP, s = 1024, samples per GPU per second")
+SCHEDULES = ("ZB-2p", "ZB-1p", "1F1B", "1F1B-I")
+# Our schedule (registry name, options) for each published column; None: not in the IR yet.
+OURS: dict[str, tuple[str, dict[str, int]] | None] = {
+    "ZB-2p": ("zb-2p", {}), "ZB-1p": ("zb-h1", {}), "1F1B": ("1f1b", {}),
+    "1F1B-I": ("interleaved", {"virtual_pipeline_size": 2}),
+}
+
+
+@dataclass(frozen=True)
+class ZBRun:
+    """One (model, m) row of Table 4: published samples/GPU/s per schedule (``SCHEDULES``)."""
+
+    params: str
+    layers: int
+    heads: int
+    hidden: int
+    gpus: int
+    micro_batch: int
+    microbatches: int
+    published: tuple[float, float, float, float]
+
+
+def _rows(params: str, layers: int, heads: int, hidden: int, gpus: int, b: int,
+          ms: tuple[int, int, int], *columns: tuple[float, float, float]) -> tuple[ZBRun, ...]:
+    return tuple(ZBRun(params, layers, heads, hidden, gpus, b, m,
+                       tuple(col[i] for col in columns))  # type: ignore[arg-type]
+                 for i, m in enumerate(ms))
+
+
+QI_TABLE4: tuple[ZBRun, ...] = (
+    _rows("1.5B", 22, 24, 2304, 8, 6, (24, 32, 64), (14.5, 14.8, 14.9), (12.9, 13.4, 14.2),
+          (11.8, 12.5, 13.6), (13.1, 13.4, 13.9))
+    + _rows("6.2B", 30, 32, 4096, 8, 3, (24, 32, 64), (4.32, 4.35, 4.39), (3.88, 4.00, 4.20),
+            (3.50, 3.70, 4.03), (4.01, 4.08, 4.19))
+    + _rows("14.6B", 46, 40, 5120, 16, 1, (48, 64, 128), (1.81, 1.83, 1.85), (1.61, 1.67, 1.76),
+            (1.40, 1.49, 1.64), (1.54, 1.59, 1.66))
+    + _rows("28.3B", 62, 48, 6144, 32, 1, (96, 128, 256), (0.99, 1.00, 1.00), (0.87, 0.90, 0.96),
+            (0.76, 0.80, 0.88), (0.82, 0.85, 0.90))
+)
+
+
+def zb_spec(run: ZBRun) -> ModelSpec:
+    """The GPT model of a Table 4 row (bf16, GPT-2 vocabulary)."""
+    config = ModelConfig(num_layers=run.layers, hidden_size=run.hidden,
+                         num_attention_heads=run.heads, seq_length=1024, vocab_size=50257,
+                         make_vocab_size_divisible_by=128, params_dtype="bf16")
+    return ModelSpec(config, "gpt2")
+
+
+def predict_zb(run: ZBRun, hardware: HardwareProfile,
+               model: PerformanceModel | None = None) -> dict[str, float | None]:
+    """Predicted samples/GPU/s per published column (None: not priced, with the reason absent
+    from the IR or the layout impossible, e.g. 62 layers on 64 interleaved stages)."""
+    model = model or PerformanceModel(zb_spec(run), hardware)
+    out: dict[str, float | None] = {}
+    for column in SCHEDULES:
+        ours = OURS[column]
+        if ours is None:
+            out[column] = None
+            continue
+        name, options = ours
+        try:
+            plan = TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
+                                   partition="parameters", **options)
+            seconds = model.predict(plan, with_memory=False).iteration_s
+        except (ConfigError, ValueError):
+            out[column] = None
+            continue
+        out[column] = run.micro_batch * run.microbatches / run.gpus / seconds
+    return out
+
+
+def order_holds(predicted: dict[str, float | None], published: Sequence[float],
+                tie: float = 0.02) -> bool:
+    """Whether the priced columns rank as published; two columns within ``tie`` of each other
+    (published or predicted) count as either order."""
+    cells = [(p, q) for p, q in zip((predicted[c] for c in SCHEDULES), published, strict=True)
+             if p is not None]
+    for (p1, q1), (p2, q2) in itertools.combinations(cells, 2):
+        if abs(q1 / q2 - 1) <= tie or abs(p1 / p2 - 1) <= tie:
+            continue
+        if (p1 > p2) != (q1 > q2):
+            return False
+    return True
+
+
+def format_zb(hardware: HardwareProfile) -> tuple[str, dict[str, object]]:
+    """Markdown table (predicted / published / ratio per column) and the JSON record."""
+    lines = [f"{QI_SOURCE}; model: --hardware {hardware.name}", "",
+             "| model | GPUs | b | m | " + " | ".join(f"{c} pred / pub" for c in SCHEDULES) + " |",
+             "|---|---|---|---|" + "---|" * len(SCHEDULES)]
+    errors: list[float] = []
+    records = []
+    ordered = 0
+    models: dict[str, PerformanceModel] = {}
+    for run in QI_TABLE4:
+        model = models.setdefault(run.params, PerformanceModel(zb_spec(run), hardware))
+        predicted = predict_zb(run, hardware, model)
+        cells = []
+        for column, pub in zip(SCHEDULES, run.published, strict=True):
+            pred = predicted[column]
+            if pred is None:
+                cells.append(f"n/a / {pub:g}")
+            else:
+                errors.append(abs(pred / pub - 1))
+                cells.append(f"{pred:.3g} / {pub:g} ({pred / pub:.3f})")
+        lines.append(f"| {run.params} | {run.gpus} | {run.micro_batch} | {run.microbatches} | "
+                     + " | ".join(cells) + " |")
+        holds = order_holds(predicted, run.published)
+        ordered += holds
+        records.append({"params": run.params, "m": run.microbatches, "predicted": predicted,
+                        "order_as_published": holds,
+                        "published": dict(zip(SCHEDULES, run.published, strict=True))})
+    mean = statistics.mean(errors)
+    lines.append(f"\nmean error {100 * mean:.1f}%, worst {100 * max(errors):.1f}% over "
+                 f"{len(errors)} priced cells; the schedules in the published order (ties within "
+                 f"2 %) in {ordered} of {len(QI_TABLE4)} (model, m) rows")
+    return "\n".join(lines), {"source": QI_SOURCE, "rows": records, "mean_error": mean,
+                              "worst_error": max(errors)}

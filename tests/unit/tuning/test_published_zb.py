@@ -1,0 +1,34 @@
+"""Qi et al.'s zero-bubble Table 4 (tuning/published_zb.py): the data as published and one row
+priced by the model (the whole table: tools/validate_perf_model.py --published)."""
+
+from megatron_chimera.tuning.hardware import load_hardware
+from megatron_chimera.tuning.published_zb import QI_TABLE4, SCHEDULES, order_holds, predict_zb
+
+
+def test_table4_rows_as_published():
+    assert len(QI_TABLE4) == 12 and SCHEDULES == ("ZB-2p", "ZB-1p", "1F1B", "1F1B-I")
+    for run in QI_TABLE4:
+        zb2, zb1, one, _ = run.published
+        assert zb2 > zb1 > one, run  # the paper's headline order holds in every row
+        assert run.microbatches in (3 * run.gpus, 4 * run.gpus, 8 * run.gpus)
+
+
+def test_one_row_priced_within_15_percent_and_zero_bubble_ahead():
+    run = QI_TABLE4[0]  # 1.5B, 8 GPUs, b 6, m 24
+    predicted = predict_zb(run, load_hardware("a100-80gb"))
+    published = dict(zip(SCHEDULES, run.published, strict=True))
+    for column in SCHEDULES:
+        assert abs(predicted[column] / published[column] - 1) <= 0.15, (column, predicted)
+    # ZB-1p's gain over 1F1B (its W's fill the cool-down) as measured, within 5%
+    gain = predicted["ZB-1p"] / predicted["1F1B"]
+    assert abs(gain / (published["ZB-1p"] / published["1F1B"]) - 1) <= 0.05, gain
+
+
+def test_order_check_counts_ties_either_way_and_skips_unpriced_columns():
+    published = (4.0, 3.0, 2.0, 1.0)
+    same = dict(zip(SCHEDULES, (8.0, 6.0, 4.0, 2.0), strict=True))
+    assert order_holds(same, published)
+    assert not order_holds({**same, "1F1B": 7.0}, published)  # 1F1B ahead of ZB-1p
+    assert order_holds({**same, "1F1B": 6.05}, published)  # within 2 % of ZB-1p: a tie
+    assert order_holds({**same, "ZB-2p": None}, published)
+    assert order_holds(same, (4.0, 3.0, 2.0, 2.03))  # published tie

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_chimera.model.linear import Linear
-from megatron_chimera.pipeline.emulated import EmulatedCosts, sleep_until_yielding
 from megatron_chimera.model.moe.expert_comm import ExpertComm
+from megatron_chimera.pipeline.emulated import EmulatedCosts, sleep_until_yielding
 
 
 class _EmulatedAllToAllWork:

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 
 from megatron_chimera.model.moe.aux_loss import moe_routers
+from megatron_chimera.model.moe.expert_comm import BackwardTape
 from megatron_chimera.parallel_state import nccl_semantics_requested
 from megatron_chimera.pipeline.busy_timer import ActionTimer, BusyTimer
 from megatron_chimera.pipeline.executor_config import (
@@ -65,7 +66,6 @@ from megatron_chimera.pipeline.executor_config import (
 from megatron_chimera.pipeline.expert_order import check_issued, stage_layouts
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
-from megatron_chimera.model.moe.expert_comm import BackwardTape
 from megatron_chimera.pipeline.overlap import Half, PairRuntime, leading_half
 from megatron_chimera.pipeline.p2p import (
     P2PCommunicator,
@@ -100,7 +100,6 @@ from megatron_chimera.tensor_parallel.weight_grad import (
     deferrable_modules,
     set_weight_grad_deferral,
 )
-
 
 __all__ = ["PipelineExecutor", "StageWork", "Gradients", "ExecutorPolicy", "PipelineFailure",
            "IterationResult", "GatheredIteration", "ForwardStepFunc", "ActionTimer",
@@ -161,8 +160,8 @@ class PipelineExecutor:
         schedule: Schedule,
         topology: PipelineTopology,
         work: StageWork,
-        gradients: Gradients = Gradients(),
-        policy: ExecutorPolicy = ExecutorPolicy(),
+        gradients: Gradients = Gradients(),  # noqa: B008 - frozen records
+        policy: ExecutorPolicy = ExecutorPolicy(),  # noqa: B008
         transport: Transport | None = None,
         action_timer: ActionTimer | None = None,
     ) -> None:

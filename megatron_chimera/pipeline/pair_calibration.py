@@ -11,8 +11,8 @@ is the run's): every rank times its first stage's
   forward a driver, the backward in pieces cut at its all-to-alls, the backward leading, as
   the executor runs an F&B pair), against the baton model (the runtime's strict
   alternation): less the one ``action_overhead`` the simulator charges a pair, the rest is
-  spread over the pair's hand-overs -- ``hand_over_cost``, the one value that makes the baton model's pair last as long
-  as the measured one (bisection; the model's time grows with it).
+  spread over the pair's hand-overs -- ``hand_over_cost``, the one value that makes the baton
+  model's pair last as long as the measured one (bisection; the model's time grows with it).
 
 Each timing is a rank's median over ``reps`` (all ranks start each one together), then the
 median over the ranks: a pipeline's critical path adds the host costs of the ranks it passes,
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_chimera.pipeline.emulated_moe import EmulatedMoEStage
 from megatron_chimera.model.moe.expert_comm import BackwardTape
+from megatron_chimera.pipeline.emulated_moe import EmulatedMoEStage
 from megatron_chimera.pipeline.overlap import Half, PairRuntime, leading_half
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action
 from megatron_chimera.schedules.simulate import action_pieces, baton_pair_time

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist

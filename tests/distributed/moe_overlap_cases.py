@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera import parallel_state
+from megatron_chimera.model.moe.expert_comm import BackwardTape
 from megatron_chimera.pipeline.emulated import EmulatedCosts
 from megatron_chimera.pipeline.emulated_moe import (
     EmulatedAllToAll,
@@ -22,7 +23,6 @@ from megatron_chimera.pipeline.executor import (
     PipelineExecutor,
     StageWork,
 )
-from megatron_chimera.model.moe.expert_comm import BackwardTape
 from megatron_chimera.pipeline.overlap import Half, PairRuntime
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.schedules import build_schedule

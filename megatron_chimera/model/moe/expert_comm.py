@@ -172,7 +172,7 @@ class BackwardTape:
                 g = torch.zeros_like(boundary.leaf)
             box: list[torch.Tensor] = []
 
-            def issue(g=g, b=boundary) -> Waitable:
+            def issue(g=g, b=boundary, box=box) -> Waitable:
                 handle, out = b.backward(g.contiguous())
                 box.append(out)
                 return handle

@@ -20,8 +20,8 @@ from torch import nn
 
 from megatron_chimera import parallel_state
 from megatron_chimera.config import ConfigError, ModelConfig
-from megatron_chimera.model.moe.experts import Experts
 from megatron_chimera.model.moe.expert_comm import BackwardTape, ExpertComm
+from megatron_chimera.model.moe.experts import Experts
 from megatron_chimera.model.moe.router import TopKRouter
 from megatron_chimera.model.moe.token_dispatcher import TokenDispatcher
 from megatron_chimera.model.utils import init_normal_, layer_key, make_generator

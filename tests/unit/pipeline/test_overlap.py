@@ -164,13 +164,13 @@ def test_each_half_draws_from_its_own_random_stream(lead):
         model_parallel_cuda_manual_seed(5)
         draws: dict[int, list[torch.Tensor]] = {0: [], 1: []}
 
-        def driver():
+        def driver(draws=draws, runtime=runtime):
             for _ in range(3):
                 draws[0].append(_draw_alone())
                 runtime.exchange("a", lambda: _Handle([], "a"))
             draws[0].append(_draw_alone())
 
-        def pieces():
+        def pieces(draws=draws):
             for _ in range(3):
                 draws[1].append(_draw_alone())
                 yield

@@ -47,8 +47,8 @@ each other's compute (``pipeline/overlap.py``; its pairs chosen with each pair c
 piece over ``--layers-per-stage`` layers, as the runtime runs it), and the simulator charges A per
 unpaired F/B and each pair its time in the runtime's baton, piece by piece over the
 ``--layers-per-stage`` layers (``CostModel.moe_layers_per_stage``). Before its timed iterations
-each MoE row measures the paired runtime's host costs on its ranks (``pipeline/pair_calibration.py``: per unpaired F/B
-and per baton hand-over); the table then ends with the overlap/no-overlap ratios, measured over
+each MoE row measures the paired runtime's host costs on its ranks
+(``pipeline/pair_calibration.py``: per unpaired F/B and per baton hand-over); the table then ends with the overlap/no-overlap ratios, measured over
 simulated with and without those host costs, and the costs themselves::
 
     torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 4 --num-microbatches 16 \

@@ -43,13 +43,13 @@ MoE all-to-all (issue 41): ``--all-to-all-ms A`` runs our rows on emulated MoE s
 combine) whose F and B each pay A per stage (dispatch + combine of all layers) in emulated
 all-to-alls over the expert-parallel groups of ``--expert-model-parallel-size``; a row with
 ``:overlap_moe_expert_parallel_comm=1`` runs paired F&B actions whose halves' all-to-alls overlap
-each other's compute (``pipeline/overlap.py``; its pairs chosen with each pair costed piece by
-piece over ``--layers-per-stage`` layers, as the runtime runs it), and the simulator charges A per
+each other's compute (``pipeline/overlap.py``; its pairs chosen with each pair costed piece by piece
+over ``--layers-per-stage`` layers, as the runtime runs it), and the simulator charges A per
 unpaired F/B and each pair its time in the runtime's baton, piece by piece over the
-``--layers-per-stage`` layers (``CostModel.moe_layers_per_stage``). Before its timed iterations
-each MoE row measures the paired runtime's host costs on its ranks
-(``pipeline/pair_calibration.py``: per unpaired F/B and per baton hand-over); the table then ends with the overlap/no-overlap ratios, measured over
-simulated with and without those host costs, and the costs themselves::
+``--layers-per-stage`` layers (``CostModel.moe_layers_per_stage``). Before its timed iterations each
+MoE row measures the paired runtime's host costs on its ranks (``pipeline/pair_calibration.py``: per
+unpaired F/B and per baton hand-over); the table then ends with the overlap/no-overlap ratios,
+measured over simulated with and without those host costs, and the costs themselves::
 
     torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 4 --num-microbatches 16 \
         --forward-ms 40 --backward-ms 40 --weight-ms 0 --all-to-all-ms 40 \

@@ -30,6 +30,7 @@ from megatron_chimera.model.context_parallel import (
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
+from megatron_chimera.model.loss_normalization import loss_divisor
 from megatron_chimera.model.sequence_slices import SLICE, SequenceSlice
 from megatron_chimera.training import pretrain_from_flags, run_main
 
@@ -76,7 +77,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         return loss, {"lm loss": reported}
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).to(losses.dtype)
-    loss = torch.sum(losses * mask) / mask.sum()
+    loss = torch.sum(losses * mask) / loss_divisor(mask.sum())
     return loss, {"lm loss": loss.detach()}
 
 

@@ -2,6 +2,9 @@
 """Tokenize a jsonl corpus into Megatron's ``.bin``/``.idx`` datasets (Megatron's tool and flags).
 
 One output dataset per json key: ``{output_prefix}_{key}_{document|sentence}.bin/.idx``.
+With ``--sft`` each line is an instruction record (``messages`` or ``prompt``/``response``,
+:mod:`megatron_chimera.data.instruction`) and the outputs are ``{output_prefix}_text_document``
+(token ids) and ``{output_prefix}_loss_mask_document`` (1 where the token is trained).
 Memory does not grow with the input: lines are read lazily, at most ``4 x workers`` chunks are in
 flight, tokens go straight to the ``.bin`` and the index is kept in numpy arrays. The output
 does not depend on ``--workers`` (chunks are written in input order).
@@ -39,6 +42,13 @@ from megatron_chimera.data.indexed_dataset import (
     index_file_path,
     optimal_dtype,
 )
+from megatron_chimera.data.instruction import (
+    OVERLONG,
+    encode_conversation,
+    hf_chat_renderer,
+    plain_template,
+    record_messages,
+)
 from megatron_chimera.data.sentence_splitter import split_sentences
 from megatron_chimera.data.text_files import read_lines
 from megatron_chimera.data.tokenizers import build_tokenizer
@@ -48,6 +58,8 @@ CHUNK_LINES = 64  # lines per task sent to a worker
 
 # One encoded document per key: (concatenated tokens, sequence lengths).
 EncodedDoc = dict[str, tuple[np.ndarray, list[int]]]
+SFT_KEYS = ["text", "loss_mask"]
+SFT_STATUS = "_sft_status"  # not a dataset: "kept", "truncated" or "skipped" (counted in the log)
 
 
 class Encoder:
@@ -62,6 +74,31 @@ class Encoder:
             args.tokenizer_type, tokenizer_model=args.tokenizer_model,
             vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
         )
+        self.sft = args.sft
+        self.max_tokens, self.overlong = args.max_tokens, args.overlong
+        self.render = plain_template
+        if args.sft and args.chat_template:
+            try:
+                self.render = hf_chat_renderer(getattr(self.tokenizer, "_tokenizer", None))
+            except ValueError as e:
+                raise InputFileError(f"--chat-template: {e}") from None
+
+    def encode_instruction(self, record: object, where: str) -> EncodedDoc:
+        """One instruction record as ids and loss mask (one document each)."""
+        try:
+            encoded = encode_conversation(
+                record_messages(record, where), self.tokenizer.tokenize, self.render,
+                self.tokenizer.eod if self.append_eod else None, self.max_tokens,
+                self.overlong, where)
+        except ValueError as e:
+            raise InputFileError(str(e)) from None
+        empty = np.zeros(0, dtype=np.int64)
+        if encoded is None:
+            return {SFT_STATUS: (empty, ["skipped"])}
+        status = "truncated" if encoded.truncated else "kept"
+        return {"text": (encoded.ids, [len(encoded.ids)]),
+                "loss_mask": (encoded.mask.astype(np.int64), [len(encoded.mask)]),
+                SFT_STATUS: (empty, [status])}
 
     def encode(self, line: str, where: str) -> EncodedDoc:
         """Tokenize the keys of one json line."""
@@ -71,6 +108,8 @@ class Encoder:
             raise InputFileError(f"{where}: not valid JSON ({e})") from None
         if not isinstance(record, dict):
             raise InputFileError(f"{where}: not a JSON object")
+        if self.sft:
+            return self.encode_instruction(record, where)
         out: EncodedDoc = {}
         for key in self.json_keys:
             if key not in record:
@@ -131,6 +170,15 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="keep newlines between sentences when splitting")
     group.add_argument("--lang", type=str, default="english",
                        help="language of the sentence splitter (only english)")
+    group.add_argument("--sft", action="store_true",
+                       help="instruction records (messages or prompt/response) -> ids + loss mask")
+    group.add_argument("--chat-template", action="store_true",
+                       help="--sft: render with the HF tokenizer's chat template (else plain)")
+    group.add_argument("--max-tokens", type=int, default=None,
+                       help="--sft: token budget of one conversation")
+    group.add_argument("--overlong", choices=OVERLONG, default="error",
+                       help="--sft: a conversation over --max-tokens is an error, truncated or "
+                            "skipped")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", type=str, required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--tokenizer-model", type=str, default=None,
@@ -160,6 +208,14 @@ def get_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("workers", "partitions", "log_interval"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.sft:
+        if args.split_sentences:
+            parser.error("--sft and --split-sentences do not go together")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            parser.error("--max-tokens must be at least 1")
+        args.json_keys = list(SFT_KEYS)
+    elif args.chat_template or args.max_tokens is not None:
+        parser.error("--chat-template and --max-tokens need --sft")
     args.inputs = sorted(glob.glob(args.input))
     if not args.inputs:
         parser.error(f"--input {args.input}: no such file")
@@ -268,11 +324,15 @@ def encode_files(args: argparse.Namespace, paths: list[str], output_prefix: str,
     }
     start = time.time()
     count, total_bytes = 0, 0
+    statuses = {"truncated": 0, "skipped": 0}
 
     def write(result: tuple[list[EncodedDoc], int]) -> None:
         nonlocal count, total_bytes
         docs, nbytes = result
         for doc in docs:
+            status = doc.pop(SFT_STATUS, None)
+            if status is not None and status[1][0] in statuses:
+                statuses[status[1][0]] += 1
             for key, (tokens, lengths) in doc.items():
                 builders[key].add_document(tokens, lengths)
             count += 1
@@ -290,6 +350,9 @@ def encode_files(args: argparse.Namespace, paths: list[str], output_prefix: str,
                 write(encoder.encode_chunk(chunk))
         else:
             _encode_in_pool(args, paths, write)
+        if args.sft:
+            print(f"--sft: {statuses['truncated']} conversations truncated, "
+                  f"{statuses['skipped']} skipped (over --max-tokens)", file=sys.stderr)
         if not allow_empty:
             check_not_empty(args, builders)
         for key, builder in builders.items():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_chimera.model.context_parallel.block_attention import BlockMask, block_attention
+from megatron_chimera.model.loss_normalization import loss_divisor
 
 
 class _AddCachedGrad(torch.autograd.Function):
@@ -70,7 +71,7 @@ class SequenceSlice:
         tokens (the slices' losses sum to the sequence's token mean), and ``slices`` times it
         (its mean over the slices is that token mean, as the monitor averages units)."""
         mask = loss_mask.reshape(-1).to(losses.dtype)
-        loss = torch.sum(losses.reshape(-1) * mask) / self.tokens
+        loss = torch.sum(losses.reshape(-1) * mask) / loss_divisor(self.tokens)
         return loss, loss.detach() * self.slices
 
 

@@ -14,6 +14,7 @@ from megatron_chimera.errors import ConfigError
 from megatron_chimera.model.context_parallel.tokens import ContextTokens
 from megatron_chimera.model.context_parallel.zigzag import split_sequence, zigzag_positions
 from megatron_chimera.model.document_attention import DocumentMask
+from megatron_chimera.model.loss_normalization import loss_divisor
 
 
 def context_parallel_size() -> int:
@@ -62,8 +63,9 @@ def sequence_mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor
     mask = loss_mask.reshape(-1).to(losses.dtype)
     local = torch.sum(losses.reshape(-1) * mask)
     if context_parallel_size() == 1:
-        loss = local / mask.sum()
+        loss = local / loss_divisor(mask.sum())
         return loss, loss.detach()
     totals = torch.stack([local.detach(), mask.sum()])
     dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
-    return local / totals[1], totals[0] / totals[1]
+    divisor = loss_divisor(totals[1])
+    return local / divisor, totals[0] / divisor

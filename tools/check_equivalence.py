@@ -12,6 +12,7 @@ does not fit. See docs/EQUIVALENCE.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rtol", type=float, help="default: 1e-5 fp32, 2e-2 bf16/fp16")
     parser.add_argument("--work-dir", type=Path)
+    parser.add_argument("--precision-band", action="store_true",
+                        help="instead of layouts: one process, --bf16 against fp32, and print the "
+                             "divergence band (the GPU check runs it for 100 steps)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                        help="cpu hides any GPU from the runs (a quick dry run)")
     args = parser.parse_args(own)
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if args.precision_band:
+        return precision_band(user, args)
     try:
         texts = list(args.layouts)
         if args.layouts_file:
@@ -69,6 +79,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layout.text:32s} {layout.world_size:5d} {d_loss:14.3e} {d_norm:14.3e}  "
               f"{first or 'agrees'}", flush=True)
     return 1 if failed else 0
+
+
+def precision_band(user: list[str], args: argparse.Namespace) -> int:
+    """bf16 against fp32 on one process: the largest relative |Δloss| and |Δgrad norm|."""
+    user = [f for f in user if f not in ("--bf16", "--fp16")]
+    try:
+        flags = eq.proxy_flags(user, [eq.Layout("one process")], args.steps)
+        eq.check_fits(flags, eq.Layout("one process"))
+    except ConfigError as exc:
+        print(f"check_equivalence: error: {exc}", file=sys.stderr)
+        return 2
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="check-equivalence-"))
+    fp32 = eq.run(SCRIPT, flags, 1, work / "fp32")
+    bf16 = eq.run(SCRIPT, [*flags, "--bf16"], 1, work / "bf16")
+    d_loss, d_norm, _ = eq.compare(fp32, bf16, float("inf"))
+    print(f"bf16 vs fp32 over {args.steps} steps: max rel dloss {d_loss:.3e}, "
+          f"max rel dgnorm {d_norm:.3e}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -205,8 +205,8 @@ def compare(reference: Curves, other: Curves, rtol: float) -> tuple[float, float
         d_norm = 0.0 if want_n is None or got_n is None else abs(got_n - want_n) / max(
             abs(want_n), 1e-12)
         worst_loss, worst_norm = max(worst_loss, d_loss), max(worst_norm, d_norm)
-        if not first and d_norm > rtol:
-            first = f"grad norm at step {step} ({got_n:.6g} vs {want_n:.6g})"
-        if not first and d_loss > rtol:
-            first = f"lm loss at step {step} ({got:.7g} vs {want:.7g})"
+        parts = ([f"lm loss {got:.7g} vs {want:.7g}"] if d_loss > rtol else []) + (
+            [f"grad norm {got_n:.6g} vs {want_n:.6g}"] if d_norm > rtol else [])
+        if not first and parts:
+            first = f"step {step}: {'; '.join(parts)}"
     return worst_loss, worst_norm, first

@@ -37,7 +37,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     results = json.loads((out / "gpu_check.json").read_text())
     assert list(results) == ["env", "layer_mfu", "training", "sync_audit", "recompute",
                              "resume", "memory", "hardware", "slices_cpu", "moe_experts",
-                             "ring_attention"]
+                             "ring_attention", "equivalence_bf16"]
     statuses = {name: r["status"] for name, r in results.items()}
     # moe_experts: INFO where this torch's CPU build has no grouped GEMM (loop only)
     grouped = results["moe_experts"]["grouped_gemm_runs"]
@@ -45,7 +45,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
                         "sync_audit": "SKIP", "recompute": "PASS", "resume": "PASS",
                         "memory": "PASS", "hardware": "INFO", "slices_cpu": "INFO",
                         "moe_experts": "PASS" if grouped else "INFO",
-                        "ring_attention": "PASS"}, results
+                        "ring_attention": "PASS", "equivalence_bf16": "INFO"}, results
     assert [r["gemm"] for r in results["moe_experts"]["rows"]] == (
         ["grouped", "loop"] if grouped else ["loop"])
     assert [r["what"] for r in results["ring_attention"]["rows"]][1:] == ["ring CP=2",

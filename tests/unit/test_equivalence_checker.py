@@ -54,5 +54,5 @@ def test_compare_names_the_first_divergence():
     assert eq.compare(ref, same, 1e-5)[2] == ""
     off = eq.Curves({1: 5.0, 2: 4.0, 3: 2.0}, {1: 2.0, 2: 1.5, 3: 1.0})
     d_loss, d_norm, first = eq.compare(ref, off, 1e-5)
-    assert first.startswith("grad norm at step 2") and d_norm == pytest.approx(0.5)
+    assert first.startswith("step 2: grad norm 1.5 vs 1") and d_norm == pytest.approx(0.5)
     assert d_loss == pytest.approx(1 / 3)

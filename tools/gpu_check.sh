@@ -104,5 +104,22 @@ if [ -z "$ONLY" ] || [[ ",$ONLY," == *",overlap,"* ]]; then
   tail -n 1 "$LOG"
 fi
 # ---- end of issue 48's block ----
+# ---- equivalence (issue #51): bf16 vs fp32 on the GPU's one device, 100 steps --------------
+# The divergence band docs/EQUIVALENCE.md quotes; recorded, not judged (no FAIL on a wide band).
+if [ -z "$ONLY" ] || [[ ",$ONLY," == *",equivalence_bf16,"* ]]; then
+  steps=100; [ "$DEVICE" = cpu ] && steps=3  # the CPU dry run: the same path, 3 steps
+  limit=60; [ "$DEVICE" = cpu ] && limit=150
+  timeout -k 10 "$limit" "$PYTHON" tools/check_equivalence.py --precision-band --steps "$steps" \
+    --device "$DEVICE" -- --num-layers 4 --hidden-size 64 --num-attention-heads 4 \
+    --seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 4 \
+    --lr 1e-3 --vocab-size 500 --mock-data > "$OUT/equivalence_bf16.tmp" 2>&1
+  band=$(grep -o 'bf16 vs fp32 over.*' "$OUT/equivalence_bf16.tmp" | tail -n 1)
+  cat "$OUT/equivalence_bf16.tmp" >> "$LOG"; rm -f "$OUT/equivalence_bf16.tmp"
+  printf '{"step": "equivalence_bf16", "run": "%s", "status": "%s", "seconds": null, "summary": "%s"}\n' \
+    "$GPU_CHECK_RUN" "$([ -n "$band" ] && echo INFO || echo FAIL)" "${band:-no band (see gpu_check.log)}" \
+    >> "$OUT/results.jsonl"
+  echo "equivalence_bf16: ${band:-failed}" | tee -a "$LOG"
+fi
+# ---- end equivalence ------------------------------------------------------------------------
 "$PYTHON" tools/gpu_check.py summary --out "$OUT" 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

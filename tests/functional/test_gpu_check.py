@@ -42,7 +42,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert log.splitlines()[1].startswith("versions: python")  # before any step
     assert list(results) == ["env", "layer_mfu", "moe_experts", "ring_attention", "hardware",
                              "kernels", "training", "sync_audit", "memory", "recompute",
-                             "resume", "moe_syncs", "slices_cpu", "overlap"]
+                             "resume", "moe_syncs", "slices_cpu", "overlap",
+                             "equivalence_bf16"]
     statuses = {name: r["status"] for name, r in results.items()}
     # moe_experts: INFO where this torch's CPU build has no grouped GEMM (loop only)
     grouped = results["moe_experts"]["grouped_gemm_runs"]
@@ -51,7 +52,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
                         "memory": "PASS", "hardware": "INFO", "slices_cpu": "INFO",
                         "moe_experts": "PASS" if grouped else "INFO",
                         "ring_attention": "PASS", "moe_syncs": "INFO",
-                        "kernels": "SKIP", "overlap": "INFO"}, results
+                        "kernels": "SKIP", "overlap": "INFO",
+                        "equivalence_bf16": "INFO"}, results
     assert "exposed communication" in results["overlap"]["summary"]
     assert [r["gemm"] for r in results["moe_experts"]["rows"]] == (
         ["grouped", "loop"] if grouped else ["loop"])

@@ -1,0 +1,59 @@
+"""The layout-equivalence checker's inputs: layouts, the proxy's flags, the one-line refusals,
+and how two runs' curves are compared (no process is launched here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_chimera.errors import ConfigError
+from megatron_chimera.training import equivalence as eq
+
+USER = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --num-query-groups 4 "
+        "--group-query-attention --num-experts 4 "
+        "--seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 "
+        "--global-batch-size 8 --lr 1e-4 --vocab-size 500 --tensor-model-parallel-size 8 "
+        "--pipeline-model-parallel-size 4 --chimera-pipes 2 --save /ckpt --bf16").split()
+
+
+def test_layout_grammar():
+    lay = eq.parse_layout("T2,CP2,D4,chimera:W2")
+    assert (lay.tp, lay.cp, lay.pp, lay.dp, lay.schedule, lay.pipes) == (2, 2, 4, 1, "chimera", 2)
+    assert lay.world_size == 16
+    assert "--sequence-parallel" in lay.flags()
+    assert eq.parse_layout("1f1b,D4,DP2,EP2").flags() == [
+        "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
+        "--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "2",
+        "--pipeline-schedule", "1f1b"]
+    for bad, word in (("T2,X3", "'X3'"), ("chimera:Q2", "W<pipes>"), ("T0", "'T0'")):
+        with pytest.raises(ConfigError, match=word):
+            eq.parse_layout(bad)
+
+
+def test_proxy_keeps_settings_and_drops_the_layout():
+    flags = eq.proxy_flags(USER, [eq.parse_layout("1f1b,D4")], 3)
+    for gone in ("--tensor-model-parallel-size", "--chimera-pipes", "--save", "/ckpt"):
+        assert gone not in flags
+    assert flags[flags.index("--hidden-size") + 1] == "64"
+    assert flags[flags.index("--num-query-groups") + 1] == "2"  # GQA kept
+    assert flags[flags.index("--num-layers") + 1] == "8"
+    assert "--bf16" in flags and eq.precision(flags) == "bf16" and "--mock-data" in flags
+    assert flags[flags.index("--global-batch-size") + 1] == "8"  # accumulation kept
+
+
+def test_refusals_name_the_reason():
+    flags = eq.proxy_flags(USER, [eq.parse_layout("D4")], 3)
+    with pytest.raises(ConfigError, match="layout 'EP2,D2'.*expert-model-parallel-size 2 does "
+                                          "not divide"):
+        eq.check_fits(flags, eq.parse_layout("EP2,D2"))
+    with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
+        eq.check_fits([*flags, "--no-such-flag"], eq.Layout("one process"))
+
+
+def test_compare_names_the_first_divergence():
+    ref = eq.Curves({1: 5.0, 2: 4.0, 3: 3.0}, {1: 2.0, 2: 1.0, 3: 1.0})
+    same = eq.Curves({1: 5.0, 2: 4.0 * (1 + 1e-6), 3: 3.0}, {1: 2.0, 2: 1.0, 3: 1.0})
+    assert eq.compare(ref, same, 1e-5)[2] == ""
+    off = eq.Curves({1: 5.0, 2: 4.0, 3: 2.0}, {1: 2.0, 2: 1.5, 3: 1.0})
+    d_loss, d_norm, first = eq.compare(ref, off, 1e-5)
+    assert first.startswith("step 2: grad norm 1.5 vs 1") and d_norm == pytest.approx(0.5)
+    assert d_loss == pytest.approx(1 / 3)

@@ -1,0 +1,103 @@
+"""Check that your training flags give the same numbers on other parallel layouts.
+
+    tools/check_equivalence.py --layouts "T2,CP2,D2,chimera:W2" "1f1b,D4" -- <pretrain_gpt2 flags>
+
+Builds a small proxy of your model (same layer kinds and settings, smaller width/depth), runs
+--steps iterations on one process and on each layout with the same data and seed, and prints per
+layout the largest relative |Δloss| and |Δgrad norm| and the first step that diverges beyond the
+precision's tolerance. Exit 0 when every layout agrees, 1 when one does not, 2 on a config that
+does not fit. See docs/EQUIVALENCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_chimera.errors import ConfigError  # noqa: E402
+from megatron_chimera.training import equivalence as eq  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[1] / "pretrain_gpt2.py"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, user = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (
+        argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="*", default=[], help="target layouts")
+    parser.add_argument("--layouts-file", type=Path, help="one layout per line")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rtol", type=float, help="default: 1e-5 fp32, 2e-2 bf16/fp16")
+    parser.add_argument("--work-dir", type=Path)
+    parser.add_argument("--precision-band", action="store_true",
+                        help="instead of layouts: one process, --bf16 against fp32, and print the "
+                             "divergence band (the GPU check runs it for 100 steps)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                        help="cpu hides any GPU from the runs (a quick dry run)")
+    args = parser.parse_args(own)
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if args.precision_band:
+        return precision_band(user, args)
+    try:
+        texts = list(args.layouts)
+        if args.layouts_file:
+            texts += [ln.strip() for ln in args.layouts_file.read_text().splitlines()
+                      if ln.strip() and not ln.startswith("#")]
+        if not texts:
+            raise ConfigError("no layout given (--layouts or --layouts-file)")
+        layouts = [eq.parse_layout(t) for t in texts]
+        flags = eq.proxy_flags(user, layouts, args.steps)
+        eq.check_fits(flags, eq.Layout("one process"))
+        for layout in layouts:
+            eq.check_fits(flags, layout)
+    except ConfigError as exc:
+        print(f"check_equivalence: error: {exc}", file=sys.stderr)
+        return 2
+    rtol = args.rtol or eq.RTOL[eq.precision(flags)]
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="check-equivalence-"))
+    print(f"proxy flags: {' '.join(flags)}", flush=True)
+    reference = eq.run(SCRIPT, flags, 1, work / "one-process")
+    print(f"{'layout':32s} {'ranks':>5s} {'max rel dloss':>14s} {'max rel dgnorm':>14s}  "
+          f"first divergence (rtol {rtol:g})")
+    failed = False
+    for i, layout in enumerate(layouts):
+        try:
+            curves = eq.run(SCRIPT, [*flags, *layout.flags()], layout.world_size,
+                            work / f"layout-{i}")
+            d_loss, d_norm, first = eq.compare(reference, curves, rtol)
+        except RuntimeError as exc:
+            d_loss = d_norm = float("inf")
+            first = f"run failed: {exc}"
+        failed |= bool(first)
+        print(f"{layout.text:32s} {layout.world_size:5d} {d_loss:14.3e} {d_norm:14.3e}  "
+              f"{first or 'agrees'}", flush=True)
+    return 1 if failed else 0
+
+
+def precision_band(user: list[str], args: argparse.Namespace) -> int:
+    """bf16 against fp32 on one process: the largest relative |Δloss| and |Δgrad norm|."""
+    user = [f for f in user if f not in ("--bf16", "--fp16")]
+    try:
+        flags = eq.proxy_flags(user, [eq.Layout("one process")], args.steps)
+        eq.check_fits(flags, eq.Layout("one process"))
+    except ConfigError as exc:
+        print(f"check_equivalence: error: {exc}", file=sys.stderr)
+        return 2
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="check-equivalence-"))
+    fp32 = eq.run(SCRIPT, flags, 1, work / "fp32")
+    bf16 = eq.run(SCRIPT, [*flags, "--bf16"], 1, work / "bf16")
+    d_loss, d_norm, _ = eq.compare(fp32, bf16, float("inf"))
+    print(f"bf16 vs fp32 over {args.steps} steps: max rel dloss {d_loss:.3e}, "
+          f"max rel dgnorm {d_norm:.3e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -172,7 +172,7 @@ def load_state(config: TrainConfig, family: ModelFamily, schedule: Schedule,
     def check_args(args: dict[str, Any], path: str) -> None:
         check_checkpoint_args(config, args, path, family=family)
         saved_args.update(args)
-        if not ckpt.finetune:
+        if not ckpt.finetune and (saved_iteration or 0) > 0:  # (iteration 0: nothing consumed)
             note = check_data_order(config, args, path)
             if note is not None and rank == 0:
                 print(note, flush=True)

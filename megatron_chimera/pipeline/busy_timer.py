@@ -42,6 +42,8 @@ class BusyTimer:
         self._open: list[tuple[Any, Action | None, list]] = []
         # an action timed in several spans (a backward's pieces) is reported once, summed
         self._per_action: dict[Action, float] = {}
+        # the traced interval of each action: its first span's start to its last span's end
+        self._traced: dict[Action, list[float]] = {}
         self._origin: tuple[Any, float] | None = None
         if tracer is not None and self.cuda:  # an event at a known host time (device idle)
             torch.cuda.synchronize()
@@ -82,7 +84,7 @@ class BusyTimer:
             if self.action_timer is not None and action is not None:
                 self._per_action[action] = self._per_action.get(action, 0.0) + elapsed
             if self.tracer is not None and action is not None:
-                self.tracer.compute(action, start, end)
+                self._trace(action, start, end)
 
     def total(self) -> float:
         """Busy seconds (synchronises the device on CUDA: call at log intervals)."""
@@ -96,12 +98,19 @@ class BusyTimer:
                     self._per_action[action] = self._per_action.get(action, 0.0) + elapsed
                 if self._origin is not None and action is not None:
                     origin, host = self._origin
-                    self.tracer.compute(action, host + origin.elapsed_time(start) / 1000.0,
-                                        host + origin.elapsed_time(end) / 1000.0)
+                    self._trace(action, host + origin.elapsed_time(start) / 1000.0,
+                                host + origin.elapsed_time(end) / 1000.0)
                 self._free += (start, end)
             self._recorded = []
         if self._per_action:
             for action, seconds in self._per_action.items():
                 self.action_timer(action, seconds)
             self._per_action = {}
+        for action, (start, end) in self._traced.items():  # one trace event per action
+            self.tracer.compute(action, start, end)
+        self._traced = {}
         return self.seconds
+
+    def _trace(self, action: Action, start: float, end: float) -> None:
+        span = self._traced.setdefault(action, [start, end])
+        span[0], span[1] = min(span[0], start), max(span[1], end)

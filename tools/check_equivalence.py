@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_chimera.errors import ConfigError  # noqa: E402
+from megatron_chimera.errors import ConfigError, ToolArgumentParser, run_tool  # noqa: E402
 from megatron_chimera.training import equivalence as eq  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "pretrain_gpt2.py"
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, user = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (
         argv, [])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ToolArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", nargs="*", default=[], help="target layouts")
     parser.add_argument("--layouts-file", type=Path, help="one layout per line")
     parser.add_argument("--steps", type=int, default=10)
@@ -100,4 +100,4 @@ def precision_band(user: list[str], args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_tool(main)

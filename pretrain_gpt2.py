@@ -22,6 +22,7 @@ from megatron_chimera.data.gpt_dataset import (
 )
 from megatron_chimera.data.gpt_sample_fields import GPTSampleDataset, LtorOptions
 from megatron_chimera.data.samplers import batch_to_device
+from megatron_chimera.data.sft_dataset import build_sft_datasets, is_logging_process
 from megatron_chimera.model.context_parallel import (
     context_parallel_size,
     sequence_mean_loss,
@@ -30,7 +31,7 @@ from megatron_chimera.model.context_parallel import (
 from megatron_chimera.model.document_attention import DocumentMask
 from megatron_chimera.model.family import GPT2
 from megatron_chimera.model.gpt2 import GPTModel
-from megatron_chimera.model.loss_normalization import loss_divisor
+from megatron_chimera.model.loss_normalization import TOKEN_MEAN, TokenMean, divisor_of
 from megatron_chimera.model.sequence_slices import SLICE, SequenceSlice
 from megatron_chimera.training import pretrain_from_flags, run_main
 
@@ -56,6 +57,11 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
     """(train, valid, test) datasets: Megatron's GPT datasets, or synthetic with --mock-data;
     the data workers add each sample's loss mask, position ids and document ids."""
     data, seq_length, seed = config.data, config.model.seq_length, config.training.seed
+    if data.sft:  # whole conversations packed, with their own masks, positions and documents
+        return build_sft_datasets(data.data_path[0], data.split, num_samples, seq_length, seed,
+                                  tokenizer.eod, data.sft_overlong,
+                                  config.model.padded_vocab_size, data.data_cache_path,
+                                  log=is_logging_process())
     if data.mock_data:
         datasets = tuple(MockGPTDataset(name, n, seq_length, tokenizer.vocab_size, tokenizer.eod,
                                         seed) if n > 0 else None
@@ -69,22 +75,25 @@ def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
     return tuple(None if d is None else GPTSampleDataset(d, options) for d in datasets)
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor,
+              token_mean: TokenMean | None = None):
     """Mean per-token loss over the unmasked tokens of the micro-batch (with context
-    parallelism: over the whole sequence, every context rank's tokens)."""
+    parallelism: over the whole sequence, every context rank's tokens); with ``token_mean``
+    (--calculate-per-token-loss, --sft) the micro-batch's share of the global batch's
+    per-token mean, so the logged mean over micro-batches is that mean."""
     if context_parallel_size() > 1:
-        loss, reported = sequence_mean_loss(output_tensor.float(), loss_mask)
+        loss, reported = sequence_mean_loss(output_tensor.float(), loss_mask, token_mean)
         return loss, {"lm loss": reported}
     losses = output_tensor.float().reshape(-1)
     mask = loss_mask.reshape(-1).to(losses.dtype)
-    loss = torch.sum(losses * mask) / loss_divisor(mask.sum())
+    loss = torch.sum(losses * mask) / divisor_of(mask.sum(), token_mean)
     return loss, {"lm loss": loss.detach()}
 
 
 def slice_loss_func(piece: SequenceSlice, loss_mask: torch.Tensor,
-                    output_tensor: torch.Tensor):
+                    output_tensor: torch.Tensor, token_mean: TokenMean | None = None):
     """One slice's share of its sequence's mean per-token loss (:meth:`SequenceSlice.loss`)."""
-    loss, reported = piece.loss(output_tensor.float(), loss_mask)
+    loss, reported = piece.loss(output_tensor.float(), loss_mask, token_mean)
     return loss, {"lm loss": reported}
 
 
@@ -115,6 +124,7 @@ def forward_step(batch, model: GPTModel):
     if batch is None:
         return model(None, None), None
     piece = batch.get(SLICE)  # one slice of a sequence (sequence-sliced pipelines)
+    token_mean = batch.get(TOKEN_MEAN)  # the global-token mean's divisor (per-token loss)
     device = next(model.parameters()).device
     batch = batch_to_device(batch, device, batch_fields(model))
     # (context parallelism: this rank's zigzag share of every per-token field)
@@ -124,13 +134,14 @@ def forward_step(batch, model: GPTModel):
                        position_ids if reads_positions(model) else None,
                        attention_mask=piece.mask(document_ids),
                        labels=labels if model.post_process else None)
-        return output, functools.partial(slice_loss_func, piece, loss_mask)
+        return output, functools.partial(slice_loss_func, piece, loss_mask,
+                                         token_mean=token_mean)
     mask = None if document_ids is None else DocumentMask(document_ids, device)
     output = model(tokens if model.pre_process else None,
                    position_ids if reads_positions(model) else None,
                    attention_mask=mask,
                    labels=labels if model.post_process else None)
-    return output, functools.partial(loss_func, loss_mask)
+    return output, functools.partial(loss_func, loss_mask, token_mean=token_mean)
 
 
 def main(argv: list[str] | None = None) -> None:

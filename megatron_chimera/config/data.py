@@ -82,6 +82,18 @@ class DataConfig:
     eod_mask_loss: bool = flag(
         False, "--eod-mask-loss", family=GPT,
         help="GPT: no loss at positions whose input is the end-of-document token")
+    # supervised fine-tuning on tools/preprocess_data.py --sft output (data/sft_dataset.py)
+    sft: bool = flag(
+        False, "--sft", family=GPT,
+        help="GPT: supervised fine-tuning on a preprocess_data.py --sft dataset (PREFIX_text_"
+             "document and its PREFIX_loss_mask_document): whole conversations packed into "
+             "--seq-length with document masks, the loss a mean over the global batch's "
+             "trained tokens (implies --reset-attention-mask --reset-position-ids "
+             "--calculate-per-token-loss)")
+    sft_overlong: str = flag(
+        "error", "--sft-overlong", choices=("error", "truncate", "skip"), family=GPT,
+        help="--sft: a conversation longer than --seq-length is an error, truncated or "
+             "skipped (counted in the log)")
 
     @property
     def split_data_paths(self) -> tuple[tuple[str, ...] | None, ...] | None:

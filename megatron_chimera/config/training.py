@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from megatron_chimera.config.flag import flag, non_negative, positive
+from megatron_chimera.config.model import GPT
 
 PARTITION_METHODS = ("uniform", "parameters", "time")  # --partition-method
 DEFAULT_PROFILE_ITERATIONS = 3  # the first is a warm-up, the other two are measured
@@ -71,6 +72,11 @@ class TrainingConfig:
         help="resume although --global-batch-size differs from the checkpoint's (no ramp-up): "
              "no sample is skipped or repeated, but global batches group them differently "
              "from the uninterrupted run (logged)")
+    calculate_per_token_loss: bool = flag(
+        False, "--calculate-per-token-loss", family=GPT,
+        help="the loss is the mean over the global batch's trained tokens (every micro-batch, "
+             "data-parallel rank and pipe; counted at each iteration's start) instead of the "
+             "mean of each micro-batch's token mean")
     num_microbatches: int = 1  # N = global batch / (micro batch x data-parallel size)
     train_iters: int | None = flag(None, "--train-iters", type=int, check=positive,
                                    help="iterations to train")

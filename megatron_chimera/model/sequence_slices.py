@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from megatron_chimera.model.context_parallel.block_attention import BlockMask, block_attention
-from megatron_chimera.model.loss_normalization import loss_divisor
+from megatron_chimera.model.loss_normalization import TokenMean, divisor_of
 
 
 class _AddCachedGrad(torch.autograd.Function):
@@ -65,13 +65,14 @@ class SequenceSlice:
         positions = torch.arange(self.start, self.end)
         return SliceTokens(self.cache, positions, document_ids, causal)
 
-    def loss(self, losses: torch.Tensor, loss_mask: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, losses: torch.Tensor, loss_mask: torch.Tensor,
+             token_mean: TokenMean | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, reported)``: the slice's masked loss sum over the whole sequence's unmasked
-        tokens (the slices' losses sum to the sequence's token mean), and ``slices`` times it
-        (its mean over the slices is that token mean, as the monitor averages units)."""
+        tokens (the slices' losses sum to the sequence's token mean; with ``token_mean``: over
+        its per-token divisor), and ``slices`` times it (its mean over the slices is the
+        sequence's loss, as the monitor averages units)."""
         mask = loss_mask.reshape(-1).to(losses.dtype)
-        loss = torch.sum(losses.reshape(-1) * mask) / loss_divisor(self.tokens)
+        loss = torch.sum(losses.reshape(-1) * mask) / divisor_of(self.tokens, token_mean)
         return loss, loss.detach() * self.slices
 
 

@@ -36,6 +36,7 @@ from megatron_chimera.config import (
     TrainConfig,
     TrainingConfig,
 )
+from megatron_chimera.data.sft_dataset import check_sft_data
 from megatron_chimera.layout import ParallelLayout
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.registry import SPLIT_BACKWARD_SCHEDULES, spec_and_options_from
@@ -170,6 +171,10 @@ def _data_config(args: argparse.Namespace) -> DataConfig:
     if given and args.split is not None:
         raise ConfigError(f"--split applies to --data-path, not to {given[0]} (each per-split "
                           "path is one whole split)")
+    if args.sft:  # Megatron's --sft: document masks and the global-token mean come with it
+        check_sft_data(args.data_path, given, args.mock_data)
+        args.reset_attention_mask = args.reset_position_ids = True
+        args.calculate_per_token_loss = True
     return _pick(DataConfig, args, split=args.split or DataConfig.split)
 
 

@@ -41,6 +41,7 @@ from megatron_chimera.data.samplers import (
 )
 from megatron_chimera.model.dropout_rng import KeyedMicrobatch, microbatch_key, slice_key
 from megatron_chimera.model.family import GPT2, ModelFamily
+from megatron_chimera.model.loss_normalization import add_token_mean
 from megatron_chimera.model.moe.aux_loss import aux_loss_figures, reduce_aux_losses
 from megatron_chimera.model.sequence_slices import split_into_slices
 from megatron_chimera.pipeline.profiling import (
@@ -151,7 +152,10 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     run.timers("batch-generator").stop()
     if consumed_samples is not None:
         batches = keyed_microbatches(run, batches, consumed_samples)
-    batches = sliced_units(batches, schedule.sequence_slices)
+    units = sliced_units(batches, schedule.sequence_slices)
+    if run.config.training.calculate_per_token_loss:  # one all-reduce, before any compute
+        add_token_mean(units, batches, parallel_state.get_data_parallel_group(), run.device)
+    batches = units
     run.optimizer.zero_grad()
     trace = run.instruments.trace if iteration is not None else None
     if trace is not None:

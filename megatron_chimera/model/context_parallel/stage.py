@@ -14,7 +14,7 @@ from megatron_chimera.errors import ConfigError
 from megatron_chimera.model.context_parallel.tokens import ContextTokens
 from megatron_chimera.model.context_parallel.zigzag import split_sequence, zigzag_positions
 from megatron_chimera.model.document_attention import DocumentMask
-from megatron_chimera.model.loss_normalization import loss_divisor
+from megatron_chimera.model.loss_normalization import TokenMean, divisor_of
 
 
 def context_parallel_size() -> int:
@@ -54,18 +54,19 @@ def split_batch(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...
     return tuple(None if t is None else split_sequence(t, 1, cp, rank) for t in tensors)
 
 
-def sequence_mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_mean_loss(losses: torch.Tensor, loss_mask: torch.Tensor,
+                       token_mean: TokenMean | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(loss, reported)``: this rank's per-token ``losses`` summed under ``loss_mask`` and
-    divided by the unmasked tokens of the *whole* sequence (all context ranks), so the
-    gradients summed over the context ranks are those of the token mean; ``reported`` is that
-    mean itself (detached, equal on every context rank)."""
+    divided by the unmasked tokens of the *whole* sequence (all context ranks), or by the
+    per-token divisor of ``token_mean``, so the gradients summed over the context ranks are
+    those of the token mean; ``reported`` is the whole sequence's loss (detached, equal on
+    every context rank)."""
     mask = loss_mask.reshape(-1).to(losses.dtype)
     local = torch.sum(losses.reshape(-1) * mask)
     if context_parallel_size() == 1:
-        loss = local / loss_divisor(mask.sum())
+        loss = local / divisor_of(mask.sum(), token_mean)
         return loss, loss.detach()
     totals = torch.stack([local.detach(), mask.sum()])
     dist.all_reduce(totals, group=parallel_state.get_context_parallel_group())
-    divisor = loss_divisor(totals[1])
+    divisor = divisor_of(totals[1], token_mean)
     return local / divisor, totals[0] / divisor

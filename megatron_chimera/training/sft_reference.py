@@ -35,9 +35,9 @@ def write_sft_dataset(prefix: str, conversations: int, vocab_size: int, lengths:
     text = IndexedDatasetBuilder(prefix + TEXT_SUFFIX + ".bin", np.int32)
     mask = IndexedDatasetBuilder(prefix + MASK_SUFFIX + ".bin", np.int32)
     for _ in range(conversations):
-        n = int(rng.integers(lengths[0], lengths[1] + 1))
+        n = int(rng.integers(max(lengths[0], 2), lengths[1] + 1))
         ids = rng.integers(0, vocab_size, n)
-        turns = min(int(rng.integers(1, 4)), (n - 1) // 2)
+        turns = min(int(rng.integers(1, 4)), n // 2)  # 2 turns - 1 cuts in 1 .. n-1
         bounds = np.sort(rng.choice(np.arange(1, n), size=2 * turns - 1, replace=False))
         trained = (np.searchsorted(bounds, np.arange(n), side="right") % 2).astype(np.int32)
         text.add_document(ids, [n])

@@ -50,3 +50,33 @@ def test_count_refuses_an_empty_global_batch_and_bad_units():
 
 def test_count_sums_every_micro_batch():
     assert count_trained_tokens([torch.ones(2, 3), torch.tensor([1.0, 0.0])]).item() == 7.0
+
+
+def test_add_token_mean_reaches_every_unit_and_sliced_losses_sum_to_the_mean():
+    """The training loop's wiring: every pipeline unit (keyed, sequence slices) gets one
+    TokenMean of the read micro-batches; the slices' losses, divided by the executor's units,
+    sum to the global-token mean (the reported losses average to it too)."""
+    from megatron_chimera.model.dropout_rng import KeyedMicrobatch
+    from megatron_chimera.model.loss_normalization import TOKEN_MEAN, add_token_mean
+    from megatron_chimera.model.sequence_slices import SLICE, split_into_slices
+
+    losses, masks = _micro_batches()
+    read = [KeyedMicrobatch(i, {"text": torch.zeros(1, 11, dtype=torch.long),
+                                "loss_mask": mask[None]}) for i, mask in enumerate(masks)]
+    units = [KeyedMicrobatch(b.key, part) for b in read for part in split_into_slices(b.batch, 2)]
+    mean = add_token_mean(units, read, group=None)
+    assert mean.units == 6 and mean.global_tokens.item() == masks.sum().item()
+    assert all(u.batch[TOKEN_MEAN] is mean for u in units)
+    total, reported = 0.0, []
+    for unit, loss in zip(units, [loss for loss in losses for _ in range(2)]):
+        piece = unit.batch[SLICE]
+        value, shown = piece.loss(loss[piece.start:piece.end], unit.batch["loss_mask"], mean)
+        total = total + value / mean.units
+        reported.append(shown)
+    want = (losses * masks).sum() / masks.sum()
+    # (a slice's sequence tokens are counted in float32: the divisor rounds to ~6e-8)
+    assert torch.allclose(total, want, rtol=1e-6, atol=0)
+    assert torch.allclose(torch.stack(reported).mean(), want, rtol=1e-6, atol=0)
+    wrong = sum(p.batch[SLICE].loss(loss[:5], p.batch["loss_mask"])[0] / 6
+                for p, loss in zip(units[0::2], losses))  # without the mean: sequence means
+    assert not torch.allclose(wrong, want, rtol=1e-3, atol=0)

@@ -29,7 +29,7 @@ from megatron_chimera.training.sft_reference import (  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[1] / "pretrain_gpt2.py"
 MODEL = ("--num-layers 8 --hidden-size 32 --num-attention-heads 4 --seq-length 64 "
-         "--max-position-embeddings 64 --global-batch-size 8 --lr 0.05 "
+         "--max-position-embeddings 64 --global-batch-size 8 --lr 0.5 "
          "--tokenizer-type NullTokenizer --vocab-size 500 --hidden-dropout 0 "
          "--attention-dropout 0 --num-workers 0 --eval-iters 0 --log-interval 1 "
          "--split 100,0,0 --distributed-timeout-minutes 2 --sft").split()

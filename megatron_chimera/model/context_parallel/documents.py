@@ -1,0 +1,152 @@
+"""Per-document zigzag: the context-parallel split of a row of packed documents.
+
+Each document is cut into ``2 x CP`` equal chunks and context rank ``i`` holds chunks ``i`` and
+``2 x CP - 1 - i`` *of every document* (Megatron-LM PR #5243's THD case: for
+``cu_seqlens = [0, 4, 8]`` at CP = 2, rank 0 holds ``[0, 3, 4, 7]``, rank 1 ``[1, 2, 5, 6]``), so
+every rank has the same causal attention work in every document, not only over the whole row.
+
+A document whose length is not a multiple of ``2 x CP`` is either
+
+* **padded** (``pad=True``, a packed THD micro-batch whose length is free): padding slots follow
+  the document, each is a document of its own (it attends only itself, nothing attends it) and
+  carries no loss; or
+* **balanced** (``pad=False``, a fixed ``[b, s]`` row with ``s`` divisible by ``2 x CP``): every
+  document's last ``length mod 2 CP`` tokens are gathered, in order, into one more stretch that
+  is zigzag-split the same way, so every rank holds exactly ``s / CP`` tokens and no padding.
+
+Slots are numbered document by document, padding after its document (without padding a slot is
+its token's index in the row), which keeps every document's tokens in their packed order; each
+rank's slots are kept in ascending order. Attention follows each token's slot (causal order within a document) and document id (:class:`~.tokens.ContextTokens`), RoPE its position in its
+document, so every per-token tensor is split with :meth:`DocumentSplit.take`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_chimera.errors import ConfigError
+from megatron_chimera.model.context_parallel.tokens import ContextTokens
+
+
+@dataclass(frozen=True)
+class DocumentSplit:
+    """The per-document split of one row: ``slots`` ``[CP, n]`` (each rank's slots of the padded
+    row, ascending), and per slot of the padded row ``source`` (the packed token behind it, -1
+    for padding), ``document_ids`` (padding: a negative id of its own) and ``positions`` (the
+    token's index in its document: RoPE's position)."""
+
+    slots: torch.Tensor
+    source: torch.Tensor
+    document_ids: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def size(self) -> int:
+        """CP."""
+        return self.slots.shape[0]
+
+    @property
+    def padded_length(self) -> int:
+        """Slots of the padded row (``CP x n``)."""
+        return self.source.numel()
+
+    def held(self, rank: int) -> torch.Tensor:
+        """The packed tokens ``rank`` holds, slot by slot (-1: padding)."""
+        return self.source[self.slots[rank]]
+
+    def valid(self, rank: int) -> torch.Tensor:
+        """Boolean ``[n]``: which of ``rank``'s slots hold a real token (not padding)."""
+        return self.source[self.slots[rank]] >= 0
+
+    def take(self, tensor: torch.Tensor, dim: int, rank: int, fill: float = 0) -> torch.Tensor:
+        """``rank``'s share along ``dim`` of a packed per-token ``tensor`` (its length the packed
+        row's): padding slots get ``fill``."""
+        source = self.source[self.slots[rank]].to(tensor.device)
+        picked = tensor.index_select(dim, source.clamp(min=0))
+        if bool((source < 0).any()):
+            shape = [1] * tensor.dim()
+            shape[dim] = source.numel()
+            picked = picked.masked_fill((source < 0).view(shape), fill)
+        return picked
+
+    def merge(self, shares: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        """Inverse of :meth:`take`: the packed tensor from every rank's share (padding dropped)."""
+        slots = torch.cat([self.slots[r] for r in range(self.size)])
+        source = self.source[slots]
+        keep = (source >= 0).nonzero().flatten()
+        joined = torch.cat(list(shares), dim=dim).index_select(dim, keep.to(shares[0].device))
+        order = torch.argsort(source[keep])
+        return joined.index_select(dim, order.to(joined.device))
+
+    def context_tokens(self, rank: int, causal: bool = True,
+                       device: torch.device | str | None = None) -> ContextTokens:
+        """``rank``'s :class:`ContextTokens`: every rank's slots as positions (global causal
+        order) and their document ids (one row); no communication, every rank knows the split."""
+        docs = self.document_ids[self.slots][:, None]
+        return ContextTokens(self.slots, docs, rank, causal, device)
+
+
+def _zigzag(stretch: torch.Tensor, cp: int) -> list[torch.Tensor]:
+    """Every rank's slots of one stretch (its length a multiple of ``2 x CP``)."""
+    chunks = stretch.chunk(2 * cp) if stretch.numel() else [stretch[:0]] * (2 * cp)
+    return [torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)]
+
+
+def split_documents(lengths: Sequence[int], context_parallel_size: int,
+                    pad: bool = True) -> DocumentSplit:
+    """The per-document split of a row of documents of ``lengths`` over ``context_parallel_size``
+    ranks, odd lengths padded (``pad``) or balanced through one leftover stretch (module doc)."""
+    cp = context_parallel_size
+    step = 2 * cp
+    if cp < 1 or any(n < 1 for n in lengths):
+        raise ValueError(f"document lengths {list(lengths)} at CP = {cp}: lengths and CP >= 1")
+    total = sum(lengths)
+    if not pad and total % step:
+        raise ConfigError(f"a packed row of {total} tokens is not divisible by 2 x "
+                          f"--context-parallel-size ({step})")
+    source, documents, positions, stretches, leftovers = [], [], [], [], []
+    start = 0
+    for doc, n in enumerate(lengths):
+        whole = n if pad else n - n % step
+        padded = -(-n // step) * step if pad else whole
+        first = len(source)
+        source += list(range(start, start + n)) if pad else list(range(start, start + whole))
+        source += [-1] * (padded - n if pad else 0)
+        documents += [doc] * min(n, padded) + [-(first + i + 1) for i in range(n, padded)]
+        positions += list(range(padded))
+        stretches.append(torch.arange(first, first + padded))
+        if not pad:
+            leftovers += [(start + i, doc, i) for i in range(whole, n)]
+        start += n
+    if leftovers:
+        first = len(source)
+        source += [s for s, _, _ in leftovers]
+        documents += [d for _, d, _ in leftovers]
+        positions += [p for _, _, p in leftovers]
+        stretches.append(torch.arange(first, first + len(leftovers)))
+    shares = [_zigzag(s, cp) for s in stretches]
+    slots = torch.stack([torch.cat([share[r] for share in shares]) for r in range(cp)])
+    source_t, documents_t, positions_t = (torch.tensor(v, dtype=torch.int64)
+                                          for v in (source, documents, positions))
+    if not pad:  # no padding: number the slots in packed order (slot = token index)
+        slots = source_t[slots]
+        documents_t = torch.empty_like(documents_t).index_put_((source_t,), documents_t)
+        positions_t = torch.empty_like(positions_t).index_put_((source_t,), positions_t)
+        source_t = torch.arange(total)
+    return DocumentSplit(slots.sort(dim=1).values, source_t, documents_t, positions_t)
+
+
+def document_lengths(document_ids: torch.Tensor) -> list[int]:
+    """Lengths of the consecutive runs of one row's document ids ``[s]`` (host)."""
+    return torch.unique_consecutive(document_ids.cpu(), return_counts=True)[1].tolist()
+
+
+def split_cu_seqlens(cu_seqlens: Sequence[int], context_parallel_size: int,
+                     pad: bool = True) -> DocumentSplit:
+    """:func:`split_documents` from THD's cumulative lengths ``[0, l0, l0 + l1, ...]``."""
+    bounds = list(cu_seqlens)
+    return split_documents([b - a for a, b in zip(bounds, bounds[1:])], context_parallel_size,
+                           pad)

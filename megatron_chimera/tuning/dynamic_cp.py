@@ -8,9 +8,10 @@ its own documents, no ring, no padding (each rank a data-parallel lane for that 
 gradients reduced with the context group's as always). The groups are the same for every
 micro-batch, built once; the pipeline schedule is unchanged.
 
-A micro-batch (:class:`Unit`) costs, per stage, the slowest of its lanes (:func:`unit_stage_times`, every micro-batch
-priced by :func:`~.length_mix.microbatch_stage_times`); :func:`simulate_units` runs a pipeline
-schedule over the units in stream order with the simulator's per-micro-batch costs. Comparing
+A micro-batch (:class:`Unit`) costs, per stage, the slowest of its lanes
+(:func:`unit_stage_times`, every lane priced by :func:`~.length_mix.microbatch_stage_times`);
+:func:`simulate_units` runs a pipeline schedule over the units, dearest first, with the
+simulator's per-micro-batch costs. Comparing
 with every micro-batch at CP = ``c`` (``tools/benchmark_dynamic_cp.py``) shows what choosing CP
 per micro-batch saves: the ring messages that short documents' attention cannot hide, and the
 per-document padding to ``2c``.

@@ -16,8 +16,13 @@ A document whose length is not a multiple of ``2 x CP`` is either
 
 Slots are numbered document by document, padding after its document (without padding a slot is
 its token's index in the row), which keeps every document's tokens in their packed order; each
-rank's slots are kept in ascending order. Attention follows each token's slot (causal order within a document) and document id (:class:`~.tokens.ContextTokens`), RoPE its position in its
+rank's slots are kept in ascending order. Attention follows each token's slot (causal order
+within a document) and document id (:class:`~.tokens.ContextTokens`), RoPE its position in its
 document, so every per-token tensor is split with :meth:`DocumentSplit.take`.
+
+In training (``pretrain_gpt2.py``, :func:`~.stage.document_split`) a micro-batch of one packed
+row (``--micro-batch-size 1`` with ``--reset-attention-mask``) is split per document, balanced;
+with several rows each row is zigzag-split whole (:mod:`.zigzag`), its documents masked.
 """
 
 from __future__ import annotations

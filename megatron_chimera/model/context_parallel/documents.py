@@ -69,12 +69,13 @@ class DocumentSplit:
     def take(self, tensor: torch.Tensor, dim: int, rank: int, fill: float = 0) -> torch.Tensor:
         """``rank``'s share along ``dim`` of a packed per-token ``tensor`` (its length the packed
         row's): padding slots get ``fill``."""
-        source = self.source[self.slots[rank]].to(tensor.device)
-        picked = tensor.index_select(dim, source.clamp(min=0))
-        if bool((source < 0).any()):
+        source = self.source[self.slots[rank]]  # on the host: no device sync to decide
+        padded = bool((source < 0).any())
+        picked = tensor.index_select(dim, source.clamp(min=0).to(tensor.device))
+        if padded:
             shape = [1] * tensor.dim()
             shape[dim] = source.numel()
-            picked = picked.masked_fill((source < 0).view(shape), fill)
+            picked = picked.masked_fill((source < 0).view(shape).to(tensor.device), fill)
         return picked
 
     def merge(self, shares: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
@@ -94,10 +95,11 @@ class DocumentSplit:
         return ContextTokens(self.slots, docs, rank, causal, device)
 
 
-def _zigzag(stretch: torch.Tensor, cp: int) -> list[torch.Tensor]:
-    """Every rank's slots of one stretch (its length a multiple of ``2 x CP``)."""
-    chunks = stretch.chunk(2 * cp) if stretch.numel() else [stretch[:0]] * (2 * cp)
-    return [torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)]
+def _zigzag_rank(index: torch.Tensor, chunk: torch.Tensor, cp: int) -> torch.Tensor:
+    """The rank holding position ``index`` of a stretch cut into ``2 x CP`` chunks of ``chunk``
+    tokens: chunks ``i`` and ``2 CP - 1 - i`` go to rank ``i``."""
+    k = torch.div(index, chunk.clamp(min=1), rounding_mode="floor")
+    return torch.where(k < cp, k, 2 * cp - 1 - k)
 
 
 def split_documents(lengths: Sequence[int], context_parallel_size: int,
@@ -112,36 +114,29 @@ def split_documents(lengths: Sequence[int], context_parallel_size: int,
     if not pad and total % step:
         raise ConfigError(f"a packed row of {total} tokens is not divisible by 2 x "
                           f"--context-parallel-size ({step})")
-    source, documents, positions, stretches, leftovers = [], [], [], [], []
-    start = 0
-    for doc, n in enumerate(lengths):
-        whole = n if pad else n - n % step
-        padded = -(-n // step) * step if pad else whole
-        first = len(source)
-        source += list(range(start, start + n)) if pad else list(range(start, start + whole))
-        source += [-1] * (padded - n if pad else 0)
-        documents += [doc] * min(n, padded) + [-(first + i + 1) for i in range(n, padded)]
-        positions += list(range(padded))
-        stretches.append(torch.arange(first, first + padded))
-        if not pad:
-            leftovers += [(start + i, doc, i) for i in range(whole, n)]
-        start += n
-    if leftovers:
-        first = len(source)
-        source += [s for s, _, _ in leftovers]
-        documents += [d for _, d, _ in leftovers]
-        positions += [p for _, _, p in leftovers]
-        stretches.append(torch.arange(first, first + len(leftovers)))
-    shares = [_zigzag(s, cp) for s in stretches]
-    slots = torch.stack([torch.cat([share[r] for share in shares]) for r in range(cp)])
-    source_t, documents_t, positions_t = (torch.tensor(v, dtype=torch.int64)
-                                          for v in (source, documents, positions))
-    if not pad:  # no padding: number the slots in packed order (slot = token index)
-        slots = source_t[slots]
-        documents_t = torch.empty_like(documents_t).index_put_((source_t,), documents_t)
-        positions_t = torch.empty_like(positions_t).index_put_((source_t,), positions_t)
-        source_t = torch.arange(total)
-    return DocumentSplit(slots.sort(dim=1).values, source_t, documents_t, positions_t)
+    length = torch.tensor(list(lengths), dtype=torch.int64)
+    start = torch.cumsum(length, 0) - length
+    if pad:
+        size = (length + step - 1) // step * step  # slots of each document, padding included
+    else:
+        size = length
+    first = torch.cumsum(size, 0) - size
+    slot = torch.arange(int(size.sum()))
+    doc = torch.repeat_interleave(torch.arange(len(length)), size)
+    within = slot - first[doc]
+    real = within < length[doc]
+    whole = size if pad else length - length % step  # the zigzag-split part of each document
+    in_whole = within < whole[doc]
+    rank = _zigzag_rank(within, whole[doc] // step, cp)
+    if not pad:  # the leftover tails: one more stretch, in order
+        left = ~in_whole
+        order = torch.cumsum(left.to(torch.int64), 0) - 1
+        chunk = torch.tensor(int(left.sum()) // step)
+        rank = torch.where(left, _zigzag_rank(order, chunk, cp), rank)
+    source = torch.where(real, start[doc] + within, torch.full_like(slot, -1))
+    documents = torch.where(real, doc, -(slot + 1))
+    slots = torch.stack([(rank == r).nonzero().flatten() for r in range(cp)])
+    return DocumentSplit(slots, source, documents, within)
 
 
 def document_lengths(document_ids: torch.Tensor) -> list[int]:

@@ -5,6 +5,7 @@ to the plain one for full-length documents."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -23,6 +24,7 @@ from megatron_chimera.tuning.length_mix import (
 )
 from megatron_chimera.tuning.perf_model import AnalyticCompute, PerformanceModel
 from megatron_chimera.tuning.training_plan import TrainingPlan
+from tests.helpers import REPO_ROOT
 
 SPEC = ModelSpec(ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=4,
                              seq_length=512, vocab_size=500, params_dtype="bf16",
@@ -85,3 +87,17 @@ def test_mix_model_reduces_to_the_plain_model_for_full_length_documents():
     assert math.isclose(full.iteration_s, plain.iteration_s, rel_tol=1e-12)
     short = MixPerformanceModel(SPEC, hardware, [64] * 32).predict(layout, with_memory=False)
     assert short.iteration_s < plain.iteration_s  # the same tokens, less attention
+
+
+def test_autotune_document_lengths_bad_input_is_one_line(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("autotune_cli", REPO_ROOT / "tools" /
+                                                  "autotune.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    bad = tmp_path / "lengths.json"
+    bad.write_text('{"messages": []}')
+    base = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--num-gpus", "4", "--global-batch-size", "16"]
+    assert cli.main(base + ["--document-lengths", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--document-lengths" in err[0] and "positive token counts" in err[0]

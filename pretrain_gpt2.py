@@ -25,6 +25,8 @@ from megatron_chimera.data.samplers import batch_to_device
 from megatron_chimera.data.sft_dataset import build_sft_datasets, is_logging_process
 from megatron_chimera.model.context_parallel import (
     context_parallel_size,
+    document_split,
+    document_tokens,
     sequence_mean_loss,
     split_batch,
 )
@@ -126,9 +128,12 @@ def forward_step(batch, model: GPTModel):
     piece = batch.get(SLICE)  # one slice of a sequence (sequence-sliced pipelines)
     token_mean = batch.get(TOKEN_MEAN)  # the global-token mean's divisor (per-token loss)
     device = next(model.parameters()).device
+    # (context parallelism: one packed row is split per document, decided on the host)
+    split = document_split(batch.get("document_ids")) if piece is None else None
     batch = batch_to_device(batch, device, batch_fields(model))
     # (context parallelism: this rank's zigzag share of every per-token field)
-    tokens, labels, loss_mask, document_ids, position_ids = split_batch(*get_batch(batch))
+    tokens, labels, loss_mask, document_ids, position_ids = split_batch(*get_batch(batch),
+                                                                        split=split)
     if piece is not None:
         output = model(tokens if model.pre_process else None,
                        position_ids if reads_positions(model) else None,
@@ -137,6 +142,8 @@ def forward_step(batch, model: GPTModel):
         return output, functools.partial(slice_loss_func, piece, loss_mask,
                                          token_mean=token_mean)
     mask = None if document_ids is None else DocumentMask(document_ids, device)
+    if split is not None:
+        mask = document_tokens(split, True, device)
     output = model(tokens if model.pre_process else None,
                    position_ids if reads_positions(model) else None,
                    attention_mask=mask,

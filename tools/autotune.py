@@ -43,6 +43,7 @@ from megatron_chimera.tuning.autotune import (
 )
 from megatron_chimera.tuning.command import torchrun_command
 from megatron_chimera.tuning.hardware import GB, PRESETS, HardwareProfile, load_hardware
+from megatron_chimera.tuning.length_mix import MixPerformanceModel
 from megatron_chimera.tuning.perf_model import PerformanceModel
 from megatron_chimera.tuning.published import megatron_flops
 from megatron_chimera.tuning.training_plan import TrainingPlan
@@ -134,7 +135,30 @@ def _add_machine_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGrou
                    help="device memory in GB (default: the hardware profile's)")
     g.add_argument("--memory-headroom", type=float, default=0.9,
                    help="usable fraction of the memory (allocator, CUDA context, buffers)")
+    g.add_argument("--document-lengths", default=None, metavar="PATH",
+                   help="token lengths of one global batch's documents (a JSON list): every "
+                        "micro-batch is priced by its own documents (attention by their squared "
+                        "lengths; megatron_chimera/tuning/length_mix.py); analytic compute only")
     return g
+
+
+def performance_model(args: argparse.Namespace, spec: ModelSpec, hardware: HardwareProfile,
+                      **kwargs) -> PerformanceModel:
+    """The performance model: for a real length mix with ``--document-lengths``."""
+    if args.document_lengths is None:
+        return PerformanceModel(spec, hardware, **kwargs)
+    if kwargs.get("compute") is not None:
+        raise ConfigError("--document-lengths prices micro-batches analytically: not with "
+                          "--profile")
+    try:
+        lengths = json.loads(Path(args.document_lengths).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--document-lengths {args.document_lengths}: {exc}") from None
+    if (not isinstance(lengths, list) or not lengths
+            or not all(isinstance(n, int) and n > 0 for n in lengths)):
+        raise ConfigError(f"--document-lengths {args.document_lengths}: expected a JSON list "
+                          f"of positive token counts")
+    return MixPerformanceModel(spec, hardware, lengths, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             p2p_link = measure_p2p_link()
             print(f"measured p2p: alpha {p2p_link.alpha_s * 1e6:.1f} us, "
                   f"{p2p_link.bandwidth_gbps:.2f} GB/s")
-        model = PerformanceModel(spec, hardware, compute=compute, p2p_link=p2p_link)
+        model = performance_model(args, spec, hardware, compute=compute, p2p_link=p2p_link)
         choices = {"both": (False, True), "on": (True,), "off": (False,)}
         granularities = {"both": ("full", "selective"), "full": ("full",),
                          "selective": ("selective",)}
@@ -438,7 +462,7 @@ def predict_main(argv: list[str]) -> int:
         hardware = load_hardware(args.hardware)
         memory_gb, limit = _memory_limit(args, hardware)
         layout = predict_layout(args, spec)
-        model = PerformanceModel(spec, hardware)
+        model = performance_model(args, spec, hardware)
         try:
             prediction = model.predict(layout)
         except ValueError as exc:

@@ -95,6 +95,12 @@ class CostModel:
     # host seconds of one hand-over of a pair's baton between its halves (with
     # moe_layers_per_stage > 0): the paired runtime's switch between its two host threads
     hand_over_cost: float = 0.0
+    # variable-length micro-batches (``docs/LONG_SEQUENCES.md``): per micro-batch (per sequence
+    # with sequence slices), its (F, B, W) compute relative to the priced micro-batch (F and B
+    # price attention by the squared document lengths, W the tokens); empty: all alike
+    microbatch_work: tuple[tuple[float, float, float], ...] = ()
+    # per micro-batch, its tokens relative to the priced one: the bytes of its messages
+    microbatch_tokens: tuple[float, ...] = ()
 
     def per_stage(self, name: str, num_stages: int) -> list[float]:
         """The field ``name`` as a list of ``num_stages`` floats (scalars broadcast)."""
@@ -106,13 +112,30 @@ class CostModel:
             raise ValueError(f"CostModel.{name} has {len(values)} entries for {num_stages} stages")
         return values
 
-    def p2p_time(self, src: int | None = None, dst: int | None = None) -> float:
+    def p2p_time(self, src: int | None = None, dst: int | None = None,
+                 tokens: float = 1.0) -> float:
         """Time of one point-to-point message from pipeline rank ``src`` to ``dst`` (its edge's
-        link when ``p2p_edges`` lists it, else the default link)."""
+        link when ``p2p_edges`` lists it, else the default link) of ``tokens`` times the
+        priced micro-batch's tokens."""
         for a, b, alpha, beta in self.p2p_edges:
             if (a, b) == (src, dst):
-                return alpha + self.activation_bytes * beta
-        return self.p2p_alpha + self.activation_bytes * self.p2p_beta
+                return alpha + self.activation_bytes * tokens * beta
+        return self.p2p_alpha + self.activation_bytes * tokens * self.p2p_beta
+
+    def microbatch_factors(self, num_sequences: int
+                           ) -> tuple[list[dict[str, float]], list[float]] | None:
+        """Per micro-batch ``{kind: compute factor}`` and message factor (None: all alike);
+        ValueError unless there is one entry per micro-batch."""
+        if not self.microbatch_work and not self.microbatch_tokens:
+            return None
+        work = self.microbatch_work or tuple((t, t, t) for t in self.microbatch_tokens)
+        tokens = self.microbatch_tokens or tuple(1.0 for _ in work)
+        if not len(work) == len(tokens) == num_sequences:
+            raise ValueError(f"CostModel.microbatch_work / microbatch_tokens have {len(work)} / "
+                             f"{len(tokens)} entries for {num_sequences} micro-batches")
+        if any(not (math.isfinite(v) and v >= 0) for w in work for v in (*w, *tokens)):
+            raise ValueError("CostModel.microbatch_work / microbatch_tokens must be >= 0")
+        return ([{FORWARD: f, BACKWARD: b, WEIGHT: w} for f, b, w in work], list(tokens))
 
     def allreduce_time(self, replicas: int, nbytes: float) -> float:
         """Rabenseifner all-reduce of ``nbytes`` over ``replicas`` ranks (0 for one replica)."""
@@ -337,21 +360,37 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
     free = [0.0] * schedule.num_ranks
     events: list[Event] = []
 
-    work = schedule.meta.get("slice_work") if schedule.sequence_slices > 1 else None
+    k = schedule.sequence_slices
+    work = schedule.meta.get("slice_work") if k > 1 else None
+    per_microbatch = costs.microbatch_factors(schedule.num_microbatches // k)
 
     def scale(a: Action) -> float:
-        """A sequence slice's share of the work (1 without slices)."""
-        return 1.0 if work is None else work[a.microbatch % schedule.sequence_slices]
+        """A sequence slice's share of the work (1 without slices), times its micro-batch's
+        factor of that kind (variable-length micro-batches)."""
+        share = 1.0 if work is None else work[a.microbatch % k]
+        return share if per_microbatch is None else (
+            share * per_microbatch[0][a.microbatch // k][a.kind])
+
+    def moved(a: Action) -> float:
+        """The all-to-all share of ``a``: its slice's, times its micro-batch's tokens."""
+        share = 1.0 if work is None else work[a.microbatch % k]
+        return share if per_microbatch is None else (
+            share * per_microbatch[1][a.microbatch // k])
+
+    def message(src: int, dst: int, a: Action) -> float:
+        if per_microbatch is None:
+            return edges.get((src, dst), p2p)
+        return costs.p2p_time(src, dst, per_microbatch[1][a.microbatch // k])
 
     def ready(rank: int, dep: Action | None) -> float:
         if dep is None:
             return 0.0
         dep_rank, dep_end = finished[dep]
-        return dep_end + (edges.get((dep_rank, rank), p2p) if dep_rank != rank else 0.0)
+        return dep_end + (message(dep_rank, rank, dep) if dep_rank != rank else 0.0)
 
     def run(rank: int, a: Action, dep: Action | None) -> None:
         start = max(free[rank], ready(rank, dep)) + overhead
-        comm = a2a[a.kind][a.stage] * scale(a)
+        comm = a2a[a.kind][a.stage] * moved(a)
         end = start + compute[a.kind][a.stage] * scale(a) + comm
         exposed[rank] += comm
         free[rank] = end
@@ -364,7 +403,7 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
         start = max(free[rank], ready(rank, dep_a), ready(rank, dep_b)) + overhead
         c_a, c_b = compute[a.kind][a.stage] * scale(a), compute[b.kind][b.stage] * scale(b)
         busy = c_a + c_b
-        a2a_a, a2a_b = a2a[a.kind][a.stage] * scale(a), a2a[b.kind][b.stage] * scale(b)
+        a2a_a, a2a_b = a2a[a.kind][a.stage] * moved(a), a2a[b.kind][b.stage] * moved(b)
         comm = a2a_a + a2a_b
         if layers and comm > 0 and a.kind == b.kind == FORWARD:
             end = start + busy + comm  # two drivers: the runtime runs them one after the other

@@ -15,6 +15,7 @@ from megatron_chimera.model.context_parallel import (
     split_sequence,
     zigzag_positions,
 )
+from megatron_chimera.model.context_parallel.documents import split_documents
 
 SEQ, BATCH, HEADS, HEAD_DIM = 16, 2, 8, 8
 
@@ -96,6 +97,35 @@ def run_attention_cases(rank, world_size):
         # 16-bit inputs run in float32 inside and return bfloat16 (only the rounding of the
         # inputs and outputs to 8 mantissa bits differs from the float64 reference)
         check_case(group, cp, r, comm_type, causal, 4, documents, torch.bfloat16, 3e-2)
+    for group, cp, r in settings:  # packed documents split per document (PR #5243's THD case)
+        check_document_split(group, cp, r)
+
+
+def check_document_split(group, cp, rank):
+    """The per-document zigzag (odd lengths padded, or balanced without padding): every comm
+    type's outputs and dQ/dK/dV on the real tokens equal whole-row document-causal attention
+    (float64, 1e-12)."""
+    for lengths, pad in (([5, 3, 9, 1, 6], True), ([5, 3, 9, 7, 8], False)):
+        split = split_documents(lengths, cp, pad=pad)
+        generator = torch.Generator().manual_seed(5)
+        full = [torch.randn(1, h, sum(lengths), HEAD_DIM, generator=generator,
+                            dtype=torch.float64).requires_grad_() for h in (HEADS, 4, 4)]
+        grad_out = torch.randn(1, HEADS, sum(lengths), HEAD_DIM, generator=generator,
+                               dtype=torch.float64)
+        docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+        ref = reference_attention(*full, True, docs)
+        ref.backward(grad_out)
+        valid, held = split.valid(rank), split.held(rank)[split.valid(rank)]
+        for comm_type in ("p2p", "a2a", "allgather"):
+            local = [split.take(t.detach(), 2, rank, fill=1.5).requires_grad_() for t in full]
+            out = context_parallel_attention(*local, split.context_tokens(rank, True), group,
+                                             comm_type)
+            out.backward(split.take(grad_out, 2, rank))
+            for what, got, want in [("output", out, ref)] + [
+                    (f"d{n}", t.grad, f.grad) for n, t, f in zip("qkv", local, full)]:
+                err = _relative(got.detach()[..., valid, :], want.detach()[..., held, :])
+                assert err <= 1e-12, (f"{comm_type} CP={cp} documents {lengths} pad={pad}: "
+                                      f"{what} differs by {err:.2e}")
 
 
 def run_zigzag_round_trip(rank, world_size):

@@ -1,6 +1,6 @@
 """Context parallelism (``--context-parallel-size CP``, ``--cp-comm-type``): each rank of a
 context-parallel group holds ``s / CP`` tokens of every sequence (the zigzag split,
-:mod:`.zigzag`) and attention reaches across the group in one of four ways:
+:mod:`.zigzag`; of each document for one packed row, :mod:`.documents`) and attention reaches across the group in one of four ways:
 
 * ``p2p`` -- ring attention (:mod:`.ring`), key/value blocks rotate, results merged by their
   log-sum-exp; the default (Megatron's);
@@ -32,6 +32,8 @@ from megatron_chimera.model.context_parallel.hierarchical import (
 from megatron_chimera.model.context_parallel.ring import ring_attention
 from megatron_chimera.model.context_parallel.stage import (
     context_parallel_size,
+    document_split,
+    document_tokens,
     sequence_mean_loss,
     split_batch,
     stage_tokens,
@@ -65,6 +67,7 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
 
 
 __all__ = ["COMM_TYPES", "ContextTokens", "HierarchicalGroups", "check_sequence",
-           "context_parallel_attention", "context_parallel_size", "masked_attention",
+           "context_parallel_attention", "context_parallel_size", "document_split", "document_tokens",
+           "masked_attention",
            "merge_sequence", "sequence_mean_loss", "split_batch", "split_sequence",
            "stage_tokens", "zigzag_positions"]

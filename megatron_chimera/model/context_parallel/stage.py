@@ -11,6 +11,11 @@ import torch.distributed as dist
 
 from megatron_chimera import parallel_state
 from megatron_chimera.errors import ConfigError
+from megatron_chimera.model.context_parallel.documents import (
+    DocumentSplit,
+    document_lengths,
+    split_documents,
+)
 from megatron_chimera.model.context_parallel.tokens import ContextTokens
 from megatron_chimera.model.context_parallel.zigzag import split_sequence, zigzag_positions
 from megatron_chimera.model.document_attention import DocumentMask
@@ -44,13 +49,34 @@ def stage_tokens(mask, local_seq_length: int, causal: bool,
                       "padding mask) has no context-parallel form")
 
 
-def split_batch(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """This context rank's zigzag share of each ``[b, s]`` micro-batch tensor (None stays
-    None): tokens, labels, loss mask, position and document ids follow their tokens."""
+def document_split(document_ids: torch.Tensor | None) -> DocumentSplit | None:
+    """The per-document zigzag of a micro-batch of one packed row (CP > 1, document ids ``[1,
+    s]`` from --reset-attention-mask; see :mod:`.documents`), decided on the host; None
+    otherwise (several rows: each row is split whole, its documents masked)."""
+    cp = context_parallel_size()
+    if cp == 1 or document_ids is None or document_ids.shape[0] != 1:
+        return None
+    return split_documents(document_lengths(document_ids[0]), cp, pad=False)
+
+
+def document_tokens(split: DocumentSplit, causal: bool, device: torch.device | None = None
+                    ) -> ContextTokens:
+    """This context rank's :class:`ContextTokens` of a :func:`document_split` micro-batch (every
+    rank's slots and document ids are known locally: no all-gather)."""
+    return split.context_tokens(parallel_state.get_context_parallel_rank(), causal, device)
+
+
+def split_batch(*tensors: torch.Tensor | None, split: DocumentSplit | None = None
+                ) -> tuple[torch.Tensor | None, ...]:
+    """This context rank's share of each ``[b, s]`` micro-batch tensor (None stays None):
+    tokens, labels, loss mask, position and document ids follow their tokens. The zigzag of
+    the whole row, or of each document with ``split`` (:func:`document_split`)."""
     cp = context_parallel_size()
     if cp == 1:
         return tensors
     rank = parallel_state.get_context_parallel_rank()
+    if split is not None:
+        return tuple(None if t is None else split.take(t, 1, rank) for t in tensors)
     return tuple(None if t is None else split_sequence(t, 1, cp, rank) for t in tensors)
 
 

@@ -9,6 +9,7 @@ it (``PipelineExecutor.run(microbatch_tokens=...)``) and no shape is exchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -85,6 +86,36 @@ def packed_datasets(config: TrainConfig, tokenizer, num_samples: Sequence[int]
         for line in log_packing(out):
             print(line, flush=True)
     return tuple(out)
+
+
+def _packing(data: dict, model: dict) -> tuple | None:
+    """(budget, overlong policy) of a packed run's data and model sections; None unpacked."""
+    if not data.get("variable_seq_lengths"):
+        return None
+    return (data.get("micro_batch_tokens") or model.get("seq_length"),
+            data.get("overlong_documents", "error"))
+
+
+def check_packing_resume(config: TrainConfig, saved_args: dict, path: str) -> str | None:
+    """ConfigError when resuming ``path`` would pack the documents differently (another token
+    budget or overlong policy, or packing switched on or off): the consumed micro-batches would
+    no longer be the same documents. With ``--allow-data-order-change``, the line to log."""
+    saved_data = saved_args.get("data")
+    if not isinstance(saved_data, dict):
+        return None
+    then = _packing(saved_data, saved_args.get("model") or {})
+    now = _packing(dataclasses.asdict(config.data), dataclasses.asdict(config.model))
+    if then == now:
+        return None
+    name = lambda p: ("unpacked" if p is None  # noqa: E731
+                      else f"packed to {p[0]} tokens, overlong documents: {p[1]}")
+    what = f"the micro-batches are {name(now)}, the checkpoint's were {name(then)} ({path})"
+    if not config.training.allow_data_order_change:
+        raise ConfigError(f"{what}: the resumed run would train other documents than the "
+                          "uninterrupted one; keep the checkpoint's --variable-seq-lengths / "
+                          "--micro-batch-tokens / --overlong-documents or pass "
+                          "--allow-data-order-change")
+    return f" data order changed on purpose: {what}"
 
 
 def microbatch_tokens(batches: Sequence[dict[str, torch.Tensor] | None]) -> list[int]:

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     # documents of up to max_length + 1 ids: at most max_length inputs, the packing budget
     documents = MockDocuments(args.documents, args.median, args.max_length + 1, 1024, 0,
                               args.seed)
-    dataset = PackedDataset(documents, args.max_length, 1)
+    dataset = PackedDataset(documents, args.max_length, args.documents)
     lengths = documents.sizes() - 1
     print(f"{args.documents} documents: median {int(sorted(lengths)[len(lengths) // 2])}, max "
           f"{int(lengths.max())}, {int(lengths.sum())} tokens; {dataset.describe()}")

@@ -36,6 +36,7 @@ def _build(case) -> Schedule:
 
 CASES = ([(name, d, 2 * d, {}) for name in SCHEDULES for d in (4, 8)]
          + [("chimera", d, 2 * d, {"concat": "forward-doubling"}) for d in (4, 8)]
+         + [("chimera", d, d, {}) for d in (4, 8)]  # Chimera's basic unit, N = D
          + [("chimera", 8, 16, {"pipes": 4}), ("backward-halving", 4, 8, {}),
             ("backward-halving", 8, 16, {})]
          + [(f"sliced-{name}", d, 4, {}) for name in ("1f1b", "chimera", "chimera-zb")

@@ -18,6 +18,7 @@ packs into, the plan is repeated (epochs of the same packing).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from statistics import NormalDist
 from typing import Protocol
 
 import numpy as np
@@ -37,8 +38,8 @@ class Documents(Protocol):
 
 
 class MockDocuments:
-    """Synthetic documents with log-normal lengths (median ``median`` token ids, at most
-    ``max_length``, at least 2): learnable counting runs ending in ``eod``; document ``i``
+    """Synthetic documents with log-normal lengths (median ``median`` token ids, ``sigma`` of the
+    log, at most ``max_length``, at least 2): learnable counting runs ending in ``eod``; document ``i``
     depends only on ``(seed, split, i)``."""
 
     def __init__(self, count: int, median: int, max_length: int, vocab_size: int, eod: int,
@@ -46,7 +47,11 @@ class MockDocuments:
         if vocab_size < 2:
             raise ConfigError("mock data needs a vocabulary of at least 2 ids")
         rng = np.random.default_rng([seed, split, 0x7A12])
-        drawn = np.exp(rng.normal(np.log(median), sigma, size=count))
+        # stratified draws (one per 1/count quantile band, shuffled): the sample's median is
+        # ``median`` however few documents there are
+        bands = (rng.permutation(count) + rng.random(count)) / count
+        normal = NormalDist(np.log(median), sigma)
+        drawn = np.exp([normal.inv_cdf(min(max(u, 1e-12), 1 - 1e-12)) for u in bands])
         self._sizes = np.clip(np.rint(drawn), 2, max_length).astype(np.int64)
         self.vocab_size, self.eod, self.seed, self.split = vocab_size, eod, seed, split
 

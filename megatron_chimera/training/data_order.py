@@ -19,7 +19,8 @@ from megatron_chimera.training.varlen import check_packing_resume
 def check_data_order(config: TrainConfig, saved_args: dict[str, Any], path: str
                      ) -> str | None:
     """ConfigError naming both values when resuming ``path`` with another global batch size
-    (no ramp-up) or another packing (``--variable-seq-lengths``); with ``--allow-data-order-change`` the line to log instead (None: same order)."""
+    (no ramp-up) or another packing (``--variable-seq-lengths``); with
+    ``--allow-data-order-change`` the line to log instead (None: same order)."""
     packing = check_packing_resume(config, saved_args, path)
     if packing is not None:
         return packing

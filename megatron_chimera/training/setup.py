@@ -280,8 +280,8 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
 
 def every_stage_reads_batch(config: TrainConfig, family: ModelFamily) -> bool:
     """Whether every stage reads the whole batch: BERT's padding mask, GPT's document mask
-    (--reset-attention-mask, --variable-seq-lengths) and the per-document rotary positions (--reset-position-ids with
-    RoPE) reach every stage."""
+    (--reset-attention-mask, --variable-seq-lengths) and the per-document rotary positions
+    (--reset-position-ids with RoPE) reach every stage."""
     rotary_positions = (config.data.reset_position_ids
                         and config.model.position_embedding_type == "rope")
     return (family.every_stage_reads_batch or config.data.reset_attention_mask

@@ -106,7 +106,9 @@ class PackedDataset:
             self.plan: PackingPlan = pack_documents(input_lengths(documents.sizes()), budget,
                                                     overlong)
         except ValueError as exc:
-            raise ConfigError(f"--variable-seq-lengths: {exc} (--overlong-documents)") from exc
+            text = str(exc).replace("(truncate or skip it)",
+                                    "(--overlong-documents truncate or skip)")
+            raise ConfigError(f"--variable-seq-lengths: {text}") from exc
         if not self.plan.micro_batches:
             raise ConfigError("--variable-seq-lengths: no document of 2 or more tokens to pack")
         self.documents = documents

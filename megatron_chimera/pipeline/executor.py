@@ -92,6 +92,7 @@ from megatron_chimera.schedules.lowering import (
     connection_order,
     lower,
 )
+from megatron_chimera.schedules.shapes import check_sized_lists
 from megatron_chimera.schedules.validate import validate_lowered
 from megatron_chimera.tensor_parallel.weight_grad import (
     WeightGradStore,
@@ -250,6 +251,8 @@ class PipelineExecutor:
             raise ValueError(f"{len(microbatch_tokens)} micro-batch token counts for "
                              f"{len(microbatches)} micro-batches")
         self.comm.set_tokens(microbatch_tokens)
+        if microbatch_tokens is not None and nccl_semantics_requested():
+            check_sized_lists(self.lowered[forward_only], microbatch_tokens)
         start = time.perf_counter()
         if not forward_only:  # split backwards need deferrable forwards; others, torch's own
             for linears in self._linears.values():

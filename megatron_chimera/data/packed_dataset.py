@@ -98,10 +98,11 @@ class _Lazy(Sequence):
 
 class PackedDataset:
     """Packed micro-batch ``i % len(plan)`` of ``documents`` as THD fields (module docstring);
-    ``num_samples`` micro-batches in all."""
+    ``num_samples`` micro-batches in all; each row is padded to a multiple of ``pad_multiple``
+    (the tensor-parallel size under ``--sequence-parallel``) with an untrained document."""
 
     def __init__(self, documents: Documents, budget: int, num_samples: int,
-                 overlong: str = "error") -> None:
+                 overlong: str = "error", pad_multiple: int = 1) -> None:
         try:
             self.plan: PackingPlan = pack_documents(input_lengths(documents.sizes()), budget,
                                                     overlong)
@@ -113,13 +114,15 @@ class PackedDataset:
             raise ConfigError("--variable-seq-lengths: no document of 2 or more tokens to pack")
         self.documents = documents
         self.num_samples = int(num_samples)
+        self.pad_multiple = int(pad_multiple)
 
     def __len__(self) -> int:
         return self.num_samples
 
     def tokens(self, index: int) -> int:
-        """Input positions of micro-batch ``index`` (its message length)."""
-        return self.plan.micro_batches[index % len(self.plan.micro_batches)].tokens
+        """Input positions of micro-batch ``index``, padding included (its row's length)."""
+        n = self.plan.micro_batches[index % len(self.plan.micro_batches)].tokens
+        return n + (-n) % self.pad_multiple
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if not 0 <= index < self.num_samples:
@@ -127,6 +130,13 @@ class PackedDataset:
         micro_batch = self.plan.micro_batches[index % len(self.plan.micro_batches)]
         fields = packed_fields(micro_batch, _Lazy(self.documents))
         del fields["cu_seqlens"]  # (the document ids carry it; collation stacks equal shapes)
+        pad = (-micro_batch.tokens) % self.pad_multiple
+        if pad:  # a document of its own, never trained (sequence parallelism splits the row)
+            fill = {"tokens": np.zeros(pad, np.int64), "labels": np.zeros(pad, np.int64),
+                    "loss_mask": np.zeros(pad, np.float32),
+                    "position_ids": np.arange(pad, dtype=np.int64),
+                    "document_ids": np.full(pad, len(micro_batch.documents), np.int32)}
+            fields = {k: np.concatenate([fields[k], fill[k]]) for k in fields}
         return fields
 
     def describe(self) -> str:

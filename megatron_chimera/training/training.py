@@ -77,7 +77,7 @@ from megatron_chimera.training.setup import (
     build_datasets,
     setup_run,
 )
-from megatron_chimera.training.varlen import microbatch_tokens
+from megatron_chimera.training.varlen import microbatch_tokens, sequence_split
 
 
 def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
@@ -150,7 +150,8 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     batches = next_microbatches(data_iterator, schedule.num_sequences,
                                 pipeline.needed_microbatches)
     run.timers("batch-generator").stop()
-    tokens = (microbatch_tokens(batches) if run.config.data.variable_seq_lengths else None)
+    tokens = (microbatch_tokens(batches, sequence_split(run.config))
+              if run.config.data.variable_seq_lengths else None)
     if consumed_samples is not None:
         batches = keyed_microbatches(run, batches, consumed_samples)
     batches = sliced_units(batches, schedule.sequence_slices)
@@ -212,8 +213,8 @@ def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
             batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
                                         run.pipeline.eval_needed_microbatches)
             batches = sliced_units(batches, run.config.parallel.pipeline_sequence_slices)
-            tokens = (microbatch_tokens(batches) if run.config.data.variable_seq_lengths
-                      else None)
+            tokens = (microbatch_tokens(batches, sequence_split(run.config))
+                      if run.config.data.variable_seq_lengths else None)
             results.append(run.pipeline.eval_executor.run(batches, forward_only=True,
                                                           microbatch_tokens=tokens))
     for module in (s.module for s in run.stages):

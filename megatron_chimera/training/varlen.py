@@ -30,6 +30,13 @@ def token_budget(config: TrainConfig) -> int:
     return config.data.micro_batch_tokens or config.model.seq_length
 
 
+def sequence_split(config: TrainConfig) -> int:
+    """Ranks a micro-batch's tokens are split over in the pipeline messages: the
+    tensor-parallel size under ``--sequence-parallel``, else 1."""
+    tp = config.parallel.tensor_model_parallel_size
+    return tp if config.model.sequence_parallel and tp > 1 else 1
+
+
 def check_variable_seq_lengths(config: TrainConfig) -> None:
     """One clear line for every flag the packed micro-batches do not run with."""
     data, model, parallel = config.data, config.model, config.parallel
@@ -44,8 +51,6 @@ def check_variable_seq_lengths(config: TrainConfig) -> None:
          "row of documents: use --micro-batch-size 1 and --micro-batch-tokens for its size)"),
         (parallel.context_parallel_size > 1, "--context-parallel-size > 1"),
         (parallel.pipeline_sequence_slices > 1, "--pipeline-sequence-slices > 1"),
-        (model.sequence_parallel and parallel.tensor_model_parallel_size > 1,
-         "--sequence-parallel"),
         (data.split_data_paths is not None, "--train/valid/test-data-path (use --data-path)"),
         (not data.mock_data and data.data_path is not None and len(data.data_path) != 1,
          "blended --data-path (give one prefix)"),
@@ -81,7 +86,8 @@ def packed_datasets(config: TrainConfig, tokenizer, num_samples: Sequence[int]
         if n <= 0 or not len(source.sizes()):
             out.append(None)
             continue
-        out.append(PackedDataset(source, budget, n, data.overlong_documents))
+        out.append(PackedDataset(source, budget, n, data.overlong_documents,
+                                 sequence_split(config)))
     if not dist.is_initialized() or dist.get_rank() == 0:
         for line in log_packing(out):
             print(line, flush=True)
@@ -118,13 +124,15 @@ def check_packing_resume(config: TrainConfig, saved_args: dict, path: str) -> st
     return f" data order changed on purpose: {what}"
 
 
-def microbatch_tokens(batches: Sequence[dict[str, torch.Tensor] | None]) -> list[int]:
-    """Every micro-batch's length, from the batches this rank read (all of them)."""
+def microbatch_tokens(batches: Sequence[dict[str, torch.Tensor] | None], split: int = 1
+                      ) -> list[int]:
+    """Every micro-batch's message length, from the batches this rank read (all of them): its
+    tokens, divided by ``split`` (:func:`sequence_split`; the rows are padded to a multiple)."""
     missing = next((m for m, b in enumerate(batches) if b is None), None)
     if missing is not None:
         raise RuntimeError(f"micro-batch {missing} was not read on this rank: packed "
                            "micro-batches are read by every stage")
-    return [int(b["document_ids"].shape[-1]) for b in batches]
+    return [int(b["document_ids"].shape[-1]) // split for b in batches]
 
 
 def log_packing(datasets: Sequence[PackedDataset | None]) -> list[str]:

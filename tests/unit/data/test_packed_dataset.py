@@ -52,6 +52,17 @@ def test_packed_dataset_samples_are_whole_documents_in_thd():
     with pytest.raises(ConfigError, match="more than the micro-batch token budget 4"):
         PackedDataset(docs, 4, 10)
     assert PackedDataset(docs, 4, 10, overlong="truncate").plan.truncated
+    padded = PackedDataset(docs, 20, 100, pad_multiple=4)  # (--sequence-parallel, T = 4)
+    for index in range(6):
+        sample, plain = padded[index], dataset[index]
+        n, pad = len(plain["tokens"]), padded.tokens(index) - len(plain["tokens"])
+        assert padded.tokens(index) % 4 == 0 and 0 <= pad < 4
+        assert len(sample["tokens"]) == padded.tokens(index)
+        for key in plain:
+            np.testing.assert_array_equal(sample[key][:n], plain[key])
+        assert not sample["loss_mask"][n:].any()  # never trained, a document of its own
+        assert (sample["document_ids"][n:] == plain["document_ids"][-1] + 1).all()
+    assert microbatch_tokens([collate_samples([padded[1]])], 4) == [padded.tokens(1) // 4]
 
 
 def test_packed_documents_through_the_model_equal_each_document_alone():
@@ -88,8 +99,8 @@ FLAGS = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 1
     ("--micro-batch-size 2", "does not run with --micro-batch-size 2"),
     ("--micro-batch-size 1 --micro-batch-tokens 32",
      "--micro-batch-tokens 32 exceeds the 16 learned positions"),
-    ("--micro-batch-size 1 --tensor-model-parallel-size 2 --sequence-parallel",
-     "does not run with --sequence-parallel"),
+    ("--micro-batch-size 1 --context-parallel-size 2",
+     "does not run with --context-parallel-size > 1"),
 ])
 def test_flags_the_packed_micro_batches_do_not_run_with_are_refused(extra, message):
     with pytest.raises(ConfigError, match=message):

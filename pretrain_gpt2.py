@@ -36,6 +36,7 @@ from megatron_chimera.model.gpt2 import GPTModel
 from megatron_chimera.model.loss_normalization import TOKEN_MEAN, TokenMean, divisor_of
 from megatron_chimera.model.sequence_slices import SLICE, SequenceSlice
 from megatron_chimera.training import pretrain_from_flags, run_main
+from megatron_chimera.training.varlen import packed_datasets
 
 
 def model_provider(config: ModelConfig, seed: int, pre_process: bool = True,
@@ -56,14 +57,17 @@ def ltor_options(config: TrainConfig, tokenizer) -> LtorOptions:
 
 def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
                                        num_samples: list[int]) -> tuple:
-    """(train, valid, test) datasets: Megatron's GPT datasets, or synthetic with --mock-data;
-    the data workers add each sample's loss mask, position ids and document ids."""
+    """(train, valid, test) datasets: Megatron's GPT datasets, or synthetic with --mock-data
+    (packed variable-length micro-batches with --variable-seq-lengths); the data workers add
+    each sample's loss mask, position ids and document ids."""
     data, seq_length, seed = config.data, config.model.seq_length, config.training.seed
     if data.sft:  # whole conversations packed, with their own masks, positions and documents
         return build_sft_datasets(data.data_path[0], data.split, num_samples, seq_length, seed,
                                   tokenizer.eod, data.sft_overlong,
                                   config.model.padded_vocab_size, data.data_cache_path,
                                   log=is_logging_process())
+    if data.variable_seq_lengths:  # packed documents, one row per micro-batch
+        return packed_datasets(config, tokenizer, num_samples)
     if data.mock_data:
         datasets = tuple(MockGPTDataset(name, n, seq_length, tokenizer.vocab_size, tokenizer.eod,
                                         seed) if n > 0 else None
@@ -112,6 +116,9 @@ def batch_fields(model: GPTModel) -> list[str]:
     fields = ["document_ids"]
     if model.pre_process or model.post_process:
         fields.append("text")
+        fields.append("tokens" if model.pre_process else "labels")  # packed micro-batches
+        if model.pre_process and model.post_process:
+            fields.append("labels")
     if reads_positions(model):
         fields.append("position_ids")
     if model.post_process:

@@ -95,6 +95,20 @@ class DataConfig:
         help="--sft: a conversation longer than --seq-length is an error, truncated or "
              "skipped (counted in the log)")
 
+    # packed variable-length micro-batches (THD): data/packed_dataset.py
+    variable_seq_lengths: bool = flag(
+        False, "--variable-seq-lengths", family=GPT,
+        help="GPT: micro-batches of whole documents packed up to --micro-batch-tokens, each of "
+             "its own length (no padding, attention within documents, positions restarting)")
+    micro_batch_tokens: int | None = flag(
+        None, "--micro-batch-tokens", type=int, check=positive, family=GPT,
+        help="GPT --variable-seq-lengths: token budget of a packed micro-batch (default "
+             "--seq-length)")
+    overlong_documents: str = flag(
+        "error", "--overlong-documents", choices=("error", "truncate", "skip"), family=GPT,
+        help="GPT --variable-seq-lengths: a document over the token budget is an error, cut to "
+             "it, or left out (counted in the log)")
+
     @property
     def split_data_paths(self) -> tuple[tuple[str, ...] | None, ...] | None:
         """(train, valid, test) per-split paths, or None when the run uses ``data_path``."""

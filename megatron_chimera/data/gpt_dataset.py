@@ -288,10 +288,14 @@ def get_batch(micro_batch: dict[str, torch.Tensor],
     mask, position ids (and document ids) the data workers computed (:class:`GPTSampleDataset`).
 
     A stage may pass only the fields it reads (the others come back None). A raw ``{"text"}``
-    batch gets the derived fields computed here from ``options`` (default: plain causal).
+    batch gets the derived fields computed here from ``options`` (default: plain causal). A
+    packed variable-length micro-batch (``data/packed_dataset.py``) carries ``tokens`` and
+    ``labels`` themselves (each document shifted on its own).
     """
     text = micro_batch.get("text")
-    tokens = labels = None
+    tokens, labels = micro_batch.get("tokens"), micro_batch.get("labels")
+    tokens = None if tokens is None else tokens.long()
+    labels = None if labels is None else labels.long()
     if text is not None:
         text = text.long()
         tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()

@@ -87,12 +87,12 @@ from megatron_chimera.schedules.device_sync_check import plan_gradient_collectiv
 from megatron_chimera.schedules.expert_ops import expert_ops
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
-    GRADIENT,
     SEND,
     Message,
     connection_order,
     lower,
 )
+from megatron_chimera.schedules.shapes import check_sized_lists
 from megatron_chimera.schedules.validate import validate_lowered
 from megatron_chimera.tensor_parallel.weight_grad import (
     WeightGradStore,
@@ -238,12 +238,21 @@ class PipelineExecutor:
         self._connected = True
 
     # ------------------------------------------------------------------ one iteration
-    def run(self, microbatches: Sequence[Any], forward_only: bool = False) -> IterationResult:
-        """Run this rank's list for one iteration on ``microbatches`` (indexed by global id)."""
+    def run(self, microbatches: Sequence[Any], forward_only: bool = False,
+            microbatch_tokens: Sequence[int] | None = None) -> IterationResult:
+        """Run this rank's list for one iteration on ``microbatches`` (indexed by global id);
+        ``microbatch_tokens`` (variable-length micro-batches) gives every micro-batch's message
+        length (first dimension), known on every rank, so no shape is exchanged."""
         if len(microbatches) != self.schedule.num_microbatches:
             raise ValueError(
                 f"expected {self.schedule.num_microbatches} micro-batches, got {len(microbatches)}"
             )
+        if microbatch_tokens is not None and len(microbatch_tokens) != len(microbatches):
+            raise ValueError(f"{len(microbatch_tokens)} micro-batch token counts for "
+                             f"{len(microbatches)} micro-batches")
+        self.comm.set_tokens(microbatch_tokens)
+        if microbatch_tokens is not None and nccl_semantics_requested():
+            check_sized_lists(self.lowered[forward_only], microbatch_tokens)
         start = time.perf_counter()
         if not forward_only:  # split backwards need deferrable forwards; others, torch's own
             for linears in self._linears.values():
@@ -557,7 +566,7 @@ class _Iteration:
         if step.produces is not None:
             grad = input_tensor.grad
             if grad is None:
-                spec = self.comm.specs[GRADIENT]
+                spec = self.comm.spec_of(step.produces)
                 grad = torch.zeros(spec.shape, dtype=spec.dtype, device=ex.device)
             self._deliver(step, grad)
 

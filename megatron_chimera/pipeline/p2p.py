@@ -15,6 +15,10 @@ again; :class:`P2PCommunicator` keeps the buffers and work handles in between:
   is freed at once; a sent gradient is simply dropped by its last holder. :meth:`finish` waits
   for every send at the end of the iteration.
 * A message between two stages on the same rank is handed over locally (``put_local``).
+* Variable-length micro-batches (``--variable-seq-lengths``): :meth:`set_tokens` gives each
+  micro-batch's sequence length for the iteration; every message's buffer is then sized by its
+  own micro-batch (:meth:`spec_of`: the known shape of ``schedules/shapes.py``, no handshake),
+  and pooled buffers of shapes the iteration does not use are dropped.
 
 A buffer a pending send still reads (an output that is a view of the stage input) is given back
 only at :meth:`finish`, so a later receive can never overwrite data in flight. Tags
@@ -75,6 +79,11 @@ class BufferPool:
         self._free: dict[MessageSpec, list[torch.Tensor]] = {}
         self.allocated = 0  # buffers created so far (the most ever in use at once)
 
+    def trim(self, keep: set[MessageSpec]) -> None:
+        """Drop the free buffers of every spec not in ``keep`` (variable shapes)."""
+        for spec in [s for s in self._free if s not in keep]:
+            del self._free[spec]
+
     def acquire(self, spec: MessageSpec) -> torch.Tensor:
         """A buffer of ``spec`` (contents undefined)."""
         free = self._free.get(spec)
@@ -117,6 +126,27 @@ class P2PCommunicator:
         self._sends: list[tuple[Any, Message]] = []  # posted sends: work handle, message
         self.waiting: Message | None = None  # the message a take() waits for (hang forensics)
         self.bytes_sent = 0  # payload bytes of this iteration's sends (local hand-overs excluded)
+        self.tokens: tuple[int, ...] | None = None  # per-micro-batch sequence lengths
+
+    def set_tokens(self, tokens: Sequence[int] | None) -> None:
+        """Size this iteration's messages by micro-batch: ``tokens[m]`` replaces the first
+        (sequence) dimension of micro-batch ``m``'s messages; None: the configured shapes."""
+        self.tokens = None if tokens is None else tuple(int(t) for t in tokens)
+        if self.tokens is not None:
+            self.pool.trim({self._sized(spec, t) for spec in self.specs.values()
+                            for t in set(self.tokens)})
+
+    @staticmethod
+    def _sized(spec: MessageSpec, tokens: int) -> MessageSpec:
+        return MessageSpec((tokens, *spec.shape[1:]), spec.dtype)
+
+    def spec_of(self, message: Message) -> MessageSpec:
+        """Shape and dtype of ``message``'s buffer: its direction's, with its micro-batch's
+        sequence length when :meth:`set_tokens` gave them."""
+        spec = self.specs[message.direction]
+        if self.tokens is None:
+            return spec
+        return self._sized(spec, self.tokens[message.microbatch])
 
     def begin_iteration(self) -> None:
         """Start an iteration. Whatever a failed previous one left is dropped, not pooled (a
@@ -132,7 +162,7 @@ class P2PCommunicator:
     # ------------------------------------------------------------------------ receiving
     def post_recvs(self, messages: Sequence[Message]) -> None:
         """Post the receives of ``messages`` (one step, one peer) as one batch."""
-        specs = [self.specs[m.direction] for m in messages]
+        specs = [self.spec_of(m) for m in messages]
         buffers = [self.pool.acquire(spec) for spec in specs]
         works = self.transport.post(RECV, messages, buffers)
         for message, buffer, spec, work in zip(messages, buffers, specs, works):
@@ -173,7 +203,7 @@ class P2PCommunicator:
     def send(self, message: Message, tensor: torch.Tensor, free_when_sent: bool = False) -> None:
         """Post the send of ``tensor`` as ``message``; with ``free_when_sent`` its data is freed
         (``deallocate_output_tensor``) once the send completed."""
-        spec = self.specs[message.direction]
+        spec = self.spec_of(message)
         if tensor.shape != spec.shape or tensor.dtype != spec.dtype:
             raise RuntimeError(
                 f"{message.short()}: tensor {tuple(tensor.shape)} {tensor.dtype} does not match "

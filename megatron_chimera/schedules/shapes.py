@@ -17,6 +17,7 @@ message of a run, so the token count is the part that varies and the part checke
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -156,3 +157,10 @@ def validate_shaped(lowered: LoweredSchedule, **options: bool) -> list[list[Shap
     shaped = shape_lowered(lowered)
     check_shapes(lowered, shaped)
     return shaped
+
+
+def check_sized_lists(lowered: LoweredSchedule, tokens: Sequence[int]) -> None:
+    """:func:`check_shapes` of ``lowered`` with one iteration's micro-batch ``tokens`` (the
+    executor's check under the NCCL-semantics test mode)."""
+    sized = dataclasses.replace(lowered, schedule=with_tokens(lowered.schedule, tokens))
+    check_shapes(sized, shape_lowered(sized))

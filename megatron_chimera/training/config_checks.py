@@ -39,6 +39,7 @@ from megatron_chimera.schedules.slices import SLICED_SCHEDULES, sliced_schedule
 from megatron_chimera.schedules.validate import validate as validate_schedule
 from megatron_chimera.training.initialize import check_backend
 from megatron_chimera.training.scalar_writers import check_wandb_flags
+from megatron_chimera.training.varlen import check_variable_seq_lengths
 
 
 def never_slower_than_unsplit(schedule: Schedule, options: object) -> Schedule:
@@ -169,6 +170,7 @@ def check_config_and_build_schedule(config: TrainConfig, world_size: int) -> Sch
     _validate_logging(config.logging)
     check_wandb_flags(config.logging, config.checkpoint.save)
     _validate_attention(config.model, config.data)
+    check_variable_seq_lengths(config)
     _validate_context_parallel(config.model, parallel)
     _validate_sequence_slices(config)
     check_backend(parallel)
@@ -342,8 +344,9 @@ def _validate_attention(model: ModelConfig, data: DataConfig) -> None:
     impl = model.document_attention
     if impl == "auto":
         return
-    if not data.reset_attention_mask:
-        raise ConfigError(f"--document-attention {impl} requires --reset-attention-mask")
+    if not (data.reset_attention_mask or data.variable_seq_lengths):
+        raise ConfigError(f"--document-attention {impl} requires --reset-attention-mask or "
+                          "--variable-seq-lengths")
     if impl in ("varlen", "flex") and model.attention_dropout > 0:
         raise ConfigError(f"--document-attention {impl} has no attention dropout: add "
                           "--attention-dropout 0, or use --document-attention loop")

@@ -13,12 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_chimera.config import ConfigError, TrainConfig
+from megatron_chimera.training.varlen import check_packing_resume
 
 
 def check_data_order(config: TrainConfig, saved_args: dict[str, Any], path: str
                      ) -> str | None:
     """ConfigError naming both values when resuming ``path`` with another global batch size
-    (no ramp-up); with ``--allow-data-order-change`` the line to log instead (None: same order)."""
+    (no ramp-up) or another packing (``--variable-seq-lengths``); with
+    ``--allow-data-order-change`` the line to log instead (None: same order)."""
+    packing = check_packing_resume(config, saved_args, path)
+    if packing is not None:
+        return packing
     training = config.training
     saved = (saved_args.get("training") or {}).get("global_batch_size")
     ramp = training.rampup_batch_size or (saved_args.get("training") or {}).get(

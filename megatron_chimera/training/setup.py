@@ -280,14 +280,15 @@ def setup_run(config: TrainConfig, family: ModelFamily, schedule: Schedule,
 
 def every_stage_reads_batch(config: TrainConfig, family: ModelFamily) -> bool:
     """Whether every stage reads the whole batch: BERT's padding mask, GPT's document mask
-    (--reset-attention-mask) and the per-document rotary positions (--reset-position-ids with
-    RoPE) reach every stage; with --calculate-per-token-loss every rank counts the trained
-    tokens of all its replica's micro-batches (a Chimera pipe's last stage reads only its
-    pipe's)."""
+    (--reset-attention-mask, --variable-seq-lengths) and the per-document rotary positions
+    (--reset-position-ids with RoPE) reach every stage; with --calculate-per-token-loss every
+    rank counts the trained tokens of all its replica's micro-batches (a Chimera pipe's last
+    stage reads only its pipe's)."""
     rotary_positions = (config.data.reset_position_ids
                         and config.model.position_embedding_type == "rope")
     return (family.every_stage_reads_batch or config.data.reset_attention_mask
-            or rotary_positions or config.training.calculate_per_token_loss)
+            or config.data.variable_seq_lengths or rotary_positions
+            or config.training.calculate_per_token_loss)
 
 
 def build_instruments(config: TrainConfig, family: ModelFamily,

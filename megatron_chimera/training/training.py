@@ -78,6 +78,7 @@ from megatron_chimera.training.setup import (
     build_datasets,
     setup_run,
 )
+from megatron_chimera.training.varlen import microbatch_tokens, sequence_split
 
 
 def build_tokenizer_for(config: TrainConfig) -> tuple[Any, TrainConfig]:
@@ -150,6 +151,8 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     batches = next_microbatches(data_iterator, schedule.num_sequences,
                                 pipeline.needed_microbatches)
     run.timers("batch-generator").stop()
+    tokens = (microbatch_tokens(batches, sequence_split(run.config))
+              if run.config.data.variable_seq_lengths else None)
     if consumed_samples is not None:
         batches = keyed_microbatches(run, batches, consumed_samples)
     units = sliced_units(batches, schedule.sequence_slices)
@@ -164,7 +167,7 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     memory = run.instruments.memory
     meter = memory.meter(run.stages, iteration) if memory and iteration else _NO_METER
     with meter:
-        result = pipeline.executor.run(batches)
+        result = pipeline.executor.run(batches, microbatch_tokens=tokens)
     run.timers("forward-backward").stop()
     nan_check = iteration is not None and run.config.training.check_for_nan_in_loss_and_grad
     folded = nan_check and grad_norm_covers_gradients(run.config.optimizer)
@@ -214,7 +217,10 @@ def evaluate(run: Run, data_iterator, num_iters: int) -> dict[str, float]:
             batches = next_microbatches(data_iterator, run.config.training.num_microbatches,
                                         run.pipeline.eval_needed_microbatches)
             batches = sliced_units(batches, run.config.parallel.pipeline_sequence_slices)
-            results.append(run.pipeline.eval_executor.run(batches, forward_only=True))
+            tokens = (microbatch_tokens(batches, sequence_split(run.config))
+                      if run.config.data.variable_seq_lengths else None)
+            results.append(run.pipeline.eval_executor.run(batches, forward_only=True,
+                                                          microbatch_tokens=tokens))
     for module in (s.module for s in run.stages):
         module.train()
     for gathered in run.pipeline.eval_executor.gather(results) or []:

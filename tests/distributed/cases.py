@@ -34,6 +34,7 @@ from .toy_model import (
     build_stage,
     forward_step,
     make_batch,
+    make_varlen_batch,
     reference_training,
 )
 
@@ -58,6 +59,9 @@ class Case:
     # Chimera's backward halving: each of the N micro-batches runs as two half-size ones (2N,
     # forward doubling's order); compared with the single-process run of the N whole ones
     backward_halving: bool = False
+    # packed variable-length micro-batches (one row of 3, 7 or 5 tokens): every message sized
+    # by its micro-batch (executor.run's microbatch_tokens)
+    varlen: bool = False
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -68,8 +72,9 @@ class Case:
         groups = " p2p-direction-groups" if self.direction_groups else ""
         scale = f" loss-scale {self.loss_scale:g}" if self.loss_scale else ""
         halving = " backward-halving" if self.backward_halving else ""
+        varlen = " varlen" if self.varlen else ""
         return (f"{self.schedule}[{opts}] D={self.pipeline_size} N={self.num_microbatches}"
-                f"{split}{rec}{groups}{scale}{halving} {self.optimizer}")
+                f"{split}{rec}{groups}{scale}{halving}{varlen} {self.optimizer}")
 
     @property
     def pieces(self) -> int:
@@ -242,7 +247,8 @@ def run_case(rank: int, world_size: int, case: Case) -> None:
                 peer = parallel_state.get_pipeline_prev_rank(pipe, stage)
             if parallel_state.get_p2p_group(rank, peer) is None:
                 raise AssertionError(f"no p2p group for {rank} -> {peer}")
-        reference = reference_training(STEPS, n, w, make_optimizer(case.optimizer))
+        reference = reference_training(STEPS, n, w, make_optimizer(case.optimizer),
+                                       make=make_varlen_batch if case.varlen else make_batch)
         for ddp in case.ddp_variants:
             try:
                 _train_and_check(rank, world_size, case, schedule, prank, ddp, reference)
@@ -254,9 +260,15 @@ def run_case(rank: int, world_size: int, case: Case) -> None:
 
 def _batches(case: Case, step: int, dp: int) -> list[dict[str, torch.Tensor]]:
     """The executed micro-batches: the whole ones, or each cut into ``case.pieces`` in turn."""
-    whole = [make_batch(step, dp, m) for m in range(case.num_microbatches)]
+    make = make_varlen_batch if case.varlen else make_batch
+    whole = [make(step, dp, m) for m in range(case.num_microbatches)]
     k = case.pieces
     return [{key: t.chunk(k)[i] for key, t in b.items()} for b in whole for i in range(k)]
+
+
+def _tokens(case: Case, batches: list[dict[str, torch.Tensor]]) -> list[int] | None:
+    """The micro-batches' message lengths of a variable-length case (known to every rank)."""
+    return [b["tokens"].shape[1] for b in batches] if case.varlen else None
 
 
 def _whole_losses(case: Case, losses: list[float]) -> list[float]:
@@ -278,14 +290,16 @@ def _train_and_check(rank: int, world_size: int, case: Case, schedule: Schedule,
     torch.distributed.barrier()
     executor = PipelineExecutor(
         schedule, PipelineTopology.from_parallel_state(),
-        StageWork(stages, forward_step, (SEQ, MICRO_BATCH // case.pieces, HIDDEN),
+        StageWork(stages, forward_step,
+                  (SEQ, 1 if case.varlen else MICRO_BATCH // case.pieces, HIDDEN),
                   torch.float32, recompute=case.recompute),
         Gradients(loss_scale_divisor=n * w, grad_sync=grad_sync,
                   scale_loss=(lambda loss: loss * case.loss_scale) if case.loss_scale else None))
     results = []
     for step in range(STEPS):
         optimizer.zero_grad(set_to_none=True)
-        result = executor.run(_batches(case, step, dp))
+        batches = _batches(case, step, dp)
+        result = executor.run(batches, microbatch_tokens=_tokens(case, batches))
         if result.executed != schedule.actions[prank]:
             raise AssertionError(f"pipeline rank {prank}: executed order differs from schedule")
         if case.loss_scale:  # unscale (a power of two: exact)
@@ -306,7 +320,8 @@ def _train_and_check(rank: int, world_size: int, case: Case, schedule: Schedule,
     if ddp == DDP_VARIANTS[0]:  # the other variants: every rank's weights against the reference
         assert_replicas_identical(stages)
     _check_weights(stages, ref_model)
-    result = executor.run(_batches(case, STEPS, dp), forward_only=True)
+    batches = _batches(case, STEPS, dp)
+    result = executor.run(batches, forward_only=True, microbatch_tokens=_tokens(case, batches))
     forwards = [a for a in schedule.actions[prank] if a.kind == FORWARD]
     if result.executed != forwards:
         raise AssertionError(f"pipeline rank {prank}: forward-only order differs")

@@ -70,6 +70,8 @@ def common_cases(d: int, one_way_variants: bool = True, concat_variants: bool = 
     ]
 
 
+VARLEN_CASES = [Case("1f1b", 4, 8, varlen=True, all_ddp_variants=False),
+                Case("chimera", 4, 8, varlen=True, all_ddp_variants=False)]
 WORLD_8 = [
     *common_cases(8, one_way_variants=False, concat_variants=False),
     Case("chimera", 8, 8, (("pipes", 4),), all_ddp_variants=False),
@@ -84,6 +86,8 @@ WORLD_8 = [
     Case("interleaved", 4, 8, (("virtual_pipeline_size", 2),), direction_groups=True),
     Case("chimera", 2, 4, DIRECT),
     Case("1f1b", 2, 4, split_delay=1),
+    # packed variable-length micro-batches (3 shapes, sized per message, no handshake)
+    *VARLEN_CASES,
 ]
 WORLD_4 = [*common_cases(4, one_way_variants=False), Case("chimera", 2, 4, DIRECT),
            Case("gpipe", 2, 3),

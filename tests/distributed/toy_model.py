@@ -90,6 +90,17 @@ def make_batch(step: int, dp_rank: int, microbatch: int) -> dict[str, torch.Tens
     }
 
 
+VARLEN_TOKENS = (3, 7, 5)  # the sequence lengths of the variable-length micro-batches
+
+
+def make_varlen_batch(step: int, dp_rank: int, microbatch: int) -> dict[str, torch.Tensor]:
+    """A packed (THD, one row) micro-batch of ``VARLEN_TOKENS[(step + dp + m) % 3]`` tokens."""
+    g = torch.Generator().manual_seed(7919 * step + 104_729 * dp_rank + microbatch)
+    n = VARLEN_TOKENS[(step + dp_rank + microbatch) % len(VARLEN_TOKENS)]
+    return {"tokens": torch.randint(0, VOCAB, (1, n), generator=g),
+            "labels": torch.randint(0, VOCAB, (1, n), generator=g)}
+
+
 def build_stage(stage: int, num_stages: int, seed: int = 1, dropout: float = 0.0) -> ToyStage:
     """The module of model stage ``stage`` out of ``num_stages`` equal slices."""
     per = NUM_LAYERS // num_stages
@@ -98,7 +109,7 @@ def build_stage(stage: int, num_stages: int, seed: int = 1, dropout: float = 0.0
 
 
 def reference_training(steps: int, num_microbatches: int, data_parallel_size: int,
-                       make_optimizer, seed: int = 1):
+                       make_optimizer, seed: int = 1, make=make_batch):
     """Single-process run on the same mini-batches: (losses per step, final model, eval losses).
 
     Per step the loss is ``sum over (replica, micro-batch) of loss / (N x W)``.
@@ -111,12 +122,12 @@ def reference_training(steps: int, num_microbatches: int, data_parallel_size: in
         step_losses = []
         for dp in range(data_parallel_size):
             for m in range(num_microbatches):
-                loss = model(make_batch(step, dp, m)).mean()
+                loss = model(make(step, dp, m)).mean()
                 (loss / (num_microbatches * data_parallel_size)).backward()
                 step_losses.append(loss.item())
         optimizer.step()
         losses.append(step_losses)
     with torch.no_grad():
-        eval_losses = [model(make_batch(steps, dp, m)).mean().item()
+        eval_losses = [model(make(steps, dp, m)).mean().item()
                        for dp in range(data_parallel_size) for m in range(num_microbatches)]
     return losses, model, eval_losses

@@ -62,3 +62,42 @@ def test_a_sent_gradient_is_not_held_by_the_communicator():
     assert alive() is None  # only the backend (here: its recorded copy) holds the data
     assert comm.bytes_sent == 2 * 3 * 4
     comm.finish()
+
+
+class _AnyTransport(_RecordingTransport):
+    """Accepts receives too (their buffers are recorded, nothing arrives)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[torch.Tensor] = []
+
+    def post(self, op, messages, tensors):
+        if op == SEND:
+            return super().post(op, messages, tensors)
+        self.received += list(tensors)
+        return [object() for _ in messages]
+
+
+def test_variable_length_messages_are_sized_by_their_micro_batch():
+    """set_tokens: each receive buffer has its micro-batch's length, a send of another length is
+    refused naming the message, and pooled buffers of unused lengths are dropped."""
+    transport = _AnyTransport()
+    comm = P2PCommunicator(transport, uniform_specs((4, 1, 3), torch.float32))
+    comm.set_tokens([5, 2, 7])
+    comm.post_recvs([_message(ACTIVATION, m) for m in range(3)])
+    assert [tuple(b.shape) for b in transport.received] == [(5, 1, 3), (2, 1, 3), (7, 1, 3)]
+    for m in range(3):
+        comm.take(_message(ACTIVATION, m))
+        comm.release(_message(ACTIVATION, m))
+    comm.send(_message(GRADIENT, 2), torch.zeros(7, 1, 3))
+    try:
+        comm.send(_message(GRADIENT, 0), torch.zeros(7, 1, 3))
+    except RuntimeError as exc:
+        assert "(7, 1, 3)" in str(exc) and "(5, 1, 3)" in str(exc)
+    else:
+        raise AssertionError("a send of the wrong length was accepted")
+    comm.finish()
+    comm.set_tokens([2, 2, 9])  # 5 and 7 unused now: their free buffers go
+    assert {spec.shape for spec in comm.pool._free} == {(2, 1, 3)}
+    comm.set_tokens(None)
+    assert comm.spec_of(_message(ACTIVATION, 1)).shape == (4, 1, 3)

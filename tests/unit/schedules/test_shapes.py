@@ -12,6 +12,7 @@ from megatron_chimera.schedules.lowering import RECV, SEND, Comm, LoweredSchedul
 from megatron_chimera.schedules.shapes import (
     ShapedComm,
     check_shapes,
+    check_sized_lists,
     microbatch_tokens,
     shape_lowered,
     validate_shaped,
@@ -36,6 +37,7 @@ def _build(case) -> Schedule:
 
 CASES = ([(name, d, 2 * d, {}) for name in SCHEDULES for d in (4, 8)]
          + [("chimera", d, 2 * d, {"concat": "forward-doubling"}) for d in (4, 8)]
+         + [("chimera", d, d, {}) for d in (4, 8)]  # Chimera's basic unit, N = D
          + [("chimera", 8, 16, {"pipes": 4}), ("backward-halving", 4, 8, {}),
             ("backward-halving", 8, 16, {})]
          + [(f"sliced-{name}", d, 4, {}) for name in ("1f1b", "chimera", "chimera-zb")
@@ -140,3 +142,10 @@ def test_token_counts_are_checked_and_travel_with_the_schedule():
     assert "microbatch_tokens" not in schedule.meta  # the original is untouched
     again = Schedule.from_json(shaped.to_json())
     assert microbatch_tokens(again) == [SHAPES[m % 3] for m in range(8)]
+
+
+def test_the_executors_per_iteration_check_takes_the_iterations_tokens():
+    lowered = lower(build_schedule("1f1b", 4, 8))
+    check_sized_lists(lowered, [3, 7, 5, 3, 7, 5, 3, 7])
+    with pytest.raises(ScheduleError, match="7 micro-batch token counts for a schedule of 8"):
+        check_sized_lists(lowered, [3] * 7)

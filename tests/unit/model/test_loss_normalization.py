@@ -4,7 +4,11 @@ global batch independent of the micro-batch split and the data-parallel layout."
 import pytest
 import torch
 
-from megatron_chimera.model.loss_normalization import count_trained_tokens, loss_divisor
+from megatron_chimera.model.loss_normalization import (
+    count_trained_tokens,
+    loss_divisor,
+    microbatch_units,
+)
 
 
 def _micro_batches(seed: int = 0):
@@ -50,3 +54,9 @@ def test_count_refuses_an_empty_global_batch_and_bad_units():
 
 def test_count_sums_every_micro_batch():
     assert count_trained_tokens([torch.ones(2, 3), torch.tensor([1.0, 0.0])]).item() == 7.0
+
+
+def test_microbatch_units_is_sequences_times_data_parallel_ranks():
+    assert microbatch_units(4, 2) == 8
+    with pytest.raises(ValueError, match="must be positive"):
+        microbatch_units(0, 2)

@@ -80,6 +80,12 @@ def test_param_deltas_name_the_parameter_from_two_checkpoints(tmp_path):
 
     write(tmp_path / "ref", 1.0)
     write(tmp_path / "other", 2.0)
+    write(tmp_path / "noise", 1.0 + 1e-4)  # below the per-parameter gradient bound
+    ref = eq.Curves({1: 5.0}, {1: 2.0}, tmp_path / "ref")
+    assert eq.compare(ref, eq.Curves({1: 5.0}, {1: 2.0}, tmp_path / "noise"), 1e-5).first == ""
+    result = eq.compare(ref, eq.Curves({1: 5.0}, {1: 4.0}, tmp_path / "other"), 1e-5)
+    assert result.first == ("step 1: grad norm 4 vs 2; first parameter: grad of layers.0.w "
+                            "(rel 1.00e+00)") and result.param == 1.0
     deltas = param_deltas(tmp_path / "ref", tmp_path / "other", 1)
     assert str(deltas[0]) == "grad of layers.0.w (rel 1.00e+00)"
     assert [d.rel for d in deltas[1:]] == [0.0, 0.0, 0.0]

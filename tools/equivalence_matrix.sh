@@ -8,14 +8,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 STEPS=${STEPS:-3}
 COMMON="--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64
-  --max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 8 --lr 1e-3
-  --vocab-size 499 --mock-data --position-embedding-type rope --group-query-attention
-  --num-query-groups 2"
+  --max-position-embeddings 64 --micro-batch-size 1 --lr 1e-3 --vocab-size 499 --mock-data
+  --position-embedding-type rope --group-query-attention --num-query-groups 2"
 status=0
 # shellcheck disable=SC2086
 $PY tools/check_equivalence.py --steps "$STEPS" --layouts-file tools/equivalence_matrix/moe.txt \
-  -- $COMMON --num-experts 4 --moe-router-topk 2 || status=1
+  -- $COMMON --global-batch-size 8 --num-experts 4 --moe-router-topk 2 || status=1
 # shellcheck disable=SC2086
 $PY tools/check_equivalence.py --steps "$STEPS" --layouts-file tools/equivalence_matrix/packed.txt \
-  -- $COMMON --reset-attention-mask --reset-position-ids --eod-mask-loss || status=1
+  -- $COMMON --global-batch-size 4 --reset-attention-mask --reset-position-ids \
+  --eod-mask-loss || status=1
 exit $status

@@ -76,6 +76,7 @@ def test_four_published_bugs_are_caught_and_named(tmp_path):
                          env=env, capture_output=True, text=True, timeout=400)
     rows = {line.split()[0]: line for line in out.stdout.splitlines()
             if line.startswith(LAYOUTS)}
+    print(out.stdout)  # the table, for -rA / a failure's report
     assert out.returncode == 1 and len(rows) == 4, out.stdout + out.stderr
     # #3280: the loss (and every gradient) halves
     assert _ratio(rows["CP2"], "lm loss") == pytest.approx(0.5, rel=1e-4), rows

@@ -91,3 +91,24 @@ def test_param_deltas_name_the_parameter_from_two_checkpoints(tmp_path):
     assert [d.rel for d in deltas[1:]] == [0.0, 0.0, 0.0]
     with pytest.raises(FileNotFoundError, match="no checkpoint of step 2"):
         param_deltas(tmp_path / "ref", tmp_path / "other", 2)
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--layouts", "EP2,D2", "--", *USER], "layout 'EP2,D2': --expert-model-parallel-size 2"),
+    (["--layouts", "T2,Q4", "--", *USER], "layout 'T2,Q4': unknown part 'Q4'"),
+    (["--layouts", "D2", "--", *USER, "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--", *USER], "no layout given"),
+])
+def test_the_tool_refuses_in_one_line_before_any_run(argv, reason, capsys):
+    """tools/check_equivalence.py itself: exit 2 and one line naming why, no run started."""
+    import importlib.util
+
+    from tests.helpers import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "check_equivalence_tool", REPO_ROOT / "tools" / "check_equivalence.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("check_equiv")]
+    assert len(err) == 1 and reason in err[0], err

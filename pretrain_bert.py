@@ -27,6 +27,7 @@ from megatron_chimera.data.masking import word_start_table
 from megatron_chimera.data.samplers import batch_to_device
 from megatron_chimera.model.bert import BertModel
 from megatron_chimera.model.family import BERT
+from megatron_chimera.model.loss_normalization import loss_divisor
 from megatron_chimera.training import pretrain_from_flags, run_main
 
 # Special ids of bare --mock-data (a NullTokenizer has no [CLS]/[SEP]/[MASK]/[PAD]).
@@ -77,7 +78,7 @@ def loss_func(loss_mask: torch.Tensor, sentence_order: torch.Tensor, output_tens
     """Masked-LM loss over the masked positions plus the sentence-order loss (binary head)."""
     lm_loss_, sop_logits = output_tensor
     mask = loss_mask.reshape(-1).float()
-    lm_loss = torch.sum(lm_loss_.float().reshape(-1) * mask) / mask.sum()
+    lm_loss = torch.sum(lm_loss_.float().reshape(-1) * mask) / loss_divisor(mask.sum())
     if sop_logits is None:
         return lm_loss, {"lm loss": lm_loss.detach()}
     sop_loss = F.cross_entropy(sop_logits.float(), sentence_order.reshape(-1))

@@ -4,8 +4,9 @@
 
 Builds a small proxy of your model (same layer kinds and settings, smaller width/depth), runs
 --steps iterations on one process and on each layout with the same data and seed, and prints per
-layout the largest relative |Δloss| and |Δgrad norm| and the first step that diverges beyond the
-precision's tolerance. Exit 0 when every layout agrees, 1 when one does not, 2 on a config that
+layout the largest relative |Δloss|, |Δgrad norm| and per-parameter difference, and the first
+step that diverges beyond the precision's tolerance, naming the parameter whose gradient or value
+left it first. Exit 0 when every layout agrees, 1 when one does not, 2 on a config that
 does not fit. See docs/EQUIVALENCE.md.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -35,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rtol", type=float, help="default: 1e-5 fp32, 2e-2 bf16/fp16")
     parser.add_argument("--work-dir", type=Path)
+    parser.add_argument("--keep-checkpoints", action="store_true",
+                        help="keep each layout's per-step checkpoints under --work-dir")
     parser.add_argument("--precision-band", action="store_true",
                         help="instead of layouts: one process, --bf16 against fp32, and print the "
                              "divergence band (the GPU check runs it for 100 steps)")
@@ -64,20 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="check-equivalence-"))
     print(f"proxy flags: {' '.join(flags)}", flush=True)
     reference = eq.run(SCRIPT, flags, 1, work / "one-process")
-    print(f"{'layout':32s} {'ranks':>5s} {'max rel dloss':>14s} {'max rel dgnorm':>14s}  "
-          f"first divergence (rtol {rtol:g})")
+    print(f"{'layout':32s} {'ranks':>5s} {'max rel dloss':>14s} {'max rel dgnorm':>14s} "
+          f"{'max rel dparam':>14s}  first divergence (rtol {rtol:g})")
     failed = False
     for i, layout in enumerate(layouts):
         try:
             curves = eq.run(SCRIPT, [*flags, *layout.flags()], layout.world_size,
                             work / f"layout-{i}")
-            d_loss, d_norm, first = eq.compare(reference, curves, rtol)
+            result = eq.compare(reference, curves, rtol)
+            if not args.keep_checkpoints:
+                shutil.rmtree(work / f"layout-{i}" / "ckpt", ignore_errors=True)
         except RuntimeError as exc:
-            d_loss = d_norm = float("inf")
-            first = f"run failed: {exc}"
-        failed |= bool(first)
-        print(f"{layout.text:32s} {layout.world_size:5d} {d_loss:14.3e} {d_norm:14.3e}  "
-              f"{first or 'agrees'}", flush=True)
+            inf = float("inf")
+            result = eq.Comparison(inf, inf, inf, f"run failed: {exc}")
+        failed |= bool(result.first)
+        print(f"{layout.text:32s} {layout.world_size:5d} {result.loss:14.3e} "
+              f"{result.grad_norm:14.3e} {result.param:14.3e}  {result.first or 'agrees'}",
+              flush=True)
     return 1 if failed else 0
 
 
@@ -91,11 +98,11 @@ def precision_band(user: list[str], args: argparse.Namespace) -> int:
         print(f"check_equivalence: error: {exc}", file=sys.stderr)
         return 2
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="check-equivalence-"))
-    fp32 = eq.run(SCRIPT, flags, 1, work / "fp32")
-    bf16 = eq.run(SCRIPT, [*flags, "--bf16"], 1, work / "bf16")
-    d_loss, d_norm, _ = eq.compare(fp32, bf16, float("inf"))
-    print(f"bf16 vs fp32 over {args.steps} steps: max rel dloss {d_loss:.3e}, "
-          f"max rel dgnorm {d_norm:.3e}")
+    fp32 = eq.run(SCRIPT, flags, 1, work / "fp32", checkpoints=False)
+    bf16 = eq.run(SCRIPT, [*flags, "--bf16"], 1, work / "bf16", checkpoints=False)
+    result = eq.compare(fp32, bf16, float("inf"))
+    print(f"bf16 vs fp32 over {args.steps} steps: max rel dloss {result.loss:.3e}, "
+          f"max rel dgnorm {result.grad_norm:.3e}")
     return 0
 
 

@@ -53,6 +53,16 @@ def loss_divisor(sequence_tokens: torch.Tensor, global_tokens: torch.Tensor | No
     return global_tokens.to(sequence_tokens.dtype) / units
 
 
+def microbatch_units(num_sequences: int, data_parallel_size: int) -> int:
+    """``units``: what the executor divides each micro-batch loss by before its backward (and
+    the MoE auxiliary losses' gradient scale): this rank's sequences of the iteration times the
+    data-parallel ranks, so the SUM of the gradients over the replicas is the batch mean."""
+    if num_sequences < 1 or data_parallel_size < 1:
+        raise ValueError(f"sequences ({num_sequences}) and data-parallel ranks "
+                         f"({data_parallel_size}) must be positive")
+    return num_sequences * data_parallel_size
+
+
 def count_trained_tokens(loss_masks: Iterable[torch.Tensor],
                          group: dist.ProcessGroup | None = None,
                          device: torch.device | str | None = None) -> torch.Tensor:

@@ -4,11 +4,15 @@ The proxy keeps every flag that can break equality between layouts (layer kinds,
 and capacity, GQA, RoPE, tied embeddings, vocab padding, document and loss masks, recomputation,
 the distributed optimizer, the global and micro-batch sizes, hence gradient accumulation, the
 precision) and shrinks only width, depth and sequence length. Every run is ``pretrain_gpt2.py``
-itself; losses and gradient norms are read back from its TensorBoard events.
+itself; losses and gradient norms are read back from its TensorBoard events, and every
+parameter's value and gradient from the ``torch_dist`` checkpoint it saves after each step (full
+tensors under layout-independent names, whatever the layout): the gradient as Adam's first
+moment, which first differs at the step where the gradient first differs.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_chimera.errors import ConfigError
+from megatron_chimera.training.equivalence_params import ParamDelta, param_deltas
 
 # Flags the checker sets itself (the layout's or the proxy's); the user's values are dropped.
 LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
@@ -28,19 +33,29 @@ RUN_FLAGS = ("--save", "--load", "--tensorboard-dir", "--train-iters", "--train-
              "--log-interval", "--eval-iters", "--eval-interval", "--save-interval",
              "--exit-interval", "--exit-duration-in-mins", "--wandb-project", "--wandb-exp-name",
              "--wandb-save-dir", "--hidden-dropout", "--attention-dropout", "--pipeline-trace",
-             "--num-workers", "--distributed-timeout-minutes")
+             "--num-workers", "--distributed-timeout-minutes", "--ckpt-format", "--no-save-optim",
+             "--async-save", "--clip-grad")
+# clipping never triggers (a scale bug would hide under it); its input, the norm, is compared
+NO_CLIP = "1e30"
 PROXY_SIZES = {"--hidden-size": "64", "--ffn-hidden-size": "128", "--moe-ffn-hidden-size": "64",
                "--num-attention-heads": "4", "--kv-channels": "16", "--seq-length": "64",
                "--max-position-embeddings": "64"}
 # fp32 layouts agree up to summation order; bf16/fp16 keep ~3 significant digits.
 RTOL = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-2}
+# Per-parameter bounds (floors under rtol): Adam turns the rounding noise of a gradient that is
+# zero in exact arithmetic (the key bias: softmax ignores it) into updates of full size, so
+# values differ by ~1e-4 after one fp32 step, and the next steps' gradients, taken at those
+# values, by ~1e-5 per tensor (small expert biases); the loss and the norm stay within 1e-7.
+GRAD_RTOL = 1e-3
+VALUE_RTOL = 1e-2
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "chimera", "chimera-zb", "zb-h1", "zbv", "v-half",
              "bitpipe", "bitpipe-zb", "dualpipe", "dualpipev", "combined-1f1b")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One target layout: ``T2,CP2,EP2,D4,DP2,chimera:W2`` (any order; omitted sizes are 1)."""
+    """One target layout: ``T2,CP2,EP2,D4,DP2,MB4,chimera:W2`` (any order; omitted sizes are 1,
+    ``MB<n>`` sets the micro-batch size, hence the gradient accumulation steps)."""
 
     text: str
     tp: int = 1
@@ -50,6 +65,7 @@ class Layout:
     dp: int = 1
     schedule: str | None = None
     pipes: int | None = None
+    mb: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -66,6 +82,8 @@ class Layout:
             out += ["--pipeline-schedule", self.schedule]
         if self.pipes is not None:
             out += ["--chimera-pipes", str(self.pipes)]
+        if self.mb is not None:
+            out += ["--micro-batch-size", str(self.mb)]
         return out
 
 
@@ -83,13 +101,15 @@ def parse_layout(text: str) -> Layout:
                                       "W<pipes> (e.g. chimera:W2)")
                 pipes = int(option[1:])
             continue
-        for key, field in (("cp", "cp"), ("ep", "ep"), ("dp", "dp"), ("t", "tp"), ("d", "pp")):
+        for key, field in (("cp", "cp"), ("ep", "ep"), ("dp", "dp"), ("mb", "mb"), ("t", "tp"),
+                           ("d", "pp")):
             if name.startswith(key) and name[len(key):].isdigit() and int(name[len(key):]) > 0:
                 sizes[field] = int(name[len(key):])
                 break
         else:
             raise ConfigError(f"layout {text!r}: unknown part {part!r} (expected T<n>, CP<n>, "
-                              f"EP<n>, D<n> (pipeline), DP<n>, or a schedule: "
+                              f"EP<n>, D<n> (pipeline), DP<n>, MB<n> (micro-batch size), or a "
+                              f"schedule: "
                               f"{', '.join(SCHEDULES)}[:W<pipes>])")
     return Layout(text, schedule=schedule, pipes=pipes, **sizes)
 
@@ -133,7 +153,8 @@ def proxy_flags(user: list[str], layouts: list[Layout], steps: int) -> list[str]
         argv.append("--mock-data")
     return [*argv, "--train-iters", str(steps), "--log-interval", "1", "--eval-iters", "0",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
-            "--distributed-timeout-minutes", "2"]
+            "--distributed-timeout-minutes", "2", "--ckpt-format", "torch_dist",
+            "--clip-grad", NO_CLIP]
 
 
 def precision(flags: list[str]) -> str:
@@ -156,17 +177,21 @@ def check_fits(flags: list[str], layout: Layout) -> None:
 
 @dataclass
 class Curves:
-    """Per-step loss and gradient norm of one run."""
+    """Per-step loss and gradient norm of one run, and where its per-step checkpoints are."""
 
     loss: dict[int, float]
     grad_norm: dict[int, float]
+    checkpoints: Path | None = None
 
 
 def run(script: Path, flags: list[str], world_size: int, out: Path,
-        timeout: float = 600) -> Curves:
-    """One ``script`` run (torchrun with several ranks) writing TensorBoard to ``out``."""
+        timeout: float = 600, checkpoints: bool = True) -> Curves:
+    """One ``script`` run (torchrun with several ranks) writing TensorBoard to ``out`` and
+    (``checkpoints``) a checkpoint after every step to ``out/ckpt``."""
     out.mkdir(parents=True, exist_ok=True)
     args = [str(script), *flags, "--tensorboard-dir", str(out)]
+    if checkpoints:
+        args += ["--save", str(out / "ckpt"), "--save-interval", "1"]
     if world_size == 1:
         cmd = [sys.executable, *args]
     else:
@@ -179,7 +204,8 @@ def run(script: Path, flags: list[str], world_size: int, out: Path,
     if proc.returncode != 0:
         lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "rror" in ln]
         raise RuntimeError(lines[-1] if lines else f"exit {proc.returncode}")
-    return Curves(_scalars(out, "lm loss"), _scalars(out, "grad-norm"))
+    return Curves(_scalars(out, "lm loss"), _scalars(out, "grad-norm"),
+                  out / "ckpt" if checkpoints else None)
 
 
 def _scalars(directory: Path, tag: str) -> dict[int, float]:
@@ -192,12 +218,40 @@ def _scalars(directory: Path, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars(tag)}
 
 
-def compare(reference: Curves, other: Curves, rtol: float) -> tuple[float, float, str]:
-    """(max relative |Δloss|, max relative |Δgrad norm|, first divergence or "")."""
-    worst_loss = worst_norm = 0.0
+def _param_parts(deltas: list[ParamDelta], rtol: float, diverged: bool) -> list[str]:
+    """The parameter to name: the one furthest beyond its bound (gradients max(rtol,
+    GRAD_RTOL), values max(rtol, VALUE_RTOL)); when the loss or the norm diverged (``diverged``)
+    but no parameter is beyond its bound, the one closest to it."""
+    if not deltas:
+        return []
+    bound = {"grad": max(rtol, GRAD_RTOL), "value": max(rtol, VALUE_RTOL)}
+    ranked = sorted(deltas, key=lambda d: -d.rel / bound[d.kind])
+    beyond = [d for d in ranked if d.rel > bound[d.kind]]
+    if beyond:
+        more = f" (+{len(beyond) - 1} more)" if len(beyond) > 1 else ""
+        return [f"first parameter: {beyond[0]}{more}"]
+    return [f"largest parameter difference: {ranked[0]}"] if diverged else []
+
+
+@dataclass
+class Comparison:
+    """A layout against one process: the largest relative |Δloss|, |Δgrad norm| and
+    per-parameter difference over the steps, and the first divergence ("" when none)."""
+
+    loss: float
+    grad_norm: float
+    param: float
+    first: str
+
+
+def compare(reference: Curves, other: Curves, rtol: float) -> Comparison:
+    """Step by step: the loss, the global gradient norm and (when both runs saved per-step
+    checkpoints) every parameter's gradient and value, each against ``rtol``."""
+    worst_loss = worst_norm = worst_param = 0.0
     first = ""
     if sorted(other.loss) != sorted(reference.loss):
-        return float("inf"), float("inf"), f"steps differ: {sorted(other.loss)}"
+        return Comparison(float("inf"), float("inf"), float("inf"),
+                          f"steps differ: {sorted(other.loss)}")
     for step in sorted(reference.loss):
         want, got = reference.loss[step], other.loss[step]
         d_loss = abs(got - want) / max(abs(want), 1e-12)
@@ -207,6 +261,14 @@ def compare(reference: Curves, other: Curves, rtol: float) -> tuple[float, float
         worst_loss, worst_norm = max(worst_loss, d_loss), max(worst_norm, d_norm)
         parts = ([f"lm loss {got:.7g} vs {want:.7g}"] if d_loss > rtol else []) + (
             [f"grad norm {got_n:.6g} vs {want_n:.6g}"] if d_norm > rtol else [])
+        if reference.checkpoints is not None and other.checkpoints is not None and \
+                math.isfinite(rtol):
+            try:
+                deltas = param_deltas(reference.checkpoints, other.checkpoints, step)
+            except FileNotFoundError as exc:
+                deltas, parts = [], [*parts, str(exc)]
+            worst_param = max([worst_param, *(d.rel for d in deltas)])
+            parts += _param_parts(deltas, rtol, bool(parts))
         if not first and parts:
             first = f"step {step}: {'; '.join(parts)}"
-    return worst_loss, worst_norm, first
+    return Comparison(worst_loss, worst_norm, worst_param, first)

@@ -21,6 +21,7 @@ from megatron_chimera.checkpoint.checkpointing import StageSlice
 from megatron_chimera.config import TrainConfig
 from megatron_chimera.distributed.grad_sync import GradientSynchronizer
 from megatron_chimera.model.dropout_rng import keyed_forward_step
+from megatron_chimera.model.loss_normalization import microbatch_units
 from megatron_chimera.optimizer import MegatronOptimizer
 from megatron_chimera.pipeline.executor import (
     Gradients,
@@ -88,13 +89,13 @@ class ExecutorFactory:
     def train_executor(self, schedule: Schedule) -> PipelineExecutor:
         """The training executor of ``schedule`` (losses divided by its sequences x W: a
         sliced schedule's slice losses already sum to their sequence's)."""
-        divisor = schedule.num_sequences * self.data_parallel_size
+        divisor = microbatch_units(schedule.num_sequences, self.data_parallel_size)
         return PipelineExecutor(schedule, self.topology, self.work,
                                 Gradients(divisor, self.grad_sync, self.scale_loss),
                                 transport=self._transport(schedule))
 
     def __call__(self, schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
-        divisor = schedule.num_sequences * self.data_parallel_size
+        divisor = microbatch_units(schedule.num_sequences, self.data_parallel_size)
         return (self.train_executor(schedule),
                 PipelineExecutor(schedule, self.topology, self.work, Gradients(divisor),
                                  transport=self._transport(schedule)))

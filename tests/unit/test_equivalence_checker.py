@@ -24,6 +24,7 @@ def test_layout_grammar():
         "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
         "--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "2",
         "--pipeline-schedule", "1f1b"]
+    assert eq.parse_layout("zbv,D2,MB4").flags()[-2:] == ["--micro-batch-size", "4"]
     for bad, word in (("T2,X3", "'X3'"), ("chimera:Q2", "W<pipes>"), ("T0", "'T0'")):
         with pytest.raises(ConfigError, match=word):
             eq.parse_layout(bad)
@@ -52,8 +53,62 @@ def test_refusals_name_the_reason():
 def test_compare_names_the_first_divergence():
     ref = eq.Curves({1: 5.0, 2: 4.0, 3: 3.0}, {1: 2.0, 2: 1.0, 3: 1.0})
     same = eq.Curves({1: 5.0, 2: 4.0 * (1 + 1e-6), 3: 3.0}, {1: 2.0, 2: 1.0, 3: 1.0})
-    assert eq.compare(ref, same, 1e-5)[2] == ""
+    assert eq.compare(ref, same, 1e-5).first == ""
     off = eq.Curves({1: 5.0, 2: 4.0, 3: 2.0}, {1: 2.0, 2: 1.5, 3: 1.0})
-    d_loss, d_norm, first = eq.compare(ref, off, 1e-5)
-    assert first.startswith("step 2: grad norm 1.5 vs 1") and d_norm == pytest.approx(0.5)
-    assert d_loss == pytest.approx(1 / 3)
+    result = eq.compare(ref, off, 1e-5)
+    assert result.first.startswith("step 2: grad norm 1.5 vs 1")
+    assert result.grad_norm == pytest.approx(0.5) and result.loss == pytest.approx(1 / 3)
+
+
+def test_param_deltas_name_the_parameter_from_two_checkpoints(tmp_path):
+    """Two one-step torch_dist checkpoints (written as the runs write them, DCP chunks under
+    global names): the gradient moment of one parameter differs, and it is the one named."""
+    import torch
+
+    from megatron_chimera.checkpoint.checkpointing import checkpoint_dir
+    from megatron_chimera.checkpoint.dcp_io import SaveChunk, save_chunks
+    from megatron_chimera.training.equivalence_params import param_deltas
+
+    def write(root, grad_scale):
+        tensors = {"model/layers.0.w": torch.ones(4, 3),
+                   "optim/layers.0.w/exp_avg": torch.full((4, 3), 0.1 * grad_scale),
+                   "model/layers.1.w": torch.arange(6.0),
+                   "optim/layers.1.w/exp_avg": torch.full((6,), 0.2)}
+        chunks = {(fqn, (0,) * t.dim()): SaveChunk(tuple(t.shape), t) for fqn, t in
+                  tensors.items()}
+        save_chunks(checkpoint_dir(str(root), 1), chunks)
+
+    write(tmp_path / "ref", 1.0)
+    write(tmp_path / "other", 2.0)
+    write(tmp_path / "noise", 1.0 + 1e-4)  # below the per-parameter gradient bound
+    ref = eq.Curves({1: 5.0}, {1: 2.0}, tmp_path / "ref")
+    assert eq.compare(ref, eq.Curves({1: 5.0}, {1: 2.0}, tmp_path / "noise"), 1e-5).first == ""
+    result = eq.compare(ref, eq.Curves({1: 5.0}, {1: 4.0}, tmp_path / "other"), 1e-5)
+    assert result.first == ("step 1: grad norm 4 vs 2; first parameter: grad of layers.0.w "
+                            "(rel 1.00e+00)") and result.param == 1.0
+    deltas = param_deltas(tmp_path / "ref", tmp_path / "other", 1)
+    assert str(deltas[0]) == "grad of layers.0.w (rel 1.00e+00)"
+    assert [d.rel for d in deltas[1:]] == [0.0, 0.0, 0.0]
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 2"):
+        param_deltas(tmp_path / "ref", tmp_path / "other", 2)
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--layouts", "EP2,D2", "--", *USER], "layout 'EP2,D2': --expert-model-parallel-size 2"),
+    (["--layouts", "T2,Q4", "--", *USER], "layout 'T2,Q4': unknown part 'Q4'"),
+    (["--layouts", "D2", "--", *USER, "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--", *USER], "no layout given"),
+])
+def test_the_tool_refuses_in_one_line_before_any_run(argv, reason, capsys):
+    """tools/check_equivalence.py itself: exit 2 and one line naming why, no run started."""
+    import importlib.util
+
+    from tests.helpers import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "check_equivalence_tool", REPO_ROOT / "tools" / "check_equivalence.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main(argv) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("check_equiv")]
+    assert len(err) == 1 and reason in err[0], err

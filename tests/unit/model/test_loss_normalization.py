@@ -4,7 +4,11 @@ global batch independent of the micro-batch split and the data-parallel layout."
 import pytest
 import torch
 
-from megatron_chimera.model.loss_normalization import count_trained_tokens, loss_divisor
+from megatron_chimera.model.loss_normalization import (
+    count_trained_tokens,
+    loss_divisor,
+    microbatch_units,
+)
 
 
 def _micro_batches(seed: int = 0):
@@ -80,3 +84,9 @@ def test_add_token_mean_reaches_every_unit_and_sliced_losses_sum_to_the_mean():
     wrong = sum(p.batch[SLICE].loss(loss[:5], p.batch["loss_mask"])[0] / 6
                 for p, loss in zip(units[0::2], losses))  # without the mean: sequence means
     assert not torch.allclose(wrong, want, rtol=1e-3, atol=0)
+
+
+def test_microbatch_units_is_sequences_times_data_parallel_ranks():
+    assert microbatch_units(4, 2) == 8
+    with pytest.raises(ValueError, match="must be positive"):
+        microbatch_units(0, 2)

@@ -42,9 +42,17 @@ from megatron_chimera.tuning.autotune import (
     to_records,
 )
 from megatron_chimera.tuning.command import torchrun_command
+from megatron_chimera.tuning.error_bars import describe_error, nearest_family
 from megatron_chimera.tuning.hardware import GB, PRESETS, HardwareProfile, load_hardware
 from megatron_chimera.tuning.length_mix import MixPerformanceModel
-from megatron_chimera.tuning.perf_model import PerformanceModel
+from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction
+from megatron_chimera.tuning.precision import (
+    DEFAULT_RECIPE,
+    FP8_FORMATS,
+    FP8_RECIPES,
+    Fp8Config,
+    fp8_from_flags,
+)
 from megatron_chimera.tuning.published import megatron_flops
 from megatron_chimera.tuning.training_plan import TrainingPlan
 
@@ -90,6 +98,12 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     precision = g.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true")
     precision.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp8-format", choices=FP8_FORMATS, default=None,
+                   help="price the linears' GEMMs in FP8 (Megatron's flag; with --bf16 or "
+                        "--fp16; needs a profile with FP8 tensor cores, e.g. h100)")
+    g.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
+                   help=f"FP8 scaling recipe (Megatron's; default {DEFAULT_RECIPE}); mxfp8 "
+                        f"needs MX tensor cores (Blackwell)")
     _add_moe_arguments(p)
 
 
@@ -216,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pipeline-model-parallel-layout", action="append", default=[],
                    help="also try this layout string (Megatron's E, t, L, |, *k; repeatable); "
                         "the sizes whose stage count differs from it are skipped")
+    g.add_argument("--try-fp8", action="store_true",
+                   help="also search every --fp8-recipe the hardware runs (format hybrid, or "
+                        "--fp8-format's) and compare the best layout of each precision")
     g.add_argument("--top", type=int, default=10, help="rows of the table")
     g.add_argument("--exhaustive", action="store_true",
                    help="simulate every layout (default: branch and bound, exact for the top rows "
@@ -260,7 +277,12 @@ def preset_spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    """ModelSpec from ``--preset`` or the model flags."""
+    """ModelSpec from ``--preset`` or the model flags, with ``--fp8-format`` / ``--fp8-recipe``."""
+    return dataclasses.replace(_model_spec(args),
+                               fp8=fp8_from_flags(args.fp8_format, args.fp8_recipe))
+
+
+def _model_spec(args: argparse.Namespace) -> ModelSpec:
     for flag in ("num_gpus", "global_batch_size", "make_vocab_size_divisible_by"):
         if getattr(args, flag) <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive")
@@ -372,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{describe_model(spec.family.name, cfg)}: {cfg.num_layers} layers, "
               f"hidden {cfg.hidden_size}, "
               f"{cfg.num_attention_heads} heads, seq {cfg.seq_length}, "
-              f"{spec.config.params_dtype}; {args.num_gpus} x {hardware.name} "
+              f"{spec.config.params_dtype}{' + ' + spec.fp8.describe() if spec.fp8 else ''}; "
+              f"{args.num_gpus} x {hardware.name} "
               f"({memory_gb:g} GB, limit {limit / 2**30:.2f} GiB); global batch "
               f"{args.global_batch_size}")
         print(f"searched in {result.seconds:.1f} s: {len(result.ranked)} fit, "
@@ -382,12 +405,18 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(result.ranked[: args.top], limit, over))
         best = result.best
         print(f"\nbest: {best.layout.describe()}: {best.iteration_s:.4f} s/iteration, "
-              f"{best.samples_per_s:.1f} samples/s\n")
+              f"{best.samples_per_s:.1f} samples/s")
+        print(describe_error(spec, best.layout) + "\n")
         print(torchrun_command(spec, best.layout, hardware.gpus_per_node))
+        if spec.fp8 is not None:
+            print(f"\nnote: {spec.fp8.describe()} is priced only: training refuses --fp8-* "
+                  "until an FP8 path exists (docs/FLAGS.md, Refused)")
         if hardware.host_staged:
             print(f"\nnote: {hardware.name} prices {hardware.describe_backend()}, the system "
                   "the Chimera paper measured; this framework trains CUDA devices with NCCL "
                   "(device-direct), which a profile with collective_backend nccl models")
+        if args.try_fp8:
+            print(compare_precisions(spec, hardware, space, limit, args, best))
         if args.json:
             write_json(args.json, to_records(result.ranked))
         if args.stage_costs_json:
@@ -399,6 +428,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def compare_precisions(spec: ModelSpec, hardware: HardwareProfile, space: SearchSpace,
+                       limit: int, args: argparse.Namespace, best: Prediction) -> str:
+    """``--try-fp8``: the best layout of every FP8 recipe the profile runs, against ``best``."""
+    if spec.config.params_dtype == "fp32" or hardware.peak_tflops_fp8 <= 0:
+        raise ConfigError(f"--try-fp8 needs --bf16 or --fp16 and a profile with FP8 tensor "
+                          f"cores ({hardware.name} has peak_tflops_fp8 "
+                          f"{hardware.peak_tflops_fp8:g})")
+    label = spec.fp8.describe() if spec.fp8 else spec.config.params_dtype
+    lines = ["\nprecision (best layout of each; FP8 recipes priced by tuning/precision.py):",
+             f"  {label:<24}{best.layout.describe()}: {best.samples_per_s:.2f} samples/s"]
+    for recipe in FP8_RECIPES:
+        fp8 = Fp8Config(spec.fp8.format if spec.fp8 else "hybrid", recipe)
+        if fp8 == spec.fp8 or (recipe == "mxfp8" and not hardware.mxfp8_tensor_cores):
+            continue
+        model = PerformanceModel(dataclasses.replace(spec, fp8=fp8), hardware)
+        found = autotune(model, space, limit, keep=None if args.exhaustive else args.top).best
+        lines.append(f"  {fp8.describe():<24}{found.layout.describe()}: "
+                     f"{found.samples_per_s:.2f} samples/s "
+                     f"({found.samples_per_s / best.samples_per_s:.3f}x)")
+    return "\n".join(lines)
 
 
 def build_predict_parser() -> argparse.ArgumentParser:
@@ -475,6 +526,7 @@ def predict_main(argv: list[str]) -> int:
                   "exposed_all_to_all_s": exposed,
                   "D": layout.D, "W": layout.W, "B": layout.B, "N": layout.N,
                   "num_gpus": layout.num_gpus, "hardware": hardware.name,
+                  "precision": spec.fp8.describe() if spec.fp8 else spec.config.params_dtype,
                   "collective_backend": hardware.collective_backend,
                   "iteration_s": prediction.iteration_s,
                   "samples_per_s": prediction.samples_per_s,
@@ -485,7 +537,8 @@ def predict_main(argv: list[str]) -> int:
         print(f"{describe_model(spec.family.name, spec.config)}: "
               f"{spec.config.num_layers} layers, hidden "
               f"{spec.config.hidden_size}, {spec.config.num_attention_heads} heads, seq "
-              f"{spec.config.seq_length}, {spec.config.params_dtype}; {layout.num_gpus} x "
+              f"{spec.config.seq_length}, {spec.config.params_dtype}"
+              f"{' + ' + spec.fp8.describe() if spec.fp8 else ''}; {layout.num_gpus} x "
               f"{hardware.name} ({memory_gb:g} GB)")
         print(f"layout: {layout.describe()}")
         print(f"collectives: {hardware.describe_backend()}")
@@ -504,6 +557,9 @@ def predict_main(argv: list[str]) -> int:
         print(f"peak memory per rank: {prediction.peak_memory_bytes / 2**30:.2f} GiB "
               f"({'fits' if record['fits'] else 'does not fit'} the "
               f"{limit / 2**30:.2f} GiB limit)")
+        record["validated_error"] = describe_error(spec, layout)
+        record["family"] = nearest_family(spec, layout)
+        print(record["validated_error"])
         if args.json:
             write_json(args.json, record)
     except ConfigError as exc:

@@ -18,9 +18,10 @@ from megatron_chimera.tuning.emulated_validation import EmulatedCompute, compare
 from megatron_chimera.tuning.hardware import LinkProfile, load_hardware
 
 
-def published(hardware_name: str, json_path: str | None) -> int:
+def published(hardware_name: str, json_path: str | None, write_cache: bool = False) -> int:
     """Print (and optionally write) the published-table comparisons: Table 1 (the issue's
-    target), Table 2's PTD-P rows and Qi et al.'s zero-bubble Table 4 (both out of sample)."""
+    target), Table 2's PTD-P rows, Qi et al.'s zero-bubble Table 4 and the FP8 runs (all but
+    Table 1 out of sample); ``write_cache``: store each family's error for --predict."""
     from megatron_chimera.tuning.published import (
         MEGATRON_SOURCE,
         MEGATRON_TABLE1,
@@ -53,9 +54,33 @@ def published(hardware_name: str, json_path: str | None) -> int:
     zb_text, zb_record = format_zb(load_hardware("a100-80gb"))
     print()
     print(zb_text)
+    from megatron_chimera.tuning.published_fp8 import FP8_RUNS, format_fp8, predict_fp8_run
+
+    h100 = load_hardware("h100")  # the FP8 runs' DGX H100
+    fp8_rows = [predict_fp8_run(run, h100) for run in FP8_RUNS]
+    print()
+    print(format_fp8(fp8_rows, h100.name))
+    if write_cache:
+        from megatron_chimera.tuning.error_bars import CACHE, family_record, write_errors
+
+        three_d = [abs(r["ratio"] - 1) for key in ("table1", "table2") for r in tables[key]["rows"]]
+        zb_errors = [abs(p / q - 1) for row in zb_record["rows"]
+                     for p, q in zip(row["predicted"].values(), row["published"].values(),
+                                     strict=True) if p is not None]
+        write_errors({
+            "3D": family_record("Narayanan et al. SC'21 Tables 1-2 on "
+                                f"{hardware.name}", three_d),
+            "pure PP": family_record("Qi et al. ICLR'24 Table 4 on a100-80gb", zb_errors),
+            "FP8": family_record("NeMo / Megatron-Bridge / torchtitan H100 FP8 runs on h100",
+                                 [r.error for r in fp8_rows]),
+            "Chimera": {"rows": 0}, "MoE": {"rows": 0}})
+        print(f"\nwrote the family errors to {CACHE}")
     if json_path:
         records = {"hardware": hardware.name, **tables["table1"],
-                   "out_of_sample": tables["table2"], "zero_bubble": zb_record}
+                   "out_of_sample": tables["table2"], "zero_bubble": zb_record,
+                   "fp8": [{"source": r.run.source, "model": r.run.model,
+                            "predicted": r.predicted, "published": r.run.published,
+                            "ratio": r.ratio} for r in fp8_rows]}
         with open(json_path, "w") as f:
             json.dump(records, f, indent=1)
     return 0
@@ -68,11 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--published", action="store_true",
                    help="compare with Narayanan et al. SC'21 Table 1 and, out of sample, its "
                         "Table 2's PTD-P rows (megatron_chimera/tuning/published.py) and Qi et "
-                        "al. ICLR'24 Table 4 (tuning/published_zb.py) instead of a benchmark "
-                        "JSON")
+                        "al. ICLR'24 Table 4 (tuning/published_zb.py) and H100 FP8 runs "
+                        "(tuning/published_fp8.py) instead of a benchmark JSON")
     p.add_argument("--hardware", default="a100",
                    help="with --published: the profile to predict with (preset or JSON file)")
     p.add_argument("--json", default=None, help="with --published: write the rows here")
+    p.add_argument("--write-error-cache", action="store_true",
+                   help="with --published (default --hardware a100): store each family's "
+                        "error for autotune.py --predict (tuning/published_errors.json)")
     p.add_argument("--forward-ms", type=float)
     p.add_argument("--backward-ms", type=float)
     p.add_argument("--weight-ms", type=float, default=0.0)
@@ -86,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.published:
         if args.bench_json is not None:
             p.error("--published takes no benchmark JSON")
-        return published(args.hardware, args.json)
+        if args.write_error_cache and args.hardware != "a100":
+            p.error("--write-error-cache scores Narayanan's rows on the default --hardware a100")
+        return published(args.hardware, args.json, args.write_error_cache)
     if args.bench_json is None:
         p.error("give a benchmark JSON (tools/benchmark_schedules.py --json) or --published")
     if args.forward_ms is None or args.backward_ms is None:

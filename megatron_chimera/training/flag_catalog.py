@@ -53,6 +53,8 @@ ALWAYS_ON: dict[str, str] = {
 _ENC_DEC = "encoder-decoder (T5) models only; this framework pretrains GPT-2 and BERT"
 _ARCH = "pre-norm transformers only (GeLU or SwiGLU MLP, LayerNorm or RMSNorm)"
 _TE = "no Transformer Engine / FP8: the local implementation is the only one"
+_FP8 = ("no FP8 training path yet (no Transformer Engine); tools/autotune.py --predict prices "
+        "it")
 
 # Megatron-LM GPT/BERT pretraining flags (23.06's network-size, regularization, training,
 # initialization, learning-rate, checkpointing, mixed-precision, distributed, validation, data,
@@ -122,7 +124,8 @@ REFUSED: dict[str, str] = {
     "--mmap-warmup": "not implemented",
     "--fp8-e4m3": _TE, "--fp8-hybrid": _TE, "--no-fp8-wgrad": _TE, "--fp8-margin": _TE,
     "--fp8-interval": _TE, "--fp8-amax-history-len": _TE, "--fp8-amax-compute-algo": _TE,
-    "--fp8-format": _TE, "--transformer-impl": _TE, "--attention-backend": _TE,
+    "--fp8-format": _FP8, "--fp8-recipe": _FP8, "--fp8-param-gather": _FP8,
+    "--transformer-impl": _TE, "--attention-backend": _TE,
     "--use-mcore-models": "one model implementation (Megatron's legacy module names)",
     "--moe-router-enable-expert-bias": "aux-loss-free expert-bias routing is not implemented "
                                        "(--moe-router-load-balancing-type balances instead)",
@@ -231,7 +234,8 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--moe-enable-deepep", "--moe-shared-expert-overlap",
     # transformer engine
     "--fp8-e4m3", "--fp8-hybrid", "--no-fp8-wgrad", "--fp8-margin", "--fp8-interval",
-    "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-format", "--transformer-impl",
+    "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-format", "--fp8-recipe",
+    "--fp8-param-gather", "--transformer-impl",
     "--attention-backend", "--use-mcore-models", "--use-legacy-models",
 )
 

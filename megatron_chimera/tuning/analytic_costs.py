@@ -29,14 +29,17 @@ from megatron_chimera.model.partition import partition_layers
 from megatron_chimera.model.partition import stage_parameters as partition_stage_parameters
 from megatron_chimera.model.stage_split import is_layout, layout_partition
 from megatron_chimera.tuning.hardware import LinkProfile
+from megatron_chimera.tuning.precision import Fp8Config
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model to cost: its configuration and its family (GPT-2 or BERT, or their names)."""
+    """A model to cost: its configuration, its family (GPT-2 or BERT, or their names) and its
+    FP8 recipe, if any (:mod:`megatron_chimera.tuning.precision`)."""
 
     config: ModelConfig
     family: ModelFamily | str = "gpt2"
+    fp8: Fp8Config | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.family, str):

@@ -33,6 +33,8 @@ JSON schema (``load_hardware_profile(path)``; also ``--hardware PATH``)::
       "name": "a100-measured",          # optional (default: the file's stem)
       "peak_tflops_fp32": 19.5,         # dense fp32 peak, TFLOP/s (non-tensor-core)
       "peak_tflops_half": 312.0,        # dense fp16/bf16 tensor-core peak, TFLOP/s
+      "peak_tflops_fp8": 0.0,           # optional: dense FP8 tensor-core peak (0: no FP8)
+      "mxfp8_tensor_cores": false,      # optional: block-scaled (MX) FP8 in the tensor cores
       "efficiency": 0.8,                # fraction of the peak a large GEMM sustains, (0, 1]
       "memory_gb": 80.0,                # device memory, GB (1e9 bytes)
       "gpus_per_node": 8,
@@ -102,6 +104,8 @@ class HardwareProfile:
     collective_backend: str = "nccl"
     host_copy_gbps: float = 0.0  # gloo: device <-> host copy GB/s per direction
     host_transport_gbps: float = 0.0  # gloo: GB/s per rank of the host path (TCP, CPU reduction)
+    peak_tflops_fp8: float = 0.0  # dense FP8 tensor-core peak; 0: no FP8 tensor cores
+    mxfp8_tensor_cores: bool = False  # MX block scales applied by the tensor cores (Blackwell)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.efficiency <= 1.0:
@@ -114,9 +118,9 @@ class HardwareProfile:
         if min(self.peak_tflops_fp32, self.peak_tflops_half, self.memory_gb) <= 0:
             raise ConfigError("--hardware: peak TFLOP/s and memory must be positive")
         if min(self.hbm_bandwidth_gbps, self.num_sms, self.kernel_overhead_s,
-               self.action_overhead_s) < 0:
-            raise ConfigError("--hardware: hbm_bandwidth_gbps, num_sms, kernel_overhead_s and "
-                              "action_overhead_s must be >= 0")
+               self.action_overhead_s, self.peak_tflops_fp8) < 0:
+            raise ConfigError("--hardware: hbm_bandwidth_gbps, num_sms, kernel_overhead_s, "
+                              "action_overhead_s and peak_tflops_fp8 must be >= 0")
         if self.collective_backend not in BACKENDS:
             raise ConfigError(f"--hardware: collective_backend must be one of {BACKENDS}, got "
                               f"{self.collective_backend!r}")
@@ -160,7 +164,13 @@ class HardwareProfile:
         return LinkProfile(link.alpha_s, 1.0 / per_byte)
 
     def peak_flops(self, params_dtype: str) -> float:
-        """Data-sheet dense matmul FLOP/s in ``params_dtype`` (fp32, or 16-bit tensor cores)."""
+        """Data-sheet dense matmul FLOP/s in ``params_dtype``: fp32, fp16 / bf16 (one tensor-core
+        rate on every preset) or fp8 (ConfigError on a profile without FP8 tensor cores)."""
+        if params_dtype == "fp8":
+            if self.peak_tflops_fp8 <= 0:
+                raise ConfigError(f"--fp8-format: the {self.name} profile has no FP8 tensor "
+                                  f"cores (peak_tflops_fp8 is 0)")
+            return self.peak_tflops_fp8 * 1e12
         return (self.peak_tflops_fp32 if params_dtype == "fp32" else self.peak_tflops_half) * 1e12
 
     def achieved_flops(self, params_dtype: str) -> float:
@@ -198,11 +208,14 @@ KERNEL_GAP_S = 2e-6
 #        whitepaper).
 # [Selene] Narayanan et al., SC'21, Sec. 5: DGX A100 nodes, 8 GPUs, 8 x 200 Gb/s HDR InfiniBand
 #        per node, i.e. one 25 GB/s NIC per GPU.
-# [H100] NVIDIA H100 Tensor Core GPU data sheet, SXM5: 67 TFLOP/s fp32, 989 TFLOP/s fp16/bf16
-#        dense, 3.35 TB/s HBM3, NVLink 4 900 GB/s (450 per direction); 132 SMs (H100 whitepaper);
-#        DGX H100: 8 x 400 Gb/s NDR ConnectX-7, one 50 GB/s NIC per GPU.
-# [H200] NVIDIA H200 data sheet, SXM: same compute as H100 SXM (67 / 989 dense), 141 GB HBM3e at
-#        4.8 TB/s, NVLink 900 GB/s; DGX H200 8 x 400 Gb/s NDR per node.
+# [H100] NVIDIA H100 Tensor Core GPU data sheet, SXM5: 67 TFLOP/s fp32; the tensor-core figures
+#        are quoted "with sparsity" (BF16 / FP16 1,979, FP8 3,958 TFLOP/s), dense is half: 989
+#        fp16 / bf16 (one rate for both) and 1,979 FP8; 3.35 TB/s HBM3, NVLink 4 900 GB/s (450
+#        per direction); 132 SMs, 128 FP32 cores per SM (H100 whitepaper); DGX H100: 8 x 400
+#        Gb/s NDR ConnectX-7, one 50 GB/s NIC per GPU. FP8 needs Hopper or newer (A100, P100:
+#        none, peak_tflops_fp8 0); Hopper has no MX block-scaled tensor cores (Blackwell does).
+# [H200] NVIDIA H200 data sheet, SXM: same compute as H100 SXM (67 / 989 / FP8 1,979 dense),
+#        141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; DGX H200 8 x 400 Gb/s NDR per node.
 # [P100] NVIDIA Tesla P100 PCIe data sheet (16 GB): 9.3 TFLOP/s fp32, 18.7 TFLOP/s fp16,
 #        732 GB/s HBM2, 56 SMs; Piz Daint XC50 (CSCS): one P100 per node on the Cray Aries
 #        network, about 10 GB/s injection bandwidth per node (Chimera paper, Sec. 5).
@@ -263,15 +276,15 @@ PRESETS: dict[str, HardwareProfile] = {
     "a100-40gb": _a100("a100-40gb", 40.0, 1555.0),
     "h100": HardwareProfile("h100", 67.0, 989.0, GEMM_EFFICIENCY, 80.0, 8, _NVLINK4, _NDR_IB,
                             hbm_bandwidth_gbps=3350.0, num_sms=132,
-                            kernel_overhead_s=KERNEL_GAP_S),
+                            kernel_overhead_s=KERNEL_GAP_S, peak_tflops_fp8=1979.0),
     "h200": HardwareProfile("h200", 67.0, 989.0, GEMM_EFFICIENCY, 141.0, 8, _NVLINK4, _NDR_IB,
                             hbm_bandwidth_gbps=4800.0, num_sms=132,
-                            kernel_overhead_s=KERNEL_GAP_S),
+                            kernel_overhead_s=KERNEL_GAP_S, peak_tflops_fp8=1979.0),
 }
 
 OPTIONAL_KEYS = ("name", "action_overhead_s", "hbm_bandwidth_gbps", "memory_efficiency",
                  "num_sms", "kernel_overhead_s", "collective_backend", "host_copy_gbps",
-                 "host_transport_gbps")
+                 "host_transport_gbps", "peak_tflops_fp8", "mxfp8_tensor_cores")
 
 
 def _profile_from_dict(data: dict, source: str) -> HardwareProfile:

@@ -22,6 +22,13 @@ pays the pipeline fill and the epilogue of each tile (``k / (k + K_FILL)``, :dat
 64-deep K steps). The largest tile wins. Nothing here is fitted to a measurement. A profile
 without ``num_sms`` is an ideal device (no shape effect).
 
+An FP8 GEMM (``Gemm.dtype``, set by :mod:`megatron_chimera.tuning.precision`) runs at the FP8
+peak with one-byte operands. A block-scaled one on tensor cores without block scales
+(``fp8-block``: ``--fp8-recipe blockwise`` on Hopper) multiplies every 128-deep partial sum of a
+tile by its scales on the CUDA cores (DeepSeek-V3's promotion): ``tm tn`` FP32 FMAs per
+``tm tn 128`` tensor-core MACs, i.e. ``peak_fp8 / (128 peak_fp32)`` more time (0.23 on an H100),
+not hidden behind the MMAs (an upper bound).
+
 **Memory-bound kernels** take ``bytes / (HBM bandwidth x memory_efficiency)``: layer norms (read,
 write; backward read input and gradient, write), the fused bias-dropout-add (read two, write one,
 a one-byte mask), the fused bias-GeLU (SwiGLU's gate), the unfused attention core's fused
@@ -52,6 +59,7 @@ from megatron_chimera.tuning.hardware import HardwareProfile
 # output tiles a GEMM library chooses from (rows, columns)
 TILES = ((256, 128), (128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
 REFERENCE_REUSE = 128 * 128 / (128 + 128)  # operand reuse of a 128 x 128 tile
+SCALE_BLOCK_K = 128  # reduction depth of one FP8 scale block (1 x 128 / 128 x 128 recipes)
 K_FILL = 128  # reduction depth lost to a tile's pipeline fill and epilogue (two 64-deep steps)
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 
@@ -65,6 +73,7 @@ class Gemm:
     n: int
     k: int
     batch: int = 1
+    dtype: str | None = None  # operands' precision when not the model's (``fp8``: precision.py)
 
     @property
     def flops(self) -> float:
@@ -119,9 +128,13 @@ def gemm_seconds(hardware: HardwareProfile, gemm: Gemm, params_dtype: str) -> fl
     if gemm.flops == 0:
         return 0.0
     width = DTYPE_BYTES[params_dtype]
-    compute = gemm.flops / (hardware.achieved_flops(params_dtype)
+    fp8 = (gemm.dtype or "").startswith("fp8")
+    operand = 1 if fp8 else width  # FP8 operands, the output in the model's dtype
+    compute = gemm.flops / (hardware.achieved_flops("fp8" if fp8 else gemm.dtype or params_dtype)
                             * shape_efficiency(hardware, gemm))
-    nbytes = gemm.batch * (gemm.m * gemm.k + gemm.k * gemm.n + gemm.m * gemm.n) * width
+    if gemm.dtype == "fp8-block":  # block scales promoted on the CUDA cores (module doc)
+        compute *= 1 + hardware.peak_tflops_fp8 / (SCALE_BLOCK_K * hardware.peak_tflops_fp32)
+    nbytes = gemm.batch * ((gemm.m * gemm.k + gemm.k * gemm.n) * operand + gemm.m * gemm.n * width)
     return max(compute, nbytes / hardware.memory_bytes_per_s()) + hardware.kernel_overhead_s
 
 

@@ -61,6 +61,7 @@ from megatron_chimera.tuning.moe_costs import (
     without_dense_mlp,
 )
 from megatron_chimera.tuning.operators import (
+    Ops,
     attention_core_forward,
     check_recompute,
     embedding_ops,
@@ -71,6 +72,7 @@ from megatron_chimera.tuning.operators import (
     ops_seconds,
     optimizer_bytes_per_parameter,
 )
+from megatron_chimera.tuning.precision import check_fp8, fp8_ops, fp8_weight_cast_bytes
 from megatron_chimera.tuning.rank_memory import (
     RankMemory,
     rank_memory,
@@ -132,9 +134,12 @@ class AnalyticCompute:
             backward_layer = backward_layer + forward_layer
         elif recompute == "selective":
             backward_layer = backward_layer + attention_core_forward(cfg, shapes)
-        dtype = cfg.params_dtype
-        forward_s, _ = ops_seconds(self.hardware, forward_layer, dtype)
-        backward_s, weight_s = ops_seconds(self.hardware, backward_layer, dtype)
+        dtype, width, fp8 = cfg.params_dtype, cfg.dtype_bytes, self.spec.fp8
+
+        def price(ops: Ops) -> tuple[float, float]:  # the FP8 linears under --fp8-format
+            return ops_seconds(self.hardware, fp8_ops(fp8, ops, self.hardware, width), dtype)
+        forward_s, _ = price(forward_layer)
+        backward_s, weight_s = price(backward_layer)
         n, n_moe = piece.num_layers, moe_layer_count(cfg, piece)
         forward, backward, weight = ((n - n_moe) * forward_s, (n - n_moe) * backward_s,
                                      (n - n_moe) * weight_s)
@@ -146,8 +151,8 @@ class AnalyticCompute:
                 moe_backward = moe_backward + moe_forward
             elif recompute == "selective":
                 moe_backward = moe_backward + attention_core_forward(cfg, shapes)
-            forward += n_moe * ops_seconds(self.hardware, moe_forward, dtype)[0]
-            b, w = ops_seconds(self.hardware, moe_backward, dtype)
+            forward += n_moe * price(moe_forward)[0]
+            b, w = price(moe_backward)
             backward, weight = backward + n_moe * b, weight + n_moe * w
         ends = []
         if piece.pre_process:
@@ -155,14 +160,15 @@ class AnalyticCompute:
         if piece.post_process:
             ends.append(head_ops(cfg, self.spec.family, shapes, tensor_parallel))
         for f_ops, b_ops in ends:
-            forward += ops_seconds(self.hardware, f_ops, dtype)[0]
-            b, w = ops_seconds(self.hardware, b_ops, dtype)
+            forward += price(f_ops)[0]
+            b, w = price(b_ops)
             backward, weight = backward + b, weight + w
         return StageTimes(forward, backward, weight)
 
     def optimizer_step_s(self, parameters: float) -> float:
         """Adam's memory-bound step over ``parameters`` (this rank's share)."""
-        per = optimizer_bytes_per_parameter(self.spec.config.params_dtype)
+        per = (optimizer_bytes_per_parameter(self.spec.config.params_dtype)
+               + fp8_weight_cast_bytes(self.spec.fp8))  # FP8: the weights' casts after it
         return parameters * per / self.hardware.memory_bytes_per_s()
 
 
@@ -221,6 +227,7 @@ class PerformanceModel:
         self.compute = compute or AnalyticCompute(spec, hardware)
         self.device_type = device_type  # "cpu" for the emulated / CPU validation runs
         self.p2p_link = p2p_link  # overrides the profile's links (e.g. a measured ping-pong)
+        check_fp8(spec.fp8, hardware, spec.config)
         self._schedules: dict[tuple, Schedule] = {}
         self._sims: dict[tuple, SimResult] = {}
         self._partitions: dict[tuple[int, str], list[StagePiece]] = {}
@@ -268,9 +275,8 @@ class PerformanceModel:
         if parts == 1:
             return self.spec
         cfg = self.spec.config
-        return ModelSpec(dataclasses.replace(cfg, seq_length=cfg.seq_length // parts,
-                                             max_position_embeddings=cfg.max_positions),
-                         self.spec.family)
+        return dataclasses.replace(self.spec, config=dataclasses.replace(
+            cfg, seq_length=cfg.seq_length // parts, max_position_embeddings=cfg.max_positions))
 
     def memory(self, layout: TrainingPlan) -> list[RankMemory]:
         """Peak memory of every pipeline rank (of one tensor-parallel and context rank: its

@@ -47,6 +47,11 @@ from megatron_chimera.schedules.lowering import (
 )
 from megatron_chimera.schedules.simulate import peak_inflight
 from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
+from megatron_chimera.tuning.precision import (
+    FP8_COPIES,
+    fp8_activation_saving,
+    linear_parameters_per_layer,
+)
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,12 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
         per_mb = [b - piece.num_layers * core for b, piece in zip(per_mb, partition, strict=True)]
     if extra_activation_bytes is not None:
         per_mb = [b + e for b, e in zip(per_mb, extra_activation_bytes, strict=True)]
+    fp8_weights = 0  # FP8 (precision.py): the linears' inputs saved in FP8, two weight copies
+    if spec.fp8 is not None:
+        saving = fp8_activation_saving(spec.config, micro_batch, tensor_parallel,
+                                       sequence_parallel, mode)
+        per_mb = [b - piece.num_layers * saving for b, piece in zip(per_mb, partition, strict=True)]
+        fp8_weights = FP8_COPIES * linear_parameters_per_layer(spec.config, tensor_parallel)
     peaks = peak_activation_bytes(schedule, per_mb)
     replicas = stage_replicas(schedule)
     embedding_group = embedding_group_size(schedule, data_parallel_size)
@@ -171,7 +182,8 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
             owned += tied
         result.append(RankMemory(
             rank=rank, stages=tuple(held),
-            param_bytes=(sum(own.values()) + tied) * per_param["param"],
+            param_bytes=((sum(own.values()) + tied) * per_param["param"]
+                         + fp8_weights * sum(partition[s].num_layers for s in held)),
             grad_bytes=(sum(own.values()) + tied) * per_param["grad"],
             optimizer_bytes=round(owned * per_param["optimizer"]),
             activation_bytes=peaks[rank] + (working if mode else 0),

@@ -103,6 +103,10 @@ def test_validate_published_tool_prints_and_writes_the_table(tmp_path, capsys, m
 
     monkeypatch.setattr(published, "MEGATRON_TABLE1", MEGATRON_TABLE1[:3])  # cheap rows only
     monkeypatch.setattr(published, "MEGATRON_TABLE2", MEGATRON_TABLE2[:2])
+    import megatron_chimera.tuning.published_fp8 as published_fp8
+
+    cheap = [r for r in published_fp8.FP8_RUNS if r.model == "llama2-7b"]
+    monkeypatch.setattr(published_fp8, "FP8_RUNS", tuple(cheap))  # one cheap FP8 row
 
     from tests.helpers import REPO_ROOT
 
@@ -122,6 +126,7 @@ def test_validate_published_tool_prints_and_writes_the_table(tmp_path, capsys, m
     assert "Table 2" in out and "| 174.6B |" in out
     assert [r["gpus"] for r in record["out_of_sample"]["rows"]] == [384, 768]
     assert record["out_of_sample"]["rows"][0]["published_tflops"] == 153
+    assert "FP8 runs" in out and [r["model"] for r in record["fp8"]] == ["llama2-7b"]
     with pytest.raises(UsageError, match="--published"):
         module.main([])  # neither a benchmark JSON nor --published
 

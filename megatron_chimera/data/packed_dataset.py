@@ -38,9 +38,9 @@ class Documents(Protocol):
 
 
 class MockDocuments:
-    """Synthetic documents with log-normal lengths (median ``median`` token ids, ``sigma`` of the
-    log, at most ``max_length``, at least 2): learnable counting runs ending in ``eod``; document ``i``
-    depends only on ``(seed, split, i)``."""
+    """Synthetic documents with log-normal lengths (median ``median`` token ids, ``sigma`` of
+    the log, at most ``max_length``, at least 2): learnable counting runs ending in ``eod``;
+    document ``i`` depends only on ``(seed, split, i)``."""
 
     def __init__(self, count: int, median: int, max_length: int, vocab_size: int, eod: int,
                  seed: int, split: int = 0, sigma: float = 1.0) -> None:

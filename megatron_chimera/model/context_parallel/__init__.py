@@ -1,6 +1,7 @@
 """Context parallelism (``--context-parallel-size CP``, ``--cp-comm-type``): each rank of a
 context-parallel group holds ``s / CP`` tokens of every sequence (the zigzag split,
-:mod:`.zigzag`; of each document for one packed row, :mod:`.documents`) and attention reaches across the group in one of four ways:
+:mod:`.zigzag`; of each document for one packed row, :mod:`.documents`) and attention reaches
+across the group in one of four ways:
 
 * ``p2p`` -- ring attention (:mod:`.ring`), key/value blocks rotate, results merged by their
   log-sum-exp; the default (Megatron's);
@@ -67,7 +68,6 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
 
 
 __all__ = ["COMM_TYPES", "ContextTokens", "HierarchicalGroups", "check_sequence",
-           "context_parallel_attention", "context_parallel_size", "document_split", "document_tokens",
-           "masked_attention",
-           "merge_sequence", "sequence_mean_loss", "split_batch", "split_sequence",
+           "context_parallel_attention", "context_parallel_size", "document_split",
+           "document_tokens", "masked_attention", "merge_sequence", "sequence_mean_loss", "split_batch", "split_sequence",
            "stage_tokens", "zigzag_positions"]

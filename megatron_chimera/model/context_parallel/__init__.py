@@ -69,5 +69,6 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
 
 __all__ = ["COMM_TYPES", "ContextTokens", "HierarchicalGroups", "check_sequence",
            "context_parallel_attention", "context_parallel_size", "document_split",
-           "document_tokens", "masked_attention", "merge_sequence", "sequence_mean_loss", "split_batch", "split_sequence",
+           "document_tokens", "masked_attention", "merge_sequence", "sequence_mean_loss",
+           "split_batch", "split_sequence",
            "stage_tokens", "zigzag_positions"]

@@ -145,20 +145,8 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
 
     Returns (executor result, skipped, grad norm, pipeline seconds).
     """
-    run.timers("batch-generator").start()
     pipeline = run.pipeline
-    schedule = pipeline.schedule
-    batches = next_microbatches(data_iterator, schedule.num_sequences,
-                                pipeline.needed_microbatches)
-    run.timers("batch-generator").stop()
-    tokens = (microbatch_tokens(batches, sequence_split(run.config))
-              if run.config.data.variable_seq_lengths else None)
-    if consumed_samples is not None:
-        batches = keyed_microbatches(run, batches, consumed_samples)
-    units = sliced_units(batches, schedule.sequence_slices)
-    if run.config.training.calculate_per_token_loss:  # one all-reduce, before any compute
-        add_token_mean(units, batches, parallel_state.get_data_parallel_group(), run.device)
-    batches = units
+    batches, tokens = _iteration_units(run, data_iterator, consumed_samples)
     run.optimizer.zero_grad()
     trace = run.instruments.trace if iteration is not None else None
     if trace is not None:
@@ -189,6 +177,25 @@ def train_step(run: Run, data_iterator, consumed_samples: int | None = None,
     if memory is not None and iteration is not None:
         memory.report(run, iteration)
     return result, not update_successful, grad_norm, result.iteration_seconds
+
+
+def _iteration_units(run: Run, data_iterator, consumed_samples: int | None
+                     ) -> tuple[list, list[int] | None]:
+    """The iteration's pipeline units (keyed micro-batches, sequence slices, the global-token
+    mean) and, with --variable-seq-lengths, each micro-batch's token count."""
+    run.timers("batch-generator").start()
+    schedule = run.pipeline.schedule
+    batches = next_microbatches(data_iterator, schedule.num_sequences,
+                                run.pipeline.needed_microbatches)
+    run.timers("batch-generator").stop()
+    tokens = (microbatch_tokens(batches, sequence_split(run.config))
+              if run.config.data.variable_seq_lengths else None)
+    if consumed_samples is not None:
+        batches = keyed_microbatches(run, batches, consumed_samples)
+    units = sliced_units(batches, schedule.sequence_slices)
+    if run.config.training.calculate_per_token_loss:  # one all-reduce, before any compute
+        add_token_mean(units, batches, parallel_state.get_data_parallel_group(), run.device)
+    return units, tokens
 
 
 def _check_nan(run: Run, iteration: int, result: Any) -> None:

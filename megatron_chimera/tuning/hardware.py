@@ -159,6 +159,18 @@ class HardwareProfile:
             + 2.0 / (share * self.host_copy_gbps)
         return LinkProfile(link.alpha_s, 1.0 / per_byte)
 
+    def concurrent_collectives(self, link: LinkProfile) -> int:
+        """How many collectives of different process groups (a rank's stage all-reduces) run at
+        once at full speed over ``link``. Device-direct: 1 (they share the link's bandwidth).
+        Host-staged (gloo): each process group has its own TCP connection per peer and its own
+        worker threads, and one connection, not the NIC, is the limit ([gloo-tcp]), so as many
+        as the link carries at gloo's host-path rate, ``floor(link / transport)`` (the PCIe
+        copies need about half the transport rate each way per collective)."""
+        if not self.host_staged:
+            return 1
+        carried = min(link.bandwidth_gbps, self.host_copy_gbps) / self.host_transport_gbps
+        return max(1, int(carried))
+
     def peak_flops(self, params_dtype: str) -> float:
         """Data-sheet dense matmul FLOP/s in ``params_dtype`` (fp32, or 16-bit tensor cores)."""
         return (self.peak_tflops_fp32 if params_dtype == "fp32" else self.peak_tflops_half) * 1e12

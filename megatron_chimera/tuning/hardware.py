@@ -25,7 +25,9 @@ and every pipeline message is copied to the host, sent over TCP and copied to th
 device. Such a profile gives the device <-> host copy bandwidth (``host_copy_gbps``, PCIe) and
 the bandwidth gloo's host path reaches per rank (``host_transport_gbps``: TCP stack, one
 connection per peer, CPU reduction; measured). :meth:`HardwareProfile.message_link` and
-:meth:`HardwareProfile.collective_link` turn a link into what a message or an all-reduce sees.
+:meth:`HardwareProfile.collective_link` turn a link into what a message or an all-reduce sees;
+:meth:`HardwareProfile.concurrent_collectives` says how many all-reduces of different process
+groups one rank runs at once (1 device-direct; with gloo as many as the link carries).
 
 JSON schema (``load_hardware_profile(path)``; also ``--hardware PATH``)::
 
@@ -227,7 +229,10 @@ KERNEL_GAP_S = 2e-6
 #        5,000,000 fp32 (20 MB) in 17,251 us (p50), 1.16 GB/s, "the avg bandwidth doesn't go up"
 #        with more elements -- the host path (TCP stack, one connection per peer, CPU
 #        reduction), not the NIC, is the limit. Each rank sends 2 (r-1)/r n = n bytes at r = 2,
-#        so 1.16 GB/s is also the ring's per-rank bandwidth.
+#        so 1.16 GB/s is also the ring's per-rank bandwidth. Each process ran pinned to one core
+#        (taskset -c 0) with one gloo thread: a per-connection, per-core figure, which is why
+#        collectives of different process groups (own connections and worker threads) run at
+#        once (concurrent_collectives).
 # [PG-gloo] PyTorch's ProcessGroupGloo (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp,
 #        AsyncAllreduceCUDAWork): a CUDA all-reduce copies its tensors to pinned host memory,
 #        runs gloo's all-reduce on the host tensors and copies the result back; the ring is

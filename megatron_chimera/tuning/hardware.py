@@ -23,7 +23,7 @@ GLOO as the distributed backend"): every all-reduce buffer is copied device -> h
 memory, reduced by gloo's ring on the CPU over TCP, and copied back (PyTorch's ProcessGroupGloo),
 and every pipeline message is copied to the host, sent over TCP and copied to the receiving
 device. Such a profile gives the device <-> host copy bandwidth (``host_copy_gbps``, PCIe) and
-the bandwidth gloo's host path reaches per rank (``host_transport_gbps``: TCP stack, one
+the bandwidth gloo's host path reaches per connection (``host_transport_gbps``: TCP stack, one
 connection per peer, CPU reduction; measured). :meth:`HardwareProfile.message_link` and
 :meth:`HardwareProfile.collective_link` turn a link into what a message or an all-reduce sees;
 :meth:`HardwareProfile.concurrent_collectives` says how many all-reduces of different process
@@ -47,7 +47,7 @@ JSON schema (``load_hardware_profile(path)``; also ``--hardware PATH``)::
       "action_overhead_s": 0.0,         # optional: host seconds per pipeline action
       "collective_backend": "nccl",     # optional: nccl (device-direct) | gloo (host-staged)
       "host_copy_gbps": 0.0,            # gloo: device <-> host copy GB/s per direction (PCIe)
-      "host_transport_gbps": 0.0        # gloo: GB/s per rank of gloo's host path (TCP, CPU)
+      "host_transport_gbps": 0.0        # gloo: GB/s per connection of gloo's host path
     }
 
 Unknown keys are rejected (``half_efficiency_tokens`` of the old tokens-per-rank curve included:
@@ -103,7 +103,7 @@ class HardwareProfile:
     # how messages and collectives move (module doc): nccl (device-direct) or gloo (host-staged)
     collective_backend: str = "nccl"
     host_copy_gbps: float = 0.0  # gloo: device <-> host copy GB/s per direction
-    host_transport_gbps: float = 0.0  # gloo: GB/s per rank of the host path (TCP, CPU reduction)
+    host_transport_gbps: float = 0.0  # gloo: GB/s per connection of the host path (TCP, CPU)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.efficiency <= 1.0:
@@ -137,7 +137,7 @@ class HardwareProfile:
         if not self.host_staged:
             return f"{self.collective_backend} (device-direct over the links)"
         return (f"gloo (host-staged: device <-> host copies at {self.host_copy_gbps:.2f} GB/s "
-                f"each way, gloo's host path at {self.host_transport_gbps:.2f} GB/s per rank)")
+                f"each way, gloo's host path at {self.host_transport_gbps:.2f} GB/s per connection)")
 
     def message_link(self, link: LinkProfile) -> LinkProfile:
         """What one point-to-point message over ``link`` sees. Host-staged (gloo): a copy to the

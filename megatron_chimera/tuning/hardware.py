@@ -137,7 +137,8 @@ class HardwareProfile:
         if not self.host_staged:
             return f"{self.collective_backend} (device-direct over the links)"
         return (f"gloo (host-staged: device <-> host copies at {self.host_copy_gbps:.2f} GB/s "
-                f"each way, gloo's host path at {self.host_transport_gbps:.2f} GB/s per connection)")
+                f"each way, gloo's host path at {self.host_transport_gbps:.2f} GB/s per "
+                f"connection)")
 
     def message_link(self, link: LinkProfile) -> LinkProfile:
         """What one point-to-point message over ``link`` sees. Host-staged (gloo): a copy to the

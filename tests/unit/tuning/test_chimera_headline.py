@@ -15,7 +15,6 @@ exposed and Chimera would lose to DAPPLE (as the model predicted before).
 
 from __future__ import annotations
 
-
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile

@@ -29,10 +29,6 @@ only with the remaining backward). Which one wins depends on the backend that mo
 
 from __future__ import annotations
 
-import dataclasses
-
-import pytest
-
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.hardware import PRESETS, HardwareProfile

@@ -336,11 +336,13 @@ GRAD_REDUCE_MODES = ("none", "end", "stage", "overlap")
 class _ReduceAtEnd:
     """A synchronizer that hears nothing of the backward: every bucket after the compute."""
 
+    overlap_grad_reduce = False  # no bucket is started from inside a backward
+
     def __init__(self, inner: GradientSynchronizer) -> None:
         self.inner = inner
 
-    def start_iteration(self) -> None:
-        self.inner.start_iteration()
+    def start_iteration(self, *args: Any, **kwargs: Any) -> None:
+        self.inner.start_iteration(*args, **kwargs)
 
     def final_action_begins(self, stage: int) -> None:
         """Ignored: nothing starts before the end."""
@@ -499,7 +501,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
         shown["profile"] = profile
     elif cost_source != "known":
         shown["costs"] = cost_source
-    extra.update(pipes=schedule.num_pipes, concat=schedule.meta.get("concat"),
+    extra.update(pipes=schedule.num_pipes, concat=schedule.meta.get("concat"), W=w,
                  simulated_compute_s=compute_only.makespan, schedule_used=schedule.name,
                  nominal_compute=(sum(sim.busy), len(sim.events)),
                  sim_inputs=(schedule, model))
@@ -744,13 +746,14 @@ def hidden_reduction(rows: list[Row]) -> list[str]:
 
 
 def write_json(path: str, rows: list[Row]) -> None:
-    """Write ``[{"schedule", "pipes", "concat", "D", "N", "measured_s", "simulated_s"}]`` (plus
+    """Write ``[{"schedule", "pipes", "concat", "D", "W", "N", "measured_s", "simulated_s"}]`` (plus
     the options, ``simulated_compute_s``, the makespan without communication, and ``times_s``,
     every measured iteration; with ``--trace`` the ``gaps`` summary, the run's ``host_costs``
     and ``simulated_host_s``, the simulation with them) atomically."""
     host = host_costs(rows)
     data = [{"schedule": r.schedule, "pipes": r.extra.get("pipes"), "concat": r.extra.get("concat"),
-             "D": r.pipeline_size, "N": r.num_microbatches, "measured_s": r.measured_s,
+             "D": r.pipeline_size, "W": r.extra.get("W", 1), "N": r.num_microbatches,
+             "measured_s": r.measured_s,
              "simulated_s": r.simulated_s, "options": r.options,
              "simulated_compute_s": r.extra.get("simulated_compute_s"), "times_s": r.times,
              **{k: r.extra[k] for k in ("rebuild", "predicted_gain", "schedule_used")

@@ -6,6 +6,8 @@ Examples::
 
     python tools/validate_perf_model.py bench.json --forward-ms 20 --backward-ms 40 \\
         --weight-ms 20 --measure-p2p
+    python tools/validate_perf_model.py bench.json --forward-ms 20 --backward-ms 40 \\
+        --allreduce-ms 60 --p2p-alpha-us 300   # rows of --grad-reduce none,end,stage,overlap
     python tools/validate_perf_model.py --published [--hardware a100] [--json out.json]
 """
 
@@ -110,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="host time before each compute action (benchmark_schedules.py --trace "
                         "prints the run's: host costs ... ms per action; pass its ms per message "
                         "as --p2p-alpha-us)")
+    p.add_argument("--allreduce-ms", type=float, default=0.0,
+                   help="the benchmark's --allreduce-ms: rows with a grad_reduce mode are priced "
+                        "with each stage's reduction taking this long")
+    p.add_argument("--layers-per-stage", type=int, default=4,
+                   help="the benchmark's --layers-per-stage (buckets final in turn, overlap)")
     args = p.parse_args(argv)
     if args.published:
         if args.bench_json is not None:
@@ -134,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.bench_json) as f:
         rows = json.load(f)
     compute = EmulatedCompute(args.forward_ms / 1e3, args.backward_ms / 1e3, args.weight_ms / 1e3)
-    records = compare(rows, compute, link, args.action_overhead_us * 1e-6)
+    if args.allreduce_ms < 0 or args.layers_per_stage < 1:
+        p.error("--allreduce-ms must be >= 0 and --layers-per-stage >= 1")
+    records = compare(rows, compute, link, args.action_overhead_us * 1e-6,
+                      args.allreduce_ms / 1e3, args.layers_per_stage)
     print(format_comparison(records, link))
     return 0
 

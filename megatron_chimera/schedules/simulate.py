@@ -10,9 +10,16 @@ never block.
 After a rank's last backward (last W when the backward is split) of a stage, the rank may start
 that stage's gradient all-reduce over all replicas of the stage (the stage's replicas in the
 schedule times ``data_parallel_size``). All ranks issue their all-reduces in one global order,
-descending stage id, one at a time on a communication channel that overlaps compute; an
-all-reduce starts when every replica has reached it and costs Rabenseifner's
-``2 log2(r) alpha + 2 (r-1)/r bytes beta``.
+descending stage id, on communication channels that overlap compute; an all-reduce starts when
+every replica has reached it and a channel of each is free, and costs Rabenseifner's
+``2 log2(r) alpha + 2 (r-1)/r bytes beta``. ``CostModel.grad_reduce`` says when a stage's
+gradients may go: ``stage`` (eager, as above), ``overlap`` (``--overlap-grad-reduce``: the
+stage's ``grad_buckets`` equal buckets become final one after another during its last backward,
+each reduced as soon as it is final, in order on one channel) or ``end`` (after the rank's last
+compute: nothing hidden). ``CostModel.allreduce_channels`` is how many stage all-reduces one rank
+runs at once at full speed: 1 where they share the bandwidth (device-direct, e.g. NCCL over one
+NIC); more where one reduction is limited by its own path, not the NIC (gloo: one TCP connection
+per peer and process group, ``HardwareProfile.concurrent_collectives``).
 
 MoE all-to-all (``CostModel.all_to_all_cost``, A_s per stage and direction): an unpaired F or B
 of stage s pays its compute C plus A_s, exposed (nothing overlaps it). A paired action
@@ -81,6 +88,9 @@ class CostModel:
     allreduce_beta: float = 0.0  # seconds per byte
     grad_bytes: PerStage = 0.0  # gradient bytes of one stage
     data_parallel_size: int = 1
+    grad_reduce: str = "stage"  # when a stage's gradients go: stage | overlap | end (module doc)
+    grad_buckets: int = 1  # with grad_reduce "overlap": equal buckets per stage
+    allreduce_channels: int = 1  # stage all-reduces one rank runs at once (module doc)
     # host seconds before every compute action (the executor's work between two actions, and
     # the wake-up after a wait): the schedules with more, shorter actions pay it more often
     action_overhead: float = 0.0
@@ -429,27 +439,51 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
     return events, exposed
 
 
+GRAD_REDUCE_MODES = ("stage", "overlap", "end")
+
+
 def _allreduces(
     schedule: Schedule, costs: CostModel, events: list[Event]
 ) -> list[AllReduceEvent]:
-    """Eager stage all-reduces in descending stage order, one at a time per rank."""
+    """Stage all-reduces in descending stage order on each rank's ``allreduce_channels``
+    channels, each starting as ``costs.grad_reduce`` allows (module doc)."""
+    if costs.grad_reduce not in GRAD_REDUCE_MODES:
+        raise ValueError(f"CostModel.grad_reduce must be one of {GRAD_REDUCE_MODES}, got "
+                         f"{costs.grad_reduce!r}")
+    if costs.allreduce_channels < 1 or costs.grad_buckets < 1:
+        raise ValueError("CostModel.allreduce_channels and grad_buckets must be >= 1")
     release = schedule.release_kind
-    last_grad: dict[tuple[int, int], float] = {}
+    last: dict[tuple[int, int], Event] = {}  # (rank, stage) -> its last release action
+    rank_end: dict[int, float] = {}
     for e in events:
-        if e.kind == release:
-            key = (e.rank, e.stage)
-            last_grad[key] = max(last_grad.get(key, 0.0), e.end)
+        rank_end[e.rank] = max(rank_end.get(e.rank, 0.0), e.end)
+        key = (e.rank, e.stage)
+        if e.kind == release and (key not in last or e.end > last[key].end):
+            last[key] = e
+    buckets = costs.grad_buckets if costs.grad_reduce == "overlap" else 1
+
+    def ready(rank: int, stage: int, bucket: int) -> float:
+        if costs.grad_reduce == "end":
+            return rank_end[rank]
+        e = last[(rank, stage)]
+        return e.start + (bucket + 1) / buckets * (e.end - e.start)
+
     grad_bytes = costs.per_stage("grad_bytes", schedule.num_stages)
-    channel_free = [0.0] * schedule.num_ranks
+    channels = [[0.0] * costs.allreduce_channels for _ in range(schedule.num_ranks)]
     result = []
     for stage in reversed(range(schedule.num_stages)):
         holders = sorted({schedule.rank_of(p, stage) for p in range(schedule.num_pipes)})
         replicas = schedule.num_pipes * costs.data_parallel_size
-        start = max(max(last_grad[(r, stage)], channel_free[r]) for r in holders)
-        end = start + costs.allreduce_time(replicas, grad_bytes[stage])
-        for r in holders:
-            channel_free[r] = end
-        result.append(AllReduceEvent(stage, tuple(holders), replicas, start, end))
+        slot = {r: min(range(len(channels[r])), key=channels[r].__getitem__) for r in holders}
+        each = costs.allreduce_time(replicas, grad_bytes[stage] / buckets)
+        first = end = 0.0
+        for bucket in range(buckets):
+            start = max(max(ready(r, stage, bucket), channels[r][slot[r]]) for r in holders)
+            first = start if bucket == 0 else first
+            end = start + each
+            for r in holders:
+                channels[r][slot[r]] = end
+        result.append(AllReduceEvent(stage, tuple(holders), replicas, first, end))
     return result
 
 

@@ -3,6 +3,11 @@
 The benchmark's stages sleep known times, so the performance model is given exactly those costs
 (:class:`EmulatedCompute`) and a point-to-point link measured here by ping-pong; its predictions
 are compared with the measured medians (``tools/validate_perf_model.py``).
+
+Rows with a gradient reduction (``benchmark_schedules.py --allreduce-ms R --grad-reduce ...``)
+are priced with each stage's reduction taking R on the emulated link, started as the row's mode
+says (the simulator's ``CostModel.grad_reduce``: ``end``, eager ``stage``, or ``overlap`` with the
+stage's layers becoming final one after another in its last backward); ``none`` rows have none.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 from megatron_chimera.config import ModelConfig
 from megatron_chimera.schedules.chimera import CONCAT_NAMES
 from megatron_chimera.schedules.registry import get_spec
+from megatron_chimera.schedules.simulate import simulate
 from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.hardware import HardwareProfile, LinkProfile
 from megatron_chimera.tuning.perf_model import PerformanceModel, StageTimes
@@ -50,7 +56,7 @@ def emulated_model(D: int, compute: EmulatedCompute, link: LinkProfile,
 
 
 def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingPlan:
-    """The layout a benchmark row ran (W = 1, B = 1).
+    """The layout a benchmark row ran (B = 1; its ``W``, 1 when the row does not say).
 
     The row's ``costs`` option names what a split-backward order was built for: ``unit`` (the
     generator's default 1,1,1), else (known, or rebuilt for the measured ones after
@@ -65,7 +71,7 @@ def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingP
         options.setdefault("pipes", row["pipes"])
     if "concat" in fields and row.get("concat") in CONCAT_NAMES:  # the basic unit has none
         options.setdefault("concat", row["concat"])
-    layout = TrainingPlan.of(row["schedule"], row["D"], 1, 1, row["N"], **options)
+    layout = TrainingPlan.of(row["schedule"], row["D"], row.get("W", 1), 1, row["N"], **options)
     if model is not None and spec.split_backward and given.get("costs") != "unit":
         costs = dataclasses.replace(model.stage_costs(layout),
                                     p2p=float(given.get("p2p_us", 0)) * 1e-6)
@@ -74,18 +80,39 @@ def layout_of_row(row: dict, model: PerformanceModel | None = None) -> TrainingP
     return layout
 
 
+def reduced_seconds(model: PerformanceModel, layout: TrainingPlan, reduce_s: float, mode: str,
+                    layers_per_stage: int) -> float:
+    """The simulated iteration of ``layout`` when each stage's gradient reduction takes
+    ``reduce_s`` on the rank's one emulated link, started as ``mode`` says."""
+    schedule = model.schedule(layout)
+    replicas = schedule.num_pipes * layout.W
+    share = 2 * (replicas - 1) / replicas if replicas > 1 else 1.0
+    costs = dataclasses.replace(model.cost_model(layout), allreduce_alpha=0.0,
+                                allreduce_beta=1.0 / share, grad_bytes=reduce_s,
+                                grad_reduce=mode, grad_buckets=layers_per_stage,
+                                allreduce_channels=1)
+    return simulate(schedule, costs).makespan
+
+
 def compare(rows: list[dict], compute: EmulatedCompute, link: LinkProfile,
-            action_overhead_s: float = 0.0) -> list[dict]:
-    """Per row: the layout, measured and predicted seconds and the relative error."""
+            action_overhead_s: float = 0.0, reduce_s: float = 0.0,
+            layers_per_stage: int = 4) -> list[dict]:
+    """Per row: the layout, measured and predicted seconds and the relative error (rows with a
+    ``grad_reduce`` option other than ``none``: each stage's reduction ``reduce_s``)."""
     result = []
     for row in rows:
         if row.get("measured_s") is None or row["schedule"].startswith("torch-"):
             continue
         model = emulated_model(row["D"], compute, link, action_overhead_s)
         layout = layout_of_row(row, model)
-        predicted = model.predict(layout).iteration_s
+        mode = (row.get("options") or {}).get("grad_reduce")
+        if mode in (None, "none") or reduce_s <= 0:
+            predicted = model.predict(layout).iteration_s
+        else:
+            predicted = reduced_seconds(model, layout, reduce_s, mode, layers_per_stage)
         built_for = (row.get("options") or {}).get("p2p_us")  # the row's message time
         label = layout.describe() + (f" (built for p2p {built_for} us)" if built_for else "")
+        label += f" reduce={mode}" if mode else ""
         result.append({"layout": label, "measured_s": row["measured_s"],
                        "predicted_s": predicted,
                        "relative_error": abs(predicted - row["measured_s"]) / row["measured_s"]})

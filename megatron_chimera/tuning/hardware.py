@@ -23,9 +23,11 @@ GLOO as the distributed backend"): every all-reduce buffer is copied device -> h
 memory, reduced by gloo's ring on the CPU over TCP, and copied back (PyTorch's ProcessGroupGloo),
 and every pipeline message is copied to the host, sent over TCP and copied to the receiving
 device. Such a profile gives the device <-> host copy bandwidth (``host_copy_gbps``, PCIe) and
-the bandwidth gloo's host path reaches per rank (``host_transport_gbps``: TCP stack, one
+the bandwidth gloo's host path reaches per connection (``host_transport_gbps``: TCP stack, one
 connection per peer, CPU reduction; measured). :meth:`HardwareProfile.message_link` and
-:meth:`HardwareProfile.collective_link` turn a link into what a message or an all-reduce sees.
+:meth:`HardwareProfile.collective_link` turn a link into what a message or an all-reduce sees;
+:meth:`HardwareProfile.concurrent_collectives` says how many all-reduces of different process
+groups one rank runs at once (1 device-direct; with gloo as many as the link carries).
 
 JSON schema (``load_hardware_profile(path)``; also ``--hardware PATH``)::
 
@@ -47,7 +49,7 @@ JSON schema (``load_hardware_profile(path)``; also ``--hardware PATH``)::
       "action_overhead_s": 0.0,         # optional: host seconds per pipeline action
       "collective_backend": "nccl",     # optional: nccl (device-direct) | gloo (host-staged)
       "host_copy_gbps": 0.0,            # gloo: device <-> host copy GB/s per direction (PCIe)
-      "host_transport_gbps": 0.0        # gloo: GB/s per rank of gloo's host path (TCP, CPU)
+      "host_transport_gbps": 0.0        # gloo: GB/s per connection of gloo's host path
     }
 
 Unknown keys are rejected (``half_efficiency_tokens`` of the old tokens-per-rank curve included:
@@ -103,7 +105,7 @@ class HardwareProfile:
     # how messages and collectives move (module doc): nccl (device-direct) or gloo (host-staged)
     collective_backend: str = "nccl"
     host_copy_gbps: float = 0.0  # gloo: device <-> host copy GB/s per direction
-    host_transport_gbps: float = 0.0  # gloo: GB/s per rank of the host path (TCP, CPU reduction)
+    host_transport_gbps: float = 0.0  # gloo: GB/s per connection of the host path (TCP, CPU)
     peak_tflops_fp8: float = 0.0  # dense FP8 tensor-core peak; 0: no FP8 tensor cores
     mxfp8_tensor_cores: bool = False  # MX block scales applied by the tensor cores (Blackwell)
 
@@ -139,7 +141,8 @@ class HardwareProfile:
         if not self.host_staged:
             return f"{self.collective_backend} (device-direct over the links)"
         return (f"gloo (host-staged: device <-> host copies at {self.host_copy_gbps:.2f} GB/s "
-                f"each way, gloo's host path at {self.host_transport_gbps:.2f} GB/s per rank)")
+                f"each way, gloo's host path at {self.host_transport_gbps:.2f} GB/s per "
+                f"connection)")
 
     def message_link(self, link: LinkProfile) -> LinkProfile:
         """What one point-to-point message over ``link`` sees. Host-staged (gloo): a copy to the
@@ -162,6 +165,18 @@ class HardwareProfile:
         per_byte = 1.0 / min(link.bandwidth_gbps, self.host_transport_gbps) \
             + 2.0 / (share * self.host_copy_gbps)
         return LinkProfile(link.alpha_s, 1.0 / per_byte)
+
+    def concurrent_collectives(self, link: LinkProfile) -> int:
+        """How many collectives of different process groups (a rank's stage all-reduces) run at
+        once at full speed over ``link``. Device-direct: 1 (they share the link's bandwidth).
+        Host-staged (gloo): each process group has its own TCP connection per peer and its own
+        worker threads, and one connection, not the NIC, is the limit ([gloo-tcp]), so as many
+        as the link carries at gloo's host-path rate, ``floor(link / transport)`` (the PCIe
+        copies need about half the transport rate each way per collective)."""
+        if not self.host_staged:
+            return 1
+        carried = min(link.bandwidth_gbps, self.host_copy_gbps) / self.host_transport_gbps
+        return max(1, int(carried))
 
     def peak_flops(self, params_dtype: str) -> float:
         """Data-sheet dense matmul FLOP/s in ``params_dtype``: fp32, fp16 / bf16 (one tensor-core
@@ -228,7 +243,10 @@ KERNEL_GAP_S = 2e-6
 #        5,000,000 fp32 (20 MB) in 17,251 us (p50), 1.16 GB/s, "the avg bandwidth doesn't go up"
 #        with more elements -- the host path (TCP stack, one connection per peer, CPU
 #        reduction), not the NIC, is the limit. Each rank sends 2 (r-1)/r n = n bytes at r = 2,
-#        so 1.16 GB/s is also the ring's per-rank bandwidth.
+#        so 1.16 GB/s is also the ring's per-rank bandwidth. Each process ran pinned to one core
+#        (taskset -c 0) with one gloo thread: a per-connection, per-core figure, which is why
+#        collectives of different process groups (own connections and worker threads) run at
+#        once (concurrent_collectives).
 # [PG-gloo] PyTorch's ProcessGroupGloo (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp,
 #        AsyncAllreduceCUDAWork): a CUDA all-reduce copies its tensors to pinned host memory,
 #        runs gloo's all-reduce on the host tensors and copies the result back; the ring is

@@ -436,6 +436,11 @@ class PerformanceModel:
         sees it (host-staged with gloo: ``HardwareProfile.collective_link``)."""
         if self.p2p_link is not None:
             return self.p2p_link
+        return self.hardware.collective_link(*self._allreduce_wire(layout, schedule))
+
+    def _allreduce_wire(self, layout: TrainingPlan,
+                        schedule: Schedule) -> tuple[LinkProfile, int]:
+        """(the hardware link the stage all-reduces cross, replicas per stage)."""
         groups = [
             [self._global_rank(layout, schedule.rank_of(pipe, stage), w, c)
              for w in range(layout.W) for c in range(layout.CP)
@@ -444,7 +449,7 @@ class PerformanceModel:
         ]
         spans = any(self.hardware.link_for(g) is self.hardware.inter_node for g in groups)
         link = self.hardware.inter_node if spans else self.hardware.intra_node
-        return self.hardware.collective_link(link, len(groups[0]) if groups else 1)
+        return link, len(groups[0]) if groups else 1
 
     def cost_model(self, layout: TrainingPlan) -> CostModel:
         """The simulator's cost model for ``layout`` (seconds and bytes)."""
@@ -466,6 +471,8 @@ class PerformanceModel:
             allreduce_beta=link.beta_s_per_byte,
             grad_bytes=tuple(b * half for b in self._grad_bytes(pieces, layout.T, layout.EP)),
             data_parallel_size=layout.W * layout.CP,
+            allreduce_channels=1 if self.p2p_link else self.hardware.concurrent_collectives(
+                self._allreduce_wire(layout, schedule)[0]),
             action_overhead=self.hardware.action_overhead_s,
             all_to_all_cost=self.all_to_all_costs(layout) if layout.EP > 1 else 0.0,
         )
@@ -575,7 +582,8 @@ class PerformanceModel:
                     beta = betas[(rank, other)]
                     per_link[beta] = per_link.get(beta, 0.0) + size * beta
             if replicas > 1:
-                beta = link.beta_s_per_byte
+                # concurrent reductions (gloo: one connection each) each run at the link's rate
+                beta = link.beta_s_per_byte / costs.allreduce_channels
                 share = 2 * (replicas - 1) / replicas
                 for stage in schedule.stages_of_rank(rank):
                     per_link[beta] = per_link.get(beta, 0.0) + share * grad_bytes[stage] * beta

@@ -6,9 +6,16 @@ at most 32 GPUs on 4 nodes over RoCE; pure pipeline parallelism (pipeline stages
 sequence 1024, first and last stage one layer fewer (they hold the embedding and the head);
 samples per GPU per second for ``m`` micro-batches of ``b`` sequences.
 
-Priced from the ``a100-80gb`` profile with the runtime's ``parameters`` partition (layers
-balanced by parameters, which gives the embedding and head stages fewer layers), bf16, no
-recomputation, GPT-2's vocabulary. ZB-2p is our ``zb-2p`` (schedules/zb_2p.py).
+The model as the authors ran it (their ``examples/pretrain_zero_bubble.sh`` of November 2023,
+github.com/sail-sg/zero-bubble-pipeline-parallelism commit 425b42e): GPT with ``--fp16``, tied
+embeddings, Megatron's default dropout (0.1) and fused scale-mask-softmax, no
+``--use-flash-attn`` (the attention scores are materialised), ``GPTSentencePieceTokenizer``
+(a 32,000-token SentencePiece vocabulary), ``--allow-padding-num-layers``, and 1F1B-I with
+``--num-layers-per-virtual-pipeline-stage 1``. Priced from the ``a100-80gb`` profile with the
+runtime's ``parameters`` partition (layers balanced by parameters, which gives the embedding and
+head stages fewer layers), no recomputation. ZB-2p is our ``zb-2p`` (schedules/zb_2p.py). Our
+interleaved schedule needs a layer in every chunk, so 1F1B-I is priced with 2 chunks per rank
+(one layer per chunk would leave the embedding's and the head's chunks empty; 28.3B: not priced).
 """
 
 from __future__ import annotations
@@ -69,10 +76,12 @@ QI_TABLE4: tuple[ZBRun, ...] = (
 
 
 def zb_spec(run: ZBRun) -> ModelSpec:
-    """The GPT model of a Table 4 row (bf16, GPT-2 vocabulary)."""
+    """The GPT model of a Table 4 row as the authors ran it (module doc): fp16, unfused attention
+    with dropout, a 32,000-token vocabulary."""
     config = ModelConfig(num_layers=run.layers, hidden_size=run.hidden,
-                         num_attention_heads=run.heads, seq_length=1024, vocab_size=50257,
-                         make_vocab_size_divisible_by=128, params_dtype="bf16")
+                         num_attention_heads=run.heads, seq_length=1024, vocab_size=32000,
+                         make_vocab_size_divisible_by=128, params_dtype="fp16",
+                         masked_softmax_fusion=False)
     return ModelSpec(config, "gpt2")
 
 

@@ -1,6 +1,7 @@
 """Simulator: hand-computed timelines, communication costs, all-reduce order, memory, bubbles."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -92,6 +93,36 @@ def test_allreduce_waits_for_all_replicas_and_serialises_per_rank():
     # stage 3 and stage 0 share ranks 0 and 3: stage 0's sync queues behind stage 3's
     assert result.grad_sync_end[0] >= result.grad_sync_end[3] + 2.0 - 1e-9
     assert result.makespan == pytest.approx(max(a.end for a in result.allreduces))
+
+
+def test_grad_reduce_modes_and_concurrent_channels():
+    """gpipe D=2, N=1, F=B=1 (B1 [2,3] on rank 1, B0 [3,4] on rank 0), each all-reduce 3:
+    ``stage`` starts stage 1 at 3; ``end`` waits for the rank's last compute (the same here,
+    rank 1 ends at 3) -- on rank 0 of a 2-stage 1F1B, ``end`` also waits for its last B;
+    ``overlap`` with 2 buckets starts the first bucket half-way through the last backward
+    (2.5) and chains the second (1.5 each). Chimera's rank 0 holds stages 0 and 3: with one
+    channel their all-reduces never overlap, with two they do."""
+    costs = CostModel(1.0, 1.0, allreduce_alpha=1.0, allreduce_beta=0.01, grad_bytes=100.0,
+                      data_parallel_size=2)
+    sched = build_schedule("gpipe", 2, 1)
+    eager = simulate(sched, costs).allreduces[0]
+    assert (eager.stage, eager.start, eager.end) == (1, pytest.approx(3.0), pytest.approx(6.0))
+    overlap = simulate(sched, replace(costs, grad_reduce="overlap", grad_buckets=2))
+    first = overlap.allreduces[0]
+    # each bucket: 2 log2(2) alpha + 50 * 0.01 = 2.5; second bucket ready at 3, waits for 5
+    assert (first.start, first.end) == (pytest.approx(2.5), pytest.approx(7.5))
+    late = simulate(build_schedule("1f1b", 2, 4), replace(costs, grad_reduce="end"))
+    rank_end = {r: max(e.end for e in late.events_of_rank(r)) for r in range(2)}
+    for a in late.allreduces:
+        assert a.start >= max(rank_end[r] for r in a.ranks) - 1e-9
+    with pytest.raises(ValueError, match="grad_reduce"):
+        simulate(sched, replace(costs, grad_reduce="later"))
+    chimera = build_schedule("chimera", 4, 4)
+    base = CostModel(1.0, 2.0, allreduce_alpha=4.0)
+    for channels, overlapping in ((1, False), (2, True)):
+        ars = {a.stage: a for a in simulate(chimera, replace(base, allreduce_channels=channels))
+               .allreduces}
+        assert (ars[0].start < ars[3].end) is overlapping, (channels, ars)
 
 
 def _split_single_rank(order):

@@ -299,3 +299,21 @@ def test_link_busy_time_counts_the_messages_and_the_all_reduce_shares_each_rank_
     assert model.predict(layout).iteration_s == pytest.approx(expected, rel=1e-12)
     # D = 1 without data parallelism sends nothing
     assert model.link_busy_s(TrainingPlan.of("1f1b", 1, 1, 1, 4)) == 0.0
+
+
+def test_emulated_rows_with_a_gradient_reduction_are_priced_by_mode():
+    """A benchmark row of ``--allreduce-ms R --grad-reduce M`` (W = 2, 1F1B): each stage's
+    reduction takes R on the rank's emulated link. ``end`` waits for the compute (the last
+    stage's all-reduce over its two replicas: exactly compute + R on rank 0, the last to finish);
+    ``stage`` equals it for 1F1B (rank 0 holds the last stage to finish); ``overlap`` hides part
+    of it in the last backward; ``none`` and rows without a mode are not charged."""
+    from megatron_chimera.tuning.emulated_validation import EmulatedCompute, compare
+
+    link, compute, reduce_s = LinkProfile(0.0, math.inf), EmulatedCompute(0.02, 0.04, 0.0), 0.06
+    rows = [{"schedule": "1f1b", "D": 4, "W": 2, "N": 8, "measured_s": 1.0,
+             "options": {"grad_reduce": mode}} for mode in ("none", "end", "stage", "overlap")]
+    none, end, stage, overlap = (r["predicted_s"] for r in compare(rows, compute, link,
+                                                                    reduce_s=reduce_s))
+    assert end == pytest.approx(none + reduce_s) and stage == pytest.approx(end)
+    assert none < overlap < end
+    assert compare(rows[1:2], compute, link)[0]["predicted_s"] == pytest.approx(none)

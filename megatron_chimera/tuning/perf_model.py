@@ -13,13 +13,10 @@ Stage times come from :class:`AnalyticCompute` (every kernel of the stage priced
 its bytes on a hardware profile, :mod:`megatron_chimera.tuning.operators`) or from measured
 timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
 
-With tensor parallelism (``layout.T``) the analytic model prices every GEMM at its ``1/T`` shape
-(a measured source is divided by T), and the stage's tensor-parallel collectives
-(:func:`~megatron_chimera.tuning.analytic_costs.tensor_parallel_comm_seconds`, on the link the T
-consecutive ranks share) are added to its forward and backward (they are on the critical path),
-as is the all-gather of Megatron's scatter/gather of pipeline messages; the weight-gradient part
-(W) has none. Gradient buckets, optimizer state and activations are per tensor-parallel rank;
-messages between stages shrink to ``1/T`` (sequence parallelism or scatter/gather).
+With tensor parallelism (``layout.T``) every GEMM is priced at its ``1/T`` shape and the
+stage's tensor-parallel collectives (on the link the T consecutive ranks share; none in W) are
+added to its forward and backward; buckets, optimizer state, activations and messages are per
+tensor-parallel rank.
 Recomputation is ``full`` or ``selective`` (``TrainingPlan.recompute_granularity``).
 Every message and collective goes through the profile's backend: device-direct (NCCL) or, with
 gloo, host-staged (``HardwareProfile.message_link`` / ``collective_link``).

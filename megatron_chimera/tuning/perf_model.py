@@ -9,19 +9,16 @@ over ``2f W`` replicas with Rabenseifner's alpha-beta cost -- and lets the one s
 eager gradient synchronisation included. With zero communication and uniform stages this is
 exactly Eq. (1) (:func:`chimera_eq1_time`; checked by the tests).
 
-Stage times come from :class:`AnalyticCompute` (every kernel of the stage priced by its shape or
-its bytes on a hardware profile, :mod:`megatron_chimera.tuning.operators`) or from measured
-timings (:mod:`megatron_chimera.tuning.profile`), through :class:`ComputeCosts`.
+Stage times come from :class:`AnalyticCompute` (each kernel priced by its shape or bytes,
+:mod:`.operators`) or measured timings (:mod:`.profile`), through :class:`ComputeCosts`.
 
 With tensor parallelism (``layout.T``) every GEMM is priced at its ``1/T`` shape and the
 stage's tensor-parallel collectives (on the link the T consecutive ranks share; none in W) are
 added to its forward and backward; buckets, optimizer state, activations and messages are per
 tensor-parallel rank.
 Recomputation is ``full`` or ``selective`` (``TrainingPlan.recompute_granularity``).
-Every message and collective goes through the profile's backend: device-direct (NCCL) or, with
-gloo, host-staged (``HardwareProfile.message_link`` / ``collective_link``).
-Mixture of experts (``TrainingPlan.EP``): :mod:`megatron_chimera.tuning.moe_costs` prices the MoE
-layers' kernels and their all-to-alls, which the simulator carries as ``all_to_all_cost``.
+Messages and collectives go device-direct (NCCL) or host-staged (gloo) as the profile says;
+:mod:`.moe_costs` prices MoE layers and their all-to-alls (``TrainingPlan.EP``).
 """
 
 from __future__ import annotations

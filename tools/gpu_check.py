@@ -4,7 +4,7 @@
 ``tools/gpu_check.sh`` runs each step as its own process under ``timeout`` (so one hang or crash
 costs only its step) and then ``summary``::
 
-    python tools/gpu_check.py step <name> --out DIR [--device cuda|cpu] [--budget SECONDS]
+    python tools/gpu_check.py step <name>[,<name>..] --out DIR [--device cuda|cpu] [--budget S]
     python tools/gpu_check.py summary --out DIR
 
 A step appends one JSON line to ``DIR/results.jsonl``: ``{"step", "status", "seconds",
@@ -547,16 +547,18 @@ def timeout_raises() -> None:
 
 
 def run_step(name: str, device: torch.device, out: Path, budget: float) -> int:
-    """Run one step and record its result (a failure is a result too)."""
+    """Run one step and record its result (a failure is a result too); 1 when it timed out."""
     title, function = STEPS[name]
     print(f"\n== {name}: {title}", flush=True)
     timeout_raises()
     start = time.monotonic()
     ctx = Context(device, out, start + budget)
+    code = 0
     try:
         entry = function(ctx)
     except StepTimeout:
         entry = {"status": "FAIL", "summary": f"timed out after {budget:.0f} s"}
+        code = 1
     except Exception as exc:  # noqa: BLE001 - recorded as the step's result
         traceback.print_exc()
         entry = {"status": "FAIL", "summary": f"{type(exc).__name__}: {str(exc)[:400]}"}
@@ -564,7 +566,7 @@ def run_step(name: str, device: torch.device, out: Path, budget: float) -> int:
              "seconds": round(time.monotonic() - start, 1), **entry}
     append_result(out, entry)
     print(f"-- {name}: {entry['status']} ({entry['seconds']} s): {entry['summary']}", flush=True)
-    return 0
+    return code
 
 
 def render(results: dict[str, dict]) -> str:
@@ -627,11 +629,17 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.command == "summary":
         return summarize(out)
-    if args.name not in STEPS:
-        p.error(f"unknown step {args.name!r}; choose from {', '.join(STEPS)}")
+    names = (args.name or "").split(",")
+    unknown = [n for n in names if n not in STEPS]
+    if unknown:
+        p.error(f"unknown step {unknown[0]!r}; choose from {', '.join(STEPS)}")
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
                           if args.device == "auto" else args.device)
-    return run_step(args.name, device, out, args.budget)
+    end = time.monotonic() + args.budget  # several steps (the CPU dry run): one budget
+    for name in names:  # after a timeout the rest are left to the shell (recorded as killed)
+        if run_step(name, device, out, end - time.monotonic()):
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

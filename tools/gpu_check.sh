@@ -7,7 +7,8 @@
 #   bash tools/gpu_check.sh --device cpu     # dry run of the CPU-runnable parts (<= 90 s idle)
 #   OUT=/some/dir bash tools/gpu_check.sh --steps env,layer_mfu
 #
-# Every step runs under `timeout` as its own process; everything is written to $OUT (a new
+# Every step runs under `timeout` as its own process (on the CPU, consecutive in-process steps
+# share one); everything is written to $OUT (a new
 # temporary folder when unset; at most 8 files): results.jsonl, gpu_check.log, gpu_check.md,
 # gpu_check.json, sync_audit.txt, hardware_profile.json. The last lines printed are the table and
 # the JSON. Exit status 1 when a step failed or timed out. What each step does: tools/gpu_check.py.
@@ -22,7 +23,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --device) DEVICE="$2"; shift 2 ;;
     --steps) ONLY="$2"; shift 2 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1 (use --device auto|cuda|cpu, --steps a,b)" >&2; exit 2 ;;
   esac
 done
@@ -73,23 +74,44 @@ echo "gpu_check: device $DEVICE, output in $OUT, run $GPU_CHECK_RUN" | tee -a "$
 "$PYTHON" -c 'import platform, torch; print("versions: python", platform.python_version(),
   "torch", torch.__version__, "cuda", torch.version.cuda, "devices",
   torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>&1 | tee -a "$LOG"
+# On the CPU the steps that start no training process of their own run in one process per
+# consecutive run of them (their caps added up): a torch start (~2 s of CPU) each saved. On a GPU
+# every step keeps its own process (one hang or crash costs only its step).
+SHARED=" env layer_mfu moe_experts ring_attention hardware kernels memory recompute resume "
+SHARED+="moe_syncs "
+PLAN=()
+group=""
+total=0
 for entry in "${STEPS[@]}"; do
   read -r name limit <<< "$entry"
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
+  if [ "$DEVICE" = cpu ] && [[ "$SHARED" == *" $name "* ]]; then
+    group="${group:+$group,}$name"; total=$((total + limit)); continue
+  fi
+  if [ -n "$group" ]; then PLAN+=("$group $total"); group=""; total=0; fi
+  PLAN+=("$name $limit")
+done
+if [ -n "$group" ]; then PLAN+=("$group $total"); fi
+for entry in "${PLAN[@]}"; do
+  read -r names limit <<< "$entry"
   # the CPU dry run has no lease to fit: twice the caps, so a loaded development machine's slow
   # process starts do not read as failures (its tiny steps take far less on an idle one)
   if [ "$DEVICE" = cpu ]; then limit=$((limit * 2)); fi
-  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
-  timeout -k 10 "$limit" "$PYTHON" tools/gpu_check.py step "$name" --out "$OUT" \
+  timeout -k 10 "$limit" "$PYTHON" tools/gpu_check.py step "$names" --out "$OUT" \
     --device "$DEVICE" --budget "$((limit - 5))" >> "$LOG" 2>&1
   code=$?
-  if ! grep -q "\"step\": \"$name\", \"run\": \"$GPU_CHECK_RUN\"" "$OUT/results.jsonl"; then
-    # ended before recording
-    if [ $code -eq 124 ] || [ $code -eq 137 ]; then why="killed by timeout after $limit s"
-    else why="exited $code (see gpu_check.log)"; fi
-    printf '{"step": "%s", "run": "%s", "status": "FAIL", "seconds": null, "summary": "%s"}\n' \
-      "$name" "$GPU_CHECK_RUN" "$why" >> "$OUT/results.jsonl"
-  fi
-  tail -n 1 "$LOG"
+  for name in ${names//,/ }; do
+    if ! grep -q "\"step\": \"$name\", \"run\": \"$GPU_CHECK_RUN\"" "$OUT/results.jsonl"; then
+      # ended before recording
+      if [ $code -eq 124 ] || [ $code -eq 137 ]; then why="killed by timeout after $limit s"
+      else why="exited $code (see gpu_check.log)"; fi
+      printf '{"step": "%s", "run": "%s", "status": "FAIL", "seconds": null, "summary": "%s"}\n' \
+        "$name" "$GPU_CHECK_RUN" "$why" >> "$OUT/results.jsonl"
+      echo "-- $name: FAIL: $why" | tee -a "$LOG"
+    else
+      grep -- "^-- $name: " "$LOG" | tail -n 1
+    fi
+  done
 done
 # ---- issue 48 (overlap helper): a paired F&B piece sequence of a real MoE layer, its
 # all-to-alls on the communication stream; INFO (figures: exposed communication), FAIL if it

@@ -9,6 +9,10 @@ the default; ``unfused`` = the reference composition of element-wise ops, for co
 * bias + GeLU (tanh approximation): the bias is added by :class:`~.linear.Linear` (which must own
   it for the split backward), then ``F.gelu(approximate="tanh")``, one native kernel forward and
   backward. Unfused: the tanh formula in separate element-wise ops.
+* SwiGLU (``--swiglu``): one autograd function that saves only ``[gate | up]`` and recomputes
+  ``silu`` in its backward (:func:`swiglu`); on CUDA with ``--bias-dropout-fusion`` its forward
+  and backward are each one ``torch.compile``d kernel (Megatron's ``bias_swiglu_impl``), and so
+  is RoPE's rotation (:mod:`.rotary`), where the compiler runs (:func:`compiled_elementwise`).
 * bias + dropout + add: the bias added inside the output projection's matmul (one ``addmm``;
   after the reduction with T > 1, deferrable to W in a split backward), then in training on
   CUDA ``residual + dropout(x)`` as one ``torch.compile``d kernel (Megatron's
@@ -159,10 +163,55 @@ def gelu(x: torch.Tensor, fused: bool = True) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of ``x = [gate | up]`` along the last dimension (Megatron's order)."""
+def _swiglu_forward(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _swiglu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # the ops autograd runs for silu(gate) * up, in its order: the same values
+    gate, up = x.chunk(2, dim=-1)
+    return torch.cat((torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)), -1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """SwiGLU saving only its input ``[gate | up]`` (``2f`` per token, where autograd's
+    composition also keeps ``silu(gate)``: ``3f``); the backward recomputes ``silu``."""
+
+    @staticmethod
+    def forward(ctx, x, kernels):  # noqa: D102
+        ctx.save_for_backward(x)
+        ctx.kernels = kernels
+        return _run(kernels[0], _swiglu_forward, x)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        (x,) = ctx.saved_tensors
+        return _run(ctx.kernels[1], _swiglu_backward, grad, x), None
+
+
+def _run(kernel: Callable, eager: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """``kernel(*args)``; a compiled kernel whose (re)compile fails runs ``eager`` instead."""
+    if kernel is eager:
+        return eager(*args)
+    try:
+        return kernel(*args)
+    except _compiler_errors() as exc:
+        _compiler_failed(BIAS_DROPOUT_ADD_BACKEND, exc)
+        return eager(*args)
+
+
+def swiglu(x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x = [gate | up]`` along the last dimension (Megatron's order),
+    saving ``x`` only. ``fused`` (the layers pass it on CUDA with ``--bias-dropout-fusion``):
+    forward and backward each one ``torch.compile``d kernel (Megatron's ``bias_swiglu_impl``)
+    where the compiler runs (:func:`compiled_elementwise`), else the eager ops -- bitwise what
+    autograd computes for the composition."""
+    forward = compiled_elementwise(_swiglu_forward, x.device, x.dtype) if fused else None
+    if forward is None:
+        return _SwiGLU.apply(x, (_swiglu_forward, _swiglu_backward))
+    backward = compiled_elementwise(_swiglu_backward, x.device, x.dtype)
+    return _SwiGLU.apply(x, (forward, backward))
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
@@ -221,7 +270,8 @@ def _compiler_failed(backend: str | Callable, exc: BaseException) -> None:
     _COMPILER_FAILED.add(backend)
     reason = f"{type(exc).__name__}: {one_line(exc)[:200]}"
     warn_once("--bias-dropout-fusion: torch.compile cannot run on this node "
-              f"({reason}); bias-dropout-add runs eager (unfused) instead. Install a working "
+              f"({reason}); bias-dropout-add, SwiGLU and RoPE run eager (unfused) instead. "
+              "Install a working "
               "Triton / C compiler, or pass --no-bias-dropout-fusion to silence this")
 
 
@@ -260,14 +310,12 @@ def _probe_compiler(backend: str | Callable, device: torch.device, dtype: torch.
 _PROBED: dict[tuple, bool] = {}
 
 
-def fused_bias_dropout_add(device: torch.device, dtype: torch.dtype) -> Callable | None:
-    """The compiled bias-dropout-add (:func:`compiled_bias_dropout_add` with
-    :data:`BIAS_DROPOUT_ADD_BACKEND`) when the compiler runs on this node for ``device`` and
-    ``dtype`` -- checked once by a probe (:func:`_probe_compiler`) --, else None after one
-    warning: the caller runs the eager ops."""
+def compiler_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :data:`BIAS_DROPOUT_ADD_BACKEND` compiles and runs here for ``device`` and
+    ``dtype`` -- checked once by a probe (:func:`_probe_compiler`); False after one warning."""
     backend = BIAS_DROPOUT_ADD_BACKEND
     if backend in _COMPILER_FAILED:
-        return None
+        return False
     key = (backend, device.type, dtype)
     if key not in _PROBED:
         try:
@@ -276,7 +324,43 @@ def fused_bias_dropout_add(device: torch.device, dtype: torch.dtype) -> Callable
         except Exception as exc:  # noqa: BLE001 - any failure: the compiler cannot run here
             _PROBED[key] = False
             _compiler_failed(backend, exc)
-    return compiled_bias_dropout_add(backend) if _PROBED[key] else None
+    return _PROBED[key]
+
+
+def fused_bias_dropout_add(device: torch.device, dtype: torch.dtype) -> Callable | None:
+    """The compiled bias-dropout-add (:func:`compiled_bias_dropout_add` with
+    :data:`BIAS_DROPOUT_ADD_BACKEND`) when the compiler runs (:func:`compiler_runs`), else None:
+    the caller runs the eager ops."""
+    if not compiler_runs(device, dtype):
+        return None
+    return compiled_bias_dropout_add(BIAS_DROPOUT_ADD_BACKEND)
+
+
+@functools.cache
+def _compiled(function: Callable, backend: str | Callable) -> Callable:
+    return torch.compile(function, fullgraph=True, backend=backend)
+
+
+def compiled_elementwise(function: Callable, device: torch.device, dtype: torch.dtype
+                         ) -> Callable | None:
+    """``function`` (element-wise ops: SwiGLU, RoPE) compiled whole by
+    :data:`BIAS_DROPOUT_ADD_BACKEND` -- inductor fuses it into one kernel on CUDA -- when the
+    compiler runs here (:func:`compiler_runs`), else None: the caller runs it eager. A caller
+    catches :func:`compiler_errors` of a later recompile (:func:`compiler_failed`) and runs it
+    eager the same way."""
+    if not compiler_runs(device, dtype):
+        return None
+    return _compiled(function, BIAS_DROPOUT_ADD_BACKEND)
+
+
+def compiler_errors() -> tuple[type[BaseException], ...]:
+    """What a failing compile of :func:`compiled_elementwise`'s function raises."""
+    return _compiler_errors()
+
+
+def compiler_failed(exc: BaseException) -> None:
+    """Record that the compiler failed (:data:`BIAS_DROPOUT_ADD_BACKEND`: eager from now on)."""
+    _compiler_failed(BIAS_DROPOUT_ADD_BACKEND, exc)
 
 
 # --------------------------------------------------------------------------- notices

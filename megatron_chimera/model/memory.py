@@ -144,12 +144,13 @@ def tensor_parallel_elements(config: ModelConfig) -> int:
     grouped-query attention the fused kernel keeps the keys and values of the query groups,
     ``(2 x heads + 2 x groups) x head_dim``, where the unfused core repeats them per head -- as
     SDPA on CUDA does for inputs its flash kernel cannot take, fp32: there this is low), the
-    MLP's activation input and the second linear's input (``2f``; SwiGLU: gate and up,
-    silu(gate) and the product, ``4f``): ``12h`` for GPT-2."""
+    MLP's activation input and the second linear's input (``2f``; SwiGLU: gate and up -- its
+    function recomputes silu(gate) in the backward -- and the product, ``3f``): ``12h`` for
+    GPT-2."""
     heads = config.num_attention_heads
     kv_heads = config.query_groups if config.masked_softmax_fusion else heads
     attention = (2 * heads + 2 * kv_heads) * config.head_dim
-    return attention + (4 if config.swiglu else 2) * config.ffn_size
+    return attention + (3 if config.swiglu else 2) * config.ffn_size
 
 
 def norm_bytes_per_element(config: ModelConfig) -> int:

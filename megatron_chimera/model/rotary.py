@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from megatron_chimera.config import ModelConfig
+from megatron_chimera.model.fused import compiled_elementwise, compiler_errors, compiler_failed
 
 # Llama 3.1's frequency scaling constants (its config.json's rope_scaling, besides the factor).
 LLAMA3_LOW_FREQ_FACTOR = 1.0
@@ -112,11 +113,15 @@ def apply_rotary_pos_emb(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
     return _rotate(x, tables.cos.to(x.dtype), tables.signed_sin.to(x.dtype))
 
 
-def rotate_sequence_first(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+def rotate_sequence_first(x: torch.Tensor, tables: RotaryTables, fused: bool = False
+                          ) -> torch.Tensor:
     """:func:`apply_rotary_pos_emb` for ``x`` laid out ``[s, b, ...heads..., head_dim]`` (any
     number of head dimensions: a layer's queries and keys, grouped, in one call), in the layout
     of the layer's QKV buffer -- the output stays sequence-first, so the attention output it
-    leads to is too, and going back to ``[s, b, h]`` after attention is a view."""
+    leads to is too, and going back to ``[s, b, h]`` after attention is a view. ``fused`` (the
+    layers pass it on CUDA with ``--bias-dropout-fusion``): the rotation is one
+    ``torch.compile``d kernel forward and one backward where the compiler runs
+    (:func:`~.fused.compiled_elementwise`), else the eager kernels of :func:`_rotate`."""
     heads = x.dim() - 3
 
     def laid_out(table: torch.Tensor) -> torch.Tensor:
@@ -126,8 +131,14 @@ def rotate_sequence_first(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor
         return table[:, 0].transpose(0, 1).reshape(table.shape[2], table.shape[0],
                                                    *([1] * heads), table.shape[-1])
 
-    return _rotate(x, laid_out(tables.cos.to(x.dtype)),
-                   laid_out(tables.signed_sin.to(x.dtype)))
+    cos, signed_sin = laid_out(tables.cos.to(x.dtype)), laid_out(tables.signed_sin.to(x.dtype))
+    kernel = compiled_elementwise(_rotate, x.device, x.dtype) if fused else None
+    if kernel is not None:
+        try:
+            return kernel(x, cos, signed_sin)
+        except compiler_errors() as exc:  # a recompile (new shape) the compiler failed
+            compiler_failed(exc)
+    return _rotate(x, cos, signed_sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -248,6 +248,7 @@ class ParallelAttention(nn.Module):
             input_is_parallel=True, skip_bias_add=not config.bias_dropout_fusion,
             sequence_parallel=sequence_parallel, dtype=config.torch_dtype)
         self.recompute_core = config.recompute_granularity == "selective"
+        self.compile_elementwise = config.bias_dropout_fusion  # RoPE compiled on CUDA
         self.cp_comm_type = config.layer_cp_comm_type(layer_number)
         self.layer_number = layer_number
 
@@ -261,7 +262,8 @@ class ParallelAttention(nn.Module):
             # a group's query heads and its key are neighbours in the buffer: rotated together,
             # [s, b, groups, heads/g + 1, d], in one call
             heads = qkv.view(s, b, self.num_groups, per_group + 2, d)
-            query_key = rotate_sequence_first(heads[:, :, :, :per_group + 1], rotary)
+            query_key = rotate_sequence_first(heads[:, :, :, :per_group + 1], rotary,
+                                              fused=self.compile_elementwise and qkv.is_cuda)
             query = query_key[:, :, :, :per_group].reshape(s, b, self.num_heads, d)
             return (query.permute(1, 2, 0, 3), query_key[:, :, :, per_group].permute(1, 2, 0, 3),
                     heads[:, :, :, per_group + 1].permute(1, 2, 0, 3))
@@ -337,6 +339,7 @@ class ParallelMLP(nn.Module):
             skip_bias_add=not config.bias_dropout_fusion,
             sequence_parallel=sequence_parallel, dtype=dtype)
         self.fused_gelu = config.bias_gelu_fusion
+        self.compile_elementwise = config.bias_dropout_fusion  # SwiGLU compiled on CUDA
         if config.gelu not in GELU_VARIANTS:
             raise ConfigError(f"--gelu must be one of {GELU_VARIANTS}, got {config.gelu!r}")
         self.exact_gelu = config.gelu == "erf"
@@ -346,7 +349,7 @@ class ParallelMLP(nn.Module):
         :meth:`ParallelAttention.forward`)."""
         hidden, _ = self.dense_h_to_4h(hidden)
         if self.swiglu:
-            intermediate = swiglu(hidden)
+            intermediate = swiglu(hidden, fused=self.compile_elementwise and hidden.is_cuda)
         elif self.exact_gelu:
             intermediate = F.gelu(hidden)
         else:

@@ -32,7 +32,7 @@ expert ranks are folded out of its T x CP x W ranks), intra-node when they fit a
 
 **Memory**: experts' parameters, gradients and optimizer state are ``E / EP`` per rank
 (``model/partition.py``); the dispatched rows add, per MoE layer and micro-batch, the expert
-GEMMs' saved inputs (``rows x (2 h + 2 fe)``, SwiGLU ``2 h + 4 fe``), the shared expert's and the
+GEMMs' saved inputs (``rows x (2 h + 2 fe)``, SwiGLU ``2 h + 3 fe``), the shared expert's and the
 router's scores, in place of the dense MLP's (:func:`moe_extra_activation_bytes`).
 """
 
@@ -244,7 +244,7 @@ def moe_extra_activation_bytes(config: ModelConfig, piece: StagePiece, micro_bat
     t = tensor_parallel
     tokens = micro_batch * config.seq_length
     local = tokens // t if sequence_parallel and t > 1 else tokens
-    per_ffn = 4 if config.swiglu else 2
+    per_ffn = 3 if config.swiglu else 2  # SwiGLU: [gate | up] and the product
     fe = moe.moe_ffn_hidden_size or config.ffn_size
     rows = routed_rows(config, local)
     moe_bytes = rows * (2 * h + per_ffn * fe) * w + local * moe.num_experts * 4

@@ -40,6 +40,9 @@ def _train(case, schedule, config, steps: int, overlap_pairs: bool, seed: int | 
     modules, optimizer, executor, _ = tp.build_run(
         case, config, schedule, recompute=recompute,
         policy=ExecutorPolicy(overlap_pairs=overlap_pairs))
+    # the harness runs under NCCL's rules: every iteration's all-to-alls are checked against
+    # the lowered expert ops (pipeline/expert_order.check_issued)
+    assert executor.expert_ops is not None and any(executor.expert_ops.values())
     dp = parallel_state.get_data_parallel_rank()
     losses, grads, norms = {}, [], []
     executor.pair_runtime.issued = issued = []

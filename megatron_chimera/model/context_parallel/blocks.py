@@ -10,9 +10,12 @@ is materialised: on CPU ``aten._scaled_dot_product_flash_attention_for_cpu`` (an
 float64 included; masks as an additive bias; the ``g`` query heads against a stride-0 view of
 their key/value head, no copy) and its backward, which takes the *final* output and log-sum-exp;
 on CUDA ``aten._scaled_dot_product_flash_attention`` for 16-bit blocks without a mask or with the
-causal (diagonal) one, where a one-time probe shows it runs. Elsewhere (CUDA with a document
-mask, float32/float64 on CUDA) the explicit math below, with scores in float32 for 16-bit inputs
-and in the input's precision otherwise (exact to rounding in float64).
+causal (diagonal) one, and ``aten._scaled_dot_product_efficient_attention`` (which takes an
+additive bias and float32) for 16-bit and float32 blocks with a document mask, each where a
+one-time probe shows it runs and matches the explicit math. Elsewhere (float32 blocks without a
+document mask and float64 on CUDA, a kernel whose probe failed) the explicit math below, with
+scores in float32 for 16-bit inputs and in the input's precision otherwise (exact to rounding in
+float64).
 """
 
 from __future__ import annotations
@@ -91,13 +94,18 @@ def block_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 # ---------------------------------------------------------------------------- fused kernels
 def fused_kernel(query: torch.Tensor, allowed: torch.Tensor | bool, causal: bool
                  ) -> str | None:
-    """``"cpu"`` / ``"flash"``: the fused kernel that runs this block, or None (explicit math)."""
+    """``"cpu"`` / ``"flash"`` / ``"efficient"``: the fused kernel that runs this block, or None
+    (explicit math)."""
     if query.device.type == "cpu":
         return "cpu" if _cpu_flash_runs() else None
+    if query.device.type != "cuda":
+        return None
     masked = not (allowed is True or causal)
-    if (query.device.type == "cuda" and not masked
-            and query.dtype in (torch.float16, torch.bfloat16) and _cuda_flash_runs()):
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if half and not masked and _cuda_flash_runs():
         return "flash"
+    if masked and (half or query.dtype == torch.float32) and _cuda_efficient_runs(query.dtype):
+        return "efficient"
     return None
 
 
@@ -128,6 +136,34 @@ def _cuda_flash_runs() -> bool:
         return False
 
 
+@functools.cache
+def _cuda_efficient_runs(dtype: torch.dtype) -> bool:
+    """Whether CUDA memory-efficient attention runs forward and backward here with a document
+    mask (a row that sees no key included) and matches the explicit math (probed once per
+    dtype)."""
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v, grad = (torch.randn(1, 1, 2, 24, 64, generator=gen).to("cuda", dtype)
+                         for _ in range(4))
+        k, v = k[:, :, :1], v[:, :, :1]
+        doc = torch.arange(24, device="cuda") // 10
+        allowed = (doc[:, None] == doc[None, :])[None, None]
+        allowed[..., 3, :] = False  # a row that sees nothing
+        out, lse = _fused_forward("efficient", q, k, v, allowed, 0.125, False)
+        ref, ref_lse = block_forward(q.float(), k.float(), v.float(), allowed, 0.125)
+        delta = (grad.float() * ref).sum(-1)
+        got = _fused_backward("efficient", q, k, v, allowed, 0.125, False, grad, out, lse)
+        want = block_backward(q.float(), k.float(), v.float(), allowed, 0.125, grad.float(),
+                              ref_lse, delta)
+        tol = 1e-3 if dtype == torch.float32 else 0.05
+        same_lse = torch.isclose(lse, ref_lse, atol=tol, rtol=0) | (lse == ref_lse)
+        return bool((out - ref).abs().max() < tol and same_lse.all()
+                    and all((a - b).abs().max() < tol * max(1.0, float(b.abs().max()))
+                            for a, b in zip(got, want, strict=True)))
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError):
+        return False
+
+
 def _tril(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
 
@@ -138,20 +174,26 @@ def _kernel_layout(kernel: str, query: torch.Tensor, key: torch.Tensor, value: t
     expanded with stride 0 (copied only for the CUDA kernel, which wants real heads)."""
     g = query.shape[2]
     key, value = (t.expand(-1, -1, g, -1, -1).flatten(0, 1) for t in (key, value))
-    if kernel == "flash":
+    if kernel != "cpu":
         key, value = key.contiguous(), value.contiguous()
     return query.flatten(0, 1), key, value
 
 
-def _bias(allowed: torch.Tensor | bool, causal: bool, groups: int, dtype: torch.dtype
-          ) -> torch.Tensor | None:
+def _bias(allowed: torch.Tensor | bool, causal: bool, groups: int, dtype: torch.dtype,
+          heads: int = 1) -> torch.Tensor | None:
     """The mask as the additive bias ``[b x groups or 1, 1, sq, sk]`` the CPU kernel takes
-    (a large finite negative where hidden: a row hidden entirely stays finite, fixed after)."""
+    (a large finite negative where hidden: a row hidden entirely stays finite, fixed after);
+    ``heads`` > 1 (CUDA's memory-efficient kernel): stored with its rows padded to a multiple
+    of 16 elements, as that kernel needs, and expanded over the ``heads`` (no copy)."""
     if causal or allowed is True:
         return None
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    bias = bias.masked_fill(~allowed, torch.finfo(dtype).min)
-    return bias.repeat_interleave(groups, dim=0) if bias.shape[0] > 1 else bias
+    if allowed.shape[0] > 1:
+        allowed = allowed.repeat_interleave(groups, dim=0)
+    sk = allowed.shape[-1]
+    width = sk if heads == 1 else -(-sk // 16) * 16
+    bias = torch.zeros((*allowed.shape[:-1], width), dtype=dtype, device=allowed.device)
+    bias = bias[..., :sk].masked_fill_(~allowed, torch.finfo(dtype).min)
+    return bias if heads == 1 else bias.expand(-1, heads, -1, -1)
 
 
 def _fused_forward(kernel: str, query, key, value, allowed, scale: float, causal: bool
@@ -162,6 +204,10 @@ def _fused_forward(kernel: str, query, key, value, allowed, scale: float, causal
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=_bias(allowed, causal, groups, q.dtype),
             scale=scale)
+    elif kernel == "efficient":
+        bias = _bias(allowed, causal, groups, q.dtype, g).expand(q.shape[0], -1, -1, -1)
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, 0.0, causal, scale=scale)[:2]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=scale)[:2]
@@ -187,6 +233,14 @@ def _fused_backward(kernel: str, query, key, value, allowed, scale: float, causa
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse.to(torch.float32 if dtype != torch.float64 else dtype),
             0.0, causal, attn_mask=_bias(allowed, causal, groups, dtype), scale=scale)
+    elif kernel == "efficient":
+        bias = _bias(allowed, causal, groups, dtype, g).expand(q.shape[0], -1, -1, -1)
+        # its log-sum-exp rows padded to a multiple of 32, as its forward returns them
+        padded = torch.nn.functional.pad(lse.float(), (0, -sq % 32)).contiguous()
+        seed = torch.empty((), dtype=torch.int64)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out.contiguous(), q.contiguous(), k, v, bias, out.contiguous(), padded, seed,
+            seed, 0.0, [True, True, True, False], causal, scale=scale)
     else:
         empty = torch.empty(0, device=q.device)
         lse = lse.float().contiguous()

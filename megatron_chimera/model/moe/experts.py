@@ -89,6 +89,7 @@ class Experts(nn.Module):
         self.swiglu = config.swiglu
         self.exact_gelu = config.gelu == "erf"
         self.fused_gelu = config.bias_gelu_fusion
+        self.compile_elementwise = config.bias_dropout_fusion  # SwiGLU compiled on CUDA
         gated = 2 if config.swiglu else 1
         self.first, self.num_local, self.ffn_hidden_size = first, num_local, f
         self.weight1 = nn.Parameter(torch.empty(num_local, h, gated * f, dtype=dtype))
@@ -129,7 +130,7 @@ class Experts(nn.Module):
         if self.bias1 is not None:
             hidden = hidden + expand_bias(self.bias1, counts, tokens.shape[0])
         if self.swiglu:
-            hidden = swiglu(hidden)
+            hidden = swiglu(hidden, fused=self.compile_elementwise and hidden.is_cuda)
         elif self.exact_gelu:
             hidden = F.gelu(hidden)
         else:

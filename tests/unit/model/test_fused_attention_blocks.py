@@ -70,3 +70,54 @@ def test_the_counter_sees_score_matmuls():
     with _Ops(8) as ops:
         blocks._scores(q, kv, True, 0.5)
     assert ops.score_matmuls == 1
+
+
+def test_document_masked_blocks_reach_the_cuda_kernel_laid_out_as_it_needs(monkeypatch):
+    """CUDA's memory-efficient kernel (document-masked blocks) stood in for by the CPU kernel:
+    it receives the mask as a bias expanded over batch x groups and heads, its rows padded to
+    16 elements, and a log-sum-exp padded to 32 rows in the backward; the block's output,
+    log-sum-exp and gradients equal the CPU kernel path's (a row that sees no key included)."""
+    from megatron_chimera.model.context_parallel import blocks
+
+    aten = torch.ops.aten
+    cpu, cpu_backward = (aten._scaled_dot_product_flash_attention_for_cpu,
+                         aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    seen = []
+
+    def check_bias(q, k, bias):
+        assert bias.shape == (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        assert bias.stride(-2) % 16 == 0 and bias.stride(-1) == 1
+        seen.append(bias.shape)
+
+    def forward(q, k, v, bias, compute_lse, dropout, causal, scale):
+        check_bias(q, k, bias)
+        out, lse = cpu(q, k, v, dropout, causal, attn_mask=bias, scale=scale)
+        lse = torch.cat((lse, torch.full((*lse.shape[:-1], -lse.shape[-1] % 32), float("nan"))),
+                        -1)
+        return out, lse, torch.empty(()), torch.empty(())
+
+    def backward(grad, q, k, v, bias, out, lse, seed, offset, dropout, mask, causal, scale):
+        check_bias(q, k, bias)
+        assert lse.shape[-1] % 32 == 0 and mask == [True, True, True, False]
+        return (*cpu_backward(grad, q, k, v, out, lse[..., :q.shape[2]], dropout, causal,
+                              attn_mask=bias, scale=scale), None)
+
+    monkeypatch.setattr(aten, "_scaled_dot_product_efficient_attention", forward)
+    monkeypatch.setattr(aten, "_scaled_dot_product_efficient_attention_backward", backward)
+    g = torch.Generator().manual_seed(4)
+    q, grad = (torch.randn(2, 2, 2, 9, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 2, 1, 7, 8, generator=g) for _ in range(2))
+    doc = torch.tensor([0, 0, 1, 1, 1, 2, 2])
+    allowed = torch.stack([doc[None, :] == torch.tensor([0, 0, 1, 1, 3, 2, 2, 1, 0])[:, None],
+                           torch.ones(9, 7, dtype=torch.bool)])[:, None]  # [b, 1, sq, sk]
+    want = blocks._fused_forward("cpu", q, k, v, allowed, 0.3, False)
+    got = blocks._fused_forward("efficient", q, k, v, allowed, 0.3, False)
+    assert torch.equal(got[1].isinf(), want[1].isinf())  # row 4 of sample 0 sees no key
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    out, lse = want
+    want_grads = blocks._fused_backward("cpu", q, k, v, allowed, 0.3, False, grad, out, lse)
+    got_grads = blocks._fused_backward("efficient", q, k, v, allowed, 0.3, False, grad, out, lse)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert seen == [(4, 2, 9, 7)] * 2

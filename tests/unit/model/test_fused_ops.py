@@ -292,3 +292,62 @@ def test_no_bias_dropout_fusion_never_compiles(monkeypatch, fresh_compiler_state
     assert parse_args(base, world_size=1).model.bias_dropout_fusion is True
     assert parse_args([*base, "--no-bias-dropout-fusion"],
                       world_size=1).model.bias_dropout_fusion is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_function_is_autograds_composition_saving_its_input_only(dtype):
+    """``fused.swiglu`` (eager) gives bitwise the output and input gradient autograd computes
+    for ``silu(gate) * up``, and saves only ``[gate | up]`` (autograd's composition also keeps
+    ``silu(gate)``: 1.5x the bytes)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 2, 16, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(3, 2, 8, generator=g).to(dtype)
+
+    def run(function):
+        saved = {}  # storage -> bytes
+
+        def pack(t):
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = function(x)
+        return out, torch.autograd.grad(out, x, grad)[0], sum(saved.values())
+
+    def composition(t):
+        gate, up = t.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    out, dx, saved = run(fused.swiglu)
+    want, want_dx, want_saved = run(composition)
+    assert torch.equal(out, want) and torch.equal(dx, want_dx)
+    assert saved == x.numel() * x.element_size() and want_saved == 1.5 * saved
+
+
+def test_swiglu_and_rope_compiled_are_the_eager_kernels_traced_whole(monkeypatch,
+                                                                     fresh_compiler_state):
+    """The compiled element-wise path (CUDA with ``--bias-dropout-fusion``: inductor fuses each
+    into one kernel) traces SwiGLU's forward and backward and RoPE's rotation without a graph
+    break; run by ``aot_eager`` on the CPU (eager kernels) the results are bitwise the eager
+    path's, and a compiler that fails falls back to them."""
+    from megatron_chimera.model.rotary import RotaryTables, rotate_sequence_first
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, 12, generator=g, requires_grad=True)
+    qk = torch.randn(5, 2, 3, 2, 8, generator=g, requires_grad=True)  # [s, b, groups, q+k, d]
+    angles = torch.randn(5, 4, generator=g).repeat(1, 2)
+    sin = angles.sin()
+    tables = RotaryTables(angles.cos(), sin, torch.cat((-sin[:, :4], sin[:, 4:]), -1))
+
+    def results(fused_on):
+        out = (fused.swiglu(x, fused=fused_on), rotate_sequence_first(qk, tables, fused_on))
+        grads = torch.autograd.grad([o.square().sum() for o in out], (x, qk))
+        return (*out, *grads)
+
+    eager = results(False)
+    for backend in ("aot_eager", _failing_compiler):
+        monkeypatch.setattr(fused, "BIAS_DROPOUT_ADD_BACKEND", backend)
+        fused._PROBED[(backend, "cpu", torch.float32)] = True  # (the probe is tested above)
+        got = results(True)
+        assert all(torch.equal(a, b) for a, b in zip(got, eager)), backend
+    assert fused._COMPILER_FAILED == {_failing_compiler}  # eager from its first failure on

@@ -304,6 +304,7 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     for (stats, _), figures in zip(pending, gathered or []):
         stats.losses = {**_average_losses(figures.losses), **aux}
         stats.busy_seconds = figures.busy_seconds_per_rank
+        stats.busy_by_kind = figures.busy_by_kind_per_rank
         run.monitor.record(stats)
     pending.clear()
 

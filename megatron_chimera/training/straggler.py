@@ -3,12 +3,14 @@
 Every rank's compute-busy seconds per iteration reach the logging rank with the losses. A rank's
 *relative compute* is its busy time over what the schedule predicts for its pipeline position
 (the simulator's busy time of that position, F and B priced by the stage's layers), normalised by
-the median over all ranks -- so peers at the same position, and every position of a balanced
-schedule, are compared with each other. Per log interval each rank's median relative compute
-is taken (robust to one noisy iteration); a rank above ``1 + threshold`` for ``patience``
-intervals in a row is named once, with its slowdown, until it recovers. The line attributes it per
-action kind (F, B, W): each kind's measured-over-predicted time on that rank, relative to the
-median rank's for the same kind, so a slowdown confined to one kind of action shows there.
+the median of its peers: the other ranks with the same predicted work (the replicas of its
+position, and in Chimera the mirrored position), so what the cost model leaves out at a position
+(an embedding, the loss) cancels; a rank without such peers is compared with every rank. Per
+log interval each rank's median relative compute is taken (robust to one noisy iteration); a
+rank above ``1 + threshold`` for ``patience`` intervals in a row is named once, with its
+slowdown, until it recovers. The line attributes it per action kind (F, B, W): each kind's
+measured-over-predicted time on that rank, relative to its peers' for the same kind, so a
+slowdown confined to one kind of action shows there.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class StragglerDetector:
     _streak: list[int] = field(default_factory=list)
     _named: set[int] = field(default_factory=set)
     last: list[float] = field(default_factory=list)  # the last interval's relative compute
+    _groups: list[list[int]] = field(default_factory=list)
 
     def observe(self, busy_per_iteration: Sequence[Sequence[float]],
                 kinds_per_iteration: Sequence[Sequence[Mapping[str, float]]] = ()
@@ -75,21 +78,36 @@ class StragglerDetector:
             return ""
         parts = []
         for kind in sorted(self.expected_kinds[rank]):
-            peers = [r for r in range(ranks) if self.expected_kinds[r].get(kind, 0) > 0]
+            peers = [r for r in self._peers(rank) if self.expected_kinds[r].get(kind, 0) > 0]
+            if not peers:
+                continue
             values = []
             for row in rows:
-                ratios = {r: row[r].get(kind, 0.0) / self.expected_kinds[r][kind] for r in peers}
-                middle = statistics.median(ratios.values())
-                if middle > 0 and rank in ratios:
-                    values.append(ratios[rank] / middle)
+                ratio = row[rank].get(kind, 0.0) / self.expected_kinds[rank][kind]
+                middle = statistics.median(row[r].get(kind, 0.0) / self.expected_kinds[r][kind]
+                                           for r in peers)
+                if middle > 0:
+                    values.append(ratio / middle)
             if values:
                 parts.append(f"{kind} {statistics.median(values) - 1:+.0%}")
         return "; per action " + ", ".join(parts) if parts else ""
 
     def _relative(self, busy: Sequence[float]) -> list[float]:
         ratios = [b / e if e > 0 else 1.0 for b, e in zip(busy, self.expected)]
-        middle = statistics.median(ratios) or 1.0
-        return [r / middle for r in ratios]
+        return [ratios[r] / (statistics.median(ratios[p] for p in self._peers(r)) or 1.0)
+                for r in range(len(ratios))]
+
+    def _peers(self, rank: int) -> list[int]:
+        """The ranks ``rank`` is compared with: the others at a pipeline position with the same
+        predicted work (what the cost model misses there, e.g. an embedding, cancels out), or
+        every rank when it has no such peer."""
+        if not self._groups:
+            groups: dict[float, list[int]] = {}
+            for r, e in enumerate(self.expected):
+                groups.setdefault(round(e, 9), []).append(r)
+            self._groups = [[p for p in groups[round(e, 9)] if p != r] or list(range(len(
+                self.expected))) for r, e in enumerate(self.expected)]
+        return self._groups[rank]
 
 
 def expected_busy_per_rank(schedule, layers: Sequence[float], pipeline_rank_of: Sequence[int]

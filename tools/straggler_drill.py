@@ -6,7 +6,7 @@ Runs ``pretrain_gpt2.py`` under torchrun on mock data three times with the same 
 
 1. ``--log-straggler``, ``--clean-iters`` iterations, nothing slowed: every straggler line is a
    false alarm (target 0 over 200 iterations);
-2. ``--log-straggler`` with one rank's compute stretched by ``--slowdown`` (an injected sleep
+2. ``--log-straggler`` with one rank's compute stretched by ``--slowdown`` (CPU time burnt
    inside each of its compute actions, ``MEGATRON_CHIMERA_SLOW_RANK``): the log interval at
    which the rank is first named, and the line (target: within 5 log intervals);
 3. as 1 without ``--log-straggler``: the median iteration time against run 1's (the detector's

@@ -41,6 +41,9 @@ class StragglerDetector:
         per rank per action kind); returns a log line when a rank becomes a straggler (None
         otherwise)."""
         ranks = len(self.expected)
+        if kinds_per_iteration and all(len(row) == ranks for row in kinds_per_iteration):
+            # the per-kind times (CPU time on CPU ranks) are the compute to compare
+            busy_per_iteration = [[sum(k.values()) for k in row] for row in kinds_per_iteration]
         rows = [row for row in busy_per_iteration if len(row) == ranks and sum(row) > 0]
         if not rows:
             return None

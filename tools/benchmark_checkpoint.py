@@ -22,6 +22,12 @@ one, taken as the lines arrive (``--log-interval 1``), so it holds everything th
 step, the logging collective, a save's synchronous part (an async save's staging). An async save
 of iteration N is in flight for every iteration after N that began before its "finished saving"
 line arrived; all of them are counted.
+
+``--reshard`` instead saves one checkpoint (``--save-layout``, with the distributed optimizer)
+and resumes it in each ``--reshard-layouts`` layout (default: T=2 -> T=1 with Chimera -> 1F1B,
+and D=2 -> D=4), printing the most checkpoint bytes one rank read over its share (target
+<= 1.25) and how many saved chunks carry block checksums (every block a load reads is checked
+against them; a load that passed checked them all).
 """
 
 from __future__ import annotations
@@ -113,7 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--iters", type=int, default=13)
     parser.add_argument("--save-interval", type=int, default=4)
+    parser.add_argument("--reshard", action="store_true",
+                        help="only the reads of resharded loads (see --reshard-layouts)")
+    parser.add_argument("--reshard-layouts", nargs="+", default=list(RESHARDS),
+                        help="load layouts for --reshard (flags, one string each)")
     args = parser.parse_args(argv)
+    if args.reshard:
+        return reshard_rows(args)
     base = shlex.split(args.model) + ["--train-iters", str(args.iters)]
     save_layout, load_layout = shlex.split(args.save_layout), shlex.split(args.load_layout)
     with tempfile.TemporaryDirectory(prefix="ckpt_bench_") as tmp:
@@ -143,6 +155,39 @@ def main(argv: list[str] | None = None) -> None:
           f"--async-save {(walls[2] - walls[0]) / saves:.2f} s")
     print_iteration_table(plain, iteration_walls(sync_lines), iteration_walls(async_lines),
                           in_flight_iterations(async_lines), args.save_interval)
+
+
+RESHARDS = ("--pipeline-model-parallel-size 4 --use-distributed-optimizer",  # T=2 -> 1, 1F1B
+            "--tensor-model-parallel-size 2 --use-distributed-optimizer")  # D=2 -> D=4
+
+
+def reshard_rows(args) -> None:
+    """Save once in ``--save-layout``, resume in each reshard layout; per layout the most bytes
+    one rank read over its share."""
+    from megatron_chimera.checkpoint.safe_reader import CHECKSUMS, read_metadata
+    base = shlex.split(args.model)
+    with tempfile.TemporaryDirectory(prefix="ckpt_reshard_") as tmp:
+        ckpt = os.path.join(tmp, "ck")
+        run(args.nproc, [*base, *shlex.split(args.save_layout), "--train-iters", "2",
+                         "--save", ckpt, "--save-interval", "2"])
+        saved = os.path.join(ckpt, "iter_0000002")
+        size = sum(written_per_rank(saved, args.nproc))
+        chunks = [info for index, info in read_metadata(saved).storage_data.items()
+                  if index.offset is not None]  # tensor chunks (not bytes items)
+        checked = sum(getattr(info, CHECKSUMS, None) is not None for info in chunks)
+        print(f"checkpoint: {size} B, {checked} of its {len(chunks)} tensor chunks with block "
+              f"checksums; saved by: {args.save_layout}")
+        print("| load layout | share (B) | most read by a rank (B) | most read / share | "
+              "mean read / share |")
+        print("|---|---|---|---|---|")
+        for layout in args.reshard_layouts:
+            lines = run(args.nproc, [*base, *shlex.split(layout), "--train-iters", "3",
+                                     "--load", ckpt])
+            loaded = LOADED.search("".join(line for _, line in lines))
+            read = [int(x) for x in loaded.group(2).split(",")]
+            share = size / len(read)
+            print(f"| {layout} | {share:.0f} | {max(read)} | {max(read) / share:.2f} | "
+                  f"{sum(read) / len(read) / share:.2f} |")
 
 
 def peak_memory(lines: list[tuple[float, str]], marker: str) -> list[float | None]:

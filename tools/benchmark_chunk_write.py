@@ -50,12 +50,14 @@ class _ArchiveOnly(dcp_io.ArchiveChunkWriter):
 WAYS = {"values": _ValuesOnly, "archive": _ArchiveOnly, "archive+crc": dcp_io.ArchiveChunkWriter}
 
 
-def make_chunks(total_mb: float, chunk_kb: list[int]) -> dict:
-    """float32 chunks of the given sizes (cycled) adding up to about ``total_mb``."""
+def make_chunks(total_mb: float, chunk_kb: list[int], row_bytes: int = 0) -> dict:
+    """float32 chunks of the given sizes (cycled) adding up to about ``total_mb``; flat, or
+    matrices with rows of ``row_bytes`` (their checksum blocks follow the row size)."""
     chunks, total, index = {}, 0, 0
     while total < total_mb * 2**20:
         numel = chunk_kb[index % len(chunk_kb)] * 256
-        chunks[(f"t{index}", (0,))] = dcp_io.SaveChunk((numel,), torch.randn(numel))
+        shape = (numel // (row_bytes // 4), row_bytes // 4) if row_bytes else (numel,)
+        chunks[(f"t{index}", (0,) * len(shape))] = dcp_io.SaveChunk(shape, torch.randn(shape))
         total += numel * 4
         index += 1
     return chunks
@@ -80,8 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-kb", default="64,1024,8192",
                         help="comma-separated chunk sizes in KiB, cycled")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--row-bytes", type=int, default=0,
+                        help="2-D chunks with rows of this many bytes (0: flat chunks)")
     args = parser.parse_args(argv)
-    chunks = make_chunks(args.total_mb, [int(x) for x in args.chunk_kb.split(",")])
+    chunks = make_chunks(args.total_mb, [int(x) for x in args.chunk_kb.split(",")],
+                         args.row_bytes)
     times: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats + 1):

@@ -181,7 +181,8 @@ class ArchiveChunkWriter(FileSystemWriter):
         length = len(head) + len(data) + len(tail)
         info = _StorageInfo(name, offset, length)
         if cls.write_checksums:
-            setattr(info, CHECKSUMS, BlockChecksums.of(data).encode())
+            setattr(info, CHECKSUMS, BlockChecksums.of(data, tuple(tensor.shape),
+                                                        tensor.element_size()).encode())
         return WriteResult(index=index, size_in_bytes=length, storage_data=info)
 
 

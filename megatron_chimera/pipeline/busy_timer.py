@@ -4,12 +4,17 @@
 CPU, CUDA events on a GPU (read only when the figures are gathered at a log interval). It also
 reports each action's seconds to an optional :data:`ActionTimer` (the profiler) and spans to an
 optional tracer, and is thread-aware: the two halves of a paired action time on two threads.
+It also sums the seconds per action kind (F, B, W: :attr:`BusyTimer.by_kind`; on the CPU the
+thread's CPU time), which straggler attribution compares with the schedule's prediction.
+``MEGATRON_CHIMERA_SLOW_RANK=RANK:FRACTION`` (drills, CPU) stretches every compute action of
+that rank by FRACTION of its CPU time, burnt inside it (a slower core).
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +23,20 @@ from megatron_chimera.schedules.actions import Action
 
 #: ``timer(action, seconds)``: called with every compute action's measured seconds
 ActionTimer = Callable[[Action, float], None]
+SLOW_ENV = "MEGATRON_CHIMERA_SLOW_RANK"
+
+
+def injected_slowdown(rank: int, env: Mapping[str, str] = os.environ) -> float:
+    """The fraction by which ``MEGATRON_CHIMERA_SLOW_RANK=RANK:FRACTION`` stretches this rank's
+    compute (0 when unset or another rank); ValueError when malformed."""
+    text = env.get(SLOW_ENV, "").strip()
+    if not text:
+        return 0.0
+    try:
+        slow_rank, fraction = text.split(":")
+        return float(fraction) if int(slow_rank) == rank else 0.0
+    except ValueError:
+        raise ValueError(f"{SLOW_ENV}={text}: expected RANK:FRACTION, e.g. 3:0.3") from None
 
 
 class BusyTimer:
@@ -29,9 +48,15 @@ class BusyTimer:
     come from ``events`` (the executor's free list) and go back there once read."""
 
     def __init__(self, device: torch.device, events: list[Any],
-                 action_timer: ActionTimer | None = None, tracer: Any = None) -> None:
+                 action_timer: ActionTimer | None = None, tracer: Any = None,
+                 slowdown: float = 0.0) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
+        # seconds per action kind (complete after total()); on the CPU the thread's CPU time, so
+        # a rank descheduled on a shared machine is not taken for a slow one
+        self.by_kind: dict[str, float] = {}
+        self._cpu: list[list[float]] = []  # open spans' [thread CPU start, nested CPU seconds]
+        self.slowdown = slowdown if not self.cuda else 0.0  # an injected delay (drills, CPU)
         self.action_timer = action_timer
         self.tracer = tracer  # tracer.compute(action, start, end) on the host clock
         self._free = events
@@ -64,6 +89,7 @@ class BusyTimer:
             start.record()
         else:
             start = time.perf_counter()
+            self._cpu.append([time.thread_time(), 0.0])
         self._open.append((start, self._next, []))
         return self
 
@@ -76,11 +102,21 @@ class BusyTimer:
             if self._open:
                 self._open[-1][2].append((start, end))
         else:
+            cpu_start, cpu_nested = self._cpu.pop()
+            if self.slowdown and not self._open:  # burn the extra CPU time: a slower core
+                until = time.thread_time() + self.slowdown * (time.thread_time() - cpu_start)
+                while time.thread_time() < until:
+                    pass
             end = time.perf_counter()
+            cpu_span = time.thread_time() - cpu_start
+            if self._cpu:
+                self._cpu[-1][1] += cpu_span
             elapsed = end - start - sum(e - s for s, e in nested)
             if self._open:
                 self._open[-1][2].append((start, end))
             self.seconds += elapsed
+            if action is not None:
+                self._add_kind(action, cpu_span - cpu_nested)
             if self.action_timer is not None and action is not None:
                 self._per_action[action] = self._per_action.get(action, 0.0) + elapsed
             if self.tracer is not None and action is not None:
@@ -94,6 +130,8 @@ class BusyTimer:
                 elapsed = (start.elapsed_time(end)
                            - sum(s.elapsed_time(e) for s, e in nested)) / 1000.0
                 self.seconds += elapsed
+                if action is not None:
+                    self._add_kind(action, elapsed)
                 if self.action_timer is not None and action is not None:
                     self._per_action[action] = self._per_action.get(action, 0.0) + elapsed
                 if self._origin is not None and action is not None:
@@ -110,6 +148,10 @@ class BusyTimer:
             self.tracer.compute(action, start, end)
         self._traced = {}
         return self.seconds
+
+    def _add_kind(self, action: Action, seconds: float) -> None:
+        kind = getattr(action, "kind", str(action))
+        self.by_kind[kind] = self.by_kind.get(kind, 0.0) + seconds
 
     def _trace(self, action: Action, start: float, end: float) -> None:
         span = self._traced.setdefault(action, [start, end])

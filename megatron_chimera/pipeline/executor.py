@@ -46,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ from torch.autograd import Variable
 from megatron_chimera.model.moe.aux_loss import moe_routers
 from megatron_chimera.model.moe.expert_comm import BackwardTape
 from megatron_chimera.parallel_state import nccl_semantics_requested
-from megatron_chimera.pipeline.busy_timer import ActionTimer, BusyTimer
+from megatron_chimera.pipeline.busy_timer import ActionTimer, BusyTimer, injected_slowdown
 from megatron_chimera.pipeline.executor_config import (
     ExecutorPolicy,
     ForwardStepFunc,
@@ -122,10 +122,12 @@ class IterationResult:
 @dataclass
 class GatheredIteration:
     """One iteration's figures on the logging rank: losses of every micro-batch (ordered by
-    data-parallel rank, then micro-batch) and every rank's compute-busy seconds."""
+    data-parallel rank, then micro-batch) and every rank's compute-busy seconds, in all and
+    per action kind."""
 
     losses: list[dict[str, float]]
     busy_seconds_per_rank: list[float]
+    busy_by_kind_per_rank: list[dict[str, float]] = field(default_factory=list)
 
 
 def make_transport(topology: PipelineTopology, tag_of: Any = None) -> Transport:
@@ -223,6 +225,7 @@ class PipelineExecutor:
         self._events: list[Any] = []  # CUDA events of the busy timers, reused
         self._connected = not policy.warm_up
         self.action_timer = action_timer
+        self.slowdown = injected_slowdown(dist.get_rank() if dist.is_initialized() else 0)
         self.tracer: Any = None  # set for a traced iteration (:mod:`.chrome_trace`)
         self.active: _Iteration | None = None  # the running iteration (read by :mod:`.hang`)
 
@@ -318,10 +321,10 @@ class PipelineExecutor:
         """Losses and busy seconds of ``results`` (the same iterations on every rank) on the
         logging rank, in one collective; None elsewhere. Syncs the device: call it at log
         intervals."""
-        local = [({m: _as_float_dict(d) for m, d in r.local_losses.items()}, r.busy.total())
-                 for r in results]
+        local = [({m: _as_float_dict(d) for m, d in r.local_losses.items()}, r.busy.total(),
+                  r.busy.by_kind) for r in results]
         if not dist.is_initialized():
-            return [_merge([(0, losses, busy)]) for losses, busy in local]
+            return [_merge([(0, *figures)]) for figures in local]
         world, me = dist.get_world_size(), dist.get_rank()
         payload = (self.topology.data_parallel_rank, local)
         logging_rank = world - 1
@@ -329,16 +332,18 @@ class PipelineExecutor:
         dist.gather_object(payload, gathered, dst=logging_rank)
         if gathered is None:
             return None
-        return [_merge([(dp, per_rank[i][0], per_rank[i][1]) for dp, per_rank in gathered])
+        return [_merge([(dp, *per_rank[i]) for dp, per_rank in gathered])
                 for i in range(len(results))]
 
 
-def _merge(per_rank: list[tuple[int, dict[int, dict[str, float]], float]]) -> GatheredIteration:
+def _merge(per_rank: list[tuple[int, dict[int, dict[str, float]], float, dict[str, float]]]
+           ) -> GatheredIteration:
     by_replica: dict[int, dict[int, dict[str, float]]] = {}
-    for dp, losses, _ in per_rank:
+    for dp, losses, _, _ in per_rank:
         by_replica.setdefault(dp, {}).update(losses)
     losses = [by_replica[dp][m] for dp in sorted(by_replica) for m in sorted(by_replica[dp])]
-    return GatheredIteration(losses, [busy for _, _, busy in per_rank])
+    return GatheredIteration(losses, [busy for _, _, busy, _ in per_rank],
+                             [kinds for _, _, _, kinds in per_rank])
 
 
 class _Iteration:
@@ -359,7 +364,7 @@ class _Iteration:
         self.losses: dict[int, dict[str, Any]] = {}
         self.executed: list[Action] = []
         self.timer = BusyTimer(executor.device, executor._events, executor.action_timer,
-                                executor.tracer)
+                               executor.tracer, executor.slowdown)
         self.current: Any = None
         self.stage_done: tuple[int, ...] = ()  # finished stages not yet reported (_compute)
         transport = executor.transport  # calls that would do nothing are not made at all:

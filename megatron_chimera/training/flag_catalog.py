@@ -83,6 +83,10 @@ REFUSED: dict[str, str] = {
     "--no-log-loss-scale-to-tensorboard": "the loss scale is always written",
     "--log-world-size-to-tensorboard": "not implemented",
     "--log-progress": "not implemented",
+    "--disable-straggler-on-startup": "the straggler detector has no runtime switch (Megatron's "
+                                      "controller port): leave --log-straggler off instead",
+    "--straggler-ctrlr-port": "the straggler detector has no runtime switch (no controller "
+                              "port); --log-straggler turns it on for the whole run",
     "--start-weight-decay": "weight decay is constant (no increment schedule)",
     "--end-weight-decay": "weight decay is constant (no increment schedule)",
     "--weight-decay-incr-style": "weight decay is constant (no increment schedule)",
@@ -167,6 +171,7 @@ MEGATRON_FLAGS: tuple[str, ...] = (
     "--no-log-learnig-rate-to-tensorboard", "--no-log-loss-scale-to-tensorboard",
     "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard",
     "--log-world-size-to-tensorboard", "--log-throughput", "--log-progress",
+    "--disable-straggler-on-startup", "--straggler-ctrlr-port",
     "--wandb-project", "--wandb-exp-name", "--wandb-save-dir",
     # regularization
     "--attention-dropout", "--hidden-dropout", "--weight-decay", "--start-weight-decay",

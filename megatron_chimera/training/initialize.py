@@ -90,8 +90,25 @@ def initialize_distributed(config: ParallelConfig) -> torch.device:
     if missing:
         raise ConfigError(f"environment lacks {missing}: launch with torchrun")
     config.layout.check_world(int(os.environ["WORLD_SIZE"]))  # the one world check
-    dist.init_process_group(init_method="env://", **options)
+    store = attempt_store(options["timeout"])
+    if store is not None:
+        dist.init_process_group(store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), **options)
+    else:
+        dist.init_process_group(init_method="env://", **options)
     return device
+
+
+def attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun's agent store, a restarted attempt's store: the agent's, prefixed with the
+    attempt (its keys outlive a failed attempt, so ranks of the next one would read the dead
+    ranks' gloo addresses and failure claims); None otherwise (``env://`` as usual)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in ("", "0"):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/megatron_chimera/attempt_{attempt}", store)
 
 
 def set_random_seed(seed: int) -> None:

@@ -247,6 +247,7 @@ class IterationStats:
     iteration_seconds: float
     pipeline_seconds: float | None = None  # schedule execution only (the bubble's denominator)
     busy_seconds: list[float] = field(default_factory=list)
+    busy_by_kind: list[dict[str, float]] = field(default_factory=list)  # per rank, per F/B/W
     timers: dict[str, float] = field(default_factory=dict)
     memory: list[dict[str, float]] | None = None  # per rank (--log-memory-to-tensorboard)
     batch_size: int | None = None  # this iteration's global batch (None: --global-batch-size)
@@ -325,7 +326,8 @@ class TrainingMonitor:
         a line naming a rank that became a straggler."""
         if self.straggler is None:
             return
-        warning = self.straggler.observe([s.busy_seconds for s in self._window])
+        warning = self.straggler.observe([s.busy_seconds for s in self._window],
+                                         [s.busy_by_kind for s in self._window])
         if warning is not None:
             print(warning, flush=True)
         if self.writer is not None:

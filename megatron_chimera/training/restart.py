@@ -5,17 +5,24 @@ Under ``torchrun --max-restarts N`` (``TORCHELASTIC_RESTART_COUNT``) or a SLURM 
 says what was lost: rank 0 of every attempt that may be restarted records the last finished
 iteration under ``--save`` (a few bytes, atomically, after each iteration), so the next attempt
 names the iterations since the checkpoint that it runs again.
+
+For tests and drills, ``MEGATRON_CHIMERA_KILL_AT=RANK:ITERATION`` makes that rank ``kill -9``
+itself after finishing that iteration (and its save), in the first attempt only.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import signal
 from collections.abc import Mapping
 
 from megatron_chimera.atomic import atomic_write_text
+from megatron_chimera.errors import UserError
 
 RESTART_COUNT_ENVS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 PROGRESS_FILENAME = "last_finished_iteration.txt"
+KILL_ENV = "MEGATRON_CHIMERA_KILL_AT"
 
 
 def restart_count(env: Mapping[str, str] = os.environ) -> int:
@@ -70,3 +77,37 @@ def restart_report(count: int, load: str, resumed_iteration: int | None,
                 f"iteration{'s' if reached - start != 1 else ''} since the checkpoint "
                 f"{'are' if reached - start != 1 else 'is'} lost and run again")
     return f" restart {count} of this job: resuming from {where}{lost}"
+
+
+def injected_kill(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """``(rank, iteration)`` of the fault ``MEGATRON_CHIMERA_KILL_AT=RANK:ITERATION`` injects
+    (None when unset or in a restarted attempt); UserError when it is malformed."""
+    text = env.get(KILL_ENV, "").strip()
+    if not text or restart_count(env) > 0:
+        return None
+    rank, _, iteration = text.partition(":")
+    if not (rank.isdigit() and iteration.isdigit()):
+        raise UserError(f"{KILL_ENV}={text}: expected RANK:ITERATION (two integers)")
+    return int(rank), int(iteration)
+
+
+def kill_if_injected(fault: tuple[int, int] | None, rank: int, iteration: int) -> None:
+    """``kill -9`` this process when ``fault`` names this rank and iteration."""
+    if fault is not None and fault == (rank, iteration):
+        print(f" rank {rank}: {KILL_ENV} kills this rank (SIGKILL) after iteration {iteration}",
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def save_interval_advice(save_seconds: float, iteration_seconds: float, interval: int,
+                         target: float = 0.01) -> str:
+    """The log line after the first save: what ``--save-interval`` costs in time saving (the
+    save's blocking part over the iterations between saves) and the smallest interval that
+    keeps it within ``target``; a failure loses up to an interval of iterations."""
+    cost = save_seconds / max(interval * iteration_seconds, 1e-9)
+    smallest = max(1, math.ceil(save_seconds / max(target * iteration_seconds, 1e-9)))
+    verdict = "within" if cost <= target else "over"
+    return (f" save cost: {save_seconds:.2f} s blocking training per save, an iteration "
+            f"{iteration_seconds * 1000:.0f} ms: --save-interval {interval} spends {cost:.1%} "
+            f"of the time saving, {verdict} the {target:.0%} target (--save-interval {smallest} "
+            f"or more meets it); a failure loses up to {interval} iterations")

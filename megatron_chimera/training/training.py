@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,7 +70,13 @@ from megatron_chimera.training.monitor import (
     predicted_bubble_ratio,
 )
 from megatron_chimera.training.preflight import check_outputs, check_splits
-from megatron_chimera.training.restart import may_restart, record_progress
+from megatron_chimera.training.restart import (
+    injected_kill,
+    kill_if_injected,
+    may_restart,
+    record_progress,
+    save_interval_advice,
+)
 from megatron_chimera.training.setup import (
     DatasetsProvider,
     ModelProvider,
@@ -314,6 +321,7 @@ def _report(run: Run, pending: list[tuple[IterationStats, Any]]) -> None:
     for (stats, _), figures in zip(pending, gathered or []):
         stats.losses = {**_average_losses(figures.losses), **aux}
         stats.busy_seconds = figures.busy_seconds_per_rank
+        stats.busy_by_kind = figures.busy_by_kind_per_rank
         run.monitor.record(stats)
     pending.clear()
 
@@ -341,8 +349,13 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
     training, ckpt = run.config.training, run.config.checkpoint
     pending: list[tuple[IterationStats, Any]] = []
     progress = run.rank == 0 and may_restart()  # a restarted attempt says what was lost
+    fault = injected_kill()  # a drill's kill -9 of one rank
+    walls: list[float] = []  # host wall time of the iterations until the first save
     while state.iteration < training.total_train_iters:
+        started = time.perf_counter()
         _iteration(run, state, train_iterator, pending)
+        if walls is not None:
+            walls.append(time.perf_counter() - started)
         if progress:
             record_progress(ckpt.save, state.iteration)
         check_skipped(state.consecutive_skipped, training.max_consecutive_skipped_iterations,
@@ -350,7 +363,12 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
         if training.eval_interval and state.iteration % training.eval_interval == 0:
             _evaluate_and_log(run, "validation", valid_iterator, state)
         if ckpt.save_interval and state.iteration % ckpt.save_interval == 0:
+            started = time.perf_counter()
             save(run, state)
+            if walls is not None and run.rank == 0:
+                _advise_save_interval(time.perf_counter() - started, walls, ckpt.save_interval)
+            walls = None
+        kill_if_injected(fault, run.rank, state.iteration)
         reason = exits.reason(state.iteration)
         if reason is not None:
             _report(run, pending)
@@ -359,6 +377,13 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
                 print(f" {reason}", flush=True)
             return reason
     return None
+
+
+def _advise_save_interval(save_seconds: float, walls: list[float], interval: int) -> None:
+    """Rank 0's line after the first save: the save's cost against the iterations (their median
+    wall time, the first one -- warm-up -- left out when there are others)."""
+    steady = walls[1:] or walls
+    print(save_interval_advice(save_seconds, statistics.median(steady), interval), flush=True)
 
 
 def _iteration(run: Run, state: TrainState, train_iterator,

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
+from megatron_chimera.training.restart import KILL_ENV
 from tests.helpers.flags import without_flags
 from tests.helpers.processes import children_of, kill_launched
 
@@ -39,6 +40,32 @@ MODEL_FLAGS = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-
 _ITERATION = re.compile(r" iteration\s+(\d+)/")
 
 
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_rank_restarts_in_the_job_from_the_last_checkpoint(tmp_path, reference):
+    # torchrun --max-restarts 1; rank 1 kill -9s itself after iteration 7 (saves every 5): the
+    # job restarts from iteration 5, says so, and finishes with the uninterrupted run's losses
+    ckpt, board = tmp_path / "ckpt", tmp_path / "tb"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           "--max-restarts=1", str(ROOT / "pretrain_gpt2.py"), *FLAGS, "--save", str(ckpt),
+           "--save-interval", "5", "--tensorboard-dir", str(board)]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{NCCL_SEMANTICS_ENV: "1"},
+               **{KILL_ENV: "1:7"})
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    # the dead rank is named: by the launcher, and by its peers' heartbeat watch when they see
+    # it before the launcher stops them
+    assert re.search(r"failed \(exitcode: -9\) local_rank: 1 ", proc.stderr), proc.stderr[-3000:]
+    assert (f" restart 1 of this job: resuming from iteration 5 of {ckpt}; the previous attempt "
+            "finished iteration 7, so 2 iterations since the checkpoint are lost and run "
+            "again") in proc.stdout, proc.stdout[-3000:]
+    assert " save cost: " in proc.stdout  # the --save-interval advice after the first save
+    losses = scalars(board, "lm loss")  # the restart's 6 and 7 replace the first attempt's
+    assert {k: losses[k] for k in range(6, ITERS + 1)} == \
+        {k: reference[k] for k in range(6, ITERS + 1)}
 
 
 def tracker(checkpoint: Path) -> int:
@@ -78,11 +105,18 @@ def sigterm_under_torchrun(args: list[str], after_iteration: int, tmp_path: Path
     return seen, "".join(lines), err_path.read_text()
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run's losses (shared by the tests of this module)."""
+    board = tmp_path_factory.mktemp("reference") / "tb"
+    train("pretrain_gpt2.py", FLAGS, 4, board)
+    losses = scalars(board, "lm loss")
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    return losses
+
+
 @pytest.mark.timeout(600)
-def test_sigterm_and_wall_clock_exits_save_and_resume_exactly(tmp_path):
-    train("pretrain_gpt2.py", FLAGS, 4, tmp_path / "tb-ref")
-    reference = scalars(tmp_path / "tb-ref", "lm loss")
-    assert sorted(reference) == list(range(1, ITERS + 1))
+def test_sigterm_and_wall_clock_exits_save_and_resume_exactly(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
 
     # 1. SIGTERM mid-training

@@ -27,7 +27,7 @@ from megatron_chimera.checkpoint.dcp_io import (
     save_chunks,
 )
 from megatron_chimera.checkpoint.safe_reader import RAW, read_metadata
-from megatron_chimera.checkpoint.torch_archive import MAX_BLOCKS, BlockChecksums
+from megatron_chimera.checkpoint.torch_archive import MIN_BLOCK, BlockChecksums
 
 
 def _chunks(seed: int, rows: int = 6) -> dict:
@@ -149,21 +149,45 @@ def test_a_damaged_chunk_is_refused_naming_file_tensor_and_iteration(tmp_path, d
     box = torch.zeros(4, 256)
     read = load_chunks(str(root), {("w", (60, 0)): box})
     assert torch.equal(box, chunks[("w", (0, 0))].tensor[60:])
-    assert box.numel() * 4 <= read <= box.numel() * 4 + 2 * BlockChecksums.block_size(64 * 1024)
+    slack = ZIP + 2 * BlockChecksums.block_size((64, 256), 4)
+    assert box.numel() * 4 <= read <= box.numel() * 4 + slack
 
 
-def test_a_read_of_part_of_a_chunk_reads_its_blocks(tmp_path):
-    # a large chunk's blocks are 1/MAX_BLOCKS of it: a quarter read reads about a quarter
-    chunks = {("w", (0, 0)): SaveChunk((512, 512), torch.randn(512, 512))}
+ZIP = 1024  # a read of a chunk also reads its archive's zip directory (~550 bytes)
+
+
+def test_a_resharded_read_reads_its_share_checked(tmp_path):
+    # blocks follow the shape: another D's rows and another T's columns (the last dimension cut
+    # in 2, 4, 8) are whole blocks, so such a read reads exactly its bytes, every one checked
+    w = torch.randn(96, 1024)
+    chunks = {("w", (0, 0)): SaveChunk((96, 1024), w),
+              ("v", (0,)): SaveChunk((5000,), torch.randn(5000))}
     save_chunks(str(tmp_path), chunks)
-    quarter = torch.zeros(128, 512)
-    read = load_chunks(str(tmp_path), {("w", (200, 0)): quarter})
-    assert torch.equal(quarter, chunks[("w", (0, 0))].tensor[200:328])
-    assert read <= quarter.numel() * 4 * (1 + 2 * 4 / MAX_BLOCKS) + 1024
-    # a column slice of every row reads the blocks of every row, checked
-    strip = torch.zeros(512, 3)
-    load_chunks(str(tmp_path), {("w", (0, 100)): strip})
-    assert torch.equal(strip, chunks[("w", (0, 0))].tensor[:, 100:103])
+    for cuts in (2, 4, 8):
+        width = 1024 // cuts
+        part = torch.zeros(96 // 3, width)
+        read = load_chunks(str(tmp_path), {("w", (32, width)): part})
+        assert torch.equal(part, w[32:64, width:2 * width])
+        assert part.numel() * 4 <= read <= part.numel() * 4 + ZIP
+    # a flat chunk's element range reads at most two blocks more than it needs
+    piece = torch.zeros(1234)
+    read = load_chunks(str(tmp_path), {("v", (777,)): piece})
+    assert torch.equal(piece, chunks[("v", (0,))].tensor[777:2011])
+    assert read <= piece.numel() * 4 + ZIP + 2 * BlockChecksums.block_size((5000,), 4)
+    # a column cut off the block grid (3 of 1024 columns) still reads and checks whole blocks
+    strip = torch.zeros(96, 3)
+    assert 96 * 512 <= load_chunks(str(tmp_path), {("w", (0, 100)): strip}) <= 96 * 512 + ZIP
+    assert torch.equal(strip, w[:, 100:103])
+
+
+def test_block_sizes_follow_the_shape():
+    size = BlockChecksums.block_size
+    assert size((4096, 4096), 2) == 1024  # a row of 8 KiB cut in 8: 1 KiB
+    assert size((64, 4096), 4) == 2048 and size((64, 4096), 2) == 1024
+    assert size((50, 384), 4) == 256  # 1536 B rows: halves and thirds are whole blocks
+    assert size((1000, 128), 4) == MIN_BLOCK  # small rows: the minimum, still dividing them
+    assert size((7,), 4) == MIN_BLOCK and size((), 4) == MIN_BLOCK
+    assert size((1 << 22,), 4) == 4096  # a flat chunk: at most 4096 blocks
 
 
 def test_a_full_disk_names_the_file(tmp_path, monkeypatch):

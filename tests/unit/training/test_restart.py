@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
+
+from megatron_chimera.errors import UserError
 from megatron_chimera.training.restart import (
+    KILL_ENV,
+    injected_kill,
     may_restart,
     record_progress,
     recorded_progress,
     restart_count,
     restart_load,
     restart_report,
+    save_interval_advice,
 )
 
 
@@ -36,3 +42,21 @@ def test_the_report_names_the_lost_iterations(tmp_path):
                     "checkpoint are lost and run again")
     assert "scratch" in restart_report(1, "ck", None, 3) and "3 iterations" in \
         restart_report(1, "ck", None, 3)
+
+
+def test_the_injected_kill_fires_in_the_first_attempt_only():
+    assert injected_kill({}) is None
+    assert injected_kill({KILL_ENV: "1:7"}) == (1, 7)
+    assert injected_kill({KILL_ENV: "1:7", "TORCHELASTIC_RESTART_COUNT": "1"}) is None
+    with pytest.raises(UserError, match="RANK:ITERATION"):
+        injected_kill({KILL_ENV: "rank1"})
+
+
+def test_save_interval_advice_from_the_measured_cost():
+    # 2 s per save, 0.5 s iterations: every 5 iterations spends 2 / 2.5 = 80% saving; 1% needs
+    # 2 / (0.01 x 0.5) = 400 iterations between saves
+    line = save_interval_advice(2.0, 0.5, 5)
+    assert line == (" save cost: 2.00 s blocking training per save, an iteration 500 ms: "
+                    "--save-interval 5 spends 80.0% of the time saving, over the 1% target "
+                    "(--save-interval 400 or more meets it); a failure loses up to 5 iterations")
+    assert "1.0% of the time saving, within the 1% target" in save_interval_advice(2.0, 0.5, 400)

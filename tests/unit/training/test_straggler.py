@@ -6,7 +6,11 @@ from __future__ import annotations
 import random
 
 from megatron_chimera.schedules.registry import build_schedule
-from megatron_chimera.training.straggler import StragglerDetector, expected_busy_per_rank
+from megatron_chimera.training.straggler import (
+    StragglerDetector,
+    expected_busy_by_kind,
+    expected_busy_per_rank,
+)
 
 RANKS, ITERS_PER_INTERVAL = 8, 5
 
@@ -39,3 +43,17 @@ def test_expected_busy_follows_the_stage_costs():
     schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
     busy = expected_busy_per_rank(schedule, [1.0, 3.0], [0, 1])
     assert busy == [4 * 3.0, 4 * 9.0]  # 4 micro-batches of F + B (B = 2 F) per stage
+
+
+def test_the_line_names_the_action_kinds_that_run_slow():
+    # two replicas of a 2-stage 1F1B; rank 2's backwards run 50% slow, its forwards do not
+    schedule = build_schedule("1f1b", num_ranks=2, num_microbatches=4)
+    kinds = expected_busy_by_kind(schedule, [1.0, 1.0], [0, 1, 0, 1])
+    assert kinds[0] == {"F": 4.0, "B": 8.0}
+    measured = [{k: v * (1.5 if r == 2 and k == "B" else 1.0) for k, v in kinds[r].items()}
+                for r in range(4)]
+    detector = StragglerDetector([sum(k.values()) for k in kinds], patience=1,
+                                 expected_kinds=kinds)
+    line = detector.observe([[sum(m.values()) for m in measured]] * 3, [measured] * 3)
+    assert line is not None and line.startswith(" straggler: rank 2 (+33%; per action B +50%, "
+                                                "F +0%) slower than its peers"), line

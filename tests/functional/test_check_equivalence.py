@@ -36,8 +36,8 @@ import megatron_chimera.model.language_model as lm
 import megatron_chimera.training.running_schedule as rs
 
 _mean = cp.sequence_mean_loss
-def _cp_twice(output, mask):  # torchtitan #3280
-    loss, reported = _mean(output, mask)
+def _cp_twice(output, mask, *rest):  # torchtitan #3280
+    loss, reported = _mean(output, mask, *rest)
     size = cp.context_parallel_size()
     return loss / size, reported / size
 cp.sequence_mean_loss = _cp_twice

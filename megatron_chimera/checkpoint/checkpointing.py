@@ -31,35 +31,32 @@ import random
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_chimera.atomic import atomic_write, fsync_dir
-from megatron_chimera.checkpoint.dcp_io import (
-    ChunkKey,
-    SaveChunk,
-    save_chunks,
-    write_errors_reported,
-)
 from megatron_chimera.checkpoint.host_memory import PeakHostMemory
-from megatron_chimera.checkpoint.sharded import (
-    collect_save_chunks,
-    stored_names,
-)
 from megatron_chimera.checkpoint.stages import (  # noqa: F401 - re-exported
     StageSlice,
     global_name,
     shared_embedding_name,
     stage_named_parameters,
 )
+from megatron_chimera.checkpoint.write_errors import write_errors_reported
 from megatron_chimera.errors import UserError
 from megatron_chimera.tensor_parallel import get_cuda_rng_tracker
 from megatron_chimera.tensor_parallel.checkpoint_shards import (
     join_tensor_parallel_state,
 )
+
+if TYPE_CHECKING:
+    from megatron_chimera.checkpoint.dcp_io import ChunkKey
+
+# torch.distributed.checkpoint (about 1 s to import) is imported by the torch_dist paths only,
+# so a rank that never saves in that format starts without it.
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 COMMON_FILENAME = "common.pt"
@@ -241,6 +238,8 @@ class SaveJob:
     def run(self, barrier: Callable[[], None], process_group: Any = None) -> str:
         """Collectively write and publish (``barrier`` and DCP's collectives on
         ``process_group``; None: the default group)."""
+        from megatron_chimera.checkpoint.dcp_io import save_chunks
+
         staging = _make_staging(self.root, self.final, self.rank, barrier)
         with write_errors_reported(staging, self.iteration, remove=self.rank == 0):
             save_chunks(staging, self.chunks, process_group, tensors=self.tensors)
@@ -268,6 +267,8 @@ def prepare_sharded_save(root: str, contents: CheckpointContents, *, rank: int,
                          world_size: int, copy: bool = False) -> SaveJob:
     """Capture ``contents`` for a ``torch_dist`` save; ``copy``: stage every tensor in host
     memory of its own (training may go on while the job writes)."""
+    from megatron_chimera.checkpoint.sharded import collect_save_chunks
+
     memory = PeakHostMemory()
     optimizer = contents.optimizer
     if optimizer is not None:
@@ -287,6 +288,9 @@ def save_streamed(root: str, contents: CheckpointContents,
     state dict once, in any order -- so the save holds one tensor at a time (a converter's
     bounded memory); the stage's module gives only names, shapes and dtypes (it may live on the
     ``meta`` device). The files are those ``save_checkpoint`` writes."""
+    from megatron_chimera.checkpoint.dcp_io import SaveChunk
+    from megatron_chimera.checkpoint.sharded import stored_names
+
     (stage,) = contents.stages
     if contents.optimizer is not None and contents.save_optim:
         raise ValueError("save_streamed writes model tensors only")

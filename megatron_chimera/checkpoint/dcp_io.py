@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -65,7 +64,11 @@ from torch.futures import Future
 from megatron_chimera.checkpoint.chunks import Rect
 from megatron_chimera.checkpoint.safe_reader import CHECKSUMS, SafeReader
 from megatron_chimera.checkpoint.torch_archive import BlockChecksums, archive_parts
-from megatron_chimera.errors import UserError
+from megatron_chimera.checkpoint.write_errors import (  # noqa: F401 - re-exported
+    CheckpointWriteError,
+    failure_message,
+    write_errors_reported,
+)
 
 ChunkKey = tuple[str, tuple[int, ...]]  # (fqn, offsets)
 
@@ -325,55 +328,6 @@ def _covered(want: Rect, saved: list[Rect]) -> int:
             count *= max(0, min(wo + ws, so + ss) - max(wo, so))
         total += count
     return total
-
-
-def failure_message(exc: BaseException) -> str:
-    """One line for a failed DCP call: the first failing rank's own error (DCP wraps every
-    rank's exception and traceback into one CheckpointException)."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        rank, (inner, _trace) = min(failures.items(), key=lambda item: item[0])
-        text = str(inner).strip().splitlines()
-        return f"rank {rank}: {text[0] if text else type(inner).__name__}"
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
-
-
-class CheckpointWriteError(UserError):
-    """A checkpoint that could not be written (a full disk, a quota, an I/O error); the message
-    names the file and says that the previous checkpoint is kept."""
-
-
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OSError behind a failed save: ``exc`` itself or, in a CheckpointException, the first
-    failing rank's."""
-    if isinstance(exc, OSError):
-        return exc
-    for _rank, (inner, _trace) in sorted((getattr(exc, "failures", None) or {}).items(),
-                                         key=lambda item: item[0]):
-        if isinstance(inner, OSError):
-            return inner
-    return None
-
-
-@contextlib.contextmanager
-def write_errors_reported(staging: str, iteration: int, remove: bool) -> Iterator[None]:
-    """Turn a failed write into the staging directory (``No space left on device`` and other
-    OSErrors, on this rank or, through DCP, on another) into one CheckpointWriteError line
-    naming the file; ``remove``: delete the unpublished staging directory then (frees the
-    space; one rank does it)."""
-    try:
-        yield
-    except BaseException as exc:  # noqa: BLE001 - DCP wraps every rank's failure
-        error = _os_error(exc)
-        if error is None:
-            raise
-        if remove:
-            shutil.rmtree(staging, ignore_errors=True)
-        where = error.filename or staging
-        raise CheckpointWriteError(
-            f"{error.strerror or error}: {where} (the checkpoint of iteration {iteration} was "
-            f"not saved; the previous checkpoint is intact)") from None
 
 
 def load_chunks(path: str, requests: dict[ChunkKey, torch.Tensor], process_group=None,

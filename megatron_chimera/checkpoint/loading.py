@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import CheckpointException
 
 from megatron_chimera.checkpoint.checkpointing import (
     CHECKPOINT_VERSION,
@@ -31,14 +30,13 @@ from megatron_chimera.checkpoint.checkpointing import (
     safe_torch_load,
     set_rng_state,
 )
-from megatron_chimera.checkpoint.dcp_io import failure_message
-from megatron_chimera.checkpoint.sharded import load_sharded_tensors
 from megatron_chimera.checkpoint.stages import (
     StageSlice,
     global_name,
     shared_embedding_name,
     stage_named_parameters,
 )
+from megatron_chimera.checkpoint.write_errors import failure_message
 from megatron_chimera.optimizer.param_state import ParamStateError
 from megatron_chimera.tensor_parallel.checkpoint_shards import split_tensor_parallel_state
 
@@ -148,6 +146,10 @@ def _load_sharded(path: str, common: dict[str, Any], stages: list[StageSlice],
                   optimizer: Any | None) -> int:
     """Read this rank's pieces of a ``torch_dist`` checkpoint into its stages (and optimizer);
     returns the bytes read."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    from megatron_chimera.checkpoint.sharded import load_sharded_tensors
+
     if optimizer is not None and common.get("optimizer") is None:
         raise CheckpointError(f"{path}: saved without optimizer state (--no-save-optim); "
                               "use --no-load-optim or --finetune")

@@ -14,7 +14,6 @@ naming the rank.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import socket
 import tempfile
@@ -26,11 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
-
-PRELOAD = ["torch", "torch.distributed", "megatron_chimera.pipeline.executor",
-           # the real-model cases' imports (training, checkpointing, torch.export: ~0.8 s of
-           # each rank's CPU otherwise, 6 s for a world of 8)
-           "pretrain_gpt2", "pretrain_bert"]
+from tests.helpers.forked_scripts import forkserver_context
 
 
 @dataclass
@@ -101,8 +96,7 @@ def spawn_world(
     """
     import torch.distributed as dist
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # import torch once, in a clean single-threaded server
+    ctx = forkserver_context()  # torch and the package imported once, in a clean server
     port = _free_port()
     # the store lives here, as torchrun's lives in its agent: it outlives any failing rank, so
     # the others can still read who failed first

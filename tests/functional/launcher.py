@@ -14,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
 from tests.helpers import REPO_ROOT
+from tests.helpers.forked_scripts import start_script
 
 ROOT = REPO_ROOT
 
@@ -37,22 +38,50 @@ class RunResult:
 
 def launch(script: str, args: list[str], nproc: int = 1, timeout: float = 180,
            env: dict[str, str] | None = None) -> RunResult:
-    """``python script args`` (nproc 1) or ``torchrun --standalone --nproc-per-node nproc``,
-    under NCCL's point-to-point rules on gloo (``MEGATRON_CHIMERA_NCCL_SEMANTICS=1``) unless
-    ``env`` says otherwise."""
-    if nproc == 1:
-        cmd = [sys.executable, str(ROOT / script), *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(ROOT / script), *args]
+    """``python script args`` (nproc 1; forked from the test server, :mod:`forked_scripts`) or
+    ``torchrun --standalone --nproc-per-node nproc``, under NCCL's point-to-point rules on gloo
+    (``MEGATRON_CHIMERA_NCCL_SEMANTICS=1``) unless ``env`` says otherwise."""
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                     **{NCCL_SEMANTICS_ENV: "1"}, **(env or {}))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if not env or key not in env:
             full_env.pop(key, None)
+    if nproc == 1:
+        return _run_forked([(str(ROOT / script), args, full_env)], timeout)[0]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(ROOT / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
     return RunResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def _run_forked(runs: list[tuple[str, list[str], dict[str, str]]], timeout: float
+                ) -> list[RunResult]:
+    """Start every ``(script, args, env)`` forked from the test server, wait for all (past
+    ``timeout``: ``subprocess.TimeoutExpired``, every one still running killed) and return
+    their exit codes and outputs."""
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="mc_launch_") as outdir:
+        try:
+            for i, (script, args, env) in enumerate(runs):
+                procs.append(start_script(script, args, env, ROOT, f"{outdir}/{i}.out",
+                                          f"{outdir}/{i}.err"))
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.join(max(deadline - time.monotonic(), 0.1))
+                if proc.exitcode is None:
+                    raise subprocess.TimeoutExpired(runs[0][0], timeout)
+            return [RunResult(proc.exitcode, _read(f"{outdir}/{i}.out"), _read(f"{outdir}/{i}.err"))
+                    for i, proc in enumerate(procs)]
+        finally:
+            for proc in procs:
+                if proc.exitcode is None:
+                    proc.kill()
+                    proc.join()
+
+
+def _read(path: str) -> str:
+    return Path(path).read_text() if os.path.exists(path) else ""
 
 
 def train(script: str, args: list[str], nproc: int, tensorboard_dir: Path,
@@ -118,32 +147,11 @@ def launch_ranks(script: str, args: list[str], world_size: int,
     exit themselves (the framework's fail-fast); past ``timeout`` every rank still running is
     killed."""
     port = str(free_port())
-    procs, outputs = [], []
-    try:
-        for rank in range(world_size):
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(rank),
-                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"})
-            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-            outputs.append((out, err))
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT,
-                                          env=env, stdout=out, stderr=err))
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        results = []
-        for proc, handles in zip(procs, outputs):
-            texts = []
-            for handle in handles:
-                handle.seek(0)
-                texts.append(handle.read())
-            results.append(RunResult(proc.returncode, *texts))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for handle in (h for pair in outputs for h in pair):
-            handle.close()
+    runs = []
+    for rank in range(world_size):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(rank),
+                   LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"})
+        runs.append((str(ROOT / script), args, env))
+    return _run_forked(runs, timeout)

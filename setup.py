@@ -23,7 +23,7 @@ setup(
         "hf": ["transformers==5.23.0", "safetensors==0.8.0"],
         # Weights & Biases logging (--wandb-project)
         "wandb": ["wandb==0.23.1"],
-        "test": ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", "ruff", "transformers==5.23.0", "safetensors==0.8.0",
+        "test": ["pytest", "pytest-timeout", "ruff", "transformers==5.23.0", "safetensors==0.8.0",
                  "wandb==0.23.1"],
     },
 )

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# The test command of the README: installs into .venv if needed, then runs the whole suite on
-# PYTEST_WORKERS processes (default 2, the reference machine's cores; 0 runs it in this process).
+# The test command of the README: installs into .venv if needed, then runs the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh
@@ -8,4 +7,4 @@ export OMP_NUM_THREADS=1
 # Every rank is a fresh interpreter: compile the package once, so none recompiles it where
 # PYTHONDONTWRITEBYTECODE is set (it is on some CI images; about 0.6 s a process otherwise).
 .venv/bin/python -m compileall -q megatron_chimera tools tests > /dev/null
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile tests "$@"
+exec .venv/bin/python -m pytest tests "$@"

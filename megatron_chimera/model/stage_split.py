@@ -6,8 +6,10 @@ transformer layer, ``L`` the loss (final norm and head), ``|`` a stage boundary,
 ``(...)*k`` repetition, commas cosmetic; the stages in model order (with virtual stages, as
 Megatron: all ranks' first chunks, then their second chunks). For Chimera and BitPipe the layout
 describes one pipe's stages: the mirror pipe holds the same stages. Here ``E`` must open the first
-stage, ``L`` close the last, and every stage hold at least one ``t`` (no empty or standalone
-embedding stage; Megatron's ``m``, a multi-token-prediction layer, does not exist here).
+stage, ``L`` close the last, and every stage hold at least one ``t`` for training (no empty or
+standalone embedding stage; Megatron's ``m``, a multi-token-prediction layer, does not exist
+here). The performance model also prices stages without a ``t`` (``allow_empty``), as Megatron's
+layout allows, e.g. the embedding-only and loss-only chunks of a padded interleaved run.
 
 ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` fix the layers
 of the first / last stage and split the others evenly over the middle stages (Megatron's rule:
@@ -55,10 +57,17 @@ def expand_layout(text: str) -> list[str]:
     return body.split("|")
 
 
-def layout_partition(text: str, num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+def empty_stages(text: str) -> list[int]:
+    """The stages of layout ``text`` that hold no transformer layer ``t``."""
+    return [s for s, stage in enumerate(expand_layout(text)) if "t" not in stage]
+
+
+def layout_partition(text: str, num_layers: int, num_stages: int,
+                     allow_empty: bool = False) -> list[tuple[int, int]]:
     """Layer ranges of the stages of layout ``text``; ConfigError naming the flag when its
-    stages are not the schedule's, its layers do not sum to ``--num-layers``, or the embedding
-    or loss is misplaced."""
+    stages are not the schedule's, its layers do not sum to ``--num-layers``, the embedding
+    or loss is misplaced, or (unless ``allow_empty``: the performance model's pricing) a stage
+    holds no transformer layer."""
     stages = expand_layout(text)
     where = f"{LAYOUT_FLAG} {text!r}"
     if "m" in "".join(stages):
@@ -76,7 +85,7 @@ def layout_partition(text: str, num_layers: int, num_stages: int) -> list[tuple[
     if joined.count("L") != 1 or not stages[-1].endswith("L"):
         raise ConfigError(f"{where}: the loss L must close the last stage, once")
     empty = [s for s, stage in enumerate(stages) if "t" not in stage]
-    if empty:
+    if empty and not allow_empty:
         raise ConfigError(f"{where}: stage {empty[0]} holds no transformer layer (every stage "
                           f"needs at least one t here)")
     return ranges_of([stage.count("t") for stage in stages])

@@ -78,9 +78,11 @@ def uniform_partition(num_layers: int, num_stages: int) -> list[StagePiece]:
 def partition_stages(spec: ModelSpec, num_stages: int, method: str = "uniform") -> list[StagePiece]:
     """Stage pieces as the runtime builds them: ``--partition-method`` ``uniform`` or
     ``parameters`` (balancing embedding and head parameters too), or a
-    ``--pipeline-model-parallel-layout`` string (uneven stages as given)."""
+    ``--pipeline-model-parallel-layout`` string (uneven stages as given; also stages without a
+    transformer layer, which Megatron runs and training here refuses)."""
     if is_layout(method):
-        return pieces_of(layout_partition(method, spec.config.num_layers, num_stages))
+        return pieces_of(layout_partition(method, spec.config.num_layers, num_stages,
+                                          allow_empty=True))
     return pieces_of(partition_layers(spec.config.num_layers, num_stages, method,
                                       config=spec.config, family=spec.family))
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.layout import ParallelLayout
-from megatron_chimera.model.stage_split import expand_layout, is_layout
+from megatron_chimera.model.stage_split import empty_stages, expand_layout, is_layout
 from megatron_chimera.schedules.registry import (
     PAIRED_SCHEDULES,
     SCHEDULE_NAMES,
@@ -103,6 +103,11 @@ class SearchSpace:
         if unknown or not self.partition_methods:
             raise ConfigError(f"--partition-methods: choose from uniform, parameters or "
                               f"layout strings; got {self.partition_methods}")
+        for method in filter(is_layout, self.partition_methods):  # the search proposes runs
+            if empty_stages(method):
+                raise ConfigError(f"--pipeline-model-parallel-layout {method!r}: stage "
+                                  f"{empty_stages(method)[0]} holds no transformer layer, which "
+                                  f"training refuses (--predict prices it)")
         if self.micro_batch_sizes is not None and min(self.micro_batch_sizes, default=0) < 1:
             raise ConfigError(f"--micro-batch-sizes must be positive, got "
                               f"{self.micro_batch_sizes}")

@@ -12,10 +12,11 @@ embeddings, Megatron's default dropout (0.1) and fused scale-mask-softmax, no
 ``--use-flash-attn`` (the attention scores are materialised), ``GPTSentencePieceTokenizer``
 (a 32,000-token SentencePiece vocabulary), ``--allow-padding-num-layers``, and 1F1B-I with
 ``--num-layers-per-virtual-pipeline-stage 1``. Priced from the ``a100-80gb`` profile with the
-runtime's ``parameters`` partition (layers balanced by parameters, which gives the embedding and
-head stages fewer layers), no recomputation. ZB-2p is our ``zb-2p`` (schedules/zb_2p.py). Our
-interleaved schedule needs a layer in every chunk, so 1F1B-I is priced with 2 chunks per rank
-(one layer per chunk would leave the embedding's and the head's chunks empty; 28.3B: not priced).
+authors' stages (:func:`padded_layout`, their ``get_offset``): the layers padded up to a multiple
+of the GPUs, split evenly, the two padding layers taken off the last and the first stage. 1F1B-I
+has one layer per chunk, ``(layers + 2) / GPUs`` chunks per GPU (3, 4, 3, 2), so its first chunk
+holds only the embedding and its last only the head (training here refuses such a chunk; the
+model prices it). No recomputation. ZB-2p is our ``zb-2p`` (schedules/zb_2p.py).
 """
 
 from __future__ import annotations
@@ -35,11 +36,9 @@ from megatron_chimera.tuning.training_plan import TrainingPlan
 QI_SOURCE = ("Qi et al., ICLR'24, Table 4: A100 SXM 80 GB, <= 32 GPUs on 4 nodes over RoCE, pure "
              "PP, s = 1024, samples per GPU per second")
 SCHEDULES = ("ZB-2p", "ZB-1p", "1F1B", "1F1B-I")
-# Our schedule (registry name, options) for each published column; None: not in the IR yet.
-OURS: dict[str, tuple[str, dict[str, int]] | None] = {
-    "ZB-2p": ("zb-2p", {}), "ZB-1p": ("zb-h1", {}), "1F1B": ("1f1b", {}),
-    "1F1B-I": ("interleaved", {"virtual_pipeline_size": 2}),
-}
+# Our schedule (registry name) for each published column; None: not in the IR yet.
+OURS: dict[str, str | None] = {"ZB-2p": "zb-2p", "ZB-1p": "zb-h1", "1F1B": "1f1b",
+                               "1F1B-I": "interleaved"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,38 @@ QI_TABLE4: tuple[ZBRun, ...] = (
 )
 
 
+def padded_layout(num_layers: int, ranks: int, virtual: int = 1) -> str:
+    """The stages of the authors' ``--allow-padding-num-layers`` as a layout string: the layers
+    padded up to a multiple of ``ranks``, split evenly over the ``ranks x virtual`` stages (in
+    Megatron's chunk order), the padding then taken one layer each off the last stage, the first,
+    the second, ... (their ``ParallelTransformer.get_offset``); a stage may end up empty."""
+    padded = -(-num_layers // ranks) * ranks
+    stages = ranks * virtual
+    if padded % stages:
+        raise ValueError(f"{padded} padded layers do not split over {stages} stages")
+    sizes = [padded // stages] * stages
+    for index in range(-1, padded - num_layers - 1):
+        sizes[index] -= 1
+    if min(sizes) < 0:
+        raise ValueError(f"{padded - num_layers} padding layers exceed the stages' layers")
+    parts = ["" if n == 0 else "t" if n == 1 else f"t*{n}" for n in sizes]
+    return "E" + "|".join(parts) + "L"
+
+
+def plan_of(run: ZBRun, column: str) -> TrainingPlan:
+    """Our layout of a published column, on the authors' stages (module doc)."""
+    name = OURS[column]
+    if name is None:
+        raise ValueError(f"{column} is not in the schedule IR")
+    if name != "interleaved":
+        return TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
+                               partition=padded_layout(run.layers, run.gpus))
+    virtual = -(-run.layers // run.gpus)  # one layer per chunk of the padded model
+    return TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
+                           partition=padded_layout(run.layers, run.gpus, virtual),
+                           virtual_pipeline_size=virtual)
+
+
 def zb_spec(run: ZBRun) -> ModelSpec:
     """The GPT model of a Table 4 row as the authors ran it (module doc): fp16, unfused attention
     with dropout, a 32,000-token vocabulary."""
@@ -87,20 +118,13 @@ def zb_spec(run: ZBRun) -> ModelSpec:
 
 def predict_zb(run: ZBRun, hardware: HardwareProfile,
                model: PerformanceModel | None = None) -> dict[str, float | None]:
-    """Predicted samples/GPU/s per published column (None: not priced, with the reason absent
-    from the IR or the layout impossible, e.g. 62 layers on 64 interleaved stages)."""
+    """Predicted samples/GPU/s per published column (None: not priced, the schedule absent
+    from the IR or the layout impossible)."""
     model = model or PerformanceModel(zb_spec(run), hardware)
     out: dict[str, float | None] = {}
     for column in SCHEDULES:
-        ours = OURS[column]
-        if ours is None:
-            out[column] = None
-            continue
-        name, options = ours
         try:
-            plan = TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
-                                   partition="parameters", **options)
-            seconds = model.predict(plan, with_memory=False).iteration_s
+            seconds = model.predict(plan_of(run, column), with_memory=False).iteration_s
         except (ConfigError, ValueError):
             out[column] = None
             continue

@@ -11,6 +11,7 @@ import shlex
 import pytest
 
 from megatron_chimera.config import ConfigError, ModelConfig
+from megatron_chimera.model.stage_split import layout_partition
 from megatron_chimera.tuning.analytic_costs import ModelSpec, StagePiece
 from megatron_chimera.tuning.autotune import JSON_KEYS, SearchSpace, autotune, enumerate_layouts
 from megatron_chimera.tuning.command import pretrain_flags
@@ -364,6 +365,25 @@ def test_layout_strings_are_searched_with_their_stage_count():
         assert model.predict(lay).iteration_s > model.predict(even).iteration_s
         flags = pretrain_flags(gpt(), lay)
         assert flags[flags.index("--pipeline-model-parallel-layout") + 1] == layout_string
+
+
+def test_a_layout_with_empty_chunks_is_priced_but_never_searched():
+    """Megatron's layout allows a chunk without transformer layers (the zero-bubble authors'
+    embedding-only and head-only chunks): the model prices it, the search (whose answer is a
+    run) and training refuse it."""
+    empty = "E|t*4|t*4|L"
+    with pytest.raises(ConfigError, match="stage 0 holds no transformer layer, which training"):
+        dataclasses.replace(hand_space(), partition_methods=("uniform", empty))
+    with pytest.raises(ConfigError, match="stage 0 holds no transformer layer"):
+        layout_partition(empty, 8, 4)  # training's rule
+    model = PerformanceModel(gpt(), ZERO_COMM, compute=PerLayerCompute())
+    lay = TrainingPlan.of("interleaved", 2, 1, 1, 2, partition=empty, virtual_pipeline_size=2)
+    pieces = model.partition(lay)
+    assert [(p.num_layers, p.pre_process, p.post_process) for p in pieces] == [
+        (0, True, False), (4, False, False), (4, False, False), (0, False, True)]
+    # the empty chunks cost nothing here: F0 -> F1 (rank 1) -> F2 (rank 0) -> F3, as two
+    # 4-layer stages (F = 4, B = 8) in turn; 2 micro-batches: (N + D - 1) (F + B) = 36
+    assert model.predict(lay, with_memory=False).iteration_s == pytest.approx(36.0)
 
 
 def test_cli_llama_8b_on_64_gpus_prints_a_command_with_the_architecture_flags(capsys):

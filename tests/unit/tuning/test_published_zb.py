@@ -2,7 +2,15 @@
 priced by the model (the whole table: tools/validate_perf_model.py --published)."""
 
 from megatron_chimera.tuning.hardware import load_hardware
-from megatron_chimera.tuning.published_zb import QI_TABLE4, SCHEDULES, order_holds, predict_zb
+from megatron_chimera.model.stage_split import expand_layout
+from megatron_chimera.tuning.published_zb import (
+    QI_TABLE4,
+    SCHEDULES,
+    order_holds,
+    padded_layout,
+    plan_of,
+    predict_zb,
+)
 
 
 def test_table4_rows_as_published():
@@ -11,6 +19,20 @@ def test_table4_rows_as_published():
         zb2, zb1, one, _ = run.published
         assert zb2 > zb1 > one, run  # the paper's headline order holds in every row
         assert run.microbatches in (3 * run.gpus, 4 * run.gpus, 8 * run.gpus)
+
+
+def test_the_authors_stages_padded_and_interleaved_one_layer_per_chunk():
+    """--allow-padding-num-layers: 22 layers on 8 GPUs padded to 24, the first and last stage
+    one layer fewer; 1F1B-I at one layer per chunk leaves the end chunks empty (28.3B: 64 chunks
+    on 32 GPUs for 62 layers)."""
+    assert padded_layout(22, 8) == "Et*2|" + "t*3|" * 6 + "t*2L"
+    stages = expand_layout(padded_layout(62, 32, 2))
+    assert len(stages) == 64 and stages[0] == "E" and stages[-1] == "L"
+    assert all(stage == "t" for stage in stages[1:-1])
+    big = QI_TABLE4[-1]  # 28.3B, m = 256
+    plan = plan_of(big, "1F1B-I")
+    assert (plan.D, plan.virtual, plan.num_stages) == (32, 2, 64)
+    assert plan_of(QI_TABLE4[0], "1F1B-I").virtual == 3  # 1.5B: 24 padded layers on 8 GPUs
 
 
 def test_one_row_priced_within_15_percent_and_zero_bubble_ahead():

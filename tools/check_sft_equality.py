@@ -108,9 +108,15 @@ def check_layouts(flags: list[str], names: list[str], iters: int, rtol: float,
             one = VARLEN if varlen else ["--micro-batch-size", "1"]
             references[varlen] = reference_losses([*flags, *one], iters)
             ref = references[varlen]
+            frozen = reference_losses([*flags, *one, "--lr", "0"], iters)
+            moved = max(abs(r - f) / f for r, f in zip(ref, frozen))
             packing = "variable-length micro-batches" if varlen else "--seq-length rows"
             print(f"reference ({packing}, each conversation alone): loss {ref[0]:.6f} -> "
-                  f"{ref[-1]:.6f} over {iters} iterations")
+                  f"{ref[-1]:.6f} over {iters} iterations; the weights move: max relative "
+                  f"|Δloss| to a frozen model {moved:.2e}")
+            if moved <= 100 * rtol:
+                print("FAIL: the weights barely move, the comparison could not see a wrong step")
+                worst_all = float("inf")
         curves = eq.run(SCRIPT, [*flags, *extra], ranks, work / name, checkpoints=False)
         worst = relative_gap(curves, references[varlen])
         worst_all = max(worst_all, worst)

@@ -58,16 +58,17 @@ def ltor_options(config: TrainConfig, tokenizer) -> LtorOptions:
 def train_valid_test_datasets_provider(config: TrainConfig, tokenizer,
                                        num_samples: list[int]) -> tuple:
     """(train, valid, test) datasets: Megatron's GPT datasets, or synthetic with --mock-data
-    (packed variable-length micro-batches with --variable-seq-lengths); the data workers add
+    (packed variable-length micro-batches with --variable-seq-lengths, --sft conversations
+    packed into --seq-length rows or, with both, into variable-length ones); the data workers add
     each sample's loss mask, position ids and document ids."""
     data, seq_length, seed = config.data, config.model.seq_length, config.training.seed
+    if data.variable_seq_lengths:  # packed documents (--sft: with loss masks), one row each
+        return packed_datasets(config, tokenizer, num_samples)
     if data.sft:  # whole conversations packed, with their own masks, positions and documents
         return build_sft_datasets(data.data_path[0], data.split, num_samples, seq_length, seed,
                                   tokenizer.eod, data.sft_overlong,
                                   config.model.padded_vocab_size, data.data_cache_path,
                                   log=is_logging_process())
-    if data.variable_seq_lengths:  # packed documents, one row per micro-batch
-        return packed_datasets(config, tokenizer, num_samples)
     if data.mock_data:
         datasets = tuple(MockGPTDataset(name, n, seq_length, tokenizer.vocab_size, tokenizer.eod,
                                         seed) if n > 0 else None

@@ -87,13 +87,14 @@ class DataConfig:
         False, "--sft", family=GPT,
         help="GPT: supervised fine-tuning on a preprocess_data.py --sft dataset (PREFIX_text_"
              "document and its PREFIX_loss_mask_document): whole conversations packed into "
-             "--seq-length with document masks, the loss a mean over the global batch's "
+             "--seq-length (with --variable-seq-lengths: into variable-length micro-batches) "
+             "with document masks, the loss a mean over the global batch's "
              "trained tokens (implies --reset-attention-mask --reset-position-ids "
              "--calculate-per-token-loss)")
     sft_overlong: str = flag(
         "error", "--sft-overlong", choices=("error", "truncate", "skip"), family=GPT,
         help="--sft: a conversation longer than --seq-length is an error, truncated or "
-             "skipped (counted in the log)")
+             "skipped (counted in the log; with --variable-seq-lengths: --overlong-documents)")
 
     # packed variable-length micro-batches (THD): data/packed_dataset.py
     variable_seq_lengths: bool = flag(

@@ -99,10 +99,13 @@ class _Lazy(Sequence):
 class PackedDataset:
     """Packed micro-batch ``i % len(plan)`` of ``documents`` as THD fields (module docstring);
     ``num_samples`` micro-batches in all; each row is padded to a multiple of ``pad_multiple``
-    (the tensor-parallel size under ``--sequence-parallel``) with an untrained document."""
+    (the tensor-parallel size under ``--sequence-parallel``) with an untrained document. With
+    ``loss_masks`` (``--sft``: per token id, 1 where trained, the same documents) a label is
+    trained where its token's mask is 1, else every label is."""
 
     def __init__(self, documents: Documents, budget: int, num_samples: int,
-                 overlong: str = "error", pad_multiple: int = 1) -> None:
+                 overlong: str = "error", pad_multiple: int = 1,
+                 loss_masks: Documents | None = None) -> None:
         try:
             self.plan: PackingPlan = pack_documents(input_lengths(documents.sizes()), budget,
                                                     overlong)
@@ -112,7 +115,7 @@ class PackedDataset:
             raise ConfigError(f"--variable-seq-lengths: {text}") from exc
         if not self.plan.micro_batches:
             raise ConfigError("--variable-seq-lengths: no document of 2 or more tokens to pack")
-        self.documents = documents
+        self.documents, self.loss_masks = documents, loss_masks
         self.num_samples = int(num_samples)
         self.pad_multiple = int(pad_multiple)
 
@@ -124,11 +127,16 @@ class PackedDataset:
         n = self.plan.micro_batches[index % len(self.plan.micro_batches)].tokens
         return n + (-n) % self.pad_multiple
 
+    def real_tokens(self, index: int) -> int:
+        """Input positions of micro-batch ``index`` that hold documents (no padding)."""
+        return self.plan.micro_batches[index % len(self.plan.micro_batches)].tokens
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if not 0 <= index < self.num_samples:
             raise IndexError(index)
         micro_batch = self.plan.micro_batches[index % len(self.plan.micro_batches)]
-        fields = packed_fields(micro_batch, _Lazy(self.documents))
+        masks = None if self.loss_masks is None else _Lazy(self.loss_masks)
+        fields = packed_fields(micro_batch, _Lazy(self.documents), masks)
         del fields["cu_seqlens"]  # (the document ids carry it; collation stacks equal shapes)
         pad = (-micro_batch.tokens) % self.pad_multiple
         if pad:  # a document of its own, never trained (sequence parallelism splits the row)

@@ -81,6 +81,16 @@ def microbatch_first_samples(consumed_samples: int, num_microbatches: int, micro
             for m in range(num_microbatches)]
 
 
+def batch_tokens(dataset: object, first_sample: int, count: int) -> int | None:
+    """Input tokens of samples ``[first_sample, first_sample + count)`` (a global batch, every
+    replica's share) when the dataset counts them (``real_tokens``: packed samples whose padding
+    is not work), else None. Host-side, from the packing: no device sync."""
+    counter = getattr(dataset, "real_tokens", None)
+    if counter is None:
+        return None
+    return sum(counter(i) for i in range(first_sample, first_sample + count))
+
+
 def collate_samples(samples: Sequence[dict[str, object]]) -> dict[str, torch.Tensor]:
     """Stack a list of sample dicts (numpy arrays or ints) into a dict of torch tensors."""
     out: dict[str, torch.Tensor] = {}

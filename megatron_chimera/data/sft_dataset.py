@@ -110,6 +110,10 @@ class SFTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    def real_tokens(self, idx: int) -> int:
+        """Positions of sample ``idx`` that hold conversations (the padding left out)."""
+        return sum(self.samples[idx][1])
+
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         docs, lengths = self.samples[idx]
         seq = self.seq_length
@@ -131,6 +135,17 @@ class SFTDataset(torch.utils.data.Dataset):
                 "document_ids": document_ids[:seq]}
 
 
+def open_sft_masks(data_prefix: str, text: MMapIndexedDataset) -> MMapIndexedDataset:
+    """The loss-mask dataset next to ``data_prefix`` (opened as ``text``), refused in one line
+    unless it has exactly the text's conversations and lengths."""
+    mask_prefix = loss_mask_prefix(data_prefix)
+    masks = MMapIndexedDataset(mask_prefix)
+    if not np.array_equal(masks.sequence_lengths, text.sequence_lengths):
+        raise ConfigError(f"--sft: {mask_prefix} does not match {data_prefix} (other "
+                          "conversations or lengths: preprocess them together)")
+    return masks
+
+
 def build_sft_datasets(data_prefix: str, splits_string: str, num_samples: Sequence[int],
                        seq_length: int, seed: int, pad_id: int, overlong: str = "error",
                        embedding_size: int | None = None, cache_dir: str | None = None,
@@ -138,11 +153,7 @@ def build_sft_datasets(data_prefix: str, splits_string: str, num_samples: Sequen
     """(train, valid, test) :class:`SFTDataset` of ``--data-path`` split by ``--split``; the
     truncated / skipped conversations of each split are counted in the log (``log``)."""
     text = open_checked_dataset(data_prefix, embedding_size, cache_dir)
-    mask_prefix = loss_mask_prefix(data_prefix)
-    masks = MMapIndexedDataset(mask_prefix)
-    if not np.array_equal(masks.sequence_lengths, text.sequence_lengths):
-        raise ConfigError(f"--sft: {mask_prefix} does not match {data_prefix} (other "
-                          "conversations or lengths: preprocess them together)")
+    masks = open_sft_masks(data_prefix, text)
     bounds = get_train_valid_test_split(splits_string, len(text))
     out: list[SFTDataset | None] = []
     for i, name in enumerate(SPLIT_NAMES):

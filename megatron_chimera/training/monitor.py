@@ -251,6 +251,7 @@ class IterationStats:
     timers: dict[str, float] = field(default_factory=dict)
     memory: list[dict[str, float]] | None = None  # per rank (--log-memory-to-tensorboard)
     batch_size: int | None = None  # this iteration's global batch (None: --global-batch-size)
+    tokens: int | None = None  # its input tokens, counted by the packer (None: batch x seq)
     timer_readings: dict[str, TimerReading] | None = None  # until :meth:`resolve_timers`
 
     def resolve_timers(self) -> None:
@@ -338,20 +339,27 @@ class TrainingMonitor:
     def _batch(self, stats: IterationStats) -> int:
         return stats.batch_size or self.config.training.global_batch_size
 
-    def _rates(self, seconds: float, batch: int) -> tuple[float, float, float]:
+    def _tokens(self, stats: IterationStats) -> int:
+        """Input tokens of an iteration: the packed micro-batches' own (``--sft``,
+        ``--variable-seq-lengths``: padding left out), else batch x ``--seq-length``."""
+        if stats.tokens is not None:
+            return stats.tokens
+        return self._batch(stats) * self.config.model.seq_length
+
+    def _rates(self, seconds: float, batch: int, tokens: float) -> tuple[float, float, float]:
         """TFLOP/s per GPU, samples/s and tokens/s for one iteration of ``seconds`` on
-        ``batch`` samples."""
+        ``batch`` samples of ``tokens`` input tokens in all."""
         if seconds <= 0:
             return 0.0, 0.0, 0.0
         flops = self.flops_per_iteration * batch / self.config.training.global_batch_size
         tflops = flops / (seconds * self.world_size * 1e12)
-        return tflops, batch / seconds, batch * self.config.model.seq_length / seconds
+        return tflops, batch / seconds, tokens / seconds
 
     def _write_tensorboard(self, stats: IterationStats) -> None:
         it, samples = stats.iteration, stats.consumed_samples
         w = self.writer
-        tflops, samples_per_s, tokens_per_s = self._rates(stats.iteration_seconds,
-                                                          self._batch(stats))
+        tflops, samples_per_s, tokens_per_s = self._rates(
+            stats.iteration_seconds, self._batch(stats), self._tokens(stats))
         self._scalar("learning-rate", stats.learning_rate, it, samples)
         self._scalar("batch-size", self._batch(stats), it, samples)
         for name, value in stats.losses.items():
@@ -388,7 +396,9 @@ class TrainingMonitor:
         window = self._window
         seconds = (sum(s.iteration_seconds for s in window) / len(window) if window
                    else stats.iteration_seconds)
-        tflops, samples_per_s, tokens_per_s = self._rates(seconds, self._batch(stats))
+        tokens = (sum(map(self._tokens, window)) / len(window) if window
+                  else self._tokens(stats))
+        tflops, samples_per_s, tokens_per_s = self._rates(seconds, self._batch(stats), tokens)
         train_iters = self.config.training.total_train_iters
         parts = [
             f" iteration {stats.iteration:8d}/{train_iters:8d}",

@@ -36,6 +36,7 @@ from megatron_chimera.checkpoint.checkpointing import (
 from megatron_chimera.checkpoint.saved_args import checkpoint_family_error
 from megatron_chimera.config import ConfigError, TrainConfig
 from megatron_chimera.data.samplers import (
+    batch_tokens,
     build_data_iterator,
     microbatch_first_samples,
     next_microbatches,
@@ -338,9 +339,10 @@ def _moe_aux_losses(run: Run) -> dict[str, float]:
 
 
 def train(run: Run, state: TrainState, train_iterator, valid_iterator,
-          exits: ExitCheck | None = None) -> str | None:
+          exits: ExitCheck | None = None, dataset: Any = None) -> str | None:
     """The training loop: steps, logging, evaluation, checkpoint cadence, early exits
     (``exits``: exit interval, SIGTERM, wall clock); returns why it stopped early, if it did.
+    ``dataset`` (the training split) counts the tokens per second of packed samples.
 
     Losses and busy times stay on the device until the next log iteration (or the end), when
     one collective brings every pending iteration's figures to the logging rank.
@@ -353,7 +355,7 @@ def train(run: Run, state: TrainState, train_iterator, valid_iterator,
     walls: list[float] = []  # host wall time of the iterations until the first save
     while state.iteration < training.total_train_iters:
         started = time.perf_counter()
-        _iteration(run, state, train_iterator, pending)
+        _iteration(run, state, train_iterator, pending, dataset)
         if walls is not None:
             walls.append(time.perf_counter() - started)
         if progress:
@@ -387,7 +389,7 @@ def _advise_save_interval(save_seconds: float, walls: list[float], interval: int
 
 
 def _iteration(run: Run, state: TrainState, train_iterator,
-               pending: list[tuple[IterationStats, Any]]) -> None:
+               pending: list[tuple[IterationStats, Any]], dataset: Any = None) -> None:
     """One training iteration of the loop: the running schedule for this iteration's batch
     size, the step, the rebuild at the end of a profiling window, the iteration's figures
     (reported at a log iteration)."""
@@ -407,6 +409,8 @@ def _iteration(run: Run, state: TrainState, train_iterator,
     report = pipeline.finish_iteration()
     if report is not None:
         apply_rebuild(run, report, state.iteration)
+    tokens = (batch_tokens(dataset, state.consumed_train_samples, batch_size)
+              if run.monitor.enabled else None)  # the packed ones, on the host
     state.consumed_train_samples += batch_size
     readings = run.timers.take_all()  # resolved at the logging iteration (no sync now)
     memory = None  # a collective: every rank, on the iterations TensorBoard is written
@@ -415,7 +419,7 @@ def _iteration(run: Run, state: TrainState, train_iterator,
         memory = gather_memory_stats(run.world_size - 1)
     pending.append((IterationStats(
         iteration=state.iteration, consumed_samples=state.consumed_train_samples,
-        batch_size=batch_size, losses={}, learning_rate=run.scheduler.get_lr(),
+        batch_size=batch_size, tokens=tokens, losses={}, learning_rate=run.scheduler.get_lr(),
         loss_scale=run.optimizer.get_loss_scale(), grad_norm=grad_norm, skipped=skipped,
         iteration_seconds=pipeline_seconds, pipeline_seconds=pipeline_seconds,
         timer_readings=readings, memory=memory), result))
@@ -495,7 +499,7 @@ def _pretrain(train_valid_test_datasets_provider: DatasetsProvider,
     valid_iterator = iterator(valid_ds, state.consumed_valid_samples)
     if run.rng_state is not None:  # nothing drawn since the restore reaches the first iteration
         set_rng_state(run.rng_state)
-    train(run, state, train_iterator, valid_iterator, exits)
+    train(run, state, train_iterator, valid_iterator, exits, dataset=train_ds)
     if state.iteration >= training.total_train_iters:
         if training.eval_iters and training.total_train_iters % training.eval_interval:
             _evaluate_and_log(run, "validation end of training", valid_iterator, state)

@@ -22,6 +22,7 @@ from megatron_chimera.data.dataset_utils import (
     open_checked_dataset,
 )
 from megatron_chimera.data.packed_dataset import IndexedDocuments, MockDocuments, PackedDataset
+from megatron_chimera.data.sft_dataset import open_sft_masks
 
 
 def token_budget(config: TrainConfig) -> int:
@@ -51,7 +52,9 @@ def check_variable_seq_lengths(config: TrainConfig) -> None:
          "row of documents: use --micro-batch-size 1 and --micro-batch-tokens for its size)"),
         (parallel.context_parallel_size > 1, "--context-parallel-size > 1"),
         (parallel.pipeline_sequence_slices > 1, "--pipeline-sequence-slices > 1"),
-        (data.sft, "--sft (conversations are packed into --seq-length rows)"),
+        (data.sft and data.sft_overlong != "error",
+         f"--sft-overlong {data.sft_overlong} (it applies to --seq-length rows: use "
+         "--overlong-documents)"),
         (data.split_data_paths is not None, "--train/valid/test-data-path (use --data-path)"),
         (not data.mock_data and data.data_path is not None and len(data.data_path) != 1,
          "blended --data-path (give one prefix)"),
@@ -64,13 +67,15 @@ def check_variable_seq_lengths(config: TrainConfig) -> None:
                           f"{model.max_positions} learned positions (--max-position-embeddings)")
 
 
-def packed_datasets(config: TrainConfig, tokenizer, num_samples: Sequence[int]
-                    ) -> tuple[PackedDataset | None, ...]:
+def packed_datasets(config: TrainConfig, tokenizer, num_samples: Sequence[int],
+                    log: bool = True) -> tuple[PackedDataset | None, ...]:
     """(train, valid, test) packed datasets: synthetic documents with log-normal lengths
     (median a quarter of the budget) for ``--mock-data``, else the ``--split`` ranges of the
-    one ``--data-path`` prefix."""
+    one ``--data-path`` prefix (with ``--sft``: its conversations, in stream order, and their
+    loss masks); rank 0 logs the packing (``log``)."""
     data, budget, seed = config.data, token_budget(config), config.training.seed
     sources: list = []
+    masks: list = [None] * len(SPLIT_NAMES)
     if data.mock_data:
         for split, n in enumerate(num_samples):
             count = max(4 * n, 16)  # ~2-4 documents per micro-batch: enough for one epoch
@@ -82,14 +87,18 @@ def packed_datasets(config: TrainConfig, tokenizer, num_samples: Sequence[int]
         bounds = get_train_valid_test_split(data.split, len(indexed))
         sources = [IndexedDocuments(indexed, bounds[i], bounds[i + 1])
                    for i in range(len(SPLIT_NAMES))]
+        if data.sft:
+            mask = open_sft_masks(data.data_path[0], indexed)
+            masks = [IndexedDocuments(mask, bounds[i], bounds[i + 1])
+                     for i in range(len(SPLIT_NAMES))]
     out: list[PackedDataset | None] = []
-    for source, n in zip(sources, num_samples):
+    for source, mask, n in zip(sources, masks, num_samples):
         if n <= 0 or not len(source.sizes()):
             out.append(None)
             continue
         out.append(PackedDataset(source, budget, n, data.overlong_documents,
-                                 sequence_split(config)))
-    if not dist.is_initialized() or dist.get_rank() == 0:
+                                 sequence_split(config), loss_masks=mask))
+    if log and (not dist.is_initialized() or dist.get_rank() == 0):
         for line in log_packing(out):
             print(line, flush=True)
     return tuple(out)

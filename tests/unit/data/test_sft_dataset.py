@@ -9,9 +9,13 @@ import pytest
 
 from megatron_chimera.config import ConfigError
 from megatron_chimera.data.indexed_dataset import MMapIndexedDataset
+from megatron_chimera.data.packed_dataset import PackedDataset
+from megatron_chimera.data.samplers import batch_tokens
 from megatron_chimera.data.sft_dataset import build_sft_datasets, check_sft_data
 from megatron_chimera.training.arguments import parse_args
 from megatron_chimera.training.sft_reference import write_sft_dataset
+from megatron_chimera.training.training import build_tokenizer_for
+from megatron_chimera.training.varlen import packed_datasets
 
 SEQ, EOD = 24, 99
 
@@ -47,6 +51,8 @@ def test_every_packed_conversation_equals_it_alone(data_path, capsys):
         assert (sample["text"][start:] == EOD).all()
         assert (sample["document_ids"][start:] == len(docs)).all()
     assert seen == set(range(24))  # every training conversation is used
+    # tokens per second counts the conversations' positions, not the padding
+    assert batch_tokens(train, 0, 40) == sum(sum(n) for _, n in train.samples) < 40 * SEQ
     assert "truncated" not in capsys.readouterr().out
 
 
@@ -85,3 +91,37 @@ def test_sft_flag_checks(data_path, tmp_path):
             open(data_path + suffix, "rb").read())
     with pytest.raises(ConfigError, match=r"no loss mask dataset .*lone_loss_mask_document"):
         check_sft_data([str(lone)], [], False)
+
+
+def test_packed_variable_length_sft_carries_each_conversations_loss_mask(data_path):
+    """--sft --variable-seq-lengths: conversations packed whole, in stream order, into
+    micro-batches of at most --micro-batch-tokens inputs; every label trained exactly where the
+    conversation's own mask says; the packed token count leaves the row padding out."""
+    flags = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+             "--seq-length", "24", "--max-position-embeddings", "24", "--micro-batch-size", "1",
+             "--lr", "1e-3", "--train-iters", "1", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", "90", "--sft", "--data-path", data_path, "--split", "100,0,0",
+             "--variable-seq-lengths", "--micro-batch-tokens", "20"]
+    tokenizer, config = build_tokenizer_for(parse_args(flags, world_size=1))
+    dataset = packed_datasets(config, tokenizer, [12, 0, 0], log=False)[0]
+    text = MMapIndexedDataset(data_path)
+    masks = MMapIndexedDataset(data_path.replace("_text_", "_loss_mask_"))
+    plan = dataset.plan.micro_batches
+    assert [d for mb in plan for d in mb.documents] == list(range(30))  # stream order, whole
+    for index in range(12):
+        sample, mb = dataset[index], plan[index % len(plan)]
+        assert len(sample["tokens"]) == mb.tokens <= 20
+        start = 0
+        for doc, n in zip(mb.documents, mb.lengths):
+            assert n == len(text[doc]) - 1
+            assert np.array_equal(sample["labels"][start:start + n], text[doc][1:])
+            assert np.array_equal(sample["loss_mask"][start:start + n], masks[doc][1:])
+            start += n
+    assert 0 < sum(dataset[i]["loss_mask"].sum() for i in range(12)) < sum(
+        dataset.tokens(i) for i in range(12))  # the prompts are not trained
+    padded = PackedDataset(dataset.documents, 20, 12, pad_multiple=8,
+                           loss_masks=dataset.loss_masks)  # (--sequence-parallel, T = 8)
+    assert batch_tokens(padded, 2, 5) == batch_tokens(dataset, 2, 5) == sum(
+        plan[i].tokens for i in range(2, 7)) < sum(padded.tokens(i) for i in range(2, 7))
+    with pytest.raises(ConfigError, match="does not run with --sft-overlong truncate"):
+        parse_args([*flags, "--sft-overlong", "truncate"], world_size=1)

@@ -120,6 +120,21 @@ def _tags(directory) -> set[str]:
     return set(events.Tags()["scalars"])
 
 
+def test_tokens_per_second_counts_the_packed_tokens(tmp_path, capsys):
+    """Packed samples (--sft, --variable-seq-lengths): tokens per second counts the tokens the
+    packer put in the iteration, not global batch x --seq-length (8 x 32 = 256 here)."""
+    monitor = _monitor(tmp_path)
+    monitor.record(_stats(1, tokens=100))
+    monitor.record(_stats(2))  # an unpacked iteration: 256 tokens
+    monitor.close()
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "iteration" in ln]
+    assert "tokens per second: 200.0 |" in lines[0]  # 100 tokens in 0.5 s
+    assert "tokens per second: 512.0 |" in lines[1]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [e.value for e in events.Scalars("tokens-per-second")] == [200.0, 512.0]
+
+
 def test_throughput_only_with_log_throughput(tmp_path, capsys):
     """Megatron prints (and writes) TFLOP/s per GPU only with --log-throughput."""
     monitor = _monitor(tmp_path / "off")

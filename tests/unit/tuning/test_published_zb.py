@@ -1,8 +1,8 @@
 """Qi et al.'s zero-bubble Table 4 (tuning/published_zb.py): the data as published and one row
 priced by the model (the whole table: tools/validate_perf_model.py --published)."""
 
-from megatron_chimera.tuning.hardware import load_hardware
 from megatron_chimera.model.stage_split import expand_layout
+from megatron_chimera.tuning.hardware import load_hardware
 from megatron_chimera.tuning.published_zb import (
     QI_TABLE4,
     SCHEDULES,

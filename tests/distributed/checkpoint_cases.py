@@ -19,7 +19,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from megatron_chimera.checkpoint import checkpointing, dcp_io
+from megatron_chimera.checkpoint import dcp_io
 from megatron_chimera.checkpoint.async_save import AsyncCheckpointer
 from megatron_chimera.checkpoint.checkpointing import (
     CheckpointContents,
@@ -155,7 +155,7 @@ def run_async_save_killed(rank: int, world_size: int, root: str, victim: int,
     step(1)
     die = lambda *_args, **_kwargs: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
     if rank == victim and moment == "write":
-        checkpointing.save_chunks = die
+        dcp_io.save_chunks = die  # looked up when the save job runs
     if rank == victim and moment == "publish":
         real = os.replace
         os.replace = lambda src, dst: die() if str(dst).endswith("iter_0000002") \

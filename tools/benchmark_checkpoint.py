@@ -182,6 +182,9 @@ def async_only(args, flags: list[str], warmup: int = 2) -> None:
           f"({', '.join(str(w) for w in windows)}), mean {busy:.1f} ms; the other "
           f"{len(others)} iterations' median {quiet:.1f} ms; in flight / not: {busy / quiet:.2f} "
           f"(target <= 1.2)")
+    print("  per save, the in-flight iterations' ms (the iteration before it): " + "; ".join(
+        f"{', '.join(f'{walls[i]:.0f}' for i in w)} ({walls.get(w[0] - 1, float('nan')):.0f})"
+        for w in windows))
 
 
 RESHARDS = ("--pipeline-model-parallel-size 4 --use-distributed-optimizer",  # T=2 -> 1, 1F1B

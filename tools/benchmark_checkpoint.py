@@ -23,6 +23,10 @@ step, the logging collective, a save's synchronous part (an async save's staging
 of iteration N is in flight for every iteration after N that began before its "finished saving"
 line arrived; all of them are counted.
 
+``--async-only`` runs only the ``--async-save`` training and compares, within that one run, the
+iterations an async save was in flight for with the others (the same run's load, so the machine's
+swings fall on both): the mean in-flight iteration over the median other one (target <= 1.2).
+
 ``--reshard`` instead saves one checkpoint (``--save-layout``, with the distributed optimizer)
 and resumes it in each ``--reshard-layouts`` layout (default: T=2 -> T=1 with Chimera -> 1F1B,
 and D=2 -> D=4), printing the most checkpoint bytes one rank read over its share (target
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--iters", type=int, default=13)
     parser.add_argument("--save-interval", type=int, default=4)
+    parser.add_argument("--async-only", action="store_true",
+                        help="only the --async-save run: in-flight iterations against the others")
     parser.add_argument("--reshard", action="store_true",
                         help="only the reads of resharded loads (see --reshard-layouts)")
     parser.add_argument("--reshard-layouts", nargs="+", default=list(RESHARDS),
@@ -128,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
         return reshard_rows(args)
     base = shlex.split(args.model) + ["--train-iters", str(args.iters)]
     save_layout, load_layout = shlex.split(args.save_layout), shlex.split(args.load_layout)
+    if args.async_only:
+        return async_only(args, [*base, *save_layout])
     with tempfile.TemporaryDirectory(prefix="ckpt_bench_") as tmp:
         walls: list[float] = []
         plain = iteration_walls(run(args.nproc, [*base, *save_layout], walls))
@@ -155,6 +163,28 @@ def main(argv: list[str] | None = None) -> None:
           f"--async-save {(walls[2] - walls[0]) / saves:.2f} s")
     print_iteration_table(plain, iteration_walls(sync_lines), iteration_walls(async_lines),
                           in_flight_iterations(async_lines), args.save_interval)
+
+
+def async_only(args, flags: list[str], warmup: int = 2) -> None:
+    """One ``--async-save`` run: its iterations with a save in flight against the others."""
+    with tempfile.TemporaryDirectory(prefix="ckpt_async_") as tmp:
+        lines = run(args.nproc, [*flags, "--save", os.path.join(tmp, "async"),
+                                 "--save-interval", str(args.save_interval), "--async-save"])
+    walls, windows = iteration_walls(lines), in_flight_iterations(lines)
+    in_flight = [i for window in windows for i in window if i > warmup]
+    others = [ms for i, ms in walls.items() if i > warmup and i not in in_flight]
+    if not in_flight or not others:
+        raise SystemExit(f"no iteration with (or without) an async save in flight after "
+                         f"iteration {warmup}: raise --iters or --save-interval")
+    busy, quiet = statistics.mean(walls[i] for i in in_flight), statistics.median(others)
+    print(f"--async-save every {args.save_interval} of {args.iters} iterations: "
+          f"{len(windows)} saves in flight over {len(in_flight)} iterations "
+          f"({', '.join(str(w) for w in windows)}), mean {busy:.1f} ms; the other "
+          f"{len(others)} iterations' median {quiet:.1f} ms; in flight / not: {busy / quiet:.2f} "
+          f"(target <= 1.2)")
+    print("  per save, the in-flight iterations' ms (the iteration before it): " + "; ".join(
+        f"{', '.join(f'{walls[i]:.0f}' for i in w)} ({walls.get(w[0] - 1, float('nan')):.0f})"
+        for w in windows))
 
 
 RESHARDS = ("--pipeline-model-parallel-size 4 --use-distributed-optimizer",  # T=2 -> 1, 1F1B

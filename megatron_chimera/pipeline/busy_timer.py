@@ -5,7 +5,8 @@ CPU, CUDA events on a GPU (read only when the figures are gathered at a log inte
 reports each action's seconds to an optional :data:`ActionTimer` (the profiler) and spans to an
 optional tracer, and is thread-aware: the two halves of a paired action time on two threads.
 It also sums the seconds per action kind (F, B, W: :attr:`BusyTimer.by_kind`; on the CPU the
-thread's CPU time), which straggler attribution compares with the schedule's prediction.
+thread's CPU time), which straggler attribution compares with the schedule's prediction (only
+with ``kinds``: ``--log-straggler``).
 ``MEGATRON_CHIMERA_SLOW_RANK=RANK:FRACTION`` (drills, CPU) stretches every compute action of
 that rank by FRACTION of its CPU time, burnt inside it (a slower core).
 """
@@ -49,14 +50,16 @@ class BusyTimer:
 
     def __init__(self, device: torch.device, events: list[Any],
                  action_timer: ActionTimer | None = None, tracer: Any = None,
-                 slowdown: float = 0.0) -> None:
+                 slowdown: float = 0.0, kinds: bool = True) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
         # seconds per action kind (complete after total()); on the CPU the thread's CPU time, so
         # a rank descheduled on a shared machine is not taken for a slow one
         self.by_kind: dict[str, float] = {}
+        self.kinds = kinds
         self._cpu: list[list[float]] = []  # open spans' [thread CPU start, nested CPU seconds]
         self.slowdown = slowdown if not self.cuda else 0.0  # an injected delay (drills, CPU)
+        self._thread_cpu = kinds or bool(self.slowdown)  # the CPU spans read the thread's clock
         self.action_timer = action_timer
         self.tracer = tracer  # tracer.compute(action, start, end) on the host clock
         self._free = events
@@ -89,7 +92,8 @@ class BusyTimer:
             start.record()
         else:
             start = time.perf_counter()
-            self._cpu.append([time.thread_time(), 0.0])
+            if self._thread_cpu:
+                self._cpu.append([time.thread_time(), 0.0])
         self._open.append((start, self._next, []))
         return self
 
@@ -102,21 +106,22 @@ class BusyTimer:
             if self._open:
                 self._open[-1][2].append((start, end))
         else:
-            cpu_start, cpu_nested = self._cpu.pop()
-            if self.slowdown and not self._open:  # burn the extra CPU time: a slower core
-                until = time.thread_time() + self.slowdown * (time.thread_time() - cpu_start)
-                while time.thread_time() < until:
-                    pass
+            if self._thread_cpu:
+                cpu_start, cpu_nested = self._cpu.pop()
+                if self.slowdown and not self._open:  # burn the extra CPU time: a slower core
+                    until = time.thread_time() + self.slowdown * (time.thread_time() - cpu_start)
+                    while time.thread_time() < until:
+                        pass
+                cpu_span = time.thread_time() - cpu_start
+                if self._cpu:
+                    self._cpu[-1][1] += cpu_span
+                if action is not None and self.kinds:
+                    self._add_kind(action, cpu_span - cpu_nested)
             end = time.perf_counter()
-            cpu_span = time.thread_time() - cpu_start
-            if self._cpu:
-                self._cpu[-1][1] += cpu_span
             elapsed = end - start - sum(e - s for s, e in nested)
             if self._open:
                 self._open[-1][2].append((start, end))
             self.seconds += elapsed
-            if action is not None:
-                self._add_kind(action, cpu_span - cpu_nested)
             if self.action_timer is not None and action is not None:
                 self._per_action[action] = self._per_action.get(action, 0.0) + elapsed
             if self.tracer is not None and action is not None:
@@ -130,7 +135,7 @@ class BusyTimer:
                 elapsed = (start.elapsed_time(end)
                            - sum(s.elapsed_time(e) for s, e in nested)) / 1000.0
                 self.seconds += elapsed
-                if action is not None:
+                if action is not None and self.kinds:
                     self._add_kind(action, elapsed)
                 if self.action_timer is not None and action is not None:
                     self._per_action[action] = self._per_action.get(action, 0.0) + elapsed

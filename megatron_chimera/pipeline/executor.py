@@ -186,6 +186,7 @@ class PipelineExecutor:
         self.weight_grad_store_factory = gradients.weight_grad_store_factory
         self.deallocate_outputs = policy.deallocate_outputs and not work.recompute
         self.overlap_pairs = policy.overlap_pairs
+        self.time_kinds = policy.time_kinds
         # the rank's MoE layers reach their all-to-alls through the paired runtime; with pairs
         # every training backward runs in pieces cut at them (overlap on or off: same sums)
         self.pair_runtime = PairRuntime(self.device)
@@ -364,7 +365,7 @@ class _Iteration:
         self.losses: dict[int, dict[str, Any]] = {}
         self.executed: list[Action] = []
         self.timer = BusyTimer(executor.device, executor._events, executor.action_timer,
-                               executor.tracer, executor.slowdown)
+                               executor.tracer, executor.slowdown, executor.time_kinds)
         self.current: Any = None
         self.stage_done: tuple[int, ...] = ()  # finished stages not yet reported (_compute)
         transport = executor.transport  # calls that would do nothing are not made at all:

@@ -52,10 +52,12 @@ class ExecutorPolicy:
     ``warm_up`` connects every direction before the first iteration; ``safe_posting=False``
     ignores NCCL's rules (only to show that tests catch it); ``overlap_pairs`` runs each paired
     action's halves so that one's all-to-alls overlap the other's compute (:mod:`.overlap`;
-    False: one half after the other)."""
+    False: one half after the other); ``time_kinds`` sums each rank's compute time per action
+    kind (F, B, W) for straggler attribution (``--log-straggler``; off: none of that timing)."""
 
     recv_lookahead: int = DEFAULT_LOOKAHEAD
     deallocate_outputs: bool = True
     warm_up: bool = True
     safe_posting: bool = True
     overlap_pairs: bool = True
+    time_kinds: bool = True

@@ -24,6 +24,7 @@ from megatron_chimera.model.dropout_rng import keyed_forward_step
 from megatron_chimera.model.loss_normalization import microbatch_units
 from megatron_chimera.optimizer import MegatronOptimizer
 from megatron_chimera.pipeline.executor import (
+    ExecutorPolicy,
     Gradients,
     PipelineExecutor,
     StageWork,
@@ -79,6 +80,8 @@ class ExecutorFactory:
         self.data_parallel_size = config.parallel.data_parallel_size
         self.grad_sync, self.scale_loss = grad_sync, optimizer.scale_loss
         self.transports: dict[tuple[int, int], Transport] = {}
+        # compute time per action kind, only where --log-straggler reads it
+        self.train_policy = ExecutorPolicy(time_kinds=config.logging.log_straggler)
 
     def _transport(self, schedule: Schedule) -> Transport:
         sizes = (schedule.num_pipes, schedule.num_microbatches)
@@ -92,12 +95,13 @@ class ExecutorFactory:
         divisor = microbatch_units(schedule.num_sequences, self.data_parallel_size)
         return PipelineExecutor(schedule, self.topology, self.work,
                                 Gradients(divisor, self.grad_sync, self.scale_loss),
-                                transport=self._transport(schedule))
+                                self.train_policy, transport=self._transport(schedule))
 
     def __call__(self, schedule: Schedule) -> tuple[PipelineExecutor, PipelineExecutor]:
         divisor = microbatch_units(schedule.num_sequences, self.data_parallel_size)
         return (self.train_executor(schedule),
                 PipelineExecutor(schedule, self.topology, self.work, Gradients(divisor),
+                                 ExecutorPolicy(time_kinds=False),
                                  transport=self._transport(schedule)))
 
 

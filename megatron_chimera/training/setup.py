@@ -54,7 +54,11 @@ from megatron_chimera.training.restart import (
 )
 from megatron_chimera.training.running_schedule import ExecutorFactory, RunningSchedule
 from megatron_chimera.training.startup_block import startup_block
-from megatron_chimera.training.straggler import StragglerDetector, expected_busy_by_kind
+from megatron_chimera.training.straggler import (
+    StragglerDetector,
+    expected_busy_by_kind,
+    stages_held,
+)
 
 ModelProvider = Callable[..., nn.Module]
 DatasetsProvider = Callable[[list[int]], tuple[Any, Any, Any]]
@@ -241,12 +245,12 @@ def build_monitor(config: TrainConfig, family: ModelFamily, schedule: Schedule,
                                      enabled=dist.get_rank() == world_size - 1)
     if config.logging.log_straggler and monitor.enabled:
         layout = config.parallel.layout
+        pipeline_rank_of = [layout.coordinates(rank)[0] for rank in range(world_size)]
         kinds = expected_busy_by_kind(
-            schedule, [float(end - start) for start, end in partition],
-            [layout.coordinates(rank)[0] for rank in range(world_size)])
+            schedule, [float(end - start) for start, end in partition], pipeline_rank_of)
         monitor.straggler = StragglerDetector(
             [sum(k.values()) for k in kinds], minmax_count=config.logging.straggler_minmax_count,
-            expected_kinds=kinds)
+            expected_kinds=kinds, positions=stages_held(schedule, pipeline_rank_of))
     return monitor
 
 

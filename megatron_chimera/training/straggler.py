@@ -3,9 +3,10 @@
 Every rank's compute-busy seconds per iteration reach the logging rank with the losses. A rank's
 *relative compute* is its busy time over what the schedule predicts for its pipeline position
 (the simulator's busy time of that position, F and B priced by the stage's layers), normalised by
-the median of its peers: the other ranks with the same predicted work (the replicas of its
-position, and in Chimera the mirrored position), so what the cost model leaves out at a position
-(an embedding, the loss) cancels; a rank without such peers is compared with every rank. Per
+the median of its peers: the other ranks that hold the same stages (the replicas of its position
+over data, tensor and context parallelism, and in Chimera the mirrored position), so what the
+cost model leaves out at a stage (an embedding, the output layer and loss) cancels; a rank
+without such peers is compared with the ranks of equal predicted work, else with every rank. Per
 log interval each rank's median relative compute is taken (robust to one noisy iteration); a
 rank above ``1 + threshold`` for ``patience`` intervals in a row is named once, with its
 slowdown, until it recovers. The line attributes it per action kind (F, B, W): each kind's
@@ -16,7 +17,7 @@ slowdown confined to one kind of action shows there.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -29,6 +30,7 @@ class StragglerDetector:
     patience: int = 3  # log intervals in a row
     minmax_count: int = 1  # slowest/fastest ranks shown in the log line
     expected_kinds: Sequence[Mapping[str, float]] = ()  # per rank: predicted time per kind
+    positions: Sequence[Hashable] = ()  # per rank: the stages it holds (peers hold the same)
     _streak: list[int] = field(default_factory=list)
     _named: set[int] = field(default_factory=set)
     last: list[float] = field(default_factory=list)  # the last interval's relative compute
@@ -101,16 +103,24 @@ class StragglerDetector:
                 for r in range(len(ratios))]
 
     def _peers(self, rank: int) -> list[int]:
-        """The ranks ``rank`` is compared with: the others at a pipeline position with the same
-        predicted work (what the cost model misses there, e.g. an embedding, cancels out), or
-        every rank when it has no such peer."""
+        """The ranks ``rank`` is compared with: the others holding the same stages (what the
+        cost model misses at a stage, e.g. the output layer and loss, cancels out), else the
+        others with the same predicted work, else every rank."""
         if not self._groups:
-            groups: dict[float, list[int]] = {}
-            for r, e in enumerate(self.expected):
-                groups.setdefault(round(e, 9), []).append(r)
-            self._groups = [[p for p in groups[round(e, 9)] if p != r] or list(range(len(
-                self.expected))) for r, e in enumerate(self.expected)]
+            ranks = range(len(self.expected))
+            work = [round(e, 9) for e in self.expected]
+            held = list(self.positions) if len(self.positions) == len(work) else work
+            self._groups = [[p for p in ranks if p != r and (held[p], work[p]) == (held[r], w)]
+                            or [p for p in ranks if p != r and work[p] == w] or list(ranks)
+                            for r, w in enumerate(work)]
         return self._groups[rank]
+
+
+def stages_held(schedule, pipeline_rank_of: Sequence[int]) -> list[tuple[int, ...]]:
+    """Per global rank, the stages of the replicas its pipeline position holds (sorted, one
+    entry per replica): ranks with equal tuples run the same modules on the same shapes."""
+    return [tuple(sorted(stage for _, stage in schedule.replicas_of_rank(p)))
+            for p in pipeline_rank_of]
 
 
 def expected_busy_per_rank(schedule, layers: Sequence[float], pipeline_rank_of: Sequence[int]

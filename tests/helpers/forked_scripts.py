@@ -25,10 +25,12 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 # imported once in the server (torch._dynamo: ~1.5 s of each rank's CPU otherwise, taken on the
-# optimizer's first add_param_group; DCP: ~1 s on the first torch_dist save or load)
+# optimizer's first add_param_group; DCP: ~1 s on the first torch_dist save or load; the
+# transformers models the converter, evaluation and generation tools import: ~3 s each)
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.optim",
            "torch.distributed.checkpoint", "megatron_chimera.pipeline.executor",
-           "pretrain_gpt2", "pretrain_bert"]
+           "pretrain_gpt2", "pretrain_bert", "transformers.models.llama.modeling_llama",
+           "transformers.models.gpt2.modeling_gpt2"]
 
 
 def forkserver_context() -> mp.context.BaseContext:

@@ -139,7 +139,9 @@ def proxy_flags(user: list[str], layouts: list[Layout], steps: int,
     """The user's flags with the layout and run flags dropped, width, depth and sequence shrunk
     (kept when absent), dropout off (unless ``keep_dropout``) and mock data unless a data path
     is given."""
-    argv = _drop(user, LAYOUT_FLAGS + RUN_FLAGS + tuple(PROXY_SIZES) + ("--num-layers",
+    kept = ("--hidden-dropout", "--attention-dropout") if keep_dropout else ()
+    run_flags = tuple(f for f in RUN_FLAGS if f not in kept)
+    argv = _drop(user, LAYOUT_FLAGS + run_flags + tuple(PROXY_SIZES) + ("--num-layers",
                                                                           "--num-query-groups"))
     for name, value in PROXY_SIZES.items():
         if name in ("--ffn-hidden-size", "--moe-ffn-hidden-size", "--kv-channels") and \

@@ -8,6 +8,12 @@ layout the largest relative |Δloss|, |Δgrad norm| and per-parameter difference
 step that diverges beyond the precision's tolerance, naming the parameter whose gradient or value
 left it first. Exit 0 when every layout agrees, 1 when one does not, 2 on a config that
 does not fit. See docs/EQUIVALENCE.md.
+
+``--against-flag FLAG`` compares each layout with FLAG against the same layout without it,
+bitwise (any difference fails), keeping the user's dropout -- e.g. the MoE overlap (issue 48)::
+
+    tools/check_equivalence.py --steps 12 --against-flag --overlap-moe-expert-parallel-comm \
+        --layouts "chimera:W2,D4,DP2,EP2" -- <MoE flags> --hidden-dropout 0.1 ...
 """
 
 from __future__ import annotations
@@ -44,7 +50,17 @@ def main(argv: list[str] | None = None) -> int:
                              "divergence band (the GPU check runs it for 100 steps)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"),
                         help="cpu hides any GPU from the runs (a quick dry run)")
+    parser.add_argument("--against-flag", metavar="FLAG",
+                        help="each layout with FLAG against the same layout without it, bitwise "
+                             "(dropout kept), instead of against one process")
+    against = None
+    if "--against-flag" in own:  # its value is itself a flag: take it before argparse does
+        i = own.index("--against-flag")
+        if i + 1 >= len(own):
+            parser.error("--against-flag needs a flag, e.g. --overlap-moe-expert-parallel-comm")
+        against, own = own[i + 1], own[:i] + own[i + 2:]
     args = parser.parse_args(own)
+    args.against_flag = against
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if args.precision_band:
@@ -57,13 +73,21 @@ def main(argv: list[str] | None = None) -> int:
         if not texts:
             raise ConfigError("no layout given (--layouts or --layouts-file)")
         layouts = [eq.parse_layout(t) for t in texts]
-        flags = eq.proxy_flags(user, layouts, args.steps)
-        eq.check_fits(flags, eq.Layout("one process"))
+        flags = eq.proxy_flags(user, layouts, args.steps,
+                               keep_dropout=args.against_flag is not None)
+        if args.against_flag is not None:
+            flags = [f for f in flags if f != args.against_flag]
+        else:
+            eq.check_fits(flags, eq.Layout("one process"))
         for layout in layouts:
             eq.check_fits(flags, layout)
+            if args.against_flag is not None:
+                eq.check_fits([*flags, args.against_flag], layout)
     except ConfigError as exc:
         print(f"check_equivalence: error: {exc}", file=sys.stderr)
         return 2
+    if args.against_flag is not None:
+        return against_flag(flags, layouts, args)
     rtol = args.rtol or eq.RTOL[eq.precision(flags)]
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="check-equivalence-"))
     print(f"proxy flags: {' '.join(flags)}", flush=True)
@@ -85,6 +109,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{layout.text:32s} {layout.world_size:5d} {result.loss:14.3e} "
               f"{result.grad_norm:14.3e} {result.param:14.3e}  {result.first or 'agrees'}",
               flush=True)
+    return 1 if failed else 0
+
+
+def against_flag(flags: list[str], layouts: list[eq.Layout], args: argparse.Namespace) -> int:
+    """Each layout with ``args.against_flag`` against itself without it: every step's loss,
+    grad norm and (per-step checkpoints) parameter must be bitwise equal."""
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="check-equivalence-"))
+    print(f"proxy flags: {' '.join(flags)}", flush=True)
+    print(f"{'layout':32s} {'ranks':>5s} {'max rel dloss':>14s} {'max rel dgnorm':>14s} "
+          f"{'max rel dparam':>14s}  {args.against_flag} on vs off (bitwise)")
+    failed = False
+    for i, layout in enumerate(layouts):
+        try:
+            off = eq.run(SCRIPT, [*flags, *layout.flags()], layout.world_size,
+                         work / f"layout-{i}-off")
+            on = eq.run(SCRIPT, [*flags, *layout.flags(), args.against_flag],
+                        layout.world_size, work / f"layout-{i}-on")
+            result = eq.compare(off, on, 0.0)
+            same = result.loss == result.grad_norm == result.param == 0.0 and bool(off.loss)
+            verdict = "bitwise equal" if same else (result.first or "differs")
+            if not args.keep_checkpoints:
+                for side in ("off", "on"):
+                    shutil.rmtree(work / f"layout-{i}-{side}" / "ckpt", ignore_errors=True)
+        except RuntimeError as exc:
+            inf = float("inf")
+            result, same, verdict = eq.Comparison(inf, inf, inf, ""), False, f"run failed: {exc}"
+        failed |= not same
+        print(f"{layout.text:32s} {layout.world_size:5d} {result.loss:14.3e} "
+              f"{result.grad_norm:14.3e} {result.param:14.3e}  {verdict} "
+              f"({len(off.loss) if same else '-'} steps)", flush=True)
     return 1 if failed else 0
 
 

@@ -20,6 +20,15 @@ distributed optimizer issues reduce-scatters at the same points instead of all-r
 gathers parameters after the step, outside the iteration), so it needs no model of its own.
 Posting never blocks: connections and communicators exist before the first iteration.
 
+The expert all-to-alls (:mod:`.expert_ops`; ``experts``: per pipeline rank its lowered ops and
+the expert-parallel size EP) are posts of their own: a compute step (an action, or a pair's two)
+that issues some starts once its inputs are there (both halves' for a pair), then posts its
+all-to-alls in issue order; each waits for the previous all-to-all of its action to be matched
+(every member of the EP group -- EP consecutive local ranks ``w x T + t`` of one pipeline rank
+-- posted it: the piece that issues it consumes that one's result), and so does the action's
+end for its last one. The T tensor ranks post each together (the pieces between them hold the
+tensor-parallel collectives).
+
 A collective that could hang a sync where the synchronizer would issue it is not an error of the
 schedule: :func:`plan_gradient_collectives` moves it (and what follows it in the order) to the
 end of the iteration, where a rank waits for no one; the runtime issues it there.
@@ -27,11 +36,12 @@ end of the iteration, where a rank waits for no one; the runtime issues it there
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from megatron_chimera.errors import ScheduleError
 from megatron_chimera.schedules.actions import Action, Schedule
+from megatron_chimera.schedules.expert_ops import ExpertOp
 from megatron_chimera.schedules.lowering import RECV, SEND, Comm, LoweredSchedule, needed_message
 
 
@@ -75,6 +85,46 @@ class Posted(NamedTuple):
     def short(self) -> str:
         """Label for messages."""
         return self.collective.short()
+
+
+class Exchange(NamedTuple):
+    """An expert all-to-all posted in a rank's list (every member of its EP group posts it at
+    the same point: they run the same list)."""
+
+    op: ExpertOp
+
+    def short(self) -> str:
+        """Label for messages, e.g. ``all-to-all F0.1.3:dispatch``."""
+        return f"all-to-all {self.op.short()}"
+
+
+class ExpertComm(NamedTuple):
+    """The expert all-to-alls of the modelled world: per pipeline rank its lowered ops in issue
+    order (:func:`.expert_ops.expert_ops`; a rank missing: none) and the expert-parallel size."""
+
+    ops: Mapping[int, Sequence[ExpertOp]]
+    size: int
+
+
+def _exchange_steps(actions: Sequence[Action], starts: frozenset[int],
+                    ops: Sequence[ExpertOp], rank: int) -> dict[int, list[ExpertOp]]:
+    """``rank``'s all-to-alls by the compute step that issues them (its first index)."""
+    index = {a: i for i, a in enumerate(actions)}
+    steps: dict[int, list[ExpertOp]] = {}
+    last = -1
+    for op in ops:
+        i = index.get(op.action)
+        if i is None:
+            raise ScheduleError(f"rank {rank}: all-to-all {op.short()} belongs to no action of "
+                                f"its lowered list")
+        if i - 1 in starts:
+            i -= 1  # a pair's second half: the pair's step
+        if i < last:
+            raise ScheduleError(f"rank {rank}: all-to-all {op.short()} is issued after those of "
+                                f"a later action ({actions[last].short()})")
+        last = i
+        steps.setdefault(i, []).append(op)
+    return steps
 
 
 class CollectiveHang(ScheduleError):
@@ -147,19 +197,21 @@ def gradient_collectives(schedule: Schedule, tied_embedding: bool = True,
 
 def plan_gradient_collectives(lowered: LoweredSchedule, overlap_grad_reduce: bool = True,
                               tied_embedding: bool = True, data_parallel: int = 1,
-                              tensor_parallel: int = 1) -> CollectivePlan:
+                              tensor_parallel: int = 1,
+                              experts: ExpertComm | None = None) -> CollectivePlan:
     """The gradient collectives of ``lowered`` placed so that a device-wide sync on any rank at
     any point cannot hang: each issued as early as :func:`gradient_collectives` puts it, unless
     one of its group could then wait for another member's later work -- such collectives are
     issued at the end of the iteration instead, on every rank (found by the check of every
-    rank, so every rank of a job reaches the same plan). Raises :class:`ScheduleError` when
-    point-to-point alone would hang."""
+    rank, so every rank of a job reaches the same plan), with the expert all-to-alls of
+    ``experts`` in the lists. Raises :class:`ScheduleError` when point-to-point (and the
+    all-to-alls) alone would hang."""
     deferred: frozenset[str] = frozenset()
     while True:
         plans = gradient_collectives(lowered.schedule, tied_embedding, overlap_grad_reduce,
                                      deferred)
         try:
-            check_sync_anywhere(lowered, None, plans, data_parallel, tensor_parallel)
+            check_sync_anywhere(lowered, None, plans, data_parallel, tensor_parallel, experts)
         except CollectiveHang as hang:
             if hang.collectives <= deferred:  # cannot be: at the end a rank waits for no one
                 raise
@@ -169,14 +221,28 @@ def plan_gradient_collectives(lowered: LoweredSchedule, overlap_grad_reduce: boo
 
 
 class _World:
-    """Every rank's list (communication, compute and collectives) and their progress."""
+    """Every rank's list (communication, compute, collectives and all-to-alls) and their
+    progress."""
 
     def __init__(self, lowered: LoweredSchedule,
                  collectives: Sequence[Sequence[Planned]],
-                 data_parallel: int, tensor_parallel: int) -> None:
+                 data_parallel: int, tensor_parallel: int,
+                 experts: ExpertComm | None = None) -> None:
         schedule = lowered.schedule
         self.replicas = [(w, t) for w in range(data_parallel) for t in range(tensor_parallel)]
         self.data_parallel, self.tensor_parallel = data_parallel, tensor_parallel
+        size = experts.size if experts is not None else 1
+        if size < 1 or (data_parallel * tensor_parallel) % size:
+            raise ValueError(f"expert-parallel size {size} does not divide the "
+                             f"{data_parallel} x {tensor_parallel} modelled ranks of a pipeline "
+                             f"rank")
+        # (w, t) -> its expert-parallel group (consecutive local ranks w x T + t)
+        self.expert_group = {
+            (w, t): [divmod(i, tensor_parallel) for i in range(
+                (w * tensor_parallel + t) // size * size,
+                (w * tensor_parallel + t) // size * size + size)]
+            for w, t in self.replicas}
+        computes, starts = lowered.compute_lists(), lowered.pair_starts()
         self.lists: list[list] = []
         for rank, ops in enumerate(lowered.lists):
             before: dict[int, list[Posted]] = {}
@@ -184,15 +250,35 @@ class _World:
             for planned in collectives[rank] if collectives else ():
                 table = inside if planned.inside else before
                 table.setdefault(planned.index, []).append(Posted(planned.collective))
+            steps = _exchange_steps(computes[rank], starts[rank],
+                                    experts.ops.get(rank, ()) if experts else (), rank)
             merged, compute = [], 0
             for op in ops:
                 if isinstance(op, Action):
                     merged += before.get(compute, [])
-                    if compute in inside:
+                    if compute in steps:  # both halves start, then the all-to-alls
+                        step = 2 if compute in starts[rank] else 1
+                        merged += [Started(a) for a in computes[rank][compute:compute + step]]
+                        for i in range(compute, compute + step):
+                            merged += inside.pop(i, [])
+                        merged += [Exchange(e) for e in steps[compute]]
+                    elif compute in inside:
                         merged += [Started(op), *inside[compute]]
                     compute += 1
                 merged.append(op)
             self.lists.append(merged + before.get(compute, []))
+        # per rank and index: the all-to-all (its index) that must be matched first
+        self.after: list[list[int | None]] = []
+        for ops in self.lists:
+            last: dict[Action, int] = {}
+            after: list[int | None] = []
+            for index, op in enumerate(ops):
+                if isinstance(op, Exchange):
+                    after.append(last.get(op.op.action))
+                    last[op.op.action] = index
+                else:
+                    after.append(last.get(op) if isinstance(op, Action) else None)
+            self.after.append(after)
         self.where: dict[tuple, int] = {}  # (SEND/RECV, message) or collective -> (rank, index)
         self.rank_of: dict[tuple, int] = {}
         for rank, ops in enumerate(self.lists):
@@ -220,24 +306,31 @@ class _World:
         for key in self.heads:
             self.heads[key] = 0
 
-    def _input_ready(self, w: int, t: int, r: int) -> bool:
-        wait = self.waits[r][self.heads[(w, t, r)]]
-        return wait is None or self.heads[(w, t, wait[0])] > wait[1]
+    def _ready(self, w: int, t: int, r: int) -> bool:
+        """The next operation's input arrived and the all-to-all it consumes is matched."""
+        head = self.heads[(w, t, r)]
+        wait = self.waits[r][head]
+        if wait is not None and self.heads[(w, t, wait[0])] <= wait[1]:
+            return False
+        exchange = self.after[r][head]
+        return exchange is None or all(self.heads[(v, u, r)] > exchange
+                                       for v, u in self.expert_group[(w, t)])
 
     def _step(self, w: int, t: int, r: int, frozen: tuple[int, int, int] | None) -> bool:
-        """Run ``(w, t, r)``'s next operation if it can; a compute action runs on all T tensor
-        ranks of ``(w, r)`` at once, and only when every one of them can."""
+        """Run ``(w, t, r)``'s next operation if it can; a compute action (or an all-to-all)
+        runs on all T tensor ranks of ``(w, r)`` at once, and only when every one of them
+        can."""
         head = self.heads[(w, t, r)]
         if head >= len(self.lists[r]) or (w, t, r) == frozen:
             return False
         op = self.lists[r][head]
-        if isinstance(op, Started) and not self._input_ready(w, t, r):
+        if isinstance(op, Started) and not self._ready(w, t, r):
             return False
-        if not isinstance(op, Action):
+        if not isinstance(op, (Action, Exchange)):
             self.heads[(w, t, r)] += 1
             return True
         group = [(w, u, r) for u in range(self.tensor_parallel)]
-        if any(g == frozen or self.heads[g] != head or not self._input_ready(*g) for g in group):
+        if any(g == frozen or self.heads[g] != head or not self._ready(*g) for g in group):
             return False
         for g in group:
             self.heads[g] += 1
@@ -257,11 +350,18 @@ class _World:
         the collective's name or None for a send or receive)."""
         w, t, r = rank
         pending = []
-        for op in self.lists[r][:self.heads[rank]]:
-            if isinstance(op, Comm):
+        for index, op in enumerate(self.lists[r][:self.heads[rank]]):
+            if isinstance(op, Exchange):
+                late = [(v, u) for v, u in self.expert_group[(w, t)]
+                        if self.heads[(v, u, r)] <= index]
+                if late:
+                    v, u = late[0]
+                    pending.append((f"{op.short()} (replica {v}, tensor rank {u} of pipeline "
+                                    f"rank {r} stopped at index {self.heads[(v, u, r)]})", None))
+            elif isinstance(op, Comm):
                 key = (RECV if op.op == SEND else SEND, op.message)
-                peer, index = self.rank_of[key], self.where[key]
-                if self.heads[(w, t, peer)] <= index:
+                peer, at = self.rank_of[key], self.where[key]
+                if self.heads[(w, t, peer)] <= at:
                     pending.append((f"{op.short()} (rank {peer} stopped at index "
                                     f"{self.heads[(w, t, peer)]})", None))
             elif isinstance(op, Posted):
@@ -277,12 +377,14 @@ class _World:
 
 def check_sync_anywhere(lowered: LoweredSchedule, ranks: Sequence[int] | None = None,
                         collectives: Sequence[Sequence[Planned]] | None = None,
-                        data_parallel: int = 1, tensor_parallel: int = 1) -> None:
+                        data_parallel: int = 1, tensor_parallel: int = 1,
+                        experts: ExpertComm | None = None) -> None:
     """Raise :class:`ScheduleError` unless the lists run to the end and a device-wide sync
     on any of ``ranks`` (pipeline ranks, default all; replica 0, tensor rank 0 -- the others run
     the same lists) at any point cannot hang, with the given gradient ``collectives``
-    (:func:`gradient_collectives`; None: point-to-point only)."""
-    world = _World(lowered, collectives or (), data_parallel, tensor_parallel)
+    (:func:`gradient_collectives`; None: point-to-point only) and the expert all-to-alls of
+    ``experts`` (EP must divide the modelled ``data_parallel`` x ``tensor_parallel`` ranks)."""
+    world = _World(lowered, collectives or (), data_parallel, tensor_parallel, experts)
     world.advance()
     stuck = [f"rank {r} at {world.lists[r][h].short()}" for (w, t, r), h in world.heads.items()
              if h < len(world.lists[r]) and (w, t) == (0, 0)]

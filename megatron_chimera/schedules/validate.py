@@ -33,6 +33,7 @@ from megatron_chimera.schedules.actions import (
 )
 from megatron_chimera.schedules.device_sync_check import (
     CollectivePlan,
+    ExpertComm,
     check_sync_anywhere,
     plan_gradient_collectives,
 )
@@ -278,7 +279,8 @@ def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = Non
                      overlap_grad_reduce: bool = True,
                      gradient_collectives: bool = True,
                      expert_ops: Mapping[int, Sequence[ExpertOp]] | None = None,
-                     expert_groups: Sequence[Sequence[int]] = ()) -> CollectivePlan | None:
+                     expert_groups: Sequence[Sequence[int]] = (),
+                     experts: ExpertComm | None = None) -> CollectivePlan | None:
     """Raise :class:`ScheduleError` unless the lowered lists keep NCCL's rules: the compute
     lists are the schedule's, every message is sent after its producer and received before its
     consumer, per pair in one order (tags ignored), every direction is connected (warmed up in
@@ -292,7 +294,9 @@ def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = Non
     point-to-point part is checked, for ``ranks``, and None returned. ``expert_ops`` (per
     rank of the world, :func:`.expert_ops.expert_ops`) and ``expert_groups``: every
     expert-parallel group's members issue the same all-to-alls in one order
-    (:func:`.expert_ops.check_expert_order`)."""
+    (:func:`.expert_ops.check_expert_order`). ``experts`` (per pipeline rank its lowered
+    all-to-alls, and EP): the device-sync proof and the collectives' plan include them, over
+    EP modelled data-parallel replicas (:mod:`.device_sync_check`)."""
     if expert_ops is not None:
         check_expert_order(expert_ops, expert_groups)
     for rank, actions in enumerate(lowered.compute_lists()):
@@ -301,7 +305,9 @@ def validate_lowered(lowered: LoweredSchedule, ranks: Sequence[int] | None = Non
             raise ScheduleError(f"rank {rank}: the lowered compute order differs from the "
                                 f"schedule's")
     _check_messages(lowered)
+    replicas = experts.size if experts is not None else 1
     if lowered.forward_only or not gradient_collectives:
-        check_sync_anywhere(lowered, ranks, None)
+        check_sync_anywhere(lowered, ranks, None, replicas, 1, experts)
         return None
-    return plan_gradient_collectives(lowered, overlap_grad_reduce)
+    return plan_gradient_collectives(lowered, overlap_grad_reduce, data_parallel=replicas,
+                                     experts=experts)

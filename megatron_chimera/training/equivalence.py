@@ -134,10 +134,14 @@ def _value(argv: list[str], name: str) -> str | None:
     return None
 
 
-def proxy_flags(user: list[str], layouts: list[Layout], steps: int) -> list[str]:
+def proxy_flags(user: list[str], layouts: list[Layout], steps: int,
+                keep_dropout: bool = False) -> list[str]:
     """The user's flags with the layout and run flags dropped, width, depth and sequence shrunk
-    (kept when absent), dropout off and mock data unless a data path is given."""
-    argv = _drop(user, LAYOUT_FLAGS + RUN_FLAGS + tuple(PROXY_SIZES) + ("--num-layers",
+    (kept when absent), dropout off (unless ``keep_dropout``) and mock data unless a data path
+    is given."""
+    kept = ("--hidden-dropout", "--attention-dropout") if keep_dropout else ()
+    run_flags = tuple(f for f in RUN_FLAGS if f not in kept)
+    argv = _drop(user, LAYOUT_FLAGS + run_flags + tuple(PROXY_SIZES) + ("--num-layers",
                                                                           "--num-query-groups"))
     for name, value in PROXY_SIZES.items():
         if name in ("--ffn-hidden-size", "--moe-ffn-hidden-size", "--kv-channels") and \
@@ -151,8 +155,9 @@ def proxy_flags(user: list[str], layouts: list[Layout], steps: int) -> list[str]
     argv += ["--num-layers", str(depth)]
     if _value(user, "--data-path") is None and "--mock-data" not in argv:
         argv.append("--mock-data")
+    dropout = [] if keep_dropout else ["--hidden-dropout", "0", "--attention-dropout", "0"]
     return [*argv, "--train-iters", str(steps), "--log-interval", "1", "--eval-iters", "0",
-            "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0",
+            *dropout, "--num-workers", "0",
             "--distributed-timeout-minutes", "2", "--ckpt-format", "torch_dist",
             "--clip-grad", NO_CLIP]
 

@@ -41,6 +41,16 @@ def test_proxy_keeps_settings_and_drops_the_layout():
     assert flags[flags.index("--global-batch-size") + 1] == "8"  # accumulation kept
 
 
+def test_the_proxy_keeps_dropout_only_when_asked():
+    """Against one process dropout is off; ``--against-flag`` (a layout against itself) keeps
+    the user's."""
+    user = [*USER, "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    for keep, want in ((False, "0"), (True, "0.1")):
+        flags = eq.proxy_flags(user, [eq.parse_layout("D4")], 3, keep_dropout=keep)
+        for name in ("--hidden-dropout", "--attention-dropout"):
+            assert flags.count(name) == 1 and flags[flags.index(name) + 1] == want, flags
+
+
 def test_refusals_name_the_reason():
     flags = eq.proxy_flags(USER, [eq.parse_layout("D4")], 3)
     with pytest.raises(ConfigError, match="layout 'EP2,D2'.*expert-model-parallel-size 2 does "
@@ -98,6 +108,8 @@ def test_param_deltas_name_the_parameter_from_two_checkpoints(tmp_path):
     (["--layouts", "T2,Q4", "--", *USER], "layout 'T2,Q4': unknown part 'Q4'"),
     (["--layouts", "D2", "--", *USER, "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--", *USER], "no layout given"),
+    (["--against-flag", "--no-such-flag", "--layouts", "D2", "--", *USER],
+     "unrecognized arguments: --no-such-flag"),
 ])
 def test_the_tool_refuses_in_one_line_before_any_run(argv, reason, capsys):
     """tools/check_equivalence.py itself: exit 2 and one line naming why, no run started."""

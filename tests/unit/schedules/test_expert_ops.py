@@ -9,6 +9,12 @@ import pytest
 from megatron_chimera.errors import ScheduleError
 from megatron_chimera.schedules import build_schedule
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD
+from megatron_chimera.schedules.device_sync_check import (
+    Exchange,
+    ExpertComm,
+    _World,
+    check_sync_anywhere,
+)
 from megatron_chimera.schedules.expert_ops import (
     BACKWARD_NAMES,
     FORWARD_NAMES,
@@ -85,3 +91,60 @@ def test_validate_lowered_rejects_a_swapped_dispatch_on_one_ep_rank():
     with pytest.raises(ScheduleError, match=rf"all-to-all {i} is .*:dispatch on rank 10 but "):
         validate_lowered(lowered, [1], expert_ops={10: ops, 11: swapped},
                          expert_groups=[[10, 11]])
+
+
+def _experts(lowered, recompute=False, overlap=True, size=2):
+    ops = {r: expert_ops(lowered, r, LAYOUTS, recompute, overlap)
+           for r in range(lowered.schedule.num_ranks)}
+    return ExpertComm(ops, size)
+
+
+@pytest.mark.parametrize("name", ["chimera", "chimera-zb"])
+def test_the_device_sync_proof_covers_the_all_to_alls(name):
+    """The all-to-alls (odd MoE-layer counts, a stage without MoE layers, a checkpointed
+    region; recomputation and overlap on and off) in the lowered lists with p2p, gradient
+    collectives, W data-parallel replicas and T tensor ranks (EP over replicas or over tensor
+    ranks): no device-wide sync can hang, and the collectives' plan is the p2p-only one (an EP
+    group runs one list, so it reaches every all-to-all its stopped member posted)."""
+    lowered = lower(build_schedule(name, 4, 8, overlap_moe_expert_parallel_comm=True))
+    alone = validate_lowered(lowered)
+    for recompute, overlap in ((False, True), (True, True), (True, False)):
+        experts = _experts(lowered, recompute, overlap)
+        assert any(isinstance(op, Exchange) for op in _World(lowered, (), 2, 1, experts).lists[1])
+        plan = validate_lowered(lowered, experts=experts)
+        assert plan == alone
+        for data_parallel, tensor_parallel in ((1, 2), (2, 2)):
+            check_sync_anywhere(lowered, None, plan.plans, data_parallel, tensor_parallel,
+                                experts)
+    forward = lower(lowered.schedule, True)
+    validate_lowered(forward, experts=ExpertComm(
+        {r: expert_ops(forward, r, LAYOUTS) for r in range(4)}, 2))
+
+
+def test_an_all_to_all_waits_for_its_whole_ep_group():
+    """The model blocks on an all-to-all: with replica 1's rank 0 stopped at its start, replica
+    0's rank 0 posts an all-to-all but cannot go past the next operation that consumes it (a
+    device sync there would hang on it)."""
+    lowered = _chimera()
+    world = _World(lowered, (), 2, 1, _experts(lowered))
+    world.advance(frozen=(1, 0, 0))
+    head = world.heads[(0, 0, 0)]
+    assert head < len(world.lists[0]), "rank 0 ran to its end without replica 1"
+    waited = world.after[0][head]
+    assert waited is not None and isinstance(world.lists[0][waited], Exchange)
+    pending = [text for text, name in world.unmatched((0, 0, 0)) if name is None]
+    assert pending and all("all-to-all" in t and "replica 1" in t for t in pending), pending
+
+
+def test_all_to_alls_out_of_step_order_are_refused():
+    """A rank's all-to-alls issued in another order than its lowered compute steps: the proof
+    names the all-to-all and the later action."""
+    lowered = _chimera()
+    experts = _experts(lowered)
+    ops = list(experts.ops[1])
+    late = next(i for i, op in enumerate(ops) if op.action != ops[0].action
+                and op.action.kind == FORWARD)
+    moved = [ops[late]] + ops[:late] + ops[late + 1:]
+    with pytest.raises(ScheduleError, match=rf"rank 1: all-to-all {ops[0].short()} is issued "
+                                            rf"after those of a later action"):
+        validate_lowered(lowered, experts=ExpertComm({**experts.ops, 1: moved}, 2))

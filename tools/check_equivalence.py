@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="check-equivalence-"))
     print(f"proxy flags: {' '.join(flags)}", flush=True)
     reference = eq.run(SCRIPT, flags, 1, work / "one-process")
-    print(f"{'layout':32s} {'ranks':>5s} {'max rel dloss':>14s} {'max rel dgnorm':>14s} "
-          f"{'max rel dparam':>14s}  first divergence (rtol {rtol:g})")
+    _print_header(f"first divergence (rtol {rtol:g})")
     failed = False
     for i, layout in enumerate(layouts):
         try:
@@ -112,13 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def _print_header(last_column: str) -> None:
+    """The table's header line: one row per layout follows, the last column ``last_column``."""
+    print(f"{'layout':32s} {'ranks':>5s} {'max rel dloss':>14s} {'max rel dgnorm':>14s} "
+          f"{'max rel dparam':>14s}  {last_column}")
+
+
 def against_flag(flags: list[str], layouts: list[eq.Layout], args: argparse.Namespace) -> int:
     """Each layout with ``args.against_flag`` against itself without it: every step's loss,
     grad norm and (per-step checkpoints) parameter must be bitwise equal."""
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="check-equivalence-"))
     print(f"proxy flags: {' '.join(flags)}", flush=True)
-    print(f"{'layout':32s} {'ranks':>5s} {'max rel dloss':>14s} {'max rel dgnorm':>14s} "
-          f"{'max rel dparam':>14s}  {args.against_flag} on vs off (bitwise)")
+    _print_header(f"{args.against_flag} on vs off (bitwise)")
     failed = False
     for i, layout in enumerate(layouts):
         try:

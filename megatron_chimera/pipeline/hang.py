@@ -49,6 +49,9 @@ from megatron_chimera.pipeline.failures import (
 _KEY = "megatron_chimera/hang"
 _DIRECTIONS = ("activation", "gradient")
 REPORT_WAIT_SECONDS = 8.0  # how long the reporting rank waits for the other ranks' lines
+#: how long :meth:`HangWatch.stop` waits for the thread (a report in progress reads the store
+#: for up to REPORT_WAIT_SECONDS)
+STOP_JOIN_S = 2 * REPORT_WAIT_SECONDS
 ASK_EVERY = 5  # a rank that moves looks for another rank's request every 5th poll (store load)
 
 
@@ -188,8 +191,12 @@ class HangWatch:
 
     def stop(self) -> None:
         """Stop the thread (end of training): its heartbeats end, and the rank is marked as
-        left, not dead."""
+        left, not dead. The thread is joined: a daemon thread still dropping its last
+        reference to the model while the interpreter finalizes aborts the process
+        (``terminate called without an active exception``)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=STOP_JOIN_S)
         mark_left(self.rank, self.store)
 
     @contextlib.contextmanager

@@ -249,3 +249,30 @@ def test_the_flight_recorder_line_names_the_oldest_unfinished_nccl_operation():
     assert summarize_flight_record({"entries": record["entries"][:2]}) is None
     assert summarize_flight_record({"version": "2.10"}) is None
     assert flight_recorder_line() is None  # this process holds no NCCL work
+
+
+def test_stopping_the_hang_watch_joins_its_thread_before_the_rank_leaves():
+    """``stop`` waits for the watch thread: a daemon thread still dropping its last reference
+    to the model while the interpreter finalizes aborted one run in ten at exit
+    ("terminate called without an active exception"). The rank is marked left after."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_chimera.pipeline import failures, hang
+
+    store, order = dist.HashStore(), []
+    watch = object.__new__(hang.HangWatch)
+    watch.rank, watch.store, watch._stop = 3, store, threading.Event()
+
+    def loop():
+        watch._stop.wait()
+        time.sleep(0.3)  # the last poll's work, then the thread drops its references
+        order.append("thread ended")
+
+    watch._thread = threading.Thread(target=loop, daemon=True)
+    watch._thread.start()
+    watch.stop()
+    assert not watch._thread.is_alive() and order == ["thread ended"]
+    assert store.get(f"{failures._LEFT}/3") == b"1"

@@ -24,6 +24,10 @@ class AsyncCheckpointer:
     """Runs one :class:`SaveJob` at a time in the background over ``group``."""
 
     def __init__(self, group: Any) -> None:
+        # the torch_dist writer and torch.distributed.checkpoint (about 1 s of CPU) are imported
+        # now: the first save's capture must not pay it inside a training step
+        import megatron_chimera.checkpoint.sharded  # noqa: F401
+
         self.group = group
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -77,6 +77,8 @@ LAYOUTS = {
                                        "--sequence-parallel"]),
     "zbv-D4-varlen": (4, [*VARLEN, "--pipeline-model-parallel-size", "4",
                           "--pipeline-schedule", "zbv"]),
+    "chimera-D2xCP2-varlen": (4, [*VARLEN, "--pipeline-model-parallel-size", "2",
+                                  "--chimera-pipes", "2", "--context-parallel-size", "2"]),
 }
 # the budget check: one layout, two token budgets (and global batches of as many micro-batches)
 BUDGET_LAYOUT = ["--pipeline-model-parallel-size", "4", "--chimera-pipes", "2"]

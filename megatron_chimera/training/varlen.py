@@ -33,9 +33,18 @@ def token_budget(config: TrainConfig) -> int:
 
 def sequence_split(config: TrainConfig) -> int:
     """Ranks a micro-batch's tokens are split over in the pipeline messages: the
-    tensor-parallel size under ``--sequence-parallel``, else 1."""
+    context-parallel size times the tensor-parallel size under ``--sequence-parallel``."""
     tp = config.parallel.tensor_model_parallel_size
-    return tp if config.model.sequence_parallel and tp > 1 else 1
+    sp = tp if config.model.sequence_parallel and tp > 1 else 1
+    return config.parallel.context_parallel_size * sp
+
+
+def row_multiple(config: TrainConfig) -> int:
+    """What a packed row's length is padded to a multiple of: :func:`sequence_split`, twice
+    that under context parallelism (the per-document zigzag cuts a row into 2 x CP equal
+    chunks, :mod:`megatron_chimera.model.context_parallel.documents`)."""
+    cp = config.parallel.context_parallel_size
+    return sequence_split(config) * (2 if cp > 1 else 1)
 
 
 def check_variable_seq_lengths(config: TrainConfig) -> None:
@@ -50,7 +59,6 @@ def check_variable_seq_lengths(config: TrainConfig) -> None:
         (config.training.micro_batch_size != 1,
          f"--micro-batch-size {config.training.micro_batch_size} (a packed micro-batch is one "
          "row of documents: use --micro-batch-size 1 and --micro-batch-tokens for its size)"),
-        (parallel.context_parallel_size > 1, "--context-parallel-size > 1"),
         (parallel.pipeline_sequence_slices > 1, "--pipeline-sequence-slices > 1"),
         (data.sft and data.sft_overlong != "error",
          f"--sft-overlong {data.sft_overlong} (it applies to --seq-length rows: use "
@@ -97,7 +105,7 @@ def packed_datasets(config: TrainConfig, tokenizer, num_samples: Sequence[int],
             out.append(None)
             continue
         out.append(PackedDataset(source, budget, n, data.overlong_documents,
-                                 sequence_split(config), loss_masks=mask))
+                                 row_multiple(config), loss_masks=mask))
     if log and (not dist.is_initialized() or dist.get_rank() == 0):
         for line in log_packing(out):
             print(line, flush=True)

@@ -56,9 +56,12 @@ def test_packed_variable_length_sft_equals_every_conversation_alone(tmp_path):
     data = write_sft_dataset(str(tmp_path / "chat"), 80, 500, (4, 40), seed=1)
     flags = [*FLAGS, *SGD_FLAGS, "--data-path", data, "--micro-batch-size", "1",
              "--variable-seq-lengths", "--micro-batch-tokens", "48"]
+    # Chimera D=2 x CP=2: rows padded to a multiple of 2 x CP, each document zigzag-split
+    # (conversations of 4-40 tokens: shorter and longer than the 4 chunks of a split)
     ranks = launch_ranks("pretrain_gpt2.py", [
-        *flags, "--pipeline-model-parallel-size", "2", "--tensorboard-dir",
-        str(tmp_path / "tb")], 2, timeout=150)
+        *flags, "--pipeline-model-parallel-size", "2", "--chimera-pipes", "2",
+        "--context-parallel-size", "2", "--tensorboard-dir", str(tmp_path / "tb")], 4,
+        timeout=150)
     for rank in ranks:
         assert rank.returncode == 0, f"{rank.stdout}\n{rank.stderr}"
     losses = scalars(tmp_path / "tb", "lm loss")

@@ -99,8 +99,6 @@ FLAGS = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 1
     ("--micro-batch-size 2", "does not run with --micro-batch-size 2"),
     ("--micro-batch-size 1 --micro-batch-tokens 32",
      "--micro-batch-tokens 32 exceeds the 16 learned positions"),
-    ("--micro-batch-size 1 --context-parallel-size 2",
-     "does not run with --context-parallel-size > 1"),
 ])
 def test_flags_the_packed_micro_batches_do_not_run_with_are_refused(extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -122,3 +120,24 @@ def test_resuming_with_another_packing_is_refused():
     with pytest.raises(ConfigError, match=r"packed to 12 tokens, overlong documents: error, the "
                                           r"checkpoint's were packed to 16 tokens"):
         check_data_order(config, other, "ck")
+
+
+NO_DROPOUT = "--hidden-dropout 0 --attention-dropout 0"
+
+
+@pytest.mark.parametrize("extra,world,split,multiple", [
+    ("", 1, 1, 1),
+    ("--tensor-model-parallel-size 2 --sequence-parallel", 2, 2, 2),
+    (f"{NO_DROPOUT} --context-parallel-size 2", 2, 2, 4),
+    (f"{NO_DROPOUT} --context-parallel-size 2 --tensor-model-parallel-size 2 "
+     "--sequence-parallel", 4, 4, 8),
+])
+def test_packed_rows_are_padded_for_the_sequence_and_context_splits(extra, world, split,
+                                                                    multiple):
+    """A packed row's message length is its tokens / (CP x T under SP); under CP the row is a
+    multiple of 2 x CP (the per-document zigzag's chunks) times that."""
+    from megatron_chimera.training.varlen import row_multiple, sequence_split
+
+    config = parse_args((FLAGS + "--micro-batch-size 1 --variable-seq-lengths " + extra)
+                        .split(), world_size=world)
+    assert (sequence_split(config), row_multiple(config)) == (split, multiple)

@@ -55,7 +55,10 @@ from torch.autograd import Variable
 
 from megatron_chimera.model.moe.aux_loss import moe_routers
 from megatron_chimera.model.moe.expert_comm import BackwardTape
-from megatron_chimera.parallel_state import nccl_semantics_requested
+from megatron_chimera.parallel_state import (
+    get_expert_model_parallel_world_size,
+    nccl_semantics_requested,
+)
 from megatron_chimera.pipeline.busy_timer import ActionTimer, BusyTimer, injected_slowdown
 from megatron_chimera.pipeline.executor_config import (
     ExecutorPolicy,
@@ -63,7 +66,7 @@ from megatron_chimera.pipeline.executor_config import (
     Gradients,
     StageWork,
 )
-from megatron_chimera.pipeline.expert_order import check_issued, stage_layouts
+from megatron_chimera.pipeline.expert_order import check_issued, prove_with_experts, stage_layouts
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
 from megatron_chimera.pipeline.overlap import Half, PairRuntime, leading_half
@@ -219,6 +222,10 @@ class PipelineExecutor:
         self.expert_ops = {mode: expert_ops(lowered, pipeline_rank, layouts, self.recompute,
                                             self.overlap_pairs)
                            for mode, lowered in self.lowered.items()} if layouts else None
+        if self.expert_ops is not None and safe_posting:  # ... and the proof covers them
+            prove_with_experts(self.lowered[False], pipeline_rank, self.expert_ops[False],
+                               get_expert_model_parallel_world_size(), plan, overlap,
+                               gradient_collectives=self.grad_sync is not None)
         self.comm = P2PCommunicator(self.transport, uniform_specs(self.tensor_shape, self.dtype),
                                     self.device)
         self._linears = {s: deferrable_modules(m) for s, m in work.modules.items()}

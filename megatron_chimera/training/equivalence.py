@@ -189,6 +189,16 @@ class Curves:
     checkpoints: Path | None = None
 
 
+def failure_line(output: str, returncode: int) -> str:
+    """The first line of a failed run's output that names an error -- a rank's, not torchrun's
+    summary (its pointer to the elastic error docs, its ``error_file`` fields)."""
+    for line in output.splitlines():
+        text = line.strip()
+        if "rror" in text and "elastic/errors" not in text and not text.startswith("error_file"):
+            return text
+    return f"exit {returncode}"
+
+
 def run(script: Path, flags: list[str], world_size: int, out: Path,
         timeout: float = 600, checkpoints: bool = True) -> Curves:
     """One ``script`` run (torchrun with several ranks) writing TensorBoard to ``out`` and
@@ -207,8 +217,7 @@ def run(script: Path, flags: list[str], world_size: int, out: Path,
         env.pop(key, None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "rror" in ln]
-        raise RuntimeError(lines[-1] if lines else f"exit {proc.returncode}")
+        raise RuntimeError(failure_line(proc.stderr + proc.stdout, proc.returncode))
     return Curves(_scalars(out, "lm loss"), _scalars(out, "grad-norm"),
                   out / "ckpt" if checkpoints else None)
 

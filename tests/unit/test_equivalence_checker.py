@@ -124,3 +124,17 @@ def test_the_tool_refuses_in_one_line_before_any_run(argv, reason, capsys):
     assert tool.main(argv) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("check_equiv")]
     assert len(err) == 1 and reason in err[0], err
+
+
+def test_a_failed_run_is_named_by_its_ranks_error_not_torchruns_summary():
+    """torchrun ends a failed job with its own summary (a pointer to its error docs); the
+    checker shows the first line that names the rank's error instead."""
+    output = ("[rank 3] RuntimeError: pipeline failure: rank 3 timed out receiving F0.1.2\n"
+              "[rank 0] RuntimeError: rank 3 failed first\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+              "  error_file: <N/A>\n"
+              "  traceback : To enable traceback see: "
+              "https://pytorch.org/docs/stable/elastic/errors.html\n")
+    assert eq.failure_line(output, 1) == ("[rank 3] RuntimeError: pipeline failure: rank 3 "
+                                          "timed out receiving F0.1.2")
+    assert eq.failure_line("killed\n", -9) == "exit -9"

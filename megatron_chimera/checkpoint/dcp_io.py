@@ -331,10 +331,12 @@ def _covered(want: Rect, saved: list[Rect]) -> int:
 
 
 def load_chunks(path: str, requests: dict[ChunkKey, torch.Tensor], process_group=None,
-                collective: bool = True) -> int:
+                collective: bool = True, metadata: Metadata | None = None) -> int:
     """Fill ``requests`` from the checkpoint in ``path`` (collectively over every rank, unless
-    ``collective`` is False or there are no process groups); returns the bytes read."""
-    reader = SafeReader(path)
+    ``collective`` is False or there are no process groups); returns the bytes read.
+    ``metadata``: the checkpoint's, already read (a caller loading piece by piece reads it once
+    instead of once per load)."""
+    reader = SafeReader(path, metadata)
     with _single_process_quiet():
         dcp.load({}, storage_reader=reader, planner=ChunkLoadPlanner(requests),
                  process_group=process_group,

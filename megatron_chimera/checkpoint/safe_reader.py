@@ -84,13 +84,14 @@ class SafeReader(FileSystemReader):
     box of each saved chunk (raw row-major bytes; of an older ``torch.save`` archive, its zip
     directory first, never its pickle). Counts the bytes it reads."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, metadata: Metadata | None = None) -> None:
         super().__init__(path)
         self.bytes_read = 0
         self._metadata: Metadata | None = None
+        self._known = metadata  # already read from ``path`` (:func:`read_metadata`) by the caller
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return read_metadata(str(self.path))
+        return self._known if self._known is not None else read_metadata(str(self.path))
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
                               *args: Any, **kwargs: Any) -> None:

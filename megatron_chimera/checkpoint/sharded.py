@@ -212,5 +212,5 @@ def read_full_tensors(path: str, prefix: str = "") -> Iterator[tuple[str, torch.
             continue
         tensor = torch.zeros(tuple(md.size), dtype=md.properties.dtype)
         offsets = tuple(0 for _ in md.size)
-        load_chunks(path, {(fqn, offsets): tensor}, collective=False)
+        load_chunks(path, {(fqn, offsets): tensor}, collective=False, metadata=metadata)
         yield fqn, tensor

@@ -36,6 +36,7 @@ end of the iteration, where a rank waits for no one; the runtime issues it there
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -290,6 +291,27 @@ class _World:
         # per rank and index: (peer rank, index) of the SEND a compute action waits for
         self.waits = [[self._send_of(schedule, op) for op in ops] for ops in self.lists]
         self.heads = {(w, t, r): 0 for w, t in self.replicas for r in range(len(self.lists))}
+        self.dependents = self._dependents()
+
+    def _dependents(self) -> dict[tuple[int, int, int], list[tuple[int, int, int]]]:
+        """Per rank ``(w, t, r)``: the other ranks whose next step reads its head -- the
+        pipeline ranks waiting for its sends (and ``r``) in the replicas that read replica
+        ``(w, t)``'s heads (its tensor group, the expert groups containing it); only those can
+        become able to step when it advances (:meth:`advance`)."""
+        readers: list[set[int]] = [{r} for r in range(len(self.lists))]
+        for r, waits in enumerate(self.waits):
+            for wait in waits:
+                if wait is not None:
+                    readers[wait[0]].add(r)
+        replica_readers = {key: set() for key in self.replicas}
+        for v, u in self.replicas:
+            for x, y in self.replicas:
+                if x == v or any((v, u) in self.expert_group[(x, z)]
+                                 for z in range(self.tensor_parallel)):
+                    replica_readers[(v, u)].add((x, y))
+        return {(w, t, r): [(v, u, q) for v, u in sorted(replica_readers[(w, t)])
+                            for q in sorted(readers[r]) if (v, u, q) != (w, t, r)]
+                for w, t, r in self.heads}
 
     def _send_of(self, schedule: Schedule, op) -> tuple[int, int] | None:
         if isinstance(op, Started):
@@ -336,21 +358,35 @@ class _World:
             self.heads[g] += 1
         return True
 
-    def advance(self, frozen: tuple[int, int, int] | None = None) -> None:
-        """Run every rank but ``frozen`` as far as it can."""
-        progress = True
-        while progress:
-            progress = False
-            for w, t, r in self.heads:
-                while self._step(w, t, r, frozen):
-                    progress = True
+    def advance(self, frozen: tuple[int, int, int] | None = None,
+                moved: Sequence[tuple[int, int, int]] | None = None) -> None:
+        """Run every rank but ``frozen`` as far as it can. ``moved``: the ranks that advanced
+        since the last call with this ``frozen`` (no other did): only the ranks reading their
+        heads are examined first (the others could not step then and still cannot)."""
+        if moved is None:
+            queue = deque(self.heads)
+        else:
+            queue = deque(dict.fromkeys(d for m in moved for d in self.dependents[m]))
+        queued = set(queue)
+        while queue:  # a rank that steps puts the ranks reading its head back in the queue
+            key = queue.popleft()
+            queued.discard(key)
+            if not self._step(*key, frozen):
+                continue
+            while self._step(*key, frozen):
+                pass
+            for other in self.dependents[key]:
+                if other not in queued:
+                    queued.add(other)
+                    queue.append(other)
 
-    def unmatched(self, rank: tuple[int, int, int]) -> list[tuple[str, str | None]]:
-        """What ``rank`` posted that some peer or group member has not posted yet: (label,
-        the collective's name or None for a send or receive)."""
+    def unmatched(self, rank: tuple[int, int, int],
+                  start: int = 0) -> list[tuple[str, str | None]]:
+        """What ``rank`` posted (from its index ``start`` on) that some peer or group member
+        has not posted yet: (label, the collective's name or None for a send or receive)."""
         w, t, r = rank
         pending = []
-        for index, op in enumerate(self.lists[r][:self.heads[rank]]):
+        for index, op in enumerate(self.lists[r][start:self.heads[rank]], start):
             if isinstance(op, Exchange):
                 late = [(v, u) for v, u in self.expert_group[(w, t)]
                         if self.heads[(v, u, r)] <= index]
@@ -393,9 +429,11 @@ def check_sync_anywhere(lowered: LoweredSchedule, ranks: Sequence[int] | None = 
     for r in range(len(world.lists)) if ranks is None else ranks:
         world.reset()
         me, ops = (0, 0, r), world.lists[r]
+        moved: list[tuple[int, int, int]] | None = None  # the first advance examines every rank
+        matched = 0  # me's posts before this index are matched (and stay so: heads only grow)
         while True:
-            world.advance(frozen=me)
-            pending = world.unmatched(me)
+            world.advance(frozen=me, moved=moved)
+            pending = world.unmatched(me, matched)
             if pending:
                 head = world.heads[me]
                 at = ops[head].short() if head < len(ops) else "the end"
@@ -408,5 +446,7 @@ def check_sync_anywhere(lowered: LoweredSchedule, ranks: Sequence[int] | None = 
                 raise CollectiveHang(message, names)
             if world.heads[me] == len(ops):
                 break
+            matched = world.heads[me]
             if not world._step(*me, frozen=None):
                 raise ScheduleError(f"rank {r} cannot run {ops[world.heads[me]].short()}")
+            moved = [(0, t, r) for t in range(world.tensor_parallel)]  # me's tensor group

@@ -226,14 +226,38 @@ def _check_sharding(stages, grad_sync, optimizer, ddp: DDPConfig, case: Case) ->
         raise AssertionError(f"distributed optimizer holds {mains} of {held} elements")
 
 
-def run_case(rank: int, world_size: int, case: Case) -> None:
-    """Train 3 steps with the executor and compare everything with the single-process run,
-    for every data-parallel flag combination."""
+def reference_key(case: Case, world_size: int) -> tuple:
+    """What the single-process run of ``case`` depends on: N, W, the optimizer, the batches."""
+    return (case.num_microbatches, world_size // case.pipeline_size, case.optimizer, case.varlen)
+
+
+def compute_reference(key: tuple):
+    """The single-process run (:func:`toy_model.reference_training`) of a :func:`reference_key`."""
+    n, w, optimizer, varlen = key
+    return reference_training(STEPS, n, w, make_optimizer(optimizer),
+                              make=make_varlen_batch if varlen else make_batch)
+
+
+def shared_references(rank: int, world_size: int, cases: list[Case]) -> dict[tuple, Any]:
+    """The single-process run of every distinct :func:`reference_key` of ``cases``, each computed
+    once in the world (key i on rank i % world, in parallel) and broadcast from there: every
+    rank would otherwise repeat the same sequential run for every case (on 2 cores, about a
+    third of the runtime tests' time)."""
+    keys = list(dict.fromkeys(reference_key(case, world_size) for case in cases))
+    out = {}
+    for i, key in enumerate(keys):
+        box = [compute_reference(key) if i % world_size == rank else None]
+        torch.distributed.broadcast_object_list(box, src=i % world_size)
+        out[key] = box[0]
+    return out
+
+
+def run_case(rank: int, world_size: int, case: Case, reference=None) -> None:
+    """Train 3 steps with the executor and compare everything with the single-process run
+    (``reference``, or computed here), for every data-parallel flag combination."""
     schedule = case.build()
     validate(schedule)
     d = case.pipeline_size
-    w = world_size // d
-    n = case.num_microbatches
     parallel_state.initialize_model_parallel(
         d, schedule.placement, schedule.num_stages, timeout=datetime.timedelta(seconds=60),
         p2p_direction_groups=case.direction_groups,
@@ -247,8 +271,8 @@ def run_case(rank: int, world_size: int, case: Case) -> None:
                 peer = parallel_state.get_pipeline_prev_rank(pipe, stage)
             if parallel_state.get_p2p_group(rank, peer) is None:
                 raise AssertionError(f"no p2p group for {rank} -> {peer}")
-        reference = reference_training(STEPS, n, w, make_optimizer(case.optimizer),
-                                       make=make_varlen_batch if case.varlen else make_batch)
+        if reference is None:
+            reference = compute_reference(reference_key(case, world_size))
         for ddp in case.ddp_variants:
             try:
                 _train_and_check(rank, world_size, case, schedule, prank, ddp, reference)
@@ -355,8 +379,11 @@ def run_each(rank: int, world_size: int, cases: list[Any], run) -> None:
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> None:
-    """Run every case in sequence in this world; name the failing case."""
-    run_each(rank, world_size, cases, run_case)
+    """Run every case in sequence in this world (against one-process runs computed once in the
+    world); name the failing case."""
+    references = shared_references(rank, world_size, cases)
+    run_each(rank, world_size, cases, lambda rank, world_size, case: run_case(
+        rank, world_size, case, references[reference_key(case, world_size)]))
 
 
 def run_failing_rank(rank: int, world_size: int, failing_rank: int) -> None:

@@ -26,12 +26,15 @@ from megatron_chimera.training.restart import KILL_ENV
 from tests.helpers.flags import without_flags
 from tests.helpers.processes import children_of, kill_launched
 
-from .launcher import ROOT, TINY, launch, launch_ranks, scalars, train
+from .launcher import ROOT, TINY, launch_forked, launch_ranks, scalars, train
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
-ITERS = 40
+# 16: the SIGTERM lands an iteration or two after the 3rd, the wall-clock resume stops one
+# iteration later, and the last piece still has iterations to run (even on a loaded machine);
+# the kill after 7 restarts from the save at 5. Every iteration is ~0.1 s of each run.
+ITERS = 16
 FLAGS = [*TINY, "--num-layers", "4", "--hidden-size", "32", "--log-interval", "1",
          "--train-iters", str(ITERS), "--pipeline-model-parallel-size", "4",
          "--chimera-pipes", "2"]
@@ -147,9 +150,10 @@ def test_sigterm_and_wall_clock_exits_save_and_resume_exactly(tmp_path, referenc
     rest = [*without_flags(FLAGS, MODEL_FLAGS), "--use-checkpoint-args",
             "--exit-on-missing-checkpoint"]
     assert "--num-layers" not in rest
-    result = launch("pretrain_gpt2.py", [*rest, "--load", str(ckpt), "--save",
-                                         str(tmp_path / "end"), "--tensorboard-dir",
-                                         str(tmp_path / "tb-3")], 4)
+    # (forked ranks: what this piece shows is the resume, not torchrun)
+    result = launch_forked("pretrain_gpt2.py", [*rest, "--load", str(ckpt), "--save",
+                                                str(tmp_path / "end"), "--tensorboard-dir",
+                                                str(tmp_path / "tb-3")], 4)
     assert result.returncode == 0, result.stderr[-3000:]
     third = scalars(tmp_path / "tb-3", "lm loss")
     assert third == {k: reference[k] for k in range(k2 + 1, ITERS + 1)}

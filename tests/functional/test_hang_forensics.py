@@ -21,8 +21,8 @@ from .launcher import ROOT, TINY, free_port
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
 
-# the watch reports at 60% of it (10.8 s), leaving 7.2 s to the report (a report window of
-# 1.8 s and the exit) before gloo's own timeout: an iteration of this run takes ~0.1 s
+# the watch reports at 60% of it (10.8 s; an iteration here takes well under a second), leaving
+# 7.2 s for the report (a report window of 1.8 s, then the exit) before gloo's own timeout
 TIMEOUT_MINUTES = 0.3
 STOPPED = 2
 

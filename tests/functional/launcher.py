@@ -155,3 +155,15 @@ def launch_ranks(script: str, args: list[str], world_size: int,
                    MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"})
         runs.append((str(ROOT / script), args, env))
     return _run_forked(runs, timeout)
+
+
+def launch_forked(script: str, args: list[str], nproc: int, timeout: float = 180
+                  ) -> RunResult:
+    """:func:`launch` of ``nproc`` ranks without torchrun: the ranks forked by hand
+    (:func:`launch_ranks`; torchrun's agent and a fresh interpreter per rank cost a run
+    seconds), their outputs joined in rank order, the exit code the first failed rank's (0 when
+    every rank succeeded). For the runs that need a world, not torchrun itself."""
+    ranks = launch_ranks(script, args, nproc, timeout)
+    failed = [r.returncode for r in ranks if r.returncode != 0]
+    return RunResult(failed[0] if failed else 0, "".join(r.stdout for r in ranks),
+                     "".join(r.stderr for r in ranks))

@@ -8,23 +8,28 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
+from multiprocessing.process import BaseProcess
 
 import pytest
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
 from megatron_chimera.pipeline.nccl_semantics import TIMEOUT_ENV
+from tests.helpers.forked_scripts import start_script
 
 from .launcher import ROOT, TINY, free_port
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
 
-TIMEOUT_MINUTES = 0.5  # the watch reports at 60% of it (18 s)
+# the watch reports at 60% of it (10.8 s; an iteration here takes well under a second), leaving
+# 7.2 s for the report (a report window of 1.8 s, then the exit) before gloo's own timeout
+TIMEOUT_MINUTES = 0.3
 STOPPED = 2
 
 
-def _start(world_size: int, args: list[str], out_dir) -> list[subprocess.Popen]:
+def _start(world_size: int, args: list[str], out_dir) -> list[BaseProcess]:
+    """The ranks forked from the test server (no interpreter start-up each: they start
+    together), each logging stdout and stderr to ``rank<r>.log``."""
     port = str(free_port())
     procs = []
     for rank in range(world_size):
@@ -33,11 +38,14 @@ def _start(world_size: int, args: list[str], out_dir) -> list[subprocess.Popen]:
                    MASTER_PORT=port, **{NCCL_SEMANTICS_ENV: "1"},
                    # its own 10 s deadlock check would name the first stuck peer instead
                    **{TIMEOUT_ENV: "600"})
-        with open(out_dir / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(ROOT / "pretrain_gpt2.py"), *args],
-                                          cwd=ROOT, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT))
+        log = out_dir / f"rank{rank}.log"
+        log.write_text("")
+        procs.append(start_script(ROOT / "pretrain_gpt2.py", args, env, ROOT, log, log))
     return procs
+
+
+def _running(procs: list[BaseProcess]) -> bool:
+    return all(p.exitcode is None for p in procs)
 
 
 @pytest.mark.timeout(240)
@@ -53,11 +61,11 @@ def test_a_stopped_rank_is_named_and_every_other_rank_exits(tmp_path):
         deadline = time.monotonic() + 120
         while " iteration        3/" not in logging_rank.read_text():
             assert time.monotonic() < deadline, logging_rank.read_text()[-3000:]
-            assert all(p.poll() is None for p in procs), logging_rank.read_text()[-3000:]
+            assert _running(procs), logging_rank.read_text()[-3000:]
             time.sleep(0.5)
         os.kill(procs[1].pid, signal.SIGUSR1)  # on demand: every rank reports, nobody exits
         while "hang (SIGUSR1, reported by rank 1)" not in (tmp_path / "rank1.log").read_text():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            assert time.monotonic() < deadline and _running(procs)
             time.sleep(0.5)
         on_demand = {r: (tmp_path / f"rank{r}.log").read_text().count(" hang report: ")
                      for r in range(4)}
@@ -65,17 +73,19 @@ def test_a_stopped_rank_is_named_and_every_other_rank_exits(tmp_path):
         stopped_at = time.monotonic()
         for rank, proc in enumerate(procs):
             if rank != STOPPED:
-                proc.wait(timeout=TIMEOUT_MINUTES * 60 + 60)
+                proc.join(max(stopped_at + TIMEOUT_MINUTES * 60 + 60 - time.monotonic(), 0.1))
+                if proc.exitcode is None:
+                    raise subprocess.TimeoutExpired(f"rank {rank}", TIMEOUT_MINUTES * 60 + 60)
         elapsed = time.monotonic() - stopped_at
     finally:
         for proc in procs:
-            if proc.poll() is None:
+            if proc.exitcode is None:
                 proc.kill()
-                proc.wait()
+                proc.join()
     logs = {r: (tmp_path / f"rank{r}.log").read_text() for r in range(4)}
     assert elapsed < TIMEOUT_MINUTES * 60 + 60
     for rank in (0, 1, 3):
-        assert procs[rank].returncode != 0, logs[rank][-2000:]
+        assert procs[rank].exitcode != 0, logs[rank][-2000:]
         # every live rank logged its line: its last action and what it waits for -- or, when
         # rank 2 stopped after its part of the pipeline, the collective it waits in (outside it)
         head = f"hang report: rank {rank} (pipeline rank {rank}): "

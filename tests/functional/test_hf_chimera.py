@@ -18,7 +18,7 @@ from megatron_chimera.data.tokenizers import build_tokenizer
 from megatron_chimera.inference.loader import load_model
 from tests.helpers.hf_models import reload_gpt2, save_gpt2
 
-from .launcher import launch, scalars
+from .launcher import launch, launch_forked, scalars
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
 
@@ -46,10 +46,11 @@ def trained(tmp_path_factory):
     tokenizer_flags = ["--tokenizer-type", "GPT2BPETokenizer",
                        "--vocab-file", str(root / "ckpt/tokenizer/vocab.json"),
                        "--merge-file", str(root / "ckpt/tokenizer/merges.txt")]
-    train = ok(launch("pretrain_gpt2.py",
-                      [*MODEL, *CHIMERA, *tokenizer_flags,
-                       "--load", str(root / "ckpt"), "--save", str(root / "trained"),
-                       "--tensorboard-dir", str(root / "tb")], nproc=4, timeout=240))
+    # 4 forked ranks (the world, not torchrun, is what is tested here)
+    train = ok(launch_forked("pretrain_gpt2.py",
+                             [*MODEL, *CHIMERA, *tokenizer_flags,
+                              "--load", str(root / "ckpt"), "--save", str(root / "trained"),
+                              "--tensorboard-dir", str(root / "tb")], 4, timeout=240))
     assert "loaded checkpoint" in train.stdout
     ok(launch("tools/checkpoint/convert.py",
               ["export-hf", "--load", str(root / "trained"), "--hf-dir", str(root / "out")]))

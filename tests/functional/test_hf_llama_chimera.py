@@ -22,7 +22,7 @@ from megatron_chimera.training.sft_reference import write_sft_dataset
 from tests.helpers.flags import without_flags
 from tests.helpers.hf_models import save_llama, transformers
 
-from .launcher import launch, scalars
+from .launcher import launch, launch_forked, scalars
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
 
@@ -69,10 +69,11 @@ def test_import_train_t2_chimera_export(tmp_path):
                      str(tmp_path / "ckpt")]))
     flags = _printed_flags(out.stdout)
     assert "--tokenizer-type" in flags and "HuggingFaceTokenizer" in flags
-    ok(launch("pretrain_gpt2.py", [*flags, *RUN, "--data-path", data, "--load",
-                                   str(tmp_path / "ckpt"), "--save",
-                                   str(tmp_path / "trained"), "--tensorboard-dir",
-                                   str(tmp_path / "tb")], nproc=4, timeout=300))
+    # 4 forked ranks (the world, not torchrun, is what is tested here)
+    ok(launch_forked("pretrain_gpt2.py", [*flags, *RUN, "--data-path", data, "--load",
+                                          str(tmp_path / "ckpt"), "--save",
+                                          str(tmp_path / "trained"), "--tensorboard-dir",
+                                          str(tmp_path / "tb")], 4, timeout=300))
     losses = scalars(tmp_path / "tb", "lm loss")
     assert sorted(losses) == list(range(1, 21)) and losses[20] < losses[1]
     tokenizer = build_tokenizer("HuggingFaceTokenizer",

@@ -56,10 +56,15 @@ def test_workers_die_with_a_killed_launcher(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_die_with_parent_in_a_child_whose_parent_is_killed(tmp_path):
-    # parent -> child; the child arms die_with_parent and sleeps; kill -9 the parent.
-    child_code = ("import sys, time; sys.path.insert(0, sys.argv[1]);"
-                  "from megatron_chimera.training.process import die_with_parent;"
-                  "print(die_with_parent(), flush=True); time.sleep(120)")
+    # parent -> child; the child arms die_with_parent and sleeps; kill -9 the parent. The
+    # module (torch-free) is loaded from its file: the package's __init__ imports the training
+    # loop, and torch with it (~4 s of the child's CPU otherwise)
+    child_code = ("import importlib.util, sys, time;"
+                  "spec = importlib.util.spec_from_file_location('process', sys.argv[1] + "
+                  "'/megatron_chimera/training/process.py');"
+                  "process = importlib.util.module_from_spec(spec);"
+                  "spec.loader.exec_module(process);"
+                  "print(process.die_with_parent(), flush=True); time.sleep(120)")
     parent_code = ("import subprocess, sys, time;"
                    f"p = subprocess.Popen([sys.executable, '-c', {child_code!r}, sys.argv[1]]);"
                    "print(p.pid, flush=True); time.sleep(120)")

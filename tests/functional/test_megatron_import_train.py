@@ -25,7 +25,7 @@ from tests.helpers.flags import without_flags
 from tests.helpers.megatron_checkpoints import write_checkpoint
 from tests.unit.megatron_lm.test_import_export import llama_reference
 
-from .launcher import launch, scalars
+from .launcher import launch, launch_forked, scalars
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
 
@@ -56,14 +56,16 @@ def test_import_megatron_train_export(tmp_path, capsys):
                                    str(tmp_path / "trained"), "--tensorboard-dir",
                                    str(tmp_path / "tb")], nproc=1, timeout=200))
     loss = scalars(tmp_path / "tb", "lm loss")[1]
-    ok(launch("pretrain_gpt2.py", [*flags, *RUN, "--load", str(tmp_path / "ckpt"),
-                                   "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                                   "chimera", "--tensorboard-dir", str(tmp_path / "tb_chimera")],
-              nproc=2, timeout=200))
+    # the 2-rank worlds are forked ranks (the world, not torchrun, is what is tested here)
+    ok(launch_forked("pretrain_gpt2.py",
+                     [*flags, *RUN, "--load", str(tmp_path / "ckpt"),
+                      "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "chimera",
+                      "--tensorboard-dir", str(tmp_path / "tb_chimera")], 2, timeout=200))
     assert abs(scalars(tmp_path / "tb_chimera", "lm loss")[1] - loss) <= 1e-6 * loss
-    ok(launch("pretrain_gpt2.py", [*flags, *RUN, "--load", str(tmp_path / "ckpt"),
-                                   "--tensor-model-parallel-size", "2", "--tensorboard-dir",
-                                   str(tmp_path / "tb_tp")], nproc=2, timeout=200))
+    ok(launch_forked("pretrain_gpt2.py",
+                     [*flags, *RUN, "--load", str(tmp_path / "ckpt"),
+                      "--tensor-model-parallel-size", "2", "--tensorboard-dir",
+                      str(tmp_path / "tb_tp")], 2, timeout=200))
     tp_loss = scalars(tmp_path / "tb_tp", "lm loss")[1]
     assert abs(tp_loss - loss) <= 1e-5 * loss
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=127)  # + eod: 128 ids

@@ -2,13 +2,17 @@
 
 Two torchrun launchers (``NNODES=2``, ``NODE_RANK`` 0 and 1, one master address and port), two
 CPU workers each: Chimera with D=4 over both "nodes". The losses must equal those of the same
-script run as one node with four workers (same ranks, same placement: bit for bit).
+script's one-node command (its ``DRY_RUN=1`` line, ``NNODES=1``, four workers) run as one world
+of four ranks (same ranks, same placement: bit for bit). That world's ranks are forked by hand:
+torchrun's one-node launch is not what is compared, and its agent and four fresh interpreters
+cost the test ~10 s.
 Slow; run it alone with ``pytest tests/functional/test_two_node_launch.py``.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +21,7 @@ import pytest
 
 from megatron_chimera.parallel_state import NCCL_SEMANTICS_ENV
 
-from .launcher import ROOT, free_port, scalars
+from .launcher import ROOT, free_port, launch_forked, scalars
 
 pytestmark = [pytest.mark.functional, pytest.mark.slow]
 
@@ -34,14 +38,20 @@ TINY_ENV = {
 }
 
 
-def node(tmp_path: Path, name: str, nnodes: int, node_rank: int, per_node: int,
-         port: int) -> subprocess.Popen:
+def node_env(tmp_path: Path, name: str, nnodes: int, node_rank: int, per_node: int,
+             port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(TINY_ENV, NNODES=str(nnodes), NODE_RANK=str(node_rank),
                GPUS_PER_NODE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                CHECKPOINT_PATH=str(tmp_path / f"ckpt-{name}"),
                TENSORBOARD_DIR=str(tmp_path / f"tb-{name}"))
+    return env
+
+
+def node(tmp_path: Path, name: str, nnodes: int, node_rank: int, per_node: int,
+         port: int) -> subprocess.Popen:
+    env = node_env(tmp_path, name, nnodes, node_rank, per_node, port)
     with open(tmp_path / f"{name}-node{node_rank}.log", "w") as log:  # the child keeps its fd
         return subprocess.Popen(["bash", str(SCRIPT)], cwd=ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -66,8 +76,15 @@ def test_two_nodes_match_one_node(tmp_path):
     port = free_port()
     two = [node(tmp_path, "two", 2, rank, 2, port) for rank in (0, 1)]
     wait_all(two, tmp_path, timeout=420)
-    one = [node(tmp_path, "one", 1, 0, 4, free_port())]
-    wait_all(one, tmp_path, timeout=420)
+    # the one-node reference: the script's own command for one node of four workers
+    dry = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                         check=True, env=dict(node_env(tmp_path, "one", 1, 0, 4, free_port()),
+                                              DRY_RUN="1"))
+    words = shlex.split(dry.stdout)
+    assert "--nnodes 1 --node-rank 0 --nproc-per-node 4" in " ".join(words), words
+    one = launch_forked("pretrain_gpt2.py", words[words.index("pretrain_gpt2.py") + 1:], 4,
+                        timeout=420)
+    assert one.returncode == 0, (one.stdout[-3000:], one.stderr[-3000:])
     two_nodes = scalars(tmp_path / "tb-two", "lm loss")
     one_node = scalars(tmp_path / "tb-one", "lm loss")
     assert sorted(two_nodes) == list(range(1, 7)), two_nodes

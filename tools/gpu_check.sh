@@ -70,25 +70,42 @@ if [ "$DEVICE" = cpu ]; then  # a CPU question: never on a GPU lease's time
 fi
 
 echo "gpu_check: device $DEVICE, output in $OUT, run $GPU_CHECK_RUN" | tee -a "$LOG"
-# the versions line first, before any step (a step that hangs cannot hide them)
-"$PYTHON" -c 'import platform, torch; print("versions: python", platform.python_version(),
+# the versions line first, before any step (a step that hangs cannot hide them); the CPU dry
+# run reads torch's version.py instead of importing torch (~2.5 s of CPU) and counts no device
+if [ "$DEVICE" = cpu ]; then
+  "$PYTHON" -c 'import importlib.util as u, os, platform
+spec = u.find_spec("torch"); path = os.path.join(spec.submodule_search_locations[0], "version.py")
+v = u.module_from_spec(u.spec_from_file_location("torch_version", path)); v.__spec__.loader.exec_module(v)
+print("versions: python", platform.python_version(), "torch", v.__version__, "cuda", v.cuda,
+      "devices - (not counted: --device cpu)")' 2>&1 | tee -a "$LOG"
+else
+  "$PYTHON" -c 'import platform, torch; print("versions: python", platform.python_version(),
   "torch", torch.__version__, "cuda", torch.version.cuda, "devices",
   torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>&1 | tee -a "$LOG"
-# On the CPU the steps that start no training process of their own run in one process per
-# consecutive run of them (their caps added up): a torch start (~2 s of CPU) each saved. On a GPU
-# every step keeps its own process (one hang or crash costs only its step).
-SHARED=" env layer_mfu moe_experts ring_attention hardware kernels memory recompute resume "
-SHARED+="moe_syncs "
+fi
+# On the CPU consecutive steps of one kind run in one process (their caps added up): a torch
+# start (~2 s of CPU) each saved. SHARED: the figure steps, which compute in their process;
+# FORKING: the training steps, whose training runs are children forked from their process
+# (gpu_check_training.run_forked: no interpreter start each; the process computes nothing before
+# its last fork). On a GPU every step keeps its own process (one hang or crash costs only its step).
+SHARED=" env layer_mfu moe_experts ring_attention hardware kernels "
+FORKING=" training sync_audit memory recompute resume moe_syncs "
 PLAN=()
 group=""
+kind=""
 total=0
 for entry in "${STEPS[@]}"; do
   read -r name limit <<< "$entry"
   if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then continue; fi
-  if [ "$DEVICE" = cpu ] && [[ "$SHARED" == *" $name "* ]]; then
-    group="${group:+$group,}$name"; total=$((total + limit)); continue
+  this=""
+  if [ "$DEVICE" = cpu ] && [[ "$SHARED" == *" $name "* ]]; then this=shared; fi
+  if [ "$DEVICE" = cpu ] && [[ "$FORKING" == *" $name "* ]]; then this=forking; fi
+  if [ -n "$group" ] && [ "$this" != "$kind" ]; then
+    PLAN+=("$group $total"); group=""; total=0
   fi
-  if [ -n "$group" ]; then PLAN+=("$group $total"); group=""; total=0; fi
+  if [ -n "$this" ]; then
+    group="${group:+$group,}$name"; kind=$this; total=$((total + limit)); continue
+  fi
   PLAN+=("$name $limit")
 done
 if [ -n "$group" ]; then PLAN+=("$group $total"); fi

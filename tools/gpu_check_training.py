@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import gpu_check  # read_results, timeout_raises: defined after this module is imported
@@ -52,10 +53,90 @@ DETERMINISTIC = ("import runpy, sys, torch; torch.use_deterministic_algorithms(T
 RERUN_TOLERANCE = 2.0 ** -7
 
 
+def _run_script(script: str, argv: list[str], env: dict, deterministic: bool) -> None:
+    """A forked child's run of ``script`` as ``__main__`` with its own environment and
+    arguments (``deterministic``: as :data:`DETERMINISTIC` does)."""
+    import runpy
+
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    runpy.run_path(script, run_name="__main__")
+
+
+def _forked(target: Callable[..., None], args: tuple, out: int, err: int) -> None:
+    os.dup2(out, 1)  # the child's output goes to the parent's files
+    os.dup2(err, 2)
+    os.chdir(ROOT)
+    target(*args)
+
+
+def import_training() -> None:
+    """What a training run imports, once in this process before its forks (torch.optim imports
+    torch._dynamo at the first optimizer)."""
+    import torch._dynamo  # noqa: F401
+
+    import megatron_chimera.training  # noqa: F401
+
+
+def run_forked(calls: list[tuple[Callable[..., None], tuple]],
+               timeout: float) -> list[subprocess.CompletedProcess]:
+    """Each ``target(*args)`` of ``calls`` in a child forked from this process (the CPU dry run),
+    all at once; their exit codes and outputs. A run of ``pretrain_gpt2.py``
+    (:func:`_run_script`) is the same run as a fresh ``python pretrain_gpt2.py`` without the
+    interpreter's start (torch, torch._dynamo and the framework imported once here: ~4 s of CPU
+    saved per process). As under torchrun, the first child to fail ends the others. Only where
+    this process has run no computation yet (no thread pool to inherit); never on CUDA (a CUDA
+    context does not survive a fork)."""
+    import multiprocessing
+    import multiprocessing.connection
+    import tempfile
+
+    with contextlib.ExitStack() as stack:
+        files = [tuple(stack.enter_context(tempfile.TemporaryFile()) for _ in "oe")
+                 for _ in calls]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        fork = multiprocessing.get_context("fork")
+        children = [fork.Process(target=_forked, args=(target, args, out.fileno(), err.fileno()))
+                    for (target, args), (out, err) in zip(calls, files)]
+        for child in children:
+            child.start()
+        deadline = time.monotonic() + timeout
+        try:
+            running = list(children)
+            while running and time.monotonic() < deadline:
+                multiprocessing.connection.wait([c.sentinel for c in running],
+                                                deadline - time.monotonic())
+                running = [c for c in running if c.exitcode is None]
+                if any(c.exitcode for c in children):  # one failed: the others would hang
+                    break
+        finally:  # a timeout, a failure, or the step's own StepTimeout: the children go too
+            timed_out = any(c.exitcode is None for c in children) and not any(
+                c.exitcode for c in children)
+            for child in children:
+                if child.exitcode is None:
+                    child.kill()
+                child.join()
+        if timed_out:
+            raise subprocess.TimeoutExpired(f"{len(calls)} forked process(es)", timeout)
+        results = []
+        for child, (_target, args), (out, err) in zip(children, calls, files):
+            out.seek(0)
+            err.seek(0)
+            results.append(subprocess.CompletedProcess(
+                args, child.exitcode, out.read().decode(errors="replace"),
+                err.read().decode(errors="replace")))
+    return results
+
+
 def pretrain(ctx: Context, flags: list[str], reserve: float = 5.0,
              deterministic: bool = False) -> str:
     """Run ``pretrain_gpt2.py`` (one process; ``deterministic``: with torch's deterministic
-    algorithms); its stdout, or RuntimeError with its stderr."""
+    algorithms); its stdout, or RuntimeError with its stderr. On the CPU the process is forked
+    from this one (:func:`run_forked`), on CUDA a fresh interpreter."""
     script = str(ROOT / "pretrain_gpt2.py")
     cmd = ([sys.executable, "-c", DETERMINISTIC, script] if deterministic
            else [sys.executable, script]) + list(flags)
@@ -68,8 +149,13 @@ def pretrain(ctx: Context, flags: list[str], reserve: float = 5.0,
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     print(f"$ {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=ctx.remaining(reserve))
+    if ctx.gpu:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env,
+                              timeout=ctx.remaining(reserve))
+    else:
+        import_training()
+        proc, = run_forked([(_run_script, (script, cmd[cmd.index(script) + 1:], env,
+                                           deterministic))], ctx.remaining(reserve))
     print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n", flush=True)
     if proc.returncode:
         raise RuntimeError(f"pretrain_gpt2.py exited {proc.returncode}: "
@@ -150,16 +236,13 @@ def _where(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
     return f"{relative}:{site.lineno} in {site.name}: {site.line}", region
 
 
-@step("sync_audit", "host-sync audit: 20 iterations under set_sync_debug_mode")
-def check_sync_audit(ctx: Context) -> dict:
-    """Train 20 iterations in this process; record every synchronizing call with its stack.
-    On the CPU the in-process run is exercised (4 iterations) with nothing to audit."""
+def _train_audited(gpu: bool, sites: collections.Counter, regions: dict[str, str],
+                   stacks: dict[str, str]) -> None:
+    """Train in this process (20 iterations; 4 on the CPU), every synchronizing call counted in
+    ``sites`` with its region and stack."""
     import runpy
     import warnings
 
-    sites: collections.Counter = collections.Counter()
-    regions: dict[str, str] = {}
-    stacks: dict[str, str] = {}
     original = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
@@ -175,22 +258,40 @@ def check_sync_audit(ctx: Context) -> dict:
     warnings.showwarning = record
     warnings.filterwarnings("always", message=SYNC_MESSAGE)
     argv = sys.argv
-    sys.argv = ["pretrain_gpt2.py", *model_flags(ctx.gpu), "--train-iters",
-                "20" if ctx.gpu else "4", "--bf16"]
-    if ctx.gpu:
+    sys.argv = ["pretrain_gpt2.py", *model_flags(gpu), "--train-iters",
+                "20" if gpu else "4", "--bf16"]
+    if gpu:
         torch.cuda.set_sync_debug_mode("warn")
     else:
         sys.argv += ["--distributed-backend", "gloo", "--allow-cpu-training"]
     try:
         runpy.run_path(str(ROOT / "pretrain_gpt2.py"), run_name="__main__")
     finally:
-        if ctx.gpu:
+        if gpu:
             torch.cuda.set_sync_debug_mode("default")
         sys.argv, warnings.showwarning = argv, original
         gpu_check.timeout_raises()  # run_main ignored SIGTERM from its end on
+
+
+@step("sync_audit", "host-sync audit: 20 iterations under set_sync_debug_mode")
+def check_sync_audit(ctx: Context) -> dict:
+    """Train 20 iterations in this process; record every synchronizing call with its stack.
+    On the CPU the in-process run is exercised (4 iterations, in a child forked from this
+    process: the steps after it need a process that has not trained) with nothing to audit."""
+    sites: collections.Counter = collections.Counter()
+    regions: dict[str, str] = {}
+    stacks: dict[str, str] = {}
     if not ctx.gpu:
-        return skip("trained 4 iterations in this process; set_sync_debug_mode watches CUDA "
-                    "synchronizations only")
+        import_training()
+        proc, = run_forked([(_train_audited, (False, sites, regions, stacks))],
+                           ctx.remaining())
+        print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n", flush=True)
+        if proc.returncode:
+            raise RuntimeError(f"the audited run exited {proc.returncode}: "
+                               f"{proc.stderr.strip().splitlines()[-1:] or proc.stdout[-300:]}")
+        return skip("trained 4 iterations in this process (forked); set_sync_debug_mode "
+                    "watches CUDA synchronizations only")
+    _train_audited(True, sites, regions, stacks)
     in_loop = {s: n for s, n in sites.items() if regions[s] == "micro-batch loop"}
     lines = [f"{n:6d}  [{regions[s]}]  {s}" for s, n in sites.most_common()]
     text = ["synchronizing call sites over 20 iterations (count, region, innermost project "

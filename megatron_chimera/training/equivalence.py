@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_chimera.errors import ConfigError
+from megatron_chimera.training import forked_run
 from megatron_chimera.training.equivalence_params import ParamDelta, param_deltas
 
 # Flags the checker sets itself (the layout's or the proxy's); the user's values are dropped.
@@ -201,8 +202,9 @@ def failure_line(output: str, returncode: int) -> str:
 
 def run(script: Path, flags: list[str], world_size: int, out: Path,
         timeout: float = 600, checkpoints: bool = True) -> Curves:
-    """One ``script`` run (torchrun with several ranks) writing TensorBoard to ``out`` and
-    (``checkpoints``) a checkpoint after every step to ``out/ckpt``."""
+    """One ``script`` run (torchrun with several ranks; where no GPU can be used, ranks forked
+    from this process: :mod:`~megatron_chimera.training.forked_run`) writing TensorBoard to
+    ``out`` and (``checkpoints``) a checkpoint after every step to ``out/ckpt``."""
     out.mkdir(parents=True, exist_ok=True)
     args = [str(script), *flags, "--tensorboard-dir", str(out)]
     if checkpoints:
@@ -215,9 +217,15 @@ def run(script: Path, flags: list[str], world_size: int, out: Path,
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(failure_line(proc.stderr + proc.stdout, proc.returncode))
+    if forked_run.forkable():  # no GPU: the same ranks forked from here, no interpreter starts
+        code, output = forked_run.run_ranks(script, args[1:], world_size, env, timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(cmd, timeout)
+    else:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        code, output = proc.returncode, proc.stderr + proc.stdout
+    if code != 0:
+        raise RuntimeError(failure_line(output, code))
     return Curves(_scalars(out, "lm loss"), _scalars(out, "grad-norm"),
                   out / "ckpt" if checkpoints else None)
 

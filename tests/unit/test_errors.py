@@ -15,6 +15,7 @@ from megatron_chimera.errors import (
     one_line,
     user_error_in,
 )
+from tests.functional.launcher import RunResult, launch
 from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -47,7 +48,7 @@ def run(kind: str, *extra: str, env: dict | None = None) -> subprocess.Completed
                           env=dict(os.environ, **(env or {})))
 
 
-def lines(proc: subprocess.CompletedProcess) -> list[str]:
+def lines(proc: subprocess.CompletedProcess | RunResult) -> list[str]:
     return [ln for ln in proc.stderr.splitlines() if ln.strip()]
 
 
@@ -87,10 +88,10 @@ def test_helpers():
     assert UsageError.exit_code == 2 and issubclass(InputFileError, ValueError)
 
 
-def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / name), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+def _tool(name: str, *args: str) -> RunResult:
+    """``python tools/<name> args``, forked from the test server (the tools import torch: a
+    fresh interpreter spends ~4 s of CPU on it); exit code and output as a process's."""
+    return launch(f"tools/{name}", list(args), timeout=60)
 
 
 def test_merge_datasets_bad_input_is_one_line(tmp_path):

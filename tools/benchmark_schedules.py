@@ -388,25 +388,6 @@ def _grad_sync(stages: dict[int, EmulatedStage], args: argparse.Namespace, mode:
     return (_ReduceAtEnd(sync) if mode == "end" else sync), buffers
 
 
-#: schedule, validated, by (name, D, N, options): the rounds repeat the rows, and a schedule's
-#: build (chimera-zb's order search) and its validation are the same each time
-_BUILT: dict[str, list] = {}
-
-
-def _built(name: str, d: int, n: int, options: dict[str, Any], checked: bool = False):
-    """``build_schedule(name, d, n, **options)``, once per run; ``checked``: validated, also
-    lowered (every rank alike: the executor checks only its own list), once too."""
-    key = repr((name, d, n, sorted(options.items())))
-    entry = _BUILT.setdefault(key, [None, False])
-    if entry[0] is None:
-        entry[0] = build_schedule(name, d, n, **options)
-    if checked and not entry[1]:
-        validate(entry[0])
-        validate_lowered(lower(entry[0]))
-        entry[1] = True
-    return entry[0]
-
-
 def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: EmulatedCosts,
                args: argparse.Namespace, latency: float, mode: str = "stage") -> Row:
     """Measure our executor on schedule ``name`` (gradients reduced as ``mode`` says) and
@@ -422,7 +403,7 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                           f"from unit), got {cost_source}")
     p2p_us = options.pop("p2p_us", 0)
     build_p2p_s = build_message_seconds(name, p2p_us, cost_source)
-    probe = _built(name, d, n, options)
+    probe = build_schedule(name, d, n, **options)
     per_stage = emulated_stage_costs(costs, probe.num_stages, d, args.end_stage_factor,
                                      probe.split_backward)
     moe = args.all_to_all_ms > 0 or args.expert_model_parallel_size > 1
@@ -439,10 +420,10 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
         spec = get_spec(name)
         schedule = spec.build(d, n, spec.options_type(**options),
                               moe_layers_per_stage=args.layers_per_stage)
-        validate(schedule)
-        validate_lowered(lower(schedule))  # every rank alike: the executor checks only its own
     else:
-        schedule = _built(name, d, n, options, checked=True)
+        schedule = build_schedule(name, d, n, **options) if "costs" in options else probe
+    validate(schedule)
+    validate_lowered(lower(schedule))  # every rank alike: the executor checks only its own list
     w = ParallelLayout.from_world(dist.get_world_size(), pipeline=d).data
     # per stage and direction, scaled like the compute (k stages per rank: 1/k each)
     a2a = tuple(args.all_to_all_ms / 1e3 * d / schedule.num_stages

@@ -12,7 +12,6 @@ rank to fail ends the others. CUDA keeps torchrun: a CUDA context does not survi
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import sys
@@ -91,11 +90,8 @@ def run_ranks(script: Path, argv: list[str], world_size: int, env: dict[str, str
     import torch._dynamo  # noqa: F401 - torch.optim imports it at the first optimizer
     import torch.utils.tensorboard  # noqa: F401
 
-    import megatron_chimera.training  # noqa: F401
-    with contextlib.redirect_stdout(None):  # the script's own imports; its main is guarded
-        import runpy
+    import megatron_chimera.training  # noqa: F401 - (the script's body runs only in the ranks)
 
-        runpy.run_path(str(script), run_name="__forked_imports__")
     port = str(_free_port())
     env = {k: v for k, v in env.items() if k not in RANK_ENV}
     fork = multiprocessing.get_context("fork")

@@ -26,7 +26,6 @@ from megatron_chimera.schedules.lowering import produced_message
 from megatron_chimera.schedules.registry import PAIRED_SCHEDULES, SCHEDULES, get_spec
 from megatron_chimera.schedules.simulate import model_copies, peak_activations, simulate
 from megatron_chimera.schedules.validate import validate
-from megatron_chimera.schedules.walk import no_cyclic_gc
 
 RANKS = 8
 MICROBATCHES = (8, 32)
@@ -134,7 +133,6 @@ def anchor_rows(num_ranks: int = RANKS) -> list[dict[str, Any]]:
     return rows
 
 
-@no_cyclic_gc()  # the searches and simulations allocate millions of short-lived tuples
 def anchor_table(p2p_values: Sequence[float] = (0.0, 0.1),
                  microbatches: Sequence[int] = MICROBATCHES,
                  names: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from megatron_chimera.schedules.cli import cost_model, options_for, schedule_fro
 from megatron_chimera.schedules.registry import SCHEDULE_NAMES, get_spec
 from megatron_chimera.schedules.simulate import model_copies, simulate
 from megatron_chimera.schedules.validate import validate
+from megatron_chimera.schedules.walk import no_cyclic_gc
 
 
 def _variants(name: str, args: Any) -> list[Any]:
@@ -105,6 +106,7 @@ MOE_ROWS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 CHIMERA_EP_LABELS = ("chimera-ep (chimera +overlap)", "chimera-ep (chimera-zb +overlap)")
 
 
+@no_cyclic_gc()  # the searches and simulations allocate millions of short-lived tuples
 def moe_table(num_ranks: int, num_microbatches: int, costs: Any,
               rows: Sequence[tuple[str, str, dict[str, Any]]] = MOE_ROWS,
               moe_layers_per_stage: int = 0) -> list[dict[str, Any]]:

@@ -11,13 +11,29 @@ inputs of *both* halves are there, then both halves run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import gc
+from collections.abc import Callable, Iterator, Sequence
 
 from megatron_chimera.schedules.actions import Action, input_of
 
 OnRun = Callable[[int, Action, "Action | None"], None]
 Step = tuple[Action, "Action | None"]
 OnPair = Callable[[int, Step, Step], None]
+
+
+@contextlib.contextmanager
+def no_cyclic_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector: a search or a walk allocates millions of tuples (no
+    cycles, so reference counting frees them) and the collector's passes over them cost ~40% of
+    a Chimera-ZB search at D=64 and ~30% of a simulation."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def run_in_order(
@@ -31,6 +47,14 @@ def run_in_order(
     indices where a paired action starts; it runs when both halves' inputs are done, reported
     by ``on_pair(rank, (first, input), (second, input))`` (default: ``on_run`` for each half).
     """
+    with no_cyclic_gc():
+        return _walk(lists, num_stages, on_run, pairs, on_pair)
+
+
+def _walk(
+    lists: Sequence[Sequence[Action]], num_stages: int, on_run: OnRun | None,
+    pairs: Sequence[frozenset[int]] | None, on_pair: OnPair | None,
+) -> list[int]:
     steps = [[(a, input_of(a, num_stages)) for a in actions] for actions in lists]
     starts = pairs or [frozenset()] * len(steps)
     done: set[Action] = set()

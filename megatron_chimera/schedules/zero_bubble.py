@@ -19,10 +19,8 @@ all of them.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 from megatron_chimera.schedules.actions import (
@@ -49,6 +47,7 @@ from megatron_chimera.schedules.list_scheduler import (
     replay,
 )
 from megatron_chimera.schedules.one_f_one_b import one_f_one_b
+from megatron_chimera.schedules.walk import no_cyclic_gc
 from megatron_chimera.schedules.weight_fill import fill_weights, peak_live, split_adjacent
 
 DEFAULT_COSTS = (1.0, 1.0, 1.0)
@@ -292,19 +291,6 @@ def best_order(
         search.evaluate(Priority(guard="reserve"))
     assert search.best is not None, "the reserve guard cannot deadlock with a cap >= 1"
     return search.best
-
-
-@contextlib.contextmanager
-def no_cyclic_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector: a search allocates millions of tuples (no cycles, so
-    reference counting frees them) and the collector's passes over them cost ~40% at D=64."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _chimera_seeds(num_ranks: int, num_microbatches: int, pipes: int,

@@ -39,6 +39,7 @@ from megatron_chimera.schedules.registry import (
     get_spec,
 )
 from megatron_chimera.schedules.slices import SLICED_SCHEDULES
+from megatron_chimera.schedules.walk import no_cyclic_gc
 from megatron_chimera.tuning.perf_model import PerformanceModel, Prediction
 from megatron_chimera.tuning.training_plan import TrainingPlan
 
@@ -331,6 +332,7 @@ class TuneResult:
         return self.ranked[0]
 
 
+@no_cyclic_gc()  # the search allocates millions of short-lived tuples, no cycles
 def autotune(model: PerformanceModel, space: SearchSpace, memory_limit_bytes: int,
              keep: int | None = None) -> TuneResult:
     """Search ``space`` with ``model``; layouts whose peak rank memory exceeds the limit drop out.

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_chimera.config import ModelConfig
+from megatron_chimera.schedules.walk import no_cyclic_gc
 from megatron_chimera.tuning.analytic_costs import ModelSpec
 from megatron_chimera.tuning.hardware import HardwareProfile
 from megatron_chimera.tuning.perf_model import PerformanceModel
@@ -138,6 +139,7 @@ class Comparison:
         return abs(self.ratio - 1.0)
 
 
+@no_cyclic_gc()  # a simulation allocates millions of short-lived tuples, no cycles
 def predict_run(run: PublishedRun, hardware: HardwareProfile) -> Comparison:
     """The model's TFLOP/s per GPU for one published row (Eq. 3 over the predicted time)."""
     spec, layout = run_spec(run), run_layout(run)

@@ -66,7 +66,7 @@ from megatron_chimera.pipeline.executor_config import (
     Gradients,
     StageWork,
 )
-from megatron_chimera.pipeline.expert_order import check_issued, prove_with_experts, stage_layouts
+from megatron_chimera.pipeline.expert_order import check_issued, stage_layouts
 from megatron_chimera.pipeline.failures import PipelineFailure, pipeline_failure
 from megatron_chimera.pipeline.nccl_semantics import NcclSemanticsTransport
 from megatron_chimera.pipeline.overlap import Half, PairRuntime, leading_half
@@ -86,7 +86,7 @@ from megatron_chimera.pipeline.stage_state import (
 from megatron_chimera.pipeline.topology import PipelineTopology
 from megatron_chimera.pipeline.transport import Transport
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action, Schedule
-from megatron_chimera.schedules.device_sync_check import plan_gradient_collectives
+from megatron_chimera.schedules.device_sync_check import ExpertComm, plan_gradient_collectives
 from megatron_chimera.schedules.expert_ops import expert_ops
 from megatron_chimera.schedules.lowering import (
     ACTIVATION,
@@ -203,11 +203,20 @@ class PipelineExecutor:
         safe_posting = policy.safe_posting
         self.lowered = {mode: lower(schedule, mode, policy.recv_lookahead, safe_posting)
                         for mode in (False, True)}
+        # the expert all-to-alls as lowered ops: the NCCL-semantics mode proves this rank's
+        # list with them and checks each iteration's against them (schedules/expert_ops.py)
+        layouts = stage_layouts(work.modules) if nccl_semantics_requested() else None
+        self.expert_ops = {mode: expert_ops(lowered, pipeline_rank, layouts, self.recompute,
+                                            self.overlap_pairs)
+                           for mode, lowered in self.lowered.items()} if layouts else None
+        experts = (ExpertComm({pipeline_rank: self.expert_ops[False]},
+                              get_expert_model_parallel_world_size()) if self.expert_ops else None)
         overlap = self.grad_sync is not None and self.grad_sync.overlap_grad_reduce
         plan = None
         if safe_posting:
             plan = validate_lowered(self.lowered[False], [pipeline_rank], overlap,
-                                    gradient_collectives=self.grad_sync is not None)
+                                    gradient_collectives=self.grad_sync is not None,
+                                    experts=experts)
             validate_lowered(self.lowered[True], [pipeline_rank])
         elif self.grad_sync is not None:  # (the collectives' plan of the safe lowering)
             plan = plan_gradient_collectives(
@@ -216,16 +225,6 @@ class PipelineExecutor:
         self.deferred_collectives = plan.deferred if plan is not None else frozenset()
         self.programs: dict[bool, Program] = {
             mode: compile_program(lowered, pipeline_rank) for mode, lowered in self.lowered.items()}
-        # the expert all-to-alls as lowered ops; the NCCL-semantics mode checks each
-        # iteration's against them (schedules/expert_ops.py)
-        layouts = stage_layouts(work.modules) if nccl_semantics_requested() else None
-        self.expert_ops = {mode: expert_ops(lowered, pipeline_rank, layouts, self.recompute,
-                                            self.overlap_pairs)
-                           for mode, lowered in self.lowered.items()} if layouts else None
-        if self.expert_ops is not None and safe_posting:  # ... and the proof covers them
-            prove_with_experts(self.lowered[False], pipeline_rank, self.expert_ops[False],
-                               get_expert_model_parallel_world_size(), plan, overlap,
-                               gradient_collectives=self.grad_sync is not None)
         self.comm = P2PCommunicator(self.transport, uniform_specs(self.tensor_shape, self.dtype),
                                     self.device)
         self._linears = {s: deferrable_modules(m) for s, m in work.modules.items()}

@@ -3,15 +3,12 @@ NCCL-semantics mode's check that the paired runtime issued exactly those, in tha
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from torch import nn
 
 from megatron_chimera.pipeline.failures import PipelineFailure
-from megatron_chimera.schedules.device_sync_check import CollectivePlan, ExpertComm
 from megatron_chimera.schedules.expert_ops import ExpertOp, StageLayout
-from megatron_chimera.schedules.lowering import LoweredSchedule
-from megatron_chimera.schedules.validate import ScheduleError, validate_lowered
 
 
 def stage_layout(module: nn.Module, training: bool = True) -> StageLayout | None:
@@ -61,19 +58,3 @@ def check_issued(expected: list[ExpertOp], issued: list[str], rank: int) -> None
     if len(want) != len(issued):
         raise PipelineFailure(f"rank {rank}: {len(issued)} expert all-to-alls issued, the "
                               f"lowered schedule has {len(want)}")
-
-
-def prove_with_experts(lowered: LoweredSchedule, rank: int, ops: Sequence[ExpertOp],
-                       expert_parallel_size: int, plan: CollectivePlan | None,
-                       overlap_grad_reduce: bool, gradient_collectives: bool) -> None:
-    """The device-sync proof again with ``rank``'s lowered all-to-alls as operations of its
-    list (its EP group's members run the same list): no device-wide sync can hang on them, and
-    the gradient collectives' ``plan`` the run uses is the one the proof gives with them."""
-    if expert_parallel_size == 1 or not ops:
-        return
-    with_experts = validate_lowered(lowered, [rank], overlap_grad_reduce,
-                                    gradient_collectives=gradient_collectives,
-                                    experts=ExpertComm({rank: ops}, expert_parallel_size))
-    if plan is not None and with_experts != plan:
-        raise ScheduleError(f"rank {rank}: the gradient collectives' plan differs once the "
-                            f"expert all-to-alls are in the lowered list")

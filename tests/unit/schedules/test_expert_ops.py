@@ -149,19 +149,3 @@ def test_all_to_alls_out_of_step_order_are_refused():
                                             rf"after those of a later action"):
         validate_lowered(lowered, experts=ExpertComm({**experts.ops, 1: moved}, 2))
 
-
-def test_the_executors_proof_with_its_all_to_alls_checks_the_plan_it_runs():
-    """``prove_with_experts`` (the executor's, in the NCCL-semantics mode): with a rank's lowered
-    all-to-alls the proof passes and gives the plan the run uses; a plan other than the one
-    the proof gives is refused; nothing to prove at EP = 1 or without all-to-alls."""
-    from megatron_chimera.pipeline.expert_order import prove_with_experts
-
-    lowered = _chimera()
-    ops = expert_ops(lowered, 1, LAYOUTS)
-    plan = validate_lowered(lowered, [1])
-    prove_with_experts(lowered, 1, ops, 2, plan, True, gradient_collectives=True)
-    other = plan._replace(deferred=plan.deferred | {"made-up collective"})
-    with pytest.raises(ScheduleError, match="rank 1: the gradient collectives' plan differs"):
-        prove_with_experts(lowered, 1, ops, 2, other, True, gradient_collectives=True)
-    prove_with_experts(lowered, 1, ops, 1, other, True, gradient_collectives=True)
-    prove_with_experts(lowered, 1, [], 2, other, True, gradient_collectives=True)

@@ -105,9 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             inf = float("inf")
             result = eq.Comparison(inf, inf, inf, f"run failed: {exc}")
         failed |= bool(result.first)
-        print(f"{layout.text:32s} {layout.world_size:5d} {result.loss:14.3e} "
-              f"{result.grad_norm:14.3e} {result.param:14.3e}  {result.first or 'agrees'}",
-              flush=True)
+        _print_row(layout, result, result.first or "agrees")
     return 1 if failed else 0
 
 
@@ -115,6 +113,12 @@ def _print_header(last_column: str) -> None:
     """The table's header line: one row per layout follows, the last column ``last_column``."""
     print(f"{'layout':32s} {'ranks':>5s} {'max rel dloss':>14s} {'max rel dgnorm':>14s} "
           f"{'max rel dparam':>14s}  {last_column}")
+
+
+def _print_row(layout: eq.Layout, result: eq.Comparison, verdict: str) -> None:
+    """One layout's line under :func:`_print_header`."""
+    print(f"{layout.text:32s} {layout.world_size:5d} {result.loss:14.3e} "
+          f"{result.grad_norm:14.3e} {result.param:14.3e}  {verdict}", flush=True)
 
 
 def against_flag(flags: list[str], layouts: list[eq.Layout], args: argparse.Namespace) -> int:
@@ -140,9 +144,7 @@ def against_flag(flags: list[str], layouts: list[eq.Layout], args: argparse.Name
             inf = float("inf")
             result, same, verdict = eq.Comparison(inf, inf, inf, ""), False, f"run failed: {exc}"
         failed |= not same
-        print(f"{layout.text:32s} {layout.world_size:5d} {result.loss:14.3e} "
-              f"{result.grad_norm:14.3e} {result.param:14.3e}  {verdict} "
-              f"({len(off.loss) if same else '-'} steps)", flush=True)
+        _print_row(layout, result, f"{verdict} ({len(off.loss) if same else '-'} steps)")
     return 1 if failed else 0
 
 

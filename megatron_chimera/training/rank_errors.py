@@ -12,7 +12,7 @@ that stopped beating: ``error: lost contact with another rank: rank 2 died (...)
 ``rank 3: stopped (rank 2 died (...); see rank 1's error)``. Exit codes are non-zero (2 for a
 bad flag, 1 otherwise, 130 for Ctrl-C). Before the process group exists (flag validation) every rank
 checks the same flags; local rank 0 prints the ``error:`` line and the others exit quietly with
-the same code.
+the same code (under torchrun they wait, bounded, for the agent to end them after local rank 0).
 
 Under torchrun the first rank's line is also written to ``TORCHELASTIC_ERROR_FILE``, so the
 launcher's summary names the problem instead of pointing at its documentation. Exiting is
@@ -48,6 +48,7 @@ from megatron_chimera.training.process import die_with_parent, launched_by_torch
 _CLAIM_KEY = "megatron_chimera/error_claims"
 _FIRST_KEY = "megatron_chimera/first_error_rank"
 _DEAD_KEY = "megatron_chimera/dead_ranks"  # set by the first rank: the ranks that died, or ""
+ECHO_WAIT_S = 20.0  # a quiet rank's longest wait for torchrun to end it after local rank 0
 
 
 class Terminated(BaseException):
@@ -212,6 +213,7 @@ def report_failure(exc: BaseException) -> int:
     shown = user_error_in(exc) or exc
     _write_torchelastic_error_file(f"error: {one_line(shown)}{suffix}")
     if first is None and world > 1 and not debug and _echo_of_local_rank_0(exc):
+        _outlive_local_rank_0()
         return exit_code_of(shown)  # the same line is printed once, by local rank 0
     return print_error(exc, suffix, debug=debug)
 
@@ -221,6 +223,17 @@ def _echo_of_local_rank_0(exc: BaseException) -> bool:
     (flag validation): each rank checks the same flags, so local rank 0 speaks for the node."""
     local = os.environ.get("LOCAL_RANK")
     return local not in (None, "0") and user_error_in(exc) is not None and _store() is None
+
+
+def _outlive_local_rank_0(bound_s: float = ECHO_WAIT_S) -> None:
+    """Under torchrun, a quiet rank waits (bounded) for the agent's SIGTERM, which follows local
+    rank 0's exit: a quiet rank that exited first could make the agent end rank 0 before its
+    ``error:`` line was printed."""
+    if not launched_by_torchrun() or threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent's SIGTERM ends this rank
+    time.sleep(bound_s)
 
 
 def _raise_terminated(signum, frame) -> None:  # noqa: ARG001 - signal handler signature

@@ -60,6 +60,7 @@ from operator import attrgetter
 from typing import Any
 
 from megatron_chimera.schedules.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from megatron_chimera.schedules.blocking_p2p import P2P_EXCHANGES, blocking_timeline
 from megatron_chimera.schedules.validate import ScheduleError
 from megatron_chimera.schedules.walk import run_in_order, stalled
 
@@ -111,6 +112,10 @@ class CostModel:
     microbatch_work: tuple[tuple[float, float, float], ...] = ()
     # per micro-batch, its tokens relative to the priced one: the bytes of its messages
     microbatch_tokens: tuple[float, ...] = ()
+    # how the runtime moves pipeline messages: async (sends never block; our executor, the
+    # zero-bubble runtime) or Megatron-LM's blocking exchanges, one per action or, paired, one
+    # per F+B of its interleaved steady state (schedules/blocking_p2p.py)
+    p2p_exchange: str = "async"
 
     def per_stage(self, name: str, num_stages: int) -> list[float]:
         """The field ``name`` as a list of ``num_stages`` floats (scalars broadcast)."""
@@ -201,6 +206,23 @@ class SimResult:
     def events_of_rank(self, rank: int) -> list[Event]:
         """Events of ``rank`` in execution order."""
         return [e for e in self.events if e.rank == rank]
+
+    @property
+    def longest_rank_span(self) -> float:
+        """The longest time one rank spends from its first action's start to the end of its
+        last action or of its stages' gradient reductions: the period of back-to-back
+        iterations when no step boundary synchronises the ranks (each rank starts the next
+        iteration as soon as it is done with this one, as the zero-bubble runtime's
+        post-validated optimizer step lets it)."""
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        for e in self.events:
+            first[e.rank] = min(first.get(e.rank, e.start), e.start)
+            last[e.rank] = max(last.get(e.rank, e.end), e.end)
+        for a in self.allreduces:
+            for rank in a.ranks:
+                last[rank] = max(last.get(rank, a.end), a.end)
+        return max((last[r] - first.get(r, 0.0) for r in last), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (the ``--json`` format of tools/plot_schedule.py)."""
@@ -358,6 +380,8 @@ def baton_pair_time(halves: Sequence[Sequence[tuple[bool, float]]], lead: int,
 
 def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event], list[float]]:
     compute = compute_times(schedule, costs)
+    if costs.p2p_exchange != "async":
+        return _blocking_events(schedule, costs, compute), [0.0] * schedule.num_ranks
     a2a = all_to_all_times(schedule, costs)
     exposed = [0.0] * schedule.num_ranks
     edges = {(a, b): costs.p2p_time(a, b) for a, b, _, _ in costs.p2p_edges}
@@ -437,6 +461,25 @@ def _compute_timeline(schedule: Schedule, costs: CostModel) -> tuple[list[Event]
         raise ScheduleError("simulation stalled: the schedule deadlocks (validate() says where)")
     events.sort(key=attrgetter("rank", "start", "end"))
     return events, exposed
+
+
+def _blocking_events(schedule: Schedule, costs: CostModel,
+                     compute: dict[str, list[float]]) -> list[Event]:
+    if costs.p2p_exchange not in P2P_EXCHANGES:
+        raise ValueError(f"CostModel.p2p_exchange must be one of {P2P_EXCHANGES}, got "
+                         f"{costs.p2p_exchange!r}")
+    if (schedule.num_pairs() or schedule.sequence_slices > 1 or costs.microbatch_work
+            or costs.microbatch_tokens
+            or any(costs.per_stage("all_to_all_cost", schedule.num_stages))):
+        raise ValueError("blocking p2p exchanges (Megatron-LM's runtime) price plain schedules "
+                         "only: no paired actions, sequence slices, variable-length micro-batches "
+                         "or all-to-alls")
+    events = [Event(rank, a.kind, a.pipe, a.stage, a.microbatch, start, end)
+              for rank, a, start, end in blocking_timeline(
+                  schedule, compute, costs.p2p_time, costs.action_overhead,
+                  costs.p2p_exchange == "blocking-paired")]
+    events.sort(key=attrgetter("rank", "start", "end"))
+    return events
 
 
 GRAD_REDUCE_MODES = ("stage", "overlap", "end")

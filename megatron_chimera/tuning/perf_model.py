@@ -15,10 +15,9 @@ Stage times come from :class:`AnalyticCompute` (each kernel priced by its shape 
 With tensor parallelism (``layout.T``) every GEMM is priced at its ``1/T`` shape and the
 stage's tensor-parallel collectives (on the link the T consecutive ranks share; none in W) are
 added to its forward and backward; buckets, optimizer state, activations and messages are per
-tensor-parallel rank.
-Recomputation is ``full`` or ``selective`` (``TrainingPlan.recompute_granularity``).
-Messages and collectives go device-direct (NCCL) or host-staged (gloo) as the profile says;
-:mod:`.moe_costs` prices MoE layers and their all-to-alls (``TrainingPlan.EP``).
+tensor-parallel rank. Recomputation is ``full`` or ``selective``; messages and collectives go
+device-direct (NCCL) or host-staged (gloo) as the profile says, exchanged as the plan's runtime
+does (``TrainingPlan.runtime``); :mod:`.moe_costs` prices MoE layers and their all-to-alls.
 """
 
 from __future__ import annotations
@@ -469,7 +468,7 @@ class PerformanceModel:
                 self._allreduce_wire(layout, schedule)[0]),
             action_overhead=self.hardware.action_overhead_s,
             all_to_all_cost=self.all_to_all_costs(layout) if layout.EP > 1 else 0.0,
-        )
+            p2p_exchange=layout.p2p_exchange)
 
     def stage_costs(self, layout: TrainingPlan) -> StageCosts:
         """Per-stage F, B (input gradient), W seconds and the p2p message time of ``layout``:
@@ -544,7 +543,8 @@ class PerformanceModel:
         memory = self.memory(layout) if with_memory else []
         # the simulator gives the pipeline messages and the gradient all-reduces separate
         # channels; where they share one link (one NIC per GPU) its bytes bound the iteration
-        busy = max(sim.makespan, self.link_busy_s(layout))
+        period = sim.longest_rank_span if layout.steps_overlap else sim.makespan
+        busy = max(period, self.link_busy_s(layout))
         seconds = busy + self.optimizer_step_s(layout) + self.exposed_param_gather_s(layout)
         return Prediction(layout, seconds, sim.bubble_ratio, memory, sim)
 

@@ -19,6 +19,7 @@ distributed optimizer (neither existed then).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,14 +110,17 @@ def run_spec(run: PublishedRun) -> ModelSpec:
 
 
 def run_layout(run: PublishedRun) -> TrainingPlan:
-    """The layout of a published row (module doc: the rule for what the table leaves out)."""
+    """The layout of a published row (module doc: the rule for what the table leaves out), on
+    Megatron-LM's runtime (its blocking pipeline exchanges, ``schedules/blocking_p2p.py``)."""
     N = run.batch // (run.W * run.micro_batch)
     per_stage = run.layers // run.D
     virtual = next((v for v in range(2, per_stage + 1) if per_stage % v == 0), 1)
     if run.D > 1 and virtual > 1:
-        return TrainingPlan.of("interleaved", run.D, run.W, run.micro_batch, N, True,
-                                 T=run.T, virtual_pipeline_size=virtual)
-    return TrainingPlan.of("1f1b", run.D, run.W, run.micro_batch, N, True, T=run.T)
+        plan = TrainingPlan.of("interleaved", run.D, run.W, run.micro_batch, N, True,
+                               T=run.T, virtual_pipeline_size=virtual)
+    else:
+        plan = TrainingPlan.of("1f1b", run.D, run.W, run.micro_batch, N, True, T=run.T)
+    return dataclasses.replace(plan, runtime="megatron")
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,15 @@ authors' stages (:func:`padded_layout`, their ``get_offset``): the layers padded
 of the GPUs, split evenly, the two padding layers taken off the last and the first stage. 1F1B-I
 has one layer per chunk, ``(layers + 2) / GPUs`` chunks per GPU (3, 4, 3, 2), so its first chunk
 holds only the embedding and its last only the head (training here refuses such a chunk; the
-model prices it). No recomputation. ZB-2p is our ``zb-2p`` (schedules/zb_2p.py).
+model prices it). No recomputation. ZB-2p is our ``zb-2p`` (schedules/zb_2p.py). Each column
+on the runtime it ran on (``TrainingPlan.runtime``): 1F1B and 1F1B-I on Megatron-LM's schedules
+(blocking pipeline exchanges), ZB-2p and ZB-1p on the zero-bubble runtime (async exchanges; with
+``--fp16`` a post-validated optimizer step, so back-to-back iterations overlap).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 from collections.abc import Sequence
@@ -93,17 +97,20 @@ def padded_layout(num_layers: int, ranks: int, virtual: int = 1) -> str:
 
 
 def plan_of(run: ZBRun, column: str) -> TrainingPlan:
-    """Our layout of a published column, on the authors' stages (module doc)."""
+    """Our layout of a published column, on the authors' stages and runtime (module doc)."""
     name = OURS[column]
     if name is None:
         raise ValueError(f"{column} is not in the schedule IR")
+    runtime = "megatron" if name in ("1f1b", "interleaved") else "zb"
     if name != "interleaved":
-        return TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
+        plan = TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
                                partition=padded_layout(run.layers, run.gpus))
+        return dataclasses.replace(plan, runtime=runtime)
     virtual = -(-run.layers // run.gpus)  # one layer per chunk of the padded model
-    return TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
+    plan = TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
                            partition=padded_layout(run.layers, run.gpus, virtual),
                            virtual_pipeline_size=virtual)
+    return dataclasses.replace(plan, runtime=runtime)
 
 
 def zb_spec(run: ZBRun) -> ModelSpec:

@@ -16,6 +16,12 @@ from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.registry import ScheduleSpec, get_spec
 from megatron_chimera.schedules.slices import sliced_schedule
 
+#: runtimes other than ours a published row ran on, and the schedules each runs
+RUNTIMES: dict[str, frozenset[str]] = {
+    "megatron": frozenset({"1f1b", "interleaved"}),
+    "zb": frozenset({"zb-h1", "zb-2p", "zbv"}),
+}
+
 
 @dataclass(frozen=True)
 class TrainingPlan:
@@ -44,6 +50,11 @@ class TrainingPlan:
     # (the overlap of their all-to-alls is the schedule option
     # --overlap-moe-expert-parallel-comm)
     EP: int = 1
+    # the runtime that runs the schedule (RUNTIMES): ours (async pipeline messages, the step
+    # synchronises the ranks), megatron (Megatron-LM's blocking exchanges: 1f1b, interleaved)
+    # or zb (the zero-bubble runtime: async messages, post-validated step, so back-to-back
+    # iterations overlap at the step boundary)
+    runtime: str = "ours"
 
     def __post_init__(self) -> None:
         if self.options is None:
@@ -51,6 +62,25 @@ class TrainingPlan:
         if self.recompute_granularity not in ("full", "selective"):
             raise ConfigError(f"--recompute-granularity must be 'full' or 'selective', got "
                               f"{self.recompute_granularity!r}")
+        if self.runtime != "ours" and self.runtime not in RUNTIMES:
+            raise ConfigError(f"runtime {self.runtime!r} is not one of "
+                              f"{['ours', *sorted(RUNTIMES)]}")
+        if self.runtime != "ours" and self.schedule not in RUNTIMES[self.runtime]:
+            raise ConfigError(f"runtime {self.runtime!r} runs the schedules "
+                              f"{sorted(RUNTIMES[self.runtime])}, not {self.schedule!r}")
+
+    @property
+    def p2p_exchange(self) -> str:
+        """How the runtime moves pipeline messages (``CostModel.p2p_exchange``)."""
+        if self.runtime != "megatron":
+            return "async"
+        return "blocking-paired" if self.schedule == "interleaved" else "blocking"
+
+    @property
+    def steps_overlap(self) -> bool:
+        """Whether back-to-back iterations overlap at the step boundary (no synchronising
+        step: the iteration period is the longest rank span, not the makespan)."""
+        return self.runtime == "zb"
 
     @property
     def recompute_mode(self) -> str | None:

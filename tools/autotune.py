@@ -54,7 +54,7 @@ from megatron_chimera.tuning.precision import (
     fp8_from_flags,
 )
 from megatron_chimera.tuning.published import megatron_flops
-from megatron_chimera.tuning.training_plan import TrainingPlan
+from megatron_chimera.tuning.training_plan import RUNTIMES, TrainingPlan
 
 DEFAULT_VOCAB = {"gpt2": 50257, "bert": 30522}
 
@@ -472,6 +472,11 @@ def build_predict_parser() -> argparse.ArgumentParser:
     g.add_argument("--partition-method", default="uniform",
                    help="uniform, parameters or a --pipeline-model-parallel-layout string")
     add_schedule_arguments(g)
+    g.add_argument("--runtime", choices=("ours", *sorted(RUNTIMES)), default="ours",
+                   help="the runtime that runs it: ours (default), megatron (Megatron-LM's "
+                        "blocking pipeline exchanges; 1f1b, interleaved: to compare with a "
+                        "Megatron-LM run) or zb (the zero-bubble authors' runtime, "
+                        "post-validated step; zb-h1, zb-2p, zbv)")
     g.add_argument("--json", default=None, help="write the prediction to this path")
     return p
 
@@ -502,7 +507,7 @@ def predict_layout(args: argparse.Namespace, spec: ModelSpec) -> TrainingPlan:
                         args.recompute_granularity is not None, options,
                         args.partition_method, T, args.sequence_parallel,
                         args.use_distributed_optimizer, args.recompute_granularity or "full",
-                        EP=args.expert_model_parallel_size)
+                        EP=args.expert_model_parallel_size, runtime=args.runtime)
 
 
 def predict_main(argv: list[str]) -> int:

@@ -158,4 +158,5 @@ class TrainingPlan:
         return (f"{self.label}{pipes}{tensor} D={self.D} W={self.W} B={self.B} N={self.N}"
                 f"{' recompute' if self.recompute else ''}"
                 f"{'-selective' if self.recompute_mode == 'selective' else ''}{sp}"
-                f"{' dist-opt' if self.distributed_optimizer else ''}")
+                f"{' dist-opt' if self.distributed_optimizer else ''}"
+                f"{'' if self.runtime == 'ours' else f' on {self.runtime}'}")

@@ -539,6 +539,23 @@ def test_predict_prints_and_writes_one_layout(tmp_path, capsys):
     assert f"{record['iteration_s']:.4f} s" in out
 
 
+def test_predict_on_megatrons_runtime_prices_its_blocking_exchanges(capsys):
+    """--runtime megatron: the same layout with Megatron-LM's blocking pipeline exchanges
+    (schedules/blocking_p2p.py) is slower than on ours, and a schedule Megatron-LM does not run
+    is refused in one line."""
+    layout = [*PREDICT, "--pipeline-model-parallel-size", "4", "--pipeline-schedule",
+              "interleaved", "--num-virtual-stages-per-pipeline-rank", "2"]
+    seconds = {}
+    for runtime in ("ours", "megatron"):
+        assert _cli().main([*layout, "--runtime", runtime]) == 0
+        out = capsys.readouterr().out
+        seconds[runtime] = float(out.split("iteration:")[1].split()[0])
+    assert seconds["megatron"] > seconds["ours"], seconds
+    assert _cli().main([*PREDICT, "--pipeline-model-parallel-size", "4", "--pipeline-schedule",
+                        "chimera", "--runtime", "megatron"]) == 2
+    assert "runtime 'megatron' runs the schedules" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--pipeline-model-parallel-size", "3"], "--num-gpus 8 is not a multiple"),
     (["--micro-batch-size", "3"], "--global-batch-size 16 is not a multiple"),

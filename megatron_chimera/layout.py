@@ -256,3 +256,45 @@ class ParallelLayout:
         rank (where the expert gradients are reduced and the distributed optimizer shards
         them)."""
         return self.expert_replica_ranks((pipe[stage] for pipe in placement), expert_rank)
+
+
+def hierarchical_groups(context_ranks: list[int], sizes: tuple[int, int]
+                        ) -> tuple[list[list[int]], list[list[int]]]:
+    """The inner groups (``A`` adjacent ranks each) and the outer groups (the ranks with the same
+    index in their inner group) of one context group, given its global ranks by context rank
+    (Megatron's order: ``--hierarchical-context-parallel-sizes 2 4`` pairs adjacent ranks)."""
+    inner, outer = sizes
+    if inner * outer != len(context_ranks):
+        raise ValueError(f"--hierarchical-context-parallel-sizes {inner} {outer}: the product "
+                         f"must be --context-parallel-size {len(context_ranks)}")
+    return ([context_ranks[g * inner:(g + 1) * inner] for g in range(outer)],
+            [context_ranks[i::inner] for i in range(inner)])
+
+
+def validate_placement(placement: list[list[int]], num_stages: int, pipeline_size: int) -> None:
+    """ConfigError unless every pipe places ``num_stages`` stages, on pipeline ranks
+    ``0 .. pipeline_size - 1``."""
+    if not placement:
+        raise ConfigError("--pipeline-schedule: the schedule's placement has no pipes")
+    for pipe, stages in enumerate(placement):
+        if len(stages) != num_stages:
+            raise ConfigError(
+                f"--pipeline-schedule: pipe {pipe} places {len(stages)} stages, "
+                f"expected {num_stages}"
+            )
+        bad = [r for r in stages if not 0 <= r < pipeline_size]
+        if bad:
+            raise ConfigError(
+                f"--pipeline-model-parallel-size={pipeline_size}: pipe {pipe} places stages on "
+                f"pipeline ranks {bad} outside 0..{pipeline_size - 1}"
+            )
+
+
+def neighbour_directions(placement: list[list[int]]) -> list[tuple[int, int]]:
+    """Ordered (sender, receiver) pipeline-rank pairs of every activation or gradient flow."""
+    pairs = set()
+    for stages in placement:
+        for a, b in zip(stages, stages[1:]):
+            if a != b:
+                pairs.update({(a, b), (b, a)})
+    return sorted(pairs)

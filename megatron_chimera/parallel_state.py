@@ -1,8 +1,8 @@
 """Process groups and rank arithmetic for T-way tensor x W-way data x D-way pipeline parallelism.
 
-This module holds the library's module-level state (like Megatron's ``parallel_state``; the
-only other is Megatron's RNG tracker in ``tensor_parallel.random``). ``initialize_model_parallel``
-creates every group, in the same order on every rank; ``destroy_model_parallel`` frees them.
+The library's module-level state (as Megatron's; the only other is the RNG tracker in
+``tensor_parallel.random``): ``initialize_model_parallel`` creates every group, in the same order
+on every rank; ``destroy_model_parallel`` frees them.
 
 Rank layout (Megatron's): ``global rank = (pipeline_rank * W + data_parallel_rank) * T +
 tensor_rank`` -- tensor-parallel ranks innermost (one node holds a tensor-parallel group), then
@@ -11,8 +11,8 @@ sit between tensor and data-parallel ranks (``layout.ParallelLayout``); each con
 its own pipeline, tensor and model-parallel groups, the context group joins the CP ranks of one
 sequence, and stage-replica and embedding groups span every context rank.
 
-Example: T=2, W=1, D=4, Chimera with 2 pipes (down
-pipe 0: stage s on pipeline rank s; up pipe 1: stage s on pipeline rank D-1-s)::
+Example: T=2, W=1, D=4, Chimera with 2 pipes (down pipe 0: stage s on pipeline rank s; up pipe
+1: stage s on pipeline rank D-1-s)::
 
     global rank      0  1 | 2  3 | 4  5 | 6  7
     pipeline rank    0  0 | 1  1 | 2  2 | 3  3
@@ -46,15 +46,11 @@ rank's T x W ranks, see ``layout``)::
     expert stage-replica groups: stage 0 [0 6] (expert rank 0) [1 7] (expert rank 1), ...
 
 A rank holds the tensor-parallel shard ``tensor_rank`` of its stages; every group but the tensor
-and model-parallel groups joins equal tensor ranks only. Gradient all-reduce runs over the
-stage-replica groups (all 2f x W holders of a stage's shard). The *model-parallel group* (Megatron's
-name: tensor x pipeline ranks of one data-parallel replica) is where found-inf and the gradient
-norm are reduced: after gradient synchronisation every data-parallel replica holds identical
-gradients, so one model-parallel group sees the whole model. Inside it each stage is counted once,
-by its *owner*: the ranks holding that stage in pipe 0 (``is_stage_owner``), and each parameter
-replicated over the tensor-parallel ranks once (on tensor rank 0, see
-``tensor_parallel.param_is_not_tensor_parallel_duplicate``). The tied word embedding is counted with
-stage 0 (its copy at the last stage is not counted).
+and model-parallel groups joins equal tensor ranks only. Gradients are all-reduced over the
+stage-replica groups (all 2f x W holders of a stage's shard); found-inf and the gradient norm over
+the *model-parallel group* (tensor x pipeline ranks of one data-parallel replica), counting each
+stage once, on its owner (``is_stage_owner``: pipe 0), each tensor-parallel duplicate once (tensor
+rank 0) and the tied word embedding with stage 0. Pure rank arithmetic lives in ``layout``.
 """
 
 from __future__ import annotations
@@ -67,8 +63,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from megatron_chimera.config import ConfigError
-from megatron_chimera.layout import ParallelLayout
+from megatron_chimera.layout import (
+    ParallelLayout,
+    hierarchical_groups,
+    neighbour_directions,
+    validate_placement,
+)
 
 NCCL_SEMANTICS_ENV = "MEGATRON_CHIMERA_NCCL_SEMANTICS"
 
@@ -140,42 +140,11 @@ class HierarchicalGroups(NamedTuple):
     outer_size: int
 
 
-def hierarchical_groups(context_ranks: list[int], sizes: tuple[int, int]
-                        ) -> tuple[list[list[int]], list[list[int]]]:
-    """The inner groups (``A`` adjacent ranks each) and the outer groups (the ranks with the same
-    index in their inner group) of one context group, given its global ranks by context rank
-    (Megatron's order: ``--hierarchical-context-parallel-sizes 2 4`` pairs adjacent ranks)."""
-    inner, outer = sizes
-    if inner * outer != len(context_ranks):
-        raise ValueError(f"--hierarchical-context-parallel-sizes {inner} {outer}: the product "
-                         f"must be --context-parallel-size {len(context_ranks)}")
-    return ([context_ranks[g * inner:(g + 1) * inner] for g in range(outer)],
-            [context_ranks[i::inner] for i in range(inner)])
-
-
 def _state() -> _ModelParallelState:
     if _STATE is None:
-        raise RuntimeError(
-            "model parallel groups are not initialized; call initialize_model_parallel"
-        )
+        raise RuntimeError("model parallel groups are not initialized; call "
+                           "initialize_model_parallel")
     return _STATE
-
-
-def _validate_placement(placement: list[list[int]], num_stages: int, pipeline_size: int) -> None:
-    if not placement:
-        raise ConfigError("--pipeline-schedule: the schedule's placement has no pipes")
-    for pipe, stages in enumerate(placement):
-        if len(stages) != num_stages:
-            raise ConfigError(
-                f"--pipeline-schedule: pipe {pipe} places {len(stages)} stages, "
-                f"expected {num_stages}"
-            )
-        bad = [r for r in stages if not 0 <= r < pipeline_size]
-        if bad:
-            raise ConfigError(
-                f"--pipeline-model-parallel-size={pipeline_size}: pipe {pipe} places stages on "
-                f"pipeline ranks {bad} outside 0..{pipeline_size - 1}"
-            )
 
 
 def initialize_model_parallel(
@@ -191,12 +160,9 @@ def initialize_model_parallel(
     hierarchical_context_parallel_sizes: tuple[int, int] | None = None,
 ) -> None:
     """Create tensor, pipeline, data-parallel, model-parallel, stage-replica and embedding groups
-    (same order everywhere).
-
-    A rank set that appears twice (Chimera's stages s and D-1-s, 1F1B's stage-replica and
-    data-parallel groups, the model-parallel and pipeline groups at T=1) gets one group; the two
-    directions between pipe neighbours are the one deliberate exception (separate NCCL
-    communicators, hence streams).
+    (same order everywhere). A rank set that appears twice (Chimera's stages s and D-1-s,
+    1F1B's stage-replica and data-parallel groups, the model-parallel and pipeline groups at
+    T=1) gets one group; the two directions between pipe neighbours are the one exception.
 
     ``context_parallel_size`` (CP) ranks share each sequence (Megatron's rank order: tensor,
     context, data, pipeline); each has its own pipeline, and the stage-replica and embedding
@@ -207,9 +173,8 @@ def initialize_model_parallel(
 
     ``placement[pipe][stage]`` is the pipeline rank holding that stage replica
     (``Schedule.placement``). ``p2p_direction_groups`` (default: on with NCCL and in the
-    NCCL-semantics test mode) adds one 2-rank
-    group per direction between pipe neighbours, so that the two directions between a pair of
-    ranks run on separate NCCL communicators and streams and never wait behind each other.
+    NCCL-semantics test mode) adds a 2-rank group per direction between pipe neighbours: the two
+    directions run on separate NCCL communicators and streams, never behind each other.
     ``expert_model_parallel_size`` (EP) folds each pipeline rank's ranks into expert-parallel
     groups and adds one expert stage-replica group per stage and expert rank (see ``layout``).
     ``expert_groups`` (default: EP > 1) creates those groups also with EP = 1 -- an MoE model
@@ -218,16 +183,15 @@ def initialize_model_parallel(
     """
     global _STATE
     if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialized; call initialize.initialize_distributed"
-        )
+        raise RuntimeError("torch.distributed is not initialized; call "
+                           "initialize.initialize_distributed")
     if _STATE is not None:
         raise RuntimeError("model parallel groups are already initialized; destroy them first")
     layout = ParallelLayout.from_world(dist.get_world_size(), tensor_model_parallel_size,
                                        pipeline_model_parallel_size, context_parallel_size,
                                        expert_model_parallel_size)
     d, w, t_size, cp = layout.pipeline, layout.data, layout.tensor, layout.context
-    _validate_placement(placement, num_stages, d)
+    validate_placement(placement, num_stages, d)
     rank = dist.get_rank()
     pipeline_rank, data_parallel_rank, tensor_rank = layout.coordinates(rank)
     kwargs = {"timeout": timeout} if timeout is not None else {}
@@ -304,7 +268,7 @@ def initialize_model_parallel(
     if p2p_direction_groups is None:
         p2p_direction_groups = dist.get_backend() == "nccl" or nccl_semantics_requested()
     if p2p_direction_groups:
-        for src, dst in _neighbour_directions(placement):
+        for src, dst in neighbour_directions(placement):
             for dp in range(w):
                 for c in range(cp):
                     for t in range(t_size):
@@ -355,16 +319,6 @@ def _expert_groups(state: _ModelParallelState, new_group) -> None:
                 state.expert_stage_replica_ranks[stage] = ranks
             if group is not None:
                 state.expert_stage_replica_groups[stage] = group
-
-
-def _neighbour_directions(placement: list[list[int]]) -> list[tuple[int, int]]:
-    """Ordered (sender, receiver) pipeline-rank pairs of every activation or gradient flow."""
-    pairs = set()
-    for stages in placement:
-        for a, b in zip(stages, stages[1:]):
-            if a != b:
-                pairs.update({(a, b), (b, a)})
-    return sorted(pairs)
 
 
 def destroy_model_parallel() -> None:

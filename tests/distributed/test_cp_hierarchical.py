@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_chimera import parallel_state
-from megatron_chimera.parallel_state import HierarchicalGroups, hierarchical_groups
+from megatron_chimera.layout import hierarchical_groups
+from megatron_chimera.parallel_state import HierarchicalGroups
 
 from .cp_cases import HEADS, check_case
 from .harness import spawn_world

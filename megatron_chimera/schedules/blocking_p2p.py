@@ -23,6 +23,7 @@ runtime's lazily waited ``batch_isend_irecv``) are :func:`~.simulate.simulate`'s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from megatron_chimera.schedules.actions import (
@@ -66,6 +67,7 @@ def blocking_timeline(schedule: Schedule, compute: dict[str, list[float]],
     done: dict[tuple[int, int], float] = {}
     events: list[tuple[int, Action, float, float]] = []
 
+    @functools.cache  # a rank blocked on a partner asks again on the next pass
     def transfers(rank: int, k: int) -> list[tuple[tuple[int, int], int, int]]:
         """(partner exchange, sender, receiver) of every message of exchange k on rank."""
         ops = []

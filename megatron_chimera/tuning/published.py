@@ -19,7 +19,6 @@ distributed optimizer (neither existed then).
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,11 +115,10 @@ def run_layout(run: PublishedRun) -> TrainingPlan:
     per_stage = run.layers // run.D
     virtual = next((v for v in range(2, per_stage + 1) if per_stage % v == 0), 1)
     if run.D > 1 and virtual > 1:
-        plan = TrainingPlan.of("interleaved", run.D, run.W, run.micro_batch, N, True,
-                               T=run.T, virtual_pipeline_size=virtual)
-    else:
-        plan = TrainingPlan.of("1f1b", run.D, run.W, run.micro_batch, N, True, T=run.T)
-    return dataclasses.replace(plan, runtime="megatron")
+        return TrainingPlan.of("interleaved", run.D, run.W, run.micro_batch, N, True,
+                               T=run.T, runtime="megatron", virtual_pipeline_size=virtual)
+    return TrainingPlan.of("1f1b", run.D, run.W, run.micro_batch, N, True, T=run.T,
+                           runtime="megatron")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ on the runtime it ran on (``TrainingPlan.runtime``): 1F1B and 1F1B-I on Megatron
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import statistics
 from collections.abc import Sequence
@@ -101,16 +100,14 @@ def plan_of(run: ZBRun, column: str) -> TrainingPlan:
     name = OURS[column]
     if name is None:
         raise ValueError(f"{column} is not in the schedule IR")
-    runtime = "megatron" if name in ("1f1b", "interleaved") else "zb"
+    runtime = TrainingPlan.runtime_of(name)
     if name != "interleaved":
-        plan = TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
-                               partition=padded_layout(run.layers, run.gpus))
-        return dataclasses.replace(plan, runtime=runtime)
+        return TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
+                               partition=padded_layout(run.layers, run.gpus), runtime=runtime)
     virtual = -(-run.layers // run.gpus)  # one layer per chunk of the padded model
-    plan = TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
+    return TrainingPlan.of(name, run.gpus, 1, run.micro_batch, run.microbatches, False,
                            partition=padded_layout(run.layers, run.gpus, virtual),
-                           virtual_pipeline_size=virtual)
-    return dataclasses.replace(plan, runtime=runtime)
+                           runtime=runtime, virtual_pipeline_size=virtual)
 
 
 def zb_spec(run: ZBRun) -> ModelSpec:

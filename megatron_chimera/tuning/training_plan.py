@@ -69,6 +69,11 @@ class TrainingPlan:
             raise ConfigError(f"runtime {self.runtime!r} runs the schedules "
                               f"{sorted(RUNTIMES[self.runtime])}, not {self.schedule!r}")
 
+    @staticmethod
+    def runtime_of(schedule: str) -> str:
+        """The runtime (not ours) that runs ``schedule``: ``megatron`` or ``zb``."""
+        return next(name for name, schedules in RUNTIMES.items() if schedule in schedules)
+
     @property
     def p2p_exchange(self) -> str:
         """How the runtime moves pipeline messages (``CostModel.p2p_exchange``)."""
@@ -91,11 +96,11 @@ class TrainingPlan:
     def of(cls, schedule: str, D: int, W: int, B: int, N: int, recompute: bool = False,
            partition: str = "uniform", T: int = 1, sequence_parallel: bool = False,
            distributed_optimizer: bool = False, recompute_granularity: str = "full",
-           **options: Any) -> TrainingPlan:
+           runtime: str = "ours", **options: Any) -> TrainingPlan:
         """A layout with the schedule's options given as keywords (``pipes=4, concat=...``)."""
         return cls(schedule, D, W, B, N, recompute, get_spec(schedule).options_type(**options),
                    partition, T, sequence_parallel, distributed_optimizer,
-                   recompute_granularity)
+                   recompute_granularity, runtime=runtime)
 
     @property
     def num_gpus(self) -> int:

@@ -49,7 +49,13 @@ unpaired F/B and each pair its time in the runtime's baton, piece by piece over 
 ``--layers-per-stage`` layers (``CostModel.moe_layers_per_stage``). Before its timed iterations each
 MoE row measures the paired runtime's host costs on its ranks (``pipeline/pair_calibration.py``: per
 unpaired F/B and per baton hand-over); the table then ends with the overlap/no-overlap ratios,
-measured over simulated with and without those host costs, and the costs themselves::
+measured over simulated with and without those host costs, and the costs themselves. With
+``--grad-reduce none`` (and no stage output handed over on one rank) the MoE rows run on queued
+emulated devices: each host runs ahead of its device across actions and pipeline messages carry
+the device time (``pipeline/emulated_moe.py``: ``DeviceTimedTransport``), as on GPUs, so
+measured over simulated is 1.00 where the runtime's host keeps ahead and shows where it falls
+behind; the calibrated host costs are then what a runtime that waited for each action would
+add::
 
     torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 4 --num-microbatches 16 \
         --forward-ms 40 --backward-ms 40 --weight-ms 0 --all-to-all-ms 40 \
@@ -103,6 +109,7 @@ from megatron_chimera.pipeline.emulated import (
     emulated_stage_costs,
 )
 from megatron_chimera.pipeline.emulated_moe import (
+    DeviceTimedTransport,
     EmulatedAllToAll,
     EmulatedMoEStage,
     emulated_moe_forward_step,
@@ -278,6 +285,12 @@ def _max_over_ranks(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def hands_over_locally(schedule) -> bool:
+    """Whether some stage's output goes to the next stage on the same rank (no message)."""
+    return any(schedule.rank_of(p, s) == schedule.rank_of(p, s + 1)
+               for p in range(schedule.num_pipes) for s in range(schedule.num_stages - 1))
 
 
 def _timed(run, warmup: int, iters: int) -> list[float]:
@@ -457,12 +470,24 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                           weight_grad_store_factory=store_factory),
                 transport=transport)
 
-        executor = executor_for(schedule)
+        # (emulated gradient collectives and local hand-overs are timed on the host)
+        device_timed = moe and mode == "none" and not hands_over_locally(schedule)
+        if device_timed:  # the hosts run ahead of their emulated devices (emulated_moe.py)
+            exchange.sync_each_action = False
+            extra["device_timed"] = True
+            executor = executor_for(schedule, DeviceTimedTransport(
+                PipelineTopology.from_parallel_state(),
+                lambda m: m.tag(schedule.num_pipes, schedule.num_microbatches), exchange,
+                latency))
+        else:
+            executor = executor_for(schedule)
         batch = torch.randn(SEQ, MICRO_BATCH, HIDDEN)
 
         def step(run_by: PipelineExecutor | None = None) -> None:
             buffers.zero_()
             (run_by or executor).run([batch] * n)
+            if device_timed:
+                exchange.sync_device()
 
         if profile:
             spec = get_spec(name)
@@ -478,7 +503,9 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                 print(f"{name} N={n} after {profile} profiled iterations:{report.line()}",
                       file=sys.stderr, flush=True)
         if moe:  # the paired runtime's host costs, on these ranks now (pair_calibration.py)
+            exchange.sync_each_action = True  # (isolated actions, each timed to its end)
             extra["pair_host"] = [calibrate(stages[min(stages)], min(stages), batch)]
+            exchange.sync_each_action = not device_timed
         times = _timed(step, args.warmup, args.iters)
         if args.trace and not moe:
             gaps = trace_iteration(stages, functools.partial(executor_for, schedule),
@@ -650,8 +677,11 @@ def overlap_ratios(rows: list[Row]) -> list[str]:
             f"{base.extra.get('exposed_all_to_all_s', 0):.3f} s without")
         with_host, without_host = simulated_with_pair_host(r), simulated_with_pair_host(base)
         if with_host and without_host:
+            queued = (" (what actions that each wait for their device would add: these rows "
+                      "ran on queued devices)" if r.extra.get("device_timed") else "")
             lines.append(
-                f"  with the host costs calibrated in this run: simulated {with_host:.3f} s with "
+                f"  with the host costs calibrated in this run{queued}: simulated "
+                f"{with_host:.3f} s with "
                 f"/ {without_host:.3f} s without = {with_host / without_host:.3f}; "
                 f"measured/(simulated + host) {r.measured_s / with_host:.3f} with, "
                 f"{base.measured_s / without_host:.3f} without")
@@ -756,8 +786,8 @@ def write_json(path: str, rows: list[Row]) -> None:
              "measured_s": r.measured_s,
              "simulated_s": r.simulated_s, "options": r.options,
              "simulated_compute_s": r.extra.get("simulated_compute_s"), "times_s": r.times,
-             **{k: r.extra[k] for k in ("rebuild", "predicted_gain", "schedule_used")
-                if k in r.extra},
+             **{k: r.extra[k] for k in ("rebuild", "predicted_gain", "schedule_used",
+                                        "device_timed") if k in r.extra},
              **({"gaps": r.extra["gaps"].summary()} if "gaps" in r.extra else {}),
              **({"simulated_pair_host_s": simulated_with_pair_host(r),
                  "pair_host_costs": dataclasses.asdict(pair_host_costs(r))}

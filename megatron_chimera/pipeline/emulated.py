@@ -88,10 +88,8 @@ def sleep_until(deadline: float) -> None:
 
 
 def sleep_until_yielding(deadline: float) -> None:
-    """:func:`sleep_until` whose spin yields the GIL at every turn: the two halves of a pair
-    (:mod:`.overlap`) run on two threads of one process, and a compute piece and the other
-    half's all-to-all often end at the same moment -- a spin that held the GIL would make the
-    other thread wait for Python's switch interval (5 ms)."""
+    """:func:`sleep_until` whose spin yields the processor at every turn (8 ranks share this
+    VM's 2 cores, and gloo's own threads run the rank's communication meanwhile)."""
     remaining = deadline - time.perf_counter()
     if remaining > SPIN_S:
         time.sleep(remaining - SPIN_S)
@@ -220,16 +218,20 @@ class _TimedForward(nn.Module):
 
 class SleepingWeightGradStore(WeightGradStore):
     """WeightGradStore whose flush (the W action) also sleeps each queued layer's W time, entry
-    by entry (in a pair the W computes one entry per piece: ``overlap.py``)."""
+    by entry (in a pair the W computes one entry per piece: ``overlap.py``). An entry whose
+    weight names an ``emulated_device`` (an emulated MoE stage's, ``emulated_moe.py``) queues its
+    time there instead, and the W's last entry waits for the device."""
 
     def __init__(self, timeline: Timeline | None = None) -> None:
         super().__init__()
         self._seconds: list[float] = []
+        self._devices: list = []
         self.timeline = timeline  # records the W's start and end if set
 
     def put(self, weight, bias, inputs, grad_output,  # noqa: D102 - see base class
             sequence_sharded: bool = False) -> None:
         self._seconds.append(getattr(weight, "emulated_weight_seconds", 0.0))
+        self._devices.append(getattr(weight, "emulated_device", None))
         super().put(weight, bias, inputs, grad_output, sequence_sharded)
 
     def pieces(self) -> Iterator[None]:
@@ -239,13 +241,21 @@ class SleepingWeightGradStore(WeightGradStore):
             self.timeline.compute_starts()
         yield from super().pieces()
         self._seconds.clear()
+        self._devices.clear()
         if self.timeline is not None:
             self.timeline.compute_ends()
 
     def _flush_entry(self, index: int) -> None:
-        deadline = time.perf_counter() + self._seconds[index]
+        device = self._devices[index]
+        if device is None:
+            deadline = time.perf_counter() + self._seconds[index]
+            super()._flush_entry(index)
+            sleep_until_yielding(deadline)
+            return
+        device.piece_start(self._seconds[index])
         super()._flush_entry(index)
-        sleep_until_yielding(deadline)
+        if index == len(self._devices) - 1:
+            device.sync()
 
 
 class EmulatedStage(_TimedForward):

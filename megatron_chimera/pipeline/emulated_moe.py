@@ -2,8 +2,9 @@
 
 :class:`EmulatedMoEStage` has ``layers`` MoE layers, each attention (compute), dispatch
 all-to-all, experts (compute), combine all-to-all; an F's time and its all-to-all time are cut
-into 2 x layers equal pieces, a B runs the reverse. Compute pieces do tiny real work and sleep;
-an all-to-all (:class:`EmulatedAllToAll`) is a real gloo ``all_to_all_single`` of one int64 per
+into 2 x layers equal pieces, a B runs the reverse. Compute pieces do tiny real work and queue
+their time on the rank's emulated device (the host waits for it at the end of each action); an
+all-to-all (:class:`EmulatedAllToAll`) is a real gloo ``all_to_all_single`` of one int64 per
 EP peer (the label check that proves every EP rank issued the same all-to-all) whose duration is
 emulated. The dense emulated stages and the shared clocks are in
 :mod:`megatron_chimera.pipeline.emulated`; docs/CHIMERA_EP.md, "What is emulated".
@@ -11,6 +12,7 @@ emulated. The dense emulated stages and the shared clocks are in
 
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from collections.abc import Callable
@@ -22,6 +24,9 @@ from torch import nn
 from megatron_chimera.model.linear import Linear
 from megatron_chimera.model.moe.expert_comm import ExpertComm
 from megatron_chimera.pipeline.emulated import EmulatedCosts, sleep_until_yielding
+from megatron_chimera.pipeline.transport import Transport
+from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action
+from megatron_chimera.schedules.lowering import ACTIVATION, SEND, Message
 
 
 class _EmulatedAllToAllWork:
@@ -29,13 +34,14 @@ class _EmulatedAllToAllWork:
     link's time."""
 
     def __init__(self, work: dist.Work | None, received: torch.Tensor | None, code: int,
-                 label: str, done_at: float) -> None:
+                 label: str, done_at: float, device: EmulatedAllToAll) -> None:
         self.work, self.received, self.code = work, received, code
-        self.label, self.done_at = label, done_at
+        self.label, self.done_at, self.device = label, done_at, device
 
     def wait(self) -> bool:
-        """Wait for the exchange (checking that every peer issued the same all-to-all), then
-        until the emulated transfer is through."""
+        """Wait for the exchange, checking that every peer issued the same all-to-all; the
+        device's compute waits until the emulated transfer is through (as a compute stream
+        waits on a communication stream's event), the host does not."""
         if self.work is not None:
             self.work.wait()
             if bool((self.received != self.code).any()):
@@ -43,31 +49,29 @@ class _EmulatedAllToAllWork:
                     f"expert-parallel all-to-all issued in different orders: this rank's "
                     f"{self.label} met another all-to-all of a peer (codes "
                     f"{self.received.tolist()}, expected {self.code})")
-        sleep_until_yielding(self.done_at)
+        self.device.compute_free_at = max(self.device.compute_free_at, self.done_at)
         return True
-
-
-#: a piece of an emulated MoE action (compute or all-to-all) that the host reaches at most this
-#: late after its ideal start (the end of the rank's previous compute piece, or of the half's
-#: own all-to-all or compute piece before it) starts at the ideal time, as on a device whose
-#: queue the host keeps ahead of: the host's per-piece work (autograd, the baton's thread
-#: hand-over) is absorbed, not added; a later start (a wait for a message) is real
-ABSORB_S = 0.0003
 
 
 class EmulatedAllToAll:
     """The dispatch/combine all-to-all of emulated MoE layers on one rank, and the rank's
-    emulated device clock (:meth:`piece_start`).
+    emulated device (:meth:`piece_start`, :meth:`sync`).
 
     What is real: an ``all_to_all_single`` on the expert-parallel ``group`` (gloo, async) that
     carries one int64 per peer: the CRC of the all-to-all's label (compute action, layer,
     dispatch/combine, direction), checked on receipt -- a rank whose peer issued a different
     all-to-all at the same position raises, so a run proves the issue order is one on every EP
     rank. What is emulated: its duration -- the transfer ends ``seconds`` after it starts, and it
-    starts when issued or when this rank's previous all-to-all is through (one link per rank, as
-    the simulator's pair cost ``max(C_F + C_B, A_F + A_B)`` assumes). The wait is real time
-    spent off the compute path: inside a pair the other half computes meanwhile. ``issued``
-    (a list, when set) records every label in issue order."""
+    starts when the half's previous piece has ended, this rank's previous all-to-all is through
+    and the host has issued it (one link per rank, as the simulator assumes).
+
+    **The device is a queue.** A compute piece or all-to-all starts at its ideal time (the end
+    of what it waits for: the rank's previous compute piece, the half's own previous piece) or,
+    when the host issues it later, at the issue: the host runs ahead of the emulated device, as
+    it does of a GPU's streams, and its per-piece work (autograd, the paired runtime's
+    switches) is hidden while it stays ahead and added when it falls behind. The host waits for
+    the device only at the end of an action (:meth:`sync`), before the action's result leaves
+    the rank. ``issued`` (a list, when set) records every label in issue order."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -76,23 +80,45 @@ class EmulatedAllToAll:
         self._link_free_at = 0.0
         self.compute_free_at = 0.0  # ideal end of the rank's last compute piece
         self.comm = ExpertComm()  # how the all-to-alls are issued (set_expert_comm)
+        #: whether each action ends with the host waiting for its device work (False only with
+        #: a :class:`DeviceTimedTransport`, whose messages carry the device time instead)
+        self.sync_each_action = True
         self._ready: dict = {}  # per action: the ideal end of its half's last piece
+        self._inputs: dict = {}  # per action: when its received input is on the device
 
     def _half_ready_at(self) -> float:
-        """Ideal end of the calling half's previous piece (-inf at a new action)."""
-        return self._ready.get(self.action(), float("-inf"))
+        """Ideal end of the calling half's previous piece, or when its input arrived (-inf at a
+        new action without one)."""
+        action = self.action()
+        return max(self._ready.get(action, -math.inf), self._inputs.get(action, -math.inf))
+
+    def ready_at(self, action) -> float:
+        """When ``action``'s last queued piece ends on the device (now if none is known)."""
+        return self._ready.get(action, time.perf_counter())
+
+    def input_arrives(self, action, at: float) -> None:
+        """``action``'s input is on this rank's device at ``at`` (a received message)."""
+        self._inputs[action] = at
+
+    def sync_device(self) -> None:
+        """The host waits until everything queued on the device has ended."""
+        sleep_until_yielding(max(self.compute_free_at, self._link_free_at))
 
     def action(self):
         """The compute action running now (the paired runtime's, None outside one)."""
         return getattr(self.comm, "action", None)
 
     def piece_start(self, seconds: float) -> float:
-        """A compute piece of ``seconds`` starts now: its deadline (see :data:`ABSORB_S`)."""
-        now = time.perf_counter()
-        ideal = max(self.compute_free_at, self._half_ready_at())
-        start = ideal if now - ideal <= ABSORB_S else now
+        """Queue a compute piece of ``seconds`` for the current half: its end on the device."""
+        start = max(self.compute_free_at, self._half_ready_at(), time.perf_counter())
         self.compute_free_at = self._ready[self.action()] = start + seconds
         return start + seconds
+
+    def sync(self) -> None:
+        """The end of an action: the host waits until the current half's queued pieces have
+        ended on the device (unless :attr:`sync_each_action` is off)."""
+        if self.sync_each_action:
+            sleep_until_yielding(self._half_ready_at())
 
     def __call__(self, name: str, seconds: float) -> None:
         """Run the all-to-all ``name`` of the current action, taking ``seconds``."""
@@ -115,9 +141,7 @@ class EmulatedAllToAll:
     def _issue(self, label: str, seconds: float) -> _EmulatedAllToAllWork:
         if self.issued is not None:
             self.issued.append(label)
-        now = time.perf_counter()
-        ready = self._half_ready_at()
-        start = max(ready if now - ready <= ABSORB_S else now, self._link_free_at)
+        start = max(self._half_ready_at(), self._link_free_at, time.perf_counter())
         self._link_free_at = self._ready[self.action()] = start + seconds
         code = zlib.crc32(label.encode())
         work = received = None
@@ -125,7 +149,7 @@ class EmulatedAllToAll:
             sent = torch.full((self.size,), code, dtype=torch.int64)
             received = torch.empty_like(sent)
             work = dist.all_to_all_single(received, sent, group=self.group, async_op=True)
-        return _EmulatedAllToAllWork(work, received, code, label, self._link_free_at)
+        return _EmulatedAllToAllWork(work, received, code, label, self._link_free_at, self)
 
 
 class _AllToAllPoint(torch.autograd.Function):
@@ -145,47 +169,36 @@ class _AllToAllPoint(torch.autograd.Function):
         return grad, None, None, None
 
 
-class _PieceDeadline:
-    """The deadline of one backward compute piece, shared by its two ends (a mutable holder
-    made per forward, so the halves of a pair, even of one stage, never share one)."""
-
-    __slots__ = ("at",)
-
-    def __init__(self) -> None:
-        self.at = 0.0
-
-
 class _BackwardPieceStarts(torch.autograd.Function):
-    """Identity whose backward starts one compute piece of ``seconds()`` of an emulated backward
-    (its start and deadline from the rank's clock ``exchange``); it sits *after* the piece's
-    real work in the forward graph, so in the backward that work (the layer's backward, its
-    gradient accumulation) runs inside the piece's time, before :class:`_BackwardPieceEnds`
-    waits for the deadline -- as the forward's pieces do their work before their wait."""
+    """Identity whose backward queues one compute piece of ``seconds()`` of an emulated backward
+    on the rank's device ``exchange``; it sits *after* the piece's real work in the forward
+    graph, so in the backward that work (the layer's backward, its gradient accumulation) is
+    host work done while the piece runs -- as a forward piece's is."""
 
     @staticmethod
     def forward(ctx, x, seconds: Callable[[], float],  # type: ignore[override]
-                exchange: EmulatedAllToAll, deadline: _PieceDeadline):
-        ctx.seconds, ctx.exchange, ctx.deadline = seconds, exchange, deadline
+                exchange: EmulatedAllToAll):
+        ctx.seconds, ctx.exchange = seconds, exchange
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        ctx.deadline.at = ctx.exchange.piece_start(ctx.seconds())
-        return grad, None, None, None
+        ctx.exchange.piece_start(ctx.seconds())
+        return grad, None, None
 
 
-class _BackwardPieceEnds(torch.autograd.Function):
-    """Identity whose backward waits until the deadline its :class:`_BackwardPieceStarts` set
-    (it sits before the piece's real work in the forward graph)."""
+class _BackwardEnds(torch.autograd.Function):
+    """Identity on a stage's input whose backward (the backward's last step, after the first
+    piece's real work) waits until the backward's pieces have ended on the device."""
 
     @staticmethod
-    def forward(ctx, x, deadline: _PieceDeadline):  # type: ignore[override]
-        ctx.deadline = deadline
+    def forward(ctx, x, exchange: EmulatedAllToAll):  # type: ignore[override]
+        ctx.exchange = exchange
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        sleep_until_yielding(ctx.deadline.at)
+        ctx.exchange.sync()
         return grad, None
 
 
@@ -198,8 +211,9 @@ class EmulatedMoEStage(nn.Module):
     reverse (combine's gradient all-to-all, experts, dispatch's gradient all-to-all, attention)
     with its time (B's, when the weight gradients are deferred) cut alike. Each compute piece
     does tiny real work (a :class:`Linear`; W's share goes to :class:`SleepingWeightGradStore`)
-    then waits until the piece's time is over; all state of a running action lives in its
-    autograd graph and locals, so the two halves of a pair (even of one stage) interleave."""
+    and queues its time on the device (:class:`EmulatedAllToAll`); all state of a running
+    action lives in its autograd graph and locals, so the two halves of a pair (even of one
+    stage) interleave."""
 
     def __init__(self, costs: EmulatedCosts, all_to_all_s: float, exchange: EmulatedAllToAll,
                  pre_process: bool, post_process: bool, hidden: int = 4, seed: int = 0,
@@ -221,6 +235,7 @@ class EmulatedMoEStage(nn.Module):
                 linear.weight.copy_(torch.randn(hidden, hidden, generator=g) * hidden**-0.5)
                 linear.bias.zero_()
                 linear.weight.emulated_weight_seconds = costs.weight_s / self.pieces
+                linear.weight.emulated_device = exchange
         self.input_tensor: torch.Tensor | None = None
 
     def set_expert_comm(self, comm: ExpertComm) -> None:
@@ -250,21 +265,20 @@ class EmulatedMoEStage(nn.Module):
         piece_s = self.costs.forward_s / self.pieces
         a2a_s = self.all_to_all_s / self.pieces
         communicate = a2a_s > 0 or self.exchange.size > 1
+        hidden = _BackwardEnds.apply(hidden, self.exchange)
         for i, linear in enumerate(self.linears):
-            deadline = self.exchange.piece_start(piece_s)
-            backward_deadline = _PieceDeadline()
-            hidden = linear(_BackwardPieceEnds.apply(hidden, backward_deadline))
+            self.exchange.piece_start(piece_s)
+            hidden = linear(hidden)
             if self.post_process and i == self.pieces - 1:
                 hidden = hidden.pow(2).mean(dim=-1).t()
-            hidden = _BackwardPieceStarts.apply(hidden, self._backward_piece_s, self.exchange,
-                                                backward_deadline)
-            sleep_until_yielding(deadline)
+            hidden = _BackwardPieceStarts.apply(hidden, self._backward_piece_s, self.exchange)
             if communicate:
                 name = f"{'dispatch' if i % 2 == 0 else 'combine'}{i // 2}"
                 if self.exchange.comm.tape is not None:
                     hidden = self.exchange.cut(hidden, name, a2a_s)
                 else:
                     hidden = _AllToAllPoint.apply(hidden, self.exchange, name, a2a_s)
+        self.exchange.sync()
         return hidden
 
 
@@ -278,3 +292,67 @@ def emulated_moe_forward_step(batch: torch.Tensor | None, model: EmulatedMoEStag
         return loss, {"loss": loss.detach()}
 
     return output, loss_func
+
+
+class _Stamped:
+    """The work of one message and of its device-time stamp (both waited for)."""
+
+    __slots__ = ("work", "stamp_work", "stamp")
+
+    def __init__(self, work, stamp_work, stamp: torch.Tensor) -> None:
+        self.work, self.stamp_work, self.stamp = work, stamp_work, stamp
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.stamp_work.wait()
+        return True
+
+
+class DeviceTimedTransport(Transport):
+    """Pipeline messages between emulated MoE stages that carry the device time: each message is
+    followed by a float64 stamp, when its data was ready on the sender's emulated device
+    (:meth:`EmulatedAllToAll.ready_at` of the action that produced it); the receiver's consumer
+    action starts no earlier than the stamp plus ``latency_s`` (the simulator's per-message
+    cost). With it no action ends with a host sync (``device.sync_each_action`` off): the hosts
+    run ahead of their emulated devices across actions, as they do of GPUs, and wait only for
+    real messages. An output handed over on one rank carries no stamp: use it for schedules
+    without such hand-overs."""
+
+    def __init__(self, topology, tag_of, device: EmulatedAllToAll, latency_s: float) -> None:
+        super().__init__(topology, tag_of)
+        self.device, self.latency_s = device, latency_s
+
+    @staticmethod
+    def producer(message: Message) -> Action:
+        """The action whose output ``message`` carries."""
+        if message.direction == ACTIVATION:
+            return Action(FORWARD, message.pipe, message.stage, message.microbatch)
+        return Action(BACKWARD, message.pipe, message.stage + 1, message.microbatch)
+
+    @staticmethod
+    def consumer(message: Message) -> Action:
+        """The action that reads ``message``."""
+        if message.direction == ACTIVATION:
+            return Action(FORWARD, message.pipe, message.stage + 1, message.microbatch)
+        return Action(BACKWARD, message.pipe, message.stage, message.microbatch)
+
+    def post(self, op, messages, tensors):  # noqa: D102 - see the base class
+        works = []
+        for message, tensor in zip(messages, tensors):
+            group, peer, tag = self.address(message)
+            if op == SEND:
+                stamp = torch.tensor([self.device.ready_at(self.producer(message))],
+                                     dtype=torch.float64)
+                works.append(_Stamped(group.send([tensor], peer, tag),
+                                      group.send([stamp], peer, tag), stamp))
+            else:
+                stamp = torch.empty(1, dtype=torch.float64)
+                works.append(_Stamped(group.recv([tensor], peer, tag),
+                                      group.recv([stamp], peer, tag), stamp))
+        return works
+
+    def wait(self, work, message) -> None:  # noqa: D102 - see the base class
+        work.wait()
+        if isinstance(work, _Stamped) and self.topology.pipeline_rank == message.dst:
+            self.device.input_arrives(self.consumer(message),
+                                      float(work.stamp) + self.latency_s)

@@ -80,7 +80,9 @@ def test_benchmark_writes_rows_no_faster_than_the_simulator(tmp_path):
 def test_moe_rows_calibrate_the_paired_runtimes_host_costs(tmp_path):
     """Emulated MoE rows (D = 2, EP = 2): the simulator costs pairs piece by piece, each row
     calibrates the paired runtime's host costs on its ranks (once per round), and the
-    simulation with them is never faster than the one without."""
+    simulation with them is never faster than the one without; with ``--grad-reduce none`` the
+    rows run on queued devices whose messages carry the device time (no iteration can then be
+    faster than the simulator's makespan, whose costs are all real waits)."""
     out = tmp_path / "bench.json"
     argv = ["-D", "2", "--num-microbatches", "4", "--forward-ms", "3", "--backward-ms", "3",
             "--weight-ms", "0", "--all-to-all-ms", "3", "--expert-model-parallel-size", "2",
@@ -98,6 +100,8 @@ def test_moe_rows_calibrate_the_paired_runtimes_host_costs(tmp_path):
         measured, modelled = host["pair"]  # a balanced F&B pair: max(3 + 3, 3 + 3) ms
         assert modelled == pytest.approx(0.006) and measured > 0.9 * modelled
         assert row["simulated_pair_host_s"] >= row["simulated_s"] - 1e-3, row
+        assert row["device_timed"] is True
+        assert min(row["times_s"]) >= 0.97 * row["simulated_s"], row
 
 
 def _check_gaps(row: dict) -> None:

@@ -219,38 +219,114 @@ def test_a_traced_stage_records_each_action_from_its_start_to_its_wait_end(sleep
 
 
 @pytest.mark.parametrize("layers", [1, 2])
-def test_a_moe_backward_piece_does_its_real_work_inside_its_time(sleeps, monkeypatch, layers):
-    """An emulated MoE stage's backward pieces start their clock before the layer's backward
-    (and its gradient accumulation), and wait after it: 3 ms of real work per layer piece are
-    absorbed, the backward lasts its emulated time (the forward's pieces did so already)."""
+@pytest.mark.parametrize("work_s", [0.003, 0.02])
+def test_a_moe_action_queues_its_pieces_and_waits_once_at_its_end(sleeps, layers, work_s):
+    """An emulated MoE stage's pieces are queued on its device while the host does each piece's
+    real work (here ``work_s`` per layer piece): F and B each wait once, at their end, and last
+    their emulated time while the host keeps ahead (3 ms of work per piece: hidden); a host
+    slower than the pieces (20 ms of work per piece of 10-15 ms) makes the device wait for it,
+    so the action lasts the host's time."""
     costs = EmulatedCosts(0.02, 0.06)
     stage = emulated_moe.EmulatedMoEStage(costs, 0.0, emulated_moe.EmulatedAllToAll(None),
-                                      pre_process=True, post_process=True, layers=layers)
+                                          pre_process=True, post_process=True, layers=layers)
     for linear in stage.linears:
-        linear.weight.register_hook(lambda grad: emulated.time.sleep(0.003))
-    out = stage(torch.randn(3, 2, 4))
-    start = emulated.time.perf_counter()
-    out.mean().backward()
-    assert emulated.time.perf_counter() - start == pytest.approx(costs.backward_s, abs=1e-9)
-    work = [i for i, s in enumerate(sleeps) if s == 0.003]
-    assert len(work) == 2 * layers  # each piece's work ran, then its wait for the rest
-    assert all(sleeps[i + 1] == pytest.approx(0.06 / (2 * layers) - 0.003) for i in work[1:])
+        linear.register_forward_hook(lambda *_: emulated.time.sleep(work_s))
+        linear.weight.register_hook(lambda grad: emulated.time.sleep(work_s))
+    pieces = 2 * layers
+    outputs: list[torch.Tensor] = []
+    for run, emulated_s in ((lambda: outputs.append(stage(torch.randn(3, 2, 4))),
+                             costs.forward_s),
+                            (lambda: outputs[0].mean().backward(), costs.backward_s)):
+        before = len(sleeps)
+        start = emulated.time.perf_counter()
+        run()
+        host_s = pieces * work_s
+        piece_s = emulated_s / pieces
+        # the last piece is queued after the host's work for the ones before it
+        expected = max(emulated_s, (pieces - 1) * work_s + piece_s, host_s)
+        assert emulated.time.perf_counter() - start == pytest.approx(expected, abs=1e-9)
+        waits = [s for s in sleeps[before:] if s != work_s]
+        assert len(waits) == (1 if expected > host_s else 0)  # one wait, at the end
 
 
-def test_a_moe_weight_gradient_sleeps_entry_by_entry(sleeps):
+def test_a_moe_weight_gradient_queues_entry_by_entry(sleeps):
     """The W of an emulated MoE stage of 2 layers is 4 entries (one per compute piece), each
-    waiting its quarter of weight_s after its own real work, one per step of the store's
-    pieces (where the paired runtime switches to the partner)."""
+    queued on the stage's device for its quarter of weight_s, one per step of the store's pieces
+    (where the paired runtime switches to the partner); the last waits for the device."""
     costs = EmulatedCosts(0.02, 0.06, 0.04)
     stage = emulated_moe.EmulatedMoEStage(costs, 0.0, emulated_moe.EmulatedAllToAll(None),
-                                      pre_process=True, post_process=True, layers=2)
+                                          pre_process=True, post_process=True, layers=2)
     store = SleepingWeightGradStore()
     out = stage(torch.randn(3, 2, 4))
     with defer_weight_grad(stage, store):
         out.mean().backward()
     assert len(store) == 4
     done = len(sleeps)
+    start = emulated.time.perf_counter()
     between = [len(sleeps) for _ in store.pieces()]
-    assert sleeps[done:] == [pytest.approx(0.01)] * 4
-    assert between == [done + 1, done + 2, done + 3]
+    assert between == [done] * 3  # the first three entries are queued, not waited for
+    assert sleeps[done:] == [pytest.approx(costs.weight_s)]
+    assert emulated.time.perf_counter() - start == pytest.approx(costs.weight_s)
     assert all(linear.weight.grad is not None for linear in stage.linears)
+
+
+class _FakeWork:
+    def __init__(self, log: list, op: str, tensors: list) -> None:
+        self.log, self.op, self.tensors = log, op, tensors
+
+    def wait(self) -> bool:
+        self.log.append(("wait", self.op))
+        return True
+
+
+class _FakeGroup:
+    """Records sends; a receive fills its buffer from what was sent (a loopback link)."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+        self.log: list = []
+
+    def send(self, tensors, peer, tag):
+        self.sent.append(tensors[0].clone())
+        return _FakeWork(self.log, "send", tensors)
+
+    def recv(self, tensors, peer, tag):
+        tensors[0].copy_(self.sent.pop(0))
+        return _FakeWork(self.log, "recv", tensors)
+
+
+def test_device_timed_messages_carry_the_producers_device_time(sleeps, monkeypatch):
+    """A DeviceTimedTransport sends each message with the device time its producer's pieces end
+    (an activation: the F of its stage; a gradient: the B of the stage above) and, on the
+    receiving rank, the consumer (the F above, the B below) starts no earlier than that time
+    plus the latency, even when its host got there first."""
+    from types import SimpleNamespace
+
+    from megatron_chimera.schedules.actions import Action
+    from megatron_chimera.schedules.lowering import ACTIVATION, GRADIENT, RECV, SEND, Message
+
+    device = emulated_moe.EmulatedAllToAll(None)
+    producer = Action("F", 0, 2, 5)
+    device._ready[producer] = 7.5  # the F's pieces end at 7.5 s on the sender's device
+    group = _FakeGroup()
+    transport = emulated_moe.DeviceTimedTransport(SimpleNamespace(pipeline_rank=1), None,
+                                                  device, latency_s=0.25)
+    monkeypatch.setattr(transport, "address", lambda message: (group, 1, 0))
+    activation = Message(ACTIVATION, 0, 5, 2, 0, 1)
+    assert transport.producer(activation) == producer
+    assert transport.consumer(activation) == Action("F", 0, 3, 5)
+    gradient = Message(GRADIENT, 0, 5, 2, 1, 0)
+    assert (transport.producer(gradient), transport.consumer(gradient)) == (
+        Action("B", 0, 3, 5), Action("B", 0, 2, 5))
+    (send,) = transport.post(SEND, [activation], [torch.ones(2)])
+    assert float(group.sent[1]) == 7.5
+    buffer = torch.zeros(2)
+    (recv,) = transport.post(RECV, [activation], [buffer])
+    transport.wait(send, activation._replace(dst=0))  # a send's wait stamps nothing
+    assert device._inputs == {}
+    transport.wait(recv, activation)
+    assert torch.equal(buffer, torch.ones(2)) and group.log.count(("wait", "recv")) == 2
+    consumer = transport.consumer(activation)
+    assert device._inputs == {consumer: 7.75}
+    device.comm = SimpleNamespace(action=consumer, tape=None)
+    assert device.piece_start(0.5) == pytest.approx(8.25)  # its host (clock ~0) was earlier

@@ -26,7 +26,10 @@ runs them):
   (+2 bytes per linear-weight parameter of memory).
 * **Activations**: the linears' saved inputs are their FP8 copies (1 byte instead of 2): the two
   column-parallel inputs (``2 s b h``, or ``/T`` with sequence parallelism), the attention-output
-  input (``s b heads d / T``) and the second MLP linear's input (``s b f / T``); none with full
+  input (``s b heads d / T``) and the second MLP linear's input (``s b f / T``); an RMSNorm is
+  Transformer Engine's (fused into the next linear), which keeps its 16-bit input and an fp32
+  ``rstd`` per token where ours keeps the fp32 input and the normalised 16-bit output
+  (``model/memory.py``: 4 bytes per element more, twice per layer); none of this with full
   recomputation (only the layer input is kept).
 """
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_chimera.config import DTYPE_BYTES, ConfigError, ModelConfig
+from megatron_chimera.model.memory import norm_bytes_per_element
 from megatron_chimera.tuning.hardware import HardwareProfile
 from megatron_chimera.tuning.operators import Gemm, Ops, Streaming
 
@@ -163,4 +167,8 @@ def fp8_activation_saving(config: ModelConfig, micro_batch: int, tensor_parallel
     chunks = t if sequence_parallel and t > 1 else 1
     column_inputs = 2 * tokens * config.hidden_size // chunks
     row_inputs = tokens * (config.num_attention_heads * config.head_dim + config.ffn_size) // t
-    return (column_inputs + row_inputs) * (DTYPE_BYTES[config.params_dtype] - 1)
+    saving = (column_inputs + row_inputs) * (DTYPE_BYTES[config.params_dtype] - 1)
+    if config.normalization == "RMSNorm":  # TE's norm keeps the 16-bit input and fp32 rstd
+        ours = norm_bytes_per_element(config) - DTYPE_BYTES[config.params_dtype]
+        saving += 2 * tokens * (ours * config.hidden_size - 4) // chunks
+    return saving

@@ -69,9 +69,12 @@ class EmulatedAllToAll:
     of what it waits for: the rank's previous compute piece, the half's own previous piece) or,
     when the host issues it later, at the issue: the host runs ahead of the emulated device, as
     it does of a GPU's streams, and its per-piece work (autograd, the paired runtime's
-    switches) is hidden while it stays ahead and added when it falls behind. The host waits for
-    the device only at the end of an action (:meth:`sync`), before the action's result leaves
-    the rank. ``issued`` (a list, when set) records every label in issue order."""
+    switches) is hidden while it stays ahead and added when it falls behind. Waiting for an
+    all-to-all holds the device's compute, not the host. The host waits for the device only at
+    the end of an action (:meth:`sync`), before the action's result leaves the rank -- or, with
+    :attr:`sync_each_action` off, at the end of the iteration (:meth:`sync_device`), the
+    pipeline messages carrying the device time (:class:`DeviceTimedTransport`). ``issued`` (a
+    list, when set) records every label in issue order."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
@@ -260,7 +263,7 @@ class EmulatedMoEStage(nn.Module):
         hidden = batch if self.pre_process else self.input_tensor
         if torch.is_grad_enabled() and not hidden.requires_grad:
             # the first stage's batch: a leaf that takes a gradient, so that the backward's last
-            # piece (_BackwardPieceEnds on the input) is in the graph
+            # piece (_BackwardEnds on the input) is in the graph
             hidden = hidden.detach().requires_grad_()
         piece_s = self.costs.forward_s / self.pieces
         a2a_s = self.all_to_all_s / self.pieces

@@ -50,12 +50,12 @@ unpaired F/B and each pair its time in the runtime's baton, piece by piece over 
 MoE row measures the paired runtime's host costs on its ranks (``pipeline/pair_calibration.py``: per
 unpaired F/B and per baton hand-over); the table then ends with the overlap/no-overlap ratios,
 measured over simulated with and without those host costs, and the costs themselves. With
-``--grad-reduce none`` (and no stage output handed over on one rank) the MoE rows run on queued
-emulated devices: each host runs ahead of its device across actions and pipeline messages carry
-the device time (``pipeline/emulated_moe.py``: ``DeviceTimedTransport``), as on GPUs, so
-measured over simulated is 1.00 where the runtime's host keeps ahead and shows where it falls
-behind; the calibrated host costs are then what a runtime that waited for each action would
-add::
+``--grad-reduce none`` (no ``profile=``, no stage output handed over on one rank) the MoE rows
+run on queued emulated devices: each host runs ahead of its device across actions and pipeline
+messages carry the device time (``pipeline/emulated_moe.py``: ``DeviceTimedTransport``), as on
+GPUs, so measured over simulated is 1.00 where the runtime's host keeps ahead and shows where it
+falls behind; the calibrated host costs are then what a runtime that waited for each action
+would add::
 
     torchrun --nproc-per-node 8 tools/benchmark_schedules.py -D 4 --num-microbatches 16 \
         --forward-ms 40 --backward-ms 40 --weight-ms 0 --all-to-all-ms 40 \
@@ -470,8 +470,10 @@ def bench_ours(name: str, options: dict[str, Any], d: int, n: int, costs: Emulat
                           weight_grad_store_factory=store_factory),
                 transport=transport)
 
-        # (emulated gradient collectives and local hand-overs are timed on the host)
-        device_timed = moe and mode == "none" and not hands_over_locally(schedule)
+        # (emulated gradient collectives, local hand-overs and the profiler's action times are
+        # host-timed)
+        device_timed = (moe and mode == "none" and not profile
+                        and not hands_over_locally(schedule))
         if device_timed:  # the hosts run ahead of their emulated devices (emulated_moe.py)
             exchange.sync_each_action = False
             extra["device_timed"] = True

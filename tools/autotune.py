@@ -559,9 +559,13 @@ def predict_main(argv: list[str]) -> int:
             print(f"all-to-all per micro-batch and direction: {max(per_stage) * 1e3:.2f} ms "
                   f"(slowest stage); exposed per iteration: {exposed:.4f} s (most exposed "
                   f"rank)")
+        headroom_only = (not record["fits"]
+                         and prediction.peak_memory_bytes <= memory_gb * GB)
         print(f"peak memory per rank: {prediction.peak_memory_bytes / 2**30:.2f} GiB "
               f"({'fits' if record['fits'] else 'does not fit'} the "
-              f"{limit / 2**30:.2f} GiB limit)")
+              f"{limit / 2**30:.2f} GiB limit"
+              + (f": within the whole {memory_gb:g} GB, above --memory-headroom "
+                 f"{args.memory_headroom:g}" if headroom_only else "") + ")")
         record["validated_error"] = describe_error(spec, layout)
         record["family"] = nearest_family(spec, layout)
         print(record["validated_error"])

@@ -181,3 +181,14 @@ def test_predict_prints_fp8_throughput_memory_and_error_bar(capsys):
     assert "validated error (family FP8" in out and "stale" not in out
     assert cli.main([*base, "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"]) == 2
     assert "mxfp8 needs MX block-scaled tensor cores" in capsys.readouterr().err
+    # NVIDIA's batch (128): the FP8 layout fits the 80 GB only without the default headroom,
+    # and --predict says which limit it misses
+    full = [*base[:9], "128", *base[10:], "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"]
+    assert cli.main(full) == 0
+    assert "within the whole 80 GB, above --memory-headroom 0.9)" in capsys.readouterr().out
+    assert cli.main([*full, "--memory-headroom", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(fits the 74.51 GiB limit)" in out and "within the whole" not in out
+    assert cli.main(full[:-4]) == 0  # bf16 with our own norm: over the whole 80 GB
+    out = capsys.readouterr().out
+    assert "does not fit the 67.06 GiB limit)" in out and "within the whole" not in out

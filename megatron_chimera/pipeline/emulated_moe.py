@@ -25,8 +25,7 @@ from megatron_chimera.model.linear import Linear
 from megatron_chimera.model.moe.expert_comm import ExpertComm
 from megatron_chimera.pipeline.emulated import EmulatedCosts, sleep_until_yielding
 from megatron_chimera.pipeline.transport import Transport
-from megatron_chimera.schedules.actions import BACKWARD, FORWARD, Action
-from megatron_chimera.schedules.lowering import ACTIVATION, SEND, Message
+from megatron_chimera.schedules.lowering import SEND
 
 
 class _EmulatedAllToAllWork:
@@ -325,26 +324,12 @@ class DeviceTimedTransport(Transport):
         super().__init__(topology, tag_of)
         self.device, self.latency_s = device, latency_s
 
-    @staticmethod
-    def producer(message: Message) -> Action:
-        """The action whose output ``message`` carries."""
-        if message.direction == ACTIVATION:
-            return Action(FORWARD, message.pipe, message.stage, message.microbatch)
-        return Action(BACKWARD, message.pipe, message.stage + 1, message.microbatch)
-
-    @staticmethod
-    def consumer(message: Message) -> Action:
-        """The action that reads ``message``."""
-        if message.direction == ACTIVATION:
-            return Action(FORWARD, message.pipe, message.stage + 1, message.microbatch)
-        return Action(BACKWARD, message.pipe, message.stage, message.microbatch)
-
     def post(self, op, messages, tensors):  # noqa: D102 - see the base class
         works = []
         for message, tensor in zip(messages, tensors):
             group, peer, tag = self.address(message)
             if op == SEND:
-                stamp = torch.tensor([self.device.ready_at(self.producer(message))],
+                stamp = torch.tensor([self.device.ready_at(message.producer())],
                                      dtype=torch.float64)
                 works.append(_Stamped(group.send([tensor], peer, tag),
                                       group.send([stamp], peer, tag), stamp))
@@ -357,5 +342,5 @@ class DeviceTimedTransport(Transport):
     def wait(self, work, message) -> None:  # noqa: D102 - see the base class
         work.wait()
         if isinstance(work, _Stamped) and self.topology.pipeline_rank == message.dst:
-            self.device.input_arrives(self.consumer(message),
+            self.device.input_arrives(message.consumer(),
                                       float(work.stamp) + self.latency_s)

@@ -32,7 +32,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from megatron_chimera.schedules.actions import FORWARD, Action, Schedule, input_of, output_to
+from megatron_chimera.schedules.actions import (
+    BACKWARD,
+    FORWARD,
+    Action,
+    Schedule,
+    input_of,
+    output_to,
+)
 from megatron_chimera.schedules.walk import run_in_order
 
 ACTIVATION = 0
@@ -55,6 +62,20 @@ class Message(NamedTuple):
     def short(self) -> str:
         """Compact label, e.g. ``a0.2.5`` (activation, pipe 0, edge 2->3, micro-batch 5)."""
         return f"{'ag'[self.direction]}{self.pipe}.{self.stage}.{self.microbatch}"
+
+    def producer(self) -> Action:
+        """The action whose output this carries (the inverse of :func:`message_from`): the F of
+        the lower stage (activation) or the B of the upper one (gradient)."""
+        if self.direction == ACTIVATION:
+            return Action(FORWARD, self.pipe, self.stage, self.microbatch)
+        return Action(BACKWARD, self.pipe, self.stage + 1, self.microbatch)
+
+    def consumer(self) -> Action:
+        """The action that reads this: the F of the upper stage (activation) or the B of the
+        lower one (gradient)."""
+        if self.direction == ACTIVATION:
+            return Action(FORWARD, self.pipe, self.stage + 1, self.microbatch)
+        return Action(BACKWARD, self.pipe, self.stage, self.microbatch)
 
     def tag(self, num_pipes: int, num_microbatches: int) -> int:
         """A tag unique within one iteration (backends that match by tag; NCCL ignores it)."""

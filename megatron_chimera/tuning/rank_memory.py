@@ -38,11 +38,9 @@ from megatron_chimera.model.memory import (
 )
 from megatron_chimera.schedules.actions import Schedule
 from megatron_chimera.schedules.lowering import (
-    ACTIVATION,
     DEFAULT_LOOKAHEAD,
     RECV,
     Comm,
-    Message,
     lower,
 )
 from megatron_chimera.schedules.simulate import peak_inflight
@@ -191,14 +189,6 @@ def rank_memory(spec: ModelSpec, schedule: Schedule, partition: Sequence[StagePi
     return result
 
 
-def _reader(message: Message) -> tuple[int, int, int]:
-    """(pipe, stage, micro-batch) of the compute that reads ``message``: the next stage's F of an
-    activation, the lower stage's B of a gradient."""
-    if message.direction == ACTIVATION:
-        return message.pipe, message.stage + 1, message.microbatch
-    return message.pipe, message.stage, message.microbatch
-
-
 def receive_buffers(schedule: Schedule, lookahead: int = DEFAULT_LOOKAHEAD) -> list[int]:
     """Per rank, the most receive buffers alive at once under the lowered lists: a buffer lives
     from its receive's post (up to ``lookahead`` actions early) until the compute after the
@@ -212,7 +202,7 @@ def receive_buffers(schedule: Schedule, lookahead: int = DEFAULT_LOOKAHEAD) -> l
         for op in ops:
             if isinstance(op, Comm):
                 if op.op == RECV:
-                    key = _reader(op.message)
+                    key = op.message.consumer()[1:]  # (pipe, stage, micro-batch)
                     held[key] = held.get(key, 0) + 1
                     live += 1
                     peak = max(peak, live)

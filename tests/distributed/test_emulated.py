@@ -313,10 +313,10 @@ def test_device_timed_messages_carry_the_producers_device_time(sleeps, monkeypat
                                                   device, latency_s=0.25)
     monkeypatch.setattr(transport, "address", lambda message: (group, 1, 0))
     activation = Message(ACTIVATION, 0, 5, 2, 0, 1)
-    assert transport.producer(activation) == producer
-    assert transport.consumer(activation) == Action("F", 0, 3, 5)
+    assert activation.producer() == producer
+    assert activation.consumer() == Action("F", 0, 3, 5)
     gradient = Message(GRADIENT, 0, 5, 2, 1, 0)
-    assert (transport.producer(gradient), transport.consumer(gradient)) == (
+    assert (gradient.producer(), gradient.consumer()) == (
         Action("B", 0, 3, 5), Action("B", 0, 2, 5))
     (send,) = transport.post(SEND, [activation], [torch.ones(2)])
     assert float(group.sent[1]) == 7.5
@@ -326,7 +326,7 @@ def test_device_timed_messages_carry_the_producers_device_time(sleeps, monkeypat
     assert device._inputs == {}
     transport.wait(recv, activation)
     assert torch.equal(buffer, torch.ones(2)) and group.log.count(("wait", "recv")) == 2
-    consumer = transport.consumer(activation)
+    consumer = activation.consumer()
     assert device._inputs == {consumer: 7.75}
     device.comm = SimpleNamespace(action=consumer, tape=None)
     assert device.piece_start(0.5) == pytest.approx(8.25)  # its host (clock ~0) was earlier

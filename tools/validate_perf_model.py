@@ -9,6 +9,7 @@ Examples::
     python tools/validate_perf_model.py bench.json --forward-ms 20 --backward-ms 40 \\
         --allreduce-ms 60 --p2p-alpha-us 300   # rows of --grad-reduce none,end,stage,overlap
     python tools/validate_perf_model.py --published [--hardware a100] [--json out.json]
+    python tools/validate_perf_model.py --published --zb-hardware my-roce-cluster.json
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from megatron_chimera.tuning.emulated_validation import EmulatedCompute, compare
 from megatron_chimera.tuning.hardware import LinkProfile, load_hardware
 
 
-def published(hardware_name: str, json_path: str | None, write_cache: bool = False) -> int:
+def published(hardware_name: str, json_path: str | None, write_cache: bool = False,
+              zb_hardware_name: str = "a100-80gb") -> int:
     """Print (and optionally write) the published-table comparisons: Table 1 (the issue's
-    target), Table 2's PTD-P rows, Qi et al.'s zero-bubble Table 4 and the FP8 runs (all but
-    Table 1 out of sample); ``write_cache``: store each family's error for --predict."""
+    target), Table 2's PTD-P rows, Qi et al.'s zero-bubble Table 4 (priced on
+    ``zb_hardware_name``) and the FP8 runs (all but Table 1 out of sample); ``write_cache``:
+    store each family's error for --predict."""
     from megatron_chimera.tuning.published import (
         MEGATRON_SOURCE,
         MEGATRON_TABLE1,
@@ -53,7 +56,8 @@ def published(hardware_name: str, json_path: str | None, write_cache: bool = Fal
     from megatron_chimera.tuning.published_zb import format_zb
 
     # Qi et al.'s zero-bubble rows are priced on the profile of their cluster
-    zb_text, zb_record = format_zb(load_hardware("a100-80gb"))
+    zb_hardware = load_hardware(zb_hardware_name)
+    zb_text, zb_record = format_zb(zb_hardware)
     print()
     print(zb_text)
     from megatron_chimera.tuning.published_fp8 import FP8_RUNS, format_fp8, predict_fp8_run
@@ -72,7 +76,8 @@ def published(hardware_name: str, json_path: str | None, write_cache: bool = Fal
         write_errors({
             "3D": family_record("Narayanan et al. SC'21 Tables 1-2 on "
                                 f"{hardware.name}", three_d),
-            "pure PP": family_record("Qi et al. ICLR'24 Table 4 on a100-80gb", zb_errors),
+            "pure PP": family_record(f"Qi et al. ICLR'24 Table 4 on {zb_hardware.name}",
+                                     zb_errors),
             "FP8": family_record("NeMo / Megatron-Bridge / torchtitan H100 FP8 runs on h100",
                                  [r.error for r in fp8_rows]),
             "Chimera": {"rows": 0}, "MoE": {"rows": 0}})
@@ -99,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(tuning/published_fp8.py) instead of a benchmark JSON")
     p.add_argument("--hardware", default="a100",
                    help="with --published: the profile to predict with (preset or JSON file)")
+    p.add_argument("--zb-hardware", default="a100-80gb",
+                   help="with --published: the profile Qi et al.'s Table 4 is priced on (their "
+                        "A100 80 GB cluster; a JSON profile with that cluster's measured RoCE "
+                        "link, for instance)")
     p.add_argument("--json", default=None, help="with --published: write the rows here")
     p.add_argument("--write-error-cache", action="store_true",
                    help="with --published (default --hardware a100): store each family's "
@@ -121,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.published:
         if args.bench_json is not None:
             p.error("--published takes no benchmark JSON")
-        if args.write_error_cache and args.hardware != "a100":
-            p.error("--write-error-cache scores Narayanan's rows on the default --hardware a100")
-        return published(args.hardware, args.json, args.write_error_cache)
+        if args.write_error_cache and (args.hardware, args.zb_hardware) != ("a100", "a100-80gb"):
+            p.error("--write-error-cache scores the default profiles (--hardware a100, "
+                    "--zb-hardware a100-80gb)")
+        return published(args.hardware, args.json, args.write_error_cache, args.zb_hardware)
     if args.bench_json is None:
         p.error("give a benchmark JSON (tools/benchmark_schedules.py --json) or --published")
     if args.forward_ms is None or args.backward_ms is None:

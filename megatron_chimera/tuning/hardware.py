@@ -12,7 +12,7 @@ Every figure of the presets is a published one; the source is named next to it i
 :data:`PRESETS`. Three numbers are not data-sheet figures but physical assumptions shared by all
 presets, named so that a measured profile (``tools/gpu_check.sh`` when a GPU is lent) can replace
 them: ``efficiency`` (the fraction of the data-sheet peak that a large, well-shaped GEMM
-sustains: clocks under load, instruction issue; 0.8), ``memory_efficiency`` (the fraction of the
+sustains: clocks under load, instruction issue; 0.75), ``memory_efficiency`` (the fraction of the
 HBM bandwidth a streaming kernel reaches, STREAM-like; 0.85) and ``kernel_overhead_s`` (the gap
 between two back-to-back kernels on the device, 2 us).
 

@@ -181,5 +181,6 @@ def format_zb(hardware: HardwareProfile) -> tuple[str, dict[str, object]]:
     lines.append(f"\nmean error {100 * mean:.1f}%, worst {100 * max(errors):.1f}% over "
                  f"{len(errors)} priced cells; the schedules in the published order (ties within "
                  f"2 %) in {ordered} of {len(QI_TABLE4)} (model, m) rows")
-    return "\n".join(lines), {"source": QI_SOURCE, "rows": records, "mean_error": mean,
+    return "\n".join(lines), {"source": QI_SOURCE, "hardware": hardware.name, "rows": records,
+                              "mean_error": mean,
                               "worst_error": max(errors)}

@@ -107,6 +107,10 @@ def test_validate_published_tool_prints_and_writes_the_table(tmp_path, capsys, m
 
     cheap = [r for r in published_fp8.FP8_RUNS if r.model == "llama2-7b"]
     monkeypatch.setattr(published_fp8, "FP8_RUNS", tuple(cheap))  # one cheap FP8 row
+    import megatron_chimera.tuning.published_zb as published_zb
+
+    two_nodes = [r for r in published_zb.QI_TABLE4 if (r.params, r.microbatches) == ("14.6B", 48)]
+    monkeypatch.setattr(published_zb, "QI_TABLE4", tuple(two_nodes))  # one zero-bubble row
 
     from tests.helpers import REPO_ROOT
 
@@ -129,6 +133,22 @@ def test_validate_published_tool_prints_and_writes_the_table(tmp_path, capsys, m
     assert "FP8 runs" in out and [r["model"] for r in record["fp8"]] == ["llama2-7b"]
     with pytest.raises(UsageError, match="--published"):
         module.main([])  # neither a benchmark JSON nor --published
+    # Table 4 on another cluster profile: a slower cross-node link (16 GPUs on two nodes) slows
+    # the blocking exchanges of 1F1B-I, not the zero-bubble runtime's asynchronous ones
+    profile = PRESETS["a100-80gb"].to_dict()
+    profile.update(name="a100-slow-link", inter_node={"alpha_s": 5e-6, "bandwidth_gbps": 6.25})
+    (tmp_path / "slow.json").write_text(json.dumps(profile))
+    slow_path = tmp_path / "slow_published.json"
+    assert module.main(["--published", "--zb-hardware", str(tmp_path / "slow.json"),
+                        "--json", str(slow_path)]) == 0
+    default, slow = (json.loads(p.read_text())["zero_bubble"] for p in (path, slow_path))
+    assert (default["hardware"], slow["hardware"]) == ("a100-80gb", "a100-slow-link")
+    assert "model: --hardware a100-slow-link" in capsys.readouterr().out
+    fast_cells, slow_cells = default["rows"][0]["predicted"], slow["rows"][0]["predicted"]
+    assert slow_cells["1F1B-I"] < 0.95 * fast_cells["1F1B-I"]
+    assert slow_cells["ZB-2p"] == pytest.approx(fast_cells["ZB-2p"], rel=0.01)  # the fill only
+    with pytest.raises(UsageError, match="--write-error-cache"):
+        module.main(["--published", "--write-error-cache", "--zb-hardware", "a100-40gb"])
 
 
 # ------------------------------------------------------------------ the compute model's parts

@@ -19,10 +19,11 @@ import json
 from megatron_chimera.errors import ToolArgumentParser, run_tool
 from megatron_chimera.tuning.emulated_validation import EmulatedCompute, compare, format_comparison
 from megatron_chimera.tuning.hardware import LinkProfile, load_hardware
+from megatron_chimera.tuning.published_zb import QI_HARDWARE
 
 
 def published(hardware_name: str, json_path: str | None, write_cache: bool = False,
-              zb_hardware_name: str = "a100-80gb") -> int:
+              zb_hardware_name: str = QI_HARDWARE) -> int:
     """Print (and optionally write) the published-table comparisons: Table 1 (the issue's
     target), Table 2's PTD-P rows, Qi et al.'s zero-bubble Table 4 (priced on
     ``zb_hardware_name``) and the FP8 runs (all but Table 1 out of sample); ``write_cache``:
@@ -104,14 +105,15 @@ def main(argv: list[str] | None = None) -> int:
                         "(tuning/published_fp8.py) instead of a benchmark JSON")
     p.add_argument("--hardware", default="a100",
                    help="with --published: the profile to predict with (preset or JSON file)")
-    p.add_argument("--zb-hardware", default="a100-80gb",
+    p.add_argument("--zb-hardware", default=QI_HARDWARE,
                    help="with --published: the profile Qi et al.'s Table 4 is priced on (their "
                         "A100 80 GB cluster; a JSON profile with that cluster's measured RoCE "
                         "link, for instance)")
     p.add_argument("--json", default=None, help="with --published: write the rows here")
     p.add_argument("--write-error-cache", action="store_true",
-                   help="with --published (default --hardware a100): store each family's "
-                        "error for autotune.py --predict (tuning/published_errors.json)")
+                   help="with --published (the default --hardware and --zb-hardware): store "
+                        "each family's error for autotune.py --predict "
+                        "(tuning/published_errors.json)")
     p.add_argument("--forward-ms", type=float)
     p.add_argument("--backward-ms", type=float)
     p.add_argument("--weight-ms", type=float, default=0.0)
@@ -130,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.published:
         if args.bench_json is not None:
             p.error("--published takes no benchmark JSON")
-        if args.write_error_cache and (args.hardware, args.zb_hardware) != ("a100", "a100-80gb"):
-            p.error("--write-error-cache scores the default profiles (--hardware a100, "
-                    "--zb-hardware a100-80gb)")
+        if args.write_error_cache and (args.hardware, args.zb_hardware) != ("a100", QI_HARDWARE):
+            p.error(f"--write-error-cache scores the default profiles (--hardware a100, "
+                    f"--zb-hardware {QI_HARDWARE})")
         return published(args.hardware, args.json, args.write_error_cache, args.zb_hardware)
     if args.bench_json is None:
         p.error("give a benchmark JSON (tools/benchmark_schedules.py --json) or --published")

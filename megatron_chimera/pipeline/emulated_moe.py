@@ -340,7 +340,7 @@ class DeviceTimedTransport(Transport):
         return works
 
     def wait(self, work, message) -> None:  # noqa: D102 - see the base class
-        work.wait()
+        work.wait()  # (connect's probes come from isend / irecv, unstamped)
         if isinstance(work, _Stamped) and self.topology.pipeline_rank == message.dst:
             self.device.input_arrives(message.consumer(),
                                       float(work.stamp) + self.latency_s)

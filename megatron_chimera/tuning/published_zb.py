@@ -38,6 +38,7 @@ from megatron_chimera.tuning.training_plan import TrainingPlan
 
 QI_SOURCE = ("Qi et al., ICLR'24, Table 4: A100 SXM 80 GB, <= 32 GPUs on 4 nodes over RoCE, pure "
              "PP, s = 1024, samples per GPU per second")
+QI_HARDWARE = "a100-80gb"  # the profile of the paper's cluster (its RoCE link's speed unpublished)
 SCHEDULES = ("ZB-2p", "ZB-1p", "1F1B", "1F1B-I")
 # Our schedule (registry name) for each published column; None: not in the IR yet.
 OURS: dict[str, str | None] = {"ZB-2p": "zb-2p", "ZB-1p": "zb-h1", "1F1B": "1f1b",
